@@ -1,0 +1,292 @@
+"""Benchmark and GPU check of the fused KDA kernels (k3c.codegen.triton.kda) against FLA, torch eager and
+torch.compile, at Kimi K3 shapes (H = 96 heads, D = 128), bf16 activations, fp32 state.
+
+Run on a CUDA machine (fla-core optional: its rows are skipped when it is missing):
+    python benchmarks/bench_kda.py [--out DIR] [--quick]
+Prints one table (time, GB/s and fraction of the 4.2 TB/s HBM roofline; TFLOP/s vs 790 for prefill) and writes
+kda_bench.json / kda_bench.md under --out. Timing: triton.testing.do_bench_cudagraph (median of graph replays;
+each replay runs the op once per buffer set, rotating through enough sets to exceed the 60 MB L2), falling back to
+do_bench (median) where graph capture fails; that column says which.
+Bytes per decode step = state read + write (fp32) + conv state read + write (fp32) + activations in (bf16) +
+y out (bf16) + per-layer weights. Prefill FLOP = B*T*H*(6*D^2 + 10*64*D): the chunk algorithm's matrix products
+at chunk 64 (three state products, five intra-chunk products), the same count for every implementation.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from k3c.codegen.triton.kda import kda_decode, kda_fused_reference, kda_prefill  # noqa: E402
+
+HBM_BYTES_PER_S = 4.2e12       # measured device copy bandwidth (KINDS.md: ~4.3 TB/s)
+BF16_FLOP_PER_S = 790e12       # measured bf16 matrix rate (KINDS.md)
+L2_BYTES = 60e6
+H, D, W = 96, 128, 4
+HD = H * D
+
+
+def make(B, T, dev, seed):
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def r(*s, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*s, generator=g, device=dev) * scale).to(dtype)
+
+    acts = dict(q_in=r(B, T, HD), k_in=r(B, T, HD), v_in=r(B, T, HD), f=r(B, T, HD, scale=0.5),
+                beta_logits=r(B, T, H), gate_logits=r(B, T, HD))
+    f32 = torch.float32
+    weights = dict(conv_w_q=r(HD, W, scale=0.5, dtype=f32), conv_w_k=r(HD, W, scale=0.5, dtype=f32),
+                   conv_w_v=r(HD, W, scale=0.5, dtype=f32), A_log=r(H, scale=0.5, dtype=f32),
+                   dt_bias=r(HD, scale=0.3, dtype=f32), o_norm_weight=1 + r(D, scale=0.1, dtype=f32))
+    state = dict(state=r(B, H, D, D, scale=0.05, dtype=f32), conv_state=r(B, 3 * HD, W, dtype=f32))
+    return acts, weights, state
+
+
+def rel_err(got, want):
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def eager_decode_step(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
+                      o_norm_weight, state, conv_state, lower_bound=-5.0, eps=1e-5):
+    """Plain torch decode step (activations [B, H*D]); the body torch.compile gets. Updates the states in place."""
+    B = q_in.shape[0]
+    x = torch.cat([q_in, k_in, v_in], -1).float()
+    window = torch.cat([conv_state[..., 1:], x[..., None]], -1)
+    conv_state.copy_(window)
+    qkv = F.silu((window * torch.cat([conv_w_q, conv_w_k, conv_w_v], 0)).sum(-1))
+    q, k, v = (c.reshape(B, H, D) for c in qkv.split(HD, -1))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * D ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    g = lower_bound * torch.sigmoid(A_log[:H].exp()[:, None] * (f.float().view(B, H, D) + dt_bias.view(H, D)))
+    beta = torch.sigmoid(beta_logits.float()).view(B, H, 1)
+    S = g.exp()[..., None] * state
+    u = beta * (v - torch.einsum("bhk,bhkv->bhv", k, S))
+    S = S + k[..., None] * u[:, :, None, :]
+    state.copy_(S)
+    o = torch.einsum("bhkv,bhk->bhv", S, q)
+    o = o * torch.rsqrt((o * o).mean(-1, keepdim=True) + eps) * o_norm_weight
+    return (o * torch.sigmoid(gate_logits.float().view(B, H, D))).reshape(B, HD).to(q_in.dtype)
+
+
+def bench(fn_per_set, n_sets):
+    """Median ms per op: graph replay of one call per buffer set (divided by n_sets); do_bench as fallback."""
+    def run_all():
+        for i in range(n_sets):
+            fn_per_set(i)
+    run_all()
+    torch.cuda.synchronize()
+    try:
+        ms = triton.testing.do_bench_cudagraph(run_all, rep=200, return_mode="median")
+        return ms / n_sets, "graph"
+    except Exception:  # capture not possible (host syncs): plain launches
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(run_all, warmup=25, rep=200, return_mode="median")
+        return ms / n_sets, "launch"
+
+
+def fla_available():
+    try:
+        import fla.ops.kda  # noqa: F401
+        return True
+    except Exception as e:  # noqa: BLE001
+        print(f"# fla unavailable: {e!r}")
+        return False
+
+
+def check_gpu(dev, results):
+    """bf16-input correctness on the GPU vs the fp32 reference (relative L2 error)."""
+    acts, weights, state = make(2, 300, dev, seed=1)
+    small = {k: v[..., : 8 * D] if k not in ("beta_logits",) else v[..., :8] for k, v in acts.items()}
+    w8 = {k: (v[: 8 * D] if v.shape[0] == HD else v[:8] if k == "A_log" else v) for k, v in weights.items()}
+    st8 = dict(state=state["state"][:, :8].contiguous(),
+               conv_state=state["conv_state"].view(2, 3, HD, W)[:, :, : 8 * D].reshape(2, 24 * D, W).contiguous())
+    y_ref, S_ref, C_ref = kda_fused_reference(**small, **w8, **st8)
+    for method in ("chunk", "recurrent"):
+        st = {k: v.clone() for k, v in st8.items()}
+        y = kda_prefill(**small, **w8, **st, method=method)
+        results.append(dict(check=f"prefill {method} T=300 H=8", y_rel=rel_err(y, y_ref),
+                            state_rel=rel_err(st["state"], S_ref), conv_rel=rel_err(st["conv_state"], C_ref)))
+    # decode steps after a prefill == the reference over the whole sequence
+    st = {k: v.clone() for k, v in st8.items()}
+    kda_prefill(**{k: v[:, :296] for k, v in small.items()}, **w8, **st, method="chunk")
+    errs = []
+    for t in range(296, 300):
+        y_t = kda_decode(**{k: v[:, t] for k, v in small.items()}, **w8, **st)
+        errs.append(rel_err(y_t, y_ref[:, t]))
+    results.append(dict(check="decode x4 after prefill", y_rel=max(errs), state_rel=rel_err(st["state"], S_ref),
+                        conv_rel=rel_err(st["conv_state"], C_ref)))
+    # chunked vs recurrent at full K3 width and T = 4096
+    acts, weights, state = make(1, 4096, dev, seed=2)
+    s1 = {k: v.clone() for k, v in state.items()}
+    s2 = {k: v.clone() for k, v in state.items()}
+    y1 = kda_prefill(**acts, **weights, **s1, method="chunk")
+    y2 = kda_prefill(**acts, **weights, **s2, method="recurrent")
+    results.append(dict(check="chunk vs recurrent T=4096 H=96", y_rel=rel_err(y1, y2),
+                        state_rel=rel_err(s1["state"], s2["state"]), conv_rel=rel_err(s1["conv_state"],
+                                                                                         s2["conv_state"])))
+    for r in results:
+        print("CHECK", r, flush=True)
+
+
+def decode_rows(dev, have_fla, rows):
+    for B in (1, 16, 64):
+        acts, weights, state = make(B, 1, dev, seed=3)
+        state_bytes = B * H * D * D * 4 * 2 + B * 3 * HD * W * 4 * 2
+        io_bytes = B * (5 * HD + H) * 2 + B * HD * 2 + (3 * HD * W + HD + D + H) * 4
+        n_sets = max(1, math.ceil(3 * L2_BYTES / state_bytes))
+        sets = [make(B, 1, dev, seed=10 + i) for i in range(n_sets)]
+        step = [({k: v[:, 0] for k, v in a.items()}, w, s) for a, w, s in sets]
+        nbytes = state_bytes + io_bytes
+
+        def add(name, ms, how):
+            rows.append(dict(kind="decode", B=B, T=1, impl=name, ms=ms, how=how, GBps=nbytes / ms / 1e6,
+                             roofline=nbytes / ms / 1e-3 / HBM_BYTES_PER_S))
+            print("ROW", rows[-1], flush=True)
+
+        for nw in (4, 8, 16):
+            ms, how = bench(lambda i, nw=nw: kda_decode(**step[i][0], **step[i][1], **step[i][2], num_warps=nw),
+                            n_sets)
+            add(f"k3c fused decode (num_warps={nw})", ms, how)
+        ms, how = bench(lambda i: eager_decode_step(**step[i][0], **step[i][1], **step[i][2]), n_sets)
+        add("torch eager step", ms, how)
+        try:
+            compiled = torch.compile(eager_decode_step, dynamic=False)
+            ms, how = bench(lambda i: compiled(**step[i][0], **step[i][1], **step[i][2]), n_sets)
+            add("torch.compile step", ms, how)
+        except Exception as e:  # noqa: BLE001
+            print(f"# torch.compile failed: {e!r}", flush=True)
+        if have_fla:
+            from fla.modules.causal_conv1d import causal_conv1d_update
+            from fla.modules.norm.fused_norm_gate import rms_norm_gated
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+            fla_sets = []
+            for a, w, s in step:
+                qkv = torch.cat([a["q_in"], a["k_in"], a["v_in"]], -1)            # fused qkv projection output
+                fla_sets.append((qkv, torch.cat([w["conv_w_q"], w["conv_w_k"], w["conv_w_v"]], 0), a, w, s))
+
+            def fla_step(i):
+                qkv, cw, a, w, s = fla_sets[i]
+                x = causal_conv1d_update(qkv, s["conv_state"], weight=cw, activation="silu")
+                q, k, v = (t.view(B, 1, H, D) for t in x.split(HD, -1))
+                o, _ = fused_recurrent_kda_fwd(
+                    q, k, v, a["f"].view(B, 1, H, D), a["beta_logits"].view(B, 1, H), A_log=w["A_log"],
+                    dt_bias=w["dt_bias"], initial_state=s["state"], scale=D ** -0.5, output_final_state=True,
+                    inplace_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                    use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+                return rms_norm_gated(o.view(-1, D), a["gate_logits"].view(-1, D), w["o_norm_weight"], None,
+                                      activation="sigmoid", eps=1e-5)
+            try:
+                ms, how = bench(fla_step, n_sets)
+                add("FLA conv_update + fused_recurrent_kda + rms_norm_gated", ms, how)
+            except Exception as e:  # noqa: BLE001
+                print(f"# FLA decode failed: {e!r}", flush=True)
+        del sets, step
+
+
+def prefill_rows(dev, have_fla, rows, Ts):
+    for T in Ts:
+        B = 1
+        acts, weights, state = make(B, T, dev, seed=4)
+        flop = B * T * H * (6 * D * D + 10 * 64 * D)
+        nbytes = B * T * (6 * HD + H) * 2 + B * H * D * D * 8 + B * 3 * HD * W * 8
+
+        def add(name, ms, how):
+            rows.append(dict(kind="prefill", B=B, T=T, impl=name, ms=ms, how=how, GBps=nbytes / ms / 1e6,
+                             TFLOPs=flop / ms / 1e9, frac_790=flop / ms / 1e-3 / BF16_FLOP_PER_S))
+            print("ROW", rows[-1], flush=True)
+
+        for nw in (4, 8):
+            ms, how = bench(lambda i, nw=nw: kda_prefill(**acts, **weights, **state, method="chunk", num_warps=nw), 1)
+            add(f"k3c fused chunked prefill (num_warps={nw})", ms, how)
+        ms, how = bench(lambda i: kda_prefill(**acts, **weights, **state, method="recurrent"), 1)
+        add("k3c fused recurrent prefill", ms, how)
+        if have_fla:
+            from fla.modules.causal_conv1d import causal_conv1d
+            from fla.modules.norm.fused_norm_gate import rms_norm_gated
+            from fla.ops.kda import chunk_kda
+            qkv = torch.cat([acts["q_in"], acts["k_in"], acts["v_in"]], -1)
+            cw = torch.cat([weights["conv_w_q"], weights["conv_w_k"], weights["conv_w_v"]], 0)
+
+            def fla_prefill(i):
+                x, conv_final = causal_conv1d(qkv, cw, initial_state=state["conv_state"], output_final_state=True,
+                                              activation="silu")
+                q, k, v = (t.reshape(B, T, H, D) for t in x.split(HD, -1))
+                o, s_final = chunk_kda(q, k, v, acts["f"].view(B, T, H, D), acts["beta_logits"], scale=D ** -0.5,
+                                       initial_state=state["state"], output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                       use_beta_sigmoid_in_kernel=True, A_log=weights["A_log"],
+                                       dt_bias=weights["dt_bias"], safe_gate=True, lower_bound=-5.0)
+                return rms_norm_gated(o.reshape(-1, D), acts["gate_logits"].view(-1, D), weights["o_norm_weight"],
+                                      None, activation="sigmoid", eps=1e-5)
+            try:
+                with torch.inference_mode():
+                    y_fla = fla_prefill(0).view(B, T, HD)
+                    st = {k: v.clone() for k, v in state.items()}
+                    y_k3c = kda_prefill(**acts, **weights, **st, method="chunk")
+                    print(f"# FLA vs k3c prefill T={T}: y rel err {rel_err(y_k3c, y_fla):.3g}", flush=True)
+                    ms, how = bench(fla_prefill, 1)
+                add("FLA causal_conv1d + chunk_kda + rms_norm_gated", ms, how)
+            except Exception as e:  # noqa: BLE001
+                print(f"# FLA prefill failed: {e!r}", flush=True)
+        if T <= 1024:   # eager reference: a Python loop over tokens, timed once
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            kda_fused_reference(**acts, **weights, **state)
+            torch.cuda.synchronize()
+            add("torch eager reference (per-token loop, 1 run)", (time.perf_counter() - t0) * 1e3, "wall")
+
+
+def write_table(rows, checks, out):
+    lines = ["| kind | B | T | implementation | time (us) | GB/s | % of 4.2 TB/s | TFLOP/s | % of 790 | timing |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tf = f"{r['TFLOPs']:.1f}" if "TFLOPs" in r else ""
+        fr = f"{100 * r['frac_790']:.1f}" if "frac_790" in r else ""
+        roof = f"{100 * r['roofline']:.1f}" if "roofline" in r else f"{100 * r['GBps'] * 1e9 / HBM_BYTES_PER_S:.1f}"
+        lines.append(f"| {r['kind']} | {r['B']} | {r['T']} | {r['impl']} | {r['ms'] * 1e3:.1f} | {r['GBps']:.0f} | "
+                     f"{roof} | {tf} | {fr} | {r['how']} |")
+    lines += ["", "| GPU check (bf16 in, fp32 reference) | y rel L2 | state rel L2 | conv state rel L2 |",
+              "|---|---|---|---|"]
+    lines += [f"| {c['check']} | {c['y_rel']:.2e} | {c['state_rel']:.2e} | {c['conv_rel']:.2e} |" for c in checks]
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "kda_bench.md"), "w") as fh:
+            fh.write(text + "\n")
+        with open(os.path.join(out, "kda_bench.json"), "w") as fh:
+            json.dump(dict(rows=rows, checks=checks, device=torch.cuda.get_device_name(),
+                           torch=torch.__version__, triton=triton.__version__), fh, indent=1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    ap.add_argument("--quick", action="store_true", help="prefill T=1024 only")
+    args = ap.parse_args()
+    dev = "cuda"
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
+    have_fla = fla_available()
+    rows, checks = [], []
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for stage in (lambda: check_gpu(dev, checks), lambda: decode_rows(dev, have_fla, rows),
+                  lambda: prefill_rows(dev, have_fla, rows, (1024,) if args.quick else (1024, 8192))):
+        try:
+            stage()
+        except Exception as e:  # noqa: BLE001  keep the other stages' numbers
+            import traceback
+            traceback.print_exc()
+            print(f"# stage failed: {e!r}", flush=True)
+        write_table(rows, checks, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Small `@triton.jit` helpers shared by the k3c Triton kernels.
+
+Every helper here is plain Triton (no module globals other than `triton` / `tl`), so that a code generator can
+paste its source (`inspect.getsource`) into a standalone kernel module. `HELPERS` lists them in dependency order.
+Formulas come from K3-SPEC.md, section "KDA layer".
+"""
+
+import triton
+import triton.language as tl
+
+@triton.jit
+def silu(x):
+    """silu(x) = x * sigmoid(x), elementwise, fp32."""
+    return x * tl.sigmoid(x)
+
+
+@triton.jit
+def softplus(x):
+    """softplus(x) = log(1 + exp(x)); returns x for x > 20 (torch.nn.functional.softplus's threshold)."""
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def l2_normalize(x, AXIS: tl.constexpr):
+    """x / sqrt(sum(x^2, AXIS) + 1e-6) (K3-SPEC 'l2norm'); masked-out lanes must hold 0."""
+    inv_norm = tl.rsqrt(tl.sum(x * x, AXIS) + 1e-6)
+    if AXIS == 0:
+        return x * inv_norm
+    else:
+        return x * inv_norm[:, None]
+
+
+@triton.jit
+def kda_decay_gate(f_biased, a, GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr):
+    """Log-decay g from f + dt_bias and a = exp(A_log[h]).
+
+    GATE_KIND 0 (K3, config linear_attn_config.gate_lower_bound): g = LOWER_BOUND * sigmoid(a * f_biased).
+    GATE_KIND 1 (Kimi Linear): g = -a * softplus(f_biased).
+    """
+    if GATE_KIND == 0:
+        return LOWER_BOUND * tl.sigmoid(a * f_biased)
+    else:
+        return -a * softplus(f_biased)
+
+
+@triton.jit
+def causal_conv_silu(x_ptr, conv_ptr, w_ptr, pos, chan, mask, stride_t, W: tl.constexpr):
+    """silu(causal depthwise conv) of one q/k/v channel group at positions `pos` (relative to this call's start).
+
+    out[pos, c] = silu(sum_j w[c, j] * x[pos - (W-1) + j, c]); inputs at negative positions come from the conv
+    state, whose column W-1 is position -1 (the last W raw inputs, oldest first).
+    x_ptr:    the group's channel 0 at position 0 of this batch row (raw projected input, any float dtype)
+    conv_ptr: the group's channel 0 of this batch row's conv state, [C, W] fp32 rows
+    w_ptr:    the group's channel 0 of the conv weight, [C, W] fp32 rows
+    pos, chan: broadcastable int tensors (a scalar position and [BD] channels, or [BT, 1] and [1, BD])
+    mask:     lanes to compute (channel < D and position < length); other lanes return 0
+    """
+    pos = pos + 0 * chan                                    # broadcast positions to the lanes' shape
+    acc = tl.zeros_like(pos).to(tl.float32)
+    for j in tl.static_range(W):
+        p = pos - (W - 1) + j
+        x_new = tl.load(x_ptr + p * stride_t + chan, mask=mask & (p >= 0), other=0.0).to(tl.float32)
+        x_old = tl.load(conv_ptr + chan * W + (W + p), mask=mask & (p < 0), other=0.0)
+        w_j = tl.load(w_ptr + chan * W + j, mask=mask, other=0.0)
+        acc += (x_new + x_old) * w_j
+    return silu(acc)
+
+
+@triton.jit
+def load_conv_weight(w_ptr, chan, chan_mask, W: tl.constexpr, BW: tl.constexpr):
+    """The [BD, BW] tile of a group's depthwise conv weight ([C, W] fp32 rows); padding lanes are 0."""
+    j = tl.arange(0, BW)
+    return tl.load(w_ptr + chan[:, None] * W + j[None, :], mask=chan_mask[:, None] & (j[None, :] < W), other=0.0)
+
+
+@triton.jit
+def causal_conv_silu_token(x_ptr, conv_ptr, w_tile, t, chan, chan_mask, stride_t, W: tl.constexpr,
+                           BW: tl.constexpr):
+    """`causal_conv_silu` for one position t and [BD] channels, as one [BD, BW] window load and a row sum.
+
+    w_tile: the group's weight tile from `load_conv_weight` (loaded once, outside the token loop).
+    """
+    j = tl.arange(0, BW)
+    p = t - (W - 1) + j[None, :] + 0 * chan[:, None]        # [BD, BW] positions of the window
+    m = chan_mask[:, None] & (j[None, :] < W)
+    x_new = tl.load(x_ptr + p * stride_t + chan[:, None], mask=m & (p >= 0), other=0.0).to(tl.float32)
+    x_old = tl.load(conv_ptr + chan[:, None] * W + (W + p), mask=m & (p < 0), other=0.0)
+    return silu(tl.sum((x_new + x_old) * w_tile, 1))
+
+
+@triton.jit
+def roll_conv_state(x_ptr, conv_in_ptr, conv_out_ptr, n, stride_t, chan, chan_mask, W: tl.constexpr,
+                    BW: tl.constexpr):
+    """Write the last W raw inputs ending at position n-1 (oldest first) as the group's new conv state.
+
+    Positions before 0 come from the old state (conv_in_ptr), so n < W keeps part of it. The old state is read
+    completely before the barrier and written after it, so conv_out_ptr may alias conv_in_ptr.
+    """
+    j = tl.arange(0, BW)
+    p = n - W + j[None, :]                                  # [1, BW] positions of the new state's columns
+    m = chan_mask[:, None] & (j[None, :] < W)
+    from_x = tl.load(x_ptr + p * stride_t + chan[:, None], mask=m & (p >= 0), other=0.0).to(tl.float32)
+    from_old = tl.load(conv_in_ptr + chan[:, None] * W + (W + p), mask=m & (p < 0), other=0.0)
+    tl.debug_barrier()
+    tl.store(conv_out_ptr + chan[:, None] * W + j[None, :], from_x + from_old, mask=m)
+
+
+@triton.jit
+def rms_norm_sigmoid_gate(o, norm_w, gate_logits, D: tl.constexpr, EPS: tl.constexpr, AXIS: tl.constexpr):
+    """RMSNorm over the head dim (AXIS) with weight norm_w, times sigmoid(gate_logits) (K3-SPEC KDA epilogue).
+
+    o's masked lanes must be 0; mean(o^2) divides by the true head dim D.
+    """
+    inv_rms = tl.rsqrt(tl.sum(o * o, AXIS) / D + EPS)
+    if AXIS == 0:
+        return o * inv_rms * norm_w * tl.sigmoid(gate_logits)
+    else:
+        return o * inv_rms[:, None] * norm_w * tl.sigmoid(gate_logits)
+
+
+# Source order for code generation (each helper's dependencies come first).
+HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, load_conv_weight,
+           causal_conv_silu_token, roll_conv_state, rms_norm_sigmoid_gate)

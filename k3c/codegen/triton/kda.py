@@ -1,0 +1,308 @@
+"""Fused KDA token mixer on Triton: launchers, the plain-torch reference, and kernel-module emission.
+
+The fused op covers everything of K3-SPEC.md "KDA layer" between the projections and o_proj:
+
+    q, k, v = silu(causal_depthwise_conv(q_in / k_in / v_in))           conv state: last W raw inputs
+    q = l2norm(q) * D^-0.5 ; k = l2norm(k)                               l2norm: x / sqrt(sum x^2 + 1e-6)
+    g = LB * sigmoid(exp(A_log[h]) * (f + dt_bias))                     gate "lower_bound" (K3, LB = -5)
+    g = -exp(A_log[h]) * softplus(f + dt_bias)                           gate "softplus" (Kimi Linear)
+    beta = sigmoid(beta_logits)
+    S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T   (fp32 state [B, H, D, D])
+    y_t = RMSNorm_per_head(S_t^T q_t; o_norm.weight, eps) * sigmoid(gate_logits_t)
+
+Public API:
+    kda_fused_reference  per-token torch loop straight from the spec (tests, interpreter fallback)
+    kda_decode           one fused kernel per decode step (T = 1), state and conv state in place
+    kda_prefill          any T >= 1, chunked tensor-core kernel for bounded gates, recurrent kernel otherwise
+    kda_spec_replay      rebuild state + conv state from cached draft inputs, replaying n_accepted tokens
+    emit_source          standalone kernel-module text for the code generator
+Kernels: `kda_recurrent.kda_recurrent_kernel`, `kda_chunk.kda_chunk_kernel`; helpers in `_common`.
+All launchers also run on CPU tensors under TRITON_INTERPRET=1 (fp32; the interpreter has no bf16 arithmetic).
+"""
+
+import inspect
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from k3c.codegen.triton import _common
+from k3c.codegen.triton.kda_chunk import kda_chunk_kernel
+from k3c.codegen.triton.kda_recurrent import kda_recurrent_kernel
+from k3c.errors import RuntimeInputError, UnsupportedError
+
+# Decay-gate kinds (K3-SPEC "KDA layer"): kernel constexpr GATE_KIND.
+GATE_KINDS = {"lower_bound": 0, "softplus": 1}
+CHUNK = 16            # tokens per chunk of kda_chunk_kernel (one tensor-core tile)
+SAFE_LOG_DECAY = 80.0  # largest |log-decay| across one chunk for which exp(r - gc) stays finite in fp32
+
+
+def kda_fused_reference(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
+                        o_norm_weight, state, conv_state, *, gate_kind="lower_bound", lower_bound=-5.0, eps=1e-5,
+                        lengths=None):
+    """The fused KDA op as a per-token torch loop, written directly from K3-SPEC.md "KDA layer".
+
+    Shapes (H heads, head dim D = o_norm_weight.numel(), conv width W):
+        q_in, k_in, v_in, f, gate_logits: [B, T, H*D] (projection outputs; f is f_b_proj(f_a_proj(x)) without
+        dt_bias); beta_logits: [B, T, H]; conv_w_q/k/v: [H*D, W]; A_log: [>= H] (first H used); dt_bias: [H*D];
+        o_norm_weight: [D]; state: [B, H, D, D] (key dim, value dim); conv_state: [B, 3*H*D, W] (q, k, v channels,
+        last W raw inputs oldest first); lengths: None or [B] ints (tokens to process per row, <= T).
+    Computes in fp64 if q_in is fp64, else fp32. Does not modify its inputs.
+    Returns (y [B, T, H*D] in q_in's dtype, zero past each row's length; new state fp32-or-fp64; new conv state).
+    Raises RuntimeInputError on inconsistent shapes, UnsupportedError on an unknown gate kind.
+    """
+    if gate_kind not in GATE_KINDS:
+        raise UnsupportedError(f"KDA gate kind {gate_kind!r} (expected one of {sorted(GATE_KINDS)})")
+    B, T, HD = q_in.shape
+    D = o_norm_weight.numel()
+    if HD % D:
+        raise RuntimeInputError(f"KDA: channel count {HD} is not a multiple of head dim {D}")
+    H, W = HD // D, conv_w_q.shape[-1]
+    ct = torch.float64 if q_in.dtype == torch.float64 else torch.float32
+    x = torch.cat([q_in, k_in, v_in], -1).to(ct)                                    # [B, T, 3HD]
+    w = torch.cat([conv_w_q, conv_w_k, conv_w_v], 0).to(ct)                         # [3HD, W]
+    window = conv_state.to(ct).clone()                                              # [B, 3HD, W]
+    S = state.to(ct).clone()                                                        # [B, H, D, D]
+    a = A_log[:H].to(ct).exp().view(1, H, 1)
+    n = torch.full((B,), T) if lengths is None else torch.as_tensor(lengths).reshape(-1).expand(B).cpu()
+    y = torch.zeros(B, T, H, D, dtype=ct, device=q_in.device)
+    for t in range(T):
+        live = (n > t).to(q_in.device)                                              # rows still replaying
+        window = torch.where(live.view(B, 1, 1), torch.cat([window[..., 1:], x[:, t, :, None]], -1), window)
+        qkv = F.silu((window * w).sum(-1))                                          # conv of the W inputs ending at t
+        q, k, v = (c.reshape(B, H, D) for c in qkv.split(HD, -1))
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * D ** -0.5
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        fb = f[:, t].to(ct).view(B, H, D) + dt_bias.to(ct).view(1, H, D)
+        if gate_kind == "lower_bound":
+            g = lower_bound * torch.sigmoid(a * fb)
+        else:
+            g = -a * F.softplus(fb)
+        beta = torch.sigmoid(beta_logits[:, t].to(ct)).view(B, H, 1, 1)
+        S_decayed = g.exp()[..., None] * S                                          # Diag(exp g) S
+        kTS = torch.einsum("bhk,bhkv->bhv", k, S_decayed)
+        S_new = S_decayed - beta * k[..., None] * kTS[:, :, None, :] + beta * k[..., None] * v[:, :, None, :]
+        S = torch.where(live.view(B, 1, 1, 1), S_new, S)
+        o = torch.einsum("bhkv,bhk->bhv", S, q)                                     # S_t^T q_t
+        o = o * torch.rsqrt((o * o).mean(-1, keepdim=True) + eps) * o_norm_weight.to(ct)
+        y_t = o * torch.sigmoid(gate_logits[:, t].to(ct).view(B, H, D))
+        y[:, t] = torch.where(live.view(B, 1, 1), y_t, 0.0)
+    return y.reshape(B, T, HD).to(q_in.dtype), S, window
+
+
+def _launch_kda(kernel, chunked, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log,
+                dt_bias, o_norm_weight, state, conv_state, *, gate_kind, lower_bound, eps, lengths, state_out,
+                conv_state_out, store_output, num_warps):
+    """Check shapes/devices and launch `kernel` (recurrent or chunked) over the (B, H) grid; returns y or None."""
+    if q_in.dim() != 3:
+        raise RuntimeInputError(f"KDA: q_in must be [B, T, H*D], got {tuple(q_in.shape)}")
+    B, T, HD = q_in.shape
+    D = o_norm_weight.numel()
+    W = conv_w_q.shape[-1]
+    if T < 1 or HD % D:
+        raise RuntimeInputError(f"KDA: need T >= 1 and H*D divisible by D={D}, got {tuple(q_in.shape)}")
+    H = HD // D
+    expect = {"k_in": (k_in, (B, T, HD)), "v_in": (v_in, (B, T, HD)), "f": (f, (B, T, HD)),
+              "gate_logits": (gate_logits, (B, T, HD)), "beta_logits": (beta_logits, (B, T, H)),
+              "conv_w_q": (conv_w_q, (HD, W)), "conv_w_k": (conv_w_k, (HD, W)), "conv_w_v": (conv_w_v, (HD, W)),
+              "dt_bias": (dt_bias, (HD,)), "state": (state, (B, H, D, D)), "conv_state": (conv_state, (B, 3 * HD, W))}
+    for name, (tensor, shape) in expect.items():
+        if tuple(tensor.shape) != shape:
+            raise RuntimeInputError(f"KDA: {name} must have shape {shape}, got {tuple(tensor.shape)}")
+    if A_log.numel() < H:
+        raise RuntimeInputError(f"KDA: A_log has {A_log.numel()} entries, fewer than H={H}")
+    for name, tensor in (("state", state), ("conv_state", conv_state), ("conv_w_q", conv_w_q),
+                         ("A_log", A_log), ("dt_bias", dt_bias), ("o_norm_weight", o_norm_weight)):
+        if tensor.dtype != torch.float32:
+            raise UnsupportedError(f"KDA: {name} must be float32, got {tensor.dtype}")
+    if not (state.is_contiguous() and conv_state.is_contiguous()):
+        raise RuntimeInputError("KDA: state and conv_state must be contiguous (they are updated in place)")
+    if q_in.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UnsupportedError("KDA Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+    if gate_kind not in GATE_KINDS:
+        raise UnsupportedError(f"KDA gate kind {gate_kind!r} (expected one of {sorted(GATE_KINDS)})")
+    state_out = state if state_out is None else state_out
+    conv_state_out = conv_state if conv_state_out is None else conv_state_out
+    if lengths is not None:
+        lengths = torch.as_tensor(lengths, device=q_in.device).to(torch.int32).reshape(-1).expand(B).contiguous()
+    y = torch.empty_like(q_in) if store_output else None
+    BD = triton.next_power_of_2(D)
+    extra = {}
+    if chunked:
+        extra = {"BT": 16, "DOT_PRECISION": "tf32" if q_in.device.type == "cuda" else "ieee"}
+    c = [t.contiguous() for t in (q_in, k_in, v_in, f, gate_logits, beta_logits, conv_w_q, conv_w_k, conv_w_v,
+                                  A_log, dt_bias, o_norm_weight)]
+    kernel[(B, H)](
+        *c, state, state_out, conv_state, conv_state_out, y if store_output else c[0],
+        lengths if lengths is not None else c[0], T,
+        H=H, D=D, W=W, BD=BD, BW=triton.next_power_of_2(W), GATE_KIND=GATE_KINDS[gate_kind],
+        LOWER_BOUND=float(lower_bound), EPS=float(eps), SCALE=D ** -0.5, HAS_LENGTHS=lengths is not None,
+        STORE_Y=store_output, num_warps=num_warps or (4 if BD <= 64 else 8),
+        num_stages=1,  # no software pipelining of the token/chunk loop: 3 stages need 476 KB smem at D=128
+        **extra)
+    return y
+
+
+def _chunk_is_safe(gate_kind, lower_bound):
+    """Chunked kernel is exact only for bounded gates: (CHUNK-1) * |lower_bound| <= SAFE_LOG_DECAY."""
+    return gate_kind == "lower_bound" and (CHUNK - 1) * abs(float(lower_bound)) <= SAFE_LOG_DECAY
+
+
+def kda_prefill(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
+                o_norm_weight, state, conv_state, *, gate_kind="lower_bound", lower_bound=-5.0, eps=1e-5,
+                lengths=None, state_out=None, conv_state_out=None, method="auto", store_output=True, num_warps=None):
+    """Fused KDA over T >= 1 tokens per row, carrying the recurrent state and the conv state in and out.
+
+    Shapes/dtypes as `kda_fused_reference`: activations [B, T, H*D] (fp32/bf16/fp16, beta_logits [B, T, H]),
+    conv weights [H*D, W] fp32, A_log [>= H] fp32, dt_bias [H*D] fp32, o_norm_weight [D] fp32, state
+    [B, H, D, D] fp32, conv_state [B, 3*H*D, W] fp32 (both contiguous). gate_kind: "lower_bound" (K3, config
+    linear_attn_config.gate_lower_bound) or "softplus" (Kimi Linear); eps: o_norm's rms_norm_eps.
+    lengths: None or int / [B] ints <= T (only the first lengths[b] tokens of row b are used; y past them is left
+    unwritten). State and conv state are updated in place unless state_out / conv_state_out (same shapes) are given.
+    method: "chunk" (16-token WY/UT tensor-core kernel; bounded gate with 15*|lower_bound| <= 80 only),
+    "recurrent" (token loop, any gate), or "auto" (chunk when safe and T >= 16).
+    Returns y [B, T, H*D] in q_in's dtype (None if store_output is False).
+    Raises RuntimeInputError on shape mismatch, UnsupportedError on dtype/device/gate/method not supported.
+    """
+    if method not in ("auto", "chunk", "recurrent"):
+        raise UnsupportedError(f"KDA prefill method {method!r}")
+    safe = _chunk_is_safe(gate_kind, lower_bound)
+    if method == "chunk" and not safe:
+        raise UnsupportedError(f"KDA chunked prefill needs a lower-bounded gate with 15*|bound| <= 80, "
+                               f"got gate {gate_kind!r}, bound {lower_bound}")
+    chunked = method == "chunk" or (method == "auto" and safe and q_in.shape[1] >= CHUNK)
+    kernel = kda_chunk_kernel if chunked else kda_recurrent_kernel
+    return _launch_kda(kernel, chunked, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v,
+                       A_log, dt_bias, o_norm_weight, state, conv_state, gate_kind=gate_kind,
+                       lower_bound=lower_bound, eps=eps, lengths=lengths, state_out=state_out,
+                       conv_state_out=conv_state_out, store_output=store_output, num_warps=num_warps)
+
+
+def kda_decode(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
+               o_norm_weight, state, conv_state, *, gate_kind="lower_bound", lower_bound=-5.0, eps=1e-5,
+               num_warps=None):
+    """One fused KDA decode step (one kernel launch): conv-state roll + conv + silu + l2norm + gate + beta +
+    recurrence + RMSNorm + sigmoid gate, with state [B, H, D, D] and conv_state [B, 3*H*D, W] updated in place.
+
+    Activations are [B, H*D] (or [B, 1, H*D]), beta_logits [B, H] (or [B, 1, H]); other shapes, dtypes and errors
+    as `kda_prefill`. Returns y with q_in's shape and dtype.
+    """
+    shape = q_in.shape
+    q_in, k_in, v_in, f, gate_logits = (t.reshape(t.shape[0], 1, t.shape[-1]) for t in
+                                        (q_in, k_in, v_in, f, gate_logits))
+    beta_logits = beta_logits.reshape(beta_logits.shape[0], 1, beta_logits.shape[-1])
+    y = _launch_kda(kda_recurrent_kernel, False, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k,
+                    conv_w_v, A_log, dt_bias, o_norm_weight, state, conv_state, gate_kind=gate_kind,
+                    lower_bound=lower_bound, eps=eps, lengths=None, state_out=None, conv_state_out=None,
+                    store_output=True, num_warps=num_warps)
+    return y.reshape(shape)
+
+
+def kda_spec_replay(q_in, k_in, v_in, f, beta_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias, state,
+                    conv_state, n_accepted, *, gate_kind="lower_bound", lower_bound=-5.0, method="auto"):
+    """Speculative decoding (K3 report §3.4): replay the accepted draft tokens to rebuild the state, in place.
+
+    q_in, k_in, v_in, f: [B, k, H*D] cached projected inputs of the k draft tokens; beta_logits [B, k, H];
+    state [B, H, D, D] / conv_state [B, 3*H*D, W] fp32 as they were BEFORE the draft tokens (no snapshots);
+    n_accepted: int or [B] ints in [0, k]. Afterwards state/conv_state equal those after running the first
+    n_accepted[b] draft tokens of each row. No output is written. Raises as `kda_prefill`, and RuntimeInputError
+    if n_accepted is outside [0, k].
+    """
+    B, k_draft, _ = q_in.shape
+    n = torch.as_tensor(n_accepted).reshape(-1)
+    if n.numel() not in (1, B) or int(n.min()) < 0 or int(n.max()) > k_draft:
+        raise RuntimeInputError(f"KDA replay: n_accepted must be one int or {B} ints in [0, {k_draft}]")
+    norm_stub = torch.ones(state.shape[-1], dtype=torch.float32, device=q_in.device)      # epilogue is skipped
+    kda_prefill(q_in, k_in, v_in, f, beta_logits, q_in, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias, norm_stub,
+                state, conv_state, gate_kind=gate_kind, lower_bound=lower_bound, lengths=n, method=method,
+                store_output=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Code generation: a standalone module per kernel family.
+
+_FAMILIES = {  # family -> (kernels to include, IR node it implements by default)
+    "decode": ((kda_recurrent_kernel,), "kda.fused_decode"),
+    "prefill": ((kda_recurrent_kernel, kda_chunk_kernel), "kda.fused_prefill"),
+    "spec_replay": ((kda_recurrent_kernel, kda_chunk_kernel), "kda.spec_replay"),
+}
+
+_LAUNCH_TEMPLATE = '''
+
+def launch(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
+           o_norm_weight, state, conv_state, lengths=None, state_out=None, conv_state_out=None, store_output=True):
+    """{doc}
+
+    Activations [B, T, H*D] with H = HEADS, D = HEAD_DIM (decode: T = 1); beta_logits [B, T, H];
+    conv weights [H*D, CONV_SIZE] fp32; A_log [>= H], dt_bias [H*D], o_norm_weight [D] fp32;
+    state [B, H, D, D] and conv_state [B, 3*H*D, CONV_SIZE] fp32, updated in place unless *_out are given;
+    lengths: None or [B] ints (tokens per row; spec replay: n_accepted). Returns y [B, T, H*D] or None.
+    Raises RuntimeInputError / UnsupportedError (k3c.errors) on inputs this specialization does not fit.
+    """
+    if q_in.shape[-1] != HEADS * HEAD_DIM or o_norm_weight.numel() != HEAD_DIM or conv_w_q.shape[-1] != CONV_SIZE:
+        raise RuntimeInputError(f"kernel specialized for H={{HEADS}}, D={{HEAD_DIM}}, W={{CONV_SIZE}}")
+    chunked = {chunked}
+    return _launch_kda(kda_chunk_kernel if chunked else kda_recurrent_kernel, chunked, q_in, k_in, v_in, f,
+                       beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias, o_norm_weight, state,
+                       conv_state, gate_kind=GATE_KIND, lower_bound=LOWER_BOUND, eps=EPS, lengths=lengths,
+                       state_out=state_out, conv_state_out=conv_state_out, store_output=store_output, num_warps=None)
+'''
+
+
+def emit_source(spec):
+    """Standalone Python module text implementing one KDA kernel family for one layer specialization.
+
+    spec keys: "family" ("decode" | "prefill" | "spec_replay"), "heads" (H), "head_dim" (D), "conv_size" (W,
+    default 4), "gate_kind" ("lower_bound" | "softplus"), "lower_bound" (default -5.0), "eps" (default 1e-5),
+    optional "ir_nodes" (names of the IR nodes implemented, for the header) and "chunked" (prefill/spec_replay:
+    use the 16-token tensor-core kernel; default: when the gate is safely bounded).
+    The module imports torch, triton and k3c.errors only; it holds a header naming the IR nodes and the
+    specialization constants, the `@triton.jit` helper and kernel sources, `_launch_kda`, and
+    `launch(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
+    o_norm_weight, state, conv_state, lengths=None, state_out=None, conv_state_out=None, store_output=True)`.
+    Raises UnsupportedError on an unknown family / gate kind or an unsafe chunked request, RuntimeInputError on a
+    missing key.
+    """
+    family = spec.get("family")
+    if family not in _FAMILIES:
+        raise UnsupportedError(f"KDA emit_source: family {family!r} (expected one of {sorted(_FAMILIES)})")
+    try:
+        H, D = int(spec["heads"]), int(spec["head_dim"])
+    except KeyError as missing:
+        raise RuntimeInputError(f"KDA emit_source: spec lacks {missing}") from None
+    W = int(spec.get("conv_size", 4))
+    gate_kind = spec.get("gate_kind", "lower_bound")
+    lower_bound = float(spec.get("lower_bound", -5.0))
+    eps = float(spec.get("eps", 1e-5))
+    if gate_kind not in GATE_KINDS:
+        raise UnsupportedError(f"KDA gate kind {gate_kind!r}")
+    safe = _chunk_is_safe(gate_kind, lower_bound)
+    chunked = family != "decode" and bool(spec.get("chunked", safe))
+    if chunked and not safe:
+        raise UnsupportedError("KDA emit_source: chunked kernel requested for an unbounded or too-low gate")
+    kernels, default_node = _FAMILIES[family]
+    nodes = ", ".join(spec.get("ir_nodes", [default_node]))
+    doc = {"decode": "One fused KDA decode step (T = 1).",
+           "prefill": "Fused KDA prefill over T >= 1 tokens.",
+           "spec_replay": "Replay accepted draft tokens (lengths = n_accepted); call with store_output=False."}[family]
+    header = (
+        f'"""k3c generated kernel module: KDA {family}.\n\n'
+        f"Implements IR node(s): {nodes}\n"
+        f"Specialization: H={H}, D={D}, W={W}, gate={gate_kind}, lower_bound={lower_bound}, eps={eps}, "
+        f"kernel={'kda_chunk_kernel (16-token WY/UT tiles)' if chunked else 'kda_recurrent_kernel (token loop)'}\n"
+        f"Math: K3-SPEC.md 'KDA layer'. Emitted by k3c.codegen.triton.kda.emit_source.\n"
+        f'"""\n\nimport os\n\nimport torch\nimport triton\nimport triton.language as tl\n\n'
+        f"from k3c.errors import RuntimeInputError, UnsupportedError\n\n"
+        f"HEADS = {H}  # linear_attn_config.num_heads\nHEAD_DIM = {D}  # linear_attn_config.head_dim\n"
+        f"CONV_SIZE = {W}  # short_conv_kernel_size\nGATE_KIND = {gate_kind!r}\n"
+        f"LOWER_BOUND = {lower_bound!r}  # linear_attn_config.gate_lower_bound\nEPS = {eps!r}  # rms_norm_eps\n"
+        f"GATE_KINDS = {GATE_KINDS!r}\n")
+    parts = [header]
+    parts += [inspect.getsource(fn.fn) for fn in _common.HELPERS]
+    parts += [inspect.getsource(kernel.fn) for kernel in kernels]
+    if family == "decode":
+        parts.append("kda_chunk_kernel = None  # decode modules carry only the token-loop kernel\n")
+    parts.append(inspect.getsource(_launch_kda))
+    parts.append(_LAUNCH_TEMPLATE.format(doc=doc, chunked=chunked))
+    return "\n\n".join(parts)

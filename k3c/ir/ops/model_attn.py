@@ -1,0 +1,263 @@
+"""Model-level ops of the global layers and of Attention Residuals: mla_attention, dsa_index_topk,
+attn_res_inter, attn_res_merge, cache_write.
+
+Formulas: /work/shared/K3-SPEC.md "Gated MLA", "Gated DSA" and "Block Attention Residuals". Positions are
+causal with the new tokens last: of S (or L) keys, query t sits at absolute position S − T + t and sees keys
+s ≤ S − T + t. Softmaxes run in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3c.errors import IRError
+from k3c.ir.ops.registry import Attr, need_dtype, need_eq, need_rank, op
+from k3c.ir.types import TensorType, dim, numel
+
+_F = {"f32", "bf16", "f16"}
+
+
+def causal_visible(T: int, S: int) -> torch.Tensor:
+    """bool [T, S]: key s is visible to query t (s ≤ S − T + t)."""
+    return torch.arange(S)[None, :] <= (torch.arange(T) + (S - T))[:, None]
+
+
+def _index_mask(idx: torch.Tensor, S: int) -> torch.Tensor:
+    """bool [B, T, S] from selected positions idx [B, T, k] (−1 = none)."""
+    B, T, _ = idx.shape
+    m = torch.zeros(B, T, S + 1, dtype=torch.bool)
+    m.scatter_(-1, torch.where(idx < 0, torch.full_like(idx, S), idx), True)
+    return m[..., :S]
+
+
+def mla_attention_ref(attrs, q, k_or_kv, v=None, idx=None):
+    """Softmax attention of MLA (K3-SPEC.md "Gated MLA"), fp32 inside, q.dtype out.
+
+    absorbed=False: q [B,T,H,D], k [B,S,H,D], v [B,S,H,Dv] -> [B,T,H,Dv]
+    absorbed=True:  q [B,T,H,D], kv [B,S,D] (latent | k_pe, shared by all heads) -> [B,T,H,v_dim] using
+                    kv[..., :v_dim] as values (MQA over the latent, FlashMLA layout)
+    scores = q·k · scale; causal mask if `causal`; restricted to `idx` [B,T,k] (−1 unused) when given (DSA).
+    """
+    qf = q.float()
+    if attrs["absorbed"]:
+        kv = k_or_kv.float()
+        scores = torch.einsum("bthd,bsd->bhts", qf, kv)
+        vals = kv[..., :attrs["v_dim"]]
+    else:
+        scores = torch.einsum("bthd,bshd->bhts", qf, k_or_kv.float())
+        vals = v.float()
+    scores = scores * attrs["scale"]
+    T, S = q.shape[1], scores.shape[-1]
+    allow = torch.ones(q.shape[0], T, S, dtype=torch.bool)
+    if attrs["causal"]:
+        allow = allow & causal_visible(T, S)
+    if idx is not None:
+        allow = allow & _index_mask(idx, S)
+    p = torch.softmax(scores.masked_fill(~allow[:, None], float("-inf")), -1)
+    if attrs["absorbed"]:
+        o = torch.einsum("bhts,bsv->bthv", p, vals)
+    else:
+        o = torch.einsum("bhts,bshv->bthv", p, vals)
+    return [o.to(q.dtype)]
+
+
+def _mla_flops(a, ins, outs):
+    q, o = ins[0], outs[0]
+    S = ins[1].shape[1]
+    return numel(q) * S * 2 + numel(o) * S * 2
+
+
+@op("mla_attention", inputs=["q", "k", "v?", "idx?"],
+    attrs={"absorbed": Attr("bool", False), "causal": Attr("bool", True), "scale": Attr("float"),
+           "v_dim": Attr("int", None)},
+    kind="model", ref=lambda a, *t: mla_attention_ref(a, *t) if not a["absorbed"] else mla_attention_ref(
+        a, t[0], t[1], None, t[2] if len(t) > 2 else None), flops=_mla_flops)
+def _mla_attention(attrs, q, k, v=None, idx=None):
+    """mla_attention {absorbed, causal=True, scale, v_dim}: see `mla_attention_ref`.
+
+    Inputs: unabsorbed (q, k, v[, idx]); absorbed (q, kv[, idx]) with v_dim set. idx: i64 [B,T,topk] from
+    `dsa_index_topk`. Output q.dtype.
+    """
+    n = "mla_attention"
+    need_rank(n, q, 4, "q")
+    need_dtype(n, q, _F, "q")
+    B, T, H, D = q.shape
+    if attrs["absorbed"]:
+        if attrs["v_dim"] is None:
+            raise IRError(f"{n}: absorbed form needs v_dim")
+        kv, idx = k, v
+        if idx is not None and idx.dtype != "i64":
+            raise IRError(f"{n}: absorbed form takes (q, kv[, idx]); got a third input {idx}")
+        need_rank(n, kv, 3, "kv")
+        need_eq(n, kv.shape[0], B, "kv batch")
+        need_eq(n, kv.shape[2], D, "kv width vs q head dim")
+        if isinstance(D, int) and attrs["v_dim"] > D:
+            raise IRError(f"{n}: v_dim {attrs['v_dim']} > latent width {D}")
+        out = TensorType((B, T, H, attrs["v_dim"]), q.dtype)
+    else:
+        if v is None:
+            raise IRError(f"{n}: unabsorbed form takes (q, k, v[, idx])")
+        need_rank(n, k, 4, "k")
+        need_rank(n, v, 4, "v")
+        for i, d in ((0, B), (2, H), (3, D)):
+            need_eq(n, k.shape[i], d, f"k dim {i}")
+        for i in range(3):
+            need_eq(n, v.shape[i], k.shape[i], f"v dim {i} vs k")
+        out = TensorType((B, T, H, v.shape[3]), q.dtype)
+    if idx is not None:
+        need_dtype(n, idx, {"i64"}, "idx")
+        need_rank(n, idx, 3, "idx")
+        need_eq(n, idx.shape[0], B, "idx batch")
+        need_eq(n, idx.shape[1], T, "idx tokens")
+    return [out]
+
+
+# ---- DSA lightning indexer ------------------------------------------------------------------------------------
+def dsa_index_topk_ref(attrs, q_i, w, k_i):
+    """I[t,s] = Σ_j w[t,j] · ReLU(q_I[t,j] · k_I[s]) (DeepSeek-V3.2 eq. 1; K3-SPEC.md "Gated DSA"), fp32, causal.
+
+    Returns i64 [B,T,topk]: visible positions by decreasing score, ties to the lowest position (stable sort),
+    −1 in the slots beyond the visible count.
+    """
+    topk = attrs["topk"]
+    B, T = q_i.shape[:2]
+    L = k_i.shape[1]
+    s = torch.einsum("btjd,bsd->btjs", q_i.float(), k_i.float()).relu()
+    score = torch.einsum("btj,btjs->bts", w.float(), s)
+    vis = causal_visible(T, L).expand(B, T, L)
+    score = score.masked_fill(~vis, float("-inf"))
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :topk]
+    ok = torch.gather(vis, -1, order)
+    idx = torch.where(ok, order, torch.full_like(order, -1))
+    if L < topk:
+        idx = torch.cat([idx, torch.full((B, T, topk - L), -1, dtype=torch.int64)], -1)
+    return [idx]
+
+
+@op("dsa_index_topk", inputs=["q_i", "w", "k_i"], attrs={"topk": Attr("int")}, kind="model",
+    ref=dsa_index_topk_ref,
+    flops=lambda a, ins, outs: numel(ins[0]) * ins[2].shape[1] * 2 + numel(ins[1]) * ins[2].shape[1] * 2)
+def _dsa_index_topk(attrs, q_i, w, k_i):
+    """dsa_index_topk(q_I [B,T,J,D], w [B,T,J], k_I [B,L,D]) {topk} -> idx i64 [B,T,topk] (−1 = invalid).
+
+    Matches `k3::dsa_topk` of models/ops.py. See `dsa_index_topk_ref`.
+    """
+    n = "dsa_index_topk"
+    need_rank(n, q_i, 4, "q_i")
+    need_rank(n, w, 3, "w")
+    need_rank(n, k_i, 3, "k_i")
+    B, T, J, D = q_i.shape
+    for i, d in enumerate((B, T, J)):
+        need_eq(n, w.shape[i], d, f"w dim {i}")
+    need_eq(n, k_i.shape[0], B, "k_i batch")
+    need_eq(n, k_i.shape[2], D, "k_i width")
+    if attrs["topk"] < 1:
+        raise IRError(f"{n}: topk must be >= 1")
+    return [TensorType((B, T, attrs["topk"]), "i64")]
+
+
+# ---- Block Attention Residuals (two-phase inference form) -------------------------------------------------------
+def _res_keys(v, eps):
+    """K = V · rsqrt(mean(V², −1) + eps): RMSNorm without weight (K3-SPEC.md "Block Attention Residuals")."""
+    vf = v.float()
+    return vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def attn_res_inter_ref(attrs, queries, *blocks):
+    """Phase 1 (AttnRes paper, Algorithm 1): all pseudo-queries of a block over the sealed blocks b_0..b_{n-1}.
+
+    queries [Q,D] (row i = norm.weight ⊙ proj.weight[0] of sublayer i); blocks n × [B,T,D].
+    logits[i,n] = K(b_n)·queries[i]; returns (o [Q,B,T,D] f32 = Σ_n softmax_n · b_n, lse [Q,B,T] f32).
+    """
+    V = torch.stack([b.float() for b in blocks], 0)  # [n,B,T,D]
+    logits = torch.einsum("nbtd,qd->qnbt", _res_keys(V, attrs["eps"]), queries.float())
+    lse = torch.logsumexp(logits, 1)
+    p = torch.exp(logits - lse[:, None])
+    return [torch.einsum("qnbt,nbtd->qbtd", p, V), lse]
+
+
+@op("attn_res_inter", inputs=["queries", "*blocks"], attrs={"eps": Attr("float")}, kind="model",
+    ref=attn_res_inter_ref,
+    flops=lambda a, ins, outs: numel(ins[1]) * (len(ins) - 1) * (4 + ins[0].shape[0] * 4))
+def _attn_res_inter(attrs, queries, *blocks):
+    """attn_res_inter(queries [Q,D], b_0 .. b_{n-1} [B,T,D]) {eps} -> (o [Q,B,T,D] f32, lse [Q,B,T] f32)."""
+    n = "attn_res_inter"
+    if not blocks:
+        raise IRError(f"{n}: needs at least one sealed block (a single source needs no AttnRes)")
+    need_rank(n, queries, 2, "queries")
+    for b in blocks:
+        if b != blocks[0]:
+            raise IRError(f"{n}: blocks differ: {blocks[0]} vs {b}")
+    need_rank(n, blocks[0], 3, "block")
+    B, T, D = blocks[0].shape
+    need_eq(n, queries.shape[1], D, "query width")
+    Q = queries.shape[0]
+    return [TensorType((Q, B, T, D), "f32"), TensorType((Q, B, T), "f32")]
+
+
+def attn_res_merge_ref(attrs, o, lse, partial, queries):
+    """Phase 2: online-softmax merge of the inter-block result with the partial sum of the current block.
+
+    l_p = K(partial)·queries[index]; m = logaddexp(lse[index], l_p);
+    h = exp(lse − m) · o[index] + exp(l_p − m) · partial   (exactly softmax over [b_0..b_{n-1}, partial]).
+    """
+    i = attrs["index"]
+    lp = torch.einsum("btd,d->bt", _res_keys(partial, attrs["eps"]), queries[i].float())
+    m = torch.logaddexp(lse[i].float(), lp)
+    h = torch.exp(lse[i] - m)[..., None] * o[i].float() + torch.exp(lp - m)[..., None] * partial.float()
+    return [h.to(partial.dtype)]
+
+
+@op("attn_res_merge", inputs=["o", "lse", "partial", "queries"], attrs={"index": Attr("int"), "eps": Attr("float")},
+    kind="model", ref=attn_res_merge_ref, flops=lambda a, ins, outs: numel(ins[2]) * 10)
+def _attn_res_merge(attrs, o, lse, partial, queries):
+    """attn_res_merge(o [Q,B,T,D] f32, lse [Q,B,T] f32, partial [B,T,D], queries [Q,D]) {index, eps} -> [B,T,D]."""
+    n = "attn_res_merge"
+    need_rank(n, o, 4, "o")
+    need_rank(n, lse, 3, "lse")
+    need_rank(n, partial, 3, "partial")
+    need_rank(n, queries, 2, "queries")
+    need_dtype(n, o, {"f32"}, "o")
+    need_dtype(n, lse, {"f32"}, "lse")
+    for i in range(3):
+        need_eq(n, o.shape[i + 1], partial.shape[i], f"o dim {i + 1} vs partial")
+        need_eq(n, lse.shape[i], o.shape[i], f"lse dim {i} vs o")
+    need_eq(n, queries.shape[0], o.shape[0], "query count")
+    need_eq(n, queries.shape[1], partial.shape[2], "query width")
+    Q = o.shape[0]
+    if isinstance(Q, int) and not 0 <= attrs["index"] < Q:
+        raise IRError(f"{n}: index {attrs['index']} out of range for {Q} queries")
+    return [partial]
+
+
+# ---- persistent caches ------------------------------------------------------------------------------------------
+def cache_write_ref(attrs, cache, new):
+    """cache' = cache with cache'[..., offset:offset+n, ...] = new along `dim` (functional copy here; the runtime
+    writes in place into the persistent pool)."""
+    out = cache.clone()
+    out.narrow(attrs["dim"], attrs["offset"], new.shape[attrs["dim"]]).copy_(new)
+    return [out]
+
+
+@op("cache_write", inputs=["cache", "new"], attrs={"dim": Attr("int", 1), "offset": Attr("dim")}, kind="model",
+    effects=True, ref=cache_write_ref, flops=lambda a, ins, outs: 0,
+    bytes=lambda a, ins, outs: dim(numel(ins[1]) * 2 * _isz(ins[1])))
+def _cache_write(attrs, cache, new):
+    """cache_write(cache [B, Smax, ...], new [B, n, ...]) {dim=1, offset (e.g. "L")} -> updated cache (same type).
+
+    Bytes count only the written rows (read + write of `new`): the cache is updated in place.
+    """
+    n = "cache_write"
+    if cache.rank != new.rank or cache.dtype != new.dtype:
+        raise IRError(f"{n}: new {new} does not match cache {cache}")
+    d = attrs["dim"] % cache.rank
+    for i in range(cache.rank):
+        if i != d:
+            need_eq(n, new.shape[i], cache.shape[i], f"dim {i}")
+    return [cache]
+
+
+def _isz(t: TensorType) -> int:
+    from k3c.ir.types import itemsize
+
+    return itemsize(t.dtype)

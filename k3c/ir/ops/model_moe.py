@@ -1,0 +1,170 @@
+"""Model-level ops of the MoE block and tensor-parallel collectives: moe_route, moe_experts, all_reduce,
+reduce_scatter, all_gather.
+
+Formulas: /work/shared/K3-SPEC.md "MLP and Stable LatentMoE" (router: DeepSeek-V3 §2.1.2). Signatures follow
+`k3::moe_route` / `k3::moe_experts` of models/ops.py (note: moe_experts takes weights before ids).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3c.errors import IRError, UnsupportedError
+from k3c.ir.ops.registry import Attr, need_dtype, need_eq, need_rank, norm_axis, op
+from k3c.ir.types import TensorType, dim, numel
+
+
+def moe_route_ref(attrs, logits, bias):
+    """s = sigmoid(logits) (fp32); ids = top-k of s + bias (ties to the lowest expert id, stable sort);
+    weights = s[ids] / (Σ s[ids] + 1e-20) · scaling  (renormalize=False: s[ids] · scaling).
+    The bias only chooses; it never enters the weights. Returns (weights f32 [N,k], ids i64 [N,k])."""
+    s = logits.float().sigmoid()
+    ids = torch.sort(s + bias.float(), dim=-1, descending=True, stable=True).indices[:, :attrs["top_k"]]
+    p = s.gather(-1, ids)
+    if attrs["renormalize"]:
+        p = p / (p.sum(-1, keepdim=True) + 1e-20)
+    return [p * attrs["scaling"], ids]
+
+
+@op("moe_route", inputs=["logits", "bias"],
+    attrs={"top_k": Attr("int"), "scaling": Attr("float", 1.0), "renormalize": Attr("bool", True)},
+    kind="model", ref=moe_route_ref, flops=lambda a, ins, outs: numel(ins[0]) * 8)
+def _moe_route(attrs, logits, bias):
+    """moe_route(logits f32 [N,E], bias [E]) {top_k, scaling=1, renormalize=True} -> (weights f32 [N,k], ids i64)."""
+    n = "moe_route"
+    need_rank(n, logits, 2, "logits")
+    need_dtype(n, logits, {"f32"}, "logits")
+    need_rank(n, bias, 1, "bias")
+    need_eq(n, bias.shape[0], logits.shape[1], "bias size vs experts")
+    k = attrs["top_k"]
+    if k < 1 or (isinstance(logits.shape[1], int) and k > logits.shape[1]):
+        raise IRError(f"{n}: top_k {k} out of range for {logits.shape[1]} experts")
+    return [TensorType((logits.shape[0], k), "f32"), TensorType((logits.shape[0], k), "i64")]
+
+
+def glu_act(g, u, act: str, beta: float, linear_beta: float):
+    """SiTU-GLU: [β·tanh(g/β) ⊙ sigmoid(g)] ⊙ [β_lin·tanh(u/β_lin)] (config activation_situ_beta / _linear_beta);
+    SwiGLU ("silu"): silu(g) ⊙ u."""
+    if act == "situ":
+        return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+    return F.silu(g) * u
+
+
+def moe_experts_ref(attrs, z, weights, ids, w1, w3, w2):
+    """y_n = Σ_i weights[n,i] · w2_e act(w1_e z_n, w3_e z_n), e = ids[n,i] (ids < 0 are skipped).
+
+    Same precision as models/ops.py: expert GEMMs and the activation in z's dtype, the weighted sum in fp32,
+    result in z.dtype. A plain per-expert loop (the oracle, not a fast path).
+    """
+    out = torch.zeros(z.shape, dtype=torch.float32)
+    for e in torch.unique(ids[ids >= 0]).tolist():
+        rows, slot = torch.nonzero(ids == e, as_tuple=True)
+        zz = z[rows]
+        h = glu_act(zz @ w1[e].T, zz @ w3[e].T, attrs["act"], attrs["situ_beta"], attrs["situ_linear_beta"])
+        out.index_add_(0, rows, (h @ w2[e].T).float() * weights[rows, slot, None].float())
+    return [out.to(z.dtype)]
+
+
+@op("moe_experts", inputs=["z", "weights", "ids", "w1", "w3", "w2"],
+    attrs={"act": Attr("str", "situ", ("situ", "silu")), "situ_beta": Attr("float", 4.0),
+           "situ_linear_beta": Attr("float", 25.0)},
+    kind="model", ref=moe_experts_ref,
+    flops=lambda a, ins, outs: numel(ins[2]) * ins[3].shape[1] * ins[3].shape[2] * 6)
+def _moe_experts(attrs, z, weights, ids, w1, w3, w2):
+    """moe_experts(z [N,D], weights f32 [N,k], ids i64 [N,k], w1 [E,I,D], w3 [E,I,D], w2 [E,D,I])
+    {act="situ"|"silu", situ_beta=4, situ_linear_beta=25} -> y [N,D] z.dtype. See `moe_experts_ref`."""
+    n = "moe_experts"
+    need_rank(n, z, 2, "z")
+    need_rank(n, weights, 2, "weights")
+    need_rank(n, ids, 2, "ids")
+    need_dtype(n, ids, {"i64", "i32"}, "ids")
+    for i in range(2):
+        need_eq(n, weights.shape[i], ids.shape[i], f"weights dim {i} vs ids")
+    need_eq(n, ids.shape[0], z.shape[0], "ids tokens vs z")
+    for t, nm in ((w1, "w1"), (w3, "w3"), (w2, "w2")):
+        need_rank(n, t, 3, nm)
+        if t.dtype != z.dtype:
+            raise IRError(f"{n}: {nm} {t} and z {z} differ in dtype")
+    if w1 != w3:
+        raise IRError(f"{n}: w1 {w1} and w3 {w3} differ")
+    E, I, D = w1.shape
+    need_eq(n, D, z.shape[1], "w1 in features vs z")
+    for i, d in enumerate((E, D, I)):
+        need_eq(n, w2.shape[i], d, f"w2 dim {i}")
+    return [z]
+
+
+# ---- collectives ------------------------------------------------------------------------------------------------
+_COLL_ATTRS = {"group": Attr("int", 1), "dim": Attr("int", 0)}
+
+
+def simulate_collective(name: str, attrs: dict, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run a collective over all ranks at once: `shards[r]` is rank r's input; returns each rank's output.
+
+    all_reduce: every rank gets Σ_r x_r. reduce_scatter: Σ_r x_r split in `group` equal chunks along `dim`,
+    rank r gets chunk r. all_gather: every rank gets cat(x_0..x_{g-1}, dim). Raises `IRError` if
+    len(shards) != group.
+    """
+    g = attrs.get("group", 1)
+    if len(shards) != g:
+        raise IRError(f"{name}: {len(shards)} shards for a group of {g}")
+    d = attrs.get("dim", 0)
+    if name == "all_reduce":
+        total = torch.stack(shards).sum(0).to(shards[0].dtype)
+        return [total.clone() for _ in shards]
+    if name == "reduce_scatter":
+        total = torch.stack(shards).sum(0).to(shards[0].dtype)
+        return [c.contiguous() for c in total.chunk(g, d)]
+    if name == "all_gather":
+        full = torch.cat(shards, d)
+        return [full.clone() for _ in shards]
+    raise UnsupportedError(f"{name!r} is not a collective")
+
+
+def _coll_ref(name):
+    def ref(attrs, x):
+        if attrs["group"] != 1:
+            raise UnsupportedError(f"{name} over a group of {attrs['group']} needs all ranks: use "
+                                   "simulate_collective (the single-process interpreter runs tp = 1)")
+        return [x.clone()]
+
+    return ref
+
+
+def _coll_check(name, attrs, x):
+    if attrs["group"] < 1:
+        raise IRError(f"{name}: group must be >= 1")
+    return norm_axis(attrs["dim"], x.rank, name)
+
+
+@op("all_reduce", inputs=["x"], attrs={"group": Attr("int", 1), "reduce": Attr("str", "sum", ("sum",))},
+    kind="collective", ref=_coll_ref("all_reduce"), flops=lambda a, ins, outs: numel(ins[0]))
+def _all_reduce(attrs, x):
+    """all_reduce(x) {group, reduce="sum"} -> x's type: the sum over the group's ranks."""
+    if attrs["group"] < 1:
+        raise IRError("all_reduce: group must be >= 1")
+    return [x]
+
+
+@op("reduce_scatter", inputs=["x"], attrs=_COLL_ATTRS, kind="collective", ref=_coll_ref("reduce_scatter"),
+    flops=lambda a, ins, outs: numel(ins[0]))
+def _reduce_scatter(attrs, x):
+    """reduce_scatter(x) {group, dim}: sum over ranks, each rank keeps 1/group of `dim` (must divide exactly)."""
+    d = _coll_check("reduce_scatter", attrs, x)
+    size, g = x.shape[d], attrs["group"]
+    if isinstance(size, int) and size % g:
+        raise IRError(f"reduce_scatter: dim {d} of {x} is not divisible by {g}")
+    s = list(x.shape)
+    s[d] = dim(size / g) if not isinstance(size, int) else size // g
+    return [x.with_shape(s)]
+
+
+@op("all_gather", inputs=["x"], attrs=_COLL_ATTRS, kind="collective", ref=_coll_ref("all_gather"),
+    flops=lambda a, ins, outs: 0)
+def _all_gather(attrs, x):
+    """all_gather(x) {group, dim}: concatenation of every rank's x along `dim` (rank order)."""
+    d = _coll_check("all_gather", attrs, x)
+    s = list(x.shape)
+    s[d] = dim(s[d] * attrs["group"])
+    return [x.with_shape(s)]

@@ -1,0 +1,255 @@
+"""The pass manager: named phases of named passes, composed in one place (TVM Relax `pipeline.py` style).
+
+A pass is a function `Graph -> Graph` registered with `@register_pass("name")`; it may mutate the graph it is
+given and return it, or return a new graph. Pass modules register themselves on import; `load_passes()` imports
+every module of `k3c.passes` named in `PHASES`, so a new pass only needs its file plus its name below.
+
+    cleanup   dce, cse, canonicalize              generic cleanup and canonical patterns
+    model     fuse_kda, absorb_mla, place_dsa, lower_attn_res, lower_moe
+    parallel  shard_tp, split_allreduce           (tp > 1)
+    kernels   form_kernels
+    memory    plan_memory
+
+A name in `PHASES` that no module registers yet is skipped and listed in the report's `skipped`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from k3c.errors import IRError, K3CError
+from k3c.ir.graph import Graph
+from k3c.ir.interp import interpret
+from k3c.ir.printer import print_graph
+from k3c.ir.types import FLOAT_DTYPES, evaluate, torch_dtype
+from k3c.ir.verify import verify as verify_graph
+
+Pass = Callable[[Graph], Graph]
+
+#: The compilation, phase by phase. Edit here to add, reorder or drop a pass.
+PHASES: dict[str, list[str]] = {
+    "cleanup": ["dce", "cse", "canonicalize"],
+    "model": ["fuse_kda", "absorb_mla", "place_dsa", "lower_attn_res", "lower_moe", "dce"],
+    "parallel": ["shard_tp", "split_allreduce"],
+    "kernels": ["form_kernels"],
+    "memory": ["plan_memory"],
+}
+
+_PASSES: dict[str, Pass] = {}
+
+
+def register_pass(name: str) -> Callable[[Pass], Pass]:
+    """Decorator registering `fn` as pass `name`; raises `IRError` if another function already has the name."""
+    def deco(fn: Pass) -> Pass:
+        prev = _PASSES.get(name)
+        if prev is not None and (prev.__module__, prev.__qualname__) != (fn.__module__, fn.__qualname__):
+            raise IRError(f"pass {name!r} is registered twice ({prev.__module__} and {fn.__module__})")
+        _PASSES[name] = fn
+        return fn
+
+    return deco
+
+
+def load_passes() -> None:
+    """Import the modules `k3c.passes.<name>` of every pass named in `PHASES` that exists (they register)."""
+    for names in PHASES.values():
+        for name in names:
+            mod = f"k3c.passes.{name}"
+            if name not in _PASSES and importlib.util.find_spec(mod) is not None:
+                importlib.import_module(mod)
+
+
+def get_pass(name: str) -> Pass:
+    """The registered pass `name`; raises `IRError` listing the registered ones."""
+    load_passes()
+    try:
+        return _PASSES[name]
+    except KeyError:
+        raise IRError(f"no pass named {name!r} (registered: {', '.join(sorted(_PASSES))})") from None
+
+
+def registered_passes() -> dict[str, Pass]:
+    load_passes()
+    return dict(_PASSES)
+
+
+@dataclass
+class PassRecord:
+    """One pass run: name, phase, wall seconds, node counts, the dump file (if any)."""
+
+    name: str
+    phase: str
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+    dump: str | None = None
+
+
+@dataclass
+class PipelineReport:
+    """What `run_pipeline` did: pass records in order, skipped (unregistered) passes, total seconds."""
+
+    passes: list[PassRecord] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def table(self) -> str:
+        """A plain-text timing table, one pass per line."""
+        rows = [f"{r.phase:<9} {r.name:<16} {r.seconds * 1e3:9.1f} ms  {r.nodes_before:>6} -> {r.nodes_after:<6}"
+                for r in self.passes]
+        return "\n".join(rows + [f"total {self.seconds * 1e3:.1f} ms; skipped: {', '.join(self.skipped) or '-'}"])
+
+
+NumericCheck = Callable[[Graph, Graph, str], None]
+
+
+def _plan(phases) -> list[tuple[str, str]]:
+    if phases is None:
+        phases = list(PHASES)
+    if isinstance(phases, dict):
+        return [(ph, p) for ph, names in phases.items() for p in names]
+    out = []
+    for ph in phases:
+        if ph not in PHASES:
+            raise IRError(f"unknown phase {ph!r} (phases: {', '.join(PHASES)})")
+        out += [(ph, p) for p in PHASES[ph]]
+    return out
+
+
+def run_pipeline(graph: Graph, phases: list[str] | dict[str, list[str]] | None = None, *, until: str | None = None,
+                 verify: bool = True, dump_dir: str | Path | None = None,
+                 numeric_check: NumericCheck | None = None) -> tuple[Graph, PipelineReport]:
+    """Run the passes of `phases` (phase names from `PHASES`, or an explicit {phase: [pass names]}) in order.
+
+    The caller's graph is copied first and never changed. `until`: stop after the first pass of that name.
+    `verify`: run the verifier on the input and after every pass (`IRError` names the pass). `dump_dir` (or env
+    `K3C_DUMP`): write `00-input.txt`, then `NN-pass.txt` after every pass. `numeric_check(before, after,
+    pass_name)` is called after every pass and should raise naming the pass (see `make_numeric_check`).
+    Returns (final graph, report with per-pass timings).
+    """
+    t0 = time.perf_counter()
+    load_passes()
+    dump = Path(dump_dir or os.environ.get("K3C_DUMP") or "") if (dump_dir or os.environ.get("K3C_DUMP")) else None
+    g = graph.copy()
+    if verify:
+        verify_graph(g)
+    report = PipelineReport()
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / "00-input.txt").write_text(print_graph(g))
+    step = 0
+    for phase, name in _plan(phases):
+        fn = _PASSES.get(name)
+        if fn is None:
+            report.skipped.append(name)
+            continue
+        step += 1
+        before = g.copy() if numeric_check is not None else None
+        n0 = len(g.nodes)
+        ts = time.perf_counter()
+        g = fn(g)
+        if not isinstance(g, Graph):
+            raise IRError(f"pass {name} returned {type(g).__name__}, not a Graph")
+        secs = time.perf_counter() - ts
+        rec = PassRecord(name, phase, secs, n0, len(g.nodes))
+        if dump is not None:
+            path = dump / f"{step:02d}-{name}.txt"
+            path.write_text(print_graph(g))
+            rec.dump = str(path)
+        report.passes.append(rec)
+        if verify:
+            try:
+                verify_graph(g)
+            except IRError as e:
+                raise IRError(f"after pass {name}: {e}") from None
+        if numeric_check is not None:
+            numeric_check(before, g, name)
+        if until is not None and name == until:
+            break
+    report.seconds = time.perf_counter() - t0
+    return g, report
+
+
+# ---- random inputs and the numeric check -------------------------------------------------------------------------
+def random_inputs(graph: Graph, bindings: dict[str, int], seed: int = 0, *, scale: float = 0.5,
+                  int_high: int = 4) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Random (inputs by name, params by key) for `interpret`, shapes evaluated under `bindings`.
+
+    Floats: N(0, scale²); bool: fair coins; integers: uniform in [0, high) where high is the smallest size an
+    `embedding`/`index_select`/`gather` reading the value indexes into, else `int_high`. Deterministic in `seed`.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    highs = _index_bounds(graph, bindings)
+
+    def make(v):
+        shape = v.type.concrete_shape(bindings)
+        dt = v.type.dtype
+        if dt in FLOAT_DTYPES:
+            return (torch.randn(shape, generator=gen) * scale).to(torch_dtype(dt))
+        if dt == "bool":
+            return torch.rand(shape, generator=gen) < 0.5
+        return torch.randint(0, highs.get(v, int_high), shape, generator=gen).to(torch_dtype(dt))
+
+    return ({v.name: make(v) for v in graph.inputs}, {k: make(v) for k, v in graph.params.items()})
+
+
+def _index_bounds(graph: Graph, bindings: dict[str, int]) -> dict:
+    out: dict = {}
+    for n in graph.nodes:
+        if n.op == "embedding":
+            v, size = n.inputs[1], n.inputs[0].type.shape[0]
+        elif n.op in ("index_select", "gather"):
+            v, size = n.inputs[1], n.inputs[0].type.shape[n.attrs["dim"]]
+        else:
+            continue
+        high = evaluate(size, bindings)
+        out[v] = min(out.get(v, high), high)
+    return out
+
+
+_TOL = {"f32": (1e-4, 1e-4), "bf16": (2e-2, 2e-2), "f16": (2e-3, 2e-3), "f8e4m3": (1.3e-1, 1.3e-1)}
+
+
+def make_numeric_check(bindings: dict[str, int], seed: int = 0,
+                       tolerances: dict[str, tuple[float, float]] | None = None) -> NumericCheck:
+    """A `numeric_check` for `run_pipeline`: interpret before and after a pass on the same random inputs.
+
+    Float outputs must agree within (rtol, atol) per dtype (`tolerances` overrides the defaults: f32 1e-4,
+    bf16 2e-2), others exactly. Raises `IRError` naming the pass and the first differing output. Inputs and
+    params are drawn from the graph before the pass (a pass may drop unused params; extra ones are ignored).
+    """
+    tol = {**_TOL, **(tolerances or {})}
+
+    def check(before: Graph, after: Graph, pass_name: str) -> None:
+        ins, params = random_inputs(before, bindings, seed)
+        want = interpret(before, ins, params, bindings=bindings)
+        try:
+            got = interpret(after, ins, {k: params[k] for k in after.params if k in params}, bindings=bindings)
+        except K3CError as e:
+            raise IRError(f"pass {pass_name}: the graph after it fails to run: {e}") from None
+        if set(got) != set(want):
+            raise IRError(f"pass {pass_name} changed the graph outputs: {sorted(want)} -> {sorted(got)}")
+        for k in want:
+            a, b = want[k], got[k]
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise IRError(f"pass {pass_name} changed output {k!r}: {a.dtype}{list(a.shape)} -> "
+                              f"{b.dtype}{list(b.shape)}")
+            dt = after.outputs[k].type.dtype
+            if dt in tol:
+                rtol, atol = tol[dt]
+                ok = torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol, equal_nan=True)
+            else:
+                ok = torch.equal(a, b)
+            if not ok:
+                diff = (a.float() - b.float()).abs().nan_to_num(float("inf")).max().item()
+                raise IRError(f"pass {pass_name} changed output {k!r} numerically (max abs diff {diff:.3g})")
+
+    return check
