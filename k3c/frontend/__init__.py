@@ -3,7 +3,8 @@
     graph = import_model("k3.1-pro", entry="decode")          # full model on the meta device: no weights
     graph = import_model(model, entry="prefill")              # a loaded K3ForCausalLM
 
-Each distinct layer signature is exported once (`segments.py`) and instantiated for every layer of that
+The prefill entry (T symbolic) is exported; the decode entry is the same graph specialised to T = 1 (the model
+computes one function for any T, so one export serves both). Each distinct layer signature is exported once (`segments.py`) and instantiated for every layer of that
 signature (`fx_import.py`), with parameters bound to the layer's own keys and the AttnRes block count N bound to
 the layer's number of sealed blocks. The result is one graph with:
 - inputs: `tokens` i64 [B,T] (T is 1 for decode), then the cache: per layer `layers.i.kda_state` f32 [B,H,K,K],
@@ -21,10 +22,11 @@ from typing import Callable
 
 import torch
 
-from k3c.errors import IRError
+from k3c.errors import IRError, UnsupportedError
 from k3c.frontend.fx_import import FxImporter
 from k3c.frontend.segments import SAMPLE, export_segments, layer_cache_keys
 from k3c.ir.graph import Graph, Value
+from k3c.ir.specialize import specialize
 from k3c.ir.types import TensorType, dtype_of, symbol
 from models.config import K3Config
 from models.k3 import K3ForCausalLM
@@ -46,8 +48,13 @@ def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
     progress(done, total) is called per layer; stats (if given) receives timings in seconds and node counts.
     Raises ConfigError (bad config), UnsupportedError (an op without a lowering, naming the model line).
     """
+    if entry not in ENTRIES:
+        raise UnsupportedError(f"entry point must be one of {', '.join(ENTRIES)}, found {entry!r}")
     if not isinstance(model, K3ForCausalLM):
         model = build_meta_model(model)
+    if entry == "decode":  # decode is prefill at T = 1: one export serves both entry points
+        prefill = import_model(model, "prefill", progress, stats)
+        return specialize(prefill, {"T": 1}, pass_name="import(decode)")
     cfg = model.config
     t0 = time.perf_counter()
     segs, which = export_segments(model, entry)

@@ -13,6 +13,7 @@ call), N (sealed AttnRes blocks).
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass
 
@@ -104,14 +105,25 @@ def _sample_cache(model: K3ForCausalLM, i: int, device) -> dict[str, Tensor]:
     return out
 
 
+_CACHE: dict[tuple, tuple] = {}
+
+
 def export_segments(model: K3ForCausalLM, entry: str) -> tuple[dict[str, Segment], dict[int, str]]:
     """Export the embed, head and one segment per layer signature for `entry` in {"prefill", "decode"}.
 
-    Returns (segments by name, layer index -> its segment name). Raises UnsupportedError when torch.export
-    fails, naming the segment and the model line it stopped at.
+    Returns (segments by name, layer index -> its segment name). The exported structure depends only on the
+    config and dtype (parameters are bound by name at import), so results are memoised per process under that
+    key. Raises UnsupportedError when torch.export fails, naming the segment and the model line it stopped at.
     """
     if entry not in ("prefill", "decode"):
         raise UnsupportedError(f"entry point must be 'prefill' or 'decode', found {entry!r}")
+    key = (json.dumps(model.config.raw, sort_keys=True), model.config.name, str(model.dtype), entry)
+    if key not in _CACHE:
+        _CACHE[key] = _export_all(model, entry)
+    return _CACHE[key]
+
+
+def _export_all(model: K3ForCausalLM, entry: str) -> tuple[dict[str, Segment], dict[int, str]]:
     cfg = model.config
     dev = model.lm_head.weight.device
     dt = model.dtype

@@ -279,8 +279,10 @@ class Graph:
             self._users.get(old, {}).pop(node, None)
         self._users.setdefault(new, {})[node] = None
 
-    def replace_all_uses(self, old: Value, new: Value, *, check_type: bool = True) -> None:
-        """Make every node input and graph output that reads `old` read `new` instead.
+    def replace_all_uses(self, old: Value, new: Value, *, exclude: Iterable[Node] = (),
+                         check_type: bool = True) -> None:
+        """Make every node input and graph output that reads `old` read `new` instead, except in `exclude`
+        (typically the nodes that compute `new` from `old`).
 
         Raises `IRError` if the types differ (unless `check_type=False`).
         """
@@ -288,12 +290,17 @@ class Graph:
             return
         if check_type and old.type != new.type:
             raise IRError(f"replace_all_uses: %{old.name} is {old.type} but %{new.name} is {new.type}")
+        skip = {id(n) for n in exclude}
         users = self._users.get(old, {})
         new_users = self._users.setdefault(new, {})
+        kept = {}
         for node in users:
+            if id(node) in skip:
+                kept[node] = None
+                continue
             node.inputs = [new if x is old else x for x in node.inputs]
             new_users[node] = None
-        self._users[old] = {}
+        self._users[old] = kept
         for k, v in self.outputs.items():
             if v is old:
                 self.outputs[k] = new

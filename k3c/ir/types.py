@@ -91,6 +91,8 @@ def _parse(text: str) -> Dim:
 
 
 def _norm(expr: sympy.Expr) -> Dim:
+    if expr.has(sympy.Float):
+        raise IRError(f"dim {expr} has a floating-point constant")
     if expr.is_number:
         if not expr.is_integer:
             raise IRError(f"dim {expr} is not an integer")

@@ -101,19 +101,17 @@ def _check_inputs(buffers: Iterable[Buffer], alignment: int) -> tuple[Buffer, ..
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
         raise IRError(f"memory plan: alignment must be a positive power of two, got {alignment!r}")
     bufs = tuple(buffers)
-    seen: set[str] = set()
+    if len({b.name for b in bufs}) != len(bufs):
+        seen: set[str] = set()
+        dup = next(b.name for b in bufs if b.name in seen or seen.add(b.name))
+        raise IRError(f"memory plan: duplicate buffer name '{dup}'")
     for b in bufs:
         if not isinstance(b, Buffer):
             raise IRError(f"memory plan: expected Buffer, got {type(b).__name__}")
-        if b.name in seen:
-            raise IRError(f"memory plan: duplicate buffer name '{b.name}'")
-        seen.add(b.name)
-        for what in ("nbytes", "first", "last"):
-            v = getattr(b, what)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise IRError(f"memory plan: buffer '{b.name}': {what} must be a non-negative int, got {v!r}")
-        if b.last < b.first:
-            raise IRError(f"memory plan: buffer '{b.name}': last use {b.last} is before first use {b.first}")
+        if not (type(b.nbytes) is int and type(b.first) is int and type(b.last) is int
+                and b.nbytes >= 0 and 0 <= b.first <= b.last):
+            raise IRError(f"memory plan: buffer '{b.name}': need ints with nbytes >= 0 and 0 <= first <= last, "
+                          f"got nbytes={b.nbytes!r}, first={b.first!r}, last={b.last!r}")
     return bufs
 
 
@@ -173,8 +171,7 @@ class _ConflictIndex:
     Queries return all buffers, placed or not; `_place` keeps the placed ones.
     """
 
-    leaf0: int
-    tree: list  # node -> list of buffer ids (a shared empty tuple where none)
+    paths: list[list[list[int]]]  # time index -> the non-empty node lists on its leaf-to-root path
     by_start: list[int]
     start_lo: list[int]
     start_hi: list[int]
@@ -207,11 +204,20 @@ def _conflict_index(firsts: list[int], lasts: list[int], ntimes: int) -> _Confli
         order = np.lexsort((owner_arr, node_arr))
         node_arr, owner_arr = node_arr[order], owner_arr[order]
         keys, starts = np.unique(node_arr, return_index=True)
-        for key, group in zip(keys.tolist(), np.split(owner_arr, starts[1:])):
-            tree[key] = group.tolist()
+        owner_list, bounds = owner_arr.tolist(), starts.tolist() + [len(owner_arr)]
+        for k, key in enumerate(keys.tolist()):
+            tree[key] = owner_list[bounds[k] : bounds[k + 1]]
+    paths = []
+    for t in range(ntimes):
+        node, path = t + leaf0, []
+        while node:
+            if tree[node]:
+                path.append(tree[node])
+            node >>= 1
+        paths.append(path)
     by_start = np.lexsort((ids, f))
     sorted_f = f[by_start]
-    return _ConflictIndex(leaf0, tree, by_start.tolist(), np.searchsorted(sorted_f, f, side="right").tolist(),
+    return _ConflictIndex(paths, by_start.tolist(), np.searchsorted(sorted_f, f, side="right").tolist(),
                           np.searchsorted(sorted_f, l, side="right").tolist())
 
 
@@ -222,16 +228,14 @@ def _place(order: list[int], sizes: list[int], firsts: list[int], index: _Confli
     n = len(sizes)
     offsets, ends, placed = [0] * n, [0] * n, bytearray(n)
     off_np, end_np = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    tree, by_start, start_lo, start_hi = index.tree, index.by_start, index.start_lo, index.start_hi
-    depth = index.leaf0.bit_length()
+    paths, by_start, start_lo, start_hi = index.paths, index.by_start, index.start_lo, index.start_hi
     is_placed = placed.__getitem__
     arena = 0
     for i in order:
         size = sizes[i]
         if size == 0:
             continue
-        leaf = firsts[i] + index.leaf0
-        near = list(chain.from_iterable(map(tree.__getitem__, [leaf >> k for k in range(depth)])))
+        near = list(chain.from_iterable(paths[firsts[i]]))
         near += by_start[start_lo[i] : start_hi[i]]
         conflicts = list(compress(near, map(is_placed, near)))
         if len(conflicts) > _VECTOR_MIN:
@@ -281,7 +285,7 @@ def plan_arena(buffers: Iterable[Buffer], alignment: int = DEFAULT_ALIGNMENT,
     lower_bound = max(live, default=0)
     names = [b.name for b in bufs]
     length = [b.last - b.first for b in bufs]
-    peak = _range_max(live, list(zip(firsts, lasts))) if "breadth" in strategies and n else []
+    peak: list[int] = []
     keys = {
         "size": lambda i: (-sizes[i], -length[i], names[i]),
         "area": lambda i: (-sizes[i] * (length[i] + 1), -sizes[i], names[i]),
@@ -291,13 +295,15 @@ def plan_arena(buffers: Iterable[Buffer], alignment: int = DEFAULT_ALIGNMENT,
     index = _conflict_index(firsts, lasts, len(times))
     best_offsets, best_arena, best_name = [0] * n, 0, strategies[0]
     for k, strategy in enumerate(strategies):
+        if strategy == "breadth" and not peak:
+            peak = _range_max(live, list(zip(firsts, lasts)))
         order = sorted(range(n), key=keys[strategy])
         offsets, arena = _place(order, sizes, firsts, index, first_fit=_FIRST_FIT[strategy])
         if k == 0 or arena < best_arena:
             best_offsets, best_arena, best_name = offsets, arena, strategy
         if arena <= stop_ratio * lower_bound:
             break
-    if best_arena > lower_bound:
+    if best_arena > lower_bound and not _FIRST_FIT[best_name]:
         # Compaction: re-place in order of offset, each at the lowest gap that fits. Every buffer can stay where
         # it was (the buffers below it only moved down), so the arena never grows.
         order = sorted(range(n), key=lambda i: (best_offsets[i], names[i]))

@@ -1,0 +1,138 @@
+"""The `k3c` command line. Every error k3c raises on purpose (`K3CError`) is printed here as one line, exit 2.
+
+    k3c inspect MODEL [--entry prefill|decode] [--after PASS] [--format text|json|dot|svg|summary] [-o FILE]
+    k3c check MODEL [--entry ...] [--batch 2] [--tokens 7]     interpret before/after every pass on random weights
+
+MODEL is a preset name (k3-tiny, k3.1-pro-tiny, kimi-linear-tiny, k3, k3.1-pro, kimi-linear-48b), a config.json, or a
+checkpoint directory. Without weights the model is built on the meta device (no memory), which is how full-size
+configurations are inspected.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from k3c.errors import K3CError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="k3c: ahead-of-time compiler for the Kimi K3 family")
+err = Console(stderr=True)
+out = Console()
+
+
+def _import(model: str, entry: str, quiet: bool = False):
+    """Import MODEL into IR with a progress bar; returns (config, graph, stats)."""
+    from k3c.frontend import import_model
+    from models.config import K3Config
+
+    cfg = K3Config.from_pretrained(model)
+    stats: dict = {}
+    with Progress(TextColumn("[bold]importing {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
+                  TimeElapsedColumn(), console=err, transient=True, disable=quiet) as bar:
+        task = bar.add_task(cfg.name, total=cfg.num_hidden_layers)
+        graph = import_model(cfg, entry, progress=lambda done, total: bar.update(task, completed=done), stats=stats)
+    return cfg, graph, stats
+
+
+def _check_after(after: str | None) -> None:
+    from k3c.passes.pipeline import registered_passes
+
+    if after is not None and after != "import" and after not in registered_passes():
+        raise K3CError(f"--after {after}: no such pass (passes: import, {', '.join(sorted(registered_passes()))})")
+
+
+def _run_passes(graph, after: str | None, dump: Path | None):
+    from k3c.passes.pipeline import PHASES, run_pipeline
+
+    if after == "import":
+        return graph, None
+    phases = [p for p in ("cleanup", "model") if p in PHASES]
+    return run_pipeline(graph, phases=phases, until=after, dump_dir=dump)
+
+
+def summary_table(cfg, graph) -> Table:
+    """Op counts, parameter bytes and the per-layer schedule of a graph."""
+    from k3c.ir.types import nbytes_expr
+
+    t = Table(title=f"{cfg.name}: {len(graph.nodes)} nodes, {len(graph.params)} parameters", show_lines=False)
+    t.add_column("op")
+    t.add_column("count", justify="right")
+    for op, n in sorted(Counter(n.op for n in graph.nodes).items(), key=lambda kv: (-kv[1], kv[0])):
+        t.add_row(op, str(n))
+    pbytes = sum(int(nbytes_expr(v.type)) for v in graph.params.values())
+    s = cfg.summary()
+    t.caption = (f"parameters: {pbytes / 2**30:.2f} GiB as stored in the graph; layers: {s['layers']} "
+                 f"({s['kda']} KDA, {s['mla']} MLA, {s['dsa']} DSA; {s['moe']} MoE); AttnRes sources at the readout: "
+                 f"{s['attn_res_sources']}")
+    return t
+
+
+@app.command()
+def inspect(model: str = typer.Argument(..., help="preset name, config.json or checkpoint directory"),
+            entry: str = typer.Option("prefill", help="entry point: prefill or decode"),
+            after: str = typer.Option(None, help="show the IR after this pass (default: after the model phase)"),
+            fmt: str = typer.Option("text", "--format", help="text | json | dot | svg | summary"),
+            output: Path = typer.Option(None, "-o", "--output", help="write to this file instead of stdout"),
+            dump: Path = typer.Option(None, help="also write the IR after every pass into this directory")):
+    """Print or draw the IR of MODEL at a chosen stage, or a summary table."""
+    if fmt not in ("text", "json", "dot", "svg", "summary"):
+        raise K3CError(f"--format {fmt}: expected text, json, dot, svg or summary")
+    if fmt == "svg" and output is None:
+        raise K3CError("--format svg needs -o FILE.svg")
+    _check_after(after)
+    cfg, graph, stats = _import(model, entry)
+    graph, report = _run_passes(graph, after, dump)
+    err.print(f"imported {cfg.name} ({entry}) in {stats['export_s'] + stats['import_s']:.1f} s: {stats['nodes']} nodes"
+              + (f"; passes {report.seconds:.2f} s" if report else ""))
+    if fmt == "summary":
+        out.print(summary_table(cfg, graph))
+        return
+    from k3c.ir import nx, serialize
+    from k3c.ir.printer import print_graph
+
+    if fmt == "svg":
+        nx.render(nx.to_dot(graph), output, "svg")
+        err.print(f"wrote {output}")
+        return
+    text = {"text": print_graph, "json": lambda g: serialize.dumps(g, indent=1), "dot": nx.to_dot}[fmt](graph)
+    if output is None:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    else:
+        output.write_text(text)
+        err.print(f"wrote {output}")
+
+
+@app.command()
+def check(model: str = typer.Argument(..., help="a tiny preset or a small config (weights are random)"),
+          entry: str = typer.Option("prefill"), batch: int = typer.Option(2), tokens: int = typer.Option(7),
+          seed: int = typer.Option(0)):
+    """Per-pass numeric validation: interpret the graph before and after every pass on random inputs."""
+    from k3c.passes.pipeline import make_numeric_check, run_pipeline
+
+    cfg, graph, _ = _import(model, entry)
+    bindings = {"B": batch, "T": tokens if entry == "prefill" else 1, "L": 5}
+    t0 = time.perf_counter()
+    _, report = run_pipeline(graph, phases=["cleanup", "model"], numeric_check=make_numeric_check(bindings, seed))
+    out.print(report.table())
+    out.print(f"[green]every pass preserved the outputs of {cfg.name} ({entry}, {bindings})[/] "
+              f"in {time.perf_counter() - t0:.1f} s")
+
+
+def main() -> None:
+    """Entry point: run the app, printing K3CError as one line (exit 2)."""
+    try:
+        app()
+    except K3CError as e:
+        err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
