@@ -151,7 +151,7 @@ def decode_rows(dev, have_fla, rows):
                              roofline=nbytes / ms / 1e-3 / HBM_BYTES_PER_S))
             print("ROW", rows[-1], flush=True)
 
-        for nw in (4, 8, 16):
+        for nw in (8, 16):
             ms, how = bench(lambda i, nw=nw: kda_decode(**step[i][0], **step[i][1], **step[i][2], num_warps=nw),
                             n_sets)
             add(f"k3c fused decode (num_warps={nw})", ms, how)
@@ -175,6 +175,7 @@ def decode_rows(dev, have_fla, rows):
             def fla_step(i):
                 qkv, cw, a, w, s = fla_sets[i]
                 x = causal_conv1d_update(qkv, s["conv_state"], weight=cw, activation="silu")
+                x = x[0] if isinstance(x, tuple) else x                            # (y, cache) in fla 0.6
                 q, k, v = (t.view(B, 1, H, D) for t in x.split(HD, -1))
                 o, _ = fused_recurrent_kda_fwd(
                     q, k, v, a["f"].view(B, 1, H, D), a["beta_logits"].view(B, 1, H), A_log=w["A_log"],
@@ -203,11 +204,12 @@ def prefill_rows(dev, have_fla, rows, Ts):
                              TFLOPs=flop / ms / 1e9, frac_790=flop / ms / 1e-3 / BF16_FLOP_PER_S))
             print("ROW", rows[-1], flush=True)
 
-        for nw in (4, 8):
+        for nw in (8, 16):
             ms, how = bench(lambda i, nw=nw: kda_prefill(**acts, **weights, **state, method="chunk", num_warps=nw), 1)
             add(f"k3c fused chunked prefill (num_warps={nw})", ms, how)
-        ms, how = bench(lambda i: kda_prefill(**acts, **weights, **state, method="recurrent"), 1)
-        add("k3c fused recurrent prefill", ms, how)
+        if T <= 1024:
+            ms, how = bench(lambda i: kda_prefill(**acts, **weights, **state, method="recurrent"), 1)
+            add("k3c fused recurrent prefill", ms, how)
         if have_fla:
             from fla.modules.causal_conv1d import causal_conv1d
             from fla.modules.norm.fused_norm_gate import rms_norm_gated

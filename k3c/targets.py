@@ -67,7 +67,8 @@ class Target:
         """Dense peak FLOP/s for `dtype`. Raises UnsupportedError if the target has no figure for it."""
         name = flops_dtype(dtype)
         if name not in self.peak_flops:
-            raise UnsupportedError(f"target '{self.name}' has no peak FLOP/s for {name}; it has {sorted(self.peak_flops)}")
+            raise UnsupportedError(f"target '{self.name}' has no peak FLOP/s for {name}; "
+                                   f"it has {sorted(self.peak_flops)}")
         return self.measured.get(f"peak_flops.{name}", self.peak_flops[name]) if measured else self.peak_flops[name]
 
     def to_dict(self) -> dict:

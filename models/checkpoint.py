@@ -120,8 +120,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
                 if key.startswith(_IGNORED) or (cfg.checkpoint_prefix and not key.startswith(cfg.checkpoint_prefix)):
                     continue  # vision tower and other towers of a multimodal checkpoint
                 if key not in expected:
-                    raise CheckpointError(f"{shard.name}: unexpected tensor '{key}' (not part of a {cfg.model_type} model "
-                                          f"with this config)")
+                    raise CheckpointError(f"{shard.name}: unexpected tensor '{key}' of shape {f.get_slice(key).get_shape()} "
+                                          f"(not part of a {cfg.model_type} model with this config)")
                 found[key] = f.get_tensor(key)
     missing = sorted(set(expected) - set(found))
     if missing:

@@ -35,6 +35,7 @@ def specialize(graph: Graph, bindings: dict[str, int], pass_name: str = "special
                 continue
             one = lambda x: x if isinstance(x, int) else (lambda d: d if isinstance(d, int) else str(d))(sub(dim(x)))  # noqa: E731
             node.attrs[k] = one(val) if spec.kind == "dim" else [one(x) for x in val]
+        node.attrs = opdef.normalize_attrs(node.attrs)
         inferred = opdef.infer(node.attrs, [v.type for v in node.inputs])
         for out, t in zip(node.outputs, inferred):
             if out.type.rank != t.rank or out.type.dtype != t.dtype or not all(

@@ -3,7 +3,8 @@
 Checks, in one O(n) walk (plus one type inference per node):
 - every value name is unique; node inputs are defined before use (graph inputs, params, earlier outputs);
   a value defined nowhere in the graph is reported as dangling, one defined later as used before its definition;
-- every op is registered, its attrs match the schema (defaults filled) and are JSON data;
+- every op is registered, its attrs match the schema (every attr present, defaults filled) and are JSON data
+  (dim strings need not be in canonical `dim_str` form: "L + 1" and "L+1" both pass);
 - every node's output types equal its op's inference from its input types (dims compared symbolically);
 - graph outputs exist; every dim uses only symbols in `graph.symbols`;
 - the def-use index matches the node lists (a pass edited `node.inputs` without `set_input`/`rebuild_index`).
@@ -70,8 +71,9 @@ def verify(graph: Graph, *, check_index: bool = True) -> None:
             norm = opdef.normalize_attrs(node.attrs)
         except IRError as e:
             raise IRError(f"{where}: {e}") from None
-        if norm != node.attrs:
-            raise IRError(f"{where}: attrs {node.attrs} are not normalised (expected {norm})")
+        if set(norm) != set(node.attrs):
+            raise IRError(f"{where}: attrs {node.attrs} lack defaults (expected keys {sorted(norm)}; build nodes "
+                          "with graph.add_node or OpDef.normalize_attrs)")
         try:
             expect = opdef.infer(node.attrs, [v.type for v in node.inputs])
         except IRError as e:

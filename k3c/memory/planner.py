@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, bisect_right
 from itertools import chain, compress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
@@ -61,7 +61,7 @@ class MemoryPlan:
     no_reuse_bytes: sum of aligned sizes (bytes): the arena if nothing were shared.
     buffers:        the input buffers, in input order.
     alignment:      the alignment used (bytes).
-    strategy:       the name of the ordering that produced this plan (one of STRATEGIES).
+    strategy:       the ordering that produced this plan (one of STRATEGIES, "+compact" if compaction shrank it).
     """
 
     arena_bytes: int
@@ -71,11 +71,6 @@ class MemoryPlan:
     buffers: tuple[Buffer, ...]
     alignment: int = DEFAULT_ALIGNMENT
     strategy: str = "size"
-    _sizes: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
-
-    def aligned_size(self, name: str) -> int:
-        """Bytes reserved for buffer `name` (its size rounded up to the alignment)."""
-        return self._sizes[name]
 
     def to_json(self) -> dict:
         """Plain JSON data for plan.json: arena, bounds, and buffer -> {offset, bytes, first, last}."""
@@ -145,7 +140,7 @@ def _range_max(values: list[int], queries: list[tuple[int, int]]) -> list[int]:
 
 
 def _best_fit_np(ids: np.ndarray, size: int, off_np: np.ndarray, end_np: np.ndarray, first_fit: bool) -> int:
-    """Vectorised best fit among many conflicting spans: same answer as the scalar loop in `_place`."""
+    """Vectorised gap search (best or first fit) over many conflicting spans: same answer as `_place`'s loop."""
     lo = off_np[ids]
     order = np.argsort(lo, kind="stable")
     lo = lo[order]
@@ -318,7 +313,6 @@ def plan_arena(buffers: Iterable[Buffer], alignment: int = DEFAULT_ALIGNMENT,
         buffers=bufs,
         alignment=alignment,
         strategy=best_name,
-        _sizes=dict(zip(names, sizes)),
     )
 
 

@@ -125,7 +125,8 @@ def _main() -> None:
         ("random 2k buffers", random_schedule(2000, seed=0)),
         ("random 20k buffers", random_schedule(20000, seed=1)),
     ]
-    print(f"{'schedule':46} {'buffers':>8} {'arena/LB':>9} {'noreuse/LB':>11} {'strategy':>8} {'plan s':>7} {'check s':>7}")
+    print(f"{'schedule':46} {'buffers':>8} {'arena/LB':>9} {'noreuse/LB':>11} {'strategy':>8} "
+          f"{'plan s':>7} {'check s':>7}")
     for name, bufs in cases:
         t0 = time.perf_counter()
         plan = plan_arena(bufs)

@@ -32,7 +32,7 @@ def cse_in_place(graph: Graph) -> int:
     for node in graph.nodes:
         if not _mergeable(node.op):
             continue
-        key = (node.op, tuple(id(v) for v in node.inputs), 0,
+        key = (node.op, tuple(id(v) for v in node.inputs), json.dumps(node.attrs, sort_keys=True),
                tuple(str(v.type) for v in node.outputs))
         first = seen.get(key)
         if first is None:

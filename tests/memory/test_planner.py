@@ -143,12 +143,12 @@ def test_transformer_schedules_within_five_percent(layers, tokens, experts):
 def test_twenty_thousand_buffers_plan_fast():
     bufs = transformer_schedule(93, 4096, expert_launches=48, seed=3)
     assert len(bufs) > 20_000
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time of this process: robust to other load on the machine
     plan = plan_arena(bufs)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     validate_plan(plan)
     assert plan.arena_bytes <= 1.05 * plan.lower_bound
-    assert elapsed < 1.5, f"planning {len(bufs)} buffers took {elapsed:.2f} s"  # ~0.2 s idle; slack for loaded CI
+    assert elapsed < 1.0, f"planning {len(bufs)} buffers took {elapsed:.2f} s of CPU"  # ~0.2 s measured
 
 
 def test_plan_json_round_trip_fields():

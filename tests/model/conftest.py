@@ -7,10 +7,10 @@ import pytest
 from modeltest_util import tiny
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny models are dominated by per-op overhead: intra-op threads only add contention on a shared 2-core
-    machine (10x slower decode under load). Restored after each test, so other suites are unaffected."""
+    machine (10x slower decode under load). Restored after each module, so other suites are unaffected."""
     import torch
 
     old = torch.get_num_threads()

@@ -130,7 +130,8 @@ def _launch_kda(kernel, chunked, q_in, k_in, v_in, f, beta_logits, gate_logits, 
     BD = triton.next_power_of_2(D)
     extra = {}
     if chunked:
-        extra = {"BT": 16, "DOT_PRECISION": "tf32" if q_in.device.type == "cuda" else "ieee"}
+        extra = {"BT": 16, "LOG2_BT": 4, "INV_PRECISION": "ieee",
+                 "DOT_PRECISION": "tf32" if q_in.device.type == "cuda" else "ieee"}
     c = [t.contiguous() for t in (q_in, k_in, v_in, f, gate_logits, beta_logits, conv_w_q, conv_w_k, conv_w_v,
                                   A_log, dt_bias, o_norm_weight)]
     kernel[(B, H)](

@@ -5,7 +5,7 @@ dim first) in registers. Within a chunk (positions i, j; gc = cumulative log-dec
 exp(gc); all from K3-SPEC.md "KDA layer", chunk algorithm of Kimi Linear):
 
     A[i, j] = beta_i * sum_d k_i[d] k_j[d] exp(gc_i[d] - gc_j[d])        (j < i, else 0)
-    Tinv    = (I + A)^-1                                               (forward substitution, 16 rows)
+    Tinv    = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8)           (A nilpotent: A^16 = 0)
     Wm      = Tinv @ (beta * Gamma * K)      U = Tinv @ (beta * V) - Wm @ S      (the delta-rule residuals u_i)
     O       = (Q * Gamma) @ S + (P masked j <= i) @ U,   P[i, j] = sum_d q_i k_j exp(gc_i - gc_j)
     S      <- exp(gc_last) * S + (K * exp(gc_last - gc))^T @ U
@@ -45,6 +45,8 @@ def kda_chunk_kernel(
     SCALE: tl.constexpr,                  # q scale D^-0.5 (K3-SPEC)
     HAS_LENGTHS: tl.constexpr, STORE_Y: tl.constexpr,
     BT: tl.constexpr,                     # chunk (tile) length, 16
+    LOG2_BT: tl.constexpr,                # log2(BT)
+    INV_PRECISION: tl.constexpr,          # tl.dot precision inside (I + A)^-1 ("ieee": fp32 FMA, 16x16 only)
     DOT_PRECISION: tl.constexpr,          # tl.dot input precision for fp32 operands ("tf32" or "ieee")
 ):
     b = tl.program_id(0)
@@ -105,12 +107,13 @@ def kda_chunk_kernel(
         P = tl.dot(q * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
         P = tl.where(lower | diag, P, 0.0)
 
-        # Tinv = (I + A)^-1 by forward substitution: row i = e_i - sum_{j<i} A[i, j] Tinv[j, :].
-        Tinv = tl.where(diag, 1.0, 0.0)
-        for i in tl.static_range(1, BT):
-            a_row = tl.sum(tl.where(i_t[:, None] == i, A, 0.0), 0)
-            t_row = tl.sum(a_row[:, None] * Tinv, 0)
-            Tinv = tl.where(i_t[:, None] == i, Tinv - t_row[None, :], Tinv)
+        # Tinv = (I + A)^-1. A is strictly lower triangular, so A^BT = 0 and
+        # (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)(I + A^8): log2(BT) - 1 squarings, no row loop.
+        power = A
+        Tinv = tl.where(diag, 1.0, 0.0) - A
+        for _ in tl.static_range(LOG2_BT - 1):
+            power = tl.dot(power, power, input_precision=INV_PRECISION)
+            Tinv = Tinv + tl.dot(Tinv, power, input_precision=INV_PRECISION)
 
         gamma = tl.exp(gc)
         Wm = tl.dot(Tinv, (beta[:, None] * gamma) * k, input_precision=DOT_PRECISION)

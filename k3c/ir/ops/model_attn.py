@@ -36,7 +36,9 @@ def mla_attention_ref(attrs, q, k_or_kv, v=None, idx=None):
     absorbed=False: q [B,T,H,D], k [B,S,H,D], v [B,S,H,Dv] -> [B,T,H,Dv]
     absorbed=True:  q [B,T,H,D], kv [B,S,D] (latent | k_pe, shared by all heads) -> [B,T,H,v_dim] using
                     kv[..., :v_dim] as values (MQA over the latent, FlashMLA layout)
-    scores = q·k · scale; causal mask if `causal`; restricted to `idx` [B,T,k] (−1 unused) when given (DSA).
+    scores = q·k · scale; causal mask if `causal`; restricted to `idx` [B,T,k] (−1 unused) when given (DSA),
+    unless the guard `dense_max_keys` is set and S ≤ dense_max_keys: then idx is ignored (dense path; exactly equal
+    when idx is the causal top-`dense_max_keys`, which then selects every visible key).
     """
     qf = q.float()
     if attrs["absorbed"]:
@@ -51,7 +53,8 @@ def mla_attention_ref(attrs, q, k_or_kv, v=None, idx=None):
     allow = torch.ones(q.shape[0], T, S, dtype=torch.bool)
     if attrs["causal"]:
         allow = allow & causal_visible(T, S)
-    if idx is not None:
+    guard = attrs.get("dense_max_keys")
+    if idx is not None and (guard is None or S > guard):
         allow = allow & _index_mask(idx, S)
     p = torch.softmax(scores.masked_fill(~allow[:, None], float("-inf")), -1)
     if attrs["absorbed"]:
@@ -69,14 +72,15 @@ def _mla_flops(a, ins, outs):
 
 @op("mla_attention", inputs=["q", "k", "v?", "idx?"],
     attrs={"absorbed": Attr("bool", False), "causal": Attr("bool", True), "scale": Attr("float"),
-           "v_dim": Attr("int", None)},
+           "v_dim": Attr("int", None), "dense_max_keys": Attr("int", None)},
     kind="model", ref=lambda a, *t: mla_attention_ref(a, *t) if not a["absorbed"] else mla_attention_ref(
         a, t[0], t[1], None, t[2] if len(t) > 2 else None), flops=_mla_flops)
 def _mla_attention(attrs, q, k, v=None, idx=None):
-    """mla_attention {absorbed, causal=True, scale, v_dim}: see `mla_attention_ref`.
+    """mla_attention {absorbed, causal=True, scale, v_dim, dense_max_keys=None}: see `mla_attention_ref`.
 
     Inputs: unabsorbed (q, k, v[, idx]); absorbed (q, kv[, idx]) with v_dim set. idx: i64 [B,T,topk] from
-    `dsa_index_topk`. Output q.dtype.
+    `dsa_index_topk`. dense_max_keys (DSA guard, set by place_dsa to topk; needs idx): while the key count
+    S ≤ dense_max_keys the dense causal path runs and idx is not read. Output q.dtype.
     """
     n = "mla_attention"
     need_rank(n, q, 4, "q")
@@ -104,6 +108,8 @@ def _mla_attention(attrs, q, k, v=None, idx=None):
         for i in range(3):
             need_eq(n, v.shape[i], k.shape[i], f"v dim {i} vs k")
         out = TensorType((B, T, H, v.shape[3]), q.dtype)
+    if attrs["dense_max_keys"] is not None and (idx is None or attrs["dense_max_keys"] < 1):
+        raise IRError(f"{n}: dense_max_keys needs an idx input and must be >= 1")
     if idx is not None:
         need_dtype(n, idx, {"i64"}, "idx")
         need_rank(n, idx, 3, "idx")

@@ -1,0 +1,146 @@
+"""Hardware retargeting: what a K3-family model needs on a given chip and GPU count, without the hardware.
+
+`estimate(cfg, target, tp, max_batch, max_seq, context)` returns per-GPU memory (weights + persistent cache pools)
+and a roofline estimate of one decode step. Assumptions, each stated where it is used:
+- weights are split evenly over `tp` GPUs (tensor parallel for attention/dense, expert parallel for experts);
+  routed experts are stored as MXFP4 (4 bits + one E8M0 byte per 32 values = 4.25 bits) when the config's
+  `quantization_config` says so, fp32 for the published fp32 parameters, bf16 for the rest;
+- a decode step reads every non-expert weight once, and the experts that the batch touches: with uniform routing,
+  the expected number of distinct experts of E chosen by B tokens taking k each is E·(1 − (1 − k/E)^B);
+- caches: KDA state read + written (fp32), MLA latent read for every visible token (DSA: the top-k only, plus the
+  index keys of every token), per `k3c.memory.pools`;
+- FLOPs: 2 per active parameter per token, plus attention (latent scores and outputs, indexer scores);
+- tensor parallelism adds two all-reduces of [B, D] bf16 per layer, ring cost 2·(tp−1)/tp · bytes / link bandwidth.
+Roofline: Williams, Waterman & Patterson (2009); time = max(FLOPs / peak, bytes / bandwidth) + communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from k3c.errors import ConfigError
+from k3c.memory.pools import cache_pools, pools_total_bytes
+from k3c.targets import Target, load_target
+from models.config import K3Config
+from models.layers import FP32_PARAM_SUFFIXES
+
+MXFP4_BITS = 4 + 8 / 32  # E2M1 value + a shared E8M0 scale per 32 values (OCP MX spec v1.0)
+
+
+@dataclass
+class Estimate:
+    """Per-GPU figures in bytes, FLOP and seconds; `fits` compares weights + pools with the target's memory."""
+
+    model: str
+    target: str
+    tp: int
+    params: int
+    active_params_per_token: int
+    weight_bytes_per_gpu: int
+    pool_bytes_per_gpu: int
+    pools: dict
+    memory_bytes: int
+    fits: bool
+    min_gpus: int
+    decode_batch: int
+    decode_context: int
+    decode_bytes_per_gpu: float
+    decode_flops_per_gpu: float
+    decode_comm_s: float
+    decode_step_s: float
+    decode_bound: str
+    decode_tokens_per_s: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Weights:
+    """Parameter counts and bytes as published (see the module docstring for the storage assumptions)."""
+
+    params: int
+    expert_params: int
+    nbytes: int
+    expert_bytes: int
+    bytes_per_expert_layer: float  # one routed expert of one MoE layer (w1 + w2 + w3)
+
+
+def weights(cfg: K3Config) -> Weights:
+    """Count the parameters of `cfg` on the meta device and size them as the published checkpoint stores them."""
+    from k3c.frontend import build_meta_model
+
+    w = Weights(0, 0, 0, 0, 0.0)
+    for name, p in build_meta_model(cfg).named_parameters():
+        n = p.numel()
+        w.params += n
+        if ".experts.w" in name:
+            b = n * MXFP4_BITS / 8 if cfg.expert_quantization == "mxfp4" else n * 2
+            w.expert_params += n
+            w.expert_bytes += int(b)
+            w.bytes_per_expert_layer += b / p.shape[0]
+        else:
+            b = n * (4 if name.endswith(FP32_PARAM_SUFFIXES) else 2)
+        w.nbytes += int(b)
+    moe_layers = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
+    w.bytes_per_expert_layer /= max(moe_layers, 1)
+    return w
+
+
+def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 1, max_seq: int = 1 << 20,
+             context: int | None = None, dtype: str = "bfloat16") -> Estimate:
+    """Memory per GPU and a decode-step roofline for `cfg` on `tp` GPUs of `target` (see the module docstring).
+
+    max_batch / max_seq bound the caches; the decode step is estimated at batch `max_batch` and `context` cached
+    tokens (default max_seq). Raises ConfigError for tp < 1 or bounds < 1.
+    """
+    target = load_target(target)
+    if tp < 1 or max_batch < 1 or max_seq < 1:
+        raise ConfigError(f"tp ({tp}), max_batch ({max_batch}) and max_seq ({max_seq}) must be >= 1")
+    context = max_seq if context is None else context
+    kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
+    n_kda, n_dsa = kinds.count("kda"), kinds.count("dsa")
+    n_global = len(kinds) - n_kda
+    moe_layers = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
+    w = weights(cfg)
+    weight_bytes, expert_bytes, per_expert = w.nbytes, w.expert_bytes, w.bytes_per_expert_layer
+    E, k = cfg.num_experts, cfg.num_experts_per_token
+    active = w.params - w.expert_params + w.expert_params * k // E
+    pools = cache_pools(max_batch=max_batch, max_seq=max_seq, kda_layers=n_kda, kda_heads=-(-cfg.kda_num_heads // tp),
+                        kda_head_dim=cfg.kda_head_dim, kda_conv_kernel=cfg.conv_kernel_size, global_layers=n_global,
+                        kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim, dsa_layers=n_dsa,
+                        index_head_dim=cfg.index_head_dim)
+    pool_bytes = pools_total_bytes(pools)
+    weight_gpu = weight_bytes // tp
+    # decode step, per GPU
+    B, L = max_batch, context
+    touched = E * (1 - (1 - k / E) ** B) if E else 0
+    w_read = (weight_bytes - expert_bytes - cfg.vocab_size * cfg.hidden_size * 2) + touched * per_expert * moe_layers
+    kda_state = pools["kda_state"].nbytes // max_batch * B if n_kda else 0
+    lat = cfg.mla_cache_width * 2
+    attn_tokens = min(L, cfg.index_topk) if n_dsa else L
+    kv_read = B * ((n_global - n_dsa) * L * lat + n_dsa * (attn_tokens * lat + L * cfg.index_head_dim))
+    bytes_gpu = (w_read + 2 * kda_state + kv_read) / tp
+    H = cfg.num_attention_heads
+    attn_flops = B * n_global * 2 * H * attn_tokens * (cfg.mla_cache_width + cfg.kv_lora_rank)
+    attn_flops += B * n_dsa * 2 * cfg.index_num_heads * cfg.index_head_dim * L
+    kda_flops = B * n_kda * cfg.kda_num_heads * cfg.kda_head_dim ** 2 * 8
+    flops_gpu = (2 * active * B + attn_flops + kda_flops) / tp
+    comm = 0.0
+    if tp > 1:
+        link = target.interconnect_bandwidth
+        if not link:
+            raise ConfigError(f"target '{target.name}' has no interconnect bandwidth; tp > 1 needs one")
+        comm = 2 * cfg.num_hidden_layers * 2 * (tp - 1) / tp * B * cfg.hidden_size * 2 / link
+    compute_s, memory_s = flops_gpu / target.peak(dtype, measured=True), bytes_gpu / target.bandwidth(measured=True)
+    step = max(compute_s, memory_s) + comm
+    need = weight_bytes + pool_bytes * tp  # pools are per rank (latent KV replicated)
+    mem = int(target.measured.get("memory_bytes", target.memory_bytes))
+    min_gpus = next((n for n in range(1, 4097) if weight_bytes / n + pool_bytes <= mem), 0)
+    return Estimate(cfg.name, target.name, tp, w.params, int(active), weight_gpu, pool_bytes,
+                    {k_: p.to_json() for k_, p in pools.items()}, mem, weight_gpu + pool_bytes <= mem, min_gpus,
+                    B, L, bytes_gpu, flops_gpu, comm, step, "compute" if compute_s > memory_s else "memory",
+                    B / step)
+
+
+__all__ = ["Estimate", "MXFP4_BITS", "Weights", "estimate", "weights"]

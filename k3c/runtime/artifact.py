@@ -1,0 +1,443 @@
+"""Artifact I/O: write an artifact directory atomically and deterministically, read and verify it, pack it.
+
+Layout (DESIGN.md "Artifact"): `manifest.json` (format_version, k3c_version, config, target, tp, bounds,
+entry_points, files: {relpath: sha256 hex}), `graph/`, `kernels/`, `plan.json`, `schedule.json`, `report.json`
+and optional `weights/` (safetensors; absent for a plan-only build). A `.k3c` file is the same tree as one
+uncompressed tar (manifest first, then the files in sorted order, mtimes/uids zeroed), readable in place.
+
+Runtime code: imports only the standard library, torch, safetensors and k3c.errors, never the compiler.
+Determinism: identical inputs give byte-identical files: JSON with sorted keys, fixed separators, a trailing
+newline; safetensors written here with sorted header keys and fixed metadata; no timestamps anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tarfile
+import uuid
+import weakref
+from functools import cached_property
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterable, Mapping
+
+import safetensors
+import safetensors.torch
+import torch
+
+from k3c import __version__
+from k3c.errors import ArtifactError
+
+FORMAT_VERSION = 1  # the artifact format this runtime writes and reads; bump on any incompatible change
+MANIFEST = "manifest.json"
+REQUIRED_FILES = ("plan.json", "schedule.json", "report.json")
+_CHUNK = 1 << 22
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def canonical_json(obj: Any, what: str = "JSON") -> bytes:
+    """UTF-8 JSON with sorted keys, 2-space indent, fixed separators and a trailing newline.
+    Raises ArtifactError (naming `what`) for NaN/inf or values JSON cannot hold."""
+    try:
+        text = json.dumps(obj, sort_keys=True, indent=2, separators=(",", ": "), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise ArtifactError(f"{what}: cannot be written as JSON: {err}") from None
+    return (text + "\n").encode("utf-8")
+
+
+def safetensors_chunks(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None):
+    """Yield the bytes of a safetensors file for `tensors` (any device/layout; written as CPU contiguous).
+
+    Header keys sorted; data ordered by element size (desc) then name, so every tensor is aligned to its element
+    size; metadata `{"format": "pt", **metadata}` (str -> str). Raises ArtifactError for unsupported dtypes,
+    non-str names or metadata."""
+    meta = {"format": "pt", **(metadata or {})}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise ArtifactError("safetensors metadata must map str to str")
+    items = {}
+    for name, t in tensors.items():
+        if not isinstance(name, str) or name == "__metadata__" or not isinstance(t, torch.Tensor):
+            raise ArtifactError(f"safetensors: bad entry {name!r} (need str name -> torch.Tensor)")
+        if t.dtype not in _ST_DTYPES:
+            raise ArtifactError(f"safetensors: tensor '{name}' has unsupported dtype {t.dtype}")
+        items[name] = t.detach().to("cpu").contiguous()
+    order = sorted(items, key=lambda n: (-items[n].element_size(), n))
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for name in order:
+        t = items[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    head += b" " * (-len(head) % 8)
+    yield struct.pack("<Q", len(head)) + head
+    for name in order:
+        if items[name].numel():
+            yield memoryview(items[name].reshape(-1).view(torch.uint8).numpy())
+
+
+def _check_relpath(relpath: str) -> str:
+    parts = PurePosixPath(relpath).parts if isinstance(relpath, str) else ()
+    if (not parts or relpath.startswith("/") or "\\" in relpath or any(p in ("", ".", "..") for p in parts)
+            or "/".join(parts) != relpath or relpath == MANIFEST):
+        raise ArtifactError(f"artifact file name {relpath!r} must be a plain relative path (not {MANIFEST})")
+    return relpath
+
+
+class ArtifactWriter:
+    """Collects an artifact's files in a staging directory next to `out_dir`, then `commit()` renames it in.
+
+    Files are streamed to disk as they are added (weights need not fit in memory) and hashed on the way.
+    `out_dir` must not exist, unless `force`: then an existing artifact directory (one with a manifest.json,
+    or an empty directory) is replaced: renamed away, the new one renamed in, the old one deleted. Use as a
+    context manager: an exception inside the block, a failed commit, or leaving the block without committing
+    removes the staging directory and leaves `out_dir` as it was. Raises ArtifactError.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, force: bool = False):
+        self.out_dir = Path(out_dir).absolute()
+        self.force = force
+        self._hashes: dict[str, str] = {}
+        self._staging: Path | None = None
+        self._cleanup = None
+        self._done = False
+        self._check_target()
+
+    def _check_target(self) -> None:
+        out = self.out_dir
+        if not (out.exists() or out.is_symlink()):
+            return
+        if not self.force:
+            raise ArtifactError(f"{out} already exists; pass force=True (--force) to replace it")
+        if out.is_symlink() or not out.is_dir() or not ((out / MANIFEST).is_file() or not any(out.iterdir())):
+            raise ArtifactError(f"refusing to replace {out}: it is not a k3c artifact directory")
+
+    def _ensure_staging(self) -> Path:
+        if self._staging is None:
+            self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+            self._staging = self.out_dir.parent / f".{self.out_dir.name}.tmp-{uuid.uuid4().hex}"
+            self._staging.mkdir()
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self._staging, True)
+        return self._staging
+
+    def _stage(self, relpath: str) -> Path:
+        if self._done:
+            raise ArtifactError(f"artifact {self.out_dir} is already committed or aborted")
+        if _check_relpath(relpath) in self._hashes:
+            raise ArtifactError(f"artifact file {relpath} added twice")
+        path = self._ensure_staging() / relpath
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ArtifactError(f"cannot add artifact file {relpath}: {err}") from None
+        return path
+
+    def _write(self, relpath: str, chunks: Iterable[bytes | memoryview]) -> None:
+        path = self._stage(relpath)
+        digest = hashlib.sha256()
+        try:
+            with open(path, "xb") as f:
+                for chunk in chunks:
+                    digest.update(chunk)
+                    f.write(chunk)
+        except BaseException as err:
+            path.unlink(missing_ok=True)  # a half-written file must not stay in the staging directory
+            if isinstance(err, OSError):
+                raise ArtifactError(f"cannot write artifact file {relpath}: {err}") from None
+            raise
+        self._hashes[relpath] = digest.hexdigest()
+
+    def add_bytes(self, relpath: str, data: bytes) -> None:
+        """Add a file with these exact bytes (e.g. a compiled kernel)."""
+        self._write(relpath, [bytes(data)])
+
+    def add_text(self, relpath: str, text: str) -> None:
+        """Add a UTF-8 text file (e.g. generated kernel source, the IR's text form)."""
+        self._write(relpath, [text.encode("utf-8")])
+
+    def add_json(self, relpath: str, obj: Any) -> None:
+        """Add a JSON file in canonical form (see canonical_json)."""
+        self._write(relpath, [canonical_json(obj, relpath)])
+
+    def add_tensors(self, relpath: str, tensors: Mapping[str, torch.Tensor],
+                    metadata: Mapping[str, str] | None = None) -> None:
+        """Add a deterministic safetensors file (see safetensors_chunks), e.g. `weights/rank0.safetensors`."""
+        self._write(relpath, safetensors_chunks(tensors, metadata))
+
+    def commit(self, *, config: dict, target: dict, tp: int, bounds: dict, entry_points: dict,
+               extra: dict | None = None) -> Path:
+        """Write manifest.json and move the artifact into `out_dir` atomically; returns `out_dir`.
+
+        config: the model config dict; target: Target.to_dict(); tp: tensor-parallel degree (>= 1); bounds:
+        compile bounds (max_batch, max_seq, ...); entry_points: name -> description (prefill, decode);
+        extra: optional JSON data stored as manifest["extra"]. Raises ArtifactError: a required file
+        (plan.json, schedule.json, report.json) is missing, a bad field, or out_dir appeared meanwhile.
+        """
+        if self._done:
+            raise ArtifactError(f"artifact {self.out_dir} is already committed or aborted")
+        try:
+            for name, value, kind in (("config", config, dict), ("target", target, dict), ("bounds", bounds, dict),
+                                      ("entry_points", entry_points, dict), ("extra", extra or {}, dict)):
+                if not isinstance(value, kind):
+                    raise ArtifactError(f"manifest field {name} must be a {kind.__name__}, got {type(value).__name__}")
+            if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+                raise ArtifactError(f"manifest field tp must be an int >= 1, got {tp!r}")
+            missing = [f for f in REQUIRED_FILES if f not in self._hashes]
+            if missing:
+                raise ArtifactError(f"artifact {self.out_dir} lacks required file(s): {', '.join(missing)}")
+            manifest = {"format_version": FORMAT_VERSION, "k3c_version": __version__, "config": config,
+                        "target": target, "tp": tp, "bounds": bounds, "entry_points": entry_points,
+                        "files": dict(sorted(self._hashes.items()))}
+            if extra:
+                manifest["extra"] = extra
+            data = canonical_json(manifest, MANIFEST)
+            staging = self._ensure_staging()
+            (staging / MANIFEST).write_bytes(data)
+            self._check_target()
+            self._swap_in(staging)
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        self._cleanup.detach()
+        return self.out_dir
+
+    def _swap_in(self, staging: Path) -> None:
+        out = self.out_dir
+        if not (out.exists() or out.is_symlink()):
+            os.rename(staging, out)
+            return
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex}"
+        os.rename(out, old)
+        try:
+            os.rename(staging, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        """Drop everything added so far; `out_dir` is left as it was. Safe to call twice."""
+        self._done = True
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            if self._cleanup is not None:
+                self._cleanup.detach()
+
+    def __enter__(self) -> ArtifactWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._done:
+            self.abort()
+
+
+class _Source:
+    """Read access to an artifact's files, by relative path: size, open (positioned at the data), chunks."""
+
+    def chunks(self, rel: str):
+        left = self.size(rel)
+        with self.open(rel) as f:
+            while left:
+                chunk = f.read(min(left, _CHUNK))
+                if not chunk:
+                    raise ArtifactError(f"{self.path}: {rel} is truncated")
+                left -= len(chunk)
+                yield chunk
+
+
+class _DirSource(_Source):
+    def __init__(self, root: Path):
+        self.root = self.path = root
+
+    def names(self) -> set[str]:
+        out = set()
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+                path = Path(dirpath, name)
+                rel = path.relative_to(self.root).as_posix()
+                if path.is_symlink() or not path.is_file():
+                    raise ArtifactError(f"{self.root}: {rel} is not a regular file")
+                out.add(rel)
+        return out
+
+    def size(self, rel: str) -> int:
+        return (self.root / rel).stat().st_size
+
+    def open(self, rel: str):
+        return open(self.root / rel, "rb")
+
+
+class _TarSource(_Source):
+    def __init__(self, path: Path):
+        self.path, self.index = path, {}
+        try:
+            with tarfile.open(path, "r:") as tar:
+                for m in tar:
+                    if not m.isfile() or m.name in self.index or (m.name != MANIFEST and not _check_relpath(m.name)):
+                        raise ArtifactError(f"{path}: archive entry {m.name!r} is not a unique plain file")
+                    self.index[m.name] = (m.offset_data, m.size)
+        except (tarfile.TarError, OSError) as err:
+            raise ArtifactError(f"{path}: not an artifact directory or .k3c archive ({err})") from None
+
+    def names(self) -> set[str]:
+        return set(self.index)
+
+    def size(self, rel: str) -> int:
+        return self.index[rel][1]
+
+    def open(self, rel: str):
+        """A file object positioned at the entry's data (read at most size(rel) bytes from it)."""
+        f = open(self.path, "rb")
+        f.seek(self.index[rel][0])
+        return f
+
+
+class Artifact:
+    """A loaded artifact: `manifest` (dict) read eagerly, files read on demand and checked against their hash.
+
+    path: the directory or .k3c file; files: relpath -> sha256 from the manifest (manifest.json excluded).
+    """
+
+    def __init__(self, path: Path, manifest: dict, source: _DirSource | _TarSource, verified: set[str]):
+        self.path, self.manifest, self._source, self._verified = path, manifest, source, verified
+        self.files: dict[str, str] = manifest["files"]
+
+    @property
+    def format_version(self) -> int:
+        return self.manifest["format_version"]
+
+    @property
+    def has_weights(self) -> bool:
+        """True unless this is a plan-only build (no files under weights/)."""
+        return any(f.startswith("weights/") for f in self.files)
+
+    def _known(self, rel: str) -> None:
+        if rel not in self.files:
+            raise ArtifactError(f"{self.path}: artifact has no file {rel}")
+
+    def read_bytes(self, rel: str) -> bytes:
+        """The bytes of file `rel`. Raises ArtifactError if unknown or its sha256 differs from the manifest."""
+        self._known(rel)
+        data = b"".join(self._source.chunks(rel))
+        if hashlib.sha256(data).hexdigest() != self.files[rel]:
+            raise ArtifactError(f"{self.path}: {rel} is corrupted (sha256 differs from the manifest)")
+        return data
+
+    def read_text(self, rel: str) -> str:
+        return self.read_bytes(rel).decode("utf-8")
+
+    def read_json(self, rel: str) -> Any:
+        try:
+            return json.loads(self.read_bytes(rel))
+        except ValueError as err:
+            raise ArtifactError(f"{self.path}: {rel} is not valid JSON: {err}") from None
+
+    def load_tensors(self, rel: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """Tensors of a safetensors file. Verified directory files are memory-mapped; else read and checked."""
+        self._known(rel)
+        try:
+            if isinstance(self._source, _DirSource) and rel in self._verified:
+                return safetensors.torch.load_file(str(self.path / rel), device=device)
+            return {k: v.to(device) for k, v in safetensors.torch.load(self.read_bytes(rel)).items()}
+        except (OSError, ValueError, RuntimeError, safetensors.SafetensorError) as err:
+            raise ArtifactError(f"{self.path}: {rel} is not a valid safetensors file: {err}") from None
+
+    @cached_property
+    def plan(self) -> dict:
+        return self.read_json("plan.json")
+
+    @cached_property
+    def schedule(self) -> dict:
+        return self.read_json("schedule.json")
+
+    @cached_property
+    def report(self) -> dict:
+        return self.read_json("report.json")
+
+
+def read_artifact(path: str | os.PathLike, verify: bool = True) -> Artifact:
+    """Open an artifact directory or `.k3c` archive.
+
+    Checks: manifest.json parses; format_version is an int this runtime reads (FORMAT_VERSION); every file the
+    manifest lists is present and no other file is; the required files are listed; with `verify`, every file's
+    sha256 (else each file is checked when read). Raises ArtifactError naming the artifact and the file.
+    """
+    p = Path(path)
+    if p.is_dir():
+        source: _DirSource | _TarSource = _DirSource(p)
+    elif p.is_file():
+        source = _TarSource(p)
+    else:
+        raise ArtifactError(f"{p}: no such artifact (expected a directory or a .k3c file)")
+    names = source.names()
+    if MANIFEST not in names:
+        raise ArtifactError(f"{p}: missing {MANIFEST}")
+    try:
+        manifest = json.loads(b"".join(source.chunks(MANIFEST)))
+    except ValueError as err:
+        raise ArtifactError(f"{p}: {MANIFEST} is not valid JSON: {err}") from None
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ArtifactError(f"{p}: {MANIFEST} has no valid format_version (found {version!r})")
+    if version > FORMAT_VERSION:
+        raise ArtifactError(f"{p}: artifact format version {version} (written by k3c "
+                            f"{manifest.get('k3c_version', '?')}) is newer than this runtime reads (format "
+                            f"version {FORMAT_VERSION}, k3c {__version__}); upgrade k3c or recompile")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise ArtifactError(f"{p}: {MANIFEST} has no valid 'files' map")
+    missing = sorted(set(files) - names)
+    if missing:
+        raise ArtifactError(f"{p}: missing file(s) listed in the manifest: {', '.join(missing)}")
+    unlisted = sorted(names - set(files) - {MANIFEST})
+    if unlisted:
+        raise ArtifactError(f"{p}: file(s) not listed in the manifest: {', '.join(unlisted)}")
+    absent = [f for f in REQUIRED_FILES if f not in files]
+    if absent:
+        raise ArtifactError(f"{p}: manifest lacks required file(s): {', '.join(absent)}")
+    verified = set()
+    if verify:
+        for rel in sorted(files):
+            digest = hashlib.sha256()
+            for chunk in source.chunks(rel):
+                digest.update(chunk)
+            if digest.hexdigest() != files[rel]:
+                raise ArtifactError(f"{p}: {rel} is corrupted (sha256 differs from the manifest)")
+            verified.add(rel)
+    return Artifact(p, manifest, source, verified)
+
+
+def pack(src: str | os.PathLike, out: str | os.PathLike | None = None, force: bool = False) -> Path:
+    """Pack a verified artifact (directory or .k3c) into one deterministic tar `out` (default `<src>.k3c`).
+
+    Entries: manifest.json, then files in sorted order; mode 0644, uid/gid 0, no user names, mtime 0; PAX
+    format. Written to a temporary file and renamed in. Raises ArtifactError: src fails verification, or `out`
+    exists and not `force`."""
+    art = read_artifact(src)
+    src_path = Path(src)
+    dest = Path(out) if out is not None else src_path.parent / (src_path.name + ".k3c")
+    if dest.exists() and not force:
+        raise ArtifactError(f"{dest} already exists; pass force=True to replace it")
+    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for rel in [MANIFEST] + sorted(art.files):
+                info = tarfile.TarInfo(rel)
+                info.size, info.mode, info.mtime = art._source.size(rel), 0o644, 0
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                with art._source.open(rel) as data:
+                    tar.addfile(info, data)
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dest
+

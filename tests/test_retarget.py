@@ -1,0 +1,58 @@
+"""Hardware retargeting estimates, checked against arithmetic from the published configs and K3-SPEC.md."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from k3c.retarget import MXFP4_BITS, estimate, weights
+from models.config import K3Config
+
+
+@pytest.fixture(scope="module")
+def k3():
+    return K3Config.from_pretrained("k3")
+
+
+def test_k3_parameter_count_matches_the_report(k3):
+    """K3 report (seeds/k3-architecture-summary): 2.78T total, 104.2B active. The experts alone are
+    92 MoE layers x 896 experts x 3 x 3072 x 3584 = 2.7235T, computed here independently of the model code."""
+    w = weights(k3)
+    assert w.expert_params == 92 * 896 * 3 * 3072 * 3584
+    assert abs(w.params / 2.78e12 - 1) < 0.01
+    e = estimate(k3, "h200", tp=16)
+    assert abs(e.active_params_per_token / 104.2e9 - 1) < 0.02
+    # MXFP4 experts: 4.25 bits per value
+    assert w.expert_bytes == pytest.approx(w.expert_params * MXFP4_BITS / 8, rel=1e-9)
+
+
+def test_k31_pro_pools_match_spec_arithmetic():
+    cfg = K3Config.from_pretrained("k3.1-pro")
+    e = estimate(cfg, "h200", tp=1, max_batch=1, max_seq=1 << 20)
+    assert e.pools["mla_latent_kv"]["bytes"] == 24 * (1 << 20) * 576 * 2          # ~27.6 GB (K3-SPEC)
+    assert e.pools["dsa_index_keys"]["bytes"] == 24 * (1 << 20) * 128              # FP8, ~3 GB at 1M tokens
+    assert e.pools["kda_state"]["bytes"] == 69 * 96 * 128 * 128 * 4                # fp32 (K3-SPEC's 207 MiB is bf16)
+
+
+def test_memory_fit_and_min_gpus(k3):
+    e8, e16 = estimate(k3, "h200", tp=8), estimate(k3, "h200", tp=16)
+    assert not e8.fits and e16.fits
+    assert e8.weight_bytes_per_gpu * 8 == pytest.approx(e16.weight_bytes_per_gpu * 16, rel=1e-6)
+    n = e16.min_gpus
+    total = weights(k3).nbytes
+    assert total / n + e16.pool_bytes_per_gpu <= e16.memory_bytes < total / (n - 1) + e16.pool_bytes_per_gpu
+
+
+def test_decode_roofline_scales_with_gpus_and_context(k3):
+    a, b = estimate(k3, "h200", tp=8, context=4096), estimate(k3, "h200", tp=16, context=4096)
+    assert b.decode_step_s < a.decode_step_s and a.decode_bound == "memory"
+    long = estimate(k3, "h200", tp=16, context=1 << 20)
+    assert long.decode_bytes_per_gpu > b.decode_bytes_per_gpu
+
+
+def test_cli_plan_bad_tp_is_one_line_error():
+    r = subprocess.run([sys.executable, "-m", "k3c.cli", "plan", "k3", "--tp", "x"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "--tp" in r.stderr
