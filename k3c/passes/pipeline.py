@@ -37,7 +37,7 @@ Pass = Callable[[Graph], Graph]
 #: The compilation, phase by phase. Edit here to add, reorder or drop a pass.
 PHASES: dict[str, list[str]] = {
     "cleanup": ["dce", "cse", "canonicalize"],
-    "model": ["fuse_kda", "absorb_mla", "place_dsa", "lower_attn_res", "lower_moe", "dce"],
+    "model": ["fuse_kda", "lower_moe", "lower_attn_res", "absorb_mla", "place_dsa", "dce"],
     "parallel": ["shard_tp", "split_allreduce"],
     "kernels": ["form_kernels"],
     "memory": ["plan_memory"],

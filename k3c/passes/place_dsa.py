@@ -65,10 +65,11 @@ def _join_key_projection(graph: Graph, prefix: str, key_of: dict) -> list[Node]:
                           TensorType((n_kv + n_ik, w_kv.type.shape[1]), w_kv.type.dtype), "cat", [k_kv, k_ik],
                           {"dim": 0})
     meta = {"pass": "place_dsa", "layer": lin_kv.meta.get("layer"), "source": "latent KV + index key projection"}
-    fused = graph.add("linear", x, w, name_hint=f"l{prefix.split('.')[1]}.kv_index_proj", meta=meta)
-    sizes = [*split.attrs["sizes"], n_ik]
-    parts = graph.add_node("split", [fused], {"sizes": sizes, "dim": -1}, meta=meta,
-                           name_hint=f"l{prefix.split('.')[1]}.kv_index_proj")
+    with graph.inserting_before(lin_kv):
+        fused = graph.add("linear", x, w, name_hint=f"l{prefix.split('.')[1]}.kv_index_proj", meta=meta)
+        sizes = [*split.attrs["sizes"], n_ik]
+        parts = graph.add_node("split", [fused], {"sizes": sizes, "dim": -1}, meta=meta,
+                               name_hint=f"l{prefix.split('.')[1]}.kv_index_proj")
     for old, new in zip(split.outputs + lin_ik.outputs, parts):
         graph.replace_all_uses(old, new)
     return [graph.producer(fused), graph.producer(parts[0]), *group]
@@ -168,9 +169,6 @@ def place_dsa(graph: Graph) -> Graph:
     movable: set[int] = set()
     for t, group in zip(tops, groups):
         group = [n for n in group if id(n) in pos]
-        if group and group[0].op == "linear":  # the fused projection takes the place of the latent one
-            lo = min(pos[id(n)] for n in group[2:])
-            pos[id(group[0])], pos[id(group[1])] = lo - 0.5, lo - 0.25
         movable.update(id(n) for n in group)
         stop = set(graph.inputs) | set(graph.params.values())
         movable.update(id(n) for n in _private_producers(graph, t, stop))

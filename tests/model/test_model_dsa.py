@@ -7,7 +7,7 @@ import torch
 
 from models.config import K3Config
 from models.layers import MLA
-from modeltest_util import tiny
+from modeltest_util import record, rel_err, tiny
 
 CFG = K3Config.from_pretrained("k3.1-pro-tiny")
 TOPK = CFG.index_topk
@@ -195,3 +195,50 @@ def test_topk_matches_reference_ranking_on_random_scores():
     for t in range(30):
         ranked = sorted(range(t + 1), key=lambda s: (-S[0, t, s].item(), s))[:TOPK]
         assert idx[0, t, :len(ranked)].tolist() == ranked
+
+
+# ---- the dense MLA itself, against the spec -----------------------------------------------------------------------
+def reference_mla(layer, cfg: K3Config, x: torch.Tensor) -> torch.Tensor:
+    """Gated MLA, NoPE (K3-SPEC.md "Gated MLA"), causal over x, float64, token by token."""
+    P = {n: p.detach().double() for n, p in layer.named_parameters()}
+    A, nope, rope, vd, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+
+    def rms(v, w):
+        return v / torch.sqrt((v * v).mean(-1, keepdim=True) + 1e-6) * w
+
+    x = x.double()
+    B, T, D = x.shape
+    if cfg.q_lora_rank is None:
+        q = x @ P["q_proj.weight"].T
+    else:
+        q = rms(x @ P["q_a_proj.weight"].T, P["q_a_layernorm.weight"]) @ P["q_b_proj.weight"].T
+    q = q.reshape(B, T, A, nope + rope)
+    ckv = x @ P["kv_a_proj_with_mqa.weight"].T
+    c, k_pe = ckv[..., :r], ckv[..., r:]
+    kv = (rms(c, P["kv_a_layernorm.weight"]) @ P["kv_b_proj.weight"].T).reshape(B, T, A, nope + vd)
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    out = torch.zeros(B, T, A, vd, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            for h in range(A):
+                s = torch.stack([(q[b, t, h, :nope] @ k_nope[b, j, h] + q[b, t, h, nope:] @ k_pe[b, j])
+                                 for j in range(t + 1)]) * (nope + rope) ** -0.5
+                out[b, t, h] = torch.softmax(s, 0) @ v[b, :t + 1, h]
+    out = out.reshape(B, T, A * vd)
+    if cfg.mla_use_output_gate:
+        out = out * torch.sigmoid(x @ P["g_proj.weight"].T)
+    return out @ P["o_proj.weight"].T
+
+
+@pytest.mark.parametrize("preset", ["k3-tiny", "kimi-linear-tiny", "k3.1-pro-tiny"])
+def test_mla_vs_reference(preset):
+    cfg = K3Config.from_pretrained(preset)
+    i = next(i for i in range(cfg.num_hidden_layers) if cfg.layer_kind(i) != "kda")
+    layer = tiny(preset).model.layers[i].self_attn
+    x = _x(2, 9, seed=3)
+    p = f"layers.{i}."
+    cache = {p + "kv": torch.zeros(2, 0, cfg.mla_cache_width), p + "index_k": torch.zeros(2, 0, max(cfg.index_head_dim, 1))}
+    with torch.no_grad():
+        y = layer(x, cache, {}, p)
+    want = reference_mla(layer, cfg, x)
+    assert record("MLA layer vs reference: rel", rel_err(y, want)) <= 1e-5
