@@ -125,6 +125,32 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
               f"in {time.perf_counter() - t0:.1f} s")
 
 
+@app.command("compile")
+def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json or checkpoint directory"),
+                out_dir: Path = typer.Option(..., "-o", "--out", help="artifact directory to write"),
+                target: str = typer.Option("h200", help="target preset or target JSON file"),
+                tp: int = typer.Option(1), max_batch: int = typer.Option(1), max_seq: int = typer.Option(4096),
+                max_prefill: int = typer.Option(1024), plan_only: bool = typer.Option(False, "--plan-only"),
+                force: bool = typer.Option(False, "--force", help="replace an existing artifact"),
+                dump: Path = typer.Option(None, help="write the IR after every pass here")):
+    """Compile MODEL into an artifact directory (today: --plan-only: IR, memory plan, pools, cost report)."""
+    from k3c.compile import CompileOptions, compile_model
+
+    opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump)
+    err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
+    if out_dir.exists() and not force:
+        raise K3CError(f"{out_dir}: already exists (pass --force to replace it)")
+    with Progress(TextColumn("[bold]importing"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
+                  console=err, transient=True) as bar:
+        task = bar.add_task("import", total=None)
+        s = compile_model(opts, progress=lambda d, t: bar.update(task, completed=d, total=t))
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    out.print(f"wrote {out_dir}: {s['nodes']} nodes; arena prefill {mib(s['arena']['prefill'])} "
+              f"(lower bound {mib(s['lower_bound']['prefill'])}), decode {mib(s['arena']['decode'])}; pools "
+              + ", ".join(f"{k} {mib(v)}" for k, v in s["pools"].items())
+              + f"; roofline decode step {s['time']['decode'] * 1e3:.3f} ms; {s['seconds']:.1f} s")
+
+
 @app.command()
 def plan(model: str = typer.Argument(..., help="preset name, config.json or checkpoint directory"),
          target: str = typer.Option("h200", help="target preset (h200, h100-sxm, b200, mi300x, ...) or a target JSON file"),

@@ -1,0 +1,61 @@
+"""`k3c compile --plan-only`: the artifact, its memory plan and pools, determinism and bad options."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from k3c.compile import CompileOptions, compile_model
+from k3c.errors import ConfigError, UnsupportedError
+from k3c.runtime.artifact import read_artifact
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("art")
+    opts = CompileOptions("k3.1-pro-tiny", root / "a", max_batch=2, max_seq=256, max_prefill=64)
+    summary = compile_model(opts)
+    return root, opts, summary
+
+
+def test_artifact_reads_back_with_hashes(built):
+    root, opts, _ = built
+    art = read_artifact(opts.out)
+    plan = json.loads((opts.out / "plan.json").read_text())
+    assert set(plan["arena"]) == {"prefill", "decode"}
+    assert plan["bounds"]["prefill"] == {"B": 2, "T": 64, "L": 192}
+    assert art.manifest["bounds"]["max_seq"] == 256
+
+
+def test_arena_close_to_liveness_lower_bound(built):
+    _, opts, s = built
+    for entry in ("prefill", "decode"):
+        assert s["lower_bound"][entry] <= s["arena"][entry] <= 1.05 * s["lower_bound"][entry]
+
+
+def test_pools_match_config_arithmetic(built):
+    _, opts, s = built
+    # k3.1-pro-tiny: 7 KDA layers x B=2 x 4 heads x 16 x 16 fp32; 3 global layers x 2 x 256 x (32 + 8) bf16;
+    # 3 DSA layers x 2 x 256 x 16 FP8 index keys
+    assert s["pools"]["kda_state"] == 7 * 2 * 4 * 16 * 16 * 4
+    assert s["pools"]["mla_latent_kv"] == 3 * 2 * 256 * 40 * 2
+    assert s["pools"]["dsa_index_keys"] == 3 * 2 * 256 * 16
+
+
+def test_same_input_gives_byte_identical_artifact(built):
+    root, opts, _ = built
+    again = CompileOptions(opts.model, root / "b", max_batch=2, max_seq=256, max_prefill=64)
+    compile_model(again)
+    files = sorted(p.relative_to(opts.out) for p in opts.out.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again.out) for p in again.out.rglob("*") if p.is_file())
+    for f in files:
+        assert (opts.out / f).read_bytes() == (again.out / f).read_bytes(), f
+
+
+def test_bad_options_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="max_prefill"):
+        compile_model(CompileOptions("k3-tiny", tmp_path / "x", max_seq=16, max_prefill=64))
+    with pytest.raises(UnsupportedError, match="--plan-only"):
+        compile_model(CompileOptions("k3-tiny", tmp_path / "y", plan_only=False))
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
