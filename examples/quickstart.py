@@ -1,5 +1,6 @@
 """The main job on the built-in default model (`k3-tiny`): write a random checkpoint in the published layout,
-load it back, and run the reference model: a prefill, then greedy decode steps. Prints what it did.
+load it back, run the reference model (a prefill, then greedy decode steps), then compile it with
+`k3c compile --plan-only` (IR through the model passes, memory plan, pools, cost report). Prints what it did.
 
 Usage: python examples/quickstart.py [--model k3-tiny] [--out build/k3-tiny] [--prompt-len 16] [--decode-steps 8]
 """
@@ -44,6 +45,18 @@ def main() -> None:
         t_decode = time.perf_counter() - t0
     print(f"prefill of {args.prompt_len} tokens: {t_prefill * 1e3:.1f} ms; "
           f"{args.decode_steps} greedy tokens: {tokens} ({t_decode * 1e3 / max(1, args.decode_steps - 1):.1f} ms/step)")
+
+
+    from k3c.compile import CompileOptions, compile_model
+
+    art = Path(f"build/{cfg.name}.plan")
+    opts = CompileOptions(str(ckpt), art, max_batch=1, max_seq=256, max_prefill=args.prompt_len, force=True)
+    if art.exists():
+        shutil.rmtree(art)
+    s = compile_model(opts)
+    print(f"compiled {cfg.name} (plan only) to {art} in {s['seconds']:.1f} s: {s['nodes']} IR nodes after the model "
+          f"passes; arena prefill {s['arena']['prefill']} B (liveness lower bound {s['lower_bound']['prefill']} B), "
+          f"decode {s['arena']['decode']} B; cache pools {sum(s['pools'].values())} B")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from k3c.ir.graph import Graph
 from k3c.ir.ops import get_op
 from k3c.ir.printer import print_graph
 from k3c.ir.types import evaluate
-from k3c.ir.specialize import specialize
 from k3c.memory.pools import cache_pools
 from k3c.passes.pipeline import run_pipeline
 from k3c.passes.plan_memory import bounds_bindings, plan_graph
@@ -56,10 +55,13 @@ def compile_model(opts: CompileOptions, progress=None) -> dict:
     cfg = K3Config.from_pretrained(opts.model)
     target = load_target(opts.target)
     bindings = {e: bounds_bindings(e, opts.max_batch, opts.max_seq, opts.max_prefill) for e in ("prefill", "decode")}
-    prefill = import_model(cfg, "prefill", progress=progress)
-    prefill, report = run_pipeline(prefill, phases=["cleanup", "model"],
-                                   dump_dir=opts.dump / "prefill" if opts.dump else None)
-    graphs = {"prefill": prefill, "decode": specialize(prefill, {"T": 1})}
+    graphs, passes = {}, []
+    for entry in ("prefill", "decode"):  # decode gets its own pass run: absorb_mla rewrites T = 1 attention
+        g = import_model(cfg, entry, progress=progress)
+        graphs[entry], report = run_pipeline(g, phases=["cleanup", "model"],
+                                             dump_dir=opts.dump / entry if opts.dump else None)
+        passes = [r.name for r in report.passes]
+    prefill = graphs["prefill"]
     writer = ArtifactWriter(opts.out, force=opts.force)
     plans, schedules, costs = {}, {}, {}
     with writer:
@@ -77,7 +79,7 @@ def compile_model(opts: CompileOptions, progress=None) -> dict:
         writer.add_json("schedule.json", schedules)
         # pass names only: timings would make two builds of the same input differ
         writer.add_json("report.json", {"target": target.name, "entries": costs,
-                                        "passes": [r.name for r in report.passes]})
+                                        "passes": passes})
         writer.commit(config=cfg.raw, target=target.to_dict(), tp=opts.tp,
                       bounds={"max_batch": opts.max_batch, "max_seq": opts.max_seq, "max_prefill": opts.max_prefill},
                       entry_points={e: {"graph": f"graph/{e}.json"} for e in graphs},
