@@ -400,6 +400,8 @@ class Graph:
                         _copy.deepcopy(n.meta)) for n in self.nodes]
         g.outputs = {k: cp(v) for k, v in self.outputs.items()}
         g._counter = self._counter
+        if getattr(self, "derived_params", None):  # recipes of compile-time parameters (passes/derived.py)
+            g.derived_params = _copy.deepcopy(self.derived_params)
         g.rebuild_index()
         return g
 

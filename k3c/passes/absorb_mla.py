@@ -207,8 +207,9 @@ def _dims(t: TensorType) -> list:
 
 def build_mla(graph: Graph, m: MLAMatch, absorbed: bool, key_of: dict, meta: dict) -> Value:
     """Append the nodes of the chosen form (module docstring) and return the value replacing `m.out`."""
-    mk = {"pass": meta.get("pass", "absorb_mla"), **{k: v for k, v in meta.items() if k != "pass"}}
+    mk = dict(meta)
     extra = [m.idx] if m.idx is not None else []
+    tag = f"l{m.anchor.meta.get('layer')}.mla"
     if absorbed:
         wkey = key_of[m.w_kv_b]
         base = wkey[:-len(".weight")] if wkey.endswith(".weight") else wkey
@@ -219,21 +220,21 @@ def build_mla(graph: Graph, m: MLAMatch, absorbed: bool, key_of: dict, meta: dic
         w_uv = add_derived_param(graph, base + ".w_uv", TensorType((m.H, m.vd, m.r), wt.dtype), "mla_w_uv",
                                  [wkey], rec)
         qn = m.q_nope if m.q_nope.type.dtype == wt.dtype else graph.add("cast", m.q_nope, to=wt.dtype, meta=mk)
-        q_lat = graph.add("einsum", qn, w_uk, equation="bthd,hdr->bthr", name_hint=f"l{m.anchor.meta.get('layer')}.mla.q_lat", meta=mk)
+        q_lat = graph.add("einsum", qn, w_uk, equation="bthd,hdr->bthr", name_hint=f"{tag}.q_lat", meta=mk)
         qp = m.q_pe if m.q_pe.type.dtype == wt.dtype else graph.add("cast", m.q_pe, to=wt.dtype, meta=mk)
-        q_abs = graph.add("cat", q_lat, qp, dim=-1, name_hint=f"l{m.anchor.meta.get('layer')}.mla.q_abs", meta=mk)
-        o_lat = graph.add_node("mla_attention", [q_abs, m.kv, *extra],
-                               {"absorbed": True, "scale": m.scale, "v_dim": m.r}, name_hint=f"l{m.anchor.meta.get('layer')}.mla.attn", meta=mk)[0]
-        out = graph.add("einsum", o_lat, w_uv, equation="bthr,hvr->bthv", name_hint=f"l{m.anchor.meta.get('layer')}.mla.o", meta=mk)
+        q_abs = graph.add("cat", q_lat, qp, dim=-1, name_hint=f"{tag}.q_abs", meta=mk)
+        o_lat = graph.add_node("mla_attention", [q_abs, m.kv, *extra], {"absorbed": True, "scale": m.scale,
+                               "v_dim": m.r}, name_hint=f"{tag}.attn", meta=mk)[0]
+        out = graph.add("einsum", o_lat, w_uv, equation="bthr,hvr->bthv", name_hint=f"{tag}.o", meta=mk)
     else:
         B, S = m.kv.type.shape[0], m.kv.type.shape[1]
         kpe = graph.add("unsqueeze", m.k_pe, dim=2, meta=mk)
         kpe = graph.add("expand", kpe, shape=_dims(TensorType((B, S, m.H, m.rope), kpe.type.dtype)), meta=mk)
         kn = m.k_nope if m.k_nope.type.dtype == kpe.type.dtype else graph.add("cast", m.k_nope, to=kpe.type.dtype)
-        k = graph.add("cat", kn, kpe, dim=-1, name_hint=f"l{m.anchor.meta.get('layer')}.mla.k", meta=mk)
+        k = graph.add("cat", kn, kpe, dim=-1, name_hint=f"{tag}.k", meta=mk)
         q = m.q if m.q.type.dtype == k.type.dtype else graph.add("cast", m.q, to=k.type.dtype, meta=mk)
         out = graph.add_node("mla_attention", [q, k, m.v, *extra], {"absorbed": False, "scale": m.scale},
-                             name_hint=f"l{m.anchor.meta.get('layer')}.mla.attn", meta=mk)[0]
+                             name_hint=f"{tag}.attn", meta=mk)[0]
     if out.type.dtype != m.out.type.dtype:
         out = graph.add("cast", out, to=m.out.type.dtype, meta=mk)
     return out

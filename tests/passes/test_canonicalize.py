@@ -28,6 +28,15 @@ CLEANUP = {"cleanup": ["dce", "cse", "canonicalize"]}
 
 
 # ---- shared helpers (also used by test_fuse_kda.py and test_lower_moe.py) ------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny tensors: intra-op threads only add barrier waits (100x on a loaded 2-core machine). Restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def small_config(name: str, base: str = "k3", layers: int = 4, kda_layers=(1, 2, 4), heads: int = 4,
                  head_dim: int = 16) -> K3Config:
     """A tiny config derived from a published one (`models.config._shrink`); kda_layers are 1-based."""

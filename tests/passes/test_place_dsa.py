@@ -162,7 +162,8 @@ def test_structure(entry):
         att = users[0]
         assert att.attrs["dense_max_keys"] == K and att.inputs[-1] is t.outputs[0]
         assert pos[id(t)] < pos[id(att)]
-        q_b = next(n for n in g.nodes if n.op == "linear" and n.inputs[1].name.endswith(f"{i}.self_attn.q_b_proj.weight"))
+        q_b = next(n for n in g.nodes
+                   if n.op == "linear" and n.inputs[1].name == f"model.layers.{i}.self_attn.q_b_proj.weight")
         assert pos[id(t)] < pos[id(q_b)]  # scored as soon as x and the q-LoRA latent exist
         # the index key write sits with the latent KV write, both fed by one projection of x
         kv_cat, ik_cat = g.producer(g.outputs[f"layers.{i}.kv"]), g.producer(g.outputs[f"layers.{i}.index_k"])
