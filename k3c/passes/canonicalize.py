@@ -4,7 +4,7 @@ torch.export shows the model's norms and activations as ATen arithmetic; later p
 one op per concept. Rules (rewrite engine `k3c.ir.rewrite`, applied to fixpoint, dead nodes removed):
 
 - RMSNorm, K3-SPEC.md "Decoder layer" / models/layers.py `RMSNorm`:
-      mul(x, rsqrt(add(mean(x², -1, keepdim), eps)))            -> rms_norm(x) {eps}        (x f32; x² = pow 2 or x·x)
+      mul(x, rsqrt(add(mean(x², -1, keepdim), eps)))            -> rms_norm(x) {eps}     (x f32; x² = pow 2 or x·x)
       mul(rms_norm(x), w)  with w a [D] param (or cast of one)  -> rms_norm(x, w) {eps}
       cast(rms_norm(cast(x, f32), w?), x.dtype)                 -> rms_norm(x, w?) {eps}    (x bf16/f16)
   The weight is folded only when it is a graph parameter: the AttnRes keys (`V·rsqrt(mean(V²)+eps)`, no weight,
@@ -156,8 +156,13 @@ def _rules(graph: Graph) -> list[Rule]:
             return None
         return g.add_node("rms_norm", [x, p], dict(rms.attrs), name_hint=_hint(m))[0]
 
+    def input_is_cast(n: Node) -> bool:
+        p = graph.producer(n.inputs[0])
+        return p is not None and p.op == "cast"
+
     def fold_casts(g: Graph, m: Match):
-        outer, norm, inner = m["root"], m["norm"], m["inner"]
+        outer, norm = m["root"], m["norm"]
+        inner = g.producer(norm.inputs[0])
         x = inner.inputs[0]
         if x.type.dtype not in _HALF or inner.attrs["to"] != "f32" or outer.attrs["to"] != x.type.dtype:
             return None
@@ -246,10 +251,8 @@ def _rules(graph: Graph) -> list[Rule]:
              fold_weight, "rms_norm_weight"),
         Rule(P("mul", X("w"), P("rms_norm", any_inputs=True, single_use=True, name="rms"), name="root"),
              fold_weight, "rms_norm_weight"),
-        Rule(P("cast", P(norm_any, any_inputs=True, single_use=True, name="norm",
-                         where=lambda n: graph.producer(n.inputs[0]) is not None
-                         and graph.producer(n.inputs[0]).op == "cast"), name="root"),
-             lambda g, m: fold_casts(g, _with_inner(g, m)), "norm_casts"),
+        Rule(P("cast", P(norm_any, any_inputs=True, single_use=True, name="norm", where=input_is_cast), name="root"),
+             fold_casts, "norm_casts"),
         Rule(P("cast", X(), name="root"), noop, "noop_cast"),
         Rule(P("cast", P("cast", X(), name="inner"), name="root"), cast_cast, "cast_cast"),
         Rule(P(("reshape", "expand"), X(), name="root"), noop, "noop_view"),
@@ -271,11 +274,6 @@ def _rules(graph: Graph) -> list[Rule]:
 def _hint(m: Match) -> str:
     """A readable name for a rewrite's result: the root's output name without its numeric suffix."""
     return re.sub(r"(\.\d+)+$", "", m.root.outputs[0].name) or "c"
-
-
-def _with_inner(g: Graph, m: Match) -> Match:
-    m.captures["inner"] = g.producer(m["norm"].inputs[0])
-    return m
 
 
 def apply_rules_linear(graph: Graph, rules: list[Rule], pass_name: str, max_rounds: int = 50) -> int:

@@ -78,9 +78,11 @@ class _KDAMatch:
         return p
 
     def uncast(self, v: Value, to: str = "f32") -> Value:
-        """Skip one `cast` to `to` in front of `v` (it becomes interior); returns the value before it."""
+        """Skip one `cast` to `to` in front of `v` (it becomes interior); returns the value before it. A cast
+        that something else also reads is kept (the fused op then reads its f32 result: the same values)."""
         p = self.g.producer(v)
-        if p is not None and p.op == "cast" and p.attrs["to"] == to:
+        if p is not None and p.op == "cast" and p.attrs["to"] == to and len(self.g.users(v)) == 1 \
+                and not self.g.is_output(v):
             self.interior[id(p)] = p
             return p.inputs[0]
         return v

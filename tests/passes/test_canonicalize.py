@@ -38,10 +38,10 @@ def one_torch_thread():
 
 
 def small_config(name: str, base: str = "k3", layers: int = 4, kda_layers=(1, 2, 4), heads: int = 4,
-                 head_dim: int = 16) -> K3Config:
+                 head_dim: int = 16, eps: float = 1e-5) -> K3Config:
     """A tiny config derived from a published one (`models.config._shrink`); kda_layers are 1-based."""
     full = [i for i in range(1, layers + 1) if i not in kda_layers]
-    over = dict(_TINY_COMMON, num_hidden_layers=layers)
+    over = dict(_TINY_COMMON, num_hidden_layers=layers, rms_norm_eps=eps)
     if base == "kimi-linear-48b":
         over.update(q_lora_rank=None, num_shared_experts=1)
     else:

@@ -5,14 +5,14 @@ layer; random small configs (hypothesis) keep the cleanup + model passes exact."
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from k3c.errors import IRError
 from k3c.ir.interp import interpret
 from k3c.frontend import graph_params
 from k3c.passes.pipeline import run_pipeline
-from test_canonicalize import TINY, compare, imported, model, model_inputs, one_torch_thread, ops_of, rel_err  # noqa: F401
+from test_canonicalize import (TINY, compare, imported, model, model_inputs, one_torch_thread,  # noqa: F401
+                               ops_of, rel_err)
 
 FUSE = {"cleanup": ["dce", "cse", "canonicalize"], "model": ["fuse_kda"]}
 CLEAN = {"cleanup": ["dce", "cse", "canonicalize"]}
@@ -83,9 +83,9 @@ def test_one_kda_fused_per_layer_and_outputs_unchanged(name, entry):
 
 
 def test_head_dim_not_a_power_of_two():
-    cfg = dict(heads=3, head_dim=12, layers=4, kda_layers=(1, 2, 4))
+    cfg = dict(heads=3, head_dim=12, layers=4, kda_layers=(1, 2, 4), eps=1e-3)  # eps: not kda_fused's default
     m = model("k3", **cfg)
-    assert (m.config.kda_head_dim, m.config.kda_num_heads) == (12, 3)
+    assert (m.config.kda_head_dim, m.config.kda_num_heads, m.config.rms_norm_eps) == (12, 3, 1e-3)
     for entry in ("prefill", "decode"):
         before, _ = run_pipeline(imported("k3", entry, **cfg), CLEAN)
         after, _ = run_pipeline(before, {"model": ["fuse_kda"]})
