@@ -114,12 +114,21 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
           entry: str = typer.Option("prefill"), batch: int = typer.Option(2), tokens: int = typer.Option(7),
           seed: int = typer.Option(0)):
     """Per-pass numeric validation: interpret the graph before and after every pass on random inputs."""
+    from k3c.frontend import import_model
     from k3c.passes.pipeline import make_numeric_check, run_pipeline
+    from models.config import K3Config
+    from models.k3 import K3ForCausalLM
 
-    cfg, graph, _ = _import(model, entry)
+    cfg = K3Config.from_pretrained(model)
+    if cfg.hidden_size > 1024:
+        raise K3CError(f"{model}: check interprets the model on random weights; use a tiny preset or small config")
+    net = K3ForCausalLM(cfg).init_random_(seed)
+    graph = import_model(net, entry)
+    weights = {k: p.detach() for k, p in net.named_parameters()}
     bindings = {"B": batch, "T": tokens if entry == "prefill" else 1, "L": 5}
     t0 = time.perf_counter()
-    _, report = run_pipeline(graph, phases=["cleanup", "model"], numeric_check=make_numeric_check(bindings, seed))
+    check = make_numeric_check(bindings, seed, params=weights)
+    _, report = run_pipeline(graph, phases=["cleanup", "model"], numeric_check=check)
     out.print(report.table())
     out.print(f"[green]every pass preserved the outputs of {cfg.name} ({entry}, {bindings})[/] "
               f"in {time.perf_counter() - t0:.1f} s")
@@ -132,11 +141,12 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                 tp: int = typer.Option(1), max_batch: int = typer.Option(1), max_seq: int = typer.Option(4096),
                 max_prefill: int = typer.Option(1024), plan_only: bool = typer.Option(False, "--plan-only"),
                 force: bool = typer.Option(False, "--force", help="replace an existing artifact"),
-                dump: Path = typer.Option(None, help="write the IR after every pass here")):
-    """Compile MODEL into an artifact directory (today: --plan-only: IR, memory plan, pools, cost report)."""
+                dump: Path = typer.Option(None, help="write the IR after every pass here"),
+                dtype: str = typer.Option("bf16", help="activation and weight dtype: bf16 or f32")):
+    """Compile MODEL into an artifact: kernels, memory plan, schedule, weights, cost report."""
     from k3c.compile import CompileOptions, compile_model
 
-    opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump)
+    opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype)
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     if out_dir.exists() and not force:
         raise K3CError(f"{out_dir}: already exists (pass --force to replace it)")
@@ -145,10 +155,41 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
         task = bar.add_task("import", total=None)
         s = compile_model(opts, progress=lambda d, t: bar.update(task, completed=d, total=t))
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
-    out.print(f"wrote {out_dir}: {s['nodes']} nodes; arena prefill {mib(s['arena']['prefill'])} "
+    out.print(f"wrote {out_dir}: {s['nodes']['prefill']} IR nodes, {s['kernels']} Triton kernels; arena prefill {mib(s['arena']['prefill'])} "
               f"(lower bound {mib(s['lower_bound']['prefill'])}), decode {mib(s['arena']['decode'])}; pools "
               + ", ".join(f"{k} {mib(v)}" for k, v in s["pools"].items())
               + f"; roofline decode step {s['time']['decode'] * 1e3:.3f} ms; {s['seconds']:.1f} s")
+
+
+@app.command()
+def run(artifact: Path = typer.Argument(..., help="artifact directory or .k3c file"),
+        tokens: str = typer.Option(..., help="prompt token ids, comma-separated"),
+        decode_steps: int = typer.Option(8, help="greedy tokens to generate"),
+        device: str = typer.Option("cpu", help="cpu (Triton kernels interpreted) or cuda")):
+    """Run an artifact: prefill the prompt, then greedy decode; prints the tokens and timing."""
+    import torch
+
+    from k3c.runtime.session import load
+
+    try:
+        ids = [int(x) for x in tokens.split(",") if x.strip()]
+    except ValueError:
+        raise K3CError(f"--tokens {tokens!r}: expected comma-separated integers") from None
+    if not ids:
+        raise K3CError("--tokens: give at least one token id")
+    t0 = time.perf_counter()
+    session = load(artifact, device)
+    t_load = time.perf_counter() - t0
+    logits = session.prefill(torch.tensor([ids]))
+    t_prefill = session.last_timing["seconds"]
+    new, steps = [int(logits[0, -1].argmax())], []
+    for _ in range(decode_steps - 1):
+        logits = session.decode(torch.tensor([[new[-1]]]))
+        steps.append(session.last_timing["seconds"])
+        new.append(int(logits[0, -1].argmax()))
+    per = f"{sum(steps) / len(steps) * 1e3:.1f} ms/step" if steps else "-"
+    out.print(f"next tokens: {new}")
+    err.print(f"load {t_load:.2f} s; prefill {len(ids)} tokens {t_prefill * 1e3:.1f} ms; decode {per} ({device})")
 
 
 @app.command()

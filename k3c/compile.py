@@ -1,9 +1,12 @@
-"""The compile driver: model -> IR -> passes -> memory plan and cost report -> artifact directory.
+"""The compile driver: model -> IR -> passes -> kernels, memory plan, schedule, weights -> artifact directory.
 
-Today this builds a plan-only artifact (`--plan-only`): the final IR of both entry points, the arena plan at the
-compile bounds, the persistent cache pools, the launch order, and per-op FLOPs / bytes with roofline times on the
-target. Kernel generation and weights come with the code generator and runtime (issue 5). The same input gives a
-byte-identical artifact (canonical JSON, no timestamps); writing is atomic (`k3c.runtime.artifact`).
+For each entry point (prefill, decode) the model is imported, the graph gets the compile bounds, and the pipeline
+runs every phase (cleanup, model, kernels: bind_caches + form_kernels, memory: plan_memory). Each Triton kernel
+group is emitted as a module under `kernels/` (with `kernels/index.json`, the kernel -> IR node sidecar); the
+launch order with buffer names goes to `schedule.json`, the arena and pools to `plan.json`, per-op FLOPs / bytes and
+roofline times to `report.json`, and the weights (derived ones such as MLA's absorbed matrices materialised) to
+`weights/params.safetensors`. `--plan-only` skips kernels' weights (a config or preset without a checkpoint can
+only be compiled plan-only). The same input gives a byte-identical artifact; writing is atomic.
 """
 
 from __future__ import annotations
@@ -13,25 +16,32 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from k3c import __version__
-from k3c.errors import UnsupportedError
-from k3c.frontend import import_model
+from k3c.codegen.triton import emit
+from k3c.errors import ConfigError, UnsupportedError
+from k3c.frontend import build_meta_model, import_model
 from k3c.ir import serialize
 from k3c.ir.graph import Graph
 from k3c.ir.ops import get_op
 from k3c.ir.printer import print_graph
-from k3c.ir.types import evaluate
-from k3c.memory.pools import cache_pools
+from k3c.ir.types import evaluate, torch_dtype
+from k3c.passes.derived import materialize_params
+from k3c.passes.form_kernels import kernel_groups
 from k3c.passes.pipeline import run_pipeline
-from k3c.passes.plan_memory import bounds_bindings, plan_graph
+from k3c.passes.plan_memory import bounds_bindings
 from k3c.runtime.artifact import ArtifactWriter
 from k3c.targets import load_target, roofline
+from models.checkpoint import load_checkpoint
 from models.config import K3Config
+
+DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
 @dataclass
 class CompileOptions:
-    """Resolved options (printed by the CLI). Bounds are in sequences and tokens."""
+    """Resolved options (the CLI prints them). Bounds are in sequences and tokens."""
 
     model: str
     out: Path
@@ -40,58 +50,108 @@ class CompileOptions:
     max_batch: int = 1
     max_seq: int = 4096
     max_prefill: int = 1024
-    plan_only: bool = True
+    plan_only: bool = False
     force: bool = False
     dump: Path | None = None
+    dtype: str = "bf16"
 
 
 def compile_model(opts: CompileOptions, progress=None) -> dict:
-    """Compile per `opts`; returns a summary dict (arena per entry, pools, seconds). Raises K3CError subclasses."""
-    if not opts.plan_only:
-        raise UnsupportedError("kernel generation and weights are not built yet: pass --plan-only")
-    if opts.tp != 1:
-        raise UnsupportedError("tensor parallelism (--tp > 1) is planned in `k3c plan` but not compiled yet")
+    """Compile per `opts`; returns a summary (nodes, kernels, arena and pools in bytes, seconds).
+
+    Raises ConfigError (bad model or options), CheckpointError (bad weights), UnsupportedError (tp > 1; weights
+    requested for a model given without a checkpoint), ArtifactError (output directory problems).
+    """
     t0 = time.perf_counter()
+    if opts.tp != 1:
+        raise UnsupportedError("tensor parallelism (--tp > 1) is estimated by `k3c plan` but not compiled yet")
+    if opts.dtype not in DTYPES:
+        raise ConfigError(f"--dtype {opts.dtype}: expected one of {', '.join(DTYPES)}")
     cfg = K3Config.from_pretrained(opts.model)
     target = load_target(opts.target)
     bindings = {e: bounds_bindings(e, opts.max_batch, opts.max_seq, opts.max_prefill) for e in ("prefill", "decode")}
+    has_weights = Path(opts.model).is_dir()
+    if not opts.plan_only and not has_weights:
+        raise UnsupportedError(f"{opts.model} has no weights (a preset or config.json): pass a checkpoint directory, "
+                               f"or --plan-only")
+    model = load_checkpoint(opts.model, DTYPES[opts.dtype]) if has_weights and not opts.plan_only \
+        else build_meta_model(cfg).cast_(DTYPES[opts.dtype])
     graphs, passes = {}, []
-    for entry in ("prefill", "decode"):  # decode gets its own pass run: absorb_mla rewrites T = 1 attention
-        g = import_model(cfg, entry, progress=progress)
-        graphs[entry], report = run_pipeline(g, phases=["cleanup", "model"],
-                                             dump_dir=opts.dump / entry if opts.dump else None)
+    for entry in ("prefill", "decode"):
+        g = import_model(model, entry, progress=progress)
+        g.bounds = bindings[entry]
+        graphs[entry], report = run_pipeline(g, dump_dir=opts.dump / entry if opts.dump else None)
         passes = [r.name for r in report.passes]
-    prefill = graphs["prefill"]
     writer = ArtifactWriter(opts.out, force=opts.force)
-    plans, schedules, costs = {}, {}, {}
+    summary = {"model": cfg.name, "nodes": {e: len(g.nodes) for e, g in graphs.items()}, "kernels": 0}
     with writer:
+        schedules, index, costs = {}, {}, {}
         for entry, g in graphs.items():
             writer.add_text(f"graph/{entry}.txt", print_graph(g))
             writer.add_text(f"graph/{entry}.json", serialize.dumps(g))
-            plans[entry] = plan_graph(g, bindings[entry])
-            schedules[entry] = [{"op": n.op, "inputs": [v.name for v in n.inputs], "outputs": [v.name for v in n.outputs],
-                                 "layer": n.meta.get("layer")} for n in g.nodes]
+            schedules[entry], kernels = _schedule(g, entry)
             costs[entry] = cost_report(g, bindings[entry], target)
-        pools = _pools(cfg, opts)
-        writer.add_json("plan.json", {"bounds": {e: b for e, b in bindings.items()},
-                                      "arena": {e: p.to_json() for e, p in plans.items()},
-                                      "pools": {k: p.to_json() for k, p in pools.items()}})
+            if not opts.plan_only:
+                for name, (group, src) in kernels.items():
+                    writer.add_text(f"kernels/{name}.py", src)
+                    index[name] = {"entry": entry, "kind": group.kind, "ir_nodes": group.ir_nodes}
+        summary["kernels"] = sum(1 for e in schedules.values() for ln in e["launches"] if ln["backend"] == "triton")
+        pools = _pools(graphs["decode"], opts)
+        writer.add_json("plan.json", {"bounds": bindings, "arena": {e: g.memory_plan.to_json() for e, g in graphs.items()},
+                                      "pools": pools, "pool_totals": pool_totals(pools)})
         writer.add_json("schedule.json", schedules)
         # pass names only: timings would make two builds of the same input differ
-        writer.add_json("report.json", {"target": target.name, "entries": costs,
-                                        "passes": passes})
+        writer.add_json("report.json", {"target": target.name, "entries": costs, "passes": passes})
+        if not opts.plan_only:
+            writer.add_json("kernels/index.json", index)
+            writer.add_tensors("weights/params.safetensors", _weights(model, graphs))
         writer.commit(config=cfg.raw, target=target.to_dict(), tp=opts.tp,
                       bounds={"max_batch": opts.max_batch, "max_seq": opts.max_seq, "max_prefill": opts.max_prefill},
                       entry_points={e: {"graph": f"graph/{e}.json"} for e in graphs},
-                      extra={"k3c_version": __version__, "plan_only": True})
-    return {"model": cfg.name, "nodes": len(prefill.nodes), "arena": {e: p.arena_bytes for e, p in plans.items()},
-            "lower_bound": {e: p.lower_bound for e, p in plans.items()},
-            "pools": {k: p.nbytes for k, p in pools.items()}, "seconds": time.perf_counter() - t0,
-            "time": {e: c["total"]["roofline_s"] for e, c in costs.items()}}
+                      extra={"k3c_version": __version__, "plan_only": opts.plan_only, "dtype": opts.dtype,
+                             "vocab_size": cfg.vocab_size})
+    summary.update(arena={e: g.memory_plan.arena_bytes for e, g in graphs.items()},
+                   lower_bound={e: g.memory_plan.lower_bound for e, g in graphs.items()},
+                   pools=pool_totals(pools), seconds=time.perf_counter() - t0,
+                   time={e: c["total"]["roofline_s"] for e, c in costs.items()})
+    return summary
+
+
+def _schedule(g: Graph, entry: str) -> tuple[dict, dict]:
+    """schedule.json's entry for `g` and the emitted kernels {name: (group, source)}."""
+    launches, kernels, used = [], {}, set()
+    for group in kernel_groups(g):
+        name = f"{entry}_{group.name}"
+        ln = {"name": name, "backend": group.backend, "kind": group.kind,
+              "inputs": [v.name for v in group.inputs], "outputs": [v.name for v in group.outputs]}
+        if group.backend == "triton":
+            kernels[name] = (group, emit(group))
+        else:
+            (node,) = group.nodes
+            spec = get_op(node.op).attrs
+            ln["attrs"] = node.attrs
+            ln["dim_attrs"] = sorted(k for k, a in spec.items() if a.kind in ("dim", "dims"))
+            ln["outputs"] = [v.name for v in node.outputs]
+        used.update(ln["inputs"], ln["outputs"])
+        launches.append(ln)
+    values = {v.name: {"shape": [d if isinstance(d, int) else str(d) for d in v.type.shape], "dtype": v.type.dtype}
+              for v in g.values() if v.name in used or v in g.inputs or v in g.outputs.values()}
+    return {"inputs": [v.name for v in g.inputs], "outputs": {k: v.name for k, v in g.outputs.items()},
+            "values": dict(sorted(values.items())), "launches": launches}, kernels
+
+
+def _weights(model, graphs: dict[str, Graph]) -> dict[str, torch.Tensor]:
+    named = {k: p.detach() for k, p in model.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    for g in graphs.values():
+        mat = materialize_params(g, named)
+        for key, v in g.params.items():
+            out[key] = mat[key].to(torch_dtype(v.type.dtype)).contiguous()
+    return dict(sorted(out.items()))
 
 
 def cost_report(graph: Graph, bindings: dict[str, int], target) -> dict:
-    """Per op kind: count, FLOPs, bytes and roofline seconds on `target` (bf16 peak), summed over the schedule."""
+    """Per op: count, FLOPs, bytes and roofline seconds on `target` (bf16 peak), summed over the schedule."""
     rows: dict[str, dict] = defaultdict(lambda: {"count": 0, "flops": 0, "bytes": 0})
     for n in graph.nodes:
         flops, nb = get_op(n.op).cost(n.attrs, [v.type for v in n.inputs], [v.type for v in n.outputs])
@@ -105,12 +165,24 @@ def cost_report(graph: Graph, bindings: dict[str, int], target) -> dict:
     return {"ops": dict(sorted(rows.items())), "total": total}
 
 
-def _pools(cfg: K3Config, opts: CompileOptions):
-    kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
-    return cache_pools(max_batch=opts.max_batch, max_seq=opts.max_seq, kda_layers=kinds.count("kda"),
-                       kda_heads=cfg.kda_num_heads, kda_head_dim=cfg.kda_head_dim, kda_conv_kernel=cfg.conv_kernel_size,
-                       global_layers=len(kinds) - kinds.count("kda"), kv_lora_rank=cfg.kv_lora_rank,
-                       qk_rope_head_dim=cfg.qk_rope_head_dim, dsa_layers=kinds.count("dsa"),
-                       index_head_dim=cfg.index_head_dim, attn_res_sources=cfg.num_attn_res_sources,
-                       hidden_size=cfg.hidden_size, max_tokens_in_flight=opts.max_batch * opts.max_prefill,
-                       conv_dtype="float32")
+def _pools(decode: Graph, opts: CompileOptions) -> dict[str, dict]:
+    """The persistent cache pools the runtime allocates: every cache input of the graph at (max_batch, max_seq)."""
+    at = {"B": opts.max_batch, "L": opts.max_seq, "T": 1}
+    pools = {}
+    for v in decode.inputs:
+        if v.name == "tokens":
+            continue
+        shp = [evaluate(d, at) for d in v.type.shape]
+        n = 1
+        for d in shp:
+            n *= d
+        pools[v.name] = {"shape": shp, "dtype": v.type.dtype, "bytes": n * torch_dtype(v.type.dtype).itemsize}
+    return pools
+
+
+def pool_totals(pools: dict[str, dict]) -> dict[str, int]:
+    """Bytes per cache kind (kda_state, conv_state, kv, index_k) summed over layers."""
+    out: dict[str, int] = defaultdict(int)
+    for name, p in pools.items():
+        out[name.rsplit(".", 1)[1]] += p["bytes"]
+    return dict(sorted(out.items()))

@@ -14,7 +14,7 @@ from k3c.runtime.artifact import read_artifact
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("art")
-    opts = CompileOptions("k3.1-pro-tiny", root / "a", max_batch=2, max_seq=256, max_prefill=64)
+    opts = CompileOptions("k3.1-pro-tiny", root / "a", max_batch=2, max_seq=256, max_prefill=64, plan_only=True)
     summary = compile_model(opts)
     return root, opts, summary
 
@@ -36,16 +36,17 @@ def test_arena_close_to_liveness_lower_bound(built):
 
 def test_pools_match_config_arithmetic(built):
     _, opts, s = built
-    # k3.1-pro-tiny: 7 KDA layers x B=2 x 4 heads x 16 x 16 fp32; 3 global layers x 2 x 256 x (32 + 8) bf16;
-    # 3 DSA layers x 2 x 256 x 16 FP8 index keys
+    # k3.1-pro-tiny: 7 KDA layers x B=2 x 4 heads x 16 x 16 fp32 states, conv states 3*64 channels x 4 fp32;
+    # 3 global layers x 2 x 256 tokens x (32 + 8) bf16 latents; 3 DSA layers x 2 x 256 x 16 bf16 index keys
     assert s["pools"]["kda_state"] == 7 * 2 * 4 * 16 * 16 * 4
-    assert s["pools"]["mla_latent_kv"] == 3 * 2 * 256 * 40 * 2
-    assert s["pools"]["dsa_index_keys"] == 3 * 2 * 256 * 16
+    assert s["pools"]["conv_state"] == 7 * 2 * 192 * 4 * 4
+    assert s["pools"]["kv"] == 3 * 2 * 256 * 40 * 2
+    assert s["pools"]["index_k"] == 3 * 2 * 256 * 16 * 2
 
 
 def test_same_input_gives_byte_identical_artifact(built):
     root, opts, _ = built
-    again = CompileOptions(opts.model, root / "b", max_batch=2, max_seq=256, max_prefill=64)
+    again = CompileOptions(opts.model, root / "b", max_batch=2, max_seq=256, max_prefill=64, plan_only=True)
     compile_model(again)
     files = sorted(p.relative_to(opts.out) for p in opts.out.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(again.out) for p in again.out.rglob("*") if p.is_file())
@@ -55,7 +56,7 @@ def test_same_input_gives_byte_identical_artifact(built):
 
 def test_bad_options_are_clear_errors(tmp_path):
     with pytest.raises(ConfigError, match="max_prefill"):
-        compile_model(CompileOptions("k3-tiny", tmp_path / "x", max_seq=16, max_prefill=64))
+        compile_model(CompileOptions("k3-tiny", tmp_path / "x", max_seq=16, max_prefill=64, plan_only=True))
     with pytest.raises(UnsupportedError, match="--plan-only"):
-        compile_model(CompileOptions("k3-tiny", tmp_path / "y", plan_only=False))
+        compile_model(CompileOptions("k3-tiny", tmp_path / "y"))
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

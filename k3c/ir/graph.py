@@ -22,6 +22,9 @@ from k3c.errors import IRError
 from k3c.ir.types import DEFAULT_SYMBOLS, TensorType
 
 _JSON_SCALARS = (int, float, str, bool, type(None))
+#: Whole-graph annotations passes attach as attributes, kept by `Graph.copy()`: recipes of compile-time parameters
+#: (`passes/derived.py`), the compile bounds ({"B","T","L"} -> int, set by the driver), the arena plan (`plan_memory`).
+ANNOTATIONS = ("derived_params", "bounds", "memory_plan")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -400,8 +403,9 @@ class Graph:
                         _copy.deepcopy(n.meta)) for n in self.nodes]
         g.outputs = {k: cp(v) for k, v in self.outputs.items()}
         g._counter = self._counter
-        if getattr(self, "derived_params", None):  # recipes of compile-time parameters (passes/derived.py)
-            g.derived_params = _copy.deepcopy(self.derived_params)
+        for attr in ANNOTATIONS:  # whole-graph facts that passes attach (see ANNOTATIONS)
+            if getattr(self, attr, None) is not None:
+                setattr(g, attr, _copy.deepcopy(getattr(self, attr)))
         g.rebuild_index()
         return g
 

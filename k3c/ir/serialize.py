@@ -19,6 +19,10 @@ FORMAT = "k3c-ir"
 FORMAT_VERSION = 1
 
 
+#: Graph annotations that are JSON data and travel with the graph (the arena plan is written to plan.json instead).
+JSON_ANNOTATIONS = ("derived_params", "bounds")
+
+
 def to_dict(graph: Graph) -> dict:
     """The JSON-able dict of `graph`; raises `IRError` if an attr or meta entry is not JSON data."""
     def val(v: Value) -> dict:
@@ -33,7 +37,8 @@ def to_dict(graph: Graph) -> dict:
     return {"format": FORMAT, "version": FORMAT_VERSION, "symbols": sorted(graph.symbols),
             "inputs": [val(v) for v in graph.inputs],
             "params": [{"key": k, **val(v)} for k, v in graph.params.items()],
-            "nodes": nodes, "outputs": {k: v.name for k, v in graph.outputs.items()}}
+            "nodes": nodes, "outputs": {k: v.name for k, v in graph.outputs.items()},
+            **{k: getattr(graph, k) for k in JSON_ANNOTATIONS if getattr(graph, k, None)}}
 
 
 def from_dict(obj: dict) -> Graph:
@@ -64,6 +69,9 @@ def from_dict(obj: dict) -> Graph:
         ins = [use(x, d["op"]) for x in d["inputs"]]
         g.nodes.append(Node(d["op"], ins, d["attrs"], [define(o) for o in d["outputs"]], d["meta"]))
     g.outputs = {k: use(name, f"output {k}") for k, name in obj["outputs"].items()}
+    for k in JSON_ANNOTATIONS:
+        if k in obj:
+            setattr(g, k, obj[k])
     g.rebuild_index()
     return g
 

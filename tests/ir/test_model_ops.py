@@ -228,13 +228,13 @@ def test_attn_res_two_phase_equals_softmax_over_all_sources():
                 torch.testing.assert_close(h[b, t], want, rtol=1e-5, atol=1e-5)
 
 
-def test_cache_write_writes_rows_at_offset_without_touching_input():
-    cache = torch.zeros(1, 6, 2)
+def test_cache_append_appends_rows_without_touching_input():
+    cache = torch.zeros(1, 3, 2)
     new = torch.ones(1, 2, 2)
-    (out,) = run("cache_write", cache, new, offset=3)
-    assert out[0, :, 0].tolist() == [0, 0, 0, 1, 1, 0]
+    (out,) = run("cache_append", cache, new)
+    assert out[0, :, 0].tolist() == [0, 0, 0, 1, 1]
     assert cache.sum() == 0
-    assert get_op("cache_write").effects
+    assert get_op("cache_append").effects
 
 
 # ---- MoE -------------------------------------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ CASES = {
     "dsa_index_topk": [([tt(("B", "T", 3, 4)), tt(("B", "T", 3)), tt(("B", "L+T", 4))], {"topk": 4}, {})],
     "attn_res_inter": [([tt((3, 8)), F, F], {"eps": 1e-6}, {})],
     "attn_res_merge": [([tt((3, "B", "T", 8)), tt((3, "B", "T")), F, tt((3, 8))], {"index": 1, "eps": 1e-6}, {})],
-    "cache_write": [([tt(("B", "S", 8)), F], {"offset": 2}, {})],
+    "cache_append": [([tt(("B", "L", 8)), tt(("B", "T", 8))], {}, {})],
     "moe_route": [([tt(("N", 6)), tt((6,))], {"top_k": 2, "scaling": 2.5}, {})],
     "moe_experts": [([tt(("N", 8)), tt(("N", 2)), tt(("N", 2), I64), tt((3, 5, 8)), tt((3, 5, 8)), tt((3, 8, 5))],
                      {}, {2: 3})],

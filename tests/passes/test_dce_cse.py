@@ -12,11 +12,11 @@ def test_dce_removes_dead_nodes_only():
     live = g.add("exp", x)
     dead1 = g.add("neg", x)
     g.add("exp", dead1)  # dead chain of two
-    g.add("cache_write", cache, g.add("unsqueeze", x, dim=0), offset=0)  # side effect: kept with its input
+    g.add("cache_append", cache, g.add("unsqueeze", x, dim=0))  # side effect: kept with its input
     g.set_output("y", live)
     g = dce(g)
     verify(g)
-    assert [n.op for n in g.nodes] == ["exp", "unsqueeze", "cache_write"]
+    assert [n.op for n in g.nodes] == ["exp", "unsqueeze", "cache_append"]
 
 
 def test_cse_merges_duplicate_expression_and_nothing_else():
@@ -31,8 +31,8 @@ def test_cse_merges_duplicate_expression_and_nothing_else():
     e1 = g.add("add", a1, b)
     e2 = g.add("add", b, a1)  # no commutativity
     u = g.add("unsqueeze", x, dim=0)
-    w1 = g.add("cache_write", cache, u, offset=0)
-    w2 = g.add("cache_write", cache, u, offset=0)  # effects: never merged
+    w1 = g.add("cache_append", cache, u)
+    w2 = g.add("cache_append", cache, u)  # effects: never merged
     for i, v in enumerate([a1, a2, b, c, d, e1, e2, w1, w2]):
         g.set_output(f"o{i}", v)
     ins = {"x": torch.randn(3, 4), "cache": torch.zeros(1, 8, 4)}
@@ -46,7 +46,7 @@ def test_cse_merges_duplicate_expression_and_nothing_else():
     assert g.outputs["o3"] is not g.outputs["o4"]
     assert g.outputs["o5"] is not g.outputs["o6"]
     assert g.outputs["o7"] is not g.outputs["o8"]
-    assert [n.op for n in g.nodes].count("cache_write") == 2
+    assert [n.op for n in g.nodes].count("cache_append") == 2
     got = interpret(g, ins, {})
     for k in want:
         torch.testing.assert_close(got[k], want[k])

@@ -1,5 +1,5 @@
 """Model-level ops of the global layers and of Attention Residuals: mla_attention, dsa_index_topk,
-attn_res_inter, attn_res_merge, cache_write.
+attn_res_inter, attn_res_merge, cache_append.
 
 Formulas: /work/shared/K3-SPEC.md "Gated MLA", "Gated DSA" and "Block Attention Residuals". Positions are
 causal with the new tokens last: of S (or L) keys, query t sits at absolute position S − T + t and sees keys
@@ -237,30 +237,29 @@ def _attn_res_merge(attrs, o, lse, partial, queries):
 
 
 # ---- persistent caches ------------------------------------------------------------------------------------------
-def cache_write_ref(attrs, cache, new):
-    """cache' = cache with cache'[..., offset:offset+n, ...] = new along `dim` (functional copy here; the runtime
-    writes in place into the persistent pool)."""
-    out = cache.clone()
-    out.narrow(attrs["dim"], attrs["offset"], new.shape[attrs["dim"]]).copy_(new)
-    return [out]
+def cache_append_ref(attrs, cache, new):
+    """cache' = cat(cache, new) along `dim` (functional here; the runtime appends in place into the persistent pool
+    that backs `cache`, so only the new rows are written)."""
+    return [torch.cat([cache, new], attrs["dim"])]
 
 
-@op("cache_write", inputs=["cache", "new"], attrs={"dim": Attr("int", 1), "offset": Attr("dim")}, kind="model",
-    effects=True, ref=cache_write_ref, flops=lambda a, ins, outs: 0,
+@op("cache_append", inputs=["cache", "new"], attrs={"dim": Attr("int", 1)}, kind="model", effects=True,
+    ref=cache_append_ref, flops=lambda a, ins, outs: 0,
     bytes=lambda a, ins, outs: dim(numel(ins[1]) * 2 * _isz(ins[1])))
-def _cache_write(attrs, cache, new):
-    """cache_write(cache [B, Smax, ...], new [B, n, ...]) {dim=1, offset (e.g. "L")} -> updated cache (same type).
+def _cache_append(attrs, cache, new):
+    """cache_append(cache [B, L, ...], new [B, n, ...]) {dim=1} -> [B, L+n, ...]: the KV / index-key cache write.
 
-    Bytes count only the written rows (read + write of `new`): the cache is updated in place.
+    Bytes count only the appended rows (read + write of `new`): the pool behind the cache is written in place.
     """
-    n = "cache_write"
+    n = "cache_append"
     if cache.rank != new.rank or cache.dtype != new.dtype:
         raise IRError(f"{n}: new {new} does not match cache {cache}")
     d = attrs["dim"] % cache.rank
     for i in range(cache.rank):
         if i != d:
             need_eq(n, new.shape[i], cache.shape[i], f"dim {i}")
-    return [cache]
+    return [cache.with_shape(tuple(dim(cache.shape[i] + new.shape[i]) if i == d else cache.shape[i]
+                                   for i in range(cache.rank)))]
 
 
 def _isz(t: TensorType) -> int:

@@ -1,0 +1,350 @@
+"""Triton kernels and emitters for the global-layer attention ops `mla_attention` and `dsa_index_topk`.
+
+Math: K3-SPEC.md "Gated MLA" / "Gated DSA"; exact semantics: `mla_attention_ref` and `dsa_index_topk_ref` of
+k3c/ir/ops/model_attn.py. Query t of T new tokens sits at absolute position S − T + t and sees keys s ≤ S − T + t.
+
+mla_attention (flash-style online softmax over key blocks, fp32 accumulation, base-2 exponentials):
+  - absorbed (MQA over the latent, FlashMLA layout): one program per (b, t, block of BLOCK_M heads); the heads of a
+    block share every latent row kv[b, s] ([r + rope] values); scores = q·kv, values = kv[:, :v_dim];
+  - unabsorbed (per-head q, k, v): one program per (b, block of BLOCK_M tokens, h);
+  - idx [B, T, topk] (DSA): the program walks the topk slots of its token and gathers those latent rows (slot −1 is
+    never loaded); then a program holds one token. dense_max_keys guard: when S ≤ dense_max_keys the launcher
+    runs the dense causal path and idx is not read;
+  - split-K (flash decoding): when B·T·head-blocks programs cannot fill the GPU, the keys are split over a third grid
+    axis; the splits write (o, log2-sum-exp) partials to a scratch tensor allocated in `launch` and
+    `mla_combine_kernel` merges them.
+dsa_index_topk: `dsa_score_kernel` writes one int64 sort key per (b, t, s) into a scratch tensor allocated in
+`launch` (high word: the score's order-preserving int32 bits, INT32_MIN when s is not visible; low word:
+2³² − 1 − s, so equal scores order by lowest position, as the reference's stable sort); `torch.topk` over these
+unique keys (inside `launch`: O(L) selection, sorted, deterministic) gives the ref's order exactly.
+
+Public API: `emit_mla_attention(group)`, `emit_dsa_index_topk(group)` -> module text (registered with
+`k3c.codegen.triton.emitter` for kinds "mla_attention" / "dsa_index_topk"); the launchers `launch_mla`,
+`launch_dsa_index_topk` (copied into the emitted modules) and the kernels.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+from k3c.codegen.groups import KernelGroup
+from k3c.codegen.triton import emitter, module_header
+from k3c.errors import UnsupportedError
+
+
+# Launch policy (copied into every emitted module, where the runtime may retune it).
+TARGET_PROGRAMS = 264       # split-K (flash decoding) until about this many programs: 2 per H200 SM (132 SMs)
+MIN_KEYS_PER_SPLIT = 256    # no key split shorter than this
+MAX_SPLITS = 64
+HEAD_BLOCK_WIDE = 16        # absorbed form, v_dim >= 256: heads per program (each head block re-reads the latent)
+SCRATCH_BYTES = 1 << 28     # cap of dsa_index_topk's i64 sort-key scratch; T is processed in row chunks under it
+
+
+@triton.jit
+def mla_attention_kernel(
+    q_ptr, k_ptr, v_ptr, idx_ptr,           # q [B,T,H,D]; k/v rows (strides below); idx [B,T,TOPK] i64 (USE_IDX)
+    o_ptr,                                  # [B,T,H,DV] output (SPLITS == 1) or [B*T,SPLITS,H,DV] f32 partials
+    lse_ptr,                                # [B*T,SPLITS,H] f32 log2-sum-exp of each split (SPLITS > 1)
+    T, S, n_tblocks, keys_per_split,        # new tokens, keys, token blocks per batch row, keys (or slots) per split
+    stride_kb, stride_ks, stride_kh,        # key strides in elements (kh = 0: absorbed, all heads share kv rows)
+    stride_vb, stride_vs, stride_vh,        # value strides in elements
+    qk_scale,                               # attrs.scale · log2(e): scores in the base-2 domain
+    H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, TOPK: tl.constexpr,
+    HEADS_LAYOUT: tl.constexpr,             # True: rows = heads of one token; False: rows = tokens of one head
+    ROWS_T: tl.constexpr,                   # tokens per program in the tokens layout (1 with idx)
+    USE_IDX: tl.constexpr, CAUSAL: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,            # "ieee" for fp32 inputs (exact), "tf32" otherwise (ignored for bf16)
+):
+    pid_bt = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    b = (pid_bt // n_tblocks).to(tl.int64)
+    tb = pid_bt % n_tblocks
+    offs_m = tl.arange(0, BLOCK_M)
+    if HEADS_LAYOUT:
+        t_row = tb + 0 * offs_m
+        h_row = pid_h * BLOCK_M + offs_m
+        row_ok = h_row < H
+        k_head = 0
+        t_first = tb
+        t_last = tb
+    else:
+        t_row = tb * ROWS_T + offs_m
+        h_row = pid_h + 0 * offs_m
+        row_ok = (offs_m < ROWS_T) & (t_row < T)
+        k_head = pid_h
+        t_first = tb * ROWS_T
+        t_last = tl.minimum(t_first + ROWS_T - 1, T - 1)
+    if USE_IDX:
+        n_keys = TOPK                                       # walk the index slots of token t_first
+    elif CAUSAL:
+        n_keys = S - T + t_last + 1                         # keys visible to the block's last token
+    else:
+        n_keys = S
+    start = split * keys_per_split
+    end = tl.minimum(n_keys, start + keys_per_split)
+
+    q_rows = ((b * T + t_row) * H + h_row) * D              # [BLOCK_M] element offsets of the query rows
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)           # finite start: a fully masked block gives p = 0, not NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for j0 in range(start, end, BLOCK_S):
+        offs_j = j0 + tl.arange(0, BLOCK_S)
+        j_ok = offs_j < end
+        if USE_IDX:
+            pos = tl.load(idx_ptr + (b * T + t_first) * TOPK + offs_j, mask=j_ok, other=-1)
+            key_ok = j_ok & (pos >= 0) & (pos < S)
+            pos = tl.where(key_ok, pos, 0)
+        else:
+            pos = offs_j.to(tl.int64)
+            key_ok = j_ok
+        k_rows = b * stride_kb + pos * stride_ks + k_head * stride_kh
+        scores = tl.zeros([BLOCK_M, BLOCK_S], tl.float32)
+        for d0 in tl.static_range(0, D, BLOCK_D):           # head dim in BLOCK_D chunks (576 = 9 x 64)
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_ok = offs_d < D
+            q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+            scores += tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        allow = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            allow = allow & (pos[None, :] <= (S - T + t_row)[:, None])
+        scores = tl.where(allow, scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_rows = b * stride_vb + pos * stride_vs + k_head * stride_vh
+        v = tl.load(v_ptr + v_rows[:, None] + offs_dv[None, :], mask=key_ok[:, None] & dv_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]        # a row without keys writes 0
+    if SPLITS == 1:
+        o_rows = ((b * T + t_row) * H + h_row) * DV
+        tl.store(o_ptr + o_rows[:, None] + offs_dv[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dv_ok[None, :])
+    else:
+        part = ((b * T + t_row) * SPLITS + split) * H + h_row
+        tl.store(o_ptr + part[:, None] * DV + offs_dv[None, :], out, mask=row_ok[:, None] & dv_ok[None, :])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def mla_combine_kernel(part_ptr, lse_ptr, o_ptr, H: tl.constexpr, DV: tl.constexpr, SPLITS: tl.constexpr,
+                       BLOCK_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """o[bt, h] = Σ_i 2^(lse_i − M) o_i / Σ_i 2^(lse_i − M) over the key splits i (M = max lse_i)."""
+    bt = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_i = tl.arange(0, BLOCK_SPLITS)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = (bt * SPLITS + offs_i) * H + h
+    lse = tl.load(lse_ptr + rows, mask=offs_i < SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    part = tl.load(part_ptr + rows[:, None] * DV + offs_dv[None, :],
+                   mask=(offs_i < SPLITS)[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + (bt * H + h) * DV + offs_dv, out.to(o_ptr.dtype.element_ty), mask=offs_dv < DV)
+
+
+def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_keys):
+    """Run `mla_attention` (see the module docstring of the emitted module for the semantics).
+
+    q [B,T,H,D]; absorbed: k = kv [B,S,D] (v ignored), values kv[..., :v_dim]; else k [B,S,H,D], v [B,S,H,Dv].
+    idx: None or i64 [B,T,topk]; out: [B,T,H,Dv] (q's dtype), fully written. Scratch: with split-K, f32 partials
+    [B·T, splits, H, Dv] and [B·T, splits, H] allocated here. Raises ValueError on mismatched shapes.
+    """
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    if absorbed:
+        DV = v_dim
+        v, sv = k, (k.stride(0), k.stride(1), 0)
+        sk = sv
+    else:
+        DV = v.shape[3]
+        sk, sv = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
+    if k.shape[0] != B or k.shape[-1] != D or tuple(out.shape) != (B, T, H, DV) or S < 1:
+        raise ValueError(f"mla_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, out {tuple(out.shape)} mismatch")
+    use_idx = idx is not None and (dense_max_keys is None or S > dense_max_keys)
+    topk = idx.shape[2] if use_idx else 1
+    BLOCK_DV = triton.next_power_of_2(DV)
+    BLOCK_D = 64 if D > 64 else max(16, triton.next_power_of_2(D))
+    wide = BLOCK_DV >= 256                          # [BLOCK_M, BLOCK_DV] accumulator: keep it in registers
+    BLOCK_S = (32 if wide else 64) // (2 if q.dtype == torch.float32 else 1)
+    if absorbed:                                    # one token, a block of heads sharing the latent rows
+        BLOCK_M = max(16, min(triton.next_power_of_2(H), HEAD_BLOCK_WIDE if wide else 64))
+        rows_t, n_tb, n_hb = 1, T, triton.cdiv(H, BLOCK_M)
+    else:                                           # one head, a block of tokens (one token when gathering idx)
+        BLOCK_M = 16 if use_idx or wide else 32
+        rows_t = 1 if use_idx else BLOCK_M
+        n_tb, n_hb = triton.cdiv(T, rows_t), H
+    n_keys = topk if use_idx else S
+    programs = B * n_tb * n_hb
+    splits = 1
+    if programs < TARGET_PROGRAMS and n_keys > MIN_KEYS_PER_SPLIT:
+        splits = min(triton.cdiv(TARGET_PROGRAMS, programs), triton.cdiv(n_keys, MIN_KEYS_PER_SPLIT), MAX_SPLITS)
+    keys_per_split = triton.cdiv(triton.cdiv(n_keys, splits), BLOCK_S) * BLOCK_S
+    splits = triton.cdiv(n_keys, keys_per_split)
+    if splits > 1:
+        o_dst = torch.empty((B * T, splits, H, DV), dtype=torch.float32, device=q.device)
+        lse = torch.empty((B * T, splits, H), dtype=torch.float32, device=q.device)
+    else:
+        o_dst, lse = out, out
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    mla_attention_kernel[(B * n_tb, n_hb, splits)](
+        q, k, v, idx if use_idx else q, o_dst, lse, T, S, n_tb, keys_per_split, *sk, *sv,
+        scale * 1.4426950408889634,  # log2(e): exp(x) = exp2(x · log2 e)
+        H=H, D=D, DV=DV, TOPK=topk, HEADS_LAYOUT=absorbed, ROWS_T=rows_t, USE_IDX=use_idx, CAUSAL=causal,
+        SPLITS=splits, BLOCK_M=BLOCK_M, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        DOT_PRECISION=precision, num_warps=8 if wide else 4, num_stages=2)
+    if splits > 1:
+        mla_combine_kernel[(B * T, H)](o_dst, lse, out, H=H, DV=DV, SPLITS=splits,
+                                       BLOCK_SPLITS=triton.next_power_of_2(splits), BLOCK_DV=BLOCK_DV)
+
+
+@triton.jit
+def dsa_score_kernel(q_ptr, w_ptr, k_ptr, key_ptr, T, L, t0, n_rows,
+                     J: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Sort keys of I[t,s] = Σ_j w[t,j]·ReLU(q_I[t,j]·k_I[s]) for tokens t0 .. t0+n_rows−1 (see module docstring).
+
+    q [B,T,J,D], w [B,T,J], k [B,L,D]; key_ptr: i64 [B, n_rows, L]. Program: (b·n_rows + t − t0, key block).
+    """
+    pid = tl.program_id(0)
+    b = (pid // n_rows).to(tl.int64)
+    t = t0 + pid % n_rows
+    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_ok = offs_s < L
+    offs_j = tl.arange(0, BLOCK_J)
+    j_ok = offs_j < J
+    dots = tl.zeros([BLOCK_J, BLOCK_S], tl.float32)
+    for d0 in tl.static_range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        q = tl.load(q_ptr + ((b * T + t) * J + offs_j)[:, None] * D + offs_d[None, :],
+                    mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+        k = tl.load(k_ptr + (b * L + offs_s)[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        dots += tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+    w = tl.load(w_ptr + (b * T + t) * J + offs_j, mask=j_ok, other=0.0).to(tl.float32)
+    score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
+    score = tl.where(score == 0.0, 0.0, score)             # −0.0 -> +0.0: the reference's sort sees them equal
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)   # signed int32 order == float order
+    visible = s_ok & (offs_s <= L - T + t)
+    int32_min = tl.full([BLOCK_S], -2147483648, tl.int32)  # below every float's key, incl. −inf
+    ordered = tl.where(visible, ordered, int32_min)
+    low = tl.full([BLOCK_S], 4294967295, tl.int64) - offs_s.to(tl.int64)   # 2^32 − 1 − s: lower s sorts first
+    key = (ordered.to(tl.int64) << 32) + low
+    tl.store(key_ptr + (pid.to(tl.int64) * L + offs_s), key, mask=s_ok)
+
+
+def launch_dsa_index_topk(q_i, w, k_i, out, *, topk):
+    """Run `dsa_index_topk`: q_i [B,T,J,D], w [B,T,J], k_i [B,L,D] -> out i64 [B,T,topk] (−1 padding).
+
+    Scratch: i64 sort keys [B, rows, L] allocated here, rows ≤ T chosen so that it stays ≤ SCRATCH_BYTES.
+    Raises ValueError on mismatched shapes.
+    """
+    B, T, J, D = q_i.shape
+    L = k_i.shape[1]
+    if tuple(w.shape) != (B, T, J) or tuple(k_i.shape) != (B, L, D) or tuple(out.shape) != (B, T, topk):
+        raise ValueError(f"dsa_index_topk: q_i {tuple(q_i.shape)}, w {tuple(w.shape)}, k_i {tuple(k_i.shape)}, "
+                         f"out {tuple(out.shape)} mismatch")
+    kk = min(topk, L)
+    if kk < topk:
+        out[..., kk:] = -1
+    rows = max(1, min(T, SCRATCH_BYTES // (8 * B * L)))
+    keys = torch.empty((B, rows, L), dtype=torch.int64, device=q_i.device)
+    BLOCK_S = 64
+    precision = "ieee" if q_i.dtype == torch.float32 else "tf32"
+    for t0 in range(0, T, rows):
+        n = min(rows, T - t0)
+        dsa_score_kernel[(B * n, triton.cdiv(L, BLOCK_S))](
+            q_i, w, k_i, keys, T, L, t0, n, J=J, D=D, BLOCK_J=max(16, triton.next_power_of_2(J)),
+            BLOCK_D=64 if D > 64 else max(16, triton.next_power_of_2(D)), BLOCK_S=BLOCK_S, DOT_PRECISION=precision)
+        top = torch.topk(keys[:, :n], kk, dim=-1, sorted=True).values
+        pos = 4294967295 - (top & 4294967295)                  # undo the low word 2^32 − 1 − s
+        visible = (top >> 32) != -2147483648
+        out[:, t0:t0 + n, :kk] = torch.where(visible, pos, torch.full_like(pos, -1))
+
+
+# ---- emitters --------------------------------------------------------------------------------------------------
+def one_node(group: KernelGroup, op: str):
+    """(node, input positions, output positions): the group's single node of `op` and where each of its inputs /
+    outputs sits in the launch lists. Raises UnsupportedError for any other group."""
+    if len(group.nodes) != 1 or group.nodes[0].op != op:
+        raise UnsupportedError(f"{group.name}: the {op} emitter takes one {op} node, got "
+                               f"{[n.op for n in group.nodes]}")
+    node = group.nodes[0]
+    ins, outs = group.inputs or node.inputs, group.outputs or node.outputs
+    try:
+        return node, [ins.index(v) for v in node.inputs], [outs.index(v) for v in node.outputs]
+    except ValueError:
+        raise UnsupportedError(f"{group.name}: group inputs/outputs do not cover the {op} node's values") from None
+
+
+def _module(group, summary, consts, kernels, launcher, body):
+    """Module text: the shared header (IR nodes, I/O order, imports), constants, kernel and launcher sources and
+    the ABI `launch` (`body`)."""
+    lines = module_header(group, summary, __name__)
+    lines += ["# Exact semantics: the op's `ref` in k3c/ir/ops/model_attn.py (K3-SPEC.md 'Gated MLA', 'Gated DSA')."]
+    lines += [f"{k} = {v!r}" + (f"  # {c}" if c else "") for k, v, c in consts]
+    parts = ["\n".join(lines) + "\n"] + [inspect.getsource(k.fn) for k in kernels] + [inspect.getsource(launcher)]
+    return "\n\n".join(parts + [body])
+
+
+@emitter("mla_attention")
+def emit_mla_attention(group: KernelGroup) -> str:
+    """Module text for one `mla_attention` node (absorbed or not, with or without idx / dense guard).
+
+    launch(inputs, outputs, sizes): inputs in the group's order (q, k[, v][, idx]), outputs [o]. The module
+    constants TARGET_PROGRAMS / MIN_KEYS_PER_SPLIT / MAX_SPLITS steer split-K. Raises UnsupportedError for a group
+    that is not a single mla_attention node.
+    """
+    node, ip, op = one_node(group, "mla_attention")
+    a = node.attrs
+    n_in = len(node.inputs)
+    has_v = not a["absorbed"]
+    has_idx = n_in == (4 if has_v else 3)
+    consts = [("ABSORBED", a["absorbed"], "MQA over the latent"), ("CAUSAL", a["causal"], ""),
+              ("SCALE", float(a["scale"]), "softmax scale"), ("V_DIM", a["v_dim"], "absorbed: latent values used"),
+              ("DENSE_MAX_KEYS", a["dense_max_keys"], "DSA guard: S <= this runs dense causal, idx unread"),
+              ("TARGET_PROGRAMS", TARGET_PROGRAMS, "split-K until about this many programs (2 per H200 SM)"),
+              ("MIN_KEYS_PER_SPLIT", MIN_KEYS_PER_SPLIT, "no key split shorter than this"),
+              ("MAX_SPLITS", MAX_SPLITS, ""),
+              ("HEAD_BLOCK_WIDE", HEAD_BLOCK_WIDE, "heads per program when v_dim >= 256")]
+    v_arg = f"inputs[{ip[2]}]" if has_v else "None"
+    idx_arg = f"inputs[{ip[-1]}]" if has_idx else "None"
+    body = (
+        "def launch(inputs, outputs, sizes):\n"
+        '    """ABI entry: inputs (q, k[, v][, idx]) and outputs [o] are the group\'s tensors at `sizes`."""\n'
+        f"    launch_mla(inputs[{ip[0]}], inputs[{ip[1]}], {v_arg}, {idx_arg}, outputs[{op[0]}], absorbed=ABSORBED,\n"
+        "               causal=CAUSAL, scale=SCALE, v_dim=V_DIM, dense_max_keys=DENSE_MAX_KEYS)\n")
+    title = f"mla_attention ({'absorbed' if a['absorbed'] else 'unabsorbed'}{', DSA idx' if has_idx else ''})"
+    return _module(group, title, consts, [mla_attention_kernel, mla_combine_kernel], launch_mla, body)
+
+
+@emitter("dsa_index_topk")
+def emit_dsa_index_topk(group: KernelGroup) -> str:
+    """Module text for one `dsa_index_topk` node: inputs (q_i, w, k_i), outputs [idx]. Raises UnsupportedError
+    for a group that is not a single dsa_index_topk node."""
+    node, ip, op = one_node(group, "dsa_index_topk")
+    consts = [("TOPK", node.attrs["topk"], "index_topk"),
+              ("SCRATCH_BYTES", SCRATCH_BYTES, "cap of the i64 sort-key scratch (rows of T per pass)")]
+    body = (
+        "def launch(inputs, outputs, sizes):\n"
+        '    """ABI entry: inputs (q_i, w, k_i), outputs [idx i64 [B,T,TOPK]]."""\n'
+        f"    launch_dsa_index_topk(inputs[{ip[0]}], inputs[{ip[1]}], inputs[{ip[2]}], outputs[{op[0]}], topk=TOPK)\n")
+    return _module(group, "dsa_index_topk (score kernel + torch.topk on packed int64 keys)", consts,
+                   [dsa_score_kernel], launch_dsa_index_topk, body)
+

@@ -1,0 +1,207 @@
+"""Triton kernels and emitters for Block Attention Residuals: `attn_res_inter` and `attn_res_merge`.
+
+Math: K3-SPEC.md "Block Attention Residuals" (AttnRes paper, Algorithm 1); exact semantics: `attn_res_inter_ref`
+and `attn_res_merge_ref` of k3c/ir/ops/model_attn.py. Keys are RMSNorm-without-weight of the sources,
+K(x) = x · rsqrt(mean(x²) + eps), logits = K(x) · query, no 1/√d, softmax in fp32 (natural exp/log).
+
+attn_res_inter (phase 1: all Q pseudo-queries of a block over the N sealed blocks), two kernels:
+  - `attn_res_logits_kernel`, one program per BLOCK_R rows (r = b·T + t): logits[n, r, q] as one
+    [BLOCK_R, D] x [D, BLOCK_Q] dot per block (exact fp32, "ieee") scaled by the row's rsqrt, an online
+    log-sum-exp over n -> lse [Q, R], then the softmax weights p[n, r, q] into an f32 scratch [N, R, Q] allocated
+    in `launch` (N·Q floats per row);
+  - `attn_res_combine_kernel`, one program per (row, BLOCK_D columns): o[q, r, :] = Σ_n p[n, r, q] · b_n[r, :].
+  The N block tensors are separate arena values: the kernels address them as `base + offsets[n]` with
+  offsets[n] = (b_n.data_ptr() − b_0.data_ptr()) / itemsize (a small i64 tensor built in `launch` and cached per
+  set of addresses; all blocks have one dtype), so one compiled kernel serves every N.
+attn_res_merge (phase 2), `attn_res_merge_kernel`, one program per row: l_p = K(partial)·queries[index],
+  m = logaddexp(lse[index], l_p), h = e^(lse − m) · o[index] + e^(l_p − m) · partial, in partial's dtype.
+
+Public API: `emit_attn_res_inter(group)`, `emit_attn_res_merge(group)` -> module text (registered with
+`k3c.codegen.triton.emitter`); launchers `launch_attn_res_inter`, `launch_attn_res_merge` (copied into the
+emitted modules) and the kernels.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+from k3c.codegen.groups import KernelGroup
+from k3c.codegen.triton import emitter, module_header
+from k3c.codegen.triton.attention import one_node
+
+
+# (device, data_ptr of each block) -> i64 [N] element offsets from block 0 (copied into the emitted module)
+BLOCK_OFFSETS: dict = {}
+
+
+@triton.jit
+def attn_res_logits_kernel(queries_ptr, base_ptr, offsets_ptr, p_ptr, lse_ptr, R, N, EPS,
+                           Q: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    """lse[q, r] = logsumexp_n logits[n, r, q]; p[n, r, q] = exp(logits − lse). queries [Q, D] (any float),
+    block n at base_ptr + offsets[n] ([R, D] rows), p f32 [N, R, Q], lse f32 [Q, R]."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    offs_q = tl.arange(0, BLOCK_Q)
+    q_ok = offs_q < Q
+    pq_mask = r_ok[:, None] & q_ok[None, :]
+    m = tl.full([BLOCK_R, BLOCK_Q], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R, BLOCK_Q], tl.float32)
+    for n in range(N):
+        x_ptr = base_ptr + tl.load(offsets_ptr + n)
+        dots = tl.zeros([BLOCK_R, BLOCK_Q], tl.float32)
+        sumsq = tl.zeros([BLOCK_R], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_ok = offs_d < D
+            x = tl.load(x_ptr + offs_r.to(tl.int64)[:, None] * D + offs_d[None, :],
+                        mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            w = tl.load(queries_ptr + offs_q[None, :] * D + offs_d[:, None], mask=d_ok[:, None] & q_ok[None, :],
+                        other=0.0).to(tl.float32)
+            dots += tl.dot(x, w, input_precision="ieee")
+            sumsq += tl.sum(x * x, 1)
+        logits = dots * tl.rsqrt(sumsq / D + EPS)[:, None]
+        tl.store(p_ptr + (n * R + offs_r)[:, None] * Q + offs_q[None, :], logits, mask=pq_mask)
+        m_new = tl.maximum(m, logits)
+        l = l * tl.exp(m - m_new) + tl.exp(logits - m_new)   # n = 0: m = −inf gives l = 0 · 0 + 1
+        m = m_new
+    lse = m + tl.log(l)
+    tl.store(lse_ptr + offs_q[None, :] * R + offs_r[:, None], lse, mask=pq_mask)
+    for n in range(N):                                     # logits -> softmax weights, in place
+        ptrs = p_ptr + (n * R + offs_r)[:, None] * Q + offs_q[None, :]
+        tl.store(ptrs, tl.exp(tl.load(ptrs, mask=pq_mask, other=0.0) - lse), mask=pq_mask)
+
+
+@triton.jit
+def attn_res_combine_kernel(base_ptr, offsets_ptr, p_ptr, o_ptr, R, N, Q: tl.constexpr, D: tl.constexpr,
+                            BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+    """o[q, r, d] = Σ_n p[n, r, q] · b_n[r, d] for one row r and BLOCK_D columns; o f32 [Q, R, D]."""
+    r = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    offs_q = tl.arange(0, BLOCK_Q)
+    q_ok = offs_q < Q
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    for n in range(N):
+        x = tl.load(base_ptr + tl.load(offsets_ptr + n) + r * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        p = tl.load(p_ptr + (n * R + r) * Q + offs_q, mask=q_ok, other=0.0)
+        acc += p[:, None] * x[None, :]
+    tl.store(o_ptr + (offs_q[:, None] * R + r) * D + offs_d[None, :], acc, mask=q_ok[:, None] & d_ok[None, :])
+
+
+def launch_attn_res_inter(queries, blocks, o, lse, *, eps):
+    """queries [Q, D], blocks: N tensors [B, T, D] of one dtype -> o f32 [Q, B, T, D], lse f32 [Q, B, T].
+
+    Scratch: softmax weights f32 [N, B·T, Q], allocated here; the i64 block offsets [N] are built once per set of
+    block addresses and cached in BLOCK_OFFSETS (no host-to-device copy in steady state).
+    Raises ValueError on mismatched shapes or dtypes.
+    """
+    Q, D = queries.shape
+    R = blocks[0].numel() // D
+    if any(b.shape != blocks[0].shape or b.dtype != blocks[0].dtype for b in blocks) or \
+            tuple(o.shape) != (Q, *blocks[0].shape) or lse.numel() != Q * R:
+        raise ValueError(f"attn_res_inter: queries {tuple(queries.shape)}, blocks "
+                         f"{[tuple(b.shape) for b in blocks]}, o {tuple(o.shape)} mismatch")
+    size = blocks[0].element_size()
+    key = (queries.device, *(b.data_ptr() for b in blocks))
+    offsets = BLOCK_OFFSETS.get(key)
+    if offsets is None:                             # arena addresses repeat: build each offset table once
+        if len(BLOCK_OFFSETS) >= 64:
+            BLOCK_OFFSETS.clear()
+        offsets = BLOCK_OFFSETS[key] = torch.tensor([(b.data_ptr() - blocks[0].data_ptr()) // size for b in blocks],
+                                                    dtype=torch.int64, device=queries.device)
+    p = torch.empty((len(blocks), R, Q), dtype=torch.float32, device=queries.device)
+    BLOCK_Q = max(16, triton.next_power_of_2(Q))
+    attn_res_logits_kernel[(triton.cdiv(R, 16),)](
+        queries, blocks[0], offsets, p, lse, R, len(blocks), float(eps), Q=Q, D=D, BLOCK_R=16, BLOCK_Q=BLOCK_Q,
+        BLOCK_D=64)
+    BLOCK_D = min(256, triton.next_power_of_2(D))
+    attn_res_combine_kernel[(R, triton.cdiv(D, BLOCK_D))](blocks[0], offsets, p, o, R, len(blocks), Q=Q, D=D,
+                                                          BLOCK_Q=triton.next_power_of_2(Q), BLOCK_D=BLOCK_D)
+
+
+@triton.jit
+def attn_res_merge_kernel(o_ptr, lse_ptr, x_ptr, queries_ptr, h_ptr, R, index, EPS, D: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """One row r: h = e^(lse − m) · o[index, r] + e^(l_p − m) · x with m = logaddexp(lse[index, r], l_p)."""
+    r = tl.program_id(0).to(tl.int64)
+    dot = tl.zeros([BLOCK_D], tl.float32)
+    sumsq = tl.zeros([BLOCK_D], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        x = tl.load(x_ptr + r * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        w = tl.load(queries_ptr + index * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        dot += x * w
+        sumsq += x * x
+    l_p = tl.sum(dot, 0) * tl.rsqrt(tl.sum(sumsq, 0) / D + EPS)
+    l_o = tl.load(lse_ptr + index * R + r)
+    m = tl.maximum(l_o, l_p)
+    m = m + tl.log(tl.exp(l_o - m) + tl.exp(l_p - m))     # logaddexp
+    w_o = tl.exp(l_o - m)
+    w_p = tl.exp(l_p - m)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        x = tl.load(x_ptr + r * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + (index * R + r) * D + offs_d, mask=d_ok, other=0.0)
+        tl.store(h_ptr + r * D + offs_d, (w_o * o + w_p * x).to(h_ptr.dtype.element_ty), mask=d_ok)
+
+
+def launch_attn_res_merge(o, lse, partial, queries, h, *, index, eps):
+    """o f32 [Q, B, T, D], lse f32 [Q, B, T], partial [B, T, D], queries [Q, D] -> h [B, T, D] (partial's dtype).
+
+    Raises ValueError on mismatched shapes or an index outside [0, Q).
+    """
+    Q, D = queries.shape
+    R = partial.numel() // D
+    if tuple(o.shape) != (Q, *partial.shape) or lse.numel() != Q * R or h.shape != partial.shape or \
+            not 0 <= index < Q:
+        raise ValueError(f"attn_res_merge: o {tuple(o.shape)}, partial {tuple(partial.shape)}, queries "
+                         f"{tuple(queries.shape)}, index {index} mismatch")
+    attn_res_merge_kernel[(R,)](o, lse, partial, queries, h, R, index, float(eps), D=D,
+                                BLOCK_D=min(1024, triton.next_power_of_2(D)))
+
+
+# ---- emitters --------------------------------------------------------------------------------------------------
+def _module(group, summary, consts, kernels, launcher, body):
+    lines = module_header(group, summary, __name__)
+    lines += ["# Exact semantics: the op's `ref` in k3c/ir/ops/model_attn.py (K3-SPEC.md 'Block Attention Residuals')."]
+    lines += [f"{k} = {v!r}  # {c}" for k, v, c in consts]
+    parts = ["\n".join(lines) + "\n"] + [inspect.getsource(k.fn) for k in kernels] + [inspect.getsource(launcher)]
+    return "\n\n".join(parts + [body])
+
+
+@emitter("attn_res_inter")
+def emit_attn_res_inter(group: KernelGroup) -> str:
+    """Module text for one `attn_res_inter` node: inputs (queries, b_0 .. b_{N−1}), outputs (o, lse).
+    Raises UnsupportedError for a group that is not a single attn_res_inter node."""
+    node, ip, op = one_node(group, "attn_res_inter")
+    consts = [("EPS", float(node.attrs["eps"]), "RMSNorm eps of the keys (attn_res_norm)"),
+              ("NUM_BLOCKS", len(node.inputs) - 1, "sealed blocks b_0 .. b_{N-1}"),
+              ("BLOCK_OFFSETS", {}, "block addresses -> cached i64 offset table")]
+    blocks = ", ".join(f"inputs[{i}]" for i in ip[1:])
+    body = ("def launch(inputs, outputs, sizes):\n"
+            '    """ABI entry: inputs (queries, b_0 .. b_{N-1}), outputs (o f32 [Q,B,T,D], lse f32 [Q,B,T])."""\n'
+            f"    launch_attn_res_inter(inputs[{ip[0]}], [{blocks}], outputs[{op[0]}], outputs[{op[1]}], eps=EPS)\n")
+    return _module(group, f"Block AttnRes phase 1 over {len(ip) - 1} sealed block(s)", consts,
+                   [attn_res_logits_kernel, attn_res_combine_kernel], launch_attn_res_inter, body)
+
+
+@emitter("attn_res_merge")
+def emit_attn_res_merge(group: KernelGroup) -> str:
+    """Module text for one `attn_res_merge` node: inputs (o, lse, partial, queries), outputs [h].
+    Raises UnsupportedError for a group that is not a single attn_res_merge node."""
+    node, ip, op = one_node(group, "attn_res_merge")
+    consts = [("INDEX", int(node.attrs["index"]), "this sublayer's pseudo-query row"),
+              ("EPS", float(node.attrs["eps"]), "RMSNorm eps of the keys")]
+    args = ", ".join(f"inputs[{i}]" for i in ip)
+    body = ("def launch(inputs, outputs, sizes):\n"
+            '    """ABI entry: inputs (o, lse, partial, queries), outputs [h [B,T,D]]."""\n'
+            f"    launch_attn_res_merge({args}, outputs[{op[0]}], index=INDEX, eps=EPS)\n")
+    return _module(group, "Block AttnRes phase 2 (online-softmax merge with the partial sum)", consts,
+                   [attn_res_merge_kernel], launch_attn_res_merge, body)

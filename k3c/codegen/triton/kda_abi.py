@@ -1,0 +1,88 @@
+"""Kernel-ABI emitter for `kda_fused`: wraps the fused KDA kernels of `k3c.codegen.triton.kda` in a module
+implementing `launch(inputs, outputs, sizes)`.
+
+Math: K3-SPEC.md "KDA layer"; exact semantics: `kda_fused_ref` of k3c/ir/ops/model_kda.py. The kernel text is
+`kda.emit_source` of the "prefill" family (token-loop kernel `kda_recurrent_kernel` and, for a safely bounded gate,
+the 16-token chunk kernel `kda_chunk_kernel`), with two edits so that the module stands alone and keeps the ABI
+name free: its `from k3c.errors import ...` becomes two local exception classes (subclasses of ValueError), and its
+own `launch(q_in, ...)` is renamed `kda_family_launch`. The ABI `launch` maps the IR operands onto `_launch_kda`:
+
+    inputs  (q, k, v, f, beta, gate, q_conv, k_conv, v_conv, A_log, dt_bias, o_norm, state, conv_state)
+    outputs (y [B,T,H·K], new state [B,H,K,K] f32, new conv state [B,3·H·K,W])
+
+T == 1 (decode) runs the token-loop kernel, like `kda.kda_decode`; T > 1 (prefill) runs the chunk kernel when the
+gate is safely bounded and T ≥ 16, else the token loop, like `kda.kda_prefill(method="auto")`. The state outputs
+may be the very tensors of the state inputs (in-place update) or separate ones. Conv weights [H·K,1,W] are viewed
+as [H·K,W]; non-fp32 weights or conv state are converted (the kernels take fp32), a converted conv state is
+copied back.
+
+Public API: `emit_kda_fused(group)` -> module text (registered with `k3c.codegen.triton.emitter` for the kind
+"kda_fused").
+"""
+
+from __future__ import annotations
+
+from k3c.codegen.groups import KernelGroup
+from k3c.codegen.triton import emitter, module_header
+from k3c.codegen.triton.attention import one_node
+from k3c.codegen.triton.kda import CHUNK, SAFE_LOG_DECAY, emit_source
+from k3c.errors import UnsupportedError
+
+_ERRORS_IMPORT = "from k3c.errors import RuntimeInputError, UnsupportedError"
+_LOCAL_ERRORS = '''class RuntimeInputError(ValueError):
+    """Bad runtime input (stands in for k3c.errors.RuntimeInputError: kernel modules do not import k3c)."""
+
+
+class UnsupportedError(ValueError):
+    """Input this specialization does not handle (stands in for k3c.errors.UnsupportedError)."""'''
+
+_ABI_LAUNCH = '''
+
+def launch(inputs, outputs, sizes):
+    """ABI entry (see the header): decode kernel when T == 1, prefill (chunked or token loop) otherwise."""
+    (q, k, v, f, beta, gate, q_conv, k_conv, v_conv, A_log, dt_bias, o_norm, state,
+     conv_state) = [inputs[i] for i in INPUT_POSITIONS]
+    y, state_out, conv_out = [outputs[i] for i in OUTPUT_POSITIONS]
+    T = q.shape[1]
+    conv_w = [w.reshape(w.shape[0], w.shape[-1]).float() for w in (q_conv, k_conv, v_conv)]
+    conv_in = conv_state if conv_state.dtype == torch.float32 else conv_state.float()
+    conv_dst = conv_out if conv_out.dtype == torch.float32 else conv_in
+    chunked = T > 1 and CHUNKED and T >= CHUNK_MIN_TOKENS
+    y_new = _launch_kda(kda_chunk_kernel if chunked else kda_recurrent_kernel, chunked, q, k, v, f, beta, gate,
+                        *conv_w, A_log.reshape(-1).float(), dt_bias.reshape(-1).float(), o_norm.float(), state,
+                        conv_in, gate_kind=GATE_KIND, lower_bound=LOWER_BOUND, eps=EPS, lengths=None,
+                        state_out=state_out, conv_state_out=conv_dst, store_output=True, num_warps=None)
+    y.copy_(y_new)
+    if conv_dst is not conv_out:
+        conv_out.copy_(conv_dst)
+'''
+
+
+@emitter("kda_fused")
+def emit_kda_fused(group: KernelGroup) -> str:
+    """Module text for one `kda_fused` node (14 inputs, 3 outputs; see the module docstring).
+
+    Raises UnsupportedError for a group that is not a single kda_fused node, or when `kda.emit_source` no longer
+    has the shape this wrapper edits (its k3c.errors import and its `def launch(`).
+    """
+    node, ip, op = one_node(group, "kda_fused")
+    a = node.attrs
+    # the chunk kernel is exact only while a chunk's cumulative log-decay stays above -SAFE_LOG_DECAY
+    chunked = a["gate"] == "lower_bound" and (CHUNK - 1) * abs(float(a["lower_bound"])) <= SAFE_LOG_DECAY
+    spec = {"family": "prefill", "heads": a["heads"], "head_dim": a["head_dim"],
+            "conv_size": int(node.inputs[6].type.shape[2]), "gate_kind": a["gate"],
+            "lower_bound": float(a["lower_bound"]), "eps": float(a["eps"]), "ir_nodes": group.ir_nodes,
+            "chunked": chunked}
+    text = emit_source(spec)
+    if text.count(_ERRORS_IMPORT) != 1 or text.count("\ndef launch(") != 1:
+        raise UnsupportedError(f"{group.name}: kda.emit_source text changed; kda_abi cannot wrap it")
+    text = text.replace(_ERRORS_IMPORT, _LOCAL_ERRORS).replace("\ndef launch(", "\ndef kda_family_launch(")
+    if "k3c." in "".join(ln for ln in text.splitlines() if ln.lstrip().startswith(("import ", "from "))):
+        raise UnsupportedError(f"{group.name}: the KDA kernel text imports k3c")
+    lines = module_header(group, f"fused KDA mixer ({a['gate']} gate), decode/prefill by T", __name__)
+    lines += [f"INPUT_POSITIONS = {ip!r}  # group inputs of (q, k, v, f, beta, gate, q_conv, k_conv, v_conv, "
+              "A_log, dt_bias, o_norm, state, conv_state)",
+              f"OUTPUT_POSITIONS = {op!r}  # group outputs of (y, state, conv_state)",
+              f"CHUNKED = {chunked!r}  # gate safely bounded: prefill may use the 16-token chunk kernel",
+              f"CHUNK_MIN_TOKENS = {CHUNK}  # fewer tokens: token loop (as kda.kda_prefill, method='auto')", ""]
+    return "\n".join(lines) + "\n" + text + _ABI_LAUNCH

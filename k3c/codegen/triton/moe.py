@@ -1,0 +1,247 @@
+"""Triton kernels and emitters for the MoE ops `moe_route` and `moe_experts`.
+
+Math: K3-SPEC.md "MLP and Stable LatentMoE" (router: DeepSeek-V3 §2.1.2); exact semantics: `moe_route_ref` and
+`moe_experts_ref` of k3c/ir/ops/model_moe.py.
+
+moe_route: `moe_route_kernel`, one program per token row: s = sigmoid(logits) in fp32; top_k rounds of
+  (max of s + bias, lowest expert id among the maxima, knock it out) = the reference's stable descending sort;
+  weights = s[chosen] / (Σ s[chosen] + 1e-20) · scaling (the bias only chooses).
+moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (no atomics):
+  1. in `launch` (torch, no host sync): the (token, slot) pairs are stably sorted by expert id (slots with id < 0
+     last, never computed) and cut into tiles of BLOCK_M rows of one expert; the grid is the upper bound
+     min(N·k, ⌈N·k / BLOCK_M⌉ + E) tiles, tiles past the schedule exit at once;
+  2. `moe_up_kernel` (tile, BLOCK_I columns of the intermediate): h = act(z W1ᵀ, z W3ᵀ) into a scratch
+     [N·k, I] in z's dtype (SiTU-GLU or SwiGLU);
+  3. `moe_down_kernel` (tile, BLOCK_N output columns): y_slot[(token, slot)] = (h W2ᵀ) · weight into an f32
+     scratch [N·k, D];
+  4. `moe_sum_kernel` (token, BLOCK_N columns): y = Σ over the token's slots with id ≥ 0, in slot order.
+  Two GEMM kernels rather than one: a single fused act(z W1ᵀ, z W3ᵀ) W2ᵀ program would have to either hold all
+  of D in registers or recompute h per output block (re-reading W1/W3 D/BLOCK_N times); split, every expert
+  weight is read once per token tile and the grid covers I and D, which decode (few tokens) needs to fill the GPU.
+
+Public API: `emit_moe_route(group)`, `emit_moe_experts(group)` -> module text (registered with
+`k3c.codegen.triton.emitter`); launchers `launch_moe_route`, `launch_moe_experts` (copied into the emitted
+modules) and the kernels.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+from k3c.codegen.groups import KernelGroup
+from k3c.codegen.triton import emitter, module_header
+from k3c.codegen.triton.attention import one_node
+
+
+@triton.jit
+def moe_route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, SCALING, E: tl.constexpr, K: tl.constexpr,
+                     RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token row: logits f32 [N, E], bias [E] -> weights f32 [N, K], ids i64 [N, K]."""
+    n = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    s = tl.sigmoid(tl.load(logits_ptr + n * E + offs_e, mask=e_ok, other=0.0))
+    choice = tl.where(e_ok, s + tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32), float("-inf"))
+    offs_k = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    p = tl.zeros([BLOCK_K], tl.float32)
+    for i in tl.static_range(K):
+        best = tl.max(choice, 0)
+        e_i = tl.min(tl.where(choice == best, offs_e, BLOCK_E), 0)     # ties: lowest expert id
+        ids = tl.where(offs_k == i, e_i, ids)
+        p = tl.where(offs_k == i, tl.sum(tl.where(offs_e == e_i, s, 0.0), 0), p)
+        choice = tl.where(offs_e == e_i, float("-inf"), choice)
+    if RENORMALIZE:
+        p = p / (tl.sum(p, 0) + 1e-20)
+    tl.store(w_ptr + n * K + offs_k, p * SCALING, mask=offs_k < K)
+    tl.store(ids_ptr + n * K + offs_k, ids.to(tl.int64), mask=offs_k < K)
+
+
+def launch_moe_route(logits, bias, weights, ids, *, top_k, scaling, renormalize):
+    """logits f32 [N, E], bias [E] -> weights f32 [N, top_k], ids i64 [N, top_k]. Raises ValueError on shapes."""
+    N, E = logits.shape
+    if bias.numel() != E or tuple(weights.shape) != (N, top_k) or tuple(ids.shape) != (N, top_k):
+        raise ValueError(f"moe_route: logits {tuple(logits.shape)}, bias {tuple(bias.shape)}, outputs "
+                         f"{tuple(weights.shape)} / {tuple(ids.shape)} mismatch")
+    if N:
+        moe_route_kernel[(N,)](logits, bias, weights, ids, float(scaling), E=E, K=top_k, RENORMALIZE=renormalize,
+                               BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k))
+
+
+@triton.jit
+def tanh_f32(x):
+    """tanh in fp32 without cancellation (Triton has no portable tanh): odd Taylor polynomial for |x| < 1/8,
+    else (1 − e^−2|x|) / (1 + e^−2|x|)."""
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = a * a
+    small = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    return tl.where(x < 0, -1.0, 1.0) * tl.where(a < 0.125, small, big)
+
+
+@triton.jit
+def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, h_ptr,
+                  SITU_BETA, SITU_LINEAR_BETA, E: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
+                  I: tl.constexpr, ACT_SITU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+                  BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """h[row, i] = act(z W1[e]ᵀ, z W3[e]ᵀ) for the sorted rows of one tile (z [N, D], w1/w3 [E, I, D])."""
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile)
+    if e < E:
+        offs_m = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < tl.load(tile_row_end_ptr + tile)
+        token = tl.load(order_ptr + offs_m, mask=m_ok, other=0) // K
+        offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        i_ok = offs_i < I
+        w_rows = (e.to(tl.int64) * I + offs_i) * D
+        gate = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_ok = offs_d < D
+            z = tl.load(z_ptr + token[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            wmask = d_ok[:, None] & i_ok[None, :]
+            w1 = tl.load(w1_ptr + w_rows[None, :] + offs_d[:, None], mask=wmask, other=0.0)
+            w3 = tl.load(w3_ptr + w_rows[None, :] + offs_d[:, None], mask=wmask, other=0.0)
+            gate += tl.dot(z, w1, input_precision=DOT_PRECISION)
+            up += tl.dot(z, w3, input_precision=DOT_PRECISION)
+        if ACT_SITU:   # SiTU-GLU (config activation_situ_beta / _linear_beta)
+            h = SITU_BETA * tanh_f32(gate / SITU_BETA) * tl.sigmoid(gate) * (SITU_LINEAR_BETA *
+                                                                            tanh_f32(up / SITU_LINEAR_BETA))
+        else:          # SwiGLU
+            h = gate * tl.sigmoid(gate) * up
+        tl.store(h_ptr + offs_m.to(tl.int64)[:, None] * I + offs_i[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & i_ok[None, :])
+
+
+@triton.jit
+def moe_down_kernel(h_ptr, w2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                    y_slot_ptr, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_N output columns (w2 [E, D, I])."""
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile)
+    if e < E:
+        offs_m = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < tl.load(tile_row_end_ptr + tile)
+        slot = tl.load(order_ptr + offs_m, mask=m_ok, other=0)           # flat (token · K + slot) index
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < D
+        w_rows = (e.to(tl.int64) * D + offs_n) * I
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for i0 in range(0, I, BLOCK_I):
+            offs_i = i0 + tl.arange(0, BLOCK_I)
+            i_ok = offs_i < I
+            h = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * I + offs_i[None, :], mask=m_ok[:, None] & i_ok[None, :],
+                        other=0.0)
+            w2 = tl.load(w2_ptr + w_rows[None, :] + offs_i[:, None], mask=i_ok[:, None] & n_ok[None, :], other=0.0)
+            acc += tl.dot(h, w2, input_precision=DOT_PRECISION)
+        weight = tl.load(weights_ptr + slot, mask=m_ok, other=0.0)
+        tl.store(y_slot_ptr + slot[:, None] * D + offs_n[None, :], acc * weight[:, None],
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_sum_kernel(y_slot_ptr, ids_ptr, y_ptr, K: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[n] = Σ_j y_slot[n·K + j] over the slots j with ids[n, j] ≥ 0 (unused slots are never read)."""
+    n = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < D
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(K):
+        used = tl.load(ids_ptr + n * K + j + 0 * offs_n) >= 0      # the slot's id, broadcast to the lanes
+        acc += tl.load(y_slot_ptr + (n * K + j) * D + offs_n, mask=n_ok & used, other=0.0)
+    tl.store(y_ptr + n * D + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def launch_moe_experts(z, weights, ids, w1, w3, w2, y, *, act, situ_beta, situ_linear_beta):
+    """z [N, D], weights f32 [N, k], ids int [N, k] (< 0: unused), w1/w3 [E, I, D], w2 [E, D, I] -> y [N, D].
+
+    Scratch allocated here: the sort permutation and tile schedule (i64, O(N·k + E)), h [N·k, I] in z's dtype and
+    y_slot f32 [N·k, D]. Raises ValueError on mismatched shapes.
+    """
+    N, D = z.shape
+    E, I, _ = w1.shape
+    K = ids.shape[1]
+    if tuple(w1.shape) != (E, I, D) or w3.shape != w1.shape or tuple(w2.shape) != (E, D, I) or \
+            tuple(weights.shape) != (N, K) or ids.shape[0] != N or y.shape != z.shape:
+        raise ValueError(f"moe_experts: z {tuple(z.shape)}, ids {tuple(ids.shape)}, w1 {tuple(w1.shape)}, "
+                         f"w2 {tuple(w2.shape)}, y {tuple(y.shape)} mismatch")
+    if N == 0:
+        return
+    rows = N * K
+    BLOCK_M = 16 if rows < 16 * E else 64              # decode: a few rows per expert
+    flat = ids.reshape(-1).long()
+    key = torch.where(flat >= 0, flat, E)               # unused slots sort last and are never scheduled
+    order = torch.argsort(key, stable=True)             # sorted row -> flat (token · K + slot) index
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=z.device).scatter_add_(0, key, torch.ones_like(key))[:E]
+    row_start = torch.cumsum(counts, 0) - counts
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = torch.cumsum(tiles, 0)
+    max_tiles = min(rows, triton.cdiv(rows, BLOCK_M) + E)
+    tile = torch.arange(max_tiles, device=z.device)
+    tile_expert = torch.searchsorted(tile_end, tile, right=True)          # E: past the schedule
+    e = tile_expert.clamp(max=E - 1)
+    tile_row0 = row_start[e] + (tile - (tile_end - tiles)[e]) * BLOCK_M
+    tile_row_end = row_start[e] + counts[e]
+    h = torch.empty((rows, I), dtype=z.dtype, device=z.device)
+    y_slot = torch.empty((rows, D), dtype=torch.float32, device=z.device)
+    precision = "ieee" if z.dtype == torch.float32 else "tf32"
+    BLOCK_I, BLOCK_N = 64, 64
+    schedule = (order, tile_expert, tile_row0, tile_row_end)
+    moe_up_kernel[(max_tiles, triton.cdiv(I, BLOCK_I))](
+        z, w1, w3, *schedule, h, float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I,
+        ACT_SITU=act == "situ", BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_D=64, DOT_PRECISION=precision)
+    moe_down_kernel[(max_tiles, triton.cdiv(D, BLOCK_N))](
+        h, w2, weights, *schedule, y_slot, E=E, D=D, I=I, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I,
+        DOT_PRECISION=precision)
+    moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
+
+
+# ---- emitters --------------------------------------------------------------------------------------------------
+def _module(group, summary, consts, kernels, launcher, body):
+    lines = module_header(group, summary, __name__)
+    lines += ["# Exact semantics: the op's `ref` in k3c/ir/ops/model_moe.py (K3-SPEC.md 'MLP and Stable LatentMoE')."]
+    lines += [f"{k} = {v!r}  # {c}" for k, v, c in consts]
+    parts = ["\n".join(lines) + "\n"] + [inspect.getsource(k.fn) for k in kernels] + [inspect.getsource(launcher)]
+    return "\n\n".join(parts + [body])
+
+
+@emitter("moe_route")
+def emit_moe_route(group: KernelGroup) -> str:
+    """Module text for one `moe_route` node: inputs (logits, bias), outputs (weights, ids).
+    Raises UnsupportedError for a group that is not a single moe_route node."""
+    node, ip, op = one_node(group, "moe_route")
+    a = node.attrs
+    consts = [("TOP_K", int(a["top_k"]), "num_experts_per_token"),
+              ("SCALING", float(a["scaling"]), "routed_scaling_factor"),
+              ("RENORMALIZE", bool(a["renormalize"]), "weights / (sum of chosen + 1e-20)")]
+    body = ("def launch(inputs, outputs, sizes):\n"
+            '    """ABI entry: inputs (logits f32 [N,E], bias [E]), outputs (weights f32 [N,k], ids i64 [N,k])."""\n'
+            f"    launch_moe_route(inputs[{ip[0]}], inputs[{ip[1]}], outputs[{op[0]}], outputs[{op[1]}], "
+            "top_k=TOP_K,\n                     scaling=SCALING, renormalize=RENORMALIZE)\n")
+    return _module(group, "sigmoid router, biased top-k, renormalised weights", consts, [moe_route_kernel],
+                   launch_moe_route, body)
+
+
+@emitter("moe_experts")
+def emit_moe_experts(group: KernelGroup) -> str:
+    """Module text for one `moe_experts` node: inputs (z, weights, ids, w1, w3, w2), outputs [y].
+    Raises UnsupportedError for a group that is not a single moe_experts node."""
+    node, ip, op = one_node(group, "moe_experts")
+    a = node.attrs
+    consts = [("ACT", a["act"], "'situ': SiTU-GLU, 'silu': SwiGLU"),
+              ("SITU_BETA", float(a["situ_beta"]), "activation_situ_beta"),
+              ("SITU_LINEAR_BETA", float(a["situ_linear_beta"]), "activation_situ_linear_beta")]
+    args = ", ".join(f"inputs[{i}]" for i in ip)
+    body = ("def launch(inputs, outputs, sizes):\n"
+            '    """ABI entry: inputs (z, weights, ids, w1, w3, w2), outputs [y [N,D]]."""\n'
+            f"    launch_moe_experts({args}, outputs[{op[0]}], act=ACT, situ_beta=SITU_BETA,\n"
+            "                       situ_linear_beta=SITU_LINEAR_BETA)\n")
+    return _module(group, f"grouped expert GEMMs ({'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'})", consts,
+                   [tanh_f32, moe_up_kernel, moe_down_kernel, moe_sum_kernel], launch_moe_experts, body)

@@ -1,0 +1,194 @@
+"""The k3c runtime: load an artifact, allocate one arena and the persistent cache pools, run prefill / decode.
+
+    session = k3c.load("build/k3-tiny.k3c", device="cpu")    # on CPU the Triton kernels run under TRITON_INTERPRET
+    logits = session.prefill(tokens)                          # int64 [B,T] -> [B,T,vocab] (every prompt position)
+    logits = session.decode(next_tokens)                      # [B,1] -> [B,1,vocab]
+    session.reset()                                           # forget the sequences (caches zeroed)
+
+Execution follows `schedule.json`: each launch is a generated Triton kernel (imported from the artifact's
+`kernels/`), a library call (torch/cuBLAS) or a view. Intermediates live at the offsets of `plan.json` in one arena
+(the plan is made at the compile bounds, so every smaller call fits); caches live in pools sized at the bounds
+(KDA states updated in place, KV and index keys appended in place). A prompt longer than `max_prefill` is
+prefilled in chunks. This module never imports the compiler: only torch, safetensors and the artifact files.
+Errors: ArtifactError (bad artifact), RuntimeInputError (tokens out of vocabulary, batch or context beyond the
+bounds, a batch size that changes between calls).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+import torch
+
+from k3c.errors import ArtifactError, RuntimeInputError
+from k3c.runtime.artifact import read_artifact
+from k3c.runtime.dims import evaluate, shape
+from k3c.runtime.library import ALIASING, DTYPES, run_op
+
+
+def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> "Session":
+    """Load and verify the artifact at `path` (directory or .k3c file) onto `device`."""
+    return Session(path, device)
+
+
+class Session:
+    """A loaded artifact with its arena, pools and weights on one device; see the module docstring."""
+
+    def __init__(self, path, device):
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # generated Triton kernels run on CPU in the interpreter
+        art = read_artifact(path)
+        self.manifest = art.manifest
+        if not art.has_weights:
+            raise ArtifactError(f"{path}: a plan-only artifact has no weights and cannot run (compile without --plan-only)")
+        b = self.manifest["bounds"]
+        self.max_batch, self.max_seq, self.max_prefill = b["max_batch"], b["max_seq"], b["max_prefill"]
+        self.vocab = int(self.manifest["extra"]["vocab_size"])
+        self.schedule = art.schedule
+        plan = art.plan
+        self.offsets = {e: {k: v["offset"] for k, v in plan["arena"][e]["buffers"].items()} for e in plan["arena"]}
+        arena_bytes = max(plan["arena"][e]["arena_bytes"] for e in plan["arena"])
+        self.arena = torch.empty(max(arena_bytes, 1), dtype=torch.uint8, device=self.device)
+        self.weights = {k: v.to(self.device) for k, v in art.load_tensors("weights/params.safetensors").items()}
+        self.kernels = {}
+        self._workdir = Path(tempfile.mkdtemp(prefix="k3c-kernels-"))
+        weakref.finalize(self, shutil.rmtree, self._workdir, True)
+        for name in sorted({ln["name"] for e in self.schedule.values() for ln in e["launches"]
+                            if ln["backend"] == "triton"}):
+            self.kernels[name] = _import_kernel(art, f"kernels/{name}.py", name, self._workdir)
+        full = {"B": self.max_batch, "L": self.max_seq, "T": 1}
+        types = self.schedule["decode"]["values"]
+        self.pools = {n: torch.zeros(shape(types[n]["shape"], full), dtype=DTYPES[types[n]["dtype"]], device=self.device)
+                      for n in self.schedule["decode"]["inputs"] if n != "tokens"}
+        self.batch: int | None = None
+        self.length = 0
+        self.last_timing: dict = {}
+
+    # ---- public -------------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Zero every cache pool and forget the batch."""
+        for p in self.pools.values():
+            p.zero_()
+        self.batch, self.length = None, 0
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append prompt tokens int64 [B,T] (T >= 1) to the sequences; returns fp32 logits [B,T,vocab]."""
+        tokens = self._check(tokens)
+        outs = [self._run("prefill" if c.shape[1] > 1 else "decode", c)
+                for c in tokens.split(self.max_prefill, dim=1)]
+        return torch.cat(outs, 1)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step: int64 [B,1] -> logits [B,1,vocab]."""
+        tokens = self._check(tokens)
+        if tokens.shape[1] != 1:
+            raise RuntimeInputError(f"decode takes tokens of shape [B,1], got {list(tokens.shape)}; use prefill")
+        return self._run("decode", tokens)
+
+    # ---- execution ----------------------------------------------------------------------------------------------
+    def _check(self, tokens) -> torch.Tensor:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise RuntimeInputError("tokens must be an integer tensor of shape [B, T]")
+        B, T = tokens.shape
+        if T < 1 or B < 1:
+            raise RuntimeInputError(f"tokens of shape {list(tokens.shape)}: need at least one sequence and one token")
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= self.vocab:
+            raise RuntimeInputError(f"token id {hi if hi >= self.vocab else lo} is outside the vocabulary [0, {self.vocab})")
+        if B > self.max_batch:
+            raise RuntimeInputError(f"batch {B} exceeds the compiled max_batch {self.max_batch}")
+        if self.batch is not None and B != self.batch:
+            raise RuntimeInputError(f"batch {B} differs from the session's batch {self.batch}; call reset() first")
+        if self.length + T > self.max_seq:
+            raise RuntimeInputError(f"context {self.length} + {T} tokens exceeds the compiled max_seq {self.max_seq}")
+        return tokens.to(self.device, torch.int64)
+
+    def _run(self, entry: str, tokens: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        sched = self.schedule[entry]
+        B, T = tokens.shape
+        L = self.length
+        sizes = {"B": B, "T": T, "L": L}
+        types, offsets = sched["values"], self.offsets[entry]
+        env: dict[str, torch.Tensor] = dict(self.weights)
+        env["tokens"] = tokens
+        for name in sched["inputs"]:
+            if name != "tokens":
+                p = self.pools[name][:B]
+                env[name] = p[:, :L] if name.endswith((".kv", ".index_k")) else p
+        pool_of = {v: k for k, v in sched["outputs"].items() if k in self.pools}
+
+        def out_tensor(name: str) -> torch.Tensor | None:
+            if name in pool_of:
+                p = self.pools[pool_of[name]][:B]
+                return p[:, :L + T] if pool_of[name].endswith((".kv", ".index_k")) else p
+            if name in offsets:
+                t = types[name]
+                shp = shape(t["shape"], sizes)
+                dt = DTYPES[t["dtype"]]
+                n = int(torch.tensor(shp).prod()) if shp else 1
+                off = offsets[name]
+                return self.arena[off:off + n * dt.itemsize].view(dt).view(shp)
+            return None
+
+        for ln in sched["launches"]:
+            ins = [env[n] for n in ln["inputs"]]
+            if ln["backend"] == "triton":
+                outs = [out_tensor(n) for n in ln["outputs"]]
+                for n, o in zip(ln["outputs"], outs):
+                    if o is None:
+                        raise ArtifactError(f"kernel {ln['name']} output {n} has no buffer in plan.json")
+                self.kernels[ln["name"]].launch([x.contiguous() for x in ins], outs, sizes)
+                env.update(zip(ln["outputs"], outs))
+                continue
+            if ln["kind"] == "cache_append":
+                cache, new = ins
+                pool = self.pools[ln["inputs"][0]][:B]
+                pool[:, L:L + T].copy_(new)
+                env[ln["outputs"][0]] = pool[:, :L + T]
+                continue
+            attrs = {k: (evaluate(v, sizes) if k in ln["dim_attrs"] and not isinstance(v, list)
+                         else [evaluate(x, sizes) for x in v] if k in ln["dim_attrs"] else v)
+                     for k, v in ln["attrs"].items()}
+            results = run_op(ln["kind"], attrs, ins)
+            for n, r in zip(ln["outputs"], results):
+                dst = out_tensor(n)
+                if dst is not None and not (ln["kind"] in ALIASING and n not in offsets):
+                    dst.copy_(r)
+                    env[n] = dst
+                else:
+                    env[n] = r
+        logits = env[sched["outputs"]["logits"]].float().clone()
+        self.batch, self.length = B, L + T
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.last_timing = {"entry": entry, "tokens": T, "seconds": time.perf_counter() - t0}
+        return logits
+
+
+def _import_kernel(art, rel: str, name: str, workdir: Path):
+    """Import one generated kernel module of the artifact. Its text is read through the artifact (hash-checked)
+    and written to `workdir` first: Triton reads a kernel's source from its file, and a .k3c archive has none."""
+    path = workdir / f"{name}.py"
+    path.write_text(art.read_text(rel))
+    modname = f"k3c_kernels_{workdir.name}_{name}"
+    spec = importlib.util.spec_from_file_location(modname, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[modname] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:  # a generated module that does not import is a broken artifact
+        raise ArtifactError(f"{rel}: the kernel module does not import ({type(e).__name__}: {e})") from e
+    if not hasattr(mod, "launch"):
+        raise ArtifactError(f"{rel}: the kernel module has no launch() function")
+    return mod
