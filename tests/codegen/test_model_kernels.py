@@ -191,11 +191,11 @@ def test_dsa_index_topk(T, L, topk, tmp_path):
 
 def test_dsa_index_topk_scratch_chunks(tmp_path):
     gen = torch.Generator().manual_seed(3)
-    B, T, J, D, L = 1, 5, 4, 16, 9
+    B, T, J, D, L = 2, 5, 4, 16, 9
     group = one_node_group("dsa_index_topk", [((B, T, J, D), "f32"), ((B, T, J), "f32"), ((B, L, D), "f32")],
                            {"topk": 3})
     run_group(group, [rand(B, T, J, D, gen=gen), rand(B, T, J, gen=gen), rand(B, L, D, gen=gen)], {}, tmp_path,
-              setup=lambda m: setattr(m, "SCRATCH_BYTES", 2 * 8 * L))   # two token rows per pass
+              setup=lambda m: setattr(m, "SCRATCH_BYTES", 2 * 8 * B * L))   # 2 token rows per pass: 2 + 2 + 1
 
 
 # ---- attn_res --------------------------------------------------------------------------------------------------
@@ -212,6 +212,15 @@ def test_attn_res(n_blocks, tmp_path):
         group = one_node_group("attn_res_merge", [((Q, B, T, D), "f32"), ((Q, B, T), "f32"), ((B, T, D), "f32"),
                                                   ((Q, D), "f32")], {"index": index, "eps": 1e-5})
         run_group(group, [o, lse, rand(B, T, D, gen=gen), queries], {}, tmp_path)
+
+
+def test_attn_res_inter_split_d(tmp_path):
+    """D = 200 cut into 4 ranges of 64 (few rows: the decode path on a GPU)."""
+    gen = torch.Generator().manual_seed(5)
+    Q, B, T, D = 2, 2, 1, 200
+    group = one_node_group("attn_res_inter", [((Q, D), "f32")] + [((B, T, D), "f32")] * 2, {"eps": 1e-5})
+    run_group(group, [rand(Q, D, s=0.1, gen=gen), rand(B, T, D, gen=gen), rand(B, T, D, gen=gen)], {}, tmp_path,
+              setup=lambda m: setattr(m, "TARGET_PROGRAMS", 64))
 
 
 # ---- moe -------------------------------------------------------------------------------------------------------

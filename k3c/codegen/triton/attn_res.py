@@ -4,11 +4,12 @@ Math: K3-SPEC.md "Block Attention Residuals" (AttnRes paper, Algorithm 1); exact
 and `attn_res_merge_ref` of k3c/ir/ops/model_attn.py. Keys are RMSNorm-without-weight of the sources,
 K(x) = x · rsqrt(mean(x²) + eps), logits = K(x) · query, no 1/√d, softmax in fp32 (natural exp/log).
 
-attn_res_inter (phase 1: all Q pseudo-queries of a block over the N sealed blocks), two kernels:
-  - `attn_res_logits_kernel`, one program per BLOCK_R rows (r = b·T + t): logits[n, r, q] as one
-    [BLOCK_R, D] x [D, BLOCK_Q] dot per block (exact fp32, "ieee") scaled by the row's rsqrt, an online
-    log-sum-exp over n -> lse [Q, R], then the softmax weights p[n, r, q] into an f32 scratch [N, R, Q] allocated
-    in `launch` (N·Q floats per row);
+attn_res_inter (phase 1: all Q pseudo-queries of a block over the N sealed blocks), three kernels:
+  - `attn_res_dots_kernel`, one program per (BLOCK_R rows r = b·T + t, block n, range of D): partial
+    [BLOCK_R, D-range] x [D-range, BLOCK_Q] dots (exact fp32, "ieee") and sums of squares into f32 scratch; D is
+    cut into ranges only as far as needed to fill the GPU (decode has a handful of rows, D = 7168);
+  - `attn_res_softmax_kernel`, one program per BLOCK_R rows: logits[n, r, q] = Σ dots · rsqrt(Σ sumsq / D + eps),
+    an online log-sum-exp over n -> lse [Q, R], then the softmax weights p[n, r, q] into an f32 scratch [N, R, Q];
   - `attn_res_combine_kernel`, one program per (row, BLOCK_D columns): o[q, r, :] = Σ_n p[n, r, q] · b_n[r, :].
   The N block tensors are separate arena values: the kernels address them as `base + offsets[n]` with
   offsets[n] = (b_n.data_ptr() − b_0.data_ptr()) / itemsize (a small i64 tensor built in `launch` and cached per
@@ -36,44 +37,68 @@ from k3c.codegen.triton.attention import one_node
 
 # (device, data_ptr of each block) -> i64 [N] element offsets from block 0 (copied into the emitted module)
 BLOCK_OFFSETS: dict = {}
+TARGET_PROGRAMS = 264   # attn_res_inter cuts D into ranges until about this many programs (2 per H200 SM)
 
 
 @triton.jit
-def attn_res_logits_kernel(queries_ptr, base_ptr, offsets_ptr, p_ptr, lse_ptr, R, N, EPS,
-                           Q: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
-    """lse[q, r] = logsumexp_n logits[n, r, q]; p[n, r, q] = exp(logits − lse). queries [Q, D] (any float),
-    block n at base_ptr + offsets[n] ([R, D] rows), p f32 [N, R, Q], lse f32 [Q, R]."""
+def attn_res_dots_kernel(queries_ptr, base_ptr, offsets_ptr, dots_ptr, sumsq_ptr, R, N, d_per_split,
+                         Q: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """Partial sums over one D range: dots[split, n, r, q] = Σ_d b_n[r, d] · queries[q, d] and
+    sumsq[split, n, r] = Σ_d b_n[r, d]². Program (row block, block n, D split); scratch f32 [splits, N, R, Q] and
+    [splits, N, R]; queries [Q, D] (any float), block n at base_ptr + offsets[n] ([R, D] rows)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    n = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_q = tl.arange(0, BLOCK_Q)
+    q_ok = offs_q < Q
+    x_ptr = base_ptr + tl.load(offsets_ptr + n)
+    dots = tl.zeros([BLOCK_R, BLOCK_Q], tl.float32)
+    sumsq = tl.zeros([BLOCK_R], tl.float32)
+    d_end = tl.minimum(D, (split + 1) * d_per_split)
+    for d0 in range(split * d_per_split, d_end, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < d_end
+        x = tl.load(x_ptr + offs_r.to(tl.int64)[:, None] * D + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(queries_ptr + offs_q[None, :] * D + offs_d[:, None], mask=d_ok[:, None] & q_ok[None, :],
+                    other=0.0).to(tl.float32)
+        dots += tl.dot(x, w, input_precision="ieee")       # exact fp32: logits are not scaled by 1/sqrt(D)
+        sumsq += tl.sum(x * x, 1)
+    row = (split * N + n) * R + offs_r
+    tl.store(dots_ptr + row[:, None] * Q + offs_q[None, :], dots, mask=r_ok[:, None] & q_ok[None, :])
+    tl.store(sumsq_ptr + row, sumsq, mask=r_ok)
+
+
+@triton.jit
+def attn_res_softmax_kernel(dots_ptr, sumsq_ptr, p_ptr, lse_ptr, R, N, SPLITS, EPS, Q: tl.constexpr,
+                            D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """logits[n, r, q] = (Σ_split dots) · rsqrt(Σ_split sumsq / D + EPS); lse[q, r] = logsumexp_n logits (f32
+    [Q, R]); p[n, r, q] = exp(logits − lse) (f32 scratch [N, R, Q], holding the logits in between)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = offs_r < R
     offs_q = tl.arange(0, BLOCK_Q)
-    q_ok = offs_q < Q
-    pq_mask = r_ok[:, None] & q_ok[None, :]
+    mask = r_ok[:, None] & (offs_q < Q)[None, :]
     m = tl.full([BLOCK_R, BLOCK_Q], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R, BLOCK_Q], tl.float32)
     for n in range(N):
-        x_ptr = base_ptr + tl.load(offsets_ptr + n)
         dots = tl.zeros([BLOCK_R, BLOCK_Q], tl.float32)
         sumsq = tl.zeros([BLOCK_R], tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            d_ok = offs_d < D
-            x = tl.load(x_ptr + offs_r.to(tl.int64)[:, None] * D + offs_d[None, :],
-                        mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            w = tl.load(queries_ptr + offs_q[None, :] * D + offs_d[:, None], mask=d_ok[:, None] & q_ok[None, :],
-                        other=0.0).to(tl.float32)
-            dots += tl.dot(x, w, input_precision="ieee")
-            sumsq += tl.sum(x * x, 1)
+        for split in range(SPLITS):
+            row = (split * N + n) * R + offs_r
+            dots += tl.load(dots_ptr + row[:, None] * Q + offs_q[None, :], mask=mask, other=0.0)
+            sumsq += tl.load(sumsq_ptr + row, mask=r_ok, other=0.0)
         logits = dots * tl.rsqrt(sumsq / D + EPS)[:, None]
-        tl.store(p_ptr + (n * R + offs_r)[:, None] * Q + offs_q[None, :], logits, mask=pq_mask)
+        tl.store(p_ptr + (n * R + offs_r)[:, None] * Q + offs_q[None, :], logits, mask=mask)
         m_new = tl.maximum(m, logits)
         l = l * tl.exp(m - m_new) + tl.exp(logits - m_new)   # n = 0: m = −inf gives l = 0 · 0 + 1
         m = m_new
     lse = m + tl.log(l)
-    tl.store(lse_ptr + offs_q[None, :] * R + offs_r[:, None], lse, mask=pq_mask)
+    tl.store(lse_ptr + offs_q[None, :] * R + offs_r[:, None], lse, mask=mask)
     for n in range(N):                                     # logits -> softmax weights, in place
         ptrs = p_ptr + (n * R + offs_r)[:, None] * Q + offs_q[None, :]
-        tl.store(ptrs, tl.exp(tl.load(ptrs, mask=pq_mask, other=0.0) - lse), mask=pq_mask)
+        tl.store(ptrs, tl.exp(tl.load(ptrs, mask=mask, other=0.0) - lse), mask=mask)
 
 
 @triton.jit
@@ -96,8 +121,10 @@ def attn_res_combine_kernel(base_ptr, offsets_ptr, p_ptr, o_ptr, R, N, Q: tl.con
 def launch_attn_res_inter(queries, blocks, o, lse, *, eps):
     """queries [Q, D], blocks: N tensors [B, T, D] of one dtype -> o f32 [Q, B, T, D], lse f32 [Q, B, T].
 
-    Scratch: softmax weights f32 [N, B·T, Q], allocated here; the i64 block offsets [N] are built once per set of
-    block addresses and cached in BLOCK_OFFSETS (no host-to-device copy in steady state).
+    Scratch allocated here: partial dots f32 [splits, N, B·T, Q] and sums of squares [splits, N, B·T] (D is cut
+    into `splits` ranges until about TARGET_PROGRAMS programs run), softmax weights f32 [N, B·T, Q]. The i64
+    block offsets [N] are built once per set of block addresses and cached in BLOCK_OFFSETS (no host-to-device
+    copy in steady state).
     Raises ValueError on mismatched shapes or dtypes.
     """
     Q, D = queries.shape
@@ -114,11 +141,19 @@ def launch_attn_res_inter(queries, blocks, o, lse, *, eps):
             BLOCK_OFFSETS.clear()
         offsets = BLOCK_OFFSETS[key] = torch.tensor([(b.data_ptr() - blocks[0].data_ptr()) // size for b in blocks],
                                                     dtype=torch.int64, device=queries.device)
-    p = torch.empty((len(blocks), R, Q), dtype=torch.float32, device=queries.device)
+    N, BLOCK_R, BLOCK_D = len(blocks), 16, 64
+    row_blocks = triton.cdiv(R, BLOCK_R)
+    splits = max(1, min(triton.cdiv(TARGET_PROGRAMS, row_blocks * N), triton.cdiv(D, BLOCK_D)))
+    d_per_split = triton.cdiv(triton.cdiv(D, splits), BLOCK_D) * BLOCK_D
+    splits = triton.cdiv(D, d_per_split)
+    dots = torch.empty((splits, N, R, Q), dtype=torch.float32, device=queries.device)
+    sumsq = torch.empty((splits, N, R), dtype=torch.float32, device=queries.device)
+    p = torch.empty((N, R, Q), dtype=torch.float32, device=queries.device)
     BLOCK_Q = max(16, triton.next_power_of_2(Q))
-    attn_res_logits_kernel[(triton.cdiv(R, 16),)](
-        queries, blocks[0], offsets, p, lse, R, len(blocks), float(eps), Q=Q, D=D, BLOCK_R=16, BLOCK_Q=BLOCK_Q,
-        BLOCK_D=64)
+    attn_res_dots_kernel[(row_blocks, N, splits)](queries, blocks[0], offsets, dots, sumsq, R, N, d_per_split, Q=Q,
+                                                  D=D, BLOCK_R=BLOCK_R, BLOCK_Q=BLOCK_Q, BLOCK_D=BLOCK_D)
+    attn_res_softmax_kernel[(row_blocks,)](dots, sumsq, p, lse, R, N, splits, float(eps), Q=Q, D=D, BLOCK_R=BLOCK_R,
+                                           BLOCK_Q=BLOCK_Q)
     BLOCK_D = min(256, triton.next_power_of_2(D))
     attn_res_combine_kernel[(R, triton.cdiv(D, BLOCK_D))](blocks[0], offsets, p, o, R, len(blocks), Q=Q, D=D,
                                                           BLOCK_Q=triton.next_power_of_2(Q), BLOCK_D=BLOCK_D)
@@ -183,13 +218,15 @@ def emit_attn_res_inter(group: KernelGroup) -> str:
     node, ip, op = one_node(group, "attn_res_inter")
     consts = [("EPS", float(node.attrs["eps"]), "RMSNorm eps of the keys (attn_res_norm)"),
               ("NUM_BLOCKS", len(node.inputs) - 1, "sealed blocks b_0 .. b_{N-1}"),
-              ("BLOCK_OFFSETS", {}, "block addresses -> cached i64 offset table")]
+              ("BLOCK_OFFSETS", {}, "block addresses -> cached i64 offset table"),
+              ("TARGET_PROGRAMS", TARGET_PROGRAMS, "split D until about this many programs (decode: few rows)")]
     blocks = ", ".join(f"inputs[{i}]" for i in ip[1:])
     body = ("def launch(inputs, outputs, sizes):\n"
             '    """ABI entry: inputs (queries, b_0 .. b_{N-1}), outputs (o f32 [Q,B,T,D], lse f32 [Q,B,T])."""\n'
             f"    launch_attn_res_inter(inputs[{ip[0]}], [{blocks}], outputs[{op[0]}], outputs[{op[1]}], eps=EPS)\n")
     return _module(group, f"Block AttnRes phase 1 over {len(ip) - 1} sealed block(s)", consts,
-                   [attn_res_logits_kernel, attn_res_combine_kernel], launch_attn_res_inter, body)
+                   [attn_res_dots_kernel, attn_res_softmax_kernel, attn_res_combine_kernel], launch_attn_res_inter,
+                   body)
 
 
 @emitter("attn_res_merge")
