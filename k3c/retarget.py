@@ -134,7 +134,6 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
         comm = 2 * cfg.num_hidden_layers * 2 * (tp - 1) / tp * B * cfg.hidden_size * 2 / link
     compute_s, memory_s = flops_gpu / target.peak(dtype, measured=True), bytes_gpu / target.bandwidth(measured=True)
     step = max(compute_s, memory_s) + comm
-    need = weight_bytes + pool_bytes * tp  # pools are per rank (latent KV replicated)
     mem = int(target.measured.get("memory_bytes", target.memory_bytes))
     min_gpus = next((n for n in range(1, 4097) if weight_bytes / n + pool_bytes <= mem), 0)
     return Estimate(cfg.name, target.name, tp, w.params, int(active), weight_gpu, pool_bytes,

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from k3c.errors import IRError
 from k3c.ir.graph import Graph, Node, Value
+from k3c.ir.types import dims_equal
 
 
 @dataclass
@@ -128,47 +129,62 @@ class Rule:
 
 
 def apply_rules(graph: Graph, rules: list[Rule], pass_name: str = "rewrite", max_rounds: int = 50) -> int:
-    """Apply `rules` to fixpoint (first matching rule wins per node, rounds over the node list).
+    """Apply `rules` to fixpoint: first matching rule wins per node, rounds over the node list, dead nodes removed
+    after each round that rewrote, new nodes stamped with the pass and the root's source and layer. O(nodes) per
+    round: rules are dispatched on the root op, and the nodes a rewrite builds are placed just before its root when
+    the round ends (one list rebuild) instead of one list search per insertion.
 
-    Returns the number of rewrites. Raises `IRError` if a build returns values of the wrong count or type, or
-    if no fixpoint is reached in `max_rounds` rounds (a rule that keeps re-matching its own output).
+    A build must add nodes with `graph.add_node` without `before`/`after`. Returns the number of rewrites; raises
+    `IRError` like `apply_rules` (wrong count of values, a declining build that added nodes, no fixpoint).
     """
     from k3c.passes.dce import dce_in_place
 
+    by_op: dict[str, list[Rule]] = {}
+    for r in rules:
+        for o in (r.pattern.op if isinstance(r.pattern.op, tuple) else (r.pattern.op,)):
+            by_op.setdefault(o, []).append(r)
     total = 0
     for _ in range(max_rounds):
+        order = list(graph.nodes)
+        placed: dict[int, list[Node]] = {}
         changed = 0
-        for node in list(graph.nodes):
-            if node.outputs and graph.producer(node.outputs[0]) is not node:
-                continue  # removed by an earlier rewrite
-            for rule in rules:
+        for node in order:
+            candidates = by_op.get(node.op)
+            if not candidates:
+                continue
+            for rule in candidates:
                 m = match(graph, rule.pattern, node)
                 if m is None:
                     continue
-                n_before = len(graph.nodes)
-                with graph.inserting_before(node):
-                    new = rule.build(graph, m)
+                n0 = len(graph.nodes)
+                new = rule.build(graph, m)
+                added = graph.nodes[n0:]
+                del graph.nodes[n0:]
                 if new is None:
-                    if len(graph.nodes) != n_before:
+                    if added:
                         raise IRError(f"rule {rule.name or rule.pattern.op} declined but added nodes")
                     continue
                 new = [new] if isinstance(new, Value) else list(new)
                 if len(new) != len(node.outputs):
                     raise IRError(f"rule {rule.name or rule.pattern.op}: {len(new)} values for "
                                   f"{len(node.outputs)} outputs of {node.op}")
-                for n in graph.nodes[graph.nodes.index(node) - (len(graph.nodes) - n_before):
-                                     graph.nodes.index(node)]:
+                for n in added:
                     n.meta.setdefault("pass", pass_name)
                     for k in ("source", "layer"):
                         if k in node.meta:
                             n.meta.setdefault(k, node.meta[k])
+                placed.setdefault(id(node), []).extend(added)
                 for old, nv in zip(node.outputs, new):
-                    graph.replace_all_uses(old, nv)
+                    graph.replace_all_uses(old, nv, check_type=not _same_type(old.type, nv.type))
                 changed += 1
                 break
-        if changed:
-            dce_in_place(graph)
-        total += changed
         if not changed:
             return total
+        graph.nodes = [x for n in order for x in (*placed.get(id(n), ()), n)]
+        dce_in_place(graph)
+        total += changed
     raise IRError(f"{pass_name}: rewrite rules did not reach a fixpoint in {max_rounds} rounds")
+
+
+def _same_type(a, b) -> bool:
+    return a.dtype == b.dtype and a.rank == b.rank and all(dims_equal(x, y) for x, y in zip(a.shape, b.shape))

@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import re
 
-from k3c.errors import IRError
 from k3c.ir.graph import Graph, Node, Value
-from k3c.ir.rewrite import Match, P, Rule, X, match
+from k3c.ir.rewrite import Match, P, Rule, X, apply_rules, match
 from k3c.ir.types import dims_equal
 from k3c.passes.pipeline import register_pass
 
@@ -276,67 +275,9 @@ def _hint(m: Match) -> str:
     return re.sub(r"(\.\d+)+$", "", m.root.outputs[0].name) or "c"
 
 
-def apply_rules_linear(graph: Graph, rules: list[Rule], pass_name: str, max_rounds: int = 50) -> int:
-    """`k3c.ir.rewrite.apply_rules` with the same semantics (first matching rule wins per node, rounds to fixpoint,
-    dead nodes removed after each round that rewrote, new nodes stamped with the pass and the root's source and
-    layer), in O(nodes) per round: rules are dispatched on the root op, and the nodes a rewrite builds are
-    placed just before its root when the round ends (one list rebuild) instead of one list search per insertion.
-
-    A build must add nodes with `graph.add_node` without `before`/`after`. Returns the number of rewrites; raises
-    `IRError` like `apply_rules` (wrong count of values, a declining build that added nodes, no fixpoint).
-    """
-    from k3c.passes.dce import dce_in_place
-
-    by_op: dict[str, list[Rule]] = {}
-    for r in rules:
-        for o in (r.pattern.op if isinstance(r.pattern.op, tuple) else (r.pattern.op,)):
-            by_op.setdefault(o, []).append(r)
-    total = 0
-    for _ in range(max_rounds):
-        order = list(graph.nodes)
-        placed: dict[int, list[Node]] = {}
-        changed = 0
-        for node in order:
-            candidates = by_op.get(node.op)
-            if not candidates:
-                continue
-            for rule in candidates:
-                m = match(graph, rule.pattern, node)
-                if m is None:
-                    continue
-                n0 = len(graph.nodes)
-                new = rule.build(graph, m)
-                added = graph.nodes[n0:]
-                del graph.nodes[n0:]
-                if new is None:
-                    if added:
-                        raise IRError(f"rule {rule.name or rule.pattern.op} declined but added nodes")
-                    continue
-                new = [new] if isinstance(new, Value) else list(new)
-                if len(new) != len(node.outputs):
-                    raise IRError(f"rule {rule.name or rule.pattern.op}: {len(new)} values for "
-                                  f"{len(node.outputs)} outputs of {node.op}")
-                for n in added:
-                    n.meta.setdefault("pass", pass_name)
-                    for k in ("source", "layer"):
-                        if k in node.meta:
-                            n.meta.setdefault(k, node.meta[k])
-                placed.setdefault(id(node), []).extend(added)
-                for old, nv in zip(node.outputs, new):
-                    graph.replace_all_uses(old, nv, check_type=not _types_equal(old.type, nv.type))
-                changed += 1
-                break
-        if not changed:
-            return total
-        graph.nodes = [x for n in order for x in (*placed.get(id(n), ()), n)]
-        dce_in_place(graph)
-        total += changed
-    raise IRError(f"{pass_name}: rewrite rules did not reach a fixpoint in {max_rounds} rounds")
-
-
 def canonicalize_in_place(graph: Graph) -> int:
     """Apply the canonical rules to `graph` itself; returns the number of rewrites."""
-    return apply_rules_linear(graph, _rules(graph), "canonicalize")
+    return apply_rules(graph, _rules(graph), "canonicalize")
 
 
 @register_pass("canonicalize")

@@ -265,7 +265,7 @@ class _KDAMatch:
             a2, f4 = (x, y) if x.type.rank == 2 else (y, x)
             return "lower_bound", lb, a2, f4
         x, y = m.inputs  # Kimi Linear: -a * softplus(f)
-        px, py = self.g.producer(x), self.g.producer(y)
+        px = self.g.producer(x)
         if px is not None and px.op == "softplus":
             x, y = y, x
         ng = self.take(x, "neg", "-a of the softplus decay gate")

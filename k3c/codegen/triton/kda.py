@@ -58,7 +58,7 @@ def kda_fused_reference(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q,
     D = o_norm_weight.numel()
     if HD % D:
         raise RuntimeInputError(f"KDA: channel count {HD} is not a multiple of head dim {D}")
-    H, W = HD // D, conv_w_q.shape[-1]
+    H = HD // D
     ct = torch.float64 if q_in.dtype == torch.float64 else torch.float32
     x = torch.cat([q_in, k_in, v_in], -1).to(ct)                                    # [B, T, 3HD]
     w = torch.cat([conv_w_q, conv_w_k, conv_w_v], 0).to(ct)                         # [3HD, W]

@@ -8,6 +8,7 @@ s ≤ S − T + t. Softmaxes run in fp32.
 
 from __future__ import annotations
 
+import sympy
 import torch
 
 from k3c.errors import IRError
@@ -64,17 +65,36 @@ def mla_attention_ref(attrs, q, k_or_kv, v=None, idx=None):
     return [o.to(q.dtype)]
 
 
+def _keys_per_query(ins):
+    """Keys each query attends to: all S, or the top-k of the DSA indexer when `idx` [B,T,topk] is given."""
+    S = ins[1].shape[1]
+    idx = ins[-1] if len(ins) > 2 and ins[-1].dtype == "i64" else None
+    return S if idx is None else sympy.Min(S, idx.shape[2]), idx
+
+
 def _mla_flops(a, ins, outs):
     q, o = ins[0], outs[0]
-    S = ins[1].shape[1]
-    return numel(q) * S * 2 + numel(o) * S * 2
+    keys, _ = _keys_per_query(ins)
+    return numel(q) * keys * 2 + numel(o) * keys * 2
+
+
+def _mla_bytes(a, ins, outs):
+    """q, output and idx, plus the cache rows read: all of k (and v), or with idx at most min(S, T·topk) rows."""
+    from k3c.ir.types import itemsize
+
+    keys, idx = _keys_per_query(ins)
+    nb = sum(numel(t) * itemsize(t.dtype) for t in (ins[0], outs[0]) + ((idx,) if idx is not None else ()))
+    for t in ins[1:len(ins) - (idx is not None)]:
+        rows = t.shape[1] if idx is None else sympy.Min(t.shape[1], idx.shape[1] * idx.shape[2])
+        nb = nb + sympy.sympify(numel(t)) / t.shape[1] * rows * itemsize(t.dtype)
+    return dim(sympy.ceiling(nb))
 
 
 @op("mla_attention", inputs=["q", "k", "v?", "idx?"],
     attrs={"absorbed": Attr("bool", False), "causal": Attr("bool", True), "scale": Attr("float"),
            "v_dim": Attr("int", None), "dense_max_keys": Attr("int", None)},
     kind="model", ref=lambda a, *t: mla_attention_ref(a, *t) if not a["absorbed"] else mla_attention_ref(
-        a, t[0], t[1], None, t[2] if len(t) > 2 else None), flops=_mla_flops)
+        a, t[0], t[1], None, t[2] if len(t) > 2 else None), flops=_mla_flops, bytes=_mla_bytes)
 def _mla_attention(attrs, q, k, v=None, idx=None):
     """mla_attention {absorbed, causal=True, scale, v_dim, dense_max_keys=None}: see `mla_attention_ref`.
 

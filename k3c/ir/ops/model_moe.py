@@ -7,6 +7,7 @@ Formulas: /work/shared/K3-SPEC.md "MLP and Stable LatentMoE" (router: DeepSeek-V
 
 from __future__ import annotations
 
+import sympy
 import torch
 import torch.nn.functional as F
 
@@ -66,11 +67,28 @@ def moe_experts_ref(attrs, z, weights, ids, w1, w3, w2):
     return [out.to(z.dtype)]
 
 
+def _moe_bytes(ins, outs):
+    """Activations, routing and the weights of the experts the tokens can touch: min(E, N·k) experts (every
+    chosen expert's w1, w3 and w2 are read once; the others are not read at all)."""
+    z, weights, ids, w1, w3, w2 = ins
+    per_expert = sympy.sympify(numel(w1) + numel(w3) + numel(w2)) / w1.shape[0] * _isz(w1)
+    touched = sympy.Min(w1.shape[0], numel(ids))
+    act = sum(numel(t) * _isz(t) for t in (z, weights, ids, outs[0]))
+    return dim(sympy.ceiling(act + touched * per_expert))
+
+
+def _isz(t):
+    from k3c.ir.types import itemsize
+
+    return itemsize(t.dtype)
+
+
 @op("moe_experts", inputs=["z", "weights", "ids", "w1", "w3", "w2"],
     attrs={"act": Attr("str", "situ", ("situ", "silu")), "situ_beta": Attr("float", 4.0),
            "situ_linear_beta": Attr("float", 25.0)},
     kind="model", ref=moe_experts_ref,
-    flops=lambda a, ins, outs: numel(ins[2]) * ins[3].shape[1] * ins[3].shape[2] * 6)
+    flops=lambda a, ins, outs: numel(ins[2]) * ins[3].shape[1] * ins[3].shape[2] * 6,
+    bytes=lambda a, ins, outs: _moe_bytes(ins, outs))
 def _moe_experts(attrs, z, weights, ids, w1, w3, w2):
     """moe_experts(z [N,D], weights f32 [N,k], ids i64 [N,k], w1 [E,I,D], w3 [E,I,D], w2 [E,D,I])
     {act="situ"|"silu", situ_beta=4, situ_linear_beta=25} -> y [N,D] z.dtype. See `moe_experts_ref`."""
