@@ -89,7 +89,7 @@ def compile_model(opts: CompileOptions, progress=None) -> dict:
         for entry, g in graphs.items():
             writer.add_text(f"graph/{entry}.txt", print_graph(g))
             writer.add_text(f"graph/{entry}.json", serialize.dumps(g))
-            schedules[entry], kernels = _schedule(g, entry)
+            schedules[entry], kernels = _schedule(g, entry, emit_kernels=not opts.plan_only)
             costs[entry] = cost_report(g, bindings[entry], target)
             if not opts.plan_only:
                 for name, (group, src) in kernels.items():
@@ -117,15 +117,16 @@ def compile_model(opts: CompileOptions, progress=None) -> dict:
     return summary
 
 
-def _schedule(g: Graph, entry: str) -> tuple[dict, dict]:
-    """schedule.json's entry for `g` and the emitted kernels {name: (group, source)}."""
+def _schedule(g: Graph, entry: str, emit_kernels: bool = True) -> tuple[dict, dict]:
+    """schedule.json's entry for `g` and the emitted kernels {name: (group, source)} (none when not `emit_kernels`)."""
     launches, kernels, used = [], {}, set()
     for group in kernel_groups(g):
         name = f"{entry}_{group.name}"
         ln = {"name": name, "backend": group.backend, "kind": group.kind,
               "inputs": [v.name for v in group.inputs], "outputs": [v.name for v in group.outputs]}
         if group.backend == "triton":
-            kernels[name] = (group, emit(group))
+            if emit_kernels:
+                kernels[name] = (group, emit(group))
         else:
             (node,) = group.nodes
             spec = get_op(node.op).attrs

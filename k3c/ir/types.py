@@ -137,7 +137,21 @@ def dims_equal(a: Dim, b: Dim) -> bool:
         return True
     if isinstance(a, int) and isinstance(b, int):
         return False
-    return sympy.simplify(sympy.Integer(0) + a - b) == 0
+    return _dims_equal(a, b)
+
+
+@lru_cache(maxsize=65536)
+def _dims_equal(a: Dim, b: Dim) -> bool:
+    # sympy keeps expressions canonical, so an int never equals an expression with free symbols; a polynomial
+    # difference that expands to a number decides it; only the rest (floor, Max, ...) needs simplify.
+    if isinstance(a, int) != isinstance(b, int):
+        other = b if isinstance(a, int) else a
+        if other.free_symbols:
+            return False
+    diff = sympy.expand(sympy.Integer(0) + a - b)
+    if diff.is_number:
+        return diff == 0
+    return sympy.simplify(diff) == 0
 
 
 def free_symbols(d: Dim) -> set[str]:

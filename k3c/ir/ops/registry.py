@@ -57,6 +57,7 @@ class OpDef:
     variadic: bool = field(init=False)
 
     def __post_init__(self):
+        self._memo: dict = {}
         self.variadic = bool(self.inputs) and self.inputs[-1].startswith("*")
         self.n_required = sum(1 for n in self.inputs if not n.endswith("?") and not n.startswith("*"))
 
@@ -98,10 +99,20 @@ class OpDef:
             raise IRError(f"{self.name} takes {want} inputs ({', '.join(self.inputs)}), got {n}")
 
     def infer(self, attrs: dict, in_types: list[TensorType]) -> list[TensorType]:
-        """Output types for `in_types` (symbolic dims allowed); raises `IRError` on a type or arity error."""
+        """Output types for `in_types` (symbolic dims allowed); raises `IRError` on a type or arity error.
+
+        Inference is a pure function of (attrs, input types); results are memoised per op, because a model's
+        layers repeat the same typed nodes (93 layers of a few kinds) and the verifier re-infers every node.
+        """
         self.check_arity(len(in_types))
-        out = self.infer_fn(attrs, *in_types)
-        return list(out)
+        key = (repr(sorted(attrs.items())), tuple(in_types))
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = tuple(self.infer_fn(attrs, *in_types))
+            if len(self._memo) > 65536:  # bound memory: drop the oldest half
+                for k in list(self._memo)[:32768]:
+                    del self._memo[k]
+        return list(hit)
 
     def ref(self, attrs: dict, *tensors) -> list:
         """Run the torch reference on concrete tensors (attrs with concrete dims); returns a list of tensors."""

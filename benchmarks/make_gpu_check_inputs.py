@@ -1,0 +1,44 @@
+"""Build the inputs of `gpu_artifact_check.py` on CPU: a random k3.1-pro-tiny checkpoint and its bf16 and f32
+artifacts for the h200 target; with --stable-routing the MoE selection bias is set to arange(E) so that no token's
+top-k expert choice can flip under rounding (a numerics check free of discrete routing decisions).
+
+Usage: python benchmarks/make_gpu_check_inputs.py --out build/gpu [--stable-routing]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from k3c.compile import CompileOptions, compile_model
+from models.k3 import K3Config, save_random_checkpoint
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--stable-routing", action="store_true")
+    a = ap.parse_args()
+    ckpt = a.out / "ckpt"
+    save_random_checkpoint(K3Config.from_pretrained("k3.1-pro-tiny"), ckpt, seed=1, dtype=torch.float32)
+    if a.stable_routing:
+        index = json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+        for shard in sorted(set(index.values())):
+            tensors = load_file(str(ckpt / shard))
+            keys = [k for k in tensors if k.endswith("e_score_correction_bias")]
+            for k in keys:
+                tensors[k] = torch.arange(tensors[k].numel(), dtype=tensors[k].dtype)
+            if keys:
+                save_file(tensors, str(ckpt / shard), metadata={"format": "pt"})
+    for dtype, name in (("bf16", "art"), ("f32", "art32")):
+        compile_model(CompileOptions(str(ckpt), a.out / name, target="h200", max_batch=3, max_seq=96, max_prefill=64,
+                                     dtype=dtype))
+    print(f"wrote {ckpt}, {a.out / 'art'} and {a.out / 'art32'}")
+
+
+if __name__ == "__main__":
+    main()
