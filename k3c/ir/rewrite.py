@@ -188,3 +188,15 @@ def apply_rules(graph: Graph, rules: list[Rule], pass_name: str = "rewrite", max
 
 def _same_type(a, b) -> bool:
     return a.dtype == b.dtype and a.rank == b.rank and all(dims_equal(x, y) for x, y in zip(a.shape, b.shape))
+
+
+def shape_error(graph: Graph, pass_name: str, block: str, what: str, found: Value | Node | None = None) -> IRError:
+    """The error a structural matcher raises: `<pass>: <block> does not have the expected shape: <what>; found ...`,
+    naming the node found (or the graph input / parameter a value comes from)."""
+    from k3c.ir.graph import describe
+
+    if isinstance(found, Value):
+        p = graph.producer(found)
+        found = p if p is not None else f"%{found.name} ({found.type}, a graph input or parameter)"
+    got = f"; found {describe(found) if isinstance(found, Node) else found}" if found is not None else ""
+    return IRError(f"{pass_name}: {block} does not have the expected shape: {what}{got}")

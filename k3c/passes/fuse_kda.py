@@ -33,6 +33,7 @@ import math
 
 from k3c.errors import IRError
 from k3c.ir.graph import Graph, Node, Value, describe
+from k3c.ir.rewrite import shape_error
 from k3c.ir.types import TensorType, dims_equal
 from k3c.passes.canonicalize import l2_parts, rms_parts
 from k3c.passes.dce import dce_in_place
@@ -62,12 +63,7 @@ class _KDAMatch:
 
     # ---- helpers ----------------------------------------------------------------------------------------------
     def fail(self, what: str, found: Value | Node | None = None) -> IRError:
-        if isinstance(found, Value):
-            p = self.g.producer(found)
-            found = p if p is not None else f"%{found.name} ({found.type}, a graph input or parameter)"
-        got = f"; found {describe(found) if isinstance(found, Node) else found}" if found is not None else ""
-        return IRError(f"fuse_kda: the KDA layer of {describe(self.rec)} does not have the expected shape: "
-                       f"{what}{got}")
+        return shape_error(self.g, "fuse_kda", f"the KDA layer of {describe(self.rec)}", what, found)
 
     def take(self, v: Value, ops: str | tuple, what: str, n_inputs: int | None = None) -> Node:
         ops = ops if isinstance(ops, tuple) else (ops,)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from k3c.errors import IRError
 from k3c.ir.graph import Graph, Node, Value, describe
+from k3c.ir.rewrite import shape_error
 from k3c.ir.types import dims_equal
 from k3c.passes.pipeline import register_pass
 
@@ -44,12 +45,7 @@ class _MoEMatch:
         self.roles: dict[str, list[Node]] = {}
 
     def fail(self, what: str, found: Value | Node | None = None) -> IRError:
-        if isinstance(found, Value):
-            p = self.g.producer(found)
-            found = p if p is not None else f"%{found.name} ({found.type}, a graph input or parameter)"
-        got = f"; found {describe(found) if isinstance(found, Node) else found}" if found is not None else ""
-        return IRError(f"lower_moe: the MoE block of {describe(self.ex)} does not have the expected shape: "
-                       f"{what}{got}")
+        return shape_error(self.g, "lower_moe", f"the MoE block of {describe(self.ex)}", what, found)
 
     def put(self, role: str, node: Node) -> Node:
         self.roles.setdefault(role, []).append(node)

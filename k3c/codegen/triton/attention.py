@@ -25,14 +25,13 @@ Public API: `emit_mla_attention(group)`, `emit_dsa_index_topk(group)` -> module 
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 import triton
 import triton.language as tl
 
 from k3c.codegen.groups import KernelGroup
-from k3c.codegen.triton import emitter, module_header
+from k3c.codegen.triton import emitter, model_module
 from k3c.errors import UnsupportedError
 
 
@@ -297,13 +296,7 @@ def one_node(group: KernelGroup, op: str):
 
 
 def _module(group, summary, consts, kernels, launcher, body):
-    """Module text: the shared header (IR nodes, I/O order, imports), constants, kernel and launcher sources and
-    the ABI `launch` (`body`)."""
-    lines = module_header(group, summary, __name__)
-    lines += ["# Exact semantics: the op's `ref` in k3c/ir/ops/model_attn.py (K3-SPEC.md 'Gated MLA', 'Gated DSA')."]
-    lines += [f"{k} = {v!r}" + (f"  # {c}" if c else "") for k, v, c in consts]
-    parts = ["\n".join(lines) + "\n"] + [inspect.getsource(k.fn) for k in kernels] + [inspect.getsource(launcher)]
-    return "\n\n".join(parts + [body])
+    return model_module(group, summary, __name__, "the op's `ref` in k3c/ir/ops/model_attn.py (K3-SPEC.md 'Gated MLA', 'Gated DSA').", consts, kernels, launcher, body)
 
 
 @emitter("mla_attention")

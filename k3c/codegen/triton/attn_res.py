@@ -24,14 +24,13 @@ emitted modules) and the kernels.
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 import triton
 import triton.language as tl
 
 from k3c.codegen.groups import KernelGroup
-from k3c.codegen.triton import emitter, module_header
+from k3c.codegen.triton import emitter, model_module
 from k3c.codegen.triton.attention import one_node
 
 
@@ -204,11 +203,7 @@ def launch_attn_res_merge(o, lse, partial, queries, h, *, index, eps):
 
 # ---- emitters --------------------------------------------------------------------------------------------------
 def _module(group, summary, consts, kernels, launcher, body):
-    lines = module_header(group, summary, __name__)
-    lines += ["# Exact semantics: the op's `ref` in k3c/ir/ops/model_attn.py (K3-SPEC.md 'Block Attention Residuals')."]
-    lines += [f"{k} = {v!r}  # {c}" for k, v, c in consts]
-    parts = ["\n".join(lines) + "\n"] + [inspect.getsource(k.fn) for k in kernels] + [inspect.getsource(launcher)]
-    return "\n\n".join(parts + [body])
+    return model_module(group, summary, __name__, "the op's `ref` in k3c/ir/ops/model_attn.py (K3-SPEC.md 'Block Attention Residuals').", consts, kernels, launcher, body)
 
 
 @emitter("attn_res_inter")

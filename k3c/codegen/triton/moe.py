@@ -26,14 +26,13 @@ modules) and the kernels.
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 import triton
 import triton.language as tl
 
 from k3c.codegen.groups import KernelGroup
-from k3c.codegen.triton import emitter, module_header
+from k3c.codegen.triton import emitter, model_module
 from k3c.codegen.triton.attention import one_node
 
 
@@ -205,11 +204,7 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, y, *, act, situ_beta, situ_l
 
 # ---- emitters --------------------------------------------------------------------------------------------------
 def _module(group, summary, consts, kernels, launcher, body):
-    lines = module_header(group, summary, __name__)
-    lines += ["# Exact semantics: the op's `ref` in k3c/ir/ops/model_moe.py (K3-SPEC.md 'MLP and Stable LatentMoE')."]
-    lines += [f"{k} = {v!r}  # {c}" for k, v, c in consts]
-    parts = ["\n".join(lines) + "\n"] + [inspect.getsource(k.fn) for k in kernels] + [inspect.getsource(launcher)]
-    return "\n\n".join(parts + [body])
+    return model_module(group, summary, __name__, "the op's `ref` in k3c/ir/ops/model_moe.py (K3-SPEC.md 'MLP and Stable LatentMoE').", consts, kernels, launcher, body)
 
 
 @emitter("moe_route")
