@@ -68,7 +68,7 @@ def summary_table(cfg, graph) -> Table:
         t.add_row(op, str(n))
     pbytes = sum(int(nbytes_expr(v.type)) for v in graph.params.values())
     s = cfg.summary()
-    t.caption = (f"parameters: {pbytes / 2**30:.2f} GiB as stored in the graph; layers: {s['layers']} "
+    t.caption = (f"parameters: {pbytes / 2**30:.2f} GiB at the graph's dtypes (the meta model is f32); layers: {s['layers']} "
                  f"({s['kda']} KDA, {s['mla']} MLA, {s['dsa']} DSA; {s['moe']} MoE); AttnRes sources at the readout: "
                  f"{s['attn_res_sources']}")
     return t
@@ -86,13 +86,20 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
         raise K3CError(f"--format {fmt}: expected text, json, dot, svg or summary")
     if fmt == "svg" and output is None:
         raise K3CError("--format svg needs -o FILE.svg")
+    if output is not None and output.is_dir():
+        raise K3CError(f"-o {output}: is a directory; give a file name")
     _check_after(after)
     cfg, graph, stats = _import(model, entry)
     graph, report = _run_passes(graph, after, dump)
     err.print(f"imported {cfg.name} ({entry}) in {stats['export_s'] + stats['import_s']:.1f} s: {stats['nodes']} nodes"
               + (f"; passes {report.seconds:.2f} s" if report else ""))
     if fmt == "summary":
-        out.print(summary_table(cfg, graph))
+        if output is None:
+            out.print(summary_table(cfg, graph))
+        else:
+            with output.open("w") as fh:
+                Console(file=fh, width=120).print(summary_table(cfg, graph))
+            err.print(f"wrote {output}")
         return
     from k3c.ir import nx, serialize
     from k3c.ir.printer import print_graph
@@ -150,6 +157,8 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     if out_dir.exists() and not force:
         raise K3CError(f"{out_dir}: already exists (pass --force to replace it)")
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file())):
+        raise K3CError(f"{out_dir}: exists and is not a k3c artifact; --force only replaces artifacts")
     with Progress(TextColumn("[bold]importing"), BarColumn(), TextColumn("{task.completed}/{task.total} layers"),
                   console=err, transient=True) as bar:
         task = bar.add_task("import", total=None)
@@ -177,9 +186,14 @@ def run(artifact: Path = typer.Argument(..., help="artifact directory or .k3c fi
         raise K3CError(f"--tokens {tokens!r}: expected comma-separated integers") from None
     if not ids:
         raise K3CError("--tokens: give at least one token id")
+    if decode_steps < 1:
+        raise K3CError(f"--decode-steps {decode_steps}: generate at least one token")
     t0 = time.perf_counter()
     session = load(artifact, device)
     t_load = time.perf_counter() - t0
+    if len(ids) + decode_steps - 1 > session.max_seq:
+        raise K3CError(f"{len(ids)} prompt tokens + {decode_steps} generated exceed the compiled max_seq "
+                       f"{session.max_seq} (the last generated token is not fed back)")
     logits = session.prefill(torch.tensor([ids]))
     t_prefill = session.last_timing["seconds"]
     new, steps = [int(logits[0, -1].argmax())], []

@@ -63,12 +63,17 @@ def compile_model(opts: CompileOptions, progress=None) -> dict:
     requested for a model given without a checkpoint), ArtifactError (output directory problems).
     """
     t0 = time.perf_counter()
+    if opts.tp < 1:
+        raise ConfigError(f"--tp {opts.tp}: the GPU count must be >= 1")
     if opts.tp != 1:
         raise UnsupportedError("tensor parallelism (--tp > 1) is estimated by `k3c plan` but not compiled yet")
     if opts.dtype not in DTYPES:
         raise ConfigError(f"--dtype {opts.dtype}: expected one of {', '.join(DTYPES)}")
     cfg = K3Config.from_pretrained(opts.model)
     target = load_target(opts.target)
+    if cfg.max_position_embeddings and opts.max_seq > cfg.max_position_embeddings:
+        raise ConfigError(f"--max-seq {opts.max_seq} exceeds the model's context of {cfg.max_position_embeddings} "
+                          f"tokens (config: max_position_embeddings)")
     bindings = {e: bounds_bindings(e, opts.max_batch, opts.max_seq, opts.max_prefill) for e in ("prefill", "decode")}
     has_weights = Path(opts.model).is_dir()
     if not opts.plan_only and not has_weights:

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from k3c.errors import CheckpointError
@@ -100,6 +100,17 @@ def _shard_files(path: Path) -> list[Path]:
     return [path / f for f in files]
 
 
+def _read_shard(shard: Path, cfg: K3Config, expected: dict, found: dict) -> None:
+    with safe_open(str(shard), framework="pt") as f:
+        for key in f.keys():
+            if key.startswith(_IGNORED) or (cfg.checkpoint_prefix and not key.startswith(cfg.checkpoint_prefix)):
+                continue  # vision tower and other towers of a multimodal checkpoint
+            if key not in expected:
+                raise CheckpointError(f"{shard}: unexpected tensor '{key}' of shape {f.get_slice(key).get_shape()} "
+                                      f"(not part of a {cfg.model_type} model with this config)")
+            found[key] = f.get_tensor(key)
+
+
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Load a checkpoint directory in the published layout into a `K3ForCausalLM`.
 
@@ -115,14 +126,10 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
     expected = expected_tensors(cfg)
     found: dict[str, torch.Tensor] = {}
     for shard in _shard_files(path):
-        with safe_open(str(shard), framework="pt") as f:
-            for key in f.keys():
-                if key.startswith(_IGNORED) or (cfg.checkpoint_prefix and not key.startswith(cfg.checkpoint_prefix)):
-                    continue  # vision tower and other towers of a multimodal checkpoint
-                if key not in expected:
-                    raise CheckpointError(f"{shard.name}: unexpected tensor '{key}' of shape {f.get_slice(key).get_shape()} "
-                                          f"(not part of a {cfg.model_type} model with this config)")
-                found[key] = f.get_tensor(key)
+        try:
+            _read_shard(shard, cfg, expected, found)
+        except SafetensorError as e:  # truncated or corrupt file: name it instead of a traceback
+            raise CheckpointError(f"{shard}: not a readable safetensors file ({e})") from None
     missing = sorted(set(expected) - set(found))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

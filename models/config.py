@@ -117,6 +117,7 @@ class K3Config:
     index_head_dim: int = 0
     index_topk: int = 0
     expert_quantization: str | None = None  # "mxfp4" when routed experts ship as compressed-tensors MXFP4
+    max_position_embeddings: int | None = None  # the longest context the model was trained for (tokens)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived schedule ------------------------------------------------------------------------------------
@@ -245,6 +246,8 @@ class K3Config:
             gate_lower_bound=lin.get("gate_lower_bound", "float", None),
             use_full_rank_gate=lin.get("use_full_rank_gate", "bool", False),
             expert_quantization=_expert_quantization(f, source),
+            max_position_embeddings=f.get("max_position_embeddings", "pos_int", None) or f.get(
+                "model_max_length", "pos_int", None),
             raw=copy.deepcopy(data),
             **dsa_kw,
         )

@@ -42,7 +42,14 @@ class Session:
     """A loaded artifact with its arena, pools and weights on one device; see the module docstring."""
 
     def __init__(self, path, device):
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise RuntimeInputError(f"device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'") from None
+        if self.device.type not in ("cpu", "cuda"):
+            raise RuntimeInputError(f"device {device!r}: the k3c runtime runs on 'cpu' or 'cuda'")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeInputError(f"device {device!r}: this torch build or machine has no CUDA GPU")
         if self.device.type == "cpu":
             os.environ.setdefault("TRITON_INTERPRET", "1")  # generated Triton kernels run on CPU in the interpreter
         art = read_artifact(path)

@@ -116,3 +116,35 @@ def test_existing_output_directory_is_refused_unless_force(art, tmp_path):
     (out / "keep.txt").write_text("mine")
     rc, err = k3c_cli("compile", art / "ckpt", "-o", out, "--dtype", "f32", "--max-seq", "16", "--max-prefill", "8")
     assert rc == 2 and "exists" in err and (out / "keep.txt").read_text() == "mine"
+
+
+def test_truncated_shard_is_a_checkpoint_error(art, tmp_path):
+    ckpt = _copy(art / "ckpt", tmp_path / "c")
+    shard = sorted(ckpt.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    rc, err = k3c_cli("compile", ckpt, "-o", tmp_path / "out", "--dtype", "f32")
+    assert rc == 2 and shard.name in err and "safetensors" in err and not (tmp_path / "out").exists()
+
+
+def test_bad_device_and_run_lengths_are_checked_up_front(art):
+    rc, err = k3c_cli("run", art / "art", "--tokens", "1,2", "--device", "tpu")
+    assert rc == 2 and "tpu" in err
+    if not torch.cuda.is_available():
+        rc, err = k3c_cli("run", art / "art", "--tokens", "1,2", "--device", "cuda")
+        assert rc == 2 and "CUDA" in err
+    rc, err = k3c_cli("run", art / "art", "--tokens", ",".join(["1"] * 10), "--decode-steps", "8")  # max_seq 16
+    assert rc == 2 and "max_seq 16" in err
+    rc, err = k3c_cli("run", art / "art", "--tokens", "1", "--decode-steps", "0")
+    assert rc == 2 and "--decode-steps" in err
+
+
+def test_inspect_output_paths(tmp_path):
+    rc, err = k3c_cli("inspect", "kimi-linear-tiny", "-o", tmp_path)
+    assert rc == 2 and "directory" in err
+    rc, _ = k3c_cli("inspect", "kimi-linear-tiny", "--format", "summary", "-o", tmp_path / "s.txt")
+    assert rc == 0 and "moe_experts" in (tmp_path / "s.txt").read_text()
+
+
+def test_max_seq_beyond_the_model_context_is_refused(tmp_path):
+    rc, err = k3c_cli("compile", "k3-tiny", "-o", tmp_path / "o", "--plan-only", "--max-seq", "99999999999")
+    assert rc == 2 and "max_position_embeddings" in err and not (tmp_path / "o").exists()
