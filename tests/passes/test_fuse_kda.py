@@ -70,11 +70,9 @@ def check_against_model(m, g, entry, batch) -> None:
             assert rel_err(v, new_cache[k]) <= 1e-4, k
 
 
-@pytest.mark.parametrize("name", TINY)
-@pytest.mark.parametrize("entry", ["prefill", "decode"])
-def test_one_kda_fused_per_layer_and_outputs_unchanged(name, entry):
-    m = model(name)
-    before, _ = run_pipeline(imported(name, entry), CLEAN)
+def fuse_and_check(m, entry: str, graph) -> None:
+    """Cleanup, then fuse_kda: the structure it must produce, equal outputs (batch 1 and 3), equal to the model."""
+    before, _ = run_pipeline(graph, CLEAN)
     after, _ = run_pipeline(before, {"model": ["fuse_kda"]})
     check_structure(after, m.config, entry)
     for batch in (1, 3):
@@ -82,17 +80,18 @@ def test_one_kda_fused_per_layer_and_outputs_unchanged(name, entry):
     check_against_model(m, after, entry, 3)
 
 
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("entry", ["prefill", "decode"])
+def test_one_kda_fused_per_layer_and_outputs_unchanged(name, entry):
+    fuse_and_check(model(name), entry, imported(name, entry))
+
+
 def test_head_dim_not_a_power_of_two():
     cfg = dict(heads=3, head_dim=12, layers=4, kda_layers=(1, 2, 4), eps=1e-3)  # eps: not kda_fused's default
     m = model("k3", **cfg)
     assert (m.config.kda_head_dim, m.config.kda_num_heads, m.config.rms_norm_eps) == (12, 3, 1e-3)
     for entry in ("prefill", "decode"):
-        before, _ = run_pipeline(imported("k3", entry, **cfg), CLEAN)
-        after, _ = run_pipeline(before, {"model": ["fuse_kda"]})
-        check_structure(after, m.config, entry)
-        for batch in (1, 3):
-            compare(m, before, after, entry, batch, tol=1e-5)
-        check_against_model(m, after, entry, 3)
+        fuse_and_check(m, entry, imported("k3", entry, **cfg))
 
 
 def test_bf16_projections_absorb_the_casts():

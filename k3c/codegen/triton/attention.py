@@ -295,8 +295,11 @@ def one_node(group: KernelGroup, op: str):
         raise UnsupportedError(f"{group.name}: group inputs/outputs do not cover the {op} node's values") from None
 
 
+SEMANTICS = "the op's `ref` in k3c/ir/ops/model_attn.py (K3-SPEC.md 'Gated MLA', 'Gated DSA')."
+
+
 def _module(group, summary, consts, kernels, launcher, body):
-    return model_module(group, summary, __name__, "the op's `ref` in k3c/ir/ops/model_attn.py (K3-SPEC.md 'Gated MLA', 'Gated DSA').", consts, kernels, launcher, body)
+    return model_module(group, summary, __name__, SEMANTICS, consts, kernels, launcher, body)
 
 
 @emitter("mla_attention")

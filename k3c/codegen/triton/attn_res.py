@@ -202,8 +202,11 @@ def launch_attn_res_merge(o, lse, partial, queries, h, *, index, eps):
 
 
 # ---- emitters --------------------------------------------------------------------------------------------------
+SEMANTICS = "the op's `ref` in k3c/ir/ops/model_attn.py (K3-SPEC.md 'Block Attention Residuals')."
+
+
 def _module(group, summary, consts, kernels, launcher, body):
-    return model_module(group, summary, __name__, "the op's `ref` in k3c/ir/ops/model_attn.py (K3-SPEC.md 'Block Attention Residuals').", consts, kernels, launcher, body)
+    return model_module(group, summary, __name__, SEMANTICS, consts, kernels, launcher, body)
 
 
 @emitter("attn_res_inter")

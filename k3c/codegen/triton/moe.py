@@ -203,8 +203,11 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, y, *, act, situ_beta, situ_l
 
 
 # ---- emitters --------------------------------------------------------------------------------------------------
+SEMANTICS = "the op's `ref` in k3c/ir/ops/model_moe.py (K3-SPEC.md 'MLP and Stable LatentMoE')."
+
+
 def _module(group, summary, consts, kernels, launcher, body):
-    return model_module(group, summary, __name__, "the op's `ref` in k3c/ir/ops/model_moe.py (K3-SPEC.md 'MLP and Stable LatentMoE').", consts, kernels, launcher, body)
+    return model_module(group, summary, __name__, SEMANTICS, consts, kernels, launcher, body)
 
 
 @emitter("moe_route")
