@@ -1,9 +1,19 @@
-"""Run a compiled artifact on the GPU and compare with `models/k3.py` eager (bf16 and fp32).
+"""Run compiled artifacts on the GPU and compare them with `models/k3.py` eager (bf16 and fp32) and torch.compile.
 
-Usage (on the H200, through the device tool; the artifact and checkpoint are built on CPU first):
-    python benchmarks/gpu_artifact_check.py --ckpt build/gpu/ckpt --artifact build/gpu/art --out $OUT
-Prints and writes (to OUT/gpu_artifact_check.json) the max relative logit error of a 64-token prefill and 32
-greedy decode steps, batch 1 and 3, against eager bf16 and eager fp32, with per-call wall times (CUDA synchronised).
+Usage (on the H200, through the device tool; the artifacts and checkpoint are built on CPU first by
+`make_gpu_check_inputs.py`):
+    python benchmarks/gpu_artifact_check.py --ckpt build/gpu/ckpt --artifact build/gpu/art \
+        [--artifact32 build/gpu/art32] [--torch-compile] --out $OUT
+
+Every runner sees the same tokens: a random prompt [B,64] then 32 teacher-forced decode steps (the fp32 eager greedy
+continuation), batch 1 and 3. Runners: eager fp32, eager bf16, k3c (the artifact's dtype; with and without CUDA
+graphs for decode), k3c f32 (optional), and
+torch.compile of eager bf16 (optional: a second bf16 implementation of the same model, the yardstick for how far two
+correct bf16 implementations drift apart on this checkpoint). For each compared pair, over all prefill + decode calls:
+- `max_rel`: max |a - b| / max |b| (inf-norm relative error of the whole call), the worst call;
+- `err_ratio`: rms(a - b) / rms(b) (FLA's `get_err_ratio`), the worst call;
+- per-position max |a - b| / max |b| over the vocab: median and p99 over positions; greedy-token agreement.
+Writes OUT/gpu_artifact_check.json and prints it. Times: per-call wall seconds, CUDA synchronised.
 """
 
 from __future__ import annotations
@@ -19,25 +29,47 @@ import k3c
 from models.k3 import load_checkpoint
 
 
-def rel(a, b):
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+class Eager:
+    """models/k3.py eager (optionally torch.compile'd) with its cache, behind the runtime's prefill/decode API."""
+
+    def __init__(self, model, compiled: bool = False):
+        self.model, self.fn = model, torch.compile(model, dynamic=True) if compiled else model
+        self.cache = None
+
+    def reset(self):
+        self.cache = None
+
+    @torch.no_grad()
+    def prefill(self, tokens):
+        logits, self.cache = self.fn(tokens, self.cache)
+        return logits.float()
+
+    decode = prefill
 
 
-def position_stats(got, want):
-    """Per-position relative error (max |diff| / max |want| over the vocab): the median and the 99th percentile
-    over positions, and the fraction of positions whose greedy token agrees."""
-    g, w = got.float().flatten(0, -2), want.float().flatten(0, -2)
-    err = (g - w).abs().amax(-1) / w.abs().amax(-1)
-    q = torch.quantile(err, torch.tensor([0.5, 0.99], device=err.device)).tolist()
-    return {"median": q[0], "p99": q[1], "argmax_agree": float((g.argmax(-1) == w.argmax(-1)).float().mean())}
+def run(runner, prompt, steps) -> tuple[list[torch.Tensor], list[float]]:
+    """Logits of every call (prefill, then one per decode step) and per-call seconds."""
+    runner.reset()
+    outs, secs = [], []
+    for i, tok in enumerate([prompt, *steps]):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs.append((runner.prefill if i == 0 else runner.decode)(tok).float())
+        torch.cuda.synchronize()
+        secs.append(time.perf_counter() - t0)
+    return outs, secs
 
 
-def timed(fn):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - t0
+def compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict:
+    """The metrics of the module docstring for two runs of the same calls."""
+    max_rel = max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want))
+    ratio = max(float((g - w).pow(2).mean().sqrt() / w.pow(2).mean().sqrt()) for g, w in zip(got, want))
+    g = torch.cat([x.flatten(0, -2) for x in got])
+    w = torch.cat([x.flatten(0, -2) for x in want])
+    pos = (g - w).abs().amax(-1) / w.abs().amax(-1)
+    q = torch.quantile(pos, torch.tensor([0.5, 0.99], device=pos.device)).tolist()
+    return {"max_rel": max_rel, "err_ratio": ratio, "position_median": q[0], "position_p99": q[1],
+            "argmax_agree": float((g.argmax(-1) == w.argmax(-1)).float().mean())}
 
 
 def main():
@@ -45,53 +77,41 @@ def main():
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--artifact", required=True)
     ap.add_argument("--artifact32", default=None, help="an f32 artifact of the same checkpoint (exactness check)")
+    ap.add_argument("--torch-compile", action="store_true", help="add torch.compile(eager bf16) as a runner")
     ap.add_argument("--out", default=".")
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--steps", type=int, default=32)
     a = ap.parse_args()
-    ref32 = load_checkpoint(a.ckpt, torch.float32, "cuda").eval()
-    ref16 = load_checkpoint(a.ckpt, torch.bfloat16, "cuda").eval()
-    session = k3c.load(a.artifact, "cuda")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    ref32 = Eager(load_checkpoint(a.ckpt, torch.float32, "cuda").eval())
+    runners = {"eager_fp32": ref32, "eager_bf16": Eager(load_checkpoint(a.ckpt, torch.bfloat16, "cuda").eval()),
+               "k3c": k3c.load(a.artifact, "cuda"), "k3c_no_cuda_graphs": k3c.load(a.artifact, "cuda", cuda_graphs=False)}
     if a.artifact32:
-        s32 = k3c.load(a.artifact32, "cuda")
-        tok = torch.randint(0, ref32.config.vocab_size, (3, a.prompt), generator=torch.Generator().manual_seed(0)).cuda()
-        with torch.no_grad():
-            want, cache = ref32(tok)
-        errs = [rel(s32.prefill(tok), want)]
-        nxt = want[:, -1:].argmax(-1)
-        for _ in range(a.steps):
-            with torch.no_grad():
-                want, cache = ref32(nxt, cache)
-            errs.append(rel(s32.decode(nxt), want))
-            nxt = want[:, -1:].argmax(-1)
-        results["f32_artifact_vs_eager_fp32_max"] = max(errs)
+        runners["k3c_f32"] = k3c.load(a.artifact32, "cuda")
+    if a.torch_compile:
+        runners["torch_compile_bf16"] = Eager(runners["eager_bf16"].model, compiled=True)
+    pairs = [("k3c", "eager_bf16"), ("k3c", "k3c_no_cuda_graphs"), ("k3c", "eager_fp32"), ("eager_bf16", "eager_fp32"),
+             ("k3c_f32", "eager_fp32"), ("torch_compile_bf16", "eager_bf16"), ("torch_compile_bf16", "eager_fp32")]
+    vocab = ref32.model.config.vocab_size
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "k3c_dtype": runners["k3c"].manifest["extra"]["dtype"]}
     for batch in (1, 3):
-        session.reset()
-        tok = torch.randint(0, ref32.config.vocab_size, (batch, a.prompt), generator=torch.Generator().manual_seed(0)).cuda()
-        with torch.no_grad():
-            (w32, c32), _ = timed(lambda: ref32(tok))
-            (w16, c16), t_eager = timed(lambda: ref16(tok))
-        got, t_rt = timed(lambda: session.prefill(tok))
-        row = {"prefill_vs_bf16": rel(got, w16), "prefill_vs_fp32": rel(got, w32), "eager_bf16_vs_fp32": rel(w16, w32),
-               "prefill_positions_vs_bf16": position_stats(got, w16),
-               "eager_bf16_positions_vs_fp32": position_stats(w16, w32),
-               "prefill_s": t_rt, "eager_prefill_s": t_eager}
-        nxt = w32[:, -1:].argmax(-1)
-        errs16, errs32, ts, te = [], [], [], []
+        prompt = torch.randint(0, vocab, (batch, a.prompt), generator=torch.Generator().manual_seed(0)).cuda()
+        ref32.reset()  # the teacher-forced continuation: fp32 eager greedy
+        steps, logits = [], ref32.prefill(prompt)
         for _ in range(a.steps):
-            with torch.no_grad():
-                w32, c32 = ref32(nxt, c32)
-                (w16, c16), t = timed(lambda: ref16(nxt, c16))
-            got, t2 = timed(lambda: session.decode(nxt))
-            errs16.append(rel(got, w16))
-            errs32.append(rel(got, w32))
-            ts.append(t2)
-            te.append(t)
-            nxt = w32[:, -1:].argmax(-1)
-        row.update(decode_vs_bf16_max=max(errs16), decode_vs_fp32_max=max(errs32),
-                   decode_ms_median=sorted(ts)[len(ts) // 2] * 1e3, eager_decode_ms_median=sorted(te)[len(te) // 2] * 1e3)
-        results[f"batch{batch}"] = row
+            steps.append(logits[:, -1:].argmax(-1))
+            logits = ref32.decode(steps[-1])
+        outs, times = {}, {}
+        for name, r in runners.items():
+            try:
+                run(r, prompt, steps)  # warm-up: JIT compilation of kernels / graphs
+                outs[name], secs = run(r, prompt, steps)
+            except Exception as e:  # a runner that fails (e.g. torch.compile) is reported, not fatal
+                times[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                continue
+            times[name] = {"prefill_ms": secs[0] * 1e3, "decode_ms_median": sorted(secs[1:])[len(secs) // 2] * 1e3}
+        results[f"batch{batch}"] = {"times": times, **{f"{x}_vs_{y}": compare(outs[x], outs[y])
+                                                       for x, y in pairs if x in outs and y in outs}}
     print(json.dumps(results, indent=1))
     Path(a.out, "gpu_artifact_check.json").write_text(json.dumps(results, indent=1))
 

@@ -3,8 +3,8 @@
 __version__ = "0.1.0"
 
 
-def load(path, device="cpu"):
+def load(path, device="cpu", *, cuda_graphs=True):
     """Load a compiled artifact for execution: `k3c.load(path, device).prefill(tokens)` (see k3c.runtime.session)."""
     from k3c.runtime.session import load as _load
 
-    return _load(path, device)
+    return _load(path, device, cuda_graphs=cuda_graphs)

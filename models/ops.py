@@ -80,14 +80,13 @@ def kda_recurrence_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 @torch.library.custom_op("k3::kda_recurrence", mutates_args=())
 def kda_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
     """KDA delta-rule recurrence: step form for decode (T == 1), chunked form for prefill (T > 1)."""
-    if q.shape[1] == 1:
-        return kda_recurrence_step(q, k, v, g, beta, state)
-    return kda_recurrence_chunked(q, k, v, g, beta, state)
+    o, S = (kda_recurrence_step if q.shape[1] == 1 else kda_recurrence_chunked)(q, k, v, g, beta, state)
+    return o.contiguous(), S.contiguous()  # contiguous whatever the inputs' strides, as the fake says
 
 
 @kda_recurrence.register_fake
 def _(q, k, v, g, beta, state):
-    return torch.empty_like(v), torch.empty_like(state, dtype=torch.float32)
+    return v.new_empty(v.shape), state.new_empty(state.shape, dtype=torch.float32)
 
 
 # ---- DSA ---------------------------------------------------------------------------------------------------------
@@ -115,7 +114,7 @@ def dsa_topk(q_idx: Tensor, w: Tensor, k_idx: Tensor, topk: int) -> Tensor:
     idx = torch.where(torch.isfinite(picked), order, torch.full_like(order, -1))
     if L < topk:
         idx = torch.cat([idx, idx.new_full((*idx.shape[:-1], topk - L), -1)], -1)
-    return idx
+    return idx.contiguous()
 
 
 @dsa_topk.register_fake
@@ -137,7 +136,7 @@ def moe_route(logits: Tensor, bias: Tensor, top_k: int, scaling: float, renormal
     p = s.gather(-1, ids)
     if renormalize:
         p = p / (p.sum(-1, keepdim=True) + 1e-20)
-    return p * scaling, ids
+    return (p * scaling).contiguous(), ids.contiguous()
 
 
 @moe_route.register_fake
@@ -181,4 +180,4 @@ def moe_experts(z: Tensor, weights: Tensor, ids: Tensor, w1: Tensor, w3: Tensor,
 
 @moe_experts.register_fake
 def _(z, weights, ids, w1, w3, w2, act, beta, linear_beta):
-    return torch.empty_like(z)
+    return z.new_empty(z.shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -42,6 +43,10 @@ def test_pools_match_config_arithmetic(built):
     assert s["pools"]["conv_state"] == 7 * 2 * 192 * 4 * 4
     assert s["pools"]["kv"] == 3 * 2 * 256 * 40 * 2
     assert s["pools"]["index_k"] == 3 * 2 * 256 * 16 * 2
+
+
+def test_gc_is_back_on_after_a_compile(built):
+    assert gc.isenabled()  # compile_model pauses the cyclic GC while it runs
 
 
 def test_same_input_gives_byte_identical_artifact(built):

@@ -4,9 +4,12 @@
     graph = import_model(model, entry="prefill")              # a loaded K3ForCausalLM
 
 The prefill entry (T symbolic) is exported; the decode entry is the same graph specialised to T = 1 (the model
-computes one function for any T, so one export serves both). Each distinct layer signature is exported once (`segments.py`) and instantiated for every layer of that
-signature (`fx_import.py`), with parameters bound to the layer's own keys and the AttnRes block count N bound to
-the layer's number of sealed blocks. The result is one graph with:
+computes one function for any T, so one export serves both). Each distinct sublayer (AttnRes read, token mixer of
+each kind, dense MLP, MoE) is exported once (`segments.py`) and instantiated for every use (`fx_import.py`), with
+parameters bound to the layer's own keys and the AttnRes block count N bound to the number of sealed blocks at that
+point; `import_model` joins the pieces as `K3DecoderLayer.forward` does (AttnRes read -> mixer -> residual add or
+seal -> AttnRes read -> MLP -> residual add; Kimi Linear: mixer and MLP on a plain residual stream).
+The result is one graph with:
 - inputs: `tokens` i64 [B,T] (T is 1 for decode), then the cache: per layer `layers.i.kda_state` f32 [B,H,K,K],
   `layers.i.conv_state` f32 [B,3HK,W], `layers.i.kv` [B,L,kv_lora_rank+rope], `layers.i.index_k` [B,L,Dk];
 - params: keyed by the reference model's parameter names (the checkpoint key without `language_model.`;
@@ -24,7 +27,7 @@ import torch
 
 from k3c.errors import IRError, UnsupportedError
 from k3c.frontend.fx_import import FxImporter
-from k3c.frontend.segments import SAMPLE, export_segments, layer_cache_keys
+from k3c.frontend.segments import SAMPLE, export_segments, ffn_segment, layer_cache_keys, mixer_segment
 from k3c.ir.graph import Graph, Value
 from k3c.ir.specialize import specialize
 from k3c.ir.types import TensorType, dtype_of, symbol
@@ -57,11 +60,10 @@ def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
         return specialize(prefill, {"T": 1}, pass_name="import(decode)")
     cfg = model.config
     t0 = time.perf_counter()
-    segs, which = export_segments(model, entry)
+    segs = export_segments(model)
     t1 = time.perf_counter()
     g = Graph()
-    B, T = "B", ("T" if entry == "prefill" else 1)
-    tokens = g.add_input("tokens", TensorType((B, T), "i64"))
+    tokens = g.add_input("tokens", TensorType(("B", "T"), "i64"))
     named = dict(model.named_parameters())
 
     def param(key: str) -> Value:
@@ -74,44 +76,59 @@ def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
     for i in range(cfg.num_hidden_layers):
         for k in layer_cache_keys(model, i):
             name = f"layers.{i}.{k}"
-            t = _cache_type(model, i, k)
-            cache_in[name] = g.add_input(name, t)
+            cache_in[name] = g.add_input(name, _cache_type(model, i, k))
     im = FxImporter(g)
-    base = {"B": symbol("B"), "T": symbol("T"), "L": symbol("L"), "N": symbol("N")}
+    subs_memo: dict[tuple, dict] = {}
 
-    def subs_for(seg, n_blocks: int | None) -> dict:
-        out = {}
-        for fx, role in zip(_user_placeholders(seg.program), seg.inputs):
-            axes = _role_axes(role, entry)
-            for ax, sym in zip(fx.meta["val"].shape, axes):
-                if sym is not None and isinstance(ax, torch.SymInt):
-                    out[ax.node.expr] = n_blocks if sym == "N" else base[sym]
-        return out
+    def run(seg_name: str, ins: list[Value], params, layer: int | None, hint: str, n_blocks: int | None = None):
+        seg = segs[seg_name]
+        if (seg_name, n_blocks) not in subs_memo:
+            subs_memo[seg_name, n_blocks] = _subs(seg, n_blocks)
+        source = "models/k3.py (K3DecoderLayer.forward: AttnRes read)" if seg_name == "attn_res" else ""
+        return im.run(seg.program, ins, params, subs_memo[seg_name, n_blocks], layer, hint, source)
+
+    # the layer-level nodes (AttnRes reads, residual adds) are named `l<i>.layer.<n>`, as in a whole-layer export
+    def attn_res_read(i: int, kind: str, blocks: Value, partial: Value, n_blocks: int) -> tuple[Value, Value]:
+        bind = lambda fqn: param(f"model.layers.{i}.{kind}_res_{fqn}")  # noqa: E731  (proj.weight, norm.weight)
+        return run("attn_res", [blocks, partial], bind, i, f"l{i}.layer", n_blocks)
+
+    def residual_add(a: Value, b: Value, i: int) -> Value:
+        meta = {"source": "models/k3.py (K3DecoderLayer.forward: residual add)", "layer": i, "pass": "import"}
+        return g.add_node("add", [a, b], name_hint=f"l{i}.layer", meta=meta)[0]
 
     attn_res = cfg.attn_res_block_size is not None
-    (h,) = im.run(segs["embed"].program, [tokens], lambda fqn: param("model." + fqn), subs_for(segs["embed"], None),
-                  None, "embed")
-    blocks = g.add_node("zeros", [], {"shape": [0, B, T, cfg.hidden_size], "dtype": h.type.dtype},
+    (h,) = run("embed", [tokens], lambda fqn: param("model." + fqn), None, "embed")
+    blocks = g.add_node("zeros", [], {"shape": [0, "B", "T", cfg.hidden_size], "dtype": h.type.dtype},
                         name_hint="attn_res.blocks0")[0] if attn_res else None
     n_blocks = 0
     for i in range(cfg.num_hidden_layers):
-        seg = segs[which[i]]
+        prefix = f"model.layers.{i}."
+        for key, _ in model.model.layers[i].named_parameters():  # every parameter of the layer, in module order
+            param(prefix + key)
+        layer_param = lambda fqn, prefix=prefix: param(prefix + fqn[len("layer."):])  # noqa: E731
         keys = layer_cache_keys(model, i)
-        ins = [h] + [cache_in[f"layers.{i}.{k}"] for k in keys] + ([blocks] if attn_res else [])
-        outs = im.run(seg.program, ins, lambda fqn, i=i: param(f"model.layers.{i}." + fqn[len("layer."):]),
-                      subs_for(seg, n_blocks), i, f"l{i}")
-        h = outs[0]
-        for k, v in zip(keys, outs[1:1 + len(keys)]):
+        caches = [cache_in[f"layers.{i}.{k}"] for k in keys]
+        if attn_res:  # K3DecoderLayer.forward: AttnRes read, mixer, seal or add, AttnRes read, MLP, add
+            x, sources = attn_res_read(i, "self_attention", blocks, h, n_blocks)
+            out, *new = run(mixer_segment(model, i), [x] + caches, layer_param, i, f"l{i}")
+            if cfg.seals_block(i):  # blocks.append(partial); partial = out
+                blocks, h, n_blocks = sources, out, n_blocks + 1
+            else:
+                h = residual_add(h, out, i)
+            x, _ = attn_res_read(i, "mlp", blocks, h, n_blocks)
+            (y,) = run(ffn_segment(model, i), [x], layer_param, i, f"l{i}")
+            h = residual_add(h, y, i)
+        else:  # Kimi Linear: plain residual stream
+            out, *new = run(mixer_segment(model, i), [h] + caches, layer_param, i, f"l{i}")
+            h = residual_add(h, out, i)
+            (y,) = run(ffn_segment(model, i), [h], layer_param, i, f"l{i}")
+            h = residual_add(h, y, i)
+        for k, v in zip(keys, new):
             g.set_output(f"layers.{i}.{k}", v)
-        if attn_res:
-            blocks = outs[-1]
-            n_blocks += cfg.seals_block(i)
         if progress:
             progress(i + 1, cfg.num_hidden_layers)
-    head = segs["head"]
     head_param = lambda fqn: param(fqn if fqn.startswith("lm_head") else "model." + fqn)  # noqa: E731
-    (logits,) = im.run(head.program, [h] + ([blocks] if attn_res else []), head_param, subs_for(head, n_blocks),
-                       None, "head")
+    (logits,) = run("head", [h] + ([blocks] if attn_res else []), head_param, None, "head", n_blocks)
     g.set_output("logits", logits)
     g.outputs = {"logits": g.outputs.pop("logits"), **g.outputs}
     if stats is not None:
@@ -119,16 +136,25 @@ def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
     return g
 
 
+def _subs(seg, n_blocks: int | None) -> dict:
+    """{export symbol -> k3c dim} for one use of `seg`, read off the roles of its placeholders."""
+    base = {"B": symbol("B"), "T": symbol("T"), "L": symbol("L")}
+    out = {}
+    for fx, role in zip(_user_placeholders(seg.program), seg.inputs):
+        for ax, sym in zip(fx.meta["val"].shape, _ROLE_AXES[role]):
+            if sym is not None and isinstance(ax, torch.SymInt):
+                out[ax.node.expr] = n_blocks if sym == "N" else base[sym]
+    return out
+
+
 def _user_placeholders(program):
     user = set(program.graph_signature.user_inputs)
     return [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user]
 
 
-def _role_axes(role: str, entry: str) -> tuple:
-    T = "T" if entry == "prefill" else None
-    return {"tokens": ("B", T), "h": ("B", T, None), "partial": ("B", T, None), "blocks": ("N", "B", T, None),
-            "cache.kv": ("B", "L", None), "cache.index_k": ("B", "L", None),
-            "cache.kda_state": ("B", None, None, None), "cache.conv_state": ("B", None, None)}[role]
+_ROLE_AXES = {"tokens": ("B", "T"), "h": ("B", "T", None), "partial": ("B", "T", None),
+              "blocks": ("N", "B", "T", None), "cache.kv": ("B", "L", None), "cache.index_k": ("B", "L", None),
+              "cache.kda_state": ("B", None, None, None), "cache.conv_state": ("B", None, None)}
 
 
 def _cache_type(model: K3ForCausalLM, i: int, key: str) -> TensorType:

@@ -48,11 +48,18 @@ def model_line(fx: FxNode) -> str:
 
 
 class FxImporter:
-    """Appends FX segments to one k3c graph. Keeps a per-expression cache of dim conversions."""
+    """Appends FX segments to one k3c graph.
+
+    A segment is run once per use (a 93-layer model runs each piece dozens of times), so what depends only on an
+    FX node is computed once: dim conversions (per symbol binding), each node's module path and model line, and
+    the check of its IR type against the exported shape (per binding and IR type).
+    """
 
     def __init__(self, graph: Graph):
         self.g = graph
         self._dim_cache: dict[tuple, Any] = {}
+        self._where: dict[FxNode, tuple[str, str]] = {}
+        self._checked: set[tuple] = set()
 
     # ---- symbolic sizes ------------------------------------------------------------------------------------------
     def dim(self, d) -> int | str:
@@ -75,21 +82,25 @@ class FxImporter:
 
     # ---- running -------------------------------------------------------------------------------------------------
     def run(self, program, inputs: list[Value], params: Callable[[str], Value], subs: dict, layer: int | None,
-            hint: str) -> list[Value]:
+            hint: str, source: str = "") -> list[Value]:
         """Append `program` (an ExportedProgram) to the graph.
 
         inputs: values for the user inputs in order; params(fqn) -> the parameter value of a module parameter;
-        subs: {export symbol -> k3c dim}; layer: stamped into node meta. Returns the user outputs in order.
+        subs: {export symbol -> k3c dim}; layer: stamped into node meta; hint: the prefix of value names;
+        source: node meta "source" where no model line made the node. Returns the user outputs in order.
         """
         self.subs, self._subs_key = subs, tuple(sorted((str(k), str(v)) for k, v in subs.items()))
-        self.layer, self.hint = layer, hint
+        self.layer, self.hint, self.source = layer, hint, source
         sig = program.graph_signature
         to_param = dict(sig.inputs_to_parameters)
         env: dict[FxNode, Any] = {}
         user_inputs = iter(inputs)
         for fx in program.graph.nodes:
             if fx.op == "placeholder":
-                env[fx] = params(to_param[fx.name]) if fx.name in to_param else next(user_inputs)
+                if fx.name not in to_param:
+                    env[fx] = next(user_inputs)
+                elif fx.users:  # a piece may lift parameters of its layer that it does not read
+                    env[fx] = params(to_param[fx.name])
             elif fx.op == "call_function":
                 fn = _RULES.get(fx.target)
                 if fn is None:
@@ -112,7 +123,8 @@ class FxImporter:
         return a
 
     def _check(self, fx: FxNode, out) -> None:
-        if isinstance(out, Value):
+        if isinstance(out, Value) and (fx, self._subs_key, out.type) not in self._checked:
+            self._checked.add((fx, self._subs_key, out.type))
             want = fx.meta.get("val")
             if isinstance(want, torch.Tensor):
                 shape = self.shape(fx)
@@ -123,12 +135,16 @@ class FxImporter:
 
     # ---- emitting ------------------------------------------------------------------------------------------------
     def emit(self, op: str, inputs: list[Value], **attrs) -> list[Value]:
-        mod = self.fx.meta.get("nn_module_stack")
-        path = list(mod.values())[-1][0] if mod else ""
-        path = re.sub(r"^(layer\.|L\['self'\]\.)", "", path).replace("L['self'].", "")
+        where = self._where.get(self.fx)
+        if where is None:
+            mod = self.fx.meta.get("nn_module_stack")
+            path = list(mod.values())[-1][0] if mod else ""
+            path = re.sub(r"^(layer\.|L\['self'\]\.)", "", path).replace("L['self'].", "")
+            where = self._where[self.fx] = (re.sub(r"[^A-Za-z0-9_.\-]", "_", path), model_line(self.fx))
+        path, line = where
         hint = f"{self.hint}.{path}" if path else self.hint
-        meta = {"source": model_line(self.fx), "layer": self.layer, "pass": "import"}
-        return self.g.add_node(op, inputs, attrs, name_hint=re.sub(r"[^A-Za-z0-9_.\-]", "_", hint), meta=meta)
+        meta = {"source": line or self.source, "layer": self.layer, "pass": "import"}
+        return self.g.add_node(op, inputs, attrs, name_hint=hint, meta=meta)
 
     def emit1(self, op: str, inputs: list[Value], **attrs) -> Value:
         return self.emit(op, inputs, **attrs)[0]

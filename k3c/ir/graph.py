@@ -101,6 +101,18 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+def _copy_data(obj: Any) -> Any:
+    """Deep copy of attrs / meta: JSON containers rebuilt, scalars shared, anything else `copy.deepcopy`'d.
+    (`deepcopy` alone costs more than a pass on a full-size model: graphs are copied per pipeline and entry.)"""
+    if isinstance(obj, _JSON_SCALARS):
+        return obj
+    if isinstance(obj, dict):
+        return {k: _copy_data(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copy_data(x) for x in obj]
+    return _copy.deepcopy(obj)
+
+
 class Graph:
     """A k3c program. See the module docstring for the fields; build with `add_input`, `add_param`, `add_node`."""
 
@@ -256,7 +268,7 @@ class Graph:
         return list(self._users.get(v, ()))
 
     def is_output(self, v: Value) -> bool:
-        return any(o is v for o in self.outputs.values())
+        return v in self.outputs.values()  # Values compare by identity
 
     def values(self) -> Iterator[Value]:
         """Every value: inputs, params, then node outputs in order."""
@@ -314,11 +326,12 @@ class Graph:
         if not dead:
             return
         dead_vals = {v for n in dead.values() for v in n.outputs}
+        outputs = set(self.outputs.values())
         for v in dead_vals:
             for u in self._users.get(v, ()):
                 if id(u) not in dead:
                     raise IRError(f"cannot remove the producer of %{v.name}: still used by {describe(u)}")
-            if self.is_output(v):
+            if v in outputs:
                 raise IRError(f"cannot remove the producer of %{v.name}: it is a graph output")
         self.nodes = [n for n in self.nodes if id(n) not in dead]
         for n in dead.values():
@@ -399,8 +412,8 @@ class Graph:
 
         g.inputs = [cp(v) for v in self.inputs]
         g.params = {k: cp(v) for k, v in self.params.items()}
-        g.nodes = [Node(n.op, [cp(v) for v in n.inputs], _copy.deepcopy(n.attrs), [cp(v) for v in n.outputs],
-                        _copy.deepcopy(n.meta)) for n in self.nodes]
+        g.nodes = [Node(n.op, [cp(v) for v in n.inputs], _copy_data(n.attrs), [cp(v) for v in n.outputs],
+                        _copy_data(n.meta)) for n in self.nodes]
         g.outputs = {k: cp(v) for k, v in self.outputs.items()}
         g._counter = self._counter
         for attr in ANNOTATIONS:  # whole-graph facts that passes attach (see ANNOTATIONS)

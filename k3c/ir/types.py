@@ -123,7 +123,12 @@ def dim(x: int | str | sympy.Expr) -> Dim:
 
 def dim_str(d: Dim) -> str:
     """Text form of a dim: `12288`, `T`, `L + T`. `dim(dim_str(d)) == d`."""
-    return str(d) if isinstance(d, int) else sympy.sstr(d).replace(" ", "")
+    return str(d) if isinstance(d, int) else _expr_str(d)
+
+
+@lru_cache(maxsize=65536)
+def _expr_str(d: sympy.Expr) -> str:  # sympy's printer is slow, and types print and serialise often (CSE keys, JSON)
+    return sympy.sstr(d).replace(" ", "")
 
 
 def dim_json(d: Dim) -> int | str:
@@ -237,5 +242,11 @@ def nbytes_expr(t: TensorType) -> Dim:
 
 def nbytes(t: TensorType, bindings: dict[str, int] | None = None) -> int:
     """Size of `t` in bytes, with symbols evaluated under `bindings` (raises `IRError` if one is unbound)."""
-    return evaluate(dim(nbytes_expr(t)), bindings or {}) if not t.is_concrete() else (
-        math.prod(t.shape) * itemsize(t.dtype))
+    if t.is_concrete():
+        return math.prod(t.shape) * itemsize(t.dtype)
+    return _nbytes_bound(t, tuple(sorted((bindings or {}).items())))
+
+
+@lru_cache(maxsize=65536)
+def _nbytes_bound(t: TensorType, bindings: tuple) -> int:  # memory planning sizes every value; layers repeat types
+    return evaluate(dim(nbytes_expr(t)), dict(bindings))

@@ -125,21 +125,25 @@ def _plan(phases) -> list[tuple[str, str]]:
 
 
 def run_pipeline(graph: Graph, phases: list[str] | dict[str, list[str]] | None = None, *, until: str | None = None,
-                 verify: bool = True, dump_dir: str | Path | None = None,
+                 verify: str = "each", dump_dir: str | Path | None = None,
                  numeric_check: NumericCheck | None = None) -> tuple[Graph, PipelineReport]:
     """Run the passes of `phases` (phase names from `PHASES`, or an explicit {phase: [pass names]}) in order.
 
     The caller's graph is copied first and never changed. `until`: stop after the first pass of that name.
-    `verify`: run the verifier on the input and after every pass (`IRError` names the pass). `dump_dir` (or env
-    `K3C_DUMP`): write `00-input.txt`, then `NN-pass.txt` after every pass. `numeric_check(before, after,
-    pass_name)` is called after every pass and should raise naming the pass (see `make_numeric_check`).
+    `verify`: "each" runs the verifier on the input and after every pass (`IRError` names the pass); "end" only on
+    the result (`k3c compile`: on a full-size model, verifying after every pass costs more than the passes
+    themselves; rerun with "each" to find the pass at fault); "off" never. `dump_dir` (or env `K3C_DUMP`): write
+    `00-input.txt`, then `NN-pass.txt` after every pass. `numeric_check(before, after, pass_name)` is called after
+    every pass and should raise naming the pass (see `make_numeric_check`).
     Returns (final graph, report with per-pass timings).
     """
     t0 = time.perf_counter()
     load_passes()
     dump = Path(dump_dir or os.environ.get("K3C_DUMP") or "") if (dump_dir or os.environ.get("K3C_DUMP")) else None
+    if verify not in ("each", "end", "off"):
+        raise IRError(f"verify={verify!r}: expected 'each', 'end' or 'off'")
     g = graph.copy()
-    if verify:
+    if verify == "each":
         verify_graph(g)
     report = PipelineReport()
     if dump is not None:
@@ -165,7 +169,7 @@ def run_pipeline(graph: Graph, phases: list[str] | dict[str, list[str]] | None =
             path.write_text(print_graph(g))
             rec.dump = str(path)
         report.passes.append(rec)
-        if verify:
+        if verify == "each":
             try:
                 verify_graph(g)
             except IRError as e:
@@ -174,6 +178,11 @@ def run_pipeline(graph: Graph, phases: list[str] | dict[str, list[str]] | None =
             numeric_check(before, g, name)
         if until is not None and name == until:
             break
+    if verify == "end":
+        try:
+            verify_graph(g)
+        except IRError as e:
+            raise IRError(f"after the pipeline: {e} (verify='each' names the pass)") from None
     report.seconds = time.perf_counter() - t0
     return g, report
 

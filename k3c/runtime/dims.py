@@ -53,3 +53,10 @@ def evaluate(d: int | str | None, sizes: dict[str, int]) -> int | None:
 
 def shape(dims: list, sizes: dict[str, int]) -> tuple[int, ...]:
     return tuple(evaluate(d, sizes) for d in dims)
+
+
+def symbols(d: int | str | None) -> frozenset[str]:
+    """The size names dim `d` depends on ("L+T" -> {"L", "T"}; an int or None -> none)."""
+    if d is None or isinstance(d, int):
+        return frozenset()
+    return frozenset(n.id for n in ast.walk(_parse(d)) if isinstance(n, ast.Name) and n.id not in _FUNCS)

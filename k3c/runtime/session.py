@@ -29,19 +29,23 @@ import torch
 
 from k3c.errors import ArtifactError, RuntimeInputError
 from k3c.runtime.artifact import read_artifact
-from k3c.runtime.dims import evaluate, shape
-from k3c.runtime.library import ALIASING, DTYPES, run_op
+from k3c.runtime.dims import shape
+from k3c.runtime.frame import Frame
+from k3c.runtime.graphs import DecodeGraphs
+from k3c.runtime.library import DTYPES
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "cpu") -> "Session":
-    """Load and verify the artifact at `path` (directory or .k3c file) onto `device`."""
-    return Session(path, device)
+def load(path: str | os.PathLike, device: str | torch.device = "cpu", *, cuda_graphs: bool = True) -> "Session":
+    """Load and verify the artifact at `path` (directory or .k3c file) onto `device`.
+
+    cuda_graphs: on a CUDA device, replay decode steps as piecewise CUDA graphs (`k3c.runtime.graphs`)."""
+    return Session(path, device, cuda_graphs=cuda_graphs)
 
 
 class Session:
     """A loaded artifact with its arena, pools and weights on one device; see the module docstring."""
 
-    def __init__(self, path, device):
+    def __init__(self, path, device, *, cuda_graphs: bool = True):
         try:
             self.device = torch.device(device)
         except (RuntimeError, TypeError):
@@ -78,6 +82,8 @@ class Session:
         self.batch: int | None = None
         self.length = 0
         self.last_timing: dict = {}
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self._graphs: dict[int, DecodeGraphs] = {}  # by batch size
 
     # ---- public -------------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -122,64 +128,25 @@ class Session:
 
     def _run(self, entry: str, tokens: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        sched = self.schedule[entry]
         B, T = tokens.shape
-        L = self.length
-        sizes = {"B": B, "T": T, "L": L}
-        types, offsets = sched["values"], self.offsets[entry]
-        env: dict[str, torch.Tensor] = dict(self.weights)
-        env["tokens"] = tokens
-        for name in sched["inputs"]:
-            if name != "tokens":
-                p = self.pools[name][:B]
-                env[name] = p[:, :L] if name.endswith((".kv", ".index_k")) else p
-        pool_of = {v: k for k, v in sched["outputs"].items() if k in self.pools}
-
-        def out_tensor(name: str) -> torch.Tensor | None:
-            if name in pool_of:
-                p = self.pools[pool_of[name]][:B]
-                return p[:, :L + T] if pool_of[name].endswith((".kv", ".index_k")) else p
-            if name in offsets:
-                t = types[name]
-                shp = shape(t["shape"], sizes)
-                dt = DTYPES[t["dtype"]]
-                n = int(torch.tensor(shp).prod()) if shp else 1
-                off = offsets[name]
-                return self.arena[off:off + n * dt.itemsize].view(dt).view(shp)
-            return None
-
-        for ln in sched["launches"]:
-            ins = [env[n] for n in ln["inputs"]]
-            if ln["backend"] == "triton":
-                outs = [out_tensor(n) for n in ln["outputs"]]
-                for n, o in zip(ln["outputs"], outs):
-                    if o is None:
-                        raise ArtifactError(f"kernel {ln['name']} output {n} has no buffer in plan.json")
-                self.kernels[ln["name"]].launch([x.contiguous() for x in ins], outs, sizes)
-                env.update(zip(ln["outputs"], outs))
-                continue
-            if ln["kind"] == "cache_append":
-                cache, new = ins
-                pool = self.pools[ln["inputs"][0]][:B]
-                pool[:, L:L + T].copy_(new)
-                env[ln["outputs"][0]] = pool[:, :L + T]
-                continue
-            attrs = {k: (evaluate(v, sizes) if k in ln["dim_attrs"] and not isinstance(v, list)
-                         else [evaluate(x, sizes) for x in v] if k in ln["dim_attrs"] else v)
-                     for k, v in ln["attrs"].items()}
-            results = run_op(ln["kind"], attrs, ins)
-            for n, r in zip(ln["outputs"], results):
-                dst = out_tensor(n)
-                if dst is not None and not (ln["kind"] in ALIASING and n not in offsets):
-                    dst.copy_(r)
-                    env[n] = dst
-                else:
-                    env[n] = r
-        logits = env[sched["outputs"]["logits"]].float().clone()
-        self.batch, self.length = B, L + T
+        graphs = self._graphs.get(B) if entry == "decode" else None
+        if graphs is not None:
+            out = graphs.replay(tokens, self.length)
+        else:
+            frame = Frame(self, entry, B, T, self.length)
+            frame.env["tokens"] = tokens
+            for ln in self.schedule[entry]["launches"]:
+                frame.launch(ln)
+            out = frame.env[self.schedule[entry]["outputs"]["logits"]]
+            if entry == "decode" and self.cuda_graphs:
+                # after one eager step (Triton JIT and cuBLAS set up): capture; capturing runs nothing
+                self._graphs[B] = DecodeGraphs(self, B, self.length)
+        logits = out.float().clone()
+        self.batch, self.length = B, self.length + T
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        self.last_timing = {"entry": entry, "tokens": T, "seconds": time.perf_counter() - t0}
+        self.last_timing = {"entry": entry, "tokens": T, "seconds": time.perf_counter() - t0,
+                            "cuda_graphs": graphs is not None}
         return logits
 
 

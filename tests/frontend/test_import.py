@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from k3c.errors import UnsupportedError
-from k3c.frontend import fx_import, graph_inputs, graph_params, import_model
+from k3c.frontend import build_meta_model, fx_import, graph_inputs, graph_params, import_model
+from k3c.frontend.segments import export_segments
 from k3c.ir import serialize
 from k3c.ir.interp import interpret
 from k3c.ir.printer import print_graph
@@ -65,6 +66,15 @@ def test_layer_schedule_and_param_keys(tiny):
     assert layers_with("dsa_index_topk") == sorted(cfg.dsa_layers)
     assert layers_with("moe_experts") == [i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)]
     assert set(g.params) == {k for k, _ in tiny.named_parameters()}
+
+
+@pytest.mark.parametrize("preset, pieces", [
+    ("k3.1-pro-tiny", ["attn_res", "embed", "ffn/dense", "ffn/moe", "head", "mixer/dsa", "mixer/kda"]),
+    ("kimi-linear-tiny", ["embed", "ffn/dense", "ffn/moe", "head", "mixer/kda", "mixer/mla"]),
+])
+def test_each_distinct_sublayer_is_exported_once(preset, pieces):
+    """Layers share their mixers, MLPs and AttnRes reads: one export each, whatever the layer count."""
+    assert sorted(export_segments(build_meta_model(preset))) == pieces
 
 
 def test_unsupported_op_names_the_op_and_model_line(monkeypatch):

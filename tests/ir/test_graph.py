@@ -66,6 +66,27 @@ def test_copy_is_deep_and_toposort_restores_order(graph):
     assert [n.op for n in g2.nodes] == ["linear", "silu", "mul", "sum"]
 
 
+def test_copy_does_not_share_nested_attrs_and_keeps_outputs():
+    g = Graph()
+    x = g.add_input("x", TensorType(("B", 4), "f32"))
+    y = g.add("sum", x, dims=[-1], meta={"tags": {"kind": ["a"]}})
+    g.set_output("y", y)
+    g2 = g.copy()
+    g2.nodes[0].attrs["dims"].append(0)
+    g2.nodes[0].meta["tags"]["kind"].append("b")
+    assert g.nodes[0].attrs["dims"] == [-1] and g.nodes[0].meta["tags"] == {"kind": ["a"]}
+    assert g2.is_output(g2.nodes[0].outputs[0]) and not g2.is_output(y) and not g2.is_output(g2.inputs[0])
+    with pytest.raises(IRError, match="graph output"):
+        g2.remove_nodes(g2.nodes)
+
+
+def test_nbytes_needs_every_symbol():
+    t = TensorType(("B", "L+T", 8), "bf16")
+    assert nbytes(t, {"B": 1, "L": 3, "T": 1}) == 64 and nbytes(t, {"B": 2, "L": 3, "T": 1}) == 128
+    with pytest.raises(IRError, match="needs values for L"):
+        nbytes(t, {"B": 1, "T": 1})
+
+
 def test_after_cursor_keeps_call_order(make_graph):
     g = make_graph()
     lin = g.nodes[0]

@@ -72,6 +72,25 @@ def test_verifier_runs_after_every_pass(scratch_passes):
         run_pipeline(model_like(), {"model": ["break_types"]})
 
 
+def test_verify_end_checks_the_result_only(scratch_passes):
+    @register_pass("break_types")
+    def break_types(g):
+        g.nodes[0].outputs[0].type = TensorType(("B", "T", 9), "f32")
+        return g
+
+    @register_pass("fix_types")
+    def fix_types(g):
+        g.nodes[0].outputs[0].type = TensorType(("B", "T", 8), "f32")
+        return g
+
+    with pytest.raises(IRError, match="after the pipeline: embedding.*verify='each' names the pass"):
+        run_pipeline(model_like(), {"model": ["break_types"]}, verify="end")
+    run_pipeline(model_like(), {"model": ["break_types", "fix_types"]}, verify="end")  # broken in between: not seen
+    run_pipeline(model_like(), {"model": ["break_types"]}, verify="off")
+    with pytest.raises(IRError, match="verify=True"):
+        run_pipeline(model_like(), {"model": []}, verify=True)
+
+
 def test_register_twice_is_an_error(scratch_passes):
     register_pass("dup")(lambda g: g)
     with pytest.raises(IRError, match="registered twice"):

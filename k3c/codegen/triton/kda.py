@@ -130,8 +130,9 @@ def _launch_kda(kernel, chunked, q_in, k_in, v_in, f, beta_logits, gate_logits, 
     BD = triton.next_power_of_2(D)
     extra = {}
     if chunked:
-        extra = {"BT": 16, "LOG2_BT": 4, "INV_PRECISION": "ieee",
-                 "DOT_PRECISION": "tf32" if q_in.device.type == "cuda" else "ieee"}
+        # TF32 (10-bit mantissa) is below the storage precision of a bf16/fp16 model; an fp32 model gets fp32 dots
+        tf32 = q_in.device.type == "cuda" and q_in.dtype != torch.float32
+        extra = {"BT": 16, "LOG2_BT": 4, "INV_PRECISION": "ieee", "DOT_PRECISION": "tf32" if tf32 else "ieee"}
     c = [t.contiguous() for t in (q_in, k_in, v_in, f, gate_logits, beta_logits, conv_w_q, conv_w_k, conv_w_v,
                                   A_log, dt_bias, o_norm_weight)]
     kernel[(B, H)](
