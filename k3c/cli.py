@@ -42,19 +42,27 @@ def _import(model: str, entry: str, quiet: bool = False):
 
 
 def _check_after(after: str | None) -> None:
-    from k3c.passes.pipeline import registered_passes
+    from k3c.passes.pipeline import PHASES, registered_passes
 
-    if after is not None and after != "import" and after not in registered_passes():
-        raise K3CError(f"--after {after}: no such pass (passes: import, {', '.join(sorted(registered_passes()))})")
+    if after is not None and after != "import" and after not in registered_passes() and after not in PHASES:
+        raise K3CError(f"--after {after}: no such pass or phase (phases: {', '.join(PHASES)}; passes: import, "
+                       f"{', '.join(sorted(registered_passes()))})")
 
 
-def _run_passes(graph, after: str | None, dump: Path | None):
+def _run_passes(graph, entry: str, after: str | None, dump: Path | None):
+    """The graph after `after`: a pass (its first run), a phase (all its passes) or, by default, the model phase;
+    planned at `k3c compile`'s default bounds (--max-batch 1 --max-seq 4096 --max-prefill 1024)."""
     from k3c.passes.pipeline import PHASES, run_pipeline
+    from k3c.passes.plan_memory import bounds_bindings
 
     if after == "import":
         return graph, None
-    phases = [p for p in ("cleanup", "model") if p in PHASES]
-    return run_pipeline(graph, phases=phases, until=after, dump_dir=dump)
+    graph.bounds = bounds_bindings(entry, 1, 4096, 1024)
+    after = after or "model"
+    if after in PHASES:
+        names = list(PHASES)
+        return run_pipeline(graph, phases=names[:names.index(after) + 1], dump_dir=dump)
+    return run_pipeline(graph, until=after, dump_dir=dump)
 
 
 def summary_table(cfg, graph) -> Table:
@@ -77,10 +85,12 @@ def summary_table(cfg, graph) -> Table:
 @app.command()
 def inspect(model: str = typer.Argument(..., help="preset name, config.json or checkpoint directory"),
             entry: str = typer.Option("prefill", help="entry point: prefill or decode"),
-            after: str = typer.Option(None, help="show the IR after this pass (default: after the model phase)"),
+            after: str = typer.Option(None, help="show the IR after this pass (its first run) or phase "
+                                                 "(cleanup, model, kernels, memory); default: model"),
             fmt: str = typer.Option("text", "--format", help="text | json | dot | svg | summary"),
             output: Path = typer.Option(None, "-o", "--output", help="write to this file instead of stdout"),
-            dump: Path = typer.Option(None, help="also write the IR after every pass into this directory")):
+            dump: Path = typer.Option(None, help="also write the IR after every pass into this directory"),
+            force: bool = typer.Option(False, "--force", help="overwrite an existing -o file")):
     """Print or draw the IR of MODEL at a chosen stage, or a summary table."""
     if fmt not in ("text", "json", "dot", "svg", "summary"):
         raise K3CError(f"--format {fmt}: expected text, json, dot, svg or summary")
@@ -88,9 +98,11 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
         raise K3CError("--format svg needs -o FILE.svg")
     if output is not None and output.is_dir():
         raise K3CError(f"-o {output}: is a directory; give a file name")
+    if output is not None and output.exists() and not force:
+        raise K3CError(f"-o {output}: already exists (pass --force to overwrite it)")
     _check_after(after)
     cfg, graph, stats = _import(model, entry)
-    graph, report = _run_passes(graph, after, dump)
+    graph, report = _run_passes(graph, entry, after, dump)
     err.print(f"imported {cfg.name} ({entry}) in {stats['export_s'] + stats['import_s']:.1f} s: {stats['nodes']} nodes"
               + (f"; passes {report.seconds:.2f} s" if report else ""))
     if fmt == "summary":
@@ -126,6 +138,8 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
     from models.config import K3Config
     from models.k3 import K3ForCausalLM
 
+    if batch < 1 or tokens < 1:
+        raise K3CError(f"--batch {batch} --tokens {tokens}: both must be >= 1")
     cfg = K3Config.from_pretrained(model)
     if cfg.hidden_size > 1024:
         raise K3CError(f"{model}: check interprets the model on random weights; use a tiny preset or small config")
@@ -146,13 +160,15 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                 out_dir: Path = typer.Option(..., "-o", "--out", help="artifact directory to write"),
                 target: str = typer.Option("h200", help="target preset or target JSON file"),
                 tp: int = typer.Option(1), max_batch: int = typer.Option(1), max_seq: int = typer.Option(4096),
-                max_prefill: int = typer.Option(1024), plan_only: bool = typer.Option(False, "--plan-only"),
+                max_prefill: int = typer.Option(None, help="longest prefill call [default: min(1024, max-seq)]"),
+                plan_only: bool = typer.Option(False, "--plan-only"),
                 force: bool = typer.Option(False, "--force", help="replace an existing artifact"),
                 dump: Path = typer.Option(None, help="write the IR after every pass here"),
                 dtype: str = typer.Option("bf16", help="activation and weight dtype: bf16 or f32")):
     """Compile MODEL into an artifact: kernels, memory plan, schedule, weights, cost report."""
     from k3c.compile import CompileOptions, compile_model
 
+    max_prefill = min(1024, max_seq) if max_prefill is None else max_prefill
     opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype)
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     if out_dir.exists() and not force:
@@ -174,22 +190,24 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
 def run(artifact: Path = typer.Argument(..., help="artifact directory or .k3c file"),
         tokens: str = typer.Option(..., help="prompt token ids, comma-separated"),
         decode_steps: int = typer.Option(8, help="greedy tokens to generate"),
-        device: str = typer.Option("cpu", help="cpu (Triton kernels interpreted) or cuda")):
+        device: str = typer.Option("cpu", help="cpu (Triton kernels interpreted) or cuda"),
+        cuda_graphs: bool = typer.Option(True, help="on cuda, replay decode steps as piecewise CUDA graphs")):
     """Run an artifact: prefill the prompt, then greedy decode; prints the tokens and timing."""
     import torch
 
     from k3c.runtime.session import load
 
     try:
-        ids = [int(x) for x in tokens.split(",") if x.strip()]
+        ids = [int(x) for x in tokens.split(",")]
     except ValueError:
         raise K3CError(f"--tokens {tokens!r}: expected comma-separated integers") from None
-    if not ids:
-        raise K3CError("--tokens: give at least one token id")
+    bad = [x for x in ids if not 0 <= x < 2**63]
+    if bad:
+        raise K3CError(f"--tokens: {bad[0]} is not a token id (ids are integers >= 0)")
     if decode_steps < 1:
         raise K3CError(f"--decode-steps {decode_steps}: generate at least one token")
     t0 = time.perf_counter()
-    session = load(artifact, device)
+    session = load(artifact, device, cuda_graphs=cuda_graphs)
     t_load = time.perf_counter() - t0
     if len(ids) + decode_steps - 1 > session.max_seq:
         raise K3CError(f"{len(ids)} prompt tokens + {decode_steps} generated exceed the compiled max_seq "
@@ -245,11 +263,15 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
 
 
 def main() -> None:
-    """Entry point: run the app, printing K3CError as one line (exit 2)."""
+    """Entry point: run the app, printing K3CError (and an OSError on a path the user gave) as one line, exit 2."""
     try:
         app()
     except K3CError as e:
         err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except OSError as e:  # a path the user named (-o, --dump) that cannot be written or read
+        where = f"{e.filename}: " if e.filename else ""
+        err.print(f"[red]error:[/] {where}{e.strerror or e}", highlight=False, soft_wrap=True)
         sys.exit(2)
 
 

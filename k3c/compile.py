@@ -101,19 +101,19 @@ def _compile(opts: CompileOptions, progress) -> dict:
     if not opts.plan_only and not has_weights:
         raise UnsupportedError(f"{opts.model} has no weights (a preset or config.json): pass a checkpoint directory, "
                                f"or --plan-only")
-    model = load_checkpoint(opts.model, DTYPES[opts.dtype]) if has_weights and not opts.plan_only \
-        else build_meta_model(cfg).cast_(DTYPES[opts.dtype])
-    graphs, passes = {}, []
-    for entry in ("prefill", "decode"):
-        g = import_model(model, entry, progress=progress)
-        g.bounds = bindings[entry]
-        # verify the result only; a --dump build (debugging) verifies after every pass, naming the pass at fault
-        graphs[entry], report = run_pipeline(g, verify="each" if opts.dump else "end",
-                                             dump_dir=opts.dump / entry if opts.dump else None)
-        passes = [r.name for r in report.passes]
-    writer = ArtifactWriter(opts.out, force=opts.force)
-    summary = {"model": cfg.name, "nodes": {e: len(g.nodes) for e, g in graphs.items()}, "kernels": 0}
-    with writer:
+    # the output location is probed first (staging directory), so an unwritable -o fails before the work
+    with ArtifactWriter(opts.out, force=opts.force).open() as writer:
+        model = load_checkpoint(opts.model, DTYPES[opts.dtype]) if has_weights and not opts.plan_only \
+            else build_meta_model(cfg).cast_(DTYPES[opts.dtype])
+        graphs, passes = {}, []
+        for entry in ("prefill", "decode"):
+            g = import_model(model, entry, progress=progress)
+            g.bounds = bindings[entry]
+            # verify the result only; a --dump build (debugging) verifies after every pass, naming the pass at fault
+            graphs[entry], report = run_pipeline(g, verify="each" if opts.dump else "end",
+                                                 dump_dir=opts.dump / entry if opts.dump else None)
+            passes = [r.name for r in report.passes]
+        summary = {"model": cfg.name, "nodes": {e: len(g.nodes) for e, g in graphs.items()}, "kernels": 0}
         schedules, index, costs = {}, {}, {}
         for entry, g in graphs.items():
             writer.add_text(f"graph/{entry}.txt", print_graph(g))

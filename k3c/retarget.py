@@ -92,12 +92,18 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     """Memory per GPU and a decode-step roofline for `cfg` on `tp` GPUs of `target` (see the module docstring).
 
     max_batch / max_seq bound the caches; the decode step is estimated at batch `max_batch` and `context` cached
-    tokens (default max_seq). Raises ConfigError for tp < 1 or bounds < 1.
+    tokens (default max_seq). Raises ConfigError for tp < 1, bounds < 1, max_seq beyond the model's context, or a
+    context outside [0, max_seq].
     """
     target = load_target(target)
     if tp < 1 or max_batch < 1 or max_seq < 1:
         raise ConfigError(f"tp ({tp}), max_batch ({max_batch}) and max_seq ({max_seq}) must be >= 1")
+    if cfg.max_position_embeddings and max_seq > cfg.max_position_embeddings:
+        raise ConfigError(f"max_seq {max_seq} exceeds the model's context of {cfg.max_position_embeddings} tokens "
+                          f"(config: max_position_embeddings)")
     context = max_seq if context is None else context
+    if not 0 <= context <= max_seq:
+        raise ConfigError(f"context {context}: the cached tokens of the decode estimate must be in [0, max_seq {max_seq}]")
     kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
     n_kda, n_dsa = kinds.count("kda"), kinds.count("dsa")
     n_global = len(kinds) - n_kda

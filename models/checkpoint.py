@@ -140,6 +140,9 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
             found[key] = t.reshape(-1)[:shape[0]]
         elif tuple(t.shape) != shape:
             raise CheckpointError(f"{path}: tensor '{key}' has shape {list(t.shape)}, expected {list(shape)}")
+        if expected[key][1].is_floating_point != t.is_floating_point():  # e.g. weights saved as integers
+            want = "a floating-point dtype" if expected[key][1].is_floating_point else str(expected[key][1])
+            raise CheckpointError(f"{path}: tensor '{key}' has dtype {t.dtype}, expected {want}")
         if t.is_floating_point() and not torch.isfinite(t.float()).all():
             raise CheckpointError(f"{path}: tensor '{key}' contains NaN or Inf values")
     with torch.device("meta"):
@@ -219,6 +222,11 @@ def save_random_checkpoint(config: K3Config | str, path: str | Path, seed: int =
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
                                                                       indent=2, sort_keys=True) + "\n")
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.iterdir():  # the permissions of a plain mkdir / open, not mkdtemp's private 0700
+            os.chmod(f, 0o666 & ~umask)
+        os.chmod(tmp, 0o777 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

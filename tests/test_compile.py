@@ -60,7 +60,7 @@ def test_same_input_gives_byte_identical_artifact(built):
 
 
 def test_bad_options_are_clear_errors(tmp_path):
-    with pytest.raises(ConfigError, match="max_prefill"):
+    with pytest.raises(ConfigError, match="--max-prefill"):
         compile_model(CompileOptions("k3-tiny", tmp_path / "x", max_seq=16, max_prefill=64, plan_only=True))
     with pytest.raises(UnsupportedError, match="--plan-only"):
         compile_model(CompileOptions("k3-tiny", tmp_path / "y"))

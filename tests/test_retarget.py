@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from k3c.errors import ConfigError
 from k3c.retarget import MXFP4_BITS, estimate, weights
 from models.config import K3Config
 
@@ -56,3 +57,12 @@ def test_cli_plan_bad_tp_is_one_line_error():
     r = subprocess.run([sys.executable, "-m", "k3c.cli", "plan", "k3", "--tp", "x"], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "--tp" in r.stderr
+
+
+def test_estimate_refuses_bounds_the_model_or_the_caches_cannot_have():
+    cfg = K3Config.from_pretrained("k3")
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        estimate(cfg, "h200", max_seq=cfg.max_position_embeddings + 1)
+    for context in (-1, 1 << 21):
+        with pytest.raises(ConfigError, match=r"context .* \[0, max_seq 1048576\]"):
+            estimate(cfg, "h200", max_seq=1 << 20, context=context)

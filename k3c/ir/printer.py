@@ -8,7 +8,7 @@
     output y = %1
 
 Attrs equal to their schema default are left out; values print as JSON. The trailing comment holds
-`meta["pass"]`, the layer and `meta["source"]`, when present.
+`meta["pass"]`, the layer, the kernel (after `form_kernels`) and `meta["source"]`, when present.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def format_node(node: Node) -> str:
         comment.append(str(node.meta["pass"]))
     if node.meta.get("layer") is not None:
         comment.append(f"layer {node.meta['layer']}")
+    if node.meta.get("kernel"):  # after form_kernels: the launch this node runs in
+        comment.append(f"kernel {node.meta['kernel']}")
     if node.meta.get("source"):
         comment.append(" ".join(str(node.meta["source"]).split()))
     return line + ("  # " + " | ".join(comment) if comment else "")

@@ -17,8 +17,11 @@ and replaces `o` by one of two exact forms (DSA's mask becomes the `idx` input: 
   W_UK / W_UV are new parameters `<kv_b_proj>.w_uk` / `.w_uv`, derived from `<kv_b_proj>.weight` (recorded in
   `graph.derived_params`; `k3c.passes.derived.materialize_params` computes them);
 - naive: o = mla_attention(q, cat(k_nope, expand(k_pe)), v[, idx]) {absorbed=False, scale}.
-For prefill the form with fewer FLOPs at the compile bounds (`graph.bounds` {"T", "L"} if set, else
-`DEFAULT_BOUNDS`) wins; `absorbed` records the choice, `meta["mla_form"]` the FLOP counts it was made on.
+For prefill the form with fewer FLOPs at the compile bounds (`graph.bounds` {"B", "T", "L"} if set, else
+`DEFAULT_BOUNDS`) wins, unless the naive form's decompressed keys and values (B·S·H·(2·nope + rope + vd) elements,
+S = L + T) would exceed `NAIVE_KV_BUDGET_BYTES`: at long contexts the naive form materialises the whole cache
+decompressed (48 GiB per layer for K3 at 1M tokens), while the absorbed form reads the compressed cache in place.
+`absorbed` records the choice, `meta["mla_form"]` the FLOP and byte counts it was made on.
 Parameters no node reads any more (kv_b_proj in an all-absorbed graph) are dropped. O(nodes).
 """
 
@@ -34,7 +37,10 @@ from k3c.passes.lower_attn_res import reorder, skip_cast
 from k3c.passes.pipeline import register_pass
 
 #: Compile bounds used for the prefill cost choice when the graph carries none (DESIGN.md: --max-prefill, --max-seq).
-DEFAULT_BOUNDS = {"T": 8192, "L": 131072}
+DEFAULT_BOUNDS = {"B": 1, "T": 8192, "L": 131072}
+#: Largest transient decompressed K/V the naive prefill form may materialise: 4 GiB, about 3 % of an H200's HBM
+#: (a long-context prefill then runs absorbed, as vLLM and SGLang do past their context-chunk workspace).
+NAIVE_KV_BUDGET_BYTES = 4 << 30
 
 
 @dataclass
@@ -201,6 +207,12 @@ def mla_flops(m: MLAMatch, T: int, L: int) -> dict[str, int]:
     return {"absorbed": absorbed, "naive": naive}
 
 
+def naive_kv_bytes(m: MLAMatch, B: int, T: int, L: int) -> int:
+    """Bytes of the naive form's decompressed keys [B,S,H,nope+rope] and values [B,S,H,vd] at S = L + T."""
+    item = {"f32": 4, "f64": 8}.get(m.kv.type.dtype, 2)
+    return B * (L + T) * m.H * (2 * m.nope + m.rope + m.vd) * item
+
+
 def _dims(t: TensorType) -> list:
     return [d if isinstance(d, int) else dim_str(d) for d in t.shape]
 
@@ -269,13 +281,16 @@ def lower_mla_layers(graph: Graph, *, form: str = "auto", bounds: dict | None = 
         decode = isinstance(T, int) and T == 1
         tb = 1 if decode else (T if isinstance(T, int) else evaluate(dim(T), {"T": b["T"]}))
         flops = mla_flops(m, tb, b["L"])
-        absorbed = form == "absorbed" or (form == "auto" and (decode or flops["absorbed"] <= flops["naive"]))
+        kv_bytes = naive_kv_bytes(m, b["B"], tb, b["L"])
+        too_big = kv_bytes > NAIVE_KV_BUDGET_BYTES
+        absorbed = form == "absorbed" or (form == "auto" and (decode or too_big or flops["absorbed"] <= flops["naive"]))
+        why = "decode" if decode else "forced" if form != "auto" else \
+            "naive K/V over budget" if too_big and flops["absorbed"] > flops["naive"] else "fewer FLOPs"
         meta = {"pass": pass_name, "layer": m.anchor.meta.get("layer"), "source": m.anchor.meta.get("source")}
         out = build_mla(graph, m, absorbed, key_of, meta)
         att = next(n for n in reversed(graph.nodes) if n.op == "mla_attention")
-        att.meta["mla_form"] = {"chosen": "absorbed" if absorbed else "naive", "why": "decode" if decode else
-                                ("forced" if form != "auto" else "fewer FLOPs"), "T": tb, "L": b["L"], **{
-                                    f"{k}_flops": v for k, v in flops.items()}}
+        att.meta["mla_form"] = {"chosen": "absorbed" if absorbed else "naive", "why": why, "T": tb, "L": b["L"],
+                                "naive_kv_bytes": kv_bytes, **{f"{k}_flops": v for k, v in flops.items()}}
         for n in graph.nodes[n0:]:
             n.meta.setdefault("pass", pass_name)
             if meta["layer"] is not None:

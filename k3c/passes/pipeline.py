@@ -5,12 +5,12 @@ given and return it, or return a new graph. Pass modules register themselves on 
 every module of `k3c.passes` named in `PHASES`, so a new pass only needs its file plus its name below.
 
     cleanup   dce, cse, canonicalize              generic cleanup and canonical patterns
-    model     fuse_kda, absorb_mla, place_dsa, lower_attn_res, lower_moe
-    parallel  shard_tp, split_allreduce           (tp > 1)
-    kernels   form_kernels
+    model     fuse_kda, lower_moe, lower_attn_res, absorb_mla, place_dsa, dce
+    kernels   bind_caches, form_kernels
     memory    plan_memory
 
-A name in `PHASES` that no module registers yet is skipped and listed in the report's `skipped`.
+A name that no module registers is an `IRError` naming the registered passes. (Tensor parallelism, DESIGN.md's
+`parallel` phase, is estimated by `k3c plan` but not compiled: it gets its passes and phase when it is.)
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ Pass = Callable[[Graph], Graph]
 PHASES: dict[str, list[str]] = {
     "cleanup": ["dce", "cse", "canonicalize"],
     "model": ["fuse_kda", "lower_moe", "lower_attn_res", "absorb_mla", "place_dsa", "dce"],
-    "parallel": ["shard_tp", "split_allreduce"],
     "kernels": ["bind_caches", "form_kernels"],
     "memory": ["plan_memory"],
 }
@@ -95,17 +94,16 @@ class PassRecord:
 
 @dataclass
 class PipelineReport:
-    """What `run_pipeline` did: pass records in order, skipped (unregistered) passes, total seconds."""
+    """What `run_pipeline` did: pass records in order, total seconds."""
 
     passes: list[PassRecord] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def table(self) -> str:
         """A plain-text timing table, one pass per line."""
         rows = [f"{r.phase:<9} {r.name:<16} {r.seconds * 1e3:9.1f} ms  {r.nodes_before:>6} -> {r.nodes_after:<6}"
                 for r in self.passes]
-        return "\n".join(rows + [f"total {self.seconds * 1e3:.1f} ms; skipped: {', '.join(self.skipped) or '-'}"])
+        return "\n".join(rows + [f"total {self.seconds * 1e3:.1f} ms"])
 
 
 NumericCheck = Callable[[Graph, Graph, str], None]
@@ -151,10 +149,7 @@ def run_pipeline(graph: Graph, phases: list[str] | dict[str, list[str]] | None =
         (dump / "00-input.txt").write_text(print_graph(g))
     step = 0
     for phase, name in _plan(phases):
-        fn = _PASSES.get(name)
-        if fn is None:
-            report.skipped.append(name)
-            continue
+        fn = get_pass(name)
         step += 1
         before = g.copy() if numeric_check is not None else None
         n0 = len(g.nodes)

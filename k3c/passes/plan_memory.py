@@ -26,8 +26,8 @@ POOL_SUFFIXES = (".kda_state", ".conv_state", ".kv", ".index_k")
 def bounds_bindings(entry: str, max_batch: int, max_seq: int, max_prefill: int) -> dict[str, int]:
     """Symbol values at the compile bounds for `entry` ("prefill" or "decode"). Raises ConfigError on bad bounds."""
     if min(max_batch, max_seq, max_prefill) < 1 or max_prefill > max_seq:
-        raise ConfigError(f"bounds must satisfy 1 <= max_prefill ({max_prefill}) <= max_seq ({max_seq}) and "
-                          f"max_batch ({max_batch}) >= 1")
+        raise ConfigError(f"bounds must satisfy 1 <= --max-prefill ({max_prefill}) <= --max-seq ({max_seq}) and "
+                          f"--max-batch ({max_batch}) >= 1")
     T = max_prefill if entry == "prefill" else 1
     return {"B": max_batch, "T": T, "L": max_seq - T}
 

@@ -120,11 +120,22 @@ class ArtifactWriter:
 
     def _ensure_staging(self) -> Path:
         if self._staging is None:
-            self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-            self._staging = self.out_dir.parent / f".{self.out_dir.name}.tmp-{uuid.uuid4().hex}"
-            self._staging.mkdir()
+            staging = self.out_dir.parent / f".{self.out_dir.name}.tmp-{uuid.uuid4().hex}"
+            try:
+                self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+                staging.mkdir()
+            except OSError as err:
+                raise ArtifactError(f"cannot create the artifact {self.out_dir}: {err.strerror or err}"
+                                    + (f" ({err.filename})" if err.filename else "")) from None
+            self._staging = staging
             self._cleanup = weakref.finalize(self, shutil.rmtree, self._staging, True)
         return self._staging
+
+    def open(self) -> "ArtifactWriter":
+        """Create the staging directory now (it is otherwise made by the first file added), so that an output
+        location that cannot be written fails before any work is done. Returns self. Raises ArtifactError."""
+        self._ensure_staging()
+        return self
 
     def _stage(self, relpath: str) -> Path:
         if self._done:

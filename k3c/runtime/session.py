@@ -9,7 +9,9 @@ Execution follows `schedule.json`: each launch is a generated Triton kernel (imp
 `kernels/`), a library call (torch/cuBLAS) or a view. Intermediates live at the offsets of `plan.json` in one arena
 (the plan is made at the compile bounds, so every smaller call fits); caches live in pools sized at the bounds
 (KDA states updated in place, KV and index keys appended in place). A prompt longer than `max_prefill` is
-prefilled in chunks. This module never imports the compiler: only torch, safetensors and the artifact files.
+prefilled in chunks. On CUDA, decode steps after the first at a batch size replay piecewise CUDA graphs
+(`k3c.runtime.graphs`; `cuda_graphs=False` launches every kernel from Python). This module never imports the
+compiler: only torch, safetensors and the artifact files.
 Errors: ArtifactError (bad artifact), RuntimeInputError (tokens out of vocabulary, batch or context beyond the
 bounds, a batch size that changes between calls).
 """
@@ -60,10 +62,20 @@ class Session:
         self.manifest = art.manifest
         if not art.has_weights:
             raise ArtifactError(f"{path}: a plan-only artifact has no weights and cannot run (compile without --plan-only)")
+        dtype = self.manifest["extra"].get("dtype", "f32")
+        if self.device.type == "cpu" and dtype != "f32":
+            # Triton's interpreter multiplies bf16 tiles wrongly in tl.dot (triton 3.9: errors of 1e10 on a 16x16
+            # product), so a CPU run of a bf16 artifact would give wrong logits without any error
+            raise RuntimeInputError(f"{path}: a {dtype} artifact cannot run on CPU (Triton's interpreter computes "
+                                    f"{dtype} tl.dot wrongly); compile it with --dtype f32, or run it on cuda")
         b = self.manifest["bounds"]
         self.max_batch, self.max_seq, self.max_prefill = b["max_batch"], b["max_seq"], b["max_prefill"]
-        self.vocab = int(self.manifest["extra"]["vocab_size"])
+        self.vocab = self.manifest["extra"].get("vocab_size")
         self.schedule = art.schedule
+        dec = self.schedule["decode"]
+        if self.vocab != dec["values"][dec["outputs"]["logits"]]["shape"][-1]:  # manifest.json is not hashed
+            raise ArtifactError(f"{path}: manifest.json's vocab_size {self.vocab!r} disagrees with the logits of "
+                                f"schedule.json")
         plan = art.plan
         self.offsets = {e: {k: v["offset"] for k, v in plan["arena"][e]["buffers"].items()} for e in plan["arena"]}
         arena_bytes = max(plan["arena"][e]["arena_bytes"] for e in plan["arena"])

@@ -15,6 +15,7 @@ from k3c.errors import CheckpointError
 from k3c.frontend import graph_inputs, import_model
 from k3c.ir.graph import Graph
 from k3c.ir.interp import interpret
+from k3c.passes import absorb_mla
 from k3c.passes.absorb_mla import MLAMatch, lower_mla_layers, mla_flops
 from k3c.passes.derived import copy_derived, materialize_params
 from k3c.passes.pipeline import run_pipeline
@@ -167,6 +168,23 @@ def test_prefill_form_follows_the_flop_count_at_the_bounds():
             f = n.meta["mla_form"]
             assert n.attrs["absorbed"] is want
             assert (f["absorbed_flops"] <= f["naive_flops"]) is want and f["T"] == graph.bounds["T"]
+
+
+def test_long_context_prefill_is_absorbed_when_the_naive_kv_is_over_budget(monkeypatch):
+    """At T = 4096 the naive form has fewer FLOPs; its decompressed K/V, B·S·H·(2·nope + rope + vd) values, decides."""
+    cfg = K3Config.from_pretrained("k3-tiny")
+    g = imported("k3-tiny", "prefill")
+    bounds = {"B": 2, "T": 4096, "L": 4096}
+    item = 4  # the imported graph is f32
+    kv = 2 * 8192 * cfg.num_attention_heads * (2 * cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * item
+    for budget, want, why in ((kv, False, "fewer FLOPs"), (kv - 1, True, "naive K/V over budget")):
+        monkeypatch.setattr(absorb_mla, "NAIVE_KV_BUDGET_BYTES", budget)
+        graph = fresh(g)
+        graph.bounds = bounds
+        lower_mla_layers(graph)
+        nodes = [n for n in graph.nodes if n.op == "mla_attention"]
+        assert nodes and all(n.attrs["absorbed"] is want for n in nodes)
+        assert all(n.meta["mla_form"]["naive_kv_bytes"] == kv and n.meta["mla_form"]["why"] == why for n in nodes)
 
 
 def test_flop_model_crossover_at_k3_sizes():

@@ -30,9 +30,8 @@ def scratch_passes(monkeypatch):
 
 def test_cleanup_phase_dumps_and_reports(tmp_path):
     g = model_like()
-    out, report = run_pipeline(g, {"cleanup": ["dce", "cse", "not_written_yet"]}, dump_dir=tmp_path)
+    out, report = run_pipeline(g, {"cleanup": ["dce", "cse"]}, dump_dir=tmp_path)
     assert [r.name for r in report.passes] == ["dce", "cse"]
-    assert report.skipped == ["not_written_yet"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["00-input.txt", "01-dce.txt", "02-cse.txt"]
     assert "exp(" in (tmp_path / "00-input.txt").read_text()
     assert "exp(" not in (tmp_path / "01-dce.txt").read_text()
@@ -106,3 +105,8 @@ def test_random_inputs_respect_index_bounds_and_seed():
     assert params["lm_head.weight"].shape == (11, 8)
     ins2, _ = random_inputs(g, {"B": 2, "T": 50}, seed=3)
     assert torch.equal(ins["tokens"], ins2["tokens"])
+
+
+def test_unknown_pass_is_an_error_naming_the_registered_ones():
+    with pytest.raises(IRError, match=r"no pass named 'not_written_yet' \(registered: .*canonicalize.*\)"):
+        run_pipeline(model_like(), {"cleanup": ["dce", "not_written_yet"]})

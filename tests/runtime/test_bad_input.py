@@ -148,3 +148,62 @@ def test_inspect_output_paths(tmp_path):
 def test_max_seq_beyond_the_model_context_is_refused(tmp_path):
     rc, err = k3c_cli("compile", "k3-tiny", "-o", tmp_path / "o", "--plan-only", "--max-seq", "99999999999")
     assert rc == 2 and "max_position_embeddings" in err and not (tmp_path / "o").exists()
+
+
+def test_output_locations_that_cannot_be_written_fail_before_compiling(art, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    rc, err = k3c_cli("compile", "k3-tiny", "-o", afile / "sub", "--plan-only")
+    assert rc == 2 and "afile" in err and afile.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no staging directory left behind
+    rc, err = k3c_cli("compile", "k3-tiny", "-o", tmp_path / "o", "--plan-only", "--dump", afile)
+    assert rc == 2 and "afile" in err and not (tmp_path / "o").exists()
+    rc, err = k3c_cli("inspect", "k3-tiny", "-o", tmp_path / "nodir" / "x.txt")
+    assert rc == 2 and "nodir" in err
+
+
+def test_inspect_does_not_overwrite_without_force(tmp_path):
+    out = tmp_path / "ir.txt"
+    out.write_text("mine")
+    rc, err = k3c_cli("inspect", "k3-tiny", "-o", out)
+    assert rc == 2 and "--force" in err and out.read_text() == "mine"
+    rc, _ = k3c_cli("inspect", "k3-tiny", "-o", out, "--force", "--after", "form_kernels")
+    assert rc == 0 and "| kernel k0001_" in out.read_text()
+
+
+def test_bf16_artifact_is_refused_on_cpu(art, tmp_path):
+    """Triton's interpreter computes bf16 tl.dot wrongly: a CPU run must refuse rather than print wrong tokens."""
+    compile_model(CompileOptions(str(art / "ckpt"), tmp_path / "b", target="cpu-x86-64", max_batch=1, max_seq=16,
+                                 max_prefill=8, dtype="bf16"))
+    with pytest.raises(RuntimeInputError, match="bf16 artifact cannot run on CPU.*--dtype f32"):
+        k3c.load(tmp_path / "b", "cpu")
+
+
+def test_malformed_run_and_check_arguments(art):
+    for tokens in ("1,,2", "99999999999999999999999", "-3"):
+        rc, err = k3c_cli("run", art / "art", "--tokens", tokens)
+        assert rc == 2 and "--tokens" in err, tokens
+    rc, err = k3c_cli("check", "k3-tiny", "--batch", "0")
+    assert rc == 2 and "--batch" in err
+
+
+def test_integer_weights_are_refused(art, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _copy(art / "ckpt", tmp_path / "c")
+    shard = sorted(ckpt.glob("*.safetensors"))[0]
+    t = load_file(str(shard))
+    key = next(k for k, v in t.items() if v.is_floating_point())
+    t[key] = t[key].to(torch.int32)
+    save_file(t, str(shard), metadata={"format": "pt"})
+    rc, err = k3c_cli("compile", ckpt, "-o", tmp_path / "out", "--dtype", "f32")
+    assert rc == 2 and key in err and "int32" in err and not (tmp_path / "out").exists()
+
+
+def test_edited_manifest_vocab_is_refused(art, tmp_path):
+    a = _copy(art / "art", tmp_path / "a")
+    m = json.loads((a / "manifest.json").read_text())
+    m["extra"]["vocab_size"] += 7
+    (a / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="vocab_size"):
+        k3c.load(a, "cpu")
