@@ -65,21 +65,21 @@ def _run_passes(graph, entry: str, after: str | None, dump: Path | None):
     return run_pipeline(graph, until=after, dump_dir=dump)
 
 
-def summary_table(cfg, graph) -> Table:
-    """Op counts, parameter bytes and the per-layer schedule of a graph."""
+def summary_table(cfg, graph) -> tuple[Table, str]:
+    """Op counts of a graph, and a line with its parameter bytes and layer structure."""
     from k3c.ir.types import nbytes_expr
 
-    t = Table(title=f"{cfg.name}: {len(graph.nodes)} nodes, {len(graph.params)} parameters", show_lines=False)
+    t = Table(title=f"{cfg.name}: {len(graph.nodes)} nodes, {len(graph.params)} parameter tensors", show_lines=False)
     t.add_column("op")
     t.add_column("count", justify="right")
     for op, n in sorted(Counter(n.op for n in graph.nodes).items(), key=lambda kv: (-kv[1], kv[0])):
         t.add_row(op, str(n))
     pbytes = sum(int(nbytes_expr(v.type)) for v in graph.params.values())
     s = cfg.summary()
-    t.caption = (f"parameters: {pbytes / 2**30:.2f} GiB at the graph's dtypes (the meta model is f32); layers: {s['layers']} "
-                 f"({s['kda']} KDA, {s['mla']} MLA, {s['dsa']} DSA; {s['moe']} MoE); AttnRes sources at the readout: "
-                 f"{s['attn_res_sources']}")
-    return t
+    line = (f"parameters: {pbytes / 2**20:,.1f} MiB at the graph's dtypes (the meta model is f32); layers: {s['layers']} "
+            f"({s['kda']} KDA, {s['mla']} MLA, {s['dsa']} DSA; {s['moe']} MoE); AttnRes sources at the readout: "
+            f"{s['attn_res_sources']}")
+    return t, line
 
 
 @app.command()
@@ -106,11 +106,12 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
     err.print(f"imported {cfg.name} ({entry}) in {stats['export_s'] + stats['import_s']:.1f} s: {stats['nodes']} nodes"
               + (f"; passes {report.seconds:.2f} s" if report else ""))
     if fmt == "summary":
+        table, line = summary_table(cfg, graph)
         if output is None:
-            out.print(summary_table(cfg, graph))
+            out.print(table, line, sep="\n", soft_wrap=True)
         else:
             with output.open("w") as fh:
-                Console(file=fh, width=120).print(summary_table(cfg, graph))
+                Console(file=fh, width=120).print(table, line, sep="\n", soft_wrap=True)
             err.print(f"wrote {output}")
         return
     from k3c.ir import nx, serialize
@@ -248,8 +249,8 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
         out.print_json(json.dumps([r.to_json() for r in rows]))
         return
     e0 = rows[0]
-    t = Table(title=f"{cfg.name} on {e0.target}: {e0.params / 1e9:,.1f} B parameters ({e0.active_params_per_token / 1e9:.1f} B "
-                    f"active); caches for {max_batch} x {max_seq:,} tokens")
+    t = Table(title=f"{cfg.name} on {e0.target}: {e0.params / 1e9:,.1f} billion parameters ({e0.active_params_per_token / 1e9:.1f} "
+                    f"billion active); caches for {max_batch} x {max_seq:,} tokens")
     for col in ("GPUs", "weights/GPU", "caches/GPU", "total/GPU", "fits", "decode step", "bound", "tokens/s"):
         t.add_column(col, justify="right")
     gib = lambda b: f"{b / 2**30:,.1f} GiB"  # noqa: E731
