@@ -33,11 +33,14 @@ SIZE_ARGS = ("s_B", "s_T", "s_L")
 DEVICES = ("cpu", "cuda")
 #: CUDA threads per block for `Func.parallel` loops.
 CUDA_THREADS = 128
+#: Partial sums of `Func.dot` (8 fp32 = one AVX2 register).
+LANES = 8
 _SYMBOL = re.compile(r"[A-Za-z_]\w*")
 
 
 def dim_expr(d) -> str:
-    """TVMScript text of IR dim `d` (an int or a sympy expression over B, T, L) over the size arguments.
+    """TVMScript text of IR dim `d` (an int or a sympy expression over B, T, L) over the size arguments,
+    parenthesized unless it is one name or number.
 
     Raises `UnsupportedError` for a dim over another symbol or function (floor, Max, ...)."""
     text = dim_str(d)
@@ -48,7 +51,8 @@ def dim_expr(d) -> str:
             return f"s_{name}"
         raise UnsupportedError(f"TVM kernels take dims over B, T, L only, not {text!r}")
 
-    return _SYMBOL.sub(sub, text)
+    out = _SYMBOL.sub(sub, text)
+    return out if re.fullmatch(r"\w+", out) else f"({out})"
 
 
 def const_int(d) -> int | None:
@@ -149,6 +153,43 @@ class Func:
             name = f"t{self._tmp}"
         self.emit(f'{name} = T.alloc_buffer(({shape},), "{dtype}", scope="local")')
         return name
+
+    def dot(self, out: str, extent: int | str, term) -> None:
+        """Emit `out = Σ_{d < extent} term(d)` (fp32; `term` maps the index name to an expression). With a constant
+        extent that is a multiple of `LANES`, the sum runs in `LANES` independent partial sums, which LLVM turns
+        into vector FMAs (one serial accumulator would need reassociation, which TVM does not allow it)."""
+        self._tmp += 1
+        acc, n = f"dot{self._tmp}", LANES
+        if isinstance(extent, int) and extent % n == 0 and extent >= n:
+            self.local(n, name=acc)
+            with self.block(f"for l in T.serial({n}):"):
+                self.emit(f"{acc}[l] = T.float32(0.0)")
+            with self.block(f"for d0 in T.serial({extent // n}):"), self.block(f"for l in T.serial({n}):"):
+                self.emit(f"{acc}[l] = {acc}[l] + {term(f'(d0 * {n} + l)')}")
+            self.emit(f"{out} = {' + '.join(f'{acc}[{i}]' for i in range(n))}")
+            return
+        self.local(1, name=acc)
+        self.emit(f"{acc}[0] = T.float32(0.0)")
+        with self.block(f"for d in T.serial({extent}):"):
+            self.emit(f"{acc}[0] = {acc}[0] + {term('d')}")
+        self.emit(f"{out} = {acc}[0]")
+
+    def insert_sorted(self, val: str, pos: str, cnt: str, k: int, x: str, item: str) -> None:
+        """Emit the insertion of (`x`, `item`) into the list `val` / `pos` of the `k` largest seen so far (sorted
+        by decreasing value; `cnt[0]` entries, `cnt[1]` scratch): after every entry >= x, so that earlier items
+        win ties (a stable descending sort); dropped when k entries are all >= x. O(k) with constant-extent
+        loops (TIR `while` loops are avoided: TVM 0.27 miscompiles a load in their condition)."""
+        self.emit(f"{cnt}[1] = T.int64(0)")
+        with self.block(f"for j in T.serial({k}):"), \
+                self.block(f"if T.Cast(\"int64\", j) < {cnt}[0] and {val}[j] >= {x}:"):
+            self.emit(f"{cnt}[1] = {cnt}[1] + T.int64(1)")
+        with self.block(f"if {cnt}[1] < T.int64({k}):"):
+            with self.block(f"for jj in T.serial({k - 1}):"):
+                self.emit(f"j = T.int64({k - 1}) - T.Cast(\"int64\", jj)")
+                with self.block(f"if j > {cnt}[1] and j <= {cnt}[0]:"):
+                    self.emit(f"{val}[j] = {val}[j - 1]", f"{pos}[j] = {pos}[j - 1]")
+            self.emit(f"{val}[{cnt}[1]] = {x}", f"{pos}[{cnt}[1]] = {item}",
+                      f"{cnt}[0] = T.min({cnt}[0] + T.int64(1), T.int64({k}))")
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
