@@ -57,6 +57,7 @@ class CompileOptions:
     force: bool = False
     dump: Path | None = None
     dtype: str = "bf16"
+    backend: str = "auto"   # kernel generator: "triton", "tvm", or "auto" (tvm on CPU targets, triton on GPUs)
 
 
 def compile_model(opts: CompileOptions, progress=None) -> dict:
@@ -93,6 +94,9 @@ def _compile(opts: CompileOptions, progress) -> dict:
         raise ConfigError(f"--dtype {opts.dtype}: expected one of {', '.join(DTYPES)}")
     cfg = K3Config.from_pretrained(opts.model)
     target = load_target(opts.target)
+    backend = opts.backend if opts.backend != "auto" else ("tvm" if target.kind == "cpu" else "triton")
+    if backend not in ("triton", "tvm"):
+        raise ConfigError(f"--backend {opts.backend}: expected triton, tvm or auto")
     if cfg.max_position_embeddings and opts.max_seq > cfg.max_position_embeddings:
         raise ConfigError(f"--max-seq {opts.max_seq} exceeds the model's context of {cfg.max_position_embeddings} "
                           f"tokens (config: max_position_embeddings)")
@@ -114,17 +118,32 @@ def _compile(opts: CompileOptions, progress) -> dict:
                                                  dump_dir=opts.dump / entry if opts.dump else None)
             passes = [r.name for r in report.passes]
         summary = {"model": cfg.name, "nodes": {e: len(g.nodes) for e, g in graphs.items()}, "kernels": 0}
-        schedules, index, costs = {}, {}, {}
+        schedules, index, costs, tvm_groups = {}, {}, {}, {}
         for entry, g in graphs.items():
             writer.add_text(f"graph/{entry}.txt", print_graph(g))
             writer.add_text(f"graph/{entry}.json", serialize.dumps(g))
-            schedules[entry], kernels = _schedule(g, entry, emit_kernels=not opts.plan_only)
+            schedules[entry], kernels = _schedule(g, entry, emit_kernels=not opts.plan_only and backend == "triton")
             costs[entry] = cost_report(g, bindings[entry], target)
             if not opts.plan_only:
                 for name, (group, src) in kernels.items():
                     writer.add_text(f"kernels/{name}.py", src)
                     index[name] = {"entry": entry, "kind": group.kind, "ir_nodes": group.ir_nodes}
-        summary["kernels"] = sum(1 for e in schedules.values() for ln in e["launches"] if ln["backend"] == "triton")
+                if backend == "tvm":
+                    tvm_groups.update((f"{entry}_{gr.name}", gr) for gr in kernel_groups(g) if gr.backend == "triton")
+        if tvm_groups:
+            from k3c.codegen.tvm import backend as tvm_backend
+
+            files, symbols = tvm_backend.build(tvm_groups, target)
+            for rel, data in sorted(files.items()):
+                writer.add_bytes(f"kernels/{rel}", data)
+            for entry, sched in schedules.items():
+                for ln in sched["launches"]:
+                    if ln["name"] in symbols:
+                        ln["backend"], ln["symbol"] = "tvm", symbols[ln["name"]]
+                        index[ln["name"]] = {"entry": entry, "kind": ln["kind"], "symbol": ln["symbol"],
+                                             "ir_nodes": tvm_groups[ln["name"]].ir_nodes}
+        summary["kernels"] = sum(1 for e in schedules.values() for ln in e["launches"]
+                                 if ln["backend"] in ("triton", "tvm"))
         pools = _pools(graphs["decode"], opts)
         writer.add_json("plan.json", {"bounds": bindings, "arena": {e: g.memory_plan.to_json() for e, g in graphs.items()},
                                       "pools": pools, "pool_totals": pool_totals(pools)})
@@ -138,6 +157,7 @@ def _compile(opts: CompileOptions, progress) -> dict:
                       bounds={"max_batch": opts.max_batch, "max_seq": opts.max_seq, "max_prefill": opts.max_prefill},
                       entry_points={e: {"graph": f"graph/{e}.json"} for e in graphs},
                       extra={"k3c_version": __version__, "plan_only": opts.plan_only, "dtype": opts.dtype,
+                             "backend": backend,
                              "vocab_size": cfg.vocab_size})
     summary.update(arena={e: g.memory_plan.arena_bytes for e, g in graphs.items()},
                    lower_bound={e: g.memory_plan.lower_bound for e, g in graphs.items()},

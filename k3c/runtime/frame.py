@@ -15,6 +15,7 @@ import torch
 
 from k3c.errors import ArtifactError
 from k3c.runtime.dims import evaluate, shape
+from k3c.runtime.launchers.tvm import launch as tvm_launch
 from k3c.runtime.library import ALIASING, DTYPES, run_op
 
 
@@ -54,12 +55,16 @@ class Frame:
         """Run launch `ln` of the schedule, binding its outputs in `env`."""
         env, B, L, T = self.env, self.B, self.L, self.T
         ins = [env[n] for n in ln["inputs"]]
-        if ln["backend"] == "triton":
+        if ln["backend"] in ("triton", "tvm"):
             outs = [self.out(n) for n in ln["outputs"]]
             for n, o in zip(ln["outputs"], outs):
                 if o is None:
                     raise ArtifactError(f"kernel {ln['name']} output {n} has no buffer in plan.json")
-            self.session.kernels[ln["name"]].launch([x.contiguous() for x in ins], outs, self.sizes)
+            ins = [x.contiguous() for x in ins]
+            if ln["backend"] == "tvm":
+                tvm_launch(self.session.tvm_library.function(ln["symbol"]), ins, outs, self.sizes)
+            else:
+                self.session.kernels[ln["name"]].launch(ins, outs, self.sizes)
             env.update(zip(ln["outputs"], outs))
             return
         if ln["kind"] == "cache_append":

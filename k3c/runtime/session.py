@@ -34,6 +34,7 @@ from k3c.runtime.artifact import read_artifact
 from k3c.runtime.dims import shape
 from k3c.runtime.frame import Frame
 from k3c.runtime.graphs import DecodeGraphs
+from k3c.runtime.launchers.tvm import TvmLibrary
 from k3c.runtime.library import DTYPES
 
 
@@ -56,14 +57,15 @@ class Session:
             raise RuntimeInputError(f"device {device!r}: the k3c runtime runs on 'cpu' or 'cuda'")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeInputError(f"device {device!r}: this torch build or machine has no CUDA GPU")
-        if self.device.type == "cpu":
-            os.environ.setdefault("TRITON_INTERPRET", "1")  # generated Triton kernels run on CPU in the interpreter
         art = read_artifact(path)
         self.manifest = art.manifest
+        self.backend = self.manifest["extra"].get("backend", "triton")
+        if self.device.type == "cpu" and self.backend == "triton":
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # generated Triton kernels run on CPU in the interpreter
         if not art.has_weights:
             raise ArtifactError(f"{path}: a plan-only artifact has no weights and cannot run (compile without --plan-only)")
         dtype = self.manifest["extra"].get("dtype", "f32")
-        if self.device.type == "cpu" and dtype != "f32":
+        if self.device.type == "cpu" and dtype != "f32" and self.backend == "triton":
             # Triton's interpreter multiplies bf16 tiles wrongly in tl.dot (triton 3.9: errors of 1e10 on a 16x16
             # product), so a CPU run of a bf16 artifact would give wrong logits without any error
             raise RuntimeInputError(f"{path}: a {dtype} artifact cannot run on CPU (Triton's interpreter computes "
@@ -87,6 +89,13 @@ class Session:
         for name in sorted({ln["name"] for e in self.schedule.values() for ln in e["launches"]
                             if ln["backend"] == "triton"}):
             self.kernels[name] = _import_kernel(art, f"kernels/{name}.py", name, self._workdir)
+        self.tvm_library = None
+        if any(ln["backend"] == "tvm" for e in self.schedule.values() for ln in e["launches"]):
+            if self.device.type != "cpu":
+                raise RuntimeInputError(f"{path}: a TVM CPU artifact runs on device 'cpu' only, not {device!r}")
+            lib = self._workdir / "cpu.so"  # read through the artifact (hash-checked), loaded from a file
+            lib.write_bytes(art.read_bytes("kernels/cpu.so"))
+            self.tvm_library = TvmLibrary(lib)
         full = {"B": self.max_batch, "L": self.max_seq, "T": 1}
         types = self.schedule["decode"]["values"]
         self.pools = {n: torch.zeros(shape(types[n]["shape"], full), dtype=DTYPES[types[n]["dtype"]], device=self.device)

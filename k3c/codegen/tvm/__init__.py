@@ -45,7 +45,7 @@ def _load_all() -> None:
     if not _LOADED:
         _LOADED = True
         for info in pkgutil.iter_modules(__path__):
-            if info.name not in ("script", "build"):
+            if info.name not in ("script", "build", "backend"):
                 importlib.import_module(f"{__name__}.{info.name}")
 
 

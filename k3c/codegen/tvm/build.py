@@ -57,11 +57,11 @@ def build_cpu(funcs: dict[str, str], arch: str = "x86-64") -> dict[str, bytes]:
             lib.mod.write_to_file(str(work / "kernels.o"))
             return {"cpu-aarch64.o": (work / "kernels.o").read_bytes(), "cpu-aarch64.tir.txt": tir}
         shim = work / "cpu_runtime.o"
-        subprocess.run(["gcc", "-c", "-O2", "-fPIC", "-fopenmp", str(_SHIM), "-o", str(shim)], check=True,
+        subprocess.run(["gcc", "-c", "-O2", "-fPIC", "-pthread", str(_SHIM), "-o", str(shim)], check=True,
                        capture_output=True)
         out = work / "cpu.so"
         lib.export_library(str(out), addons=[str(shim)], workspace_dir=str(work),
-                           options=["-fopenmp", "-Wl,--build-id=none"])
+                           options=["-pthread", "-Wl,--build-id=none"])
         return {"cpu.so": out.read_bytes(), "cpu.tir.txt": tir}
 
 
