@@ -14,12 +14,12 @@ import torch
 
 from k3c.codegen import tvm as tvm_codegen
 from k3c.codegen.tvm.build import build_cpu
+from k3c.context import CompileContext
 from k3c.frontend import build_meta_model, import_model
 from k3c.ir.interp import interpret
+from k3c.ir.kernels import kernel_groups
 from k3c.ir.types import torch_dtype
-from k3c.passes.form_kernels import kernel_groups
 from k3c.passes.pipeline import random_inputs, run_pipeline
-from k3c.passes.plan_memory import bounds_bindings
 from k3c.runtime.launchers.tvm import TvmLibrary, launch
 from models.config import K3Config
 
@@ -34,14 +34,15 @@ def built(tmp_path_factory):
     """(graphs [(graph, groups, dtype, entry)], library, {group name: symbol}, {symbol: TIR text}, files)."""
     graphs = []
     for preset, entry, dtype in GRAPHS:
+        ctx = CompileContext(target="cpu-x86-64", dtype="f32" if dtype == torch.float32 else "bf16", max_batch=3,
+                             max_seq=64, max_prefill=16).resolve().for_entry(entry)
         g = import_model(build_meta_model(K3Config.from_pretrained(preset)).cast_(dtype), entry)
-        g.bounds = bounds_bindings(entry, 3, 64, 16)
-        g, _ = run_pipeline(g, verify="end")
+        g, _ = run_pipeline(g, ctx=ctx, verify="end")
         graphs.append((g, [gr for gr in kernel_groups(g) if gr.kind in KINDS], dtype, entry))
     groups = [gr for _, grs, _, _ in graphs for gr in grs]
     for (_, grs, _, _), (preset, entry, _) in zip(graphs, GRAPHS):
         for gr in grs:
-            gr.name = f"{preset}_{entry}_{gr.name}".replace("-", "_").replace(".", "_")
+            gr.name = f"{preset}_{gr.name}".replace("-", "_").replace(".", "_")
     funcs, symbol_of = tvm_codegen.emit_all(groups, "cpu")
     files = build_cpu(funcs)
     path = tmp_path_factory.mktemp("tvm") / "cpu.so"

@@ -1,46 +1,59 @@
-"""The TVM backend: which kernel groups it generates, and the files it adds to an artifact's `kernels/`.
+"""The TVM backend: kernel groups compiled by TVM, all of an artifact's kernels in one build.
 
-It claims every group of a kind with a TVM generator (pointwise, rowwise and the model ops; `kinds()`), on:
-- a CPU target of arch x86-64: `kernels/cpu.so` (all kernels of both entries, one shared library loaded by the
-  runtime's `k3c.runtime.launchers.tvm` with apache-tvm-ffi) and `kernels/cpu.tir.txt`;
-- a CPU target of arch aarch64: `kernels/cpu-aarch64.o` (cross-compiled, not run here) and its TIR;
-- a CUDA target (`--backend tvm`): `kernels/cuda.cu` (CUDA C) and `kernels/cuda.tir.txt`.
-GEMMs, embedding and the other library groups stay library calls on CPU (torch's oneDNN/MKL GEMMs: see
-BENCHMARKS.md for the measurement). Each launch it implements names its PrimFunc (`symbol`): layers that compute
-the same thing share one.
+It claims every group of a kind with a TVM generator (`kinds()`: pointwise, rowwise and the model ops) whose values
+it can compute (no fp8), and adds to the artifact, by target:
+- a CPU of arch x86-64: `kernels/cpu.so` (one shared library for both entry points, loaded by the runtime's `tvm`
+  launcher with apache-tvm-ffi) and `kernels/cpu.tir.txt`;
+- a CPU of arch aarch64: `kernels/cpu-aarch64.o` (cross-compiled; not runnable by this runtime) and its TIR;
+- a CUDA GPU (`--backend tvm`): `kernels/cuda.cu` (TVM's CUDA C) and `kernels/cuda.tir.txt`, not launched by
+  this runtime (see README: Status).
+GEMMs, embedding and the other library groups stay library calls (torch's GEMMs; BENCHMARKS.md "CPU" says why).
+A launch record names the launch's PrimFunc (`symbol`): layers that compute the same thing share one, named after
+the first launch (in schedule order) that uses it.
 """
 
 from __future__ import annotations
 
-from k3c.codegen.tvm import emit_all, kinds
+from k3c.codegen.backend import Backend, Emission, register_backend
+from k3c.codegen.tvm import emit, kinds
 from k3c.codegen.tvm.build import build_cpu, cuda_source
 from k3c.errors import UnsupportedError
-
-LAUNCHER = "tvm"
-
-
-def device_of(target) -> tuple[str, str]:
-    """("cpu" | "cuda", arch) of a `k3c.targets.Target`; raises `UnsupportedError` for a ROCm target."""
-    if target.kind == "cpu":
-        return "cpu", target.arch
-    if target.kind == "cuda":
-        return "cuda", target.arch
-    raise UnsupportedError(f"the TVM backend generates CPU and CUDA code, not {target.kind} ({target.name})")
+from k3c.ir.graph import Node
+from k3c.ir.kernels import KernelGroup
 
 
-def claims(group) -> bool:
-    """Whether the TVM backend generates `group` (a generated-kernel group of a kind it has a generator for)."""
-    return group.backend not in ("library", "view") and group.kind in kinds()
+@register_backend
+class TvmBackend(Backend):
+    name = "tvm"
+    generates = True
 
+    def __init__(self, target):
+        super().__init__(target)
+        if target.kind not in ("cpu", "cuda"):
+            raise UnsupportedError(f"the TVM backend generates CPU and CUDA code, not {target.kind} ({target.name})")
+        self.device = "cpu" if target.kind == "cpu" else "cuda"
+        self._text: dict[str, str] = {}      # group name -> PrimFunc text (with the placeholder name)
+        self._symbol: dict[str, str] = {}    # PrimFunc text -> symbol
 
-def build(groups: dict[str, object], target) -> tuple[dict[str, bytes], dict[str, str]]:
-    """({file under kernels/: bytes}, {launch name: PrimFunc symbol}) for `groups` ({launch name: KernelGroup},
-    in schedule order) on `target`. Raises `UnsupportedError` for a group it cannot generate."""
-    device, arch = device_of(target)
-    named = []
-    for name, group in groups.items():
-        g = type(group)(name, group.backend, group.kind, group.nodes, group.inputs, group.outputs)
-        named.append(g)
-    funcs, symbol_of = emit_all(named, device)
-    files = build_cpu(funcs, arch) if device == "cpu" else cuda_source(funcs)
-    return files, symbol_of
+    def claims(self, kind: str, nodes: list[Node]) -> bool:
+        return kind in kinds() and all(v.type.dtype != "f8e4m3" for n in nodes for v in list(n.inputs) + n.outputs)
+
+    def _symbol_of(self, group: KernelGroup) -> str:
+        text = self._text.get(group.name)
+        if text is None:
+            text = self._text[group.name] = emit(group, "kernel", self.device)
+        return self._symbol.setdefault(text, group.name)
+
+    def launch_record(self, group: KernelGroup) -> dict:
+        return {"symbol": self._symbol_of(group)}
+
+    def emit(self, groups: list[KernelGroup], ctx) -> Emission:
+        out = Emission()
+        funcs = {}
+        for g in groups:
+            sym = self._symbol_of(g)
+            funcs.setdefault(sym, self._text[g.name].replace("def kernel(", f"def {sym}(", 1))
+            out.index[g.name] = {"backend": self.name, "kind": g.kind, "ir_nodes": g.ir_nodes, "symbol": sym}
+        files = build_cpu(funcs, self.target.arch) if self.device == "cpu" else cuda_source(funcs)
+        out.files.update((f"kernels/{rel}", data) for rel, data in files.items())
+        return out
