@@ -31,11 +31,11 @@ PROMPT, PREFILL = 64, 256
 
 
 def mid_config():
-    """hidden 1024, 8 layers (KDA 1-3, 5-7; MLA 4, 8), 8 KDA heads of 128, 32 experts choose 4 of width 512."""
+    """hidden 1024, 8 layers (KDA 1-3, 5-7; MLA 4, 8), 8 KDA heads of 128, 32 experts choose 4 of width 256."""
     return _shrink("k3-mid", "k3", vocab_size=32000, hidden_size=1024, num_hidden_layers=8, intermediate_size=2816,
-                   num_experts=32, num_experts_per_token=4, moe_intermediate_size=512, num_attention_heads=8,
+                   num_experts=32, num_experts_per_token=4, moe_intermediate_size=256, num_attention_heads=8,
                    kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, q_lora_rank=384,
-                   routed_expert_hidden_size=512, attn_res_block_size=4, num_shared_experts=1,
+                   routed_expert_hidden_size=256, attn_res_block_size=4, num_shared_experts=1,
                    linear_attn_config=dict(kda_layers=[1, 2, 3, 5, 6, 7], full_attn_layers=[4, 8], num_heads=8,
                                            head_dim=128))
 
