@@ -26,16 +26,20 @@ PROMPT, STEPS = 64, 32
 
 @pytest.fixture(scope="module", params=TINY_PRESETS)
 def compiled(request, tmp_path_factory):
-    """(eager fp32 model, checkpoint dir, {dtype: artifact dir}) of one preset."""
+    """(eager fp32 model, checkpoint dir, arts(dtype) -> artifact dir, compiled on first use) of one preset."""
     root = tmp_path_factory.mktemp(request.param)
     model = save_random_checkpoint(K3Config.from_pretrained(request.param), root / "ckpt", seed=1,
                                    dtype=torch.float32)
-    arts = {}
-    for dtype in ("f32", "bf16"):
-        opts = CompileOptions(str(root / "ckpt"), root / f"art_{dtype}", target="cpu-x86-64", max_batch=3,
-                              max_seq=PROMPT + STEPS, max_prefill=PROMPT, dtype=dtype, backend="tvm")
-        compile_model(opts)
-        arts[dtype] = opts.out
+    done = {}
+
+    def arts(dtype):
+        if dtype not in done:
+            opts = CompileOptions(str(root / "ckpt"), root / f"art_{dtype}", target="cpu-x86-64", max_batch=3,
+                                  max_seq=PROMPT + STEPS, max_prefill=PROMPT, dtype=dtype, backend="tvm")
+            compile_model(opts)
+            done[dtype] = opts.out
+        return done[dtype]
+
     return model.eval(), root / "ckpt", arts
 
 
@@ -65,7 +69,7 @@ def _session_run(session):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_f32_artifact_matches_eager(compiled, batch):
     model, _, arts = compiled
-    session = k3c.load(arts["f32"], "cpu")
+    session = k3c.load(arts("f32"), "cpu")
     assert set(session.launchers) == {"tvm", "library", "view"}
     errs = _errors(_session_run(session), model, batch)
     print(f"{model.config.name} batch {batch}: f32 artifact vs eager fp32, max relative {max(errs):.2e}")
@@ -76,7 +80,7 @@ def test_bf16_artifact_in_the_eager_bf16_band(compiled):
     model, ckpt, arts = compiled
     m16 = load_checkpoint(str(ckpt), torch.bfloat16).eval()
     band = _errors(lambda t, c: m16(t, c) if c is not None else m16(t), model, 3)
-    errs = _errors(_session_run(k3c.load(arts["bf16"], "cpu")), model, 3)
+    errs = _errors(_session_run(k3c.load(arts("bf16"), "cpu")), model, 3)
     print(f"{model.config.name}: bf16 artifact vs eager fp32 {max(errs):.3g}; eager bf16 vs eager fp32 "
           f"{max(band):.3g}")
     assert max(errs) <= 1.5 * max(band) + 1e-2
@@ -85,7 +89,7 @@ def test_bf16_artifact_in_the_eager_bf16_band(compiled):
 def test_runtime_loads_the_library_with_tvm_ffi_only(compiled):
     """A fresh process runs the artifact: tvm_ffi is imported, tvm, Triton and the compiler are not."""
     _, _, arts = compiled
-    code = (f"import sys, torch, k3c\ns = k3c.load({str(arts['f32'])!r}, 'cpu')\n"
+    code = (f"import sys, torch, k3c\ns = k3c.load({str(arts('f32'))!r}, 'cpu')\n"
             "s.prefill(torch.zeros(1, 4, dtype=torch.long)); s.decode(torch.zeros(1, 1, dtype=torch.long))\n"
             "mods = set(sys.modules)\n"
             "bad = sorted(m for m in mods if m == 'tvm' or m.startswith(('tvm.', 'triton', 'k3c.ir', 'k3c.passes', "
