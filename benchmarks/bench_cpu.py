@@ -109,8 +109,8 @@ def main() -> None:
         rows = {"k3c (TVM, cpu-x86-64)": bench_k3c(root / "art", args.steps),
                 "torch eager": bench_eager(model, args.steps, compiled=False),
                 "torch.compile": bench_eager(model, args.steps, compiled=True)}
-    result = {"config": "hidden 1024, 8 layers, 32 experts top-4, vocab 32000, fp32", "threads": torch.get_num_threads(),
-              "k3c_compile_s": compile_s, "rows": rows}
+    result = {"config": "hidden 1024, 8 layers, 32 experts top-4, vocab 32000, fp32",
+              "threads": torch.get_num_threads(), "k3c_compile_s": compile_s, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"| {'runtime':24} | decode B=1 (ms) | decode B=4 (ms) | prefill 256 (ms) |")

@@ -69,7 +69,8 @@ def main(d: Path) -> None:
         spec = importlib.util.spec_from_file_location(case["name"], d / "triton" / f"{case['name']}.py")
         tri = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(tri)
-        for which, fn in (("tvm", lambda: run_tvm(case, ins, outs)), ("triton", lambda: tri.launch(ins, outs, case["sizes"]))):
+        for which, fn in (("tvm", lambda: run_tvm(case, ins, outs)),
+                          ("triton", lambda: tri.launch(ins, outs, case["sizes"]))):
             fn()
             ts = []
             for _ in range(50):

@@ -112,6 +112,6 @@ def cuda_launches(host_script: str) -> dict:
             grid, block = args[-2:]
             out["kernels"].append({
                 "name": name.value, "grid": expr(grid), "block": int(expr(block)),
-                "args": [["buffer", a.value.id] if isinstance(a, ast.Attribute) and a.attr == "data" else ["int", expr(a)]
-                         for a in args[:-2]]})
+                "args": [["buffer", a.value.id] if isinstance(a, ast.Attribute) and a.attr == "data"
+                         else ["int", expr(a)] for a in args[:-2]]})
     return out
