@@ -40,6 +40,7 @@ GATE_KINDS = {"lower_bound": 0, "softplus": 1}
 CHUNK = 16            # tokens per chunk of the chunked prefill (one tensor-core tile)
 DECODE_BLOCK_V = 32   # state columns per decode program (H200: see BENCHMARKS.md, KDA decode)
 CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
+CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| across one chunk for which exp(r - gc) stays finite in fp32
 
 
@@ -186,7 +187,7 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
         kda_chunk_prep_kernel[(NC, H, B)](
             *c[:4], c[5], *c[6:11], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, T, NC, H=H, D=D,
             W=W, BD=BD, SCALE=D ** -0.5, HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1,
-            INV_PRECISION="ieee", DOT_PRECISION=dot, num_warps=4, **gate)
+            INV_PRECISION="ieee", DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
         BV = min(BD, block_v or CHUNK_BLOCK_V)
         fuse = BV == BD
         o_buf = y if fuse or not store_output else torch.empty(B, T, HD, dtype=torch.float32, device=q_in.device)
@@ -308,9 +309,10 @@ def launch(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, co
     """
     if q_in.shape[-1] != HEADS * HEAD_DIM or o_norm_weight.numel() != HEAD_DIM or conv_w_q.shape[-1] != CONV_SIZE:
         raise RuntimeInputError(f"kernel specialized for H={{HEADS}}, D={{HEAD_DIM}}, W={{CONV_SIZE}}")
-    return _launch_kda({mode!r}, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias, o_norm_weight, state,
-                       conv_state, gate_kind=GATE_KIND, lower_bound=LOWER_BOUND, eps=EPS, lengths=lengths,
-                       state_out=state_out, conv_state_out=conv_state_out, store_output=store_output, num_warps=None)
+    return _launch_kda({mode!r}, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v,
+                       A_log, dt_bias, o_norm_weight, state, conv_state, gate_kind=GATE_KIND, lower_bound=LOWER_BOUND,
+                       eps=EPS, lengths=lengths, state_out=state_out, conv_state_out=conv_state_out,
+                       store_output=store_output, num_warps=None)
 '''
 
 
@@ -363,7 +365,7 @@ def emit_source(spec):
         f"CONV_SIZE = {W}  # short_conv_kernel_size\nGATE_KIND = {gate_kind!r}\n"
         f"LOWER_BOUND = {lower_bound!r}  # linear_attn_config.gate_lower_bound\nEPS = {eps!r}  # rms_norm_eps\n"
         f"GATE_KINDS = {GATE_KINDS!r}\nCHUNK = {CHUNK}\nDECODE_BLOCK_V = {DECODE_BLOCK_V}\n"
-        f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\n_DECODE_SCRATCH = {{}}\n")
+        f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n_DECODE_SCRATCH = {{}}\n")
     parts = [header]
     parts += [inspect.getsource(fn.fn) for fn in _common.HELPERS]
     parts += [inspect.getsource(kernel.fn) for kernel in kernels]

@@ -17,7 +17,8 @@ Kernels (launched in this order by `k3c.codegen.triton.kda._launch_kda`):
                           Q*Gamma, K*exp(gc_last - gc), Wm, U0 ([BT, D] each, activation dtype), P ([BT, BT]) and
                           gc_last ([D] fp32) to a workspace. Every chunk is independent: this is the bulk of the FLOPs.
   kda_chunk_state_kernel  grid (NV, H, B): the sequential pass over chunks, program i_v holding the state columns
-                          [i_v*BV, (i_v+1)*BV) in registers (tensor-core tl.dot); writes O and the final state, and
+                          [i_v*BV, (i_v+1)*BV) in fp32 registers (tensor-core tl.dot on operands in the
+                          workspace dtype, fp32 accumulation); writes O and the final state, and
                           rolls the conv state (after the prep kernel has read it). With BV = D it also applies
                           the RMSNorm + sigmoid gate and writes y; otherwise O goes to an fp32 buffer and
   kda_norm_gate_kernel    grid (row blocks, B) writes y = RMSNorm_per_head(O) * sigmoid(gate).
@@ -155,6 +156,7 @@ def kda_chunk_state_kernel(
     m_s = m_k[:, None] & m_v[None, :]
     S = tl.load(state_in + s_off, mask=m_s, other=0.0).to(tl.float32)
     x_off = b.to(tl.int64) * T * HD + h * D
+    dt = ws_w.dtype.element_ty
     if FUSE_NORM:
         norm_w = tl.load(o_norm_w + i_v, mask=m_v, other=0.0)
 
@@ -164,13 +166,16 @@ def kda_chunk_state_kernel(
         tile_v = chunk * BT * D + i_t[:, None] * D + i_v[None, :]
         m_tk = (i_t[:, None] < BT) & m_k[None, :]
         m_tv = (i_t[:, None] < BT) & m_v[None, :]
-        Wm = tl.load(ws_w + tile_k, mask=m_tk, other=0.0).to(tl.float32)
+        # matrix operands in the workspace dtype (bf16 models: bf16 tensor-core products, fp32 accumulation)
+        S_op = S.to(dt)
+        Wm = tl.load(ws_w + tile_k, mask=m_tk, other=0.0)
         U = tl.load(ws_u + tile_v, mask=m_tv, other=0.0).to(tl.float32)
-        U = U - tl.dot(Wm, S, input_precision=DOT_PRECISION)
+        U = U - tl.dot(Wm, S_op, input_precision=DOT_PRECISION)
+        U_op = U.to(dt)
         if STORE_Y:
-            qg = tl.load(ws_qg + tile_k, mask=m_tk, other=0.0).to(tl.float32)
-            P = tl.load(ws_p + chunk * BT * BT + i_t[:, None] * BT + i_t[None, :]).to(tl.float32)
-            O = tl.dot(qg, S, input_precision=DOT_PRECISION) + tl.dot(P, U, input_precision=DOT_PRECISION)
+            qg = tl.load(ws_qg + tile_k, mask=m_tk, other=0.0)
+            P = tl.load(ws_p + chunk * BT * BT + i_t[:, None] * BT + i_t[None, :])
+            O = tl.dot(qg, S_op, input_precision=DOT_PRECISION) + tl.dot(P, U_op, input_precision=DOT_PRECISION)
             pos = c * BT + i_t
             m_o = (pos < n)[:, None] & m_v[None, :]
             o_off = x_off + pos[:, None] * HD + i_v[None, :]
@@ -178,9 +183,9 @@ def kda_chunk_state_kernel(
                 gl = tl.load(gate_in + o_off, mask=m_o, other=0.0).to(tl.float32)
                 O = rms_norm_sigmoid_gate(O, norm_w[None, :], gl, D, EPS, 1)
             tl.store(y + o_off, O.to(y.dtype.element_ty), mask=m_o)
-        kend = tl.load(ws_kend + tile_k, mask=m_tk, other=0.0).to(tl.float32)
+        kend = tl.load(ws_kend + tile_k, mask=m_tk, other=0.0)
         g_last = tl.load(ws_glast + chunk * D + i_k, mask=m_k, other=0.0)
-        S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kend), U, input_precision=DOT_PRECISION)
+        S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kend), U_op, input_precision=DOT_PRECISION)
 
     tl.store(state_out + s_off, S.to(state_out.dtype.element_ty), mask=m_s)
     conv_b = b.to(tl.int64) * 3 * HD * W + h * D * W
