@@ -143,16 +143,16 @@ def check_gpu(dev, results, decode_bvs, chunk_bvs):
                       {k: v[1:] for k, v in st.items()}, r1[1], r1[2], 1e-2)
     for bv in decode_bvs:
         for sdt in (torch.float32, torch.bfloat16):
-            if sdt == torch.bfloat16 and bv not in (32, 64):
+            if sdt == torch.bfloat16 and bv not in (0, 32, 64):
                 continue
             st = {k: v.clone() for k, v in state.items()}
             kda_prefill(**{k: v[:, :296] for k, v in acts.items()}, **weights, **st, method="recurrent")
             st["state"] = st["state"].to(sdt)
-            ys = [kda_decode(**{k: v[:, t] for k, v in acts.items()}, **weights, **st, block_v=bv)
+            ys = [kda_decode(**{k: v[:, t] for k, v in acts.items()}, **weights, **st, block_v=bv or None)
                   for t in range(296, 300)]
             st["state"] = st["state"].float()
-            check(results, f"decode x4 block_v={bv} state {str(sdt)[6:]} after prefill", torch.stack(ys, 1),
-                  y_ref[:, 296:], st, S_ref, C_ref, 1e-2 if sdt == torch.bfloat16 else 1e-3)
+            check(results, f"decode x4 block_v={bv or 'default'} state {str(sdt)[6:]} after prefill",
+                  torch.stack(ys, 1), y_ref[:, 296:], st, S_ref, C_ref, 1e-2 if sdt == torch.bfloat16 else 1e-3)
 
 
 def bf16_state_drift(dev, results, steps=4096):
@@ -198,6 +198,10 @@ def profile_kernels(label, fn):
         print(f"PROFILE {label} | {line}", flush=True)
 
 
+def cfg_name(bv, nw):
+    return f"block_v={bv}, num_warps={nw}" if bv else "default: 16 KB of state per program, num_warps = block_v/16"
+
+
 def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile):
     for B in (1, 16, 64):
         state_bytes = B * H * D * D * 4 * 2 + B * 3 * HD * W * 4 * 2
@@ -212,18 +216,18 @@ def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile):
             print("ROW", rows[-1], flush=True)
 
         for bv, nw in decode_cfgs:
-            ms, how = bench(lambda i, bv=bv, nw=nw: kda_decode(**step[i][0], **step[i][1], **step[i][2], block_v=bv,
-                                                               num_warps=nw), n_sets)
-            add(f"k3c fused decode, split V (block_v={bv}, num_warps={nw})", ms, how)
+            ms, how = bench(lambda i, bv=bv, nw=nw: kda_decode(**step[i][0], **step[i][1], **step[i][2],
+                                                               block_v=bv or None, num_warps=nw or None), n_sets)
+            add(f"k3c fused decode, split V ({cfg_name(bv, nw)})", ms, how)
         ms, how = bench(lambda i: kda_prefill(**{k: v[:, None] for k, v in step[i][0].items()}, **step[i][1],
                                               **step[i][2], method="recurrent"), n_sets)
         add("k3c token-loop kernel (the previous decode path)", ms, how)
         s16 = [dict(state=s["state"].to(torch.bfloat16), conv_state=s["conv_state"]) for _, _, s in step]
         b16 = state_bytes // 2 + B * 3 * HD * W * 4 + io_bytes
         for bv, nw in decode_cfgs[:3]:
-            ms, how = bench(lambda i, bv=bv, nw=nw: kda_decode(**step[i][0], **step[i][1], **s16[i], block_v=bv,
-                                                               num_warps=nw), n_sets)
-            add(f"k3c fused decode, bf16 state (block_v={bv}, num_warps={nw})", ms, how, b16)
+            ms, how = bench(lambda i, bv=bv, nw=nw: kda_decode(**step[i][0], **step[i][1], **s16[i],
+                                                               block_v=bv or None, num_warps=nw or None), n_sets)
+            add(f"k3c fused decode, bf16 state ({cfg_name(bv, nw)})", ms, how, b16)
         del s16
         ms, how = bench(lambda i: eager_decode_step(**step[i][0], **step[i][1], **step[i][2]), n_sets)
         add("torch eager step", ms, how)
@@ -378,7 +382,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     ap.add_argument("--prefill-T", default="1024,8192,32768")
-    ap.add_argument("--decode", default="32:4,16:4,64:4,128:8,32:2,32:8", help="block_v:num_warps,...")
+    ap.add_argument("--decode", default="0:0,16:4,64:4,128:8,32:4,32:8",
+                    help="block_v:num_warps,... (0:0 = the launcher's default)")
     ap.add_argument("--chunk", default="64:4:4,32:4:4,128:8:4",
                     help="block_v:num_warps:prep_warps,... of the chunk state pass and the intra-chunk kernel")
     ap.add_argument("--fla-prefill-T", default="8192", help="prefill lengths with an FLA row")

@@ -38,7 +38,8 @@ from k3c.errors import RuntimeInputError, UnsupportedError
 # Decay-gate kinds (K3-SPEC "KDA layer"): kernel constexpr GATE_KIND.
 GATE_KINDS = {"lower_bound": 0, "softplus": 1}
 CHUNK = 16            # tokens per chunk of the chunked prefill (one tensor-core tile)
-DECODE_BLOCK_V = 32   # state columns per decode program (H200: see BENCHMARKS.md, KDA decode)
+DECODE_TILE_BYTES = 16384  # state bytes per decode program: block_v = 32 (fp32) / 64 (bf16) at D = 128, the fastest
+                           # on an H200 at B = 16 and 64 (BENCHMARKS.md, KDA decode); num_warps = block_v / 16
 CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
 CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| across one chunk for which exp(r - gc) stays finite in fp32
@@ -118,7 +119,8 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
                 conv_state_out, store_output, num_warps, block_v=None):
     """Check shapes/devices and launch the `mode` kernels ("decode": T = 1, split over V; "recurrent": token loop
     over the (B, H) grid; "chunk": chunk-parallel prep + state pass split over V + norm epilogue); returns y or None.
-    block_v: value columns per program of the decode / chunk state kernels (None: DECODE_BLOCK_V / CHUNK_BLOCK_V)."""
+    block_v: value columns per program of the decode / chunk state kernels (None: DECODE_TILE_BYTES of state per
+    decode program / CHUNK_BLOCK_V)."""
     if q_in.dim() != 3:
         raise RuntimeInputError(f"KDA: q_in must be [B, T, H*D], got {tuple(q_in.shape)}")
     B, T, HD = q_in.shape
@@ -164,12 +166,12 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
     lens = lengths if has_len else c[0]
     gate = dict(GATE_KIND=GATE_KINDS[gate_kind], LOWER_BOUND=float(lower_bound))
     if mode == "decode":
-        BV = min(BD, block_v or DECODE_BLOCK_V)
+        BV = min(BD, block_v or max(16, DECODE_TILE_BYTES // (BD * state.element_size())))
         NV = triton.cdiv(D, BV)
         o_part, counters = _decode_scratch(q_in.device, B * H, D) if NV > 1 else (c[0], c[0])
         kda_decode_kernel[(NV, H, B)](
             *c, state, state_out, conv_state, conv_state_out, y, o_part, counters, H=H, D=D, W=W, BD=BD, BW=BW,
-            BV=BV, NV=NV, EPS=float(eps), SCALE=D ** -0.5, num_warps=num_warps or 4, **gate)
+            BV=BV, NV=NV, EPS=float(eps), SCALE=D ** -0.5, num_warps=num_warps or max(1, BV // 16), **gate)
     elif mode == "recurrent":
         kda_recurrent_kernel[(B, H)](
             *c, state, state_out, conv_state, conv_state_out, y if store_output else c[0], lens, T, H=H, D=D, W=W,
@@ -248,7 +250,8 @@ def kda_decode(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k
                num_warps=None, block_v=None):
     """One fused KDA decode step (one kernel launch): conv-state roll + conv + silu + l2norm + gate + beta +
     recurrence + RMSNorm + sigmoid gate, with state [B, H, D, D] (fp32 or bf16) and conv_state [B, 3*H*D, W]
-    updated in place. The value dim is split over cdiv(D, block_v) programs per head (default DECODE_BLOCK_V).
+    updated in place. The value dim is split over cdiv(D, block_v) programs per head (default: DECODE_TILE_BYTES of
+    state per program).
 
     Activations are [B, H*D] (or [B, 1, H*D]), beta_logits [B, H] (or [B, 1, H]); other shapes, dtypes and errors
     as `kda_prefill`. Returns y with q_in's shape and dtype.
@@ -364,7 +367,7 @@ def emit_source(spec):
         f"HEADS = {H}  # linear_attn_config.num_heads\nHEAD_DIM = {D}  # linear_attn_config.head_dim\n"
         f"CONV_SIZE = {W}  # short_conv_kernel_size\nGATE_KIND = {gate_kind!r}\n"
         f"LOWER_BOUND = {lower_bound!r}  # linear_attn_config.gate_lower_bound\nEPS = {eps!r}  # rms_norm_eps\n"
-        f"GATE_KINDS = {GATE_KINDS!r}\nCHUNK = {CHUNK}\nDECODE_BLOCK_V = {DECODE_BLOCK_V}\n"
+        f"GATE_KINDS = {GATE_KINDS!r}\nCHUNK = {CHUNK}\nDECODE_TILE_BYTES = {DECODE_TILE_BYTES}\n"
         f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n_DECODE_SCRATCH = {{}}\n")
     parts = [header]
     parts += [inspect.getsource(fn.fn) for fn in _common.HELPERS]

@@ -10,11 +10,11 @@ own `launch(q_in, ...)` is renamed `kda_family_launch`. The ABI `launch` maps th
     inputs  (q, k, v, f, beta, gate, q_conv, k_conv, v_conv, A_log, dt_bias, o_norm, state, conv_state)
     outputs (y [B,T,H·K], new state [B,H,K,K] f32, new conv state [B,3·H·K,W])
 
-T == 1 (decode) runs the split-V decode kernel, like `kda.kda_decode`; T > 1 (prefill) runs the chunked kernels
-when the gate is safely bounded and T ≥ 16, else the token loop, like `kda.kda_prefill(method="auto")`. The state outputs
-may be the very tensors of the state inputs (in-place update) or separate ones. Conv weights [H·K,1,W] are viewed
-as [H·K,W]; non-fp32 weights or conv state are converted (the kernels take fp32), a converted conv state is
-copied back.
+T == 1 (decode) runs the split-V decode kernel, like `kda.kda_decode`; T > 1 (prefill) runs the chunked
+kernels when the gate is safely bounded and T ≥ 16, else the token loop, like `kda.kda_prefill(method="auto")`.
+The state outputs may be the very tensors of the state inputs (in-place update) or separate ones. Conv weights
+[H·K,1,W] are viewed as [H·K,W]; non-fp32 weights or conv state are converted (the kernels take fp32), a converted
+conv state is copied back.
 
 Public API: `emit_kda_fused(group)` -> module text (registered with `k3c.codegen.triton.emitter` for the kind
 "kda_fused").

@@ -58,11 +58,6 @@ def kda_decode_kernel(
     i_v = pid_v * BV + tl.arange(0, BV)                   # this program's value columns
     m_v = i_v < D
 
-    # The state tile first: its HBM latency overlaps the front end below (streamed: evict first from L2).
-    s_off = bh * D * D + i_k[:, None] * D + i_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :]
-    S = tl.load(state_in + s_off, mask=m_s, other=0.0, eviction_policy="evict_first").to(tl.float32)
-
     x_off = b.to(tl.int64) * HD + h * D
     conv_q = b.to(tl.int64) * 3 * HD * W + (0 * HD + h * D) * W
     conv_k = b.to(tl.int64) * 3 * HD * W + (1 * HD + h * D) * W
@@ -83,11 +78,13 @@ def kda_decode_kernel(
     beta = tl.sigmoid(tl.load(beta_in + bh).to(tl.float32))
 
     # Delta-rule step on the [D, BV] tile.
-    S = S * tl.exp(g)[:, None]
+    s_off = bh * D * D + i_k[:, None] * D + i_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    S = tl.load(state_in + s_off, mask=m_s, other=0.0).to(tl.float32) * tl.exp(g)[:, None]
     u = beta * (v - tl.sum(k[:, None] * S, 0))
     S = S + k[:, None] * u[None, :]
     o = tl.sum(q[:, None] * S, 0)
-    tl.store(state_out + s_off, S.to(state_out.dtype.element_ty), mask=m_s, eviction_policy="evict_first")
+    tl.store(state_out + s_off, S.to(state_out.dtype.element_ty), mask=m_s)
 
     j = tl.arange(0, BW)
     m_w = j[None, :] < W
