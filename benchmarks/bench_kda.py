@@ -341,8 +341,8 @@ def spec_rows(dev, rows, checks):
             r["ok"] = r["state_rel"] < 1e-2
             checks.append(r)
             print("CHECK", r, flush=True)
-            ms, how = bench(lambda i, method=method: kda_spec_replay(**drafts, **w, **state, n_accepted=k,
-                                                                     method=method), 1)
+            ms, how = bench(lambda i, method=method: kda_spec_replay(**drafts, **w, **st, n_accepted=k,
+                                                                     method=method), 1)   # st: a scratch copy
             nbytes = B * H * D * D * 8 + B * k * (5 * HD + H) * 2
             rows.append(dict(kind="spec replay", B=B, T=k, impl=f"k3c kda_spec_replay ({method})", ms=ms, how=how,
                              GBps=nbytes / ms / 1e6, roofline=nbytes / ms / 1e-3 / HBM_BYTES_PER_S))
