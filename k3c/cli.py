@@ -52,17 +52,17 @@ def _check_after(after: str | None) -> None:
 def _run_passes(graph, entry: str, after: str | None, dump: Path | None):
     """The graph after `after`: a pass (its first run), a phase (all its passes) or, by default, the model phase;
     planned at `k3c compile`'s default bounds (--max-batch 1 --max-seq 4096 --max-prefill 1024)."""
+    from k3c.context import CompileContext
     from k3c.passes.pipeline import PHASES, run_pipeline
-    from k3c.passes.plan_memory import bounds_bindings
 
     if after == "import":
         return graph, None
-    graph.bounds = bounds_bindings(entry, 1, 4096, 1024)
+    ctx = CompileContext(max_batch=1, max_seq=4096, max_prefill=1024).for_entry(entry)
     after = after or "model"
     if after in PHASES:
         names = list(PHASES)
-        return run_pipeline(graph, phases=names[:names.index(after) + 1], dump_dir=dump)
-    return run_pipeline(graph, until=after, dump_dir=dump)
+        return run_pipeline(graph, names[:names.index(after) + 1], ctx=ctx, dump_dir=dump)
+    return run_pipeline(graph, ctx=ctx, until=after, dump_dir=dump)
 
 
 def summary_table(cfg, graph) -> tuple[Table, str]:
@@ -134,6 +134,7 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
           entry: str = typer.Option("prefill"), batch: int = typer.Option(2), tokens: int = typer.Option(7),
           seed: int = typer.Option(0)):
     """Per-pass numeric validation: interpret the graph before and after every pass on random inputs."""
+    from k3c.context import CompileContext
     from k3c.frontend import import_model
     from k3c.passes.pipeline import make_numeric_check, run_pipeline
     from models.config import K3Config
@@ -150,7 +151,9 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
     bindings = {"B": batch, "T": tokens if entry == "prefill" else 1, "L": 5}
     t0 = time.perf_counter()
     check = make_numeric_check(bindings, seed, params=weights)
-    _, report = run_pipeline(graph, phases=["cleanup", "model"], numeric_check=check)
+    ctx = CompileContext(max_batch=batch, max_seq=bindings["L"] + bindings["T"],
+                         max_prefill=bindings["T"]).for_entry(entry)
+    _, report = run_pipeline(graph, ["cleanup", "model"], ctx=ctx, numeric_check=check)
     out.print(report.table())
     out.print(f"[green]every pass preserved the outputs of {cfg.name} ({entry}, {bindings})[/] "
               f"in {time.perf_counter() - t0:.1f} s")
@@ -165,12 +168,15 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                 plan_only: bool = typer.Option(False, "--plan-only"),
                 force: bool = typer.Option(False, "--force", help="replace an existing artifact"),
                 dump: Path = typer.Option(None, help="write the IR after every pass here"),
-                dtype: str = typer.Option("bf16", help="activation and weight dtype: bf16 or f32")):
+                dtype: str = typer.Option("bf16", help="activation and weight dtype: bf16 or f32"),
+                backend: str = typer.Option(None, help="preferred code generator (triton | tvm) [default: the "
+                                                       "target's: triton on GPUs, tvm on CPUs]")):
     """Compile MODEL into an artifact: kernels, memory plan, schedule, weights, cost report."""
     from k3c.compile import CompileOptions, compile_model
 
     max_prefill = min(1024, max_seq) if max_prefill is None else max_prefill
-    opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype)
+    opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype,
+                          backend)
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     if out_dir.exists() and not force:
         raise K3CError(f"{out_dir}: already exists (pass --force to replace it)")
