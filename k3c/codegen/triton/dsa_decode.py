@@ -12,11 +12,11 @@ histograms (BINS int32 per digit and row):
   dsa_refine_kernel   LEVEL 2..4: every program derives the digits chosen so far from the histograms (a suffix sum
                       over BINS), re-reads the keys (L2-resident: 4 bytes per key), and histograms the next digit
                       of the keys that match the prefix
-  dsa_gather_kernel   threshold key tau and the count of keys above it: keys > tau take slots from a per-row
-                      counter (atomics), keys == tau fill the remaining slots in arrival order
-The output is the top-k SET as positions (int64 [B, 1, topk], -1 past min(L, topk)), in no particular order: the
-attention is order-free. It is the reference's set unless more keys tie exactly at tau than slots remain; then the
-tied keys taken are the first to arrive (the reference takes the lowest positions; the scores are equal).
+  dsa_tie_count_kernel  the threshold key tau (all four digits); per program, the keys equal to tau
+  dsa_gather_kernel   keys > tau take slots from a per-row counter (atomics); keys == tau fill the remaining slots
+                      by position (a prefix over the programs' tie counts), as the reference's stable sort
+The output is the reference's top-k SET (positions, int64 [B, 1, topk], -1 past min(L, topk)), in no particular
+order (the attention is order-free), or in the reference's order with `ordered=True`.
 FP8 index keys (optional): k_I as float8_e4m3fn with one fp32 scale per key (k = scale * k8; `quantize_index_keys`)
 halve the bytes of the scan; the score is scale * sum_j w_j ReLU(q_j . k8) (scale > 0).
 
@@ -33,7 +33,8 @@ from k3c.errors import RuntimeInputError
 
 BLOCK_S = 128          # keys per scan step (one [J, D] x [D, BLOCK_S] tensor-core product)
 BLOCK_R = 1024         # keys per step of the refine / gather passes
-TARGET_PROGRAMS = 1056  # scan / refine programs per launch: about 8 per H200 SM
+SCAN_PROGRAMS = 1056   # scan / refine programs per launch: about 8 per H200 SM
+MAX_PROGRAMS = 2048    # bound of the programs per row of the refine / gather grid (<= SCAN_PROGRAMS + 1)
 BITS = 8               # radix digit width: four digits per 32-bit key
 BINS = 1 << BITS       # histogram bins per digit (tl.histogram's cost grows with the bin count)
 FP8_MAX = 448.0        # largest float8_e4m3fn value
@@ -136,26 +137,46 @@ def dsa_refine_kernel(keys_ptr, hist_ptr, L, n_blocks, K,
 
 
 @triton.jit
-def dsa_gather_kernel(keys_ptr, hist_ptr, count_ptr, idx_ptr, L, n_blocks, K,
-                      BLOCK_R: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr):
-    """Positions of the top-K keys of row b into idx [B, K] int64 (pre-filled with -1); count [B, 2] int32 zeroed:
-    slots taken by keys above tau, and by keys equal to tau."""
+def dsa_tie_count_kernel(keys_ptr, hist_ptr, ties_ptr, L, n_blocks, K,
+                         BLOCK_R: tl.constexpr, BINS: tl.constexpr, MAX_P: tl.constexpr):
+    """ties [B, MAX_P] int32: how many keys of program pid's range equal tau (0 when every key is taken)."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    tau, above, everything = _chosen_prefix(hist_ptr + b * 4 * BINS, K, 4, BINS)
+    n = 0
+    for i in range(n_blocks):
+        offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+        u = tl.load(keys_ptr + b * L + offs, mask=offs < L, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        n += tl.sum(((offs < L) & (u == tau)).to(tl.int32), 0)
+    tl.store(ties_ptr + b * MAX_P + pid, tl.where(everything, 0, n))
+
+
+@triton.jit
+def dsa_gather_kernel(keys_ptr, hist_ptr, ties_ptr, count_ptr, idx_ptr, L, n_blocks, K,
+                      BLOCK_R: tl.constexpr, BINS: tl.constexpr, MAX_P: tl.constexpr):
+    """Positions of the top-K keys of row b into idx [B, K] int64 (pre-filled with -1).
+
+    Keys above tau take slots [0, above) from the row's counter (count [B] int32, zeroed; arrival order); keys equal
+    to tau take slots above + rank, rank = their order by position among the row's ties (ties of the programs
+    before pid, from `dsa_tie_count_kernel`, then in-block order), while rank < K - above: the lowest positions,
+    as the reference's stable sort."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     tau, above, everything = _chosen_prefix(hist_ptr + b * 4 * BINS, K, 4, BINS)
     take_all = everything.to(tl.int32)
+    p = tl.arange(0, MAX_P)
+    rank0 = tl.sum(tl.load(ties_ptr + b * MAX_P + p, mask=p < pid, other=0), 0)
     for i in range(n_blocks):
         offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = offs < L
         u = tl.load(keys_ptr + b * L + offs, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
         gt = ok & (((u > tau).to(tl.int32) | take_all) != 0)
-        tie = ok & (((u == tau).to(tl.int32) & (1 - take_all)) != 0)
-        zero = tl.zeros([BLOCK_R], tl.int32)
-        slot = tl.atomic_add(count_ptr + b * 2 + zero, 1, mask=gt, sem="relaxed")
+        tie = (ok & (((u == tau).to(tl.int32) & (1 - take_all)) != 0)).to(tl.int32)
+        slot = tl.atomic_add(count_ptr + b + tl.zeros([BLOCK_R], tl.int32), 1, mask=gt, sem="relaxed")
         tl.store(idx_ptr + b * K + slot, offs.to(tl.int64), mask=gt)
-        slot_t = tl.atomic_add(count_ptr + b * 2 + 1 + zero, 1, mask=tie, sem="relaxed")
-        keep = tie & (slot_t < K - above)
-        tl.store(idx_ptr + b * K + above + slot_t, offs.to(tl.int64), mask=keep)
+        rank = rank0 + tl.cumsum(tie, 0) - 1
+        tl.store(idx_ptr + b * K + above + rank, offs.to(tl.int64), mask=(tie != 0) & (rank < K - above))
+        rank0 += tl.sum(tie, 0)
 
 
 def quantize_index_keys(k_i):
@@ -168,12 +189,14 @@ def quantize_index_keys(k_i):
     return (k_i.float() / scale[..., None]).to(torch.float8_e4m3fn), scale.contiguous()
 
 
-def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None):
+def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False):
     """Top-`topk` index positions for one new token per row: q_i [B, J, D] (or [B, 1, J, D]), w [B, J],
     k_i [B, L, D] (bf16/fp16/fp32, or float8_e4m3fn with k_scale [B, L] fp32).
 
-    Returns int64 [B, 1, topk]: the positions of the topk largest I[s] (an unordered set), -1 past min(L, topk).
-    Scratch: keys [B, L] int32 and histograms [B, 4, BINS] int32, allocated here.
+    Returns int64 [B, 1, topk]: the positions of the topk largest I[s], ties by lowest position, -1 past
+    min(L, topk); in no particular order unless `ordered` (then as `dsa_index_topk_ref`: score descending, ties by
+    position, one gather + sort of topk entries per row). Scratch: keys [B, L] int32, histograms [B, 4, BINS] and
+    tie counts [B, MAX_PROGRAMS] int32, allocated here.
     Raises RuntimeInputError on mismatched shapes or a missing / unexpected k_scale.
     """
     q_i = q_i.reshape(q_i.shape[0], q_i.shape[-2], q_i.shape[-1])
@@ -188,13 +211,14 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None):
     dev = q_i.device
     keys = torch.empty((B, L), dtype=torch.int32, device=dev)
     hist = torch.zeros((B, 4, BINS), dtype=torch.int32, device=dev)
-    count = torch.zeros((B, 2), dtype=torch.int32, device=dev)
+    count = torch.zeros((B,), dtype=torch.int32, device=dev)
+    ties = torch.empty((B, MAX_PROGRAMS), dtype=torch.int32, device=dev)
     idx = torch.full((B, 1, topk), -1, dtype=torch.int64, device=dev)
     q = q_i.contiguous() if not fp8 else q_i.to(torch.bfloat16).contiguous()
     n_scan = triton.cdiv(L, BLOCK_S)
-    per_scan = max(1, triton.cdiv(n_scan * B, TARGET_PROGRAMS))
+    per_scan = max(1, triton.cdiv(n_scan * B, SCAN_PROGRAMS))
     n_ref = triton.cdiv(L, BLOCK_R)
-    per_ref = max(1, triton.cdiv(n_ref * B, TARGET_PROGRAMS))
+    per_ref = max(1, triton.cdiv(n_ref * B, SCAN_PROGRAMS))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     dsa_scan_kernel[(triton.cdiv(n_scan, per_scan), B)](
         q, w.reshape(B, J).contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, L, per_scan, J=J, D=D,
@@ -204,8 +228,16 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None):
     for level in (2, 3, 4):
         dsa_refine_kernel[grid](keys, hist, L, per_ref, topk, LEVEL=level, BLOCK_R=BLOCK_R, BINS=BINS, BITS=BITS,
                                 num_warps=4)
-    dsa_gather_kernel[grid](keys, hist, count, idx, L, per_ref, topk, BLOCK_R=BLOCK_R, BINS=BINS, BITS=BITS,
-                            num_warps=4)
+    dsa_tie_count_kernel[grid](keys, hist, ties, L, per_ref, topk, BLOCK_R=BLOCK_R, BINS=BINS,
+                               MAX_P=MAX_PROGRAMS, num_warps=4)
+    dsa_gather_kernel[grid](keys, hist, ties, count, idx, L, per_ref, topk, BLOCK_R=BLOCK_R, BINS=BINS,
+                            MAX_P=MAX_PROGRAMS, num_warps=4)
+    if ordered:     # the reference's order: score descending, ties by lowest position
+        pos = idx[:, 0]
+        u = torch.gather(keys, 1, pos.clamp(min=0)).to(torch.int64) & 0xFFFFFFFF
+        rank = ((u - 2 ** 31) << 32) + (2 ** 32 - 1 - pos)
+        rank = torch.where(pos >= 0, rank, torch.full_like(rank, -2 ** 63))
+        idx = torch.gather(pos, 1, torch.sort(rank, dim=1, descending=True).indices)[:, None]
     return idx
 
 
