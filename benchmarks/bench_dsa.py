@@ -21,7 +21,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton.attention import launch_dsa_index_topk, launch_mla  # noqa: E402
-from k3c.codegen.triton.dsa_decode import dsa_decode, dsa_decode_topk, quantize_index_keys  # noqa: E402
+from k3c.codegen.triton.dsa_decode import dsa_decode_topk, quantize_index_keys  # noqa: E402
 
 HBM_BYTES_PER_S = 4.2e12
 L2_BYTES = 60e6
@@ -38,6 +38,14 @@ def make(B, L, seed, dev="cuda"):
                 w=torch.randn(B, J, generator=g, device=dev) * J ** -0.5, k_i=k_i, k8=k8, ks=ks,
                 q=torch.randn(B, 1, H, DL, generator=g, device=dev).to(bf),
                 kv=torch.randn(B, L, DL, generator=g, device=dev).to(bf))
+
+
+def dsa_decode(q_i, w, k_i, q, kv, k_scale=None):
+    """One DSA decode step: the radix top-k set, then the absorbed sparse latent attention over it."""
+    out = torch.empty((q.shape[0], 1, H, DV), dtype=q.dtype, device=q.device)
+    launch_mla(q, kv, None, dsa_decode_topk(q_i, w, k_i, TOPK, k_scale), out, absorbed=True, causal=True,
+               scale=SCALE, v_dim=DV, dense_max_keys=None)
+    return out
 
 
 def ref_topk(x, k_i):
@@ -92,8 +100,8 @@ def run_case(B, L, rows, checks):
     idx = dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK)
     idx8 = dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"])
     want = ref_topk(x, x["k_i"].float())
-    o = dsa_decode(x["q_i"], x["w"], x["k_i"], x["q"], x["kv"], TOPK, SCALE, DV)
-    o8 = dsa_decode(x["q_i"], x["w"], x["k8"], x["q"], x["kv"], TOPK, SCALE, DV, k_scale=x["ks"])
+    o = dsa_decode(x["q_i"], x["w"], x["k_i"], x["q"], x["kv"])
+    o8 = dsa_decode(x["q_i"], x["w"], x["k8"], x["q"], x["kv"], k_scale=x["ks"])
     o_ref = ref_attention(x, want)
     c = dict(case=f"B={B} L={L}", topk_overlap_bf16_vs_fp32_torch=overlap(idx, want),
              topk_overlap_fp8_vs_bf16=overlap(idx8, idx), topk_overlap_fp8_vs_fp32_torch=overlap(idx8, want),
@@ -124,11 +132,11 @@ def run_case(B, L, rows, checks):
 
     def full_bf16(i):
         s = sets[i]
-        return dsa_decode(s["q_i"], s["w"], s["k_i"], s["q"], s["kv"], TOPK, SCALE, DV)
+        return dsa_decode(s["q_i"], s["w"], s["k_i"], s["q"], s["kv"])
 
     def full_fp8(i):
         s = sets[i]
-        return dsa_decode(s["q_i"], s["w"], s["k8"], s["q"], s["kv"], TOPK, SCALE, DV, k_scale=s["ks"])
+        return dsa_decode(s["q_i"], s["w"], s["k8"], s["q"], s["kv"], k_scale=s["ks"])
 
     idx_prev = [torch.empty(B, 1, TOPK, dtype=torch.int64, device="cuda") for _ in sets]
 
@@ -180,11 +188,12 @@ def main():
             traceback.print_exc()
             print(f"# case {case} failed: {e!r}", flush=True)
         torch.cuda.empty_cache()
-    lines = ["| B | L | implementation | time (us) | floor (us) | % of floor | timing |", "|---|---|---|---|---|---|---|"]
+    lines = ["| B | L | implementation | time (us) | floor (us) | % of floor | timing |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['B']} | {r['L']} | {r['impl']} | {r['ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} | "
               f"{100 * r['frac_floor']:.1f} | {r['how']} |" for r in rows]
-    lines += ["", "| case | top-k overlap bf16 vs fp32 torch | fp8 vs bf16 | fp8 vs fp32 torch | attn rel err vs torch | "
-              "attn rel err fp8 vs bf16 | idx valid |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| case | top-k overlap bf16 vs fp32 torch | fp8 vs bf16 | fp8 vs fp32 torch | "
+              "attn rel err vs torch | attn rel err fp8 vs bf16 | idx valid |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {c['case']} | {c['topk_overlap_bf16_vs_fp32_torch']:.4f} | {c['topk_overlap_fp8_vs_bf16']:.4f} | "
               f"{c['topk_overlap_fp8_vs_fp32_torch']:.4f} | {c['attn_rel_bf16_vs_torch']:.2e} | "
               f"{c['attn_rel_fp8_vs_bf16']:.2e} | {c['valid']} |" for c in checks]

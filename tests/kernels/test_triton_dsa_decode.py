@@ -11,7 +11,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors need the interpret
 import pytest
 import torch
 
-from k3c.codegen.triton.dsa_decode import dsa_decode, dsa_decode_topk
+from k3c.codegen.triton.attention import launch_mla
+from k3c.codegen.triton.dsa_decode import dsa_decode_topk
 from k3c.errors import RuntimeInputError
 from k3c.ir.ops.model_attn import dsa_index_topk_ref
 
@@ -65,7 +66,9 @@ def test_sparse_attention_matches_torch():
     gen = torch.Generator().manual_seed(6)
     q = torch.randn(B, 1, H, Dl, generator=gen)
     kv = torch.randn(B, L, Dl, generator=gen)
-    out = dsa_decode(q_i, w, k_i, q, kv, topk, scale=Dl ** -0.5, v_dim=dv)
+    out = torch.empty(B, 1, H, dv)
+    launch_mla(q, kv, None, dsa_decode_topk(q_i, w, k_i, topk), out, absorbed=True, causal=True, scale=Dl ** -0.5,
+               v_dim=dv, dense_max_keys=None)                           # the selection as an unordered set
     idx = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0][:, 0]       # [B, topk]
     rows = torch.gather(kv, 1, idx[..., None].expand(B, topk, Dl))                           # [B, topk, Dl]
     p = torch.softmax(torch.einsum("bhd,bsd->bhs", q[:, 0], rows) * Dl ** -0.5, -1)

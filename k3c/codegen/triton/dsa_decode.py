@@ -2,7 +2,8 @@
 
 Math: K3-SPEC.md "Gated DSA" (DeepSeek-V3.2 eq. 1): for the one new token of each batch row b,
     I[s] = sum_j w[j] * ReLU(q_I[j] . k_I[s])            over the L cached index keys s (all visible at decode)
-and the attention reads the top-k keys of I (`mla_attention` with idx, absorbed form, `attention.launch_mla`).
+and the attention reads the top-k keys of I (`mla_attention` with idx, absorbed form, `attention.launch_mla`, which
+also runs this selection for decode at long context: `attention.launch_dsa_index_topk`).
 
 Selection is a four-digit radix select on the scores' order-preserving 32-bit keys (u = float bits with the sign
 flipped for positives and all bits flipped for negatives; unsigned order = float order), 8-bit digits, with global
@@ -20,19 +21,18 @@ order (the attention is order-free), or in the reference's order with `ordered=T
 FP8 index keys (optional): k_I as float8_e4m3fn with one fp32 scale per key (k = scale * k8; `quantize_index_keys`)
 halve the bytes of the scan; the score is scale * sum_j w_j ReLU(q_j . k8) (scale > 0).
 
-Public API: `dsa_decode_topk(q_i, w, k_i, topk, k_scale=None)` -> idx; `dsa_decode(q_i, w, k_i, q, kv, topk,
-scale, v_dim, k_scale=None)` -> attention output; `quantize_index_keys(k_i)` -> (k8, scale).
+Public API: `dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False)` -> idx, `radix_topk` (its launches),
+`quantize_index_keys(k_i)` -> (k8, scale), and the kernels (`KERNELS`, in source order).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from k3c.codegen.triton.attention import launch_mla
 from k3c.errors import RuntimeInputError
 
-BLOCK_S = 128          # keys per scan step (one [J, D] x [D, BLOCK_S] tensor-core product)
-BLOCK_R = 1024         # keys per step of the refine / gather passes
+SCAN_BLOCK = 128       # keys per scan step (one [J, D] x [D, SCAN_BLOCK] tensor-core product)
+SELECT_BLOCK = 1024    # keys per step of the refine / tie-count / gather passes
 SCAN_PROGRAMS = 1056   # scan / refine programs per launch: about 8 per H200 SM
 MAX_PROGRAMS = 2048    # bound of the programs per row of the refine / gather grid (<= SCAN_PROGRAMS + 1)
 BITS = 8               # radix digit width: four digits per 32-bit key
@@ -195,9 +195,7 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False):
 
     Returns int64 [B, 1, topk]: the positions of the topk largest I[s], ties by lowest position, -1 past
     min(L, topk); in no particular order unless `ordered` (then as `dsa_index_topk_ref`: score descending, ties by
-    position, one gather + sort of topk entries per row). Scratch: keys [B, L] int32, histograms [B, 4, BINS] and
-    tie counts [B, MAX_PROGRAMS] int32, allocated here.
-    Raises RuntimeInputError on mismatched shapes or a missing / unexpected k_scale.
+    position). Raises RuntimeInputError on mismatched shapes or a missing / unexpected k_scale.
     """
     q_i = q_i.reshape(q_i.shape[0], q_i.shape[-2], q_i.shape[-1])
     B, J, D = q_i.shape
@@ -208,6 +206,16 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False):
                                 f"k_i {tuple(k_i.shape)} mismatch")
     if fp8 != (k_scale is not None) or (fp8 and tuple(k_scale.shape) != (B, L)):
         raise RuntimeInputError("dsa_decode_topk: k_scale [B, L] fp32 goes with float8_e4m3fn keys, and only then")
+    return radix_topk(q_i, w.reshape(B, J), k_i, topk, k_scale, ordered)
+
+
+def radix_topk(q_i, w, k_i, topk, k_scale, ordered):
+    """The launches of `dsa_decode_topk` (q_i [B, J, D], w [B, J]; shapes already checked; copied into generated
+    `dsa_index_topk` modules). Scratch: keys [B, L] int32, histograms [B, 4, BINS] and tie counts
+    [B, MAX_PROGRAMS] int32, allocated here."""
+    B, J, D = q_i.shape
+    L = k_i.shape[1]
+    fp8 = k_scale is not None
     dev = q_i.device
     keys = torch.empty((B, L), dtype=torch.int32, device=dev)
     hist = torch.zeros((B, 4, BINS), dtype=torch.int32, device=dev)
@@ -215,22 +223,22 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False):
     ties = torch.empty((B, MAX_PROGRAMS), dtype=torch.int32, device=dev)
     idx = torch.full((B, 1, topk), -1, dtype=torch.int64, device=dev)
     q = q_i.contiguous() if not fp8 else q_i.to(torch.bfloat16).contiguous()
-    n_scan = triton.cdiv(L, BLOCK_S)
+    n_scan = triton.cdiv(L, SCAN_BLOCK)
     per_scan = max(1, triton.cdiv(n_scan * B, SCAN_PROGRAMS))
-    n_ref = triton.cdiv(L, BLOCK_R)
+    n_ref = triton.cdiv(L, SELECT_BLOCK)
     per_ref = max(1, triton.cdiv(n_ref * B, SCAN_PROGRAMS))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     dsa_scan_kernel[(triton.cdiv(n_scan, per_scan), B)](
-        q, w.reshape(B, J).contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, L, per_scan, J=J, D=D,
-        BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_S=BLOCK_S, FP8=fp8, BINS=BINS, BITS=BITS,
+        q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, L, per_scan, J=J, D=D,
+        BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_S=SCAN_BLOCK, FP8=fp8, BINS=BINS, BITS=BITS,
         DOT_PRECISION=precision, num_warps=4)
     grid = (triton.cdiv(n_ref, per_ref), B)
     for level in (2, 3, 4):
-        dsa_refine_kernel[grid](keys, hist, L, per_ref, topk, LEVEL=level, BLOCK_R=BLOCK_R, BINS=BINS, BITS=BITS,
-                                num_warps=4)
-    dsa_tie_count_kernel[grid](keys, hist, ties, L, per_ref, topk, BLOCK_R=BLOCK_R, BINS=BINS,
+        dsa_refine_kernel[grid](keys, hist, L, per_ref, topk, LEVEL=level, BLOCK_R=SELECT_BLOCK, BINS=BINS,
+                                BITS=BITS, num_warps=4)
+    dsa_tie_count_kernel[grid](keys, hist, ties, L, per_ref, topk, BLOCK_R=SELECT_BLOCK, BINS=BINS,
                                MAX_P=MAX_PROGRAMS, num_warps=4)
-    dsa_gather_kernel[grid](keys, hist, ties, count, idx, L, per_ref, topk, BLOCK_R=BLOCK_R, BINS=BINS,
+    dsa_gather_kernel[grid](keys, hist, ties, count, idx, L, per_ref, topk, BLOCK_R=SELECT_BLOCK, BINS=BINS,
                             MAX_P=MAX_PROGRAMS, num_warps=4)
     if ordered:     # the reference's order: score descending, ties by lowest position
         pos = idx[:, 0]
@@ -241,13 +249,6 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False):
     return idx
 
 
-def dsa_decode(q_i, w, k_i, q, kv, topk, scale, v_dim, k_scale=None):
-    """One DSA decode step: `dsa_decode_topk`, then the absorbed sparse latent attention over those keys.
-
-    q [B, 1, H, Dl] queries over the latent, kv [B, L, Dl] latent cache rows (values = kv[..., :v_dim]);
-    returns o [B, 1, H, v_dim] in q's dtype. Other arguments and errors as `dsa_decode_topk`.
-    """
-    idx = dsa_decode_topk(q_i, w, k_i, topk, k_scale)
-    out = torch.empty((q.shape[0], 1, q.shape[2], v_dim), dtype=q.dtype, device=q.device)
-    launch_mla(q, kv, None, idx, out, absorbed=True, causal=True, scale=scale, v_dim=v_dim, dense_max_keys=None)
-    return out
+# Source order for code generation (helpers first).
+KERNELS = (_order_key, _pick_bin, _chosen_prefix, dsa_scan_kernel, dsa_refine_kernel, dsa_tie_count_kernel,
+           dsa_gather_kernel)
