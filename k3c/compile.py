@@ -5,7 +5,8 @@ runs every phase (cleanup, model, kernels: bind_caches + form_kernels, memory: p
 group is emitted as a module under `kernels/` (with `kernels/index.json`, the kernel -> IR node sidecar); the
 launch order with buffer names goes to `schedule.json`, the arena and pools to `plan.json`, per-op FLOPs / bytes and
 roofline times to `report.json`, and the weights (derived ones such as MLA's absorbed matrices materialised) to
-`weights/params.safetensors`. `--plan-only` skips kernels' weights (a config or preset without a checkpoint can
+`weights/params.safetensors`; `--report` adds what the HTML report shows (`k3c.report.collect`: the IR after every
+pass, per-kernel costs) under `report/`. `--plan-only` skips kernels' weights (a config or preset without a checkpoint can
 only be compiled plan-only). The same input gives a byte-identical artifact; writing is atomic.
 """
 
@@ -32,8 +33,9 @@ from k3c.ir.printer import print_graph
 from k3c.ir.types import evaluate, torch_dtype
 from k3c.passes.derived import materialize_params
 from k3c.passes.form_kernels import kernel_groups
-from k3c.passes.pipeline import run_pipeline
+from k3c.passes.pipeline import PHASES, run_pipeline
 from k3c.passes.plan_memory import bounds_bindings
+from k3c.report.collect import PassLog, kernel_rows, report_files
 from k3c.runtime.artifact import ArtifactWriter
 from k3c.targets import load_target, roofline
 from models.checkpoint import load_checkpoint
@@ -57,10 +59,14 @@ class CompileOptions:
     force: bool = False
     dump: Path | None = None
     dtype: str = "bf16"
+    report: bool = False
 
 
 def compile_model(opts: CompileOptions, progress=None) -> dict:
     """Compile per `opts`; returns a summary (nodes, kernels, arena and pools in bytes, seconds).
+
+    `progress(step, done, total)` (optional) is called as each step advances: "import prefill" / "import decode"
+    (layers), "passes prefill" / "passes decode" (passes), "kernels" (kernel groups emitted), "weights" (tensors).
 
     Raises ConfigError (bad model or options), CheckpointError (bad weights), UnsupportedError (tp > 1; weights
     requested for a model given without a checkpoint), ArtifactError (output directory problems).
@@ -106,24 +112,34 @@ def _compile(opts: CompileOptions, progress) -> dict:
         model = load_checkpoint(opts.model, DTYPES[opts.dtype]) if has_weights and not opts.plan_only \
             else build_meta_model(cfg).cast_(DTYPES[opts.dtype])
         graphs, passes = {}, []
+        log = PassLog() if opts.report else None
+        tick = progress or (lambda step, done, total: None)
         for entry in ("prefill", "decode"):
-            g = import_model(model, entry, progress=progress)
+            g = import_model(model, entry, progress=lambda d, t: tick(f"import {entry}", d, t))
             g.bounds = bindings[entry]
             # verify the result only; a --dump build (debugging) verifies after every pass, naming the pass at fault
             graphs[entry], report = run_pipeline(g, verify="each" if opts.dump else "end",
-                                                 dump_dir=opts.dump / entry if opts.dump else None)
+                                                 dump_dir=opts.dump / entry if opts.dump else None,
+                                                 observe=_observer(entry, tick, log))
             passes = [r.name for r in report.passes]
         summary = {"model": cfg.name, "nodes": {e: len(g.nodes) for e, g in graphs.items()}, "kernels": 0}
         schedules, index, costs = {}, {}, {}
         for entry, g in graphs.items():
             writer.add_text(f"graph/{entry}.txt", print_graph(g))
             writer.add_text(f"graph/{entry}.json", serialize.dumps(g))
-            schedules[entry], kernels = _schedule(g, entry, emit_kernels=not opts.plan_only)
+            schedules[entry], kernels = _schedule(g, entry, emit_kernels=not opts.plan_only, tick=tick)
             costs[entry] = cost_report(g, bindings[entry], target)
             if not opts.plan_only:
                 for name, (group, src) in kernels.items():
                     writer.add_text(f"kernels/{name}.py", src)
                     index[name] = {"entry": entry, "kind": group.kind, "ir_nodes": group.ir_nodes}
+        if log is not None:
+            rows = {e: kernel_rows(g, kernel_groups(g), bindings[e], target, opts.dtype, e) for e, g in graphs.items()}
+            options = {"model": cfg.name, "target": target.name, "dtype": opts.dtype, "tp": opts.tp,
+                       "max_batch": opts.max_batch, "max_seq": opts.max_seq, "max_prefill": opts.max_prefill,
+                       "plan_only": opts.plan_only, "passes": passes}
+            for path, data in report_files(log, rows, options).items():
+                (writer.add_text if isinstance(data, str) else writer.add_json)(path, data)
         summary["kernels"] = sum(1 for e in schedules.values() for ln in e["launches"] if ln["backend"] == "triton")
         pools = _pools(graphs["decode"], opts)
         writer.add_json("plan.json", {"bounds": bindings, "arena": {e: g.memory_plan.to_json() for e, g in graphs.items()},
@@ -133,6 +149,7 @@ def _compile(opts: CompileOptions, progress) -> dict:
         writer.add_json("report.json", {"target": target.name, "entries": costs, "passes": passes})
         if not opts.plan_only:
             writer.add_json("kernels/index.json", index)
+            tick("weights", 0, None)
             writer.add_tensors("weights/params.safetensors", _weights(model, graphs))
         writer.commit(config=cfg.raw, target=target.to_dict(), tp=opts.tp,
                       bounds={"max_batch": opts.max_batch, "max_seq": opts.max_seq, "max_prefill": opts.max_prefill},
@@ -146,10 +163,28 @@ def _compile(opts: CompileOptions, progress) -> dict:
     return summary
 
 
-def _schedule(g: Graph, entry: str, emit_kernels: bool = True) -> tuple[dict, dict]:
-    """schedule.json's entry for `g` and the emitted kernels {name: (group, source)} (none when not `emit_kernels`)."""
+def _observer(entry: str, tick, log: PassLog | None):
+    """run_pipeline's `observe`: advance the "passes ENTRY" progress step; record the step for the report."""
+    total, done = sum(map(len, PHASES.values())), [0]
+    record = log.observer(entry) if log is not None else None
+
+    def observe(rec, graph) -> None:
+        done[0] += rec.name != "input"
+        tick(f"passes {entry}", done[0], total)
+        if record is not None:
+            record(rec, graph)
+
+    return observe
+
+
+def _schedule(g: Graph, entry: str, emit_kernels: bool = True, tick=None) -> tuple[dict, dict]:
+    """schedule.json's entry for `g` and the emitted kernels {name: (group, source)} (none when not `emit_kernels`);
+    `tick(step, done, total)` follows the groups."""
     launches, kernels, used = [], {}, set()
-    for group in kernel_groups(g):
+    groups = kernel_groups(g)
+    for i, group in enumerate(groups):
+        if tick is not None:
+            tick(f"kernels {entry}", i + 1, len(groups))
         name = f"{entry}_{group.name}"
         ln = {"name": name, "backend": group.backend, "kind": group.kind,
               "inputs": [v.name for v in group.inputs], "outputs": [v.name for v in group.outputs]}
