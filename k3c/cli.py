@@ -80,9 +80,11 @@ def _import(model: str, entry: str):
 
 
 def _check_after(after: str | None) -> None:
+    if after is None or after == "import":
+        return
     from k3c.passes.pipeline import PHASES, registered_passes
 
-    if after is not None and after != "import" and after not in registered_passes() and after not in PHASES:
+    if after not in registered_passes() and after not in PHASES:
         raise K3CError(f"--after {after}: no such pass or phase (phases: {', '.join(PHASES)}; passes: import, "
                        f"{', '.join(sorted(registered_passes()))})")
 

@@ -2,14 +2,17 @@
 
 A `Block` is a set of nodes shown as one unit, with the values that enter it (`inputs`: read by its nodes,
 produced elsewhere: by another block, a graph input or a parameter) and leave it (`outputs`: produced by its nodes
-and read by another block or a graph output), each in first-use order. `collapse(g)` gives one block per
-`meta["layer"]` (in layer order, placed where the layer's first node is) and one block per node outside any
-layer (embedding, final norm, head); `layer_block(g, n)` is layer n alone. The blocks of `collapse` cover every
-node exactly once, so block-level dataflow is the graph's dataflow.
+and read by another block or a graph output), each in first-use order. `collapse(g)` gives one block per run of
+consecutive nodes of one `meta["layer"]` and one block per node outside any layer (embedding, final norm, head),
+in schedule order; `layer_block(g, n)` is all of layer n. A layer is usually one run, but passes may hoist a
+layer's parameter-only work (e.g. AttnRes key norms) ahead of earlier layers: that work is a run of its own
+("layer_1.0" before "layer_1"), which keeps the collapsed graph acyclic, in schedule order. The blocks of
+`collapse` cover every node exactly once, so block-level dataflow is the graph's dataflow.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from k3c.errors import ConfigError
@@ -60,18 +63,25 @@ def _finish(graph: Graph, blocks: list[Block]) -> list[Block]:
 
 
 def collapse(graph: Graph) -> list[Block]:
-    """One block per layer and one per node outside the layers, in the order of each block's first node."""
-    blocks: list[Block] = []
-    by_layer: dict[int, Block] = {}
-    for i, n in enumerate(graph.nodes):
+    """Blocks of consecutive nodes of one layer, and one block per node outside the layers, in schedule order."""
+    runs: list[list[Node]] = []
+    for n in graph.nodes:
         layer = n.meta.get("layer")
-        if layer is None:
-            blocks.append(Block(f"{n.op}_{i}", None, [n]))
-        elif layer in by_layer:
-            by_layer[layer].nodes.append(n)
+        if layer is not None and runs and runs[-1][0].meta.get("layer") == layer:
+            runs[-1].append(n)
         else:
-            by_layer[layer] = Block(f"layer_{layer}", layer, [n])
-            blocks.append(by_layer[layer])
+            runs.append([n])
+    count = Counter(r[0].meta.get("layer") for r in runs)
+    seen: Counter = Counter()
+    blocks = []
+    for i, r in enumerate(runs):
+        layer = r[0].meta.get("layer")
+        if layer is None:
+            blocks.append(Block(f"{r[0].op}_{i}", None, r))
+            continue
+        seen[layer] += 1
+        last = seen[layer] == count[layer]  # the layer's main run is its last: hoisted work comes first
+        blocks.append(Block(f"layer_{layer}" if last else f"layer_{layer}.{seen[layer] - 1}", layer, r))
     return _finish(graph, blocks)
 
 

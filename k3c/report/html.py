@@ -22,7 +22,7 @@ from k3c.errors import ArtifactError
 from k3c.report.plots import memory_svg, roofline_svg
 from k3c.targets import target_from_dict
 
-MAX_LINES = 1500  # per IR text or diff shown on the page
+MAX_LINES = 400  # per IR text or diff shown on the page
 
 _NEEDED = ("manifest.json", "plan.json", "schedule.json", "report.json", "report/passes.json", "report/kernels.json",
            "report/options.json")

@@ -1,9 +1,11 @@
 """The report's plots, drawn with matplotlib (Agg backend) as SVG text to embed in the HTML page.
 
-- `roofline_svg`: kernels on the roofline of the target (Williams, Waterman & Patterson 2009): x = arithmetic
-  intensity (FLOP per byte), y = the FLOP/s the kernel attains at its roofline time (flops / max(flops / peak,
-  bytes / bandwidth)); the roofs are min(peak, intensity x bandwidth). Kernels with no FLOPs are left out (they
-  sit at intensity 0, off the log axis). One colour per kernel kind.
+- `roofline_svg`: left, kernels on the roofline of the target (Williams, Waterman & Patterson 2009): x =
+  arithmetic intensity (FLOP per byte), y = the FLOP/s the kernel attains at its roofline time (flops /
+  max(flops / peak, bytes / bandwidth)), which puts every kernel on the roof min(peak, intensity x bandwidth):
+  the plot shows which side of the ridge each kind sits on (kernels with no FLOPs, intensity 0, are left out of
+  this panel). Right, where the time goes: roofline seconds summed per kernel kind, split into memory- and
+  compute-bound launches.
 - `memory_svg`: the arena plan as a timeline: one rectangle per buffer spanning launches first..last (x) and
   bytes offset..offset + aligned size (y). Returns the peak (the highest rectangle top) with the SVG, so the page
   can show and the tests check that it equals the plan's arena size.
@@ -13,6 +15,7 @@ The SVGs are deterministic: fixed hash salt for element ids, no date metadata, t
 from __future__ import annotations
 
 import io
+from collections import Counter
 
 import matplotlib
 
@@ -20,7 +23,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 
-_RC = {"svg.hashsalt": "k3c", "svg.fonttype": "none", "font.size": 9, "axes.grid": True, "grid.alpha": 0.3}
+_RC = {"svg.hashsalt": "k3c", "svg.fonttype": "none", "font.size": 9, "axes.grid": True, "grid.alpha": 0.3,
+       "axes.unicode_minus": False}
 
 
 def _svg(fig) -> str:
@@ -33,25 +37,39 @@ def _svg(fig) -> str:
 
 
 def roofline_svg(kernels: list[dict], peak_flops: float, bandwidth: float, title: str) -> str:
-    """SVG of `kernels` (rows of report/kernels.json: flops, bytes, roofline_s, kind) under the roofs of a target
-    with `peak_flops` (FLOP/s) and `bandwidth` (B/s)."""
+    """SVG of `kernels` (rows of report/kernels.json: flops, bytes, roofline_s, bound, kind) against the roofs of a
+    target with `peak_flops` (FLOP/s) and `bandwidth` (B/s), and their roofline time per kind."""
     pts = [k for k in kernels if k["flops"] > 0 and k["bytes"] > 0 and k["roofline_s"] > 0]
+    kinds = sorted({k["kind"] for k in kernels})
     with plt.rc_context(_RC):
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
         ridge = peak_flops / bandwidth
         lo = min([k["flops"] / k["bytes"] for k in pts] + [ridge / 100]) / 2
         hi = max([k["flops"] / k["bytes"] for k in pts] + [ridge * 100]) * 2
         ax.plot([lo, ridge, hi], [lo * bandwidth, peak_flops, peak_flops], color="black", lw=1.5, label="roof")
-        for kind in sorted({k["kind"] for k in pts}):
-            sel = [k for k in pts if k["kind"] == kind]
-            ax.scatter([k["flops"] / k["bytes"] for k in sel], [k["flops"] / k["roofline_s"] for k in sel],
-                       s=14, alpha=0.7, label=f"{kind} ({len(sel)})")
+        for kind in kinds:
+            # the layers repeat the same kernels: one marker per distinct point, its area growing with the count
+            at: Counter = Counter((k["flops"] / k["bytes"], k["flops"] / k["roofline_s"]) for k in pts
+                                  if k["kind"] == kind)
+            if at:
+                xy = sorted(at)
+                ax.scatter([x for x, _ in xy], [y for _, y in xy], s=[12 + 4 * at[p] ** 0.5 for p in xy], alpha=0.7,
+                           label=f"{kind} ({sum(at.values())})")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-        ax.set_ylabel("attained FLOP/s at the roofline time")
+        ax.set_ylabel("FLOP/s at the roofline time")
         ax.set_title(title)
         ax.legend(fontsize=7, loc="lower right", ncol=2)
+        mem = [sum(k["roofline_s"] for k in kernels if k["kind"] == kind and k["bound"] == "memory") for kind in kinds]
+        comp = [sum(k["roofline_s"] for k in kernels if k["kind"] == kind and k["bound"] == "compute") for kind in kinds]
+        bx.barh(kinds, [m * 1e3 for m in mem], color="#4c9be8", label="memory-bound")
+        bx.barh(kinds, [c * 1e3 for c in comp], left=[m * 1e3 for m in mem], color="#e8834c", label="compute-bound")
+        bx.invert_yaxis()
+        bx.set_xlabel("roofline time, sum over launches (ms)")
+        bx.set_title("time per kernel kind")
+        bx.legend(fontsize=7, loc="lower right")
+        fig.subplots_adjust(wspace=0.4)
         return _svg(fig)
 
 
