@@ -92,24 +92,23 @@ def _check_after(after: str | None) -> None:
 def _run_passes(graph, entry: str, after: str | None, dump: Path | None):
     """The graph after `after`: a pass (its first run), a phase (all its passes) or, by default, the model phase;
     planned at `k3c compile`'s default bounds (--max-batch 1 --max-seq 4096 --max-prefill 1024)."""
+    from k3c.context import CompileContext
     from k3c.passes.pipeline import PHASES, run_pipeline
-    from k3c.passes.plan_memory import bounds_bindings
 
     if after == "import":
         return graph, None
-    graph.bounds = bounds_bindings(entry, 1, 4096, 1024)
+    ctx = CompileContext(max_batch=1, max_seq=4096, max_prefill=1024).for_entry(entry)
     after = after or "model"
     # the result is verified once (as `k3c compile` does); a --dump run verifies after every pass, naming the pass
     verify = "each" if dump else "end"
     with progress_bars() as progress:
         names = list(PHASES)
         plan = PHASES if after not in PHASES else {p: PHASES[p] for p in names[:names.index(after) + 1]}
-        total = sum(map(len, plan.values()))
-        observe = _pass_ticker(progress, "passes", total)
+        observe = _pass_ticker(progress, "passes", sum(map(len, plan.values())))
         if after in PHASES:
-            return run_pipeline(graph, phases=names[:names.index(after) + 1], dump_dir=dump, verify=verify,
+            return run_pipeline(graph, names[:names.index(after) + 1], ctx=ctx, dump_dir=dump, verify=verify,
                                 observe=observe)
-        return run_pipeline(graph, until=after, dump_dir=dump, verify=verify, observe=observe)
+        return run_pipeline(graph, ctx=ctx, until=after, dump_dir=dump, verify=verify, observe=observe)
 
 
 def _pass_ticker(progress, step: str, total: int):
@@ -117,8 +116,7 @@ def _pass_ticker(progress, step: str, total: int):
     count = [0]
 
     def observe(rec, graph) -> None:
-        if rec.name != "input":
-            count[0] += 1
+        count[0] += rec.name != "input"
         progress(step, count[0], total)
 
     return observe
@@ -218,6 +216,7 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
           entry: str = typer.Option("prefill"), batch: int = typer.Option(2), tokens: int = typer.Option(7),
           seed: int = typer.Option(0)):
     """Per-pass numeric validation: interpret the graph before and after every pass on random inputs."""
+    from k3c.context import CompileContext
     from k3c.frontend import import_model
     from k3c.passes.pipeline import make_numeric_check, run_pipeline
     from models.config import K3Config
@@ -234,7 +233,9 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
     bindings = {"B": batch, "T": tokens if entry == "prefill" else 1, "L": 5}
     t0 = time.perf_counter()
     check = make_numeric_check(bindings, seed, params=weights)
-    _, report = run_pipeline(graph, phases=["cleanup", "model"], numeric_check=check)
+    ctx = CompileContext(max_batch=batch, max_seq=bindings["L"] + bindings["T"],
+                         max_prefill=bindings["T"]).for_entry(entry)
+    _, report = run_pipeline(graph, ["cleanup", "model"], ctx=ctx, numeric_check=check)
     out.print(report.table())
     out.print(f"[green]every pass preserved the outputs of {cfg.name} ({entry}, {bindings})[/] "
               f"in {time.perf_counter() - t0:.1f} s")
@@ -296,6 +297,8 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                 dump: Path = typer.Option(None, help="write the IR after every pass here"),
                 dtype: str = typer.Option("auto", help="activation and weight dtype: bf16, f32 or auto (the "
                                                        "checkpoint's: f32 or bf16; bf16 without weights)"),
+                backend: str = typer.Option(None, help="preferred code generator (triton | tvm) [default: the "
+                                                       "target's: triton on GPUs, tvm on CPUs]"),
                 report: Path = typer.Option(None, help="also keep the report data in the artifact and write the "
                                                        "HTML report (`k3c report`) to this file")):
     """Compile MODEL into an artifact: kernels, memory plan, schedule, weights, cost report."""
@@ -320,7 +323,7 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
 
     max_prefill = min(1024, max_seq) if max_prefill is None else max_prefill
     opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype,
-                          report=report is not None)
+                          backend, report=report is not None)
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     with progress_bars() as progress:
         s = compile_model(opts, progress=progress)

@@ -23,18 +23,17 @@ from pathlib import Path
 import torch
 
 from k3c import __version__
-from k3c.codegen.triton import emit
+from k3c.context import ENTRIES, CompileContext
 from k3c.errors import ConfigError, UnsupportedError
 from k3c.frontend import build_meta_model, import_model
 from k3c.ir import serialize
 from k3c.ir.graph import Graph
+from k3c.ir.kernels import KernelGroup, kernel_groups
 from k3c.ir.ops import get_op
 from k3c.ir.printer import print_graph
 from k3c.ir.types import evaluate, torch_dtype
 from k3c.passes.derived import materialize_params
-from k3c.passes.form_kernels import kernel_groups
 from k3c.passes.pipeline import PHASES, run_pipeline
-from k3c.passes.plan_memory import bounds_bindings
 from k3c.report.collect import PassLog, kernel_rows, report_files
 from k3c.runtime.artifact import ArtifactWriter
 from k3c.targets import load_target, roofline
@@ -59,6 +58,7 @@ class CompileOptions:
     force: bool = False
     dump: Path | None = None
     dtype: str = "bf16"
+    backend: str | None = None
     report: bool = False
 
 
@@ -66,8 +66,7 @@ def compile_model(opts: CompileOptions, progress=None) -> dict:
     """Compile per `opts`; returns a summary (nodes, kernels, arena and pools in bytes, seconds).
 
     `progress(step, done, total)` (optional) is called as each step advances: "import prefill" / "import decode"
-    (layers), "passes prefill" / "passes decode" (passes), "kernels" (kernel groups emitted), "weights" (tensors).
-
+    (layers), "passes prefill" / "passes decode" (passes), "weights" (total None: one step).
     Raises ConfigError (bad model or options), CheckpointError (bad weights), UnsupportedError (tp > 1; weights
     requested for a model given without a checkpoint), ArtifactError (output directory problems).
     """
@@ -91,18 +90,16 @@ def _gc_paused():
 
 def _compile(opts: CompileOptions, progress) -> dict:
     t0 = time.perf_counter()
-    if opts.tp < 1:
-        raise ConfigError(f"--tp {opts.tp}: the GPU count must be >= 1")
     if opts.tp != 1:
+        CompileContext(tp=opts.tp)  # validates the value first (a ConfigError for --tp 0)
         raise UnsupportedError("tensor parallelism (--tp > 1) is estimated by `k3c plan` but not compiled yet")
-    if opts.dtype not in DTYPES:
-        raise ConfigError(f"--dtype {opts.dtype}: expected one of {', '.join(DTYPES)}")
     cfg = K3Config.from_pretrained(opts.model)
-    target = load_target(opts.target)
+    ctx = CompileContext(target=load_target(opts.target), dtype=opts.dtype, max_batch=opts.max_batch,
+                         max_seq=opts.max_seq, max_prefill=opts.max_prefill, tp=opts.tp,
+                         backend=opts.backend).resolve()
     if cfg.max_position_embeddings and opts.max_seq > cfg.max_position_embeddings:
         raise ConfigError(f"--max-seq {opts.max_seq} exceeds the model's context of {cfg.max_position_embeddings} "
                           f"tokens (config: max_position_embeddings)")
-    bindings = {e: bounds_bindings(e, opts.max_batch, opts.max_seq, opts.max_prefill) for e in ("prefill", "decode")}
     has_weights = Path(opts.model).is_dir()
     if not opts.plan_only and not has_weights:
         raise UnsupportedError(f"{opts.model} has no weights (a preset or config.json): pass a checkpoint directory, "
@@ -111,48 +108,56 @@ def _compile(opts: CompileOptions, progress) -> dict:
     with ArtifactWriter(opts.out, force=opts.force).open() as writer:
         model = load_checkpoint(opts.model, DTYPES[opts.dtype]) if has_weights and not opts.plan_only \
             else build_meta_model(cfg).cast_(DTYPES[opts.dtype])
-        graphs, passes = {}, []
+        graphs, passes, bindings = {}, [], {}
         log = PassLog() if opts.report else None
         tick = progress or (lambda step, done, total: None)
-        for entry in ("prefill", "decode"):
-            g = import_model(model, entry, progress=lambda d, t: tick(f"import {entry}", d, t))
-            g.bounds = bindings[entry]
+        for entry in ENTRIES:
+            ectx = ctx.for_entry(entry)
+            bindings[entry] = ectx.bounds
+            g = import_model(model, entry, progress=lambda d, t, e=entry: tick(f"import {e}", d, t))
             # verify the result only; a --dump build (debugging) verifies after every pass, naming the pass at fault
-            graphs[entry], report = run_pipeline(g, verify="each" if opts.dump else "end",
+            graphs[entry], report = run_pipeline(g, ctx=ectx, verify="each" if opts.dump else "end",
                                                  dump_dir=opts.dump / entry if opts.dump else None,
                                                  observe=_observer(entry, tick, log))
             passes = [r.name for r in report.passes]
         summary = {"model": cfg.name, "nodes": {e: len(g.nodes) for e, g in graphs.items()}, "kernels": 0}
-        schedules, index, costs = {}, {}, {}
+        groups = {e: kernel_groups(g) for e, g in graphs.items()}
+        schedules, costs = {}, {}
         for entry, g in graphs.items():
             writer.add_text(f"graph/{entry}.txt", print_graph(g))
             writer.add_text(f"graph/{entry}.json", serialize.dumps(g))
-            schedules[entry], kernels = _schedule(g, entry, emit_kernels=not opts.plan_only, tick=tick)
-            costs[entry] = cost_report(g, bindings[entry], target)
-            if not opts.plan_only:
-                for name, (group, src) in kernels.items():
-                    writer.add_text(f"kernels/{name}.py", src)
-                    index[name] = {"entry": entry, "kind": group.kind, "ir_nodes": group.ir_nodes}
+            schedules[entry] = _schedule(g, groups[entry], ctx)
+            costs[entry] = cost_report(g, bindings[entry], ctx.target)
+        if not opts.plan_only:
+            index = {}
+            for backend in ctx.backends:
+                mine = [grp for e in ENTRIES for grp in groups[e] if grp.backend == backend.name]
+                if mine:
+                    emitted = backend.emit(mine, ctx)
+                    for rel, data in emitted.files.items():
+                        (writer.add_bytes if isinstance(data, bytes) else writer.add_text)(rel, data)
+                    index.update(emitted.index)
+            writer.add_json("kernels/index.json", dict(sorted(index.items())))
         if log is not None:
-            rows = {e: kernel_rows(g, kernel_groups(g), bindings[e], target, opts.dtype, e) for e, g in graphs.items()}
-            options = {"model": cfg.name, "target": target.name, "dtype": opts.dtype, "tp": opts.tp,
+            rows = {e: kernel_rows(groups[e], bindings[e], ctx.target, opts.dtype) for e in graphs}
+            options = {"model": cfg.name, "target": ctx.target.name, "dtype": opts.dtype, "tp": opts.tp,
                        "max_batch": opts.max_batch, "max_seq": opts.max_seq, "max_prefill": opts.max_prefill,
-                       "plan_only": opts.plan_only, "passes": passes}
+                       "plan_only": opts.plan_only, "backends": [b.name for b in ctx.backends], "passes": passes}
             for path, data in report_files(log, rows, options).items():
                 (writer.add_text if isinstance(data, str) else writer.add_json)(path, data)
-        summary["kernels"] = sum(1 for e in schedules.values() for ln in e["launches"] if ln["backend"] == "triton")
+        generating = {b.name for b in ctx.backends if b.generates}
+        summary["kernels"] = sum(1 for e in schedules.values() for ln in e["launches"] if ln["backend"] in generating)
         pools = _pools(graphs["decode"], opts)
         writer.add_json("plan.json", {"bounds": bindings, "arena": {e: g.memory_plan.to_json() for e, g in graphs.items()},
                                       "pools": pools, "pool_totals": pool_totals(pools)})
         writer.add_json("schedule.json", schedules)
         # pass names only: timings would make two builds of the same input differ
-        writer.add_json("report.json", {"target": target.name, "entries": costs, "passes": passes})
+        writer.add_json("report.json", {"target": ctx.target.name, "entries": costs, "passes": passes,
+                                        "backends": [b.name for b in ctx.backends]})
         if not opts.plan_only:
-            writer.add_json("kernels/index.json", index)
             tick("weights", 0, None)
             writer.add_tensors("weights/params.safetensors", _weights(model, graphs))
-        writer.commit(config=cfg.raw, target=target.to_dict(), tp=opts.tp,
-                      bounds={"max_batch": opts.max_batch, "max_seq": opts.max_seq, "max_prefill": opts.max_prefill},
+        writer.commit(config=cfg.raw, target=ctx.target.to_dict(), tp=opts.tp, bounds=ctx.bounds_json,
                       entry_points={e: {"graph": f"graph/{e}.json"} for e in graphs},
                       extra={"k3c_version": __version__, "plan_only": opts.plan_only, "dtype": opts.dtype,
                              "vocab_size": cfg.vocab_size})
@@ -177,32 +182,21 @@ def _observer(entry: str, tick, log: PassLog | None):
     return observe
 
 
-def _schedule(g: Graph, entry: str, emit_kernels: bool = True, tick=None) -> tuple[dict, dict]:
-    """schedule.json's entry for `g` and the emitted kernels {name: (group, source)} (none when not `emit_kernels`);
-    `tick(step, done, total)` follows the groups."""
-    launches, kernels, used = [], {}, set()
-    groups = kernel_groups(g)
-    for i, group in enumerate(groups):
-        if tick is not None:
-            tick(f"kernels {entry}", i + 1, len(groups))
-        name = f"{entry}_{group.name}"
-        ln = {"name": name, "backend": group.backend, "kind": group.kind,
+def _schedule(g: Graph, groups: list[KernelGroup], ctx: CompileContext) -> dict:
+    """schedule.json's entry for `g`: its inputs, outputs, the types of the values the launches touch, and the
+    launches in order (common fields + the owning backend's `launch_record`)."""
+    backends = {b.name: b for b in ctx.backends}
+    launches, used = [], set()
+    for group in groups:
+        ln = {"name": group.name, "backend": group.backend, "kind": group.kind,
               "inputs": [v.name for v in group.inputs], "outputs": [v.name for v in group.outputs]}
-        if group.backend == "triton":
-            if emit_kernels:
-                kernels[name] = (group, emit(group))
-        else:
-            (node,) = group.nodes
-            spec = get_op(node.op).attrs
-            ln["attrs"] = node.attrs
-            ln["dim_attrs"] = sorted(k for k, a in spec.items() if a.kind in ("dim", "dims"))
-            ln["outputs"] = [v.name for v in node.outputs]
+        ln.update(backends[group.backend].launch_record(group))
         used.update(ln["inputs"], ln["outputs"])
         launches.append(ln)
     values = {v.name: {"shape": [d if isinstance(d, int) else str(d) for d in v.type.shape], "dtype": v.type.dtype}
               for v in g.values() if v.name in used or v in g.inputs or v in g.outputs.values()}
     return {"inputs": [v.name for v in g.inputs], "outputs": {k: v.name for k, v in g.outputs.items()},
-            "values": dict(sorted(values.items())), "launches": launches}, kernels
+            "values": dict(sorted(values.items())), "launches": launches}
 
 
 def _weights(model, graphs: dict[str, Graph]) -> dict[str, torch.Tensor]:

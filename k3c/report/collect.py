@@ -20,6 +20,7 @@ import json
 from collections import Counter
 
 from k3c.ir.graph import Graph
+from k3c.ir.kernels import KernelGroup
 from k3c.ir.ops import get_op
 from k3c.ir.printer import print_graph
 from k3c.ir.types import evaluate
@@ -47,8 +48,7 @@ class PassLog:
         return observe
 
 
-def kernel_rows(graph: Graph, groups, bindings: dict[str, int], target: Target, dtype: str,
-                prefix: str) -> list[dict]:
+def kernel_rows(groups: list[KernelGroup], bindings: dict[str, int], target: Target, dtype: str) -> list[dict]:
     """One row per kernel group (launch order): backend, kind, layer, IR nodes, FLOPs, bytes, roofline seconds."""
     memo: dict[tuple, tuple[int, int]] = {}
     rows = []
@@ -64,7 +64,7 @@ def kernel_rows(graph: Graph, groups, bindings: dict[str, int], target: Target, 
             nbytes += memo[key][1]
         layers = sorted({n.meta["layer"] for n in group.nodes if n.meta.get("layer") is not None})
         r = roofline(flops, nbytes, target, dtype, measured=True)
-        rows.append({"name": f"{prefix}_{group.name}", "backend": group.backend, "kind": group.kind,
+        rows.append({"name": group.name, "backend": group.backend, "kind": group.kind,
                      "layer": layers[0] if len(layers) == 1 else None, "ir_nodes": group.ir_nodes,
                      "flops": flops, "bytes": nbytes, "roofline_s": r.time_s, "bound": r.bound})
     return rows
