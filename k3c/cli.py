@@ -1,7 +1,7 @@
 """The `k3c` command line. Every error k3c raises on purpose (`K3CError`) is printed here as one line, exit 2.
 
     k3c init PRESET -o DIR [--seed 0] [--dtype f32|bf16]      a random checkpoint in the published layout
-    k3c compile MODEL -o ART [--report] ...                   an artifact (and its HTML report)
+    k3c compile MODEL -o ART [--report FILE.html] ...         an artifact (and its HTML report)
     k3c run ART [--tokens 1,2,3] [--decode-steps 8]           prefill + greedy decode
     k3c report ART -o report.html                             the compile report of an artifact
     k3c inspect MODEL [--entry prefill|decode] [--after PASS] [--format text|json|dot|svg|onnx|summary]

@@ -12,9 +12,17 @@ import k3c
 
 ROOT = Path(__file__).resolve().parents[1]
 # run the CLI, then list which heavy modules the process imported
-PROBE = ("import sys, k3c.cli\nsys.argv = ['k3c', *sys.argv[1:]]\ntry:\n    k3c.cli.main()\nexcept SystemExit as e:\n"
-         "    code = e.code\nelse:\n    code = 0\nprint('HEAVY', sorted(m for m in ('torch', 'k3c.compile', 'k3c.frontend') "
-         "if m in sys.modules), code)")
+PROBE = """
+import sys, k3c.cli
+sys.argv = ["k3c", *sys.argv[1:]]
+try:
+    k3c.cli.main()
+except SystemExit as e:
+    code = e.code
+else:
+    code = 0
+print("HEAVY", sorted(m for m in ("torch", "k3c.compile", "k3c.frontend") if m in sys.modules), code)
+"""
 
 
 def probe(*args: str) -> tuple[str, str]:

@@ -79,16 +79,16 @@ def build(art: str | Path) -> str:
     peak = target.peak(opts["dtype"], True)
     bw = target.bandwidth(True)
     entries = []
-    for entry, steps in d["passes"].items():
+    for entry, steps in sorted(d["passes"].items(), key=lambda kv: (kv[0] != "prefill", kv[0])):
         kernels = d["kernels"][entry]
-        plan = d["plan"]["arena"][entry]
+        plan, bounds = d["plan"]["arena"][entry], d["plan"]["bounds"][entry]
         mem, peak_bytes = memory_svg(plan["buffers"], plan["alignment"], len(d["schedule"][entry]["launches"]),
-                                     f"{opts['model']} {entry}: arena at the compile bounds {d['plan']['bounds'][entry]}")
+                                     f"{opts['model']} {entry}: arena at the compile bounds {bounds}")
         layers, total = _totals(kernels)
         ops = sorted({op for s in steps for op in s["ops"]})
         entries.append({
             "name": entry, "steps": _steps(art, steps), "ops": ops, "kernels": kernels, "layers": layers,
-            "total": total, "plan": plan, "memory_svg": mem, "peak_bytes": peak_bytes,
+            "total": total, "plan": plan, "bounds": bounds, "memory_svg": mem, "peak_bytes": peak_bytes,
             "roofline_svg": roofline_svg(kernels, peak, bw, f"{opts['model']} {entry} on {target.name}"),
             "cost": d["report"]["entries"][entry]["total"]})
     env = jinja2.Environment(loader=jinja2.PackageLoader("k3c.report", "templates"), autoescape=True,

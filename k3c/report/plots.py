@@ -15,7 +15,7 @@ The SVGs are deterministic: fixed hash salt for element ids, no date metadata, t
 from __future__ import annotations
 
 import io
-from collections import Counter
+from collections import Counter, defaultdict
 
 import matplotlib
 
@@ -61,8 +61,10 @@ def roofline_svg(kernels: list[dict], peak_flops: float, bandwidth: float, title
         ax.set_ylabel("FLOP/s at the roofline time")
         ax.set_title(title)
         ax.legend(fontsize=7, loc="lower right", ncol=2)
-        mem = [sum(k["roofline_s"] for k in kernels if k["kind"] == kind and k["bound"] == "memory") for kind in kinds]
-        comp = [sum(k["roofline_s"] for k in kernels if k["kind"] == kind and k["bound"] == "compute") for kind in kinds]
+        per: dict[tuple[str, str], float] = defaultdict(float)
+        for k in kernels:
+            per[k["kind"], k["bound"]] += k["roofline_s"]
+        mem, comp = [per[kind, "memory"] for kind in kinds], [per[kind, "compute"] for kind in kinds]
         bx.barh(kinds, [m * 1e3 for m in mem], color="#4c9be8", label="memory-bound")
         bx.barh(kinds, [c * 1e3 for c in comp], left=[m * 1e3 for m in mem], color="#e8834c", label="compute-bound")
         bx.invert_yaxis()

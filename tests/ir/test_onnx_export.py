@@ -88,3 +88,14 @@ def test_dot_views_have_legend_and_one_box_per_layer(tiny):
     boxes = [ln for ln in one.splitlines() if "shape=box" in ln and ln.strip().startswith('"') and "legend:" not in ln]
     assert len(boxes) == sum(1 for n in tiny.nodes if n.meta.get("layer") == 0)
     assert "cluster_legend" in nx.to_dot(tiny)
+
+
+@pytest.mark.slow
+def test_full_size_export_passes_the_checker():
+    """k3.1-pro (93 layers, 11k nodes at import): one ONNX node per IR node, valid, every layer in the collapse."""
+    g, _ = run_pipeline(import_model("k3.1-pro", "prefill"), phases=["cleanup", "model"], verify="off")
+    m = to_onnx(g, "k3.1-pro")
+    onnx.checker.check_model(m)
+    assert len(m.graph.node) == len(g.nodes)
+    assert {n.name for n in block_to_onnx(g, views.collapse(g)).graph.node if n.op_type == "layer"} >= {
+        f"layer_{i}" for i in range(93)}
