@@ -66,7 +66,7 @@ def compile_model(opts: CompileOptions, progress=None) -> dict:
     """Compile per `opts`; returns a summary (nodes, kernels, arena and pools in bytes, seconds).
 
     `progress(step, done, total)` (optional) is called as each step advances: "import prefill" / "import decode"
-    (layers), "passes prefill" / "passes decode" (passes), "weights" (total None: one step).
+    (layers), "passes prefill" / "passes decode" (passes), code generation per backend and "weights" (total None).
     Raises ConfigError (bad model or options), CheckpointError (bad weights), UnsupportedError (tp > 1; weights
     requested for a model given without a checkpoint), ArtifactError (output directory problems).
     """
@@ -133,6 +133,7 @@ def _compile(opts: CompileOptions, progress) -> dict:
             for backend in ctx.backends:
                 mine = [grp for e in ENTRIES for grp in groups[e] if grp.backend == backend.name]
                 if mine:
+                    tick(f"generating {len(mine)} {backend.name} kernels", 0, None)
                     emitted = backend.emit(mine, ctx)
                     for rel, data in emitted.files.items():
                         (writer.add_bytes if isinstance(data, bytes) else writer.add_text)(rel, data)
