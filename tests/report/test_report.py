@@ -125,3 +125,14 @@ def test_full_size_plan_only_report(tmp_path):
     compile_model(CompileOptions("k3.1-pro", art, max_seq=4096, max_prefill=512, plan_only=True, report=True))
     write(art, tmp_path / "pro.html")
     check_report(tmp_path / "pro.html", art, tmp_path)
+
+
+def test_artifact_without_report_data_is_one_clear_error(tmp_path):
+    from k3c.errors import ArtifactError
+    from k3c.report.html import build
+
+    (tmp_path / "manifest.json").write_text("{}")
+    for f in ("plan.json", "schedule.json", "report.json"):
+        (tmp_path / f).write_text("{}")
+    with pytest.raises(ArtifactError, match=r"no report/passes\.json; compile with `k3c compile --report`"):
+        build(tmp_path)
