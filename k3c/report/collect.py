@@ -27,6 +27,7 @@ from k3c.ir.types import evaluate
 from k3c.passes.pipeline import Observer, PassRecord
 from k3c.targets import Target, roofline
 
+
 class PassLog:
     """Collects, per entry point, each pipeline step's node counts and IR text (an `observe` for run_pipeline)."""
 
