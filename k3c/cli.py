@@ -241,6 +241,9 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
               f"in {time.perf_counter() - t0:.1f} s")
 
 
+INIT_MAX_BYTES = 4 * 2**30  # `k3c init` is for small models: a random full-size checkpoint is ~1e12 parameters
+
+
 @app.command()
 def init(preset: str = typer.Argument(..., help="a tiny preset (k3-tiny, k3.1-pro-tiny, kimi-linear-tiny) or config"),
          out_dir: Path = typer.Option(..., "-o", "--out", help="checkpoint directory to write (must not exist)"),
@@ -255,12 +258,16 @@ def init(preset: str = typer.Argument(..., help="a tiny preset (k3-tiny, k3.1-pr
     if out_dir.exists():
         raise K3CError(f"-o {out_dir}: already exists; choose a new directory")
     cfg = K3Config.from_pretrained(preset)
-    if cfg.hidden_size > 4096:
-        raise K3CError(f"{preset}: a random checkpoint of a full-size model would take terabytes; use a tiny preset "
-                       f"(or `k3c compile {preset} --plan-only`, which needs no weights)")
     import torch
 
+    from k3c.retarget import weights
     from models.checkpoint import save_random_checkpoint
+
+    size = weights(cfg).params * (4 if dtype == "f32" else 2)
+    if size > INIT_MAX_BYTES:
+        raise K3CError(f"{preset}: a random {dtype} checkpoint would take {size / 2**30:,.0f} GiB (init writes at most "
+                       f"{INIT_MAX_BYTES / 2**30:.0f} GiB); use a tiny preset, or `k3c compile {preset} --plan-only`, "
+                       f"which needs no weights")
 
     with progress_bars() as progress:
         progress(f"writing {cfg.name}", 0, None)

@@ -42,7 +42,11 @@ def test_argument_errors_answer_before_torch(tmp_path):
     for args, message in [(["compile", "no-such-model", "-o", str(tmp_path / "a")], "not a preset"),
                           (["compile", "k3-tiny", "-o", str(tmp_path / "a"), "--target", "tpu9"], "unknown target"),
                           (["inspect", "no-such-model"], "not a preset"),
-                          (["init", "k3", "-o", str(tmp_path / "c")], "terabytes"),
                           (["report", str(tmp_path), "-o", str(tmp_path / "r.html")], "not a k3c artifact")]:
         out, err = probe(*args)
         assert message in err and "HEAVY [] 2" in out, (args, out, err)
+
+
+def test_init_refuses_a_full_size_checkpoint(tmp_path):
+    out, err = probe("init", "kimi-linear-48b", "-o", str(tmp_path / "c"))
+    assert "GiB (init writes at most 4 GiB)" in err and out.rstrip().endswith(" 2") and not (tmp_path / "c").exists()
