@@ -22,6 +22,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
+from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
 _RC = {"svg.hashsalt": "k3c", "svg.fonttype": "none", "font.size": 9, "axes.grid": True, "grid.alpha": 0.3,
        "axes.unicode_minus": False}
@@ -57,6 +58,9 @@ def roofline_svg(kernels: list[dict], peak_flops: float, bandwidth: float, title
                            label=f"{kind} ({sum(at.values())})")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # plain "1e+03" labels: matplotlib's default 10^k goes through mathtext
+            axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.0e}"))
+            axis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("arithmetic intensity (FLOP / byte)")
         ax.set_ylabel("FLOP/s at the roofline time")
         ax.set_title(title)
@@ -67,6 +71,7 @@ def roofline_svg(kernels: list[dict], peak_flops: float, bandwidth: float, title
         mem, comp = [per[kind, "memory"] for kind in kinds], [per[kind, "compute"] for kind in kinds]
         bx.barh(kinds, [m * 1e3 for m in mem], color="#4c9be8", label="memory-bound")
         bx.barh(kinds, [c * 1e3 for c in comp], left=[m * 1e3 for m in mem], color="#e8834c", label="compute-bound")
+        bx.set_xlim(0, max([(m + c) * 1e3 for m, c in zip(mem, comp)] + [1e-9]) * 1.05)
         bx.invert_yaxis()
         bx.set_xlabel("roofline time, sum over launches (ms)")
         bx.set_title("time per kernel kind")
