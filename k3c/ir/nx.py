@@ -124,9 +124,9 @@ def block_dot(graph: Graph, block) -> str:
 
 
 def collapsed_dot(graph: Graph) -> str:
-    """DOT source of the whole graph with one box per layer ("layer N: its model ops, node count") and one per
+    """DOT source of the whole graph with one box per run of a layer (`views.block_label`) and one per
     node outside the layers; edges carry the number of values flowing between two boxes."""
-    from k3c.ir.views import collapse, layer_kind
+    from k3c.ir.views import block_label, collapse
 
     sub = networkx.DiGraph()
     src: dict = {}  # graph inputs and parameters are left out: several per layer would swamp the drawing
@@ -135,7 +135,7 @@ def collapsed_dot(graph: Graph) -> str:
             n = b.nodes[0]
             sub.add_node(b.name, kind=_kind(n.op), label=f"{n.op} -> {', '.join('%' + v.name for v in n.outputs)}")
         else:
-            sub.add_node(b.name, kind="model", label=f"layer {b.layer}: {layer_kind(b)} ({len(b.nodes)} nodes)")
+            sub.add_node(b.name, kind="model", label=block_label(b))
         for v in b.inputs:
             _edge(sub, src.get(v), b.name, v)
         for v in b.outputs:

@@ -24,7 +24,7 @@ from onnx import TensorProto, helper
 from k3c.ir.graph import Graph, Node, Value
 from k3c.ir.ops import get_op
 from k3c.ir.types import TensorType, dim_str
-from k3c.ir.views import Block, layer_kind
+from k3c.ir.views import Block, block_label
 
 OPSET = 21
 DOMAIN = "k3c"
@@ -138,8 +138,8 @@ def to_onnx(graph: Graph, name: str = "k3c") -> onnx.ModelProto:
 
 def block_to_onnx(graph: Graph, blocks: list[Block], name: str = "k3c") -> onnx.ModelProto:
     """An ONNX model of `blocks` (from `k3c.ir.views`): a one-block list is that block's nodes, inputs and outputs
-    (a layer alone); several blocks are collapsed, each layer one `k3c.layer` node (attributes: layer, kind, nodes)
-    and each lone node itself."""
+    (a layer alone); several blocks are collapsed, each run of a layer one `k3c.layer` node (attributes: layer,
+    label, nodes) and each lone node itself."""
     if len(blocks) == 1:
         b = blocks[0]
         nodes = [node_proto(n) for n in b.nodes]
@@ -152,7 +152,7 @@ def block_to_onnx(graph: Graph, blocks: list[Block], name: str = "k3c") -> onnx.
             nodes.append(node_proto(b.nodes[0]))
         else:
             nodes.append(helper.make_node("layer", [v.name for v in b.inputs], [v.name for v in b.outputs],
-                                          name=b.name, domain=DOMAIN, layer=b.layer, kind=layer_kind(b),
+                                          name=b.name, domain=DOMAIN, layer=b.layer, label=block_label(b),
                                           nodes=len(b.nodes)))
         inner += b.outputs if b.layer is not None else b.nodes[0].outputs
     read = {v for b in blocks for v in b.inputs}

@@ -95,10 +95,11 @@ def layer_block(graph: Graph, layer: int) -> Block:
     return _finish(graph, [Block(f"layer_{layer}", layer, nodes)])[0]
 
 
-def layer_kind(block: Block) -> str:
-    """A short description of a layer block from its model ops, e.g. "kda_fused, moe_experts"."""
+def block_label(block: Block) -> str:
+    """A one-line description of a layer block: its name, node count and the model ops that characterise it,
+    e.g. "layer 3: 35 nodes; kda_fused, moe_experts" or "layer 8.0: 4 nodes" (a hoisted run)."""
     model = sorted({n.op for n in block.nodes if n.op in MODEL_OPS_SHOWN})
-    return ", ".join(model) if model else f"{len(block.nodes)} nodes"
+    return f"{block.name.replace('_', ' ')}: {len(block.nodes)} nodes" + (f"; {', '.join(model)}" if model else "")
 
 
 #: ops that characterise a layer in a collapsed view (mixer and FFN kinds)
