@@ -11,7 +11,7 @@ Graph inputs and parameters are ONNX graph inputs (no weights are embedded: a fu
 parameters); every value has its dtype and shape (`dim_param` for symbolic dims) in `value_info`. A node's
 `doc_string` holds its layer and source line. The result passes `onnx.checker.check_model`.
 `block_to_onnx(graph, blocks)` exports a `k3c.ir.views` block list instead: a collapsed model (one
-`k3c.layer` node per layer) or one layer's nodes.
+`k3c.layer` node per run of a layer) or one layer's nodes.
 """
 
 from __future__ import annotations
