@@ -140,7 +140,8 @@ def _compile(opts: CompileOptions, progress) -> dict:
                     index.update(emitted.index)
             writer.add_json("kernels/index.json", dict(sorted(index.items())))
         if log is not None:
-            rows = {e: kernel_rows(groups[e], bindings[e], ctx.target, opts.dtype) for e in graphs}
+            made = {b.name for b in ctx.backends if b.generates}
+            rows = {e: kernel_rows(groups[e], bindings[e], ctx.target, opts.dtype, made) for e in graphs}
             options = {"model": cfg.name, "target": ctx.target.name, "dtype": opts.dtype, "tp": opts.tp,
                        "max_batch": opts.max_batch, "max_seq": opts.max_seq, "max_prefill": opts.max_prefill,
                        "plan_only": opts.plan_only, "backends": [b.name for b in ctx.backends], "passes": passes}

@@ -3,7 +3,8 @@
     report/passes.json        {entry: [{step, name, phase, nodes, ops: {op: count}, ir}]}: the input and every
                               pass, `ir` naming the file with the IR text after that step
     report/<entry>/NN-NAME.txt  the IR text (`k3c.ir.printer`) after step NN (00 is the imported graph)
-    report/kernels.json       {entry: [{name, backend, kind, layer, ir_nodes, flops, bytes, roofline_s, bound}]}:
+    report/kernels.json       {entry: [{name, backend, generated, kind, layer, ir_nodes, flops, bytes, roofline_s,
+                              bound}]}:
                               one row per launch of schedule.json, in order
     report/options.json       the compile options that shape the artifact
 
@@ -49,8 +50,10 @@ class PassLog:
         return observe
 
 
-def kernel_rows(groups: list[KernelGroup], bindings: dict[str, int], target: Target, dtype: str) -> list[dict]:
-    """One row per kernel group (launch order): backend, kind, layer, IR nodes, FLOPs, bytes, roofline seconds."""
+def kernel_rows(groups: list[KernelGroup], bindings: dict[str, int], target: Target, dtype: str,
+                generating: set[str]) -> list[dict]:
+    """One row per kernel group (launch order): backend, whether that backend generates code (a name in
+    `generating`, e.g. triton, tvm; not library or view), kind, layer, IR nodes, FLOPs, bytes, roofline seconds."""
     memo: dict[tuple, tuple[int, int]] = {}
     rows = []
     for group in groups:
@@ -65,7 +68,8 @@ def kernel_rows(groups: list[KernelGroup], bindings: dict[str, int], target: Tar
             nbytes += memo[key][1]
         layers = sorted({n.meta["layer"] for n in group.nodes if n.meta.get("layer") is not None})
         r = roofline(flops, nbytes, target, dtype, measured=True)
-        rows.append({"name": group.name, "backend": group.backend, "kind": group.kind,
+        rows.append({"name": group.name, "backend": group.backend, "generated": group.backend in generating,
+                     "kind": group.kind,
                      "layer": layers[0] if len(layers) == 1 else None, "ir_nodes": group.ir_nodes,
                      "flops": flops, "bytes": nbytes, "roofline_s": r.time_s, "bound": r.bound})
     return rows

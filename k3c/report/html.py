@@ -58,15 +58,15 @@ def _steps(art: Path, steps: list[dict]) -> list[dict]:
 
 def _totals(kernels: list[dict]) -> tuple[list[dict], dict]:
     """Per-layer rows (layer None: outside the layers) and the entry's total: launches, flops, bytes, seconds."""
-    by: dict = defaultdict(lambda: {"launches": 0, "triton": 0, "flops": 0, "bytes": 0, "roofline_s": 0.0})
+    by: dict = defaultdict(lambda: {"launches": 0, "generated": 0, "flops": 0, "bytes": 0, "roofline_s": 0.0})
     for k in kernels:
         r = by[k["layer"]]
         r["launches"] += 1
-        r["triton"] += k["backend"] == "triton"
+        r["generated"] += k["generated"]
         for f in ("flops", "bytes", "roofline_s"):
             r[f] += k[f]
     rows = [{"layer": layer, **by[layer]} for layer in sorted(by, key=lambda x: (x is None, x or 0))]
-    total = {f: sum(r[f] for r in rows) for f in ("launches", "triton", "flops", "bytes", "roofline_s")}
+    total = {f: sum(r[f] for r in rows) for f in ("launches", "generated", "flops", "bytes", "roofline_s")}
     return rows, total
 
 
