@@ -2,9 +2,10 @@
 natively by `k3c.load(..., "cpu")`, against `models/k3.py` eager over a 64-token prefill and 32 decode steps at
 batch 1 and 3.
 
-f32 artifact vs eager fp32: max relative ≤ 1e-4 on every step's logits. bf16 artifact vs eager fp32: within 1.5×
-the distance of eager bf16 from eager fp32 on the same checkpoint and tokens (the band bf16 rounding opens), plus
-1e-2; both distances are printed. The runtime that ran them imports `tvm_ffi` but neither `tvm` nor the compiler.
+f32 artifact vs eager fp32: max relative ≤ 1e-4 on every step's logits (all presets). bf16 artifact vs eager fp32
+(k3.1-pro-tiny, batch 3): within 1.5× the distance of eager bf16 from eager fp32 on the same checkpoint and tokens
+(the band bf16 rounding opens), plus 1e-2; both distances are printed (this random model amplifies rounding: both
+are near 1). The runtime that ran an artifact imports `tvm_ffi` but neither `tvm`, Triton nor the compiler.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def test_f32_artifact_matches_eager(compiled, batch):
     assert max(errs) <= 1e-4
 
 
+@pytest.mark.parametrize("compiled", ["k3.1-pro-tiny"], indirect=True)  # one preset: CI time
 def test_bf16_artifact_in_the_eager_bf16_band(compiled):
     model, ckpt, arts = compiled
     m16 = load_checkpoint(str(ckpt), torch.bfloat16).eval()
@@ -86,6 +88,7 @@ def test_bf16_artifact_in_the_eager_bf16_band(compiled):
     assert max(errs) <= 1.5 * max(band) + 1e-2
 
 
+@pytest.mark.parametrize("compiled", ["k3.1-pro-tiny"], indirect=True)
 def test_runtime_loads_the_library_with_tvm_ffi_only(compiled):
     """A fresh process runs the artifact: tvm_ffi is imported, tvm, Triton and the compiler are not."""
     _, _, arts = compiled
