@@ -117,3 +117,34 @@ def check_layout(cfg, tp: int, ep: int = 1) -> None:
     for field, n in counts:
         if n % tp:
             raise ConfigError(f"--tp {tp} does not divide {field} = {n} of {cfg.name}")
+
+
+def communication(graph, bindings: dict[str, int], tp: int) -> dict:
+    """Bytes one rank sends per call of `graph` (a graph after the parallel phase over `tp` ranks) at `bindings`,
+    on a ring (`k3c.ir.ops.collective.wire_bytes`): by collective op, the total, what plain all-reduces in place of
+    the reduce-scatter / all-gather pairs would send (each reduce-scatter over tokens stands for one all-reduce of
+    its input), and the AttnRes state bytes (the sealed blocks and the inter-block result that `attn_res_inter`
+    reads and writes) each rank does not hold because of token sharding: full − shard, where a shard has
+    ceil(B·T / tp) rows (so nothing at B·T = 1: the padded shard is as large as the whole)."""
+    from k3c.ir.ops.collective import SIMULATE, wire_bytes
+    from k3c.ir.types import evaluate, itemsize, numel
+
+    by_op: dict[str, int] = {}
+    plain = state = 0
+    for n in graph.nodes:
+        if n.op in SIMULATE:
+            b = evaluate(wire_bytes(n.op, n.attrs, n.inputs[0].type, n.outputs[0].type), bindings)
+            by_op[n.op] = by_op.get(n.op, 0) + b
+            if n.op == "reduce_scatter_tokens":
+                plain += evaluate(wire_bytes("all_reduce", n.attrs, n.inputs[0].type, n.inputs[0].type), bindings)
+            elif n.op not in ("all_gather_tokens", "shard_tokens"):
+                plain += b
+        elif n.op == "attn_res_inter" and n.inputs[1].type.shape[0] == 1:  # blocks are token shards [1, n, D]
+            rows = evaluate(n.inputs[1].type.shape[1], bindings)
+            full = evaluate(bindings["B"] * bindings["T"], {})
+            shard = sum(evaluate(numel(v.type), bindings) * itemsize(v.type.dtype)
+                        for v in set(n.inputs[1:]) | set(n.outputs))
+            state += shard * (full - rows) // rows
+    total = sum(by_op.values())
+    return {"bytes_by_op": dict(sorted(by_op.items())), "bytes": total, "plain_allreduce_bytes": plain,
+            "saving_bytes": plain - total, "attn_res_state_bytes_not_duplicated": state}

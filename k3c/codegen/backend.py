@@ -28,11 +28,12 @@ from k3c.ir.graph import Node
 from k3c.ir.kernels import KernelGroup
 
 #: Claim order per target kind when a target names none (`Target.backends` overrides).
-DEFAULT_ORDER = {"cuda": ("triton", "library", "view"), "rocm": ("triton", "library", "view"),
-                 "cpu": ("triton", "library", "view")}
+DEFAULT_ORDER = {"cuda": ("triton", "library", "view", "collective"),
+                 "rocm": ("triton", "library", "view", "collective"),
+                 "cpu": ("triton", "library", "view", "collective")}
 #: Modules that define the known backends (imported on first use, so the registry fills lazily).
 MODULES = {"triton": "k3c.codegen.triton.backend", "library": "k3c.codegen.library",
-           "view": "k3c.codegen.library"}
+           "view": "k3c.codegen.library", "collective": "k3c.codegen.collective"}
 
 
 @dataclass

@@ -19,6 +19,7 @@ LAUNCHERS = {
     "triton": "k3c.runtime.launchers.triton:TritonLauncher",
     "library": "k3c.runtime.launchers.torch_ops:TorchOpLauncher",
     "view": "k3c.runtime.launchers.torch_ops:TorchOpLauncher",
+    "collective": "k3c.runtime.launchers.collective:CollectiveLauncher",
 }
 
 
