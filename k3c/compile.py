@@ -53,7 +53,6 @@ class CompileOptions:
     out: Path
     target: str = "h200"
     tp: int = 1
-    ep: int = 1
     max_batch: int = 1
     max_seq: int = 4096
     max_prefill: int = 1024
@@ -62,6 +61,7 @@ class CompileOptions:
     dump: Path | None = None
     dtype: str = "bf16"
     backend: str | None = None
+    ep: int = 1  # expert groups: 1 (experts split over their width) or tp (experts partitioned); k3c.parallel
 
 
 def compile_model(opts: CompileOptions, progress=None) -> dict:
