@@ -6,10 +6,11 @@ Passes do not import each other; what two of them need lives here (or, for gener
 
 from __future__ import annotations
 
-from k3c.errors import IRError
+from k3c.errors import ConfigError, IRError
 from k3c.ir.graph import Graph, Node, Value
 from k3c.ir.rewrite import P, X, match
 from k3c.ir.types import dims_equal
+from k3c.passes.derived import add_derived_param, prune_unused_params
 
 
 # ---- normalisation chains: x * rsqrt(reduce(x^2, -1, keepdim) + eps) ----------------------------------------------
@@ -109,9 +110,6 @@ def shard_param(graph: Graph, key: str, dim: int, parts: int) -> Value:
     """Replace parameter `key` by `<key>.shard`: a rank's block of `parts` along `dim` (derivation "shard", so each
     rank's weight file holds its own block under the same key). Uses of the old value are redirected and it is
     dropped. Raises `ConfigError` naming the key when `parts` does not divide the dim."""
-    from k3c.errors import ConfigError
-    from k3c.passes.derived import add_derived_param, prune_unused_params
-
     old = graph.params[key]
     size = old.type.shape[dim]
     if not isinstance(size, int) or size % parts:

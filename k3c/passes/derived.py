@@ -50,7 +50,8 @@ def _vocab_shard(attrs: dict, w: torch.Tensor) -> torch.Tensor:
 
 def _local_index(attrs: dict, w: torch.Tensor) -> torch.Tensor:
     """i64 [n, 1] for a tensor of n = w.shape[0] rows split in `parts` blocks: global row i -> its row in rank r's
-    block, or `missing` (vocab: the zero row V/p; experts: −1, which moe_experts skips) outside the block."""
+    block; outside it, `missing`: "zero_row" (vocab: the zero row V/p of `vocab_shard`) or "minus_one" (experts:
+    −1, which moe_experts skips)."""
     n = w.shape[0]
     per = n // attrs["parts"]
     i = torch.arange(n) - attrs["rank"] * per

@@ -37,14 +37,12 @@ def shard_experts(graph: Graph, ctx: CompileContext) -> Graph:
         return graph
     for node in [n for n in graph.nodes if n.op == "moe_experts"]:
         z, weights, ids, w1, w3, w2 = node.inputs
-        for i, w in ((3, w1), (4, w3), (5, w2)):
-            split = param_split(w.name, ctx.ep)
-            new = shard_param(graph, w.name, split.dim, tp) if w.name in graph.params else graph.params[w.name + ".shard"]
-            graph.set_input(node, i, new)
+        for w in (w1, w3, w2):  # shard_param redirects the node's inputs to the shards
+            shard_param(graph, w.name, param_split(w.name, ctx.ep).dim, tp)
         if ctx.ep > 1:
             E = w1.type.shape[0]
             rmap = add_derived_param(graph, w1.name + ".local_ids", TensorType((E, 1), "i64"), "local_index",
-                                     [w1.name], {"parts": tp, "missing": "none"})
+                                     [w1.name], {"parts": tp, "missing": "minus_one"})
             meta = {**node.meta, "pass": PASS}
             with graph.inserting_before(node):
                 local = graph.add("embedding", rmap, ids, name_hint=f"{ids.name}.local", meta=meta)
