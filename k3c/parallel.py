@@ -1,7 +1,7 @@
 """The tensor- and expert-parallel layout: which weight and cache is split how, decided once for the compiler
 (`shard_tp`, `shard_experts`) and the planner (`k3c plan`, `k3c.retarget`) alike.
 
-Layout over a group of `tp` ranks (Megatron-LM, Shoeybi et al. 2019, §3; DESIGN.md "Tensor parallelism"):
+Layout over a group of `tp` ranks (Megatron-LM, Shoeybi et al. 2019, §3; DESIGN.md "Passes the model needs": shard_tp):
 - column-parallel (rows of the [out, in] weight split, rank r keeps block r): the q/k/v/g projections, the KDA
   gate and beta projections (f_b, b, g_b), the KDA short convolutions, A_log and dt_bias (one slice per head), the
   MLA query up-projection (q_b_proj, or q_proj without a query LoRA) and kv_b_proj with its absorbed halves W_UK /

@@ -16,6 +16,11 @@ live on exactly one rank, and the AttnRes inter-block attention (n sealed blocks
 per token instead of once per rank. Bytes on the wire: a ring reduce-scatter plus all-gather equals one
 all-reduce; the saving is in the row-wise work and the AttnRes state, 1/g per rank.
 
+The split is chosen by cost at the compile bounds: it needs at least one real token per rank (max_batch · T >= tp,
+T = 1 for decode). Below that the padded one-row shards still travel to every rank: full K3.1 Pro at TP=8, decode
+at batch 1 would send 44.9 MiB per rank and step against 5.8 MiB of plain all-reduces, so such an entry keeps its
+all-reduces (and its AttnRes state is one token per rank anyway).
+
 One graph serves every rank (shard shapes are rank-independent; which rows a rank holds is the collectives'
 semantics). Dead originals are removed. O(nodes).
 """
@@ -36,7 +41,7 @@ ATTN_RES = frozenset({"attn_res_inter", "attn_res_merge"})
 
 @register_pass(PASS)
 def split_allreduce(graph: Graph, ctx: CompileContext) -> Graph:
-    if ctx.tp == 1:
+    if ctx.tp == 1 or ctx.max_batch * ctx.bounds["T"] < ctx.tp:
         return graph
     _Splitter(graph, ctx.tp).run()
     dce_in_place(graph)
