@@ -29,12 +29,12 @@ from k3c.ir.kernels import KernelGroup
 
 #: Claim order per target kind when a target names none (`Target.backends` overrides).
 DEFAULT_ORDER = {"cuda": ("triton", "library", "view"), "rocm": ("triton", "library", "view"),
-                 "cpu": ("triton", "library", "view")}
+                 "cpu": ("tvm", "library", "view")}
 #: Backends every target has, after its own order: collectives have one implementation (torch.distributed).
 ALWAYS = ("collective",)
 #: Modules that define the known backends (imported on first use, so the registry fills lazily).
-MODULES = {"triton": "k3c.codegen.triton.backend", "library": "k3c.codegen.library",
-           "view": "k3c.codegen.library", "collective": "k3c.codegen.collective"}
+MODULES = {"triton": "k3c.codegen.triton.backend", "tvm": "k3c.codegen.tvm.backend",
+           "library": "k3c.codegen.library", "view": "k3c.codegen.library", "collective": "k3c.codegen.collective"}
 
 
 @dataclass

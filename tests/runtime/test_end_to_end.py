@@ -1,4 +1,4 @@
-"""Compile a random checkpoint of each tiny preset, run the artifact on CPU (Triton kernels interpreted), and
+"""Compile a random checkpoint of each tiny preset with the Triton backend, run the artifact on CPU (Triton kernels interpreted), and
 compare every logit with `models/k3.py` eager: a 64-token prefill, then 32 decode steps, batch 1 and 3."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def compiled(request, tmp_path_factory):
     model = save_random_checkpoint(K3Config.from_pretrained(request.param), root / "ckpt", seed=1,
                                    dtype=torch.float32)
     opts = CompileOptions(str(root / "ckpt"), root / "art", target="cpu-x86-64", max_batch=3, max_seq=PROMPT + STEPS,
-                          max_prefill=PROMPT, dtype="f32")
+                          max_prefill=PROMPT, dtype="f32", backend="triton")
     compile_model(opts)
     return model.eval(), k3c.load(opts.out, "cpu")
 
