@@ -36,6 +36,7 @@ CUDA_THREADS = 128
 #: Partial sums of `Func.dot` (8 fp32 = one AVX2 register).
 LANES = 8
 _SYMBOL = re.compile(r"[A-Za-z_]\w*")
+_CEIL = re.compile(r"ceiling\(([^()]*)/(\d+)\)")
 
 
 def check_single_node(group) -> None:
@@ -50,8 +51,9 @@ def dim_expr(d) -> str:
     """TVMScript text of IR dim `d` (an int or a sympy expression over B, T, L) over the size arguments,
     parenthesized unless it is one name or number.
 
+    `ceiling(e/k)` (a token shard's rows, `k3c/ir/ops/collective.py`) becomes the integer `(e + k - 1) // k`.
     Raises `UnsupportedError` for a dim over another symbol or function (floor, Max, ...)."""
-    text = dim_str(d)
+    text = _CEIL.sub(lambda m: f"(({m.group(1)}) + {int(m.group(2)) - 1}) // {m.group(2)}", dim_str(d))
 
     def sub(m):
         name = m.group(0)
