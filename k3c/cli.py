@@ -170,13 +170,15 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                 dump: Path = typer.Option(None, help="write the IR after every pass here"),
                 dtype: str = typer.Option("bf16", help="activation and weight dtype: bf16 or f32"),
                 backend: str = typer.Option(None, help="preferred code generator (triton | tvm) [default: the "
-                                                       "target's: triton on GPUs, tvm on CPUs]")):
+                                                       "target's: triton on GPUs, tvm on CPUs]"),
+                allow_oversize: bool = typer.Option(False, "--allow-oversize", help="write an artifact that does not "
+                                                    "fit the target's memory (for planning; see k3c/memory/budget.py)")):
     """Compile MODEL into an artifact: kernels, memory plan, schedule, weights, cost report."""
     from k3c.compile import CompileOptions, compile_model
 
     max_prefill = min(1024, max_seq) if max_prefill is None else max_prefill
     opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype,
-                          backend)
+                          backend, allow_oversize)
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     if out_dir.exists() and not force:
         raise K3CError(f"{out_dir}: already exists (pass --force to replace it)")
@@ -191,6 +193,8 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
               f"(lower bound {mib(s['lower_bound']['prefill'])}), decode {mib(s['arena']['decode'])}; pools "
               + ", ".join(f"{k} {mib(v)}" for k, v in s["pools"].items())
               + f"; roofline decode step {s['time']['decode'] * 1e3:.3f} ms; {s['seconds']:.1f} s")
+    if s["warning"]:
+        err.print(f"[yellow]warning:[/] {s['warning']}", highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -30,7 +30,8 @@ from k3c.ir.graph import Graph
 from k3c.ir.kernels import KernelGroup, kernel_groups
 from k3c.ir.ops import get_op
 from k3c.ir.printer import print_graph
-from k3c.ir.types import evaluate, torch_dtype
+from k3c.ir.types import evaluate, nbytes, torch_dtype
+from k3c.memory.budget import budget
 from k3c.passes.derived import materialize_params
 from k3c.passes.pipeline import run_pipeline
 from k3c.runtime.artifact import ArtifactWriter
@@ -57,13 +58,18 @@ class CompileOptions:
     dump: Path | None = None
     dtype: str = "bf16"
     backend: str | None = None
+    allow_oversize: bool = False
 
 
 def compile_model(opts: CompileOptions, progress=None) -> dict:
     """Compile per `opts`; returns a summary (nodes, kernels, arena and pools in bytes, seconds).
 
-    Raises ConfigError (bad model or options), CheckpointError (bad weights), UnsupportedError (tp > 1; weights
-    requested for a model given without a checkpoint), ArtifactError (output directory problems).
+    The memory budget (`k3c.memory.budget`: weights + arena + pools per rank against the target's memory) is
+    checked before anything is written and recorded in plan.json; summary["warning"] is its line when the
+    artifact does not fit one device (a plan-only build for several GPUs, or `allow_oversize`).
+    Raises ConfigError (bad model or options; an artifact over the memory budget without `allow_oversize`),
+    CheckpointError (bad weights), UnsupportedError (tp > 1; weights requested for a model given without a
+    checkpoint), ArtifactError (output directory problems).
     """
     with _gc_paused():
         return _compile(opts, progress)
@@ -113,6 +119,12 @@ def _compile(opts: CompileOptions, progress) -> dict:
                                                  dump_dir=opts.dump / entry if opts.dump else None)
             passes = [r.name for r in report.passes]
         summary = {"model": cfg.name, "nodes": {e: len(g.nodes) for e, g in graphs.items()}, "kernels": 0}
+        # the memory budget before any kernel is emitted or file written: ConfigError when it may not be written
+        pools = _pools(graphs["decode"], opts)
+        params = {k: v.type for g in graphs.values() for k, v in g.params.items()}
+        fit = budget(ctx.target, sum(nbytes(t) for t in params.values()),
+                     max(g.memory_plan.arena_bytes for g in graphs.values()), pools)
+        summary["warning"] = fit.check(opts.plan_only, opts.allow_oversize)
         groups = {e: kernel_groups(g) for e, g in graphs.items()}
         schedules, costs = {}, {}
         for entry, g in graphs.items():
@@ -132,9 +144,8 @@ def _compile(opts: CompileOptions, progress) -> dict:
             writer.add_json("kernels/index.json", dict(sorted(index.items())))
         generating = {b.name for b in ctx.backends if b.generates}
         summary["kernels"] = sum(1 for e in schedules.values() for ln in e["launches"] if ln["backend"] in generating)
-        pools = _pools(graphs["decode"], opts)
         writer.add_json("plan.json", {"bounds": bindings, "arena": {e: g.memory_plan.to_json() for e, g in graphs.items()},
-                                      "pools": pools, "pool_totals": pool_totals(pools)})
+                                      "pools": pools, "pool_totals": pool_totals(pools), "budget": fit.to_json()})
         writer.add_json("schedule.json", schedules)
         # pass names only: timings would make two builds of the same input differ
         writer.add_json("report.json", {"target": ctx.target.name, "entries": costs, "passes": passes,

@@ -56,7 +56,7 @@ def test_round_trip(tmp_path):
     # the file is standard safetensors: the library reads it and its metadata
     with safetensors.safe_open(out / "weights/rank0.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt", "rank": "0"} and sorted(f.keys()) == sorted(_tensors())
-    assert set(_tree(out)) == {"manifest.json", "plan.json", "schedule.json", "report.json", "kernels/k0.py",
+    assert set(_tree(out)) == {"manifest.json", "build.json", "plan.json", "schedule.json", "report.json", "kernels/k0.py",
                                "kernels/k0.cubin", "graph/final.txt", "weights/rank0.safetensors"}
 
 
@@ -210,7 +210,7 @@ def test_failed_add_leaves_no_partial_file(tmp_path):
         w.add_json("schedule.json", {})
         w.add_json("report.json", {})
         out = w.commit(**MANIFEST_FIELDS)
-    assert read_artifact(out).files.keys() == {"plan.json", "schedule.json", "report.json"}
+    assert read_artifact(out).files.keys() == {"build.json", "plan.json", "schedule.json", "report.json"}
     with pytest.raises(ArtifactError, match="already committed"):
         w.commit(**MANIFEST_FIELDS)
 
