@@ -15,7 +15,7 @@ import k3c  # noqa: E402
 from models.config import TINY_PRESETS  # noqa: E402
 from runtime_sizes import BACKENDS, MAX_PREFILL, PROMPT, STEPS  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # compiles artifacts and interprets them: `make test`, not `make test-quick`
 
 
 @pytest.fixture(scope="module", params=[(p, b) for p in TINY_PRESETS for b in BACKENDS], ids="-".join)
