@@ -108,8 +108,9 @@ def derive(art) -> Facts:
             pools[name] = (_dtype(t["dtype"], f"schedule.json: pool {name!r}"), shape(t["shape"], full))
             rec = plan["pools"].get(name)
             if rec is None or tuple(rec["shape"]) != pools[name][1] or rec["dtype"] != t["dtype"]:
-                raise ArtifactError(f"plan.json: pools.{name} is {rec and (rec['dtype'], rec['shape'])}, but "
-                                    f"schedule.json gives {t['dtype']} {list(pools[name][1])} at the bounds")
+                found = f"{rec['dtype']} {rec['shape']}" if rec else "absent"
+                raise ArtifactError(f"plan.json: pools.{name} is {found}, but schedule.json gives {t['dtype']} "
+                                    f"{list(pools[name][1])} at the bounds")
         arena = 0
         for entry, a in plan["arena"].items():
             sizes = dict(plan["bounds"][entry])

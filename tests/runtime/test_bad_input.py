@@ -294,3 +294,16 @@ def test_artifact_beyond_free_memory_is_refused_at_load(art, tmp_path):
     assert rc == 0
     rc, err = k3c_cli("run", tmp_path / "big", "--tokens", "1,2")
     assert rc == 2 and "the artifact needs" in err and "is free (pools.kv" in err and "max_batch 100000" in err
+
+
+def test_plan_bounds_edited_with_its_hash_are_cross_checked(art, tmp_path):
+    """plan.json edited and its hash updated in the manifest: the bounds the runtime takes from it must still agree
+    with the pools and arena it records (here max_batch raised in both entries)."""
+    import hashlib
+
+    a = _copy(art / "art", tmp_path / "a")
+    _edit_json(a / "plan.json", lambda p: [b.__setitem__("B", 1000) for b in p["bounds"].values()])
+    digest = hashlib.sha256((a / "plan.json").read_bytes()).hexdigest()
+    _edit_json(a / "manifest.json", lambda m: m["files"].__setitem__("plan.json", digest))
+    with pytest.raises(ArtifactError, match=r"plan.json: pools\.\S+ is .* but schedule.json gives .* at the bounds"):
+        k3c.load(a, "cpu")
