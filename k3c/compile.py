@@ -121,7 +121,7 @@ def _compile(opts: CompileOptions, progress) -> dict:
         summary = {"model": cfg.name, "nodes": {e: len(g.nodes) for e, g in graphs.items()}, "kernels": 0}
         # the memory budget before any kernel is emitted or file written: ConfigError when it may not be written
         pools = _pools(graphs["decode"], opts)
-        params = {k: v.type for g in graphs.values() for k, v in g.params.items()}
+        params = {k: v.type for g in graphs.values() for k, v in _read_params(g).items()}
         fit = budget(ctx.target, sum(nbytes(t) for t in params.values()),
                      max(g.memory_plan.arena_bytes for g in graphs.values()), pools)
         summary["warning"] = fit.check(opts.plan_only, opts.allow_oversize)
@@ -180,12 +180,19 @@ def _schedule(g: Graph, groups: list[KernelGroup], ctx: CompileContext) -> dict:
             "values": dict(sorted(values.items())), "launches": launches}
 
 
+def _read_params(g: Graph) -> dict:
+    """The parameters of `g` some node reads (key -> Value): what the artifact stores and the runtime checks; a
+    parameter no node reads (e.g. the norm of a one-source AttnRes) is left out."""
+    read = {id(v) for n in g.nodes for v in n.inputs}
+    return {k: v for k, v in g.params.items() if id(v) in read}
+
+
 def _weights(model, graphs: dict[str, Graph]) -> dict[str, torch.Tensor]:
     named = {k: p.detach() for k, p in model.named_parameters()}
     out: dict[str, torch.Tensor] = {}
     for g in graphs.values():
         mat = materialize_params(g, named)
-        for key, v in g.params.items():
+        for key, v in _read_params(g).items():
             out[key] = mat[key].to(torch_dtype(v.type.dtype)).contiguous()
     return dict(sorted(out.items()))
 
