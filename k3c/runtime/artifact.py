@@ -6,8 +6,9 @@ any other file), `graph/`, `kernels/`, `plan.json`, `schedule.json`, `report.jso
 (safetensors; absent for a plan-only build).
 Integrity: every file is checked against its sha256 in `files`, and every other manifest field against the hashed
 `build.json` (`read_artifact`), so no byte the runtime reads escapes the check; the runtime itself derives bounds,
-dtypes and shapes from the hashed `plan.json` / `schedule.json` (`k3c.runtime.checks`). A `.k3c` file is the same tree as one
-uncompressed tar (manifest first, then the files in sorted order, mtimes/uids zeroed), readable in place.
+dtypes and shapes from the hashed `plan.json` / `schedule.json` (`k3c.runtime.checks`).
+A `.k3c` file is the same tree as one uncompressed tar (manifest first, then the files in sorted order,
+mtimes/uids zeroed), readable in place.
 
 Runtime code: imports only the standard library, torch, safetensors and k3c.errors, never the compiler.
 Determinism: identical inputs give byte-identical files: JSON with sorted keys, fixed separators, a trailing
@@ -461,8 +462,13 @@ def _check_manifest_fields(p: Path, manifest: dict, hashed: Any) -> None:
     diff = _first_difference(fields, hashed, "")
     if diff:
         field, found, want = diff
-        raise ArtifactError(f"{p}: {MANIFEST} field {field[1:]} is {found!r} but the hashed {BUILD} records "
-                            f"{want!r} (the manifest was edited); restore it or recompile")
+        raise ArtifactError(f"{p}: {MANIFEST} field {field[1:]} is {_short(found)} but the hashed {BUILD} records "
+                            f"{_short(want)} (the manifest was edited); restore it or recompile")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def pack(src: str | os.PathLike, out: str | os.PathLike | None = None, force: bool = False) -> Path:

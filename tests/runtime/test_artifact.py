@@ -112,6 +112,30 @@ def test_newer_format_version_is_refused(tmp_path):
         read_artifact(out)
 
 
+def test_older_format_version_is_refused(tmp_path):
+    out = _write(tmp_path / "art")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["format_version"] = A.FORMAT_VERSION - 1
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=f"format version {A.FORMAT_VERSION - 1} predates.*recompile it"):
+        read_artifact(out)
+
+
+@pytest.mark.parametrize("edit, field", [(lambda m: m["config"].__setitem__("hidden_size", 65), "config.hidden_size"),
+                                         (lambda m: m["bounds"].pop("max_seq"), "bounds.max_seq"),
+                                         (lambda m: m.__setitem__("tp", 1.0), "tp"),
+                                         (lambda m: m.__setitem__("extra", {"dtype": "f32"}), "extra")])
+def test_edited_manifest_field_is_named(tmp_path, edit, field):
+    """Every manifest field but `files` is checked against the hashed build.json (types too: 1.0 is not 1)."""
+    out = _write(tmp_path / "art")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert json.loads((out / "build.json").read_text()) == {k: v for k, v in manifest.items() if k != "files"}
+    edit(manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=f"manifest.json field {field} is .* but the hashed build.json records"):
+        read_artifact(out)
+
+
 def test_existing_out_dir_refused_and_force_replaces(tmp_path):
     out = _write(tmp_path / "art", plan={"arena_bytes": 1})
     with pytest.raises(ArtifactError, match="already exists"):
