@@ -6,7 +6,10 @@ group is emitted as a module under `kernels/` (with `kernels/index.json`, the ke
 launch order with buffer names goes to `schedule.json`, the arena and pools to `plan.json`, per-op FLOPs / bytes and
 roofline times to `report.json`, and the weights (derived ones such as MLA's absorbed matrices materialised) to
 `weights/params.safetensors`; `--report` adds what the HTML report shows (`k3c.report.collect`: the IR after every
-pass, per-kernel costs) under `report/`. `--plan-only` skips kernels' weights (a config or preset without a checkpoint can
+pass, per-kernel costs) under `report/`. With `--tp N` the `parallel` phase splits the model (`k3c.parallel`);
+one graph, schedule and plan serve every rank (the same shapes: only weights and the collectives' values differ by
+rank), and rank r's weights go to `weights/rank{r}.safetensors`; the summary adds the bytes each rank communicates
+per decode step (`communication`). `--plan-only` skips kernels' weights (a config or preset without a checkpoint can
 only be compiled plan-only). The same input gives a byte-identical artifact; writing is atomic.
 """
 
@@ -33,6 +36,7 @@ from k3c.ir.ops import get_op
 from k3c.ir.printer import print_graph
 from k3c.ir.types import evaluate, nbytes, torch_dtype
 from k3c.memory.budget import budget
+from k3c.parallel import check_layout, communication
 from k3c.passes.derived import materialize_params
 from k3c.passes.pipeline import PHASES, run_pipeline
 from k3c.report.collect import PassLog, kernel_rows, report_files
@@ -61,6 +65,7 @@ class CompileOptions:
     dtype: str = "bf16"
     backend: str | None = None
     report: bool = False
+    ep: int = 1  # expert groups: 1 (experts split over their width) or tp (experts partitioned); k3c.parallel
     allow_oversize: bool = False
 
 
@@ -72,9 +77,9 @@ def compile_model(opts: CompileOptions, progress=None) -> dict:
     The memory budget (`k3c.memory.budget`: weights + arena + pools per rank against the target's memory) is
     checked before anything is written and recorded in plan.json; summary["warning"] is its line when the
     artifact does not fit one device (a plan-only build for several GPUs, or `allow_oversize`).
-    Raises ConfigError (bad model or options; an artifact over the memory budget without `allow_oversize`),
-    CheckpointError (bad weights), UnsupportedError (tp > 1; weights requested for a model given without a
-    checkpoint), ArtifactError (output directory problems).
+    Raises ConfigError (bad model or options, a --tp / --ep that does not split the model, an artifact over the
+    memory budget without `allow_oversize`), CheckpointError (bad weights), UnsupportedError (weights requested
+    for a model given without a checkpoint), ArtifactError (output directory problems).
     """
     with _gc_paused():
         return _compile(opts, progress)
@@ -96,12 +101,10 @@ def _gc_paused():
 
 def _compile(opts: CompileOptions, progress) -> dict:
     t0 = time.perf_counter()
-    if opts.tp != 1:
-        CompileContext(tp=opts.tp)  # validates the value first (a ConfigError for --tp 0)
-        raise UnsupportedError("tensor parallelism (--tp > 1) is estimated by `k3c plan` but not compiled yet")
     cfg = K3Config.from_pretrained(opts.model)
+    check_layout(cfg, opts.tp, opts.ep)
     ctx = CompileContext(target=load_target(opts.target), dtype=opts.dtype, max_batch=opts.max_batch,
-                         max_seq=opts.max_seq, max_prefill=opts.max_prefill, tp=opts.tp,
+                         max_seq=opts.max_seq, max_prefill=opts.max_prefill, tp=opts.tp, ep=opts.ep,
                          backend=opts.backend).resolve()
     if cfg.max_position_embeddings and opts.max_seq > cfg.max_position_embeddings:
         raise ConfigError(f"--max-seq {opts.max_seq} exceeds the model's context of {cfg.max_position_embeddings} "
@@ -169,16 +172,24 @@ def _compile(opts: CompileOptions, progress) -> dict:
                                         "backends": [b.name for b in ctx.backends]})
         if not opts.plan_only:
             tick("weights", 0, None)
-            writer.add_tensors("weights/params.safetensors", _weights(model, graphs))
+            for rank in range(opts.tp):
+                writer.add_tensors(weights_file(rank, opts.tp), _weights(model, graphs, rank))
         writer.commit(config=cfg.raw, target=ctx.target.to_dict(), tp=opts.tp, bounds=ctx.bounds_json,
                       entry_points={e: {"graph": f"graph/{e}.json"} for e in graphs},
                       extra={"k3c_version": __version__, "plan_only": opts.plan_only, "dtype": opts.dtype,
-                             "vocab_size": cfg.vocab_size})
+                             "vocab_size": cfg.vocab_size, "ep": opts.ep})
     summary.update(arena={e: g.memory_plan.arena_bytes for e, g in graphs.items()},
                    lower_bound={e: g.memory_plan.lower_bound for e, g in graphs.items()},
                    pools=pool_totals(pools), seconds=time.perf_counter() - t0,
-                   time={e: c["total"]["roofline_s"] for e, c in costs.items()})
+                   time={e: c["total"]["roofline_s"] for e, c in costs.items()},
+                   communication=communication(graphs["decode"], bindings["decode"], opts.tp))
     return summary
+
+
+def weights_file(rank: int, tp: int) -> str:
+    """The artifact path of rank `rank`'s weights: `weights/params.safetensors` at tp = 1, else
+    `weights/rank{rank}.safetensors` (the runtime's `k3c.runtime.session` reads the same names)."""
+    return "weights/params.safetensors" if tp == 1 else f"weights/rank{rank}.safetensors"
 
 
 def _observer(entry: str, tick, log: PassLog | None):
@@ -219,11 +230,11 @@ def _read_params(g: Graph) -> dict:
     return {k: v for k, v in g.params.items() if id(v) in read}
 
 
-def _weights(model, graphs: dict[str, Graph]) -> dict[str, torch.Tensor]:
+def _weights(model, graphs: dict[str, Graph], rank: int) -> dict[str, torch.Tensor]:
     named = {k: p.detach() for k, p in model.named_parameters()}
     out: dict[str, torch.Tensor] = {}
     for g in graphs.values():
-        mat = materialize_params(g, named)
+        mat = materialize_params(g, named, rank=rank)
         for key, v in _read_params(g).items():
             out[key] = mat[key].to(torch_dtype(v.type.dtype)).contiguous()
     return dict(sorted(out.items()))
