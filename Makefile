@@ -1,7 +1,8 @@
 # Two commands do all set-up on a fresh machine (no GPU needed):
 #   make run    compile the default tiny model and run it
-#   make test   run the test suite (installs the system packages it uses when root: graphviz, chromium)
-#   make test-quick   the suite without the tests marked slow (full-size models)
+#   make test        run the whole test suite (what CI runs; installs the system packages it uses when root:
+#                    graphviz, chromium), slowest 25 tests listed
+#   make test-quick  the edit-test loop: the suite without the tests marked slow (full-size models, end to end)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -29,10 +30,10 @@ sysdeps:
 	else echo "system packages missing:$$missing (apt-get install$$missing); their tests are skipped"; fi
 
 test: $(STAMP) sysdeps
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q --durations=25
 
 test-quick: $(STAMP) sysdeps
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow"
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow and not gpu" --durations=10
 
 clean:
 	rm -rf $(VENV) build out

@@ -313,7 +313,9 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                 backend: str = typer.Option(None, help="preferred code generator (triton | tvm) [default: the "
                                                        "target's: triton on GPUs, tvm on CPUs]"),
                 report: Path = typer.Option(None, help="also keep the report data in the artifact and write the "
-                                                       "HTML report (`k3c report`) to this file")):
+                                                       "HTML report (`k3c report`) to this file"),
+                allow_oversize: bool = typer.Option(False, "--allow-oversize", help="write an artifact that does not "
+                                                    "fit the target's memory (for planning; see k3c/memory/budget.py)")):
     """Compile MODEL into an artifact: kernels, memory plan, schedule, weights, cost report."""
     from k3c.targets import load_target
     from models.config import K3Config
@@ -336,7 +338,7 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
 
     max_prefill = min(1024, max_seq) if max_prefill is None else max_prefill
     opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype,
-                          backend, report=report is not None, ep=ep)
+                          backend, report=report is not None, ep=ep, allow_oversize=allow_oversize)
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     with progress_bars() as progress:
         s = compile_model(opts, progress=progress)
@@ -351,6 +353,8 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
               + ", ".join(f"{k} {mib(v)}" for k, v in s["pools"].items())
               + f"; roofline decode step {s['time']['decode'] * 1e3:.3f} ms; {s['seconds']:.1f} s"
               + (f"; report {report}" if report is not None else ""))
+    if s["warning"]:
+        err.print(f"[yellow]warning:[/] {s['warning']}", highlight=False, soft_wrap=True)
     if tp > 1:
         c = s["communication"]
         out.print(f"per rank and decode step at --max-batch {max_batch}: {mib(c['bytes'])} on the wire (plain "

@@ -34,7 +34,8 @@ from k3c.ir.graph import Graph
 from k3c.ir.kernels import KernelGroup, kernel_groups
 from k3c.ir.ops import get_op
 from k3c.ir.printer import print_graph
-from k3c.ir.types import evaluate, torch_dtype
+from k3c.ir.types import evaluate, nbytes, torch_dtype
+from k3c.memory.budget import budget
 from k3c.parallel import check_layout, communication
 from k3c.passes.derived import materialize_params
 from k3c.passes.pipeline import PHASES, run_pipeline
@@ -65,6 +66,7 @@ class CompileOptions:
     backend: str | None = None
     report: bool = False
     ep: int = 1  # expert groups: 1 (experts split over their width) or tp (experts partitioned); k3c.parallel
+    allow_oversize: bool = False
 
 
 def compile_model(opts: CompileOptions, progress=None) -> dict:
@@ -72,9 +74,12 @@ def compile_model(opts: CompileOptions, progress=None) -> dict:
 
     `progress(step, done, total)` (optional) is called as each step advances: "import prefill" / "import decode"
     (layers), "passes prefill" / "passes decode" (passes), code generation per backend and "weights" (total None).
-    Raises ConfigError (bad model or options, a --tp / --ep that does not split the model), CheckpointError (bad
-    weights), UnsupportedError (weights requested for a model given without a checkpoint), ArtifactError (output
-    directory problems).
+    The memory budget (`k3c.memory.budget`: weights + arena + pools per rank against the target's memory) is
+    checked before anything is written and recorded in plan.json; summary["warning"] is its line when the
+    artifact does not fit one device (a plan-only build for several GPUs, or `allow_oversize`).
+    Raises ConfigError (bad model or options, a --tp / --ep that does not split the model, an artifact over the
+    memory budget without `allow_oversize`), CheckpointError (bad weights), UnsupportedError (weights requested
+    for a model given without a checkpoint), ArtifactError (output directory problems).
     """
     with _gc_paused():
         return _compile(opts, progress)
@@ -125,6 +130,12 @@ def _compile(opts: CompileOptions, progress) -> dict:
                                                  observe=_observer(entry, tick, log))
             passes = [r.name for r in report.passes]
         summary = {"model": cfg.name, "nodes": {e: len(g.nodes) for e, g in graphs.items()}, "kernels": 0}
+        # the memory budget before any kernel is emitted or file written: ConfigError when it may not be written
+        pools = _pools(graphs["decode"], opts)
+        params = {k: v.type for g in graphs.values() for k, v in _read_params(g).items()}
+        fit = budget(ctx.target, sum(nbytes(t) for t in params.values()),
+                     max(g.memory_plan.arena_bytes for g in graphs.values()), pools)
+        summary["warning"] = fit.check(opts.plan_only, opts.allow_oversize)
         groups = {e: kernel_groups(g) for e, g in graphs.items()}
         schedules, costs = {}, {}
         for entry, g in graphs.items():
@@ -153,9 +164,8 @@ def _compile(opts: CompileOptions, progress) -> dict:
                 (writer.add_text if isinstance(data, str) else writer.add_json)(path, data)
         generating = {b.name for b in ctx.backends if b.generates}
         summary["kernels"] = sum(1 for e in schedules.values() for ln in e["launches"] if ln["backend"] in generating)
-        pools = _pools(graphs["decode"], opts)
         writer.add_json("plan.json", {"bounds": bindings, "arena": {e: g.memory_plan.to_json() for e, g in graphs.items()},
-                                      "pools": pools, "pool_totals": pool_totals(pools)})
+                                      "pools": pools, "pool_totals": pool_totals(pools), "budget": fit.to_json()})
         writer.add_json("schedule.json", schedules)
         # pass names only: timings would make two builds of the same input differ
         writer.add_json("report.json", {"target": ctx.target.name, "entries": costs, "passes": passes,
@@ -213,12 +223,19 @@ def _schedule(g: Graph, groups: list[KernelGroup], ctx: CompileContext) -> dict:
             "values": dict(sorted(values.items())), "launches": launches}
 
 
+def _read_params(g: Graph) -> dict:
+    """The parameters of `g` some node reads (key -> Value): what the artifact stores and the runtime checks; a
+    parameter no node reads (e.g. the norm of a one-source AttnRes) is left out."""
+    read = {id(v) for n in g.nodes for v in n.inputs}
+    return {k: v for k, v in g.params.items() if id(v) in read}
+
+
 def _weights(model, graphs: dict[str, Graph], rank: int) -> dict[str, torch.Tensor]:
     named = {k: p.detach() for k, p in model.named_parameters()}
     out: dict[str, torch.Tensor] = {}
     for g in graphs.values():
         mat = materialize_params(g, named, rank=rank)
-        for key, v in g.params.items():
+        for key, v in _read_params(g).items():
             out[key] = mat[key].to(torch_dtype(v.type.dtype)).contiguous()
     return dict(sorted(out.items()))
 

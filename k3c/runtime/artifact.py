@@ -1,9 +1,14 @@
 """Artifact I/O: write an artifact directory atomically and deterministically, read and verify it, pack it.
 
 Layout (DESIGN.md "Artifact"): `manifest.json` (format_version, k3c_version, config, target, tp, bounds,
-entry_points, files: {relpath: sha256 hex}), `graph/`, `kernels/`, `plan.json`, `schedule.json`, `report.json`
-and optional `weights/` (safetensors; absent for a plan-only build). A `.k3c` file is the same tree as one
-uncompressed tar (manifest first, then the files in sorted order, mtimes/uids zeroed), readable in place.
+entry_points, extra, files: {relpath: sha256 hex}), `build.json` (every manifest field but `files`, hashed like
+any other file), `graph/`, `kernels/`, `plan.json`, `schedule.json`, `report.json` and optional `weights/`
+(safetensors; absent for a plan-only build).
+Integrity: every file is checked against its sha256 in `files`, and every other manifest field against the hashed
+`build.json` (`read_artifact`), so no byte the runtime reads escapes the check; the runtime itself derives bounds,
+dtypes and shapes from the hashed `plan.json` / `schedule.json` (`k3c.runtime.checks`).
+A `.k3c` file is the same tree as one uncompressed tar (manifest first, then the files in sorted order,
+mtimes/uids zeroed), readable in place.
 
 Runtime code: imports only the standard library, torch, safetensors and k3c.errors, never the compiler.
 Determinism: identical inputs give byte-identical files: JSON with sorted keys, fixed separators, a trailing
@@ -31,9 +36,10 @@ import torch
 from k3c import __version__
 from k3c.errors import ArtifactError
 
-FORMAT_VERSION = 1  # the artifact format this runtime writes and reads; bump on any incompatible change
+FORMAT_VERSION = 2  # the artifact format this runtime writes and reads; bump on any incompatible change
 MANIFEST = "manifest.json"
-REQUIRED_FILES = ("plan.json", "schedule.json", "report.json")
+BUILD = "build.json"  # the manifest's fields other than `files`, hashed (format version 2)
+REQUIRED_FILES = (BUILD, "plan.json", "schedule.json", "report.json")
 _CHUNK = 1 << 22
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -187,8 +193,9 @@ class ArtifactWriter:
 
         config: the model config dict; target: Target.to_dict(); tp: tensor-parallel degree (>= 1); bounds:
         compile bounds (max_batch, max_seq, ...); entry_points: name -> description (prefill, decode);
-        extra: optional JSON data stored as manifest["extra"]. Raises ArtifactError: a required file
-        (plan.json, schedule.json, report.json) is missing, a bad field, or out_dir appeared meanwhile.
+        extra: optional JSON data stored as manifest["extra"]. The same fields also go to the hashed `build.json`.
+        Raises ArtifactError: a required file (plan.json, schedule.json, report.json) is missing, build.json was
+        added by the caller, a bad field, or out_dir appeared meanwhile.
         """
         if self._done:
             raise ArtifactError(f"artifact {self.out_dir} is already committed or aborted")
@@ -199,14 +206,15 @@ class ArtifactWriter:
                     raise ArtifactError(f"manifest field {name} must be a {kind.__name__}, got {type(value).__name__}")
             if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
                 raise ArtifactError(f"manifest field tp must be an int >= 1, got {tp!r}")
+            fields = {"format_version": FORMAT_VERSION, "k3c_version": __version__, "config": config,
+                      "target": target, "tp": tp, "bounds": bounds, "entry_points": entry_points}
+            if extra:
+                fields["extra"] = extra
+            self._write(BUILD, [canonical_json(fields, BUILD)])
             missing = [f for f in REQUIRED_FILES if f not in self._hashes]
             if missing:
                 raise ArtifactError(f"artifact {self.out_dir} lacks required file(s): {', '.join(missing)}")
-            manifest = {"format_version": FORMAT_VERSION, "k3c_version": __version__, "config": config,
-                        "target": target, "tp": tp, "bounds": bounds, "entry_points": entry_points,
-                        "files": dict(sorted(self._hashes.items()))}
-            if extra:
-                manifest["extra"] = extra
+            manifest = {**fields, "files": dict(sorted(self._hashes.items()))}
             data = canonical_json(manifest, MANIFEST)
             staging = self._ensure_staging()
             (staging / MANIFEST).write_bytes(data)
@@ -401,6 +409,9 @@ def read_artifact(path: str | os.PathLike, verify: bool = True) -> Artifact:
         raise ArtifactError(f"{p}: artifact format version {version} (written by k3c "
                             f"{manifest.get('k3c_version', '?')}) is newer than this runtime reads (format "
                             f"version {FORMAT_VERSION}, k3c {__version__}); upgrade k3c or recompile")
+    if version < FORMAT_VERSION:
+        raise ArtifactError(f"{p}: artifact format version {version} predates this runtime's (format version "
+                            f"{FORMAT_VERSION}: {MANIFEST} checked against the hashed {BUILD}); recompile it")
     files = manifest.get("files")
     if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
         raise ArtifactError(f"{p}: {MANIFEST} has no valid 'files' map")
@@ -422,7 +433,42 @@ def read_artifact(path: str | os.PathLike, verify: bool = True) -> Artifact:
             if digest.hexdigest() != files[rel]:
                 raise ArtifactError(f"{p}: {rel} is corrupted (sha256 differs from the manifest)")
             verified.add(rel)
-    return Artifact(p, manifest, source, verified)
+    art = Artifact(p, manifest, source, verified)
+    _check_manifest_fields(p, manifest, art.read_json(BUILD))
+    return art
+
+
+def _first_difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
+    """The first (dotted path, a's value, b's value) where JSON values `a` and `b` differ, keys in sorted order."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            if key not in a or key not in b:
+                return f"{path}.{key}", a.get(key, "<absent>"), b.get(key, "<absent>")
+            diff = _first_difference(a[key], b[key], f"{path}.{key}")
+            if diff:
+                return diff
+        return None
+    if type(a) is not type(b) or a != b:  # 1 vs 1.0 vs True differ too
+        return path, a, b
+    return None
+
+
+def _check_manifest_fields(p: Path, manifest: dict, hashed: Any) -> None:
+    """Every manifest field but `files` must equal the hashed build.json's. Raises ArtifactError naming the first
+    field that differs (e.g. `bounds.max_seq`), both values, and the fix."""
+    if not isinstance(hashed, dict):
+        raise ArtifactError(f"{p}: {BUILD} is not a JSON object")
+    fields = {k: v for k, v in manifest.items() if k != "files"}
+    diff = _first_difference(fields, hashed, "")
+    if diff:
+        field, found, want = diff
+        raise ArtifactError(f"{p}: {MANIFEST} field {field[1:]} is {_short(found)} but the hashed {BUILD} records "
+                            f"{_short(want)} (the manifest was edited); restore it or recompile")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def pack(src: str | os.PathLike, out: str | os.PathLike | None = None, force: bool = False) -> Path:

@@ -13,13 +13,16 @@ a library call (torch/cuBLAS) or a view. Intermediates live at the offsets of `p
 prefilled in chunks. On CUDA, decode steps after the first at a batch size replay piecewise CUDA graphs
 (`k3c.runtime.graphs`; `cuda_graphs=False` launches every kernel from Python). This module never imports the
 compiler: only torch, safetensors and the artifact files.
+Bounds, dtypes and shapes come from the hashed plan.json / schedule.json and are checked before anything is
+allocated (`k3c.runtime.checks`): weights against the schedule, weights + arena + pools against free memory.
+Errors: ArtifactError (bad or inconsistent artifact, naming the file and key), RuntimeInputError (the artifact
+does not fit the device's free memory, tokens out of vocabulary, batch or context beyond the bounds, a batch size
+that changes between calls).
 
 A multi-rank artifact (`manifest.json` tp = N > 1) runs as N processes, one per rank, in a torch.distributed
 process group of world size N (started by `torchrun`, or by `k3c run`, which spawns them): each process loads
 `weights/rank{r}.safetensors` for its own rank r and runs the shared schedule; the collectives go through
 `k3c.runtime.launchers.collective`.
-Errors: ArtifactError (bad artifact), RuntimeInputError (tokens out of vocabulary, batch or context beyond the
-bounds, a batch size that changes between calls).
 """
 
 from __future__ import annotations
@@ -35,11 +38,10 @@ import torch
 
 from k3c.errors import ArtifactError, RuntimeInputError
 from k3c.runtime.artifact import read_artifact
-from k3c.runtime.dims import shape
+from k3c.runtime.checks import WEIGHTS, check_memory, check_weights, derive
 from k3c.runtime.frame import Frame
 from k3c.runtime.graphs import DecodeGraphs
 from k3c.runtime.launchers import make_launchers
-from k3c.runtime.library import DTYPES
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "cpu", *, cuda_graphs: bool = True) -> "Session":
@@ -84,42 +86,36 @@ class Session:
             self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeInputError(f"device {device!r}: this torch build or machine has no CUDA GPU")
-        art = read_artifact(path)
+        art = read_artifact(path)  # every file against its hash, manifest.json against the hashed build.json
         self.manifest = art.manifest
         if not art.has_weights:
             raise ArtifactError(f"{path}: a plan-only artifact has no weights and cannot run (compile without --plan-only)")
-        b = self.manifest["bounds"]
-        self.max_batch, self.max_seq, self.max_prefill = b["max_batch"], b["max_seq"], b["max_prefill"]
-        self.vocab = self.manifest["extra"].get("vocab_size")
+        facts = derive(art)  # bounds, vocabulary, weight / pool types: from the hashed plan.json and schedule.json
+        self.max_batch, self.max_seq, self.max_prefill, self.vocab = (facts.max_batch, facts.max_seq,
+                                                                      facts.max_prefill, facts.vocab)
         self.schedule = art.schedule
-        dtype = self.manifest["extra"].get("dtype", "f32")
-        uses_triton = any(ln["backend"] == "triton" for e in self.schedule.values() for ln in e["launches"])
-        if self.device.type == "cpu" and dtype != "f32" and uses_triton:
+        low = sorted(facts.triton_dtypes & {"bf16", "f16"})
+        if self.device.type == "cpu" and low:
             # Triton's interpreter multiplies bf16 tiles wrongly in tl.dot (triton 3.9: errors of 1e10 on a 16x16
             # product), so a CPU run of a bf16 Triton artifact would give wrong logits without any error
-            raise RuntimeInputError(f"{path}: a {dtype} artifact with Triton kernels cannot run on CPU (Triton's "
-                                    f"interpreter computes {dtype} tl.dot wrongly); compile it for a CPU target "
+            raise RuntimeInputError(f"{path}: a {low[0]} artifact with Triton kernels cannot run on CPU (Triton's "
+                                    f"interpreter computes {low[0]} tl.dot wrongly); compile it for a CPU target "
                                     f"(--target cpu-x86-64) or with --dtype f32, or run it on cuda")
-        dec = self.schedule["decode"]
-        if self.vocab != dec["values"][dec["outputs"]["logits"]]["shape"][-1]:  # manifest.json is not hashed
-            raise ArtifactError(f"{path}: manifest.json's vocab_size {self.vocab!r} disagrees with the logits of "
-                                f"schedule.json")
+        check_memory(facts, self.device)
         plan = art.plan
         self.offsets = {e: {k: v["offset"] for k, v in plan["arena"][e]["buffers"].items()} for e in plan["arena"]}
-        arena_bytes = max(plan["arena"][e]["arena_bytes"] for e in plan["arena"])
-        self.arena = torch.empty(max(arena_bytes, 1), dtype=torch.uint8, device=self.device)
         self.tp, self.rank = _rank(art, path, self.device)
-        wfile = "weights/params.safetensors" if self.tp == 1 else f"weights/rank{self.rank}.safetensors"
+        wfile = WEIGHTS if self.tp == 1 else f"weights/rank{self.rank}.safetensors"
         if wfile not in art.files:
             raise ArtifactError(f"{path}: rank {self.rank} of {self.tp} has no weight file {wfile}")
-        self.weights = {k: v.to(self.device) for k, v in art.load_tensors(wfile).items()}
+        weights = art.load_tensors(wfile)  # memory-mapped: checked before it is copied anywhere
+        check_weights(weights, facts, f"{path}/{wfile}")
+        self.arena = torch.empty(max(facts.arena_bytes, 1), dtype=torch.uint8, device=self.device)
+        self.weights = {k: v.to(self.device) for k, v in weights.items()}
         self._workdir = Path(tempfile.mkdtemp(prefix="k3c-kernels-"))
         weakref.finalize(self, shutil.rmtree, self._workdir, True)
         self.launchers = make_launchers(art, self.device, self.schedule, self._workdir)
-        full = {"B": self.max_batch, "L": self.max_seq, "T": 1}
-        types = self.schedule["decode"]["values"]
-        self.pools = {n: torch.zeros(shape(types[n]["shape"], full), dtype=DTYPES[types[n]["dtype"]], device=self.device)
-                      for n in self.schedule["decode"]["inputs"] if n != "tokens"}
+        self.pools = {n: torch.zeros(shp, dtype=dt, device=self.device) for n, (dt, shp) in facts.pools.items()}
         self.batch: int | None = None
         self.length = 0
         self.last_timing: dict = {}

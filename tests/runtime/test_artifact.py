@@ -56,7 +56,7 @@ def test_round_trip(tmp_path):
     # the file is standard safetensors: the library reads it and its metadata
     with safetensors.safe_open(out / "weights/rank0.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt", "rank": "0"} and sorted(f.keys()) == sorted(_tensors())
-    assert set(_tree(out)) == {"manifest.json", "plan.json", "schedule.json", "report.json", "kernels/k0.py",
+    assert set(_tree(out)) == {"manifest.json", "build.json", "plan.json", "schedule.json", "report.json", "kernels/k0.py",
                                "kernels/k0.cubin", "graph/final.txt", "weights/rank0.safetensors"}
 
 
@@ -109,6 +109,30 @@ def test_newer_format_version_is_refused(tmp_path):
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match=f"format version {A.FORMAT_VERSION + 1}.*reads \\(format version "
                                             f"{A.FORMAT_VERSION}"):
+        read_artifact(out)
+
+
+def test_older_format_version_is_refused(tmp_path):
+    out = _write(tmp_path / "art")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["format_version"] = A.FORMAT_VERSION - 1
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=f"format version {A.FORMAT_VERSION - 1} predates.*recompile it"):
+        read_artifact(out)
+
+
+@pytest.mark.parametrize("edit, field", [(lambda m: m["config"].__setitem__("hidden_size", 65), "config.hidden_size"),
+                                         (lambda m: m["bounds"].pop("max_seq"), "bounds.max_seq"),
+                                         (lambda m: m.__setitem__("tp", 1.0), "tp"),
+                                         (lambda m: m.__setitem__("extra", {"dtype": "f32"}), "extra")])
+def test_edited_manifest_field_is_named(tmp_path, edit, field):
+    """Every manifest field but `files` is checked against the hashed build.json (types too: 1.0 is not 1)."""
+    out = _write(tmp_path / "art")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert json.loads((out / "build.json").read_text()) == {k: v for k, v in manifest.items() if k != "files"}
+    edit(manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=f"manifest.json field {field} is .* but the hashed build.json records"):
         read_artifact(out)
 
 
@@ -210,7 +234,7 @@ def test_failed_add_leaves_no_partial_file(tmp_path):
         w.add_json("schedule.json", {})
         w.add_json("report.json", {})
         out = w.commit(**MANIFEST_FIELDS)
-    assert read_artifact(out).files.keys() == {"plan.json", "schedule.json", "report.json"}
+    assert read_artifact(out).files.keys() == {"build.json", "plan.json", "schedule.json", "report.json"}
     with pytest.raises(ArtifactError, match="already committed"):
         w.commit(**MANIFEST_FIELDS)
 

@@ -1,12 +1,14 @@
 """Bad input to compile / load / run: each gets one clear line naming the problem and a non-zero exit, and
-nothing is left half-written."""
+nothing is left half-written. The CLI runs in this process (`cli`), as `main()` would from a shell."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
-import subprocess
 import sys
+from unittest import mock
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -18,25 +20,51 @@ from k3c.compile import CompileOptions, compile_model  # noqa: E402
 from k3c.errors import ArtifactError, RuntimeInputError  # noqa: E402
 from models.config import K3Config  # noqa: E402
 from models.k3 import save_random_checkpoint  # noqa: E402
+from runtime_sizes import MAX_BATCH, MAX_PREFILL, MAX_SEQ  # noqa: E402
+
+pytestmark = pytest.mark.slow  # compiles artifacts and runs them: `make test`, not `make test-quick`
 
 
-def k3c_cli(*args):
-    r = subprocess.run([sys.executable, "-m", "k3c.cli", *map(str, args)], capture_output=True, text=True,
-                       env={**os.environ, "TRITON_INTERPRET": "1"})
-    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == (1 if r.returncode else 0), r.stderr  # exactly one error line, no traceback
-    assert "Traceback" not in r.stderr
-    return r.returncode, errors[0] if errors else ""
+def cli(*args) -> tuple[int, str]:
+    """Run `k3c ARGS` in this process (no interpreter start-up: ~3 s a call on a 2-core CPU); (exit status, stderr).
+    An exception other than K3CError escapes, as it would end the command with a traceback."""
+    from k3c.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
+            mock.patch.object(sys, "argv", ["k3c", *map(str, args)]):
+        try:
+            main()
+            rc = 0
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+    return rc, err.getvalue()
+
+
+def k3c_cli(*args) -> tuple[int, str]:
+    """(exit status, the one `error:` line); asserts a failure prints exactly one error line and no traceback."""
+    rc, stderr = cli(*args)
+    errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == (1 if rc else 0), stderr
+    assert "Traceback" not in stderr
+    return rc, errors[0] if errors else ""
 
 
 @pytest.fixture(scope="module")
-def art(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bad")
-    save_random_checkpoint(K3Config.from_pretrained("kimi-linear-tiny"), root / "ckpt", seed=0, dtype=torch.float32)
-    opts = CompileOptions(str(root / "ckpt"), root / "art", target="cpu-x86-64", max_batch=2, max_seq=16,
-                          max_prefill=8, dtype="f32")
-    compile_model(opts)
-    return root
+def art(compiled):
+    """The directory holding `ckpt/` and `art/`: kimi-linear-tiny f32, shared with the end-to-end tests
+    (MAX_BATCH sequences of MAX_SEQ tokens, MAX_PREFILL per prefill call)."""
+    ckpt, _, _ = compiled("kimi-linear-tiny")
+    return ckpt.parent
+
+
+@pytest.fixture(scope="module")
+def bf16_art(art, tmp_path_factory):
+    """The same checkpoint and bounds compiled bf16 with Triton kernels for the CPU target (refused on CPU)."""
+    out = tmp_path_factory.mktemp("bf16") / "b"
+    compile_model(CompileOptions(str(art / "ckpt"), out, target="cpu-x86-64", max_batch=MAX_BATCH, max_seq=MAX_SEQ,
+                                 max_prefill=MAX_PREFILL, dtype="bf16", backend="triton"))
+    return out
 
 
 def _copy(src, dst):
@@ -100,10 +128,10 @@ def test_tokens_and_bounds_are_checked(art):
     s = k3c.load(art / "art", "cpu")
     with pytest.raises(RuntimeInputError, match="vocabulary"):
         s.prefill(torch.tensor([[1, 10**6]]))
-    with pytest.raises(RuntimeInputError, match="max_seq"):
-        s.prefill(torch.zeros(1, 17, dtype=torch.long))
-    with pytest.raises(RuntimeInputError, match="max_batch"):
-        s.prefill(torch.zeros(3, 2, dtype=torch.long))
+    with pytest.raises(RuntimeInputError, match=f"max_seq {MAX_SEQ}"):
+        s.prefill(torch.zeros(1, MAX_SEQ + 1, dtype=torch.long))
+    with pytest.raises(RuntimeInputError, match=f"max_batch {MAX_BATCH}"):
+        s.prefill(torch.zeros(MAX_BATCH + 1, 2, dtype=torch.long))
     s.prefill(torch.zeros(1, 2, dtype=torch.long))
     with pytest.raises(RuntimeInputError, match="batch"):
         s.decode(torch.zeros(2, 1, dtype=torch.long))
@@ -133,8 +161,8 @@ def test_bad_device_and_run_lengths_are_checked_up_front(art):
     if not torch.cuda.is_available():
         rc, err = k3c_cli("run", art / "art", "--tokens", "1,2", "--device", "cuda")
         assert rc == 2 and "CUDA" in err
-    rc, err = k3c_cli("run", art / "art", "--tokens", ",".join(["1"] * 10), "--decode-steps", "8")  # max_seq 16
-    assert rc == 2 and "max_seq 16" in err
+    rc, err = k3c_cli("run", art / "art", "--tokens", ",".join(["1"] * (MAX_SEQ - 7)), "--decode-steps", "9")
+    assert rc == 2 and f"max_seq {MAX_SEQ}" in err
     rc, err = k3c_cli("run", art / "art", "--tokens", "1", "--decode-steps", "0")
     assert rc == 2 and "--decode-steps" in err
 
@@ -172,12 +200,10 @@ def test_inspect_does_not_overwrite_without_force(tmp_path):
     assert rc == 0 and "| kernel prefill_k0001_" in out.read_text()
 
 
-def test_bf16_artifact_is_refused_on_cpu(art, tmp_path):
+def test_bf16_artifact_is_refused_on_cpu(bf16_art):
     """Triton's interpreter computes bf16 tl.dot wrongly: a CPU run must refuse rather than print wrong tokens."""
-    compile_model(CompileOptions(str(art / "ckpt"), tmp_path / "b", target="cpu-x86-64", max_batch=1, max_seq=16,
-                                 max_prefill=8, dtype="bf16", backend="triton"))
     with pytest.raises(RuntimeInputError, match="bf16 artifact with Triton kernels cannot run on CPU.*--dtype f32"):
-        k3c.load(tmp_path / "b", "cpu")
+        k3c.load(bf16_art, "cpu")
 
 
 def test_malformed_run_and_check_arguments(art):
@@ -207,4 +233,78 @@ def test_edited_manifest_vocab_is_refused(art, tmp_path):
     m["extra"]["vocab_size"] += 7
     (a / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ArtifactError, match="vocab_size"):
+        k3c.load(a, "cpu")
+
+
+# ---- issue 15: the manifest is covered by the integrity check, weights are checked, memory is checked --------------
+def _edit_json(path, edit):
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("field, value", [("bounds.max_seq", 100000), ("extra.dtype", "bf16"),
+                                          ("bounds.max_batch", 1000)])
+def test_edited_manifest_field_is_named(art, tmp_path, field, value):
+    """Raising max_seq or max_batch, or relabelling the dtype, in manifest.json once gave wrong logits or a raw
+    RuntimeError: the manifest is checked against the hashed build.json, naming the file and the field."""
+    a = _copy(art / "art", tmp_path / "a")
+    section, key = field.split(".")
+    _edit_json(a / "manifest.json", lambda m: m[section].__setitem__(key, value))
+    with pytest.raises(ArtifactError, match=f"manifest.json field {field} is {value!r} but the hashed build.json"):
+        k3c.load(a, "cpu")
+    rc, err = k3c_cli("run", a, "--tokens", "1,2")
+    assert rc == 2 and f"manifest.json field {field}" in err
+
+
+def test_weights_of_another_build_are_named(art, bf16_art, tmp_path):
+    """Another build's weights with the manifest's hash updated: every weight is checked against schedule.json."""
+    import hashlib
+    import shutil
+
+    a = _copy(art / "art", tmp_path / "a")
+    shutil.copyfile(bf16_art / "weights" / "params.safetensors", a / "weights" / "params.safetensors")
+    digest = hashlib.sha256((a / "weights" / "params.safetensors").read_bytes()).hexdigest()
+    _edit_json(a / "manifest.json", lambda m: m["files"].__setitem__("weights/params.safetensors", digest))
+    with pytest.raises(ArtifactError, match=r"params.safetensors: tensor '.+' is bfloat16 \[.*\], schedule.json "
+                                            r"expects float32"):
+        k3c.load(a, "cpu")
+    rc, err = k3c_cli("run", a, "--tokens", "1,2")
+    assert rc == 2 and "params.safetensors: tensor" in err and "schedule.json expects float32" in err
+
+
+def test_plan_beyond_every_gpu_count_is_refused_unless_allowed(tmp_path):
+    """`--max-batch 1000000000` once wrote petabytes of KV cache for an H200 without a word."""
+    args = ("compile", "k3-tiny", "--plan-only", "--max-batch", "1000000000", "--max-seq", "4096")
+    rc, err = k3c_cli(*args, "-o", tmp_path / "o")
+    assert rc == 2 and "per rank on h200" in err and "pools.kv" in err and "--allow-oversize" in err
+    assert not (tmp_path / "o").exists()
+    rc, stderr = cli(*args, "-o", tmp_path / "p", "--allow-oversize")
+    assert rc == 0 and "warning:" in stderr and "written anyway" in stderr
+    budget = json.loads((tmp_path / "p" / "plan.json").read_text())["budget"]
+    kv = json.loads((tmp_path / "p" / "plan.json").read_text())["pool_totals"]["kv"]
+    assert budget["fits"] is False and budget["min_gpus"] is None and budget["items"]["pools.kv"] == kv
+    assert kv == 3 * 10**9 * 4096 * (32 + 8) * 2  # 3 MLA layers x B x max_seq x (kv_lora_rank + rope dim) bf16
+
+
+def test_artifact_beyond_free_memory_is_refused_at_load(art, tmp_path):
+    """A tiny artifact at --max-batch 100000 --max-seq 1048576 (written with --allow-oversize) once ended `run`
+    with a 54-line traceback: its pools are checked against the free memory before anything is allocated."""
+    rc, _ = k3c_cli("compile", art / "ckpt", "-o", tmp_path / "big", "--target", "cpu-x86-64", "--dtype", "f32",
+                    "--max-batch", "100000", "--max-seq", "1048576", "--max-prefill", "16", "--allow-oversize")
+    assert rc == 0
+    rc, err = k3c_cli("run", tmp_path / "big", "--tokens", "1,2")
+    assert rc == 2 and "the artifact needs" in err and "is free (pools.kv" in err and "max_batch 100000" in err
+
+
+def test_plan_bounds_edited_with_its_hash_are_cross_checked(art, tmp_path):
+    """plan.json edited and its hash updated in the manifest: the bounds the runtime takes from it must still agree
+    with the pools and arena it records (here max_batch raised in both entries)."""
+    import hashlib
+
+    a = _copy(art / "art", tmp_path / "a")
+    _edit_json(a / "plan.json", lambda p: [b.__setitem__("B", 1000) for b in p["bounds"].values()])
+    digest = hashlib.sha256((a / "plan.json").read_bytes()).hexdigest()
+    _edit_json(a / "manifest.json", lambda m: m["files"].__setitem__("plan.json", digest))
+    with pytest.raises(ArtifactError, match=r"plan.json: pools\.\S+ is .* but schedule.json gives .* at the bounds"):
         k3c.load(a, "cpu")

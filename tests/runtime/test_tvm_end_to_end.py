@@ -23,6 +23,7 @@ from models.config import TINY_PRESETS, K3Config
 from models.k3 import save_random_checkpoint
 
 PROMPT, STEPS = 64, 32
+pytestmark = pytest.mark.slow  # compiles artifacts (TVM) and runs them end to end: `make test`, not `make test-quick`
 
 
 @pytest.fixture(scope="module", params=TINY_PRESETS)

@@ -1,0 +1,37 @@
+"""Compiled artifacts shared by the runtime tests: each (preset, backend) once per session; the sizes and
+the reasons for them are in runtime_sizes.py."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from k3c.compile import CompileOptions, compile_model  # noqa: E402
+from models.config import K3Config  # noqa: E402
+from models.k3 import save_random_checkpoint  # noqa: E402
+from runtime_sizes import MAX_BATCH, MAX_PREFILL, MAX_SEQ  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory):
+    """compiled(preset, backend="triton") -> (checkpoint dir, artifact dir, fp32 reference model): `preset`
+    compiled f32 for the CPU target with `backend` at MAX_BATCH / MAX_SEQ / MAX_PREFILL, once per session and
+    shared by every test that asks (copy the artifact before changing it)."""
+    cache: dict = {}
+
+    def get(preset: str, backend: str = "triton"):
+        if (preset, backend) not in cache:
+            root = tmp_path_factory.mktemp(f"{preset}-{backend}")
+            model = save_random_checkpoint(K3Config.from_pretrained(preset), root / "ckpt", seed=1,
+                                           dtype=torch.float32)
+            opts = CompileOptions(str(root / "ckpt"), root / "art", target="cpu-x86-64", max_batch=MAX_BATCH,
+                                  max_seq=MAX_SEQ, max_prefill=MAX_PREFILL, dtype="f32", backend=backend)
+            compile_model(opts)
+            cache[preset, backend] = root / "ckpt", opts.out, model.eval()
+        return cache[preset, backend]
+
+    return get

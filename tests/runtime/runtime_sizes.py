@@ -1,0 +1,21 @@
+"""Sizes and backends of the artifacts the runtime tests share (compiled once per session: conftest.py).
+
+Sizes: the end-to-end tests run the interpreter on the fewest tokens that still cross every chunk and top-k
+boundary of the tiny presets' kernels and of the runtime (interpreted cost grows with batch x tokens, and a
+token-loop prefill is dearer per token than a chunked one):
+- MAX_PREFILL = 24, PROMPT = 30: `Session.prefill` splits the prompt into calls of 24 and 6 tokens. The 24-token
+  call runs the chunked KDA kernel on a full 16-token chunk and a partial one (CHUNK = 16,
+  k3c/codegen/triton/kda.py); the 6-token call (< CHUNK) runs the token-loop form on a cached context of 24.
+- keys reach 31..33 tokens: past DSA's top-k of 16 (k3.1-pro-tiny `index_topk`: the sparse selection is live for
+  most queries) and past the f32 attention key block of 32 (k3c/codegen/triton/attention.py BLOCK_S).
+- STEPS = 3 decode steps: the decode entry point with pool appends at three context lengths.
+- batch 1 and 3 (MAX_BATCH = 3): one sequence and several rows per program.
+Every preset runs prefill + decode at batch 1 and 3 on every backend in BACKENDS.
+"""
+
+from __future__ import annotations
+
+#: code generators the end-to-end tests run on CPU (the lead adds "tvm" when the TVM CPU backend lands)
+BACKENDS = ["triton"]
+PROMPT, MAX_PREFILL, STEPS, MAX_BATCH = 30, 24, 3, 3
+MAX_SEQ = PROMPT + STEPS
