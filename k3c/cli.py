@@ -132,10 +132,15 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
 @app.command()
 def check(model: str = typer.Argument(..., help="a tiny preset or a small config (weights are random)"),
           entry: str = typer.Option("prefill"), batch: int = typer.Option(2), tokens: int = typer.Option(7),
-          seed: int = typer.Option(0)):
+          seed: int = typer.Option(0),
+          experts_dtype: str = typer.Option(None, "--experts-dtype",
+                                            help="mxfp4: round the random experts to MXFP4 and check pack_experts "
+                                                 "too [default: as the config]")):
     """Per-pass numeric validation: interpret the graph before and after every pass on random inputs."""
     from k3c.frontend import import_model
-    from k3c.passes.pipeline import make_numeric_check, run_pipeline
+    from k3c.passes import pack_experts  # noqa: F401  (registers the pass; not in PHASES until CompileContext)
+    from k3c.passes.pipeline import PHASES, make_numeric_check, run_pipeline
+    from models.checkpoint import quantize_experts_
     from models.config import K3Config
     from models.k3 import K3ForCausalLM
 
@@ -144,13 +149,19 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
     cfg = K3Config.from_pretrained(model)
     if cfg.hidden_size > 1024:
         raise K3CError(f"{model}: check interprets the model on random weights; use a tiny preset or small config")
+    experts_dtype = experts_dtype or ("mxfp4" if cfg.expert_quantization == "mxfp4" else "bf16")
+    if experts_dtype not in ("mxfp4", "bf16"):
+        raise K3CError(f"--experts-dtype {experts_dtype}: expected mxfp4 or bf16")
     net = K3ForCausalLM(cfg).init_random_(seed)
+    packed = quantize_experts_(net) if experts_dtype == "mxfp4" else {}   # the model an MXFP4 checkpoint loads
     graph = import_model(net, entry)
-    weights = {k: p.detach() for k, p in net.named_parameters()}
+    weights = {k: p.detach() for k, p in net.named_parameters()} | packed
     bindings = {"B": batch, "T": tokens if entry == "prefill" else 1, "L": 5}
     t0 = time.perf_counter()
     check = make_numeric_check(bindings, seed, params=weights)
-    _, report = run_pipeline(graph, phases=["cleanup", "model"], numeric_check=check)
+    # seam: pack_experts joins the model phase (reading CompileContext.experts_dtype) once the context lands
+    model_phase = (["pack_experts"] if experts_dtype == "mxfp4" else []) + PHASES["model"]
+    _, report = run_pipeline(graph, phases={"cleanup": PHASES["cleanup"], "model": model_phase}, numeric_check=check)
     out.print(report.table())
     out.print(f"[green]every pass preserved the outputs of {cfg.name} ({entry}, {bindings})[/] "
               f"in {time.perf_counter() - t0:.1f} s")
@@ -165,12 +176,16 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                 plan_only: bool = typer.Option(False, "--plan-only"),
                 force: bool = typer.Option(False, "--force", help="replace an existing artifact"),
                 dump: Path = typer.Option(None, help="write the IR after every pass here"),
-                dtype: str = typer.Option("bf16", help="activation and weight dtype: bf16 or f32")):
+                dtype: str = typer.Option("bf16", help="activation and weight dtype: bf16 or f32"),
+                experts_dtype: str = typer.Option(None, "--experts-dtype",
+                                                  help="routed experts: mxfp4 (the checkpoint's 4-bit bits) or bf16 "
+                                                       "(dequantized, stored in --dtype) [default: as the checkpoint]")):
     """Compile MODEL into an artifact: kernels, memory plan, schedule, weights, cost report."""
     from k3c.compile import CompileOptions, compile_model
 
     max_prefill = min(1024, max_seq) if max_prefill is None else max_prefill
-    opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype)
+    opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype,
+                          experts_dtype)
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     if out_dir.exists() and not force:
         raise K3CError(f"{out_dir}: already exists (pass --force to replace it)")
@@ -181,7 +196,8 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
         task = bar.add_task("import", total=None)
         s = compile_model(opts, progress=lambda d, t: bar.update(task, completed=d, total=t))
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
-    out.print(f"wrote {out_dir}: {s['nodes']['prefill']} IR nodes, {s['kernels']} Triton kernels; arena prefill {mib(s['arena']['prefill'])} "
+    out.print(f"wrote {out_dir}: {s['nodes']['prefill']} IR nodes, {s['kernels']} Triton kernels; weights "
+              f"{mib(s['weights']['total'])} (routed experts {mib(s['weights']['experts'])}); arena prefill {mib(s['arena']['prefill'])} "
               f"(lower bound {mib(s['lower_bound']['prefill'])}), decode {mib(s['arena']['decode'])}; pools "
               + ", ".join(f"{k} {mib(v)}" for k, v in s["pools"].items())
               + f"; roofline decode step {s['time']['decode'] * 1e3:.3f} ms; {s['seconds']:.1f} s")
@@ -232,6 +248,8 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
          max_batch: int = typer.Option(1, help="sequences the caches are sized for (and the decode batch)"),
          max_seq: int = typer.Option(1 << 20, help="tokens per sequence the caches are sized for"),
          context: int = typer.Option(None, help="cached tokens for the decode estimate (default max-seq)"),
+         experts_dtype: str = typer.Option(None, "--experts-dtype",
+                                           help="routed experts stored as mxfp4 or bf16 [default: as the checkpoint]"),
          json_out: bool = typer.Option(False, "--json", help="print JSON instead of a table")):
     """What MODEL needs on N GPUs of TARGET: memory per GPU and a decode-step roofline (no hardware needed)."""
     import json
@@ -244,7 +262,7 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
     except ValueError:
         raise K3CError(f"--tp {tp!r}: expected comma-separated integers such as 8 or 1,2,4,8") from None
     cfg = K3Config.from_pretrained(model)
-    rows = [estimate(cfg, target, n, max_batch, max_seq, context) for n in tps]
+    rows = [estimate(cfg, target, n, max_batch, max_seq, context, experts_dtype=experts_dtype) for n in tps]
     if json_out:
         out.print_json(json.dumps([r.to_json() for r in rows]))
         return

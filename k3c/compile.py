@@ -32,11 +32,12 @@ from k3c.ir.printer import print_graph
 from k3c.ir.types import evaluate, torch_dtype
 from k3c.passes.derived import materialize_params
 from k3c.passes.form_kernels import kernel_groups
+from k3c.passes.pack_experts import EXPERT_DTYPES, pack_experts_in_place
 from k3c.passes.pipeline import run_pipeline
 from k3c.passes.plan_memory import bounds_bindings
 from k3c.runtime.artifact import ArtifactWriter
 from k3c.targets import load_target, roofline
-from models.checkpoint import load_checkpoint
+from models.checkpoint import load_checkpoint, load_mxfp4_experts
 from models.config import K3Config
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
@@ -57,6 +58,7 @@ class CompileOptions:
     force: bool = False
     dump: Path | None = None
     dtype: str = "bf16"
+    experts_dtype: str | None = None  # routed experts: "mxfp4" or "bf16" (dense, in `dtype`); None: as the checkpoint
 
 
 def compile_model(opts: CompileOptions, progress=None) -> dict:
@@ -101,14 +103,18 @@ def _compile(opts: CompileOptions, progress) -> dict:
     if not opts.plan_only and not has_weights:
         raise UnsupportedError(f"{opts.model} has no weights (a preset or config.json): pass a checkpoint directory, "
                                f"or --plan-only")
+    experts = experts_dtype(opts, cfg)
+    with_weights = has_weights and not opts.plan_only
     # the output location is probed first (staging directory), so an unwritable -o fails before the work
     with ArtifactWriter(opts.out, force=opts.force).open() as writer:
-        model = load_checkpoint(opts.model, DTYPES[opts.dtype]) if has_weights and not opts.plan_only \
+        model = load_checkpoint(opts.model, DTYPES[opts.dtype]) if with_weights \
             else build_meta_model(cfg).cast_(DTYPES[opts.dtype])
         graphs, passes = {}, []
         for entry in ("prefill", "decode"):
             g = import_model(model, entry, progress=progress)
             g.bounds = bindings[entry]
+            # seam: a model-phase pass reading CompileContext.experts_dtype once the context lands (issue 9)
+            pack_experts_in_place(g, experts)
             # verify the result only; a --dump build (debugging) verifies after every pass, naming the pass at fault
             graphs[entry], report = run_pipeline(g, verify="each" if opts.dump else "end",
                                                  dump_dir=opts.dump / entry if opts.dump else None)
@@ -126,22 +132,24 @@ def _compile(opts: CompileOptions, progress) -> dict:
                     index[name] = {"entry": entry, "kind": group.kind, "ir_nodes": group.ir_nodes}
         summary["kernels"] = sum(1 for e in schedules.values() for ln in e["launches"] if ln["backend"] == "triton")
         pools = _pools(graphs["decode"], opts)
+        wbytes = weight_bytes(graphs)
         writer.add_json("plan.json", {"bounds": bindings, "arena": {e: g.memory_plan.to_json() for e, g in graphs.items()},
-                                      "pools": pools, "pool_totals": pool_totals(pools)})
+                                      "pools": pools, "pool_totals": pool_totals(pools), "weights": wbytes})
         writer.add_json("schedule.json", schedules)
         # pass names only: timings would make two builds of the same input differ
         writer.add_json("report.json", {"target": target.name, "entries": costs, "passes": passes})
         if not opts.plan_only:
             writer.add_json("kernels/index.json", index)
-            writer.add_tensors("weights/params.safetensors", _weights(model, graphs))
+            packed = load_mxfp4_experts(opts.model) if experts == "mxfp4" else {}
+            writer.add_tensors("weights/params.safetensors", _weights(model, graphs, packed))
         writer.commit(config=cfg.raw, target=target.to_dict(), tp=opts.tp,
                       bounds={"max_batch": opts.max_batch, "max_seq": opts.max_seq, "max_prefill": opts.max_prefill},
                       entry_points={e: {"graph": f"graph/{e}.json"} for e in graphs},
                       extra={"k3c_version": __version__, "plan_only": opts.plan_only, "dtype": opts.dtype,
-                             "vocab_size": cfg.vocab_size})
+                             "experts_dtype": experts, "vocab_size": cfg.vocab_size})
     summary.update(arena={e: g.memory_plan.arena_bytes for e, g in graphs.items()},
                    lower_bound={e: g.memory_plan.lower_bound for e, g in graphs.items()},
-                   pools=pool_totals(pools), seconds=time.perf_counter() - t0,
+                   pools=pool_totals(pools), weights=wbytes, seconds=time.perf_counter() - t0,
                    time={e: c["total"]["roofline_s"] for e, c in costs.items()})
     return summary
 
@@ -170,8 +178,33 @@ def _schedule(g: Graph, entry: str, emit_kernels: bool = True) -> tuple[dict, di
             "values": dict(sorted(values.items())), "launches": launches}, kernels
 
 
-def _weights(model, graphs: dict[str, Graph]) -> dict[str, torch.Tensor]:
-    named = {k: p.detach() for k, p in model.named_parameters()}
+def experts_dtype(opts: CompileOptions, cfg: K3Config) -> str:
+    """The routed experts' storage: `opts.experts_dtype`, by default the checkpoint's ("mxfp4" when its config has
+    an MXFP4 quantization_config, else "bf16": dense in the artifact dtype). Raises ConfigError for an unknown
+    value, or "mxfp4" asked of a dense checkpoint (k3c keeps the checkpoint's bits; it does not quantize)."""
+    fmt = opts.experts_dtype or ("mxfp4" if cfg.expert_quantization == "mxfp4" else "bf16")
+    if fmt not in EXPERT_DTYPES:
+        raise ConfigError(f"--experts-dtype {fmt}: expected one of {', '.join(EXPERT_DTYPES)}")
+    if fmt == "mxfp4" and cfg.expert_quantization != "mxfp4" and Path(opts.model).is_dir() and not opts.plan_only:
+        raise ConfigError(f"--experts-dtype mxfp4: {opts.model} stores dense experts (config.json has no MXFP4 "
+                          f"quantization_config); k3c keeps a checkpoint's expert bits and does not quantize")
+    return fmt
+
+
+def weight_bytes(graphs: dict[str, Graph]) -> dict[str, int]:
+    """Bytes of the artifact's weights (every parameter of any entry once, at its IR dtype: MXFP4 experts at
+    4.25 bits per weight) and, of those, the routed experts'."""
+    from k3c.ir.types import nbytes_expr
+
+    params = {k: v for g in graphs.values() for k, v in g.params.items()}
+    total = {k: int(nbytes_expr(v.type)) for k, v in params.items()}
+    return {"total": sum(total.values()), "experts": sum(b for k, b in total.items() if ".experts.w" in k)}
+
+
+def _weights(model, graphs: dict[str, Graph], packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every parameter's tensor at its IR dtype: the model's, MXFP4 experts from `packed` (the checkpoint's bits),
+    derived ones materialised."""
+    named = {k: p.detach() for k, p in model.named_parameters()} | packed
     out: dict[str, torch.Tensor] = {}
     for g in graphs.values():
         mat = materialize_params(g, named)

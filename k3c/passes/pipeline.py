@@ -231,7 +231,8 @@ def make_numeric_check(bindings: dict[str, int], seed: int = 0,
     bf16 2e-2), others exactly. Raises `IRError` naming the pass and the first differing output. Inputs and
     params are drawn from the graph before the pass (a pass may drop unused params; extra ones are ignored).
     `params` (checkpoint key -> tensor, e.g. a model's weights) replaces the random parameters: realistic weights
-    keep activations O(1), so fp32 rounding differences between equivalent forms stay within the tolerance.
+    keep activations O(1), so fp32 rounding differences between equivalent forms stay within the tolerance; it may
+    also hold the parameters a pass introduces (e.g. pack_experts' MXFP4 experts).
     """
     from k3c.passes.derived import materialize_params
 
@@ -244,7 +245,7 @@ def make_numeric_check(bindings: dict[str, int], seed: int = 0,
             params = materialize_params(before, given)
         want = interpret(before, ins, params, bindings=bindings)
         try:
-            got = interpret(after, ins, materialize_params(after, params), bindings=bindings)
+            got = interpret(after, ins, materialize_params(after, {**(given or {}), **params}), bindings=bindings)
         except K3CError as e:
             raise IRError(f"pass {pass_name}: the graph after it fails to run: {e}") from None
         if set(got) != set(want):
