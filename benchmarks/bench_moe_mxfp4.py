@@ -10,9 +10,10 @@ expert's w1, w3, w2, scales included) over the time of the two GEMM kernels plus
 precomputed) and of the whole op ("op": schedule included), as GB/s and as a fraction of the measured 4.2 TB/s HBM
 rate (KINDS.md); prefill reports 6·N·k·D·I FLOP over the op's time as TFLOP/s (vs 790 bf16). Timing:
 triton.testing.do_bench_cudagraph (mean of CUDA-graph replays), falling back to do_bench. A block-size sweep is
-run for decode; the defaults are the first configuration. Before timing, each MXFP4 case is checked against the
-bf16 kernels fed the dequantized weights (same math: max relative difference ≤ 1e-2 in bf16) and, at a small
-shape in fp32, against `moe_experts_ref` (≤ 1e-5).
+run for decode; the defaults are the first configuration. MXFP4 runs both ways of dequantizing: "mxfp4" (Triton's
+`dot_scaled`, the default for bf16) and "mxfp4-regs" (`mxfp4_tile`: k3c's own register decoding + tl.dot). Each
+MXFP4 case's output is compared with the bf16 kernels fed the dequantized weights (same math in bf16: the max
+relative difference is printed) and, at a small shape, with `moe_experts_ref` (fp32 and bf16).
 """
 
 import argparse
@@ -60,7 +61,8 @@ def rel(a, b):
 
 
 def check_small(dev):
-    """fp32 MXFP4 kernels vs the IR reference at a small shape (N = 9, E = 6, D = 256, I = 192)."""
+    """MXFP4 kernels vs the IR reference at a small shape (N = 9, E = 6, D = 256, I = 192): fp32 (register
+    decoding), bf16 with dot_scaled and with register decoding. Returns {case: max rel error}."""
     gen = torch.Generator(device=dev).manual_seed(1)
     N, E, d, i = 9, 6, 256, 192
     w1, s1 = mx_weights(E, i, d, dev, gen)
@@ -69,10 +71,22 @@ def check_small(dev):
     z = torch.randn(N, d, device=dev, generator=gen)
     ids = torch.rand(N, E, device=dev, generator=gen).argsort(-1)[:, :4].contiguous()
     wt = torch.rand(N, 4, device=dev, generator=gen)
-    y = torch.full_like(z, float("nan"))
-    launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, **ACT)
-    ref = moe_experts_ref({**ACT, "weight_format": "mxfp4"}, *(t.cpu() for t in (z, wt, ids, w1, w3, w2, s1, s3, s2)))
-    return rel(y.cpu(), ref[0])
+    out = {}
+    for name, dt, scaled in (("f32", torch.float32, None), ("bf16-dot_scaled", torch.bfloat16, True),
+                             ("bf16-regs", torch.bfloat16, False)):
+        zz = z.to(dt)
+        y = torch.full_like(zz, float("nan"))
+        launch_moe_experts(zz, wt, ids, w1, w3, w2, s1, s3, s2, y=y, dot_scaled=scaled, **ACT)
+        ref = moe_experts_ref({**ACT, "weight_format": "mxfp4"},
+                              *(t.cpu() for t in (zz.float(), wt, ids, w1, w3, w2, s1, s3, s2)))
+        out[name] = rel(y.cpu(), ref[0])
+    return out
+
+
+def dequantized(w, s, chunk=32):
+    """bf16 [E, R, C] of MXFP4 weights, a few experts at a time (the fp32 intermediate of all E can be large)."""
+    return torch.cat([mxfp4_dequantize(w[e:e + chunk], s[e:e + chunk]).to(torch.bfloat16)
+                      for e in range(0, w.shape[0], chunk)])
 
 
 def main():
@@ -86,35 +100,41 @@ def main():
     gen = torch.Generator(device=dev).manual_seed(0)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "shape": {"E": E, "k": K, "D": D, "I": I}, "rows": []}
-    results["check_f32_small_rel"] = check_small(dev)
-    print(f"fp32 MXFP4 kernels vs moe_experts_ref (small shape): max rel {results['check_f32_small_rel']:.2e}")
+    results["check_small_rel"] = check_small(dev)
+    print(f"MXFP4 kernels vs moe_experts_ref (small shape), max rel: {results['check_small_rel']}")
     w1, s1 = mx_weights(E, I, D, dev, gen)
     w3, s3 = mx_weights(E, I, D, dev, gen)
     w2, s2 = mx_weights(E, D, I, dev, gen)
-    dense = [mxfp4_dequantize(w, s).to(torch.bfloat16) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
+    dense = [dequantized(w, s) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
     mx_bytes = sum(t.numel() for t in (w1, w3, w2, s1, s3, s2)) // E
     bf_bytes = 2 * sum(t.numel() for t in dense) // E
-    sweep = [(16, 64, 64, 64), (16, 64, 128, 64), (16, 32, 256, 32), (16, 128, 128, 128), (16, 64, 256, 64)]
+    sweep = [None, (16, 64, 128, 64), (16, 32, 256, 32), (16, 128, 128, 128), (16, 64, 256, 64)]
     cases = [("decode", 1), ("decode", 16)] + ([] if args.quick else [("prefill", 16 * 2048)])
     for phase, N in cases:
         z = (torch.randn(N, D, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
         ids, wt = routing(N, E, dev, gen)
         touched = int(torch.unique(ids).numel())
-        y_mx, y_bf = torch.empty_like(z), torch.empty_like(z)
-        launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y_mx, **ACT)
+        y_bf = torch.empty_like(z)
         launch_moe_experts(z, wt, ids, *dense, y=y_bf, **ACT)
-        diff = rel(y_mx, y_bf)
-        print(f"{phase} N={N}: MXFP4 vs bf16-of-dequantized kernels max rel diff {diff:.2e}")
-        blocks_list = sweep if (phase == "decode" and not args.quick) else [None]
-        for fmt, ws, per_expert in (("mxfp4", (w1, w3, w2, s1, s3, s2), mx_bytes), ("bf16", dense, bf_bytes)):
+        mx = (w1, w3, w2, s1, s3, s2)
+        for fmt, ws, per_expert, scaled in (("mxfp4", mx, mx_bytes, True), ("mxfp4-regs", mx, mx_bytes, False),
+                                            ("bf16", dense, bf_bytes, None)):
+            diff = None
+            if fmt != "bf16":
+                y_mx = torch.empty_like(z)
+                launch_moe_experts(z, wt, ids, *ws, y=y_mx, dot_scaled=scaled, **ACT)
+                diff = rel(y_mx, y_bf)
+                print(f"{phase} N={N}: {fmt} vs bf16 kernels on the dequantized weights: max rel diff {diff:.2e}")
+            blocks_list = sweep if (phase == "decode" and not args.quick and fmt != "bf16") else sweep[:2]
             for blocks in blocks_list:
                 bm = blocks[0] if blocks else (16 if N * K < 16 * E else 64)
                 sched = moe_schedule(ids, E, bm)
                 y = torch.empty_like(z)
                 try:
                     t_k, how = bench(lambda: launch_moe_experts(z, wt, ids, *ws, y=y, blocks=blocks, schedule=sched,
-                                                                **ACT))
-                    t_op, _ = bench(lambda: launch_moe_experts(z, wt, ids, *ws, y=y, blocks=blocks, **ACT))
+                                                                dot_scaled=scaled, **ACT))
+                    t_op, _ = bench(lambda: launch_moe_experts(z, wt, ids, *ws, y=y, blocks=blocks, dot_scaled=scaled,
+                                                               **ACT))
                 except Exception as e:  # noqa: BLE001  (a block configuration the compiler rejects)
                     print(f"  {fmt} blocks {blocks}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
                     continue
@@ -124,16 +144,16 @@ def main():
                     nbytes = touched * per_expert
                     row.update(weight_bytes=nbytes, kernels_GBps=nbytes / t_k / 1e9, op_GBps=nbytes / t_op / 1e9,
                                kernels_hbm_frac=nbytes / t_k / HBM_BYTES_PER_S)
-                    print(f"  {fmt:5s} blocks {blocks}: kernels {t_k * 1e6:8.1f} us ({row['kernels_GBps']:6.0f} GB/s, "
+                    print(f"  {fmt:10s} blocks {blocks}: kernels {t_k * 1e6:8.1f} us ({row['kernels_GBps']:6.0f} GB/s, "
                           f"{row['kernels_hbm_frac']:.0%} HBM), op {t_op * 1e6:8.1f} us; {touched} experts "
                           f"{nbytes / 1e6:.0f} MB")
                 else:
                     flop = 6 * N * K * D * I
                     row.update(flop=flop, TFLOPs=flop / t_op / 1e12, bf16_peak_frac=flop / t_op / BF16_FLOP_PER_S)
-                    print(f"  {fmt:5s}: op {t_op * 1e3:8.2f} ms ({row['TFLOPs']:.0f} TFLOP/s, "
+                    print(f"  {fmt:10s} blocks {blocks}: op {t_op * 1e3:8.2f} ms ({row['TFLOPs']:.0f} TFLOP/s, "
                           f"{row['bf16_peak_frac']:.0%} of bf16 peak), kernels {t_k * 1e3:.2f} ms")
                 results["rows"].append(row)
-        del z, y_mx, y_bf
+        del z, y_bf
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"moe_mxfp4_bench_E{E}.json"), "w") as f:

@@ -16,7 +16,8 @@ moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (n
      scratch [N·k, D];
   4. `moe_sum_kernel` (token, BLOCK_N columns): y = Σ over the token's slots with id ≥ 0, in slot order.
   MXFP4 experts (weight_format "mxfp4", k3c.ir.formats): both GEMM kernels load packed E2M1 bytes and E8M0 scales
-  and dequantize each weight tile in registers (`mxfp4_tile`) before the dot, so HBM carries 4.25 bits per weight;
+  and dequantize each weight tile in registers before the dot (`mxfp4_dot`: Triton's `dot_scaled` for bf16
+  activations, `mxfp4_tile` + an fp32 dot for f32 ones), so HBM carries 4.25 bits per weight;
   decode (few rows per expert: BLOCK_M = 16) streams the packed weights, prefill feeds the tensor cores.
   Two GEMM kernels rather than one: a single fused act(z W1ᵀ, z W3ᵀ) W2ᵀ program would have to either hold all
   of D in registers or recompute h per output block (re-reading W1/W3 D/BLOCK_N times); split, every expert
@@ -87,32 +88,51 @@ def tanh_f32(x):
 
 
 @triton.jit
-def mxfp4_tile(packed_ptr, scale_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Wᵀ[k0 : k0+BLOCK_K, rows] · 2^-14 in fp32, dequantized in registers from MXFP4 rows (k3c.ir.formats):
-    packed u8 [.., KDIM/2], scale u8 [.., KDIM/32]; `rows` (i64) index both. BLOCK_K: a multiple of 32.
+def mxfp4_load(packed_ptr, scale_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 : k0+BLOCK_K of MXFP4 rows `rows` (i64; k3c.ir.formats): packed u8 [R, BLOCK_K/2] from
+    [.., KDIM/2] and scales u8 [R, BLOCK_K/32] from [.., KDIM/32] (masked: code 0, scale 0). BLOCK_K: a multiple
+    of 32."""
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    p = tl.load(packed_ptr + rows[:, None] * (KDIM // 2) + offs_b[None, :],
+                mask=r_ok[:, None] & (offs_b < KDIM // 2)[None, :], other=0)
+    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    sc = tl.load(scale_ptr + rows[:, None] * (KDIM // 32) + offs_g[None, :],
+                 mask=r_ok[:, None] & (offs_g < KDIM // 32)[None, :], other=0)
+    return p, sc
+
+
+@triton.jit
+def mxfp4_tile(p, sc, BLOCK_K: tl.constexpr):
+    """Wᵀ · 2^-14 as fp32 [BLOCK_K, R] from `mxfp4_load`'s packed [R, BLOCK_K/2] and scales [R, BLOCK_K/32],
+    dequantized in registers.
 
     A code (s, e, m) becomes the fp16 bit pattern s·2^15 | e·2^10 | m·2^9, which is exactly value · 2^-14
     (e = 0 lands on fp16 subnormals, which the fp16 -> fp32 conversion keeps); the E8M0 scale 2^(s−127) is the
     fp32 pattern s·2^23 (s = 0, 2^-127, reads as 0). Callers multiply their fp32 accumulator by 2^14 (exact).
     """
-    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    p = tl.load(packed_ptr + rows[:, None] * (KDIM // 2) + offs_b[None, :],
-                mask=r_ok[:, None] & (offs_b < KDIM // 2)[None, :], other=0).to(tl.uint16)
-    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    sc = tl.load(scale_ptr + rows[:, None] * (KDIM // 32) + offs_g[None, :],
-                 mask=r_ok[:, None] & (offs_g < KDIM // 32)[None, :], other=0).to(tl.uint32)
+    p = p.to(tl.uint16)
     lo = (((p & 7) << 9) | ((p & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (((p & 0x70) << 5) | ((p & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    v = tl.reshape(tl.interleave(lo, hi), [rows.shape[0], BLOCK_K // 32, 32])      # element 2j = low nibble
-    v = v * (sc << 23).to(tl.uint32).to(tl.float32, bitcast=True)[:, :, None]
-    return tl.trans(tl.reshape(v, [rows.shape[0], BLOCK_K]))
+    v = tl.reshape(tl.interleave(lo, hi), [p.shape[0], BLOCK_K // 32, 32])      # element 2j = low nibble
+    v = v * (sc.to(tl.uint32) << 23).to(tl.uint32).to(tl.float32, bitcast=True)[:, :, None]
+    return tl.trans(tl.reshape(v, [p.shape[0], BLOCK_K]))
+
+
+@triton.jit
+def mxfp4_dot(x, p, sc, acc, BLOCK_K: tl.constexpr, DOT_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + x · Wᵀ for x [M, BLOCK_K] and an MXFP4 tile of W (`mxfp4_load`). DOT_SCALED (bf16 x): Triton's
+    `dot_scaled` (bf16 × e2m1 with E8M0 scales, fp32 accumulate; the compiler upcasts the codes for the tensor
+    cores); else `mxfp4_tile` and a dot in x's dtype, where acc carries the 2^-14 of `mxfp4_tile`."""
+    if DOT_SCALED:
+        return tl.dot_scaled(x, None, "bf16", tl.trans(p), sc, "e2m1", acc)
+    return tl.dot(x, mxfp4_tile(p, sc, BLOCK_K).to(x.dtype), acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
 def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                   h_ptr, SITU_BETA, SITU_LINEAR_BETA, E: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
-                  I: tl.constexpr, ACT_SITU: tl.constexpr, MXFP4: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  I: tl.constexpr, ACT_SITU: tl.constexpr, MXFP4: tl.constexpr, DOT_SCALED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """h[row, i] = act(z W1[e]ᵀ, z W3[e]ᵀ) for the sorted rows of one tile (z [N, D], w1/w3 [E, I, D]; MXFP4:
     packed [E, I, D/2] with scales s1/s3 [E, I, D/32], dequantized tile by tile in registers)."""
     tile = tl.program_id(0)
@@ -131,15 +151,17 @@ def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_
             d_ok = offs_d < D
             z = tl.load(z_ptr + token[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
             if MXFP4:
-                w1 = mxfp4_tile(w1_ptr, s1_ptr, rows, i_ok, d0, D, BLOCK_D).to(z.dtype)
-                w3 = mxfp4_tile(w3_ptr, s3_ptr, rows, i_ok, d0, D, BLOCK_D).to(z.dtype)
+                p1, sc1 = mxfp4_load(w1_ptr, s1_ptr, rows, i_ok, d0, D, BLOCK_D)
+                p3, sc3 = mxfp4_load(w3_ptr, s3_ptr, rows, i_ok, d0, D, BLOCK_D)
+                gate = mxfp4_dot(z, p1, sc1, gate, BLOCK_D, DOT_SCALED, DOT_PRECISION)
+                up = mxfp4_dot(z, p3, sc3, up, BLOCK_D, DOT_SCALED, DOT_PRECISION)
             else:
                 wmask = d_ok[:, None] & i_ok[None, :]
                 w1 = tl.load(w1_ptr + rows[None, :] * D + offs_d[:, None], mask=wmask, other=0.0)
                 w3 = tl.load(w3_ptr + rows[None, :] * D + offs_d[:, None], mask=wmask, other=0.0)
-            gate += tl.dot(z, w1, input_precision=DOT_PRECISION)
-            up += tl.dot(z, w3, input_precision=DOT_PRECISION)
-        if MXFP4:   # mxfp4_tile's 2^-14
+                gate += tl.dot(z, w1, input_precision=DOT_PRECISION)
+                up += tl.dot(z, w3, input_precision=DOT_PRECISION)
+        if MXFP4 and not DOT_SCALED:   # mxfp4_tile's 2^-14
             gate *= 16384.0
             up *= 16384.0
         if ACT_SITU:   # SiTU-GLU (config activation_situ_beta / _linear_beta)
@@ -154,7 +176,8 @@ def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_
 @triton.jit
 def moe_down_kernel(h_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                     y_slot_ptr, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    DOT_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
     """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_N output columns (w2 [E, D, I]; MXFP4:
     packed [E, D, I/2] with scales s2 [E, D, I/32])."""
     tile = tl.program_id(0)
@@ -173,12 +196,13 @@ def moe_down_kernel(h_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_p
             h = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * I + offs_i[None, :], mask=m_ok[:, None] & i_ok[None, :],
                         other=0.0)
             if MXFP4:
-                w2 = mxfp4_tile(w2_ptr, s2_ptr, rows, n_ok, i0, I, BLOCK_I).to(h.dtype)
+                p2, sc2 = mxfp4_load(w2_ptr, s2_ptr, rows, n_ok, i0, I, BLOCK_I)
+                acc = mxfp4_dot(h, p2, sc2, acc, BLOCK_I, DOT_SCALED, DOT_PRECISION)
             else:
                 w2 = tl.load(w2_ptr + rows[None, :] * I + offs_i[:, None], mask=i_ok[:, None] & n_ok[None, :],
                              other=0.0)
-            acc += tl.dot(h, w2, input_precision=DOT_PRECISION)
-        if MXFP4:   # mxfp4_tile's 2^-14
+                acc += tl.dot(h, w2, input_precision=DOT_PRECISION)
+        if MXFP4 and not DOT_SCALED:   # mxfp4_tile's 2^-14
             acc *= 16384.0
         weight = tl.load(weights_ptr + slot, mask=m_ok, other=0.0)
         tl.store(y_slot_ptr + slot[:, None] * D + offs_n[None, :], acc * weight[:, None],
@@ -217,15 +241,15 @@ def moe_schedule(ids, E, BLOCK_M):
 
 
 def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, situ_linear_beta,
-                       blocks=None, schedule=None):
+                       blocks=None, schedule=None, dot_scaled=None):
     """z [N, D], weights f32 [N, k], ids int [N, k] (< 0: unused), w1/w3 [E, I, D], w2 [E, D, I] -> y [N, D].
 
     MXFP4 weights (k3c.ir.formats): w1/w3 u8 [E, I, D/2], w2 u8 [E, D, I/2] and `scales` (w1, w3, w2 scales:
     u8 [E, I, D/32], [E, I, D/32], [E, D, I/32]); dequantized in registers, dots in z's dtype with fp32
-    accumulation. Scratch allocated here: the sort permutation and tile schedule (i64, O(N·k + E)), h [N·k, I] in
-    z's dtype and y_slot f32 [N·k, D]. Benchmarks may pass `blocks` (BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N) to
-    override the defaults and a precomputed `schedule` (`moe_schedule(ids, E, BLOCK_M)`). Raises ValueError on
-    mismatched shapes.
+    accumulation; with bf16 z by Triton's `dot_scaled` unless `dot_scaled` is False. Scratch allocated here: the
+    sort permutation and tile schedule (i64, O(N·k + E)), h [N·k, I] in z's dtype and y_slot f32 [N·k, D].
+    Benchmarks may pass `blocks` (BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N) to override the defaults and a precomputed
+    `schedule` (`moe_schedule(ids, E, BLOCK_M)`). Raises ValueError on mismatched shapes.
     """
     N, D = z.shape
     E, I = w1.shape[:2]
@@ -247,13 +271,14 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     y_slot = torch.empty((rows, D), dtype=torch.float32, device=z.device)
     precision = "ieee" if z.dtype == torch.float32 else "tf32"
     s1, s3, s2 = scales if mx else (w1, w3, w2)         # unused by the dense kernels
+    scaled = mx and z.dtype == torch.bfloat16 and dot_scaled is not False
     moe_up_kernel[(max_tiles, triton.cdiv(I, BLOCK_I))](
         z, w1, w3, s1, s3, *schedule, h, float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I,
-        ACT_SITU=act == "situ", MXFP4=mx, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_D=BLOCK_D,
-        DOT_PRECISION=precision)
+        ACT_SITU=act == "situ", MXFP4=mx, DOT_SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I,
+        BLOCK_D=BLOCK_D, DOT_PRECISION=precision)
     moe_down_kernel[(max_tiles, triton.cdiv(D, BLOCK_N))](
-        h, w2, s2, weights, *schedule, y_slot, E=E, D=D, I=I, MXFP4=mx, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_I=BLOCK_I, DOT_PRECISION=precision)
+        h, w2, s2, weights, *schedule, y_slot, E=E, D=D, I=I, MXFP4=mx, DOT_SCALED=scaled, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I, DOT_PRECISION=precision)
     moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
 
 
@@ -301,5 +326,6 @@ def emit_moe_experts(group: KernelGroup) -> str:
             "                       situ_linear_beta=SITU_LINEAR_BETA)\n")
     what = f"{'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'}{', MXFP4 weights' if mx else ''}"
     return _module(group, f"grouped expert GEMMs ({what})", consts,
-                   [tanh_f32, mxfp4_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel, moe_schedule],
+                   [tanh_f32, mxfp4_load, mxfp4_tile, mxfp4_dot, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
+                    moe_schedule],
                    launch_moe_experts, body)
