@@ -49,20 +49,21 @@ def _check_after(after: str | None) -> None:
                        f"{', '.join(sorted(registered_passes()))})")
 
 
-def _run_passes(graph, entry: str, after: str | None, dump: Path | None):
+def _run_passes(graph, entry: str, after: str | None, dump: Path | None, experts_dtype: str | None = None):
     """The graph after `after`: a pass (its first run), a phase (all its passes) or, by default, the model phase;
-    planned at `k3c compile`'s default bounds (--max-batch 1 --max-seq 4096 --max-prefill 1024)."""
+    planned at `k3c compile`'s default bounds (--max-batch 1 --max-seq 4096 --max-prefill 1024), routed experts
+    stored as `experts_dtype` (see `k3c.compile.experts_dtype`)."""
+    from k3c.context import CompileContext
     from k3c.passes.pipeline import PHASES, run_pipeline
-    from k3c.passes.plan_memory import bounds_bindings
 
     if after == "import":
         return graph, None
-    graph.bounds = bounds_bindings(entry, 1, 4096, 1024)
+    ctx = CompileContext(max_batch=1, max_seq=4096, max_prefill=1024, experts_dtype=experts_dtype).for_entry(entry)
     after = after or "model"
     if after in PHASES:
         names = list(PHASES)
-        return run_pipeline(graph, phases=names[:names.index(after) + 1], dump_dir=dump)
-    return run_pipeline(graph, until=after, dump_dir=dump)
+        return run_pipeline(graph, names[:names.index(after) + 1], ctx=ctx, dump_dir=dump)
+    return run_pipeline(graph, ctx=ctx, until=after, dump_dir=dump)
 
 
 def summary_table(cfg, graph) -> tuple[Table, str]:
@@ -102,7 +103,7 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
         raise K3CError(f"-o {output}: already exists (pass --force to overwrite it)")
     _check_after(after)
     cfg, graph, stats = _import(model, entry)
-    graph, report = _run_passes(graph, entry, after, dump)
+    graph, report = _run_passes(graph, entry, after, dump, "mxfp4" if cfg.expert_quantization == "mxfp4" else "bf16")
     err.print(f"imported {cfg.name} ({entry}) in {stats['export_s'] + stats['import_s']:.1f} s: {stats['nodes']} nodes"
               + (f"; passes {report.seconds:.2f} s" if report else ""))
     if fmt == "summary":
@@ -134,12 +135,12 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
           entry: str = typer.Option("prefill"), batch: int = typer.Option(2), tokens: int = typer.Option(7),
           seed: int = typer.Option(0),
           experts_dtype: str = typer.Option(None, "--experts-dtype",
-                                            help="mxfp4: round the random experts to MXFP4 and check pack_experts "
-                                                 "too [default: as the config]")):
+                                            help="mxfp4: round the random experts to MXFP4 and check the MXFP4 "
+                                                 "graph (pack_experts) [default: as the config]")):
     """Per-pass numeric validation: interpret the graph before and after every pass on random inputs."""
+    from k3c.context import CompileContext
     from k3c.frontend import import_model
-    from k3c.passes import pack_experts  # noqa: F401  (registers the pass; not in PHASES until CompileContext)
-    from k3c.passes.pipeline import PHASES, make_numeric_check, run_pipeline
+    from k3c.passes.pipeline import make_numeric_check, run_pipeline
     from models.checkpoint import quantize_experts_
     from models.config import K3Config
     from models.k3 import K3ForCausalLM
@@ -159,9 +160,9 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
     bindings = {"B": batch, "T": tokens if entry == "prefill" else 1, "L": 5}
     t0 = time.perf_counter()
     check = make_numeric_check(bindings, seed, params=weights)
-    # seam: pack_experts joins the model phase (reading CompileContext.experts_dtype) once the context lands
-    model_phase = (["pack_experts"] if experts_dtype == "mxfp4" else []) + PHASES["model"]
-    _, report = run_pipeline(graph, phases={"cleanup": PHASES["cleanup"], "model": model_phase}, numeric_check=check)
+    ctx = CompileContext(max_batch=batch, max_seq=bindings["L"] + bindings["T"], max_prefill=bindings["T"],
+                         experts_dtype=experts_dtype).for_entry(entry)
+    _, report = run_pipeline(graph, ["cleanup", "model"], ctx=ctx, numeric_check=check)
     out.print(report.table())
     out.print(f"[green]every pass preserved the outputs of {cfg.name} ({entry}, {bindings})[/] "
               f"in {time.perf_counter() - t0:.1f} s")
@@ -177,6 +178,8 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                 force: bool = typer.Option(False, "--force", help="replace an existing artifact"),
                 dump: Path = typer.Option(None, help="write the IR after every pass here"),
                 dtype: str = typer.Option("bf16", help="activation and weight dtype: bf16 or f32"),
+                backend: str = typer.Option(None, help="preferred code generator (triton | tvm) [default: the "
+                                                       "target's: triton on GPUs, tvm on CPUs]"),
                 experts_dtype: str = typer.Option(None, "--experts-dtype",
                                                   help="routed experts: mxfp4 (the checkpoint's 4-bit bits) or bf16 "
                                                        "(dequantized, stored in --dtype) [default: as the checkpoint]")):
@@ -185,7 +188,7 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
 
     max_prefill = min(1024, max_seq) if max_prefill is None else max_prefill
     opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype,
-                          experts_dtype)
+                          backend, experts_dtype)
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     if out_dir.exists() and not force:
         raise K3CError(f"{out_dir}: already exists (pass --force to replace it)")

@@ -4,8 +4,9 @@ For each entry point (prefill, decode) the model is imported, the graph gets the
 runs every phase (cleanup, model, kernels: bind_caches + form_kernels, memory: plan_memory). Each Triton kernel
 group is emitted as a module under `kernels/` (with `kernels/index.json`, the kernel -> IR node sidecar); the
 launch order with buffer names goes to `schedule.json`, the arena and pools to `plan.json`, per-op FLOPs / bytes and
-roofline times to `report.json`, and the weights (derived ones such as MLA's absorbed matrices materialised) to
-`weights/params.safetensors`. `--plan-only` skips kernels' weights (a config or preset without a checkpoint can
+roofline times to `report.json`, and the weights (derived ones such as MLA's absorbed matrices materialised;
+routed experts as the checkpoint stores them, MXFP4 bits included, unless `experts_dtype` asks for a dequantized
+build) to `weights/params.safetensors`, their byte counts to plan.json's "weights". `--plan-only` skips kernels' weights (a config or preset without a checkpoint can
 only be compiled plan-only). The same input gives a byte-identical artifact; writing is atomic.
 """
 
@@ -22,19 +23,18 @@ from pathlib import Path
 import torch
 
 from k3c import __version__
-from k3c.codegen.triton import emit
+from k3c.context import ENTRIES, CompileContext
 from k3c.errors import ConfigError, UnsupportedError
 from k3c.frontend import build_meta_model, import_model
 from k3c.ir import serialize
 from k3c.ir.graph import Graph
+from k3c.ir.kernels import KernelGroup, kernel_groups
 from k3c.ir.ops import get_op
 from k3c.ir.printer import print_graph
 from k3c.ir.types import evaluate, torch_dtype
 from k3c.passes.derived import materialize_params
-from k3c.passes.form_kernels import kernel_groups
-from k3c.passes.pack_experts import EXPERT_DTYPES, pack_experts_in_place
+from k3c.passes.pack_experts import EXPERT_DTYPES
 from k3c.passes.pipeline import run_pipeline
-from k3c.passes.plan_memory import bounds_bindings
 from k3c.runtime.artifact import ArtifactWriter
 from k3c.targets import load_target, roofline
 from models.checkpoint import load_checkpoint, load_mxfp4_experts
@@ -58,6 +58,7 @@ class CompileOptions:
     force: bool = False
     dump: Path | None = None
     dtype: str = "bf16"
+    backend: str | None = None
     experts_dtype: str | None = None  # routed experts: "mxfp4" or "bf16" (dense, in `dtype`); None: as the checkpoint
 
 
@@ -87,66 +88,69 @@ def _gc_paused():
 
 def _compile(opts: CompileOptions, progress) -> dict:
     t0 = time.perf_counter()
-    if opts.tp < 1:
-        raise ConfigError(f"--tp {opts.tp}: the GPU count must be >= 1")
     if opts.tp != 1:
+        CompileContext(tp=opts.tp)  # validates the value first (a ConfigError for --tp 0)
         raise UnsupportedError("tensor parallelism (--tp > 1) is estimated by `k3c plan` but not compiled yet")
-    if opts.dtype not in DTYPES:
-        raise ConfigError(f"--dtype {opts.dtype}: expected one of {', '.join(DTYPES)}")
     cfg = K3Config.from_pretrained(opts.model)
-    target = load_target(opts.target)
+    ctx = CompileContext(target=load_target(opts.target), dtype=opts.dtype, max_batch=opts.max_batch,
+                         max_seq=opts.max_seq, max_prefill=opts.max_prefill, tp=opts.tp,
+                         backend=opts.backend, experts_dtype=experts_dtype(opts, cfg)).resolve()
     if cfg.max_position_embeddings and opts.max_seq > cfg.max_position_embeddings:
         raise ConfigError(f"--max-seq {opts.max_seq} exceeds the model's context of {cfg.max_position_embeddings} "
                           f"tokens (config: max_position_embeddings)")
-    bindings = {e: bounds_bindings(e, opts.max_batch, opts.max_seq, opts.max_prefill) for e in ("prefill", "decode")}
     has_weights = Path(opts.model).is_dir()
     if not opts.plan_only and not has_weights:
         raise UnsupportedError(f"{opts.model} has no weights (a preset or config.json): pass a checkpoint directory, "
                                f"or --plan-only")
-    experts = experts_dtype(opts, cfg)
     with_weights = has_weights and not opts.plan_only
     # the output location is probed first (staging directory), so an unwritable -o fails before the work
     with ArtifactWriter(opts.out, force=opts.force).open() as writer:
         model = load_checkpoint(opts.model, DTYPES[opts.dtype]) if with_weights \
             else build_meta_model(cfg).cast_(DTYPES[opts.dtype])
-        graphs, passes = {}, []
-        for entry in ("prefill", "decode"):
+        graphs, passes, bindings = {}, [], {}
+        for entry in ENTRIES:
+            ectx = ctx.for_entry(entry)
+            bindings[entry] = ectx.bounds
             g = import_model(model, entry, progress=progress)
-            g.bounds = bindings[entry]
-            # seam: a model-phase pass reading CompileContext.experts_dtype once the context lands (issue 9)
-            pack_experts_in_place(g, experts)
             # verify the result only; a --dump build (debugging) verifies after every pass, naming the pass at fault
-            graphs[entry], report = run_pipeline(g, verify="each" if opts.dump else "end",
+            graphs[entry], report = run_pipeline(g, ctx=ectx, verify="each" if opts.dump else "end",
                                                  dump_dir=opts.dump / entry if opts.dump else None)
             passes = [r.name for r in report.passes]
         summary = {"model": cfg.name, "nodes": {e: len(g.nodes) for e, g in graphs.items()}, "kernels": 0}
-        schedules, index, costs = {}, {}, {}
+        groups = {e: kernel_groups(g) for e, g in graphs.items()}
+        schedules, costs = {}, {}
         for entry, g in graphs.items():
             writer.add_text(f"graph/{entry}.txt", print_graph(g))
             writer.add_text(f"graph/{entry}.json", serialize.dumps(g))
-            schedules[entry], kernels = _schedule(g, entry, emit_kernels=not opts.plan_only)
-            costs[entry] = cost_report(g, bindings[entry], target)
-            if not opts.plan_only:
-                for name, (group, src) in kernels.items():
-                    writer.add_text(f"kernels/{name}.py", src)
-                    index[name] = {"entry": entry, "kind": group.kind, "ir_nodes": group.ir_nodes}
-        summary["kernels"] = sum(1 for e in schedules.values() for ln in e["launches"] if ln["backend"] == "triton")
+            schedules[entry] = _schedule(g, groups[entry], ctx)
+            costs[entry] = cost_report(g, bindings[entry], ctx.target)
+        if not opts.plan_only:
+            index = {}
+            for backend in ctx.backends:
+                mine = [grp for e in ENTRIES for grp in groups[e] if grp.backend == backend.name]
+                if mine:
+                    emitted = backend.emit(mine, ctx)
+                    for rel, data in emitted.files.items():
+                        (writer.add_bytes if isinstance(data, bytes) else writer.add_text)(rel, data)
+                    index.update(emitted.index)
+            writer.add_json("kernels/index.json", dict(sorted(index.items())))
+        generating = {b.name for b in ctx.backends if b.generates}
+        summary["kernels"] = sum(1 for e in schedules.values() for ln in e["launches"] if ln["backend"] in generating)
         pools = _pools(graphs["decode"], opts)
         wbytes = weight_bytes(graphs)
         writer.add_json("plan.json", {"bounds": bindings, "arena": {e: g.memory_plan.to_json() for e, g in graphs.items()},
                                       "pools": pools, "pool_totals": pool_totals(pools), "weights": wbytes})
         writer.add_json("schedule.json", schedules)
         # pass names only: timings would make two builds of the same input differ
-        writer.add_json("report.json", {"target": target.name, "entries": costs, "passes": passes})
+        writer.add_json("report.json", {"target": ctx.target.name, "entries": costs, "passes": passes,
+                                        "backends": [b.name for b in ctx.backends]})
         if not opts.plan_only:
-            writer.add_json("kernels/index.json", index)
-            packed = load_mxfp4_experts(opts.model) if experts == "mxfp4" else {}
+            packed = load_mxfp4_experts(opts.model) if ctx.experts_dtype == "mxfp4" else {}
             writer.add_tensors("weights/params.safetensors", _weights(model, graphs, packed))
-        writer.commit(config=cfg.raw, target=target.to_dict(), tp=opts.tp,
-                      bounds={"max_batch": opts.max_batch, "max_seq": opts.max_seq, "max_prefill": opts.max_prefill},
+        writer.commit(config=cfg.raw, target=ctx.target.to_dict(), tp=opts.tp, bounds=ctx.bounds_json,
                       entry_points={e: {"graph": f"graph/{e}.json"} for e in graphs},
                       extra={"k3c_version": __version__, "plan_only": opts.plan_only, "dtype": opts.dtype,
-                             "experts_dtype": experts, "vocab_size": cfg.vocab_size})
+                             "experts_dtype": ctx.experts_dtype, "vocab_size": cfg.vocab_size})
     summary.update(arena={e: g.memory_plan.arena_bytes for e, g in graphs.items()},
                    lower_bound={e: g.memory_plan.lower_bound for e, g in graphs.items()},
                    pools=pool_totals(pools), weights=wbytes, seconds=time.perf_counter() - t0,
@@ -154,28 +158,21 @@ def _compile(opts: CompileOptions, progress) -> dict:
     return summary
 
 
-def _schedule(g: Graph, entry: str, emit_kernels: bool = True) -> tuple[dict, dict]:
-    """schedule.json's entry for `g` and the emitted kernels {name: (group, source)} (none when not `emit_kernels`)."""
-    launches, kernels, used = [], {}, set()
-    for group in kernel_groups(g):
-        name = f"{entry}_{group.name}"
-        ln = {"name": name, "backend": group.backend, "kind": group.kind,
+def _schedule(g: Graph, groups: list[KernelGroup], ctx: CompileContext) -> dict:
+    """schedule.json's entry for `g`: its inputs, outputs, the types of the values the launches touch, and the
+    launches in order (common fields + the owning backend's `launch_record`)."""
+    backends = {b.name: b for b in ctx.backends}
+    launches, used = [], set()
+    for group in groups:
+        ln = {"name": group.name, "backend": group.backend, "kind": group.kind,
               "inputs": [v.name for v in group.inputs], "outputs": [v.name for v in group.outputs]}
-        if group.backend == "triton":
-            if emit_kernels:
-                kernels[name] = (group, emit(group))
-        else:
-            (node,) = group.nodes
-            spec = get_op(node.op).attrs
-            ln["attrs"] = node.attrs
-            ln["dim_attrs"] = sorted(k for k, a in spec.items() if a.kind in ("dim", "dims"))
-            ln["outputs"] = [v.name for v in node.outputs]
+        ln.update(backends[group.backend].launch_record(group))
         used.update(ln["inputs"], ln["outputs"])
         launches.append(ln)
     values = {v.name: {"shape": [d if isinstance(d, int) else str(d) for d in v.type.shape], "dtype": v.type.dtype}
               for v in g.values() if v.name in used or v in g.inputs or v in g.outputs.values()}
     return {"inputs": [v.name for v in g.inputs], "outputs": {k: v.name for k, v in g.outputs.items()},
-            "values": dict(sorted(values.items())), "launches": launches}, kernels
+            "values": dict(sorted(values.items())), "launches": launches}
 
 
 def experts_dtype(opts: CompileOptions, cfg: K3Config) -> str:

@@ -22,9 +22,10 @@ from k3c.errors import IRError
 from k3c.ir.types import DEFAULT_SYMBOLS, TensorType
 
 _JSON_SCALARS = (int, float, str, bool, type(None))
-#: Whole-graph annotations passes attach as attributes, kept by `Graph.copy()`: recipes of compile-time parameters
-#: (`passes/derived.py`), the compile bounds ({"B","T","L"} -> int, set by the driver), the arena plan (`plan_memory`).
-ANNOTATIONS = ("derived_params", "bounds", "memory_plan")
+#: Whole-graph facts that passes compute and attach as attributes, kept by `Graph.copy()`: recipes of compile-time
+#: parameters (`passes/derived.py`), the kernel schedule (`form_kernels`, see `ir/kernels.py`) and the arena plan
+#: (`plan_memory`). Options never live here: they reach passes through the compile context (`k3c/context.py`).
+ANNOTATIONS = ("derived_params", "kernels", "memory_plan")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 

@@ -17,6 +17,7 @@ import json
 
 from k3c.errors import UnsupportedError
 from k3c.ir.graph import Graph, Node
+from k3c.ir.kernels import kernel_of
 
 
 def format_attrs(node: Node) -> str:
@@ -40,8 +41,8 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def format_node(node: Node) -> str:
-    """One line for `node` (see the module docstring)."""
+def format_node(node: Node, kernel: str | None = None) -> str:
+    """One line for `node` (see the module docstring); `kernel`: the launch it runs in, if scheduled."""
     outs = [f"%{v.name}" for v in node.outputs]
     lhs = outs[0] if len(outs) == 1 else "(" + ", ".join(outs) + ")"
     types = [str(v.type) for v in node.outputs]
@@ -54,8 +55,8 @@ def format_node(node: Node) -> str:
         comment.append(str(node.meta["pass"]))
     if node.meta.get("layer") is not None:
         comment.append(f"layer {node.meta['layer']}")
-    if node.meta.get("kernel"):  # after form_kernels: the launch this node runs in
-        comment.append(f"kernel {node.meta['kernel']}")
+    if kernel:  # after form_kernels: the launch this node runs in
+        comment.append(f"kernel {kernel}")
     if node.meta.get("source"):
         comment.append(" ".join(str(node.meta["source"]).split()))
     return line + ("  # " + " | ".join(comment) if comment else "")
@@ -68,6 +69,7 @@ def print_graph(graph: Graph) -> str:
     lines += [f"input %{v.name} : {v.type}" for v in graph.inputs]
     for key, v in graph.params.items():
         lines.append(f"param %{v.name} : {v.type}" + (f"  # key {key}" if key != v.name else ""))
-    lines += [format_node(n) for n in graph.nodes]
+    kernel = kernel_of(graph)
+    lines += [format_node(n, kernel.get(id(n))) for n in graph.nodes]
     lines += [f"output {k} = %{v.name}" for k, v in graph.outputs.items()]
     return "\n".join(lines) + "\n"

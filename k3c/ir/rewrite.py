@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from k3c.errors import IRError
+from k3c.errors import IRError, UnsupportedError
 from k3c.ir.graph import Graph, Node, Value
 from k3c.ir.types import dims_equal
 
@@ -137,8 +137,6 @@ def apply_rules(graph: Graph, rules: list[Rule], pass_name: str = "rewrite", max
     A build must add nodes with `graph.add_node` without `before`/`after`. Returns the number of rewrites; raises
     `IRError` like `apply_rules` (wrong count of values, a declining build that added nodes, no fixpoint).
     """
-    from k3c.passes.dce import dce_in_place
-
     by_op: dict[str, list[Rule]] = {}
     for r in rules:
         for o in (r.pattern.op if isinstance(r.pattern.op, tuple) else (r.pattern.op,)):
@@ -200,3 +198,27 @@ def shape_error(graph: Graph, pass_name: str, block: str, what: str, found: Valu
         found = p if p is not None else f"%{found.name} ({found.type}, a graph input or parameter)"
     got = f"; found {describe(found) if isinstance(found, Node) else found}" if found is not None else ""
     return IRError(f"{pass_name}: {block} does not have the expected shape: {what}{got}")
+
+
+# ---- dead code ---------------------------------------------------------------------------------------------------
+def _has_effects(op: str) -> bool:
+    from k3c.ir.ops import get_op
+
+    try:
+        return get_op(op).effects
+    except UnsupportedError:
+        return True
+
+
+def dce_in_place(graph: Graph) -> int:
+    """Remove from `graph` itself the nodes none of whose outputs reach a graph output or a live node (nodes with
+    effects, or of ops the registry does not know, stay live); returns how many were removed. One reverse sweep."""
+    live: set[Value] = set(graph.outputs.values())
+    dead = []
+    for node in reversed(graph.nodes):
+        if _has_effects(node.op) or any(v in live for v in node.outputs):
+            live.update(node.inputs)
+        else:
+            dead.append(node)
+    graph.remove_nodes(dead)
+    return len(dead)

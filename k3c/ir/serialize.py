@@ -13,14 +13,16 @@ from pathlib import Path
 
 from k3c.errors import IRError
 from k3c.ir.graph import Graph, Node, Value, check_json
+from k3c.ir.kernels import KernelSpan
 from k3c.ir.types import TensorType
 
 FORMAT = "k3c-ir"
 FORMAT_VERSION = 1
 
 
-#: Graph annotations that are JSON data and travel with the graph (the arena plan is written to plan.json instead).
-JSON_ANNOTATIONS = ("derived_params", "bounds")
+#: Graph annotations that travel with the graph (the arena plan is written to plan.json instead): the derived
+#: parameter recipes (JSON data) and the kernel schedule (`KernelSpan`s, as lists).
+JSON_ANNOTATIONS = ("derived_params", "kernels")
 
 
 def to_dict(graph: Graph) -> dict:
@@ -38,7 +40,11 @@ def to_dict(graph: Graph) -> dict:
             "inputs": [val(v) for v in graph.inputs],
             "params": [{"key": k, **val(v)} for k, v in graph.params.items()],
             "nodes": nodes, "outputs": {k: v.name for k, v in graph.outputs.items()},
-            **{k: getattr(graph, k) for k in JSON_ANNOTATIONS if getattr(graph, k, None)}}
+            **{k: _annotation_json(k, getattr(graph, k)) for k in JSON_ANNOTATIONS if getattr(graph, k, None)}}
+
+
+def _annotation_json(key: str, value):
+    return [s.to_json() for s in value] if key == "kernels" else value
 
 
 def from_dict(obj: dict) -> Graph:
@@ -71,7 +77,7 @@ def from_dict(obj: dict) -> Graph:
     g.outputs = {k: use(name, f"output {k}") for k, name in obj["outputs"].items()}
     for k in JSON_ANNOTATIONS:
         if k in obj:
-            setattr(g, k, obj[k])
+            setattr(g, k, [KernelSpan.from_json(x) for x in obj[k]] if k == "kernels" else obj[k])
     g.rebuild_index()
     return g
 

@@ -7,6 +7,7 @@ Checks, in one O(n) walk (plus one type inference per node):
   (dim strings need not be in canonical `dim_str` form: "L + 1" and "L+1" both pass);
 - every node's output types equal its op's inference from its input types (dims compared symbolically);
 - graph outputs exist; every dim uses only symbols in `graph.symbols`;
+- a kernel schedule, when present, covers the nodes consecutively (`ir/kernels.check_spans`);
 - the def-use index matches the node lists (a pass edited `node.inputs` without `set_input`/`rebuild_index`).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from k3c.errors import IRError, K3CError
 from k3c.ir.graph import Graph, Node, Value, check_json, describe
+from k3c.ir.kernels import check_spans
 from k3c.ir.types import TensorType, dims_equal
 
 
@@ -90,6 +92,8 @@ def verify(graph: Graph, *, check_index: bool = True) -> None:
         if v not in defined:
             raise IRError(f"graph output {k!r} is %{v.name}, which the graph does not define")
 
+    if getattr(graph, "kernels", None) is not None:
+        check_spans(graph)
     if check_index:
         _check_index(graph)
 

@@ -12,8 +12,9 @@ A cache output that is not produced this way raises IRError naming it: the runti
 
 from __future__ import annotations
 
+from k3c.context import CompileContext
 from k3c.errors import IRError
-from k3c.ir.graph import Node
+from k3c.ir.graph import Graph, Node
 from k3c.passes.pipeline import register_pass
 
 STATE_SUFFIXES = (".kda_state", ".conv_state")
@@ -21,7 +22,8 @@ APPEND_SUFFIXES = (".kv", ".index_k")
 
 
 @register_pass("bind_caches")
-def bind_caches(graph):
+def bind_caches(graph: Graph, ctx: CompileContext) -> Graph:
+    """Pass `bind_caches` (module docstring); in place, returns `graph`."""
     inputs = {v.name: v for v in graph.inputs}
     for name, out in list(graph.outputs.items()):
         if name.endswith(STATE_SUFFIXES):

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import re
 
+from k3c.context import CompileContext
 from k3c.ir.graph import Graph, Node, Value
 from k3c.ir.rewrite import Match, P, Rule, X, apply_rules, match
 from k3c.ir.types import dims_equal
+from k3c.passes.common import L2_CHAINS, RMS_CHAINS
 from k3c.passes.pipeline import register_pass
 
 # x -> A exact: every value of x's dtype is a value of A (so cast(cast(x, A), B) == cast(x, B)).
@@ -47,75 +49,8 @@ def _types_equal(a, b) -> bool:
     return a.dtype == b.dtype and a.rank == b.rank and all(dims_equal(x, y) for x, y in zip(a.shape, b.shape))
 
 
-def _last_dim_keep(node: Node) -> bool:
-    """A reduction over the last dim only, keepdim=True."""
-    dims, rank = node.attrs.get("dims"), node.inputs[0].type.rank
-    return node.attrs.get("keepdim") is True and dims is not None and len(dims) == 1 and dims[0] in (-1, rank - 1)
-
-
-def _eps_add(node: Node) -> bool:
-    return len(node.inputs) == 1 and node.attrs.get("scalar") is not None
-
-
-def _square(name: str) -> tuple:
-    return (P("pow", X(name), attrs={"exponent": 2.0}, single_use=True),
-            P("mul", X(name), X(name), single_use=True))
-
-
-def _norm_chain(reduce_op: str) -> list[P]:
-    """x * rsqrt(reduce(x², -1, keepdim) + eps), both operand orders, x² as pow or x·x; root captured 'root'."""
-    pats = []
-    for sq in _square("x"):
-        r = P("rsqrt", P("add", P(reduce_op, sq, where=_last_dim_keep, single_use=True, name="red"),
-                         where=_eps_add, single_use=True, name="eps"), single_use=True)
-        pats += [P("mul", X("x"), r, name="root"), P("mul", r, X("x"), name="root")]
-    return pats
-
-
-_RMS_CHAINS = _norm_chain("mean")
-_L2_CHAINS = _norm_chain("sum")
-
-
 def _is_f32(v: Value) -> bool:
     return v.type.dtype == "f32"
-
-
-# ---- recognisers shared with model passes ---------------------------------------------------------------------
-def _chain_parts(graph: Graph, v: Value, pats: list[P]) -> tuple[Value, float, list[Node]] | None:
-    node = graph.producer(v)
-    if node is None or node.op != "mul":
-        return None
-    for pat in pats:
-        m = match(graph, pat, node)
-        if m is not None:
-            return m["x"], m["eps"].attrs["scalar"], list(m.nodes)
-    return None
-
-
-def l2_parts(graph: Graph, v: Value) -> tuple[Value, float, list[Node]] | None:
-    """If `v` is an l2norm over the last dim (op or decomposed chain): (x, eps, matched nodes), else None."""
-    node = graph.producer(v)
-    if node is not None and node.op == "l2norm" and node.attrs["dim"] in (-1, v.type.rank - 1):
-        return node.inputs[0], node.attrs["eps"], [node]
-    return _chain_parts(graph, v, _L2_CHAINS)
-
-
-def rms_parts(graph: Graph, v: Value) -> tuple[Value, Value | None, float, list[Node]] | None:
-    """If `v` is an RMSNorm over the last dim, with or without weight, as the op or the decomposed chain (weight
-    as a trailing `mul` by a [D] value): (x, weight or None, eps, matched nodes), else None."""
-    node = graph.producer(v)
-    if node is None:
-        return None
-    if node.op == "rms_norm":
-        return node.inputs[0], (node.inputs[1] if len(node.inputs) > 1 else None), node.attrs["eps"], [node]
-    if node.op == "mul" and len(node.inputs) == 2:
-        for a, w in (node.inputs, node.inputs[::-1]):
-            if w.type.rank == 1 and dims_equal(w.type.shape[0], v.type.shape[-1]) and len(graph.users(a)) == 1:
-                inner = rms_parts(graph, a)
-                if inner is not None and inner[1] is None:
-                    return inner[0], w, inner[2], inner[3] + [node]
-    got = _chain_parts(graph, v, _RMS_CHAINS)
-    return None if got is None else (got[0], None, got[1], got[2])
 
 
 # ---- rules ----------------------------------------------------------------------------------------------------
@@ -243,8 +178,8 @@ def _rules(graph: Graph) -> list[Rule]:
 
     norm_any = ("rms_norm", "l2norm")
     e = P("exp", P("sub", X("x"), P("amax", X("x"), name="mx")), name="e")
-    rules = [Rule(p, norm_chain("rms_norm"), "rms_norm") for p in _RMS_CHAINS]
-    rules += [Rule(p, norm_chain("l2norm"), "l2norm") for p in _L2_CHAINS]
+    rules = [Rule(p, norm_chain("rms_norm"), "rms_norm") for p in RMS_CHAINS]
+    rules += [Rule(p, norm_chain("l2norm"), "l2norm") for p in L2_CHAINS]
     rules += [
         Rule(P("mul", P("rms_norm", any_inputs=True, single_use=True, name="rms"), X("w"), name="root"),
              fold_weight, "rms_norm_weight"),
@@ -281,7 +216,7 @@ def canonicalize_in_place(graph: Graph) -> int:
 
 
 @register_pass("canonicalize")
-def canonicalize(graph: Graph) -> Graph:
+def canonicalize(graph: Graph, ctx: CompileContext) -> Graph:
     """Pass `canonicalize`: `graph` with the rules of the module docstring applied (mutated in place, returned)."""
     canonicalize_in_place(graph)
     return graph

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from k3c.context import CompileContext
 from k3c.errors import UnsupportedError
 from k3c.ir.graph import Graph
 from k3c.passes.pipeline import register_pass
@@ -47,7 +48,7 @@ def cse_in_place(graph: Graph) -> int:
 
 
 @register_pass("cse")
-def cse(graph: Graph) -> Graph:
+def cse(graph: Graph, ctx: CompileContext) -> Graph:
     """Pass `cse`: `graph` with duplicate pure nodes merged (mutated in place and returned)."""
     cse_in_place(graph)
     return graph

@@ -1,32 +1,31 @@
-"""Pass `form_kernels` (kernels phase): cut the schedule into kernel groups and pick each group's backend.
+"""Pass `form_kernels` (kernels phase): cut the schedule into launches, each claimed by a backend.
 
-Nodes are walked in schedule (graph) order; every node gets three meta stamps:
-- `meta["kernel"]`: its group's name, `k<NNNN>_<kind>` numbered from 0 in schedule order (`k0042_pointwise`);
-- `meta["backend"]`: "triton", "library" or "view" (see `k3c.codegen.groups`);
-- `meta["kind"]`: the generator (triton) or the single op (library / view).
-
-Rules, first match wins:
-- model-level ops (`MODEL_OPS`): one triton group each, kind = the op name;
-- layout ops (`VIEW_OPS`): one view group each, kind = the op name;
+Two steps. The fusion proposal walks the nodes in schedule order, first rule wins:
+- model-level ops (`MODEL_OPS`): one group each, kind = the op name;
+- layout ops (`VIEW_OPS`): one group each, kind = the op name;
 - row ops over the last dim (rms_norm, layer_norm, l2norm, softmax, sum / mean / amax / amin) on f32 / bf16 / f16:
-  a triton "rowwise" group; the directly following elementwise nodes whose output shape equals the row op's
-  output shape and which read a value of the group join it as its epilogue (rms_norm then `mul` by a vector);
-- elementwise ops (`kind="elementwise"` in the registry, except `copy`) on non-fp8 values of rank <= 5: a triton
+  a "rowwise" group; the directly following elementwise nodes whose output shape equals the row op's output shape
+  and which read a value of the group join it as its epilogue (rms_norm then `mul` by a vector);
+- elementwise ops (`kind="elementwise"` in the registry, except `copy`) on non-fp8 values of rank <= 5: a
   "pointwise" group; a maximal run of consecutive such nodes with equal output shapes forms one group (inputs may
   broadcast to that shape);
-- anything else (GEMMs, einsum, embedding, gather/scatter, sort/topk, creation ops, collectives, a softmax over
-  another dim, fp8 elementwise, ...): one library group each, kind = the op name; the runtime performs it.
+- anything else (GEMMs, einsum, embedding, gather/scatter, sort/topk, creation ops, collectives, ...): one group
+  each, kind = the op name.
+Then each proposed group goes to the first backend of `ctx.backends` (the target's claim order, see
+`k3c.codegen.backend`) that claims it; a fused group nobody claims is offered node by node (`assign_backends`).
 
-Groups are consecutive runs of the schedule, so the dependencies between launches stay those of the node order.
-The pass changes no computation: it only writes meta. `kernel_groups(graph)` rebuilds the `KernelGroup`s from
-the stamps, with the values each group reads and writes.
+The result is `graph.kernels`: `KernelSpan`s (name `<entry>_k<NNNN>_<kind>`, numbered in schedule order, backend,
+kind, node range), consecutive runs of the schedule, so the dependencies between launches stay those of the node
+order. The pass changes no node. `k3c.ir.kernels.kernel_groups(graph)` resolves the spans into typed
+`KernelGroup`s with the values each launch reads and writes.
 """
 
 from __future__ import annotations
 
-from k3c.codegen.groups import KernelGroup
-from k3c.errors import IRError, UnsupportedError
+from k3c.context import CompileContext
+from k3c.errors import UnsupportedError
 from k3c.ir.graph import Graph, Node, Value, describe
+from k3c.ir.kernels import KernelSpan
 from k3c.ir.types import dims_equal
 from k3c.passes.pipeline import register_pass
 
@@ -78,17 +77,16 @@ def is_row_op(node: Node) -> bool:
     return False
 
 
-def classify(node: Node) -> tuple[str, str]:
-    """(backend, kind) of the group that `node` starts or joins (see the module docstring)."""
-    if node.op in MODEL_OPS:
-        return "triton", node.op
-    if node.op in VIEW_OPS:
-        return "view", node.op
+def fusion_kind(node: Node) -> str:
+    """The kind of group `node` starts or joins (module docstring): a model op's name, "rowwise", "pointwise", or
+    the op's own name (a single-node launch: view, library)."""
+    if node.op in MODEL_OPS or node.op in VIEW_OPS:
+        return node.op
     if is_row_op(node):
-        return "triton", "rowwise"
+        return "rowwise"
     if is_elementwise(node):
-        return "triton", "pointwise"
-    return "library", node.op
+        return "pointwise"
+    return node.op
 
 
 def same_shape(a: tuple, b: tuple) -> bool:
@@ -96,22 +94,27 @@ def same_shape(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(dims_equal(x, y) for x, y in zip(a, b))
 
 
-def plan_groups(graph: Graph) -> list[tuple[str, str, list[Node]]]:
-    """The groups of `graph`'s schedule as (backend, kind, nodes), in order; does not change the graph."""
-    groups: list[tuple[str, str, list[Node]]] = []
+def group_name(index: int, kind: str, entry: str | None = None) -> str:
+    """`decode_k0042_pointwise`: the entry point, the launch's position in the schedule and its kind."""
+    return (f"{entry}_" if entry else "") + f"k{index:04d}_{kind}"
+
+
+def propose_groups(graph: Graph) -> list[tuple[str, list[Node]]]:
+    """The fusion proposal for `graph`'s schedule as (kind, nodes), in order; does not change the graph."""
+    groups: list[tuple[str, list[Node]]] = []
     open_shape = None          # output shape of the open pointwise / rowwise group that may still grow
     open_values: set[Value] = set()
     for node in graph.nodes:
-        backend, kind = classify(node)
+        kind = fusion_kind(node)
         if kind == "pointwise" and open_shape is not None:
-            gkind = groups[-1][1]
+            gkind = groups[-1][0]
             fits = same_shape(node.outputs[0].type.shape, open_shape)
             chained = gkind == "pointwise" or any(v in open_values for v in node.inputs)
             if fits and chained:
-                groups[-1][2].append(node)
+                groups[-1][1].append(node)
                 open_values.update(node.outputs)
                 continue
-        groups.append((backend, kind, [node]))
+        groups.append((kind, [node]))
         if kind in ("pointwise", "rowwise"):
             open_shape, open_values = node.outputs[0].type.shape, set(node.outputs)
         else:
@@ -119,59 +122,38 @@ def plan_groups(graph: Graph) -> list[tuple[str, str, list[Node]]]:
     return groups
 
 
-def group_name(index: int, kind: str) -> str:
-    """`k0042_pointwise`: the group's position in the schedule and its kind."""
-    return f"k{index:04d}_{kind}"
+def assign_backends(proposal: list[tuple[str, list[Node]]], backends) -> list[tuple[str, str, list[Node]]]:
+    """(backend, kind, nodes) per launch: each proposed group goes to the first of `backends` that claims it; a
+    fused group no backend claims is split into its nodes, each offered as a group of one of the same kind and
+    then as a single op (kind = the op's name). Raises UnsupportedError naming the op and the backends when no
+    backend claims a node."""
+    out: list[tuple[str, str, list[Node]]] = []
+    for kind, nodes in proposal:
+        owner = next((b.name for b in backends if b.claims(kind, nodes)), None)
+        if owner is not None:
+            out.append((owner, kind, nodes))
+            continue
+        for node in nodes:
+            for k in dict.fromkeys((kind, node.op)):
+                owner = next((b.name for b in backends if b.claims(k, [node])), None)
+                if owner is not None:
+                    out.append((owner, k, [node]))
+                    break
+            else:
+                raise UnsupportedError(f"no backend implements {describe(node)} (kind {kind}; backends in claim "
+                                       f"order: {', '.join(b.name for b in backends)})")
+    return out
 
 
 @register_pass("form_kernels")
-def form_kernels(graph: Graph) -> Graph:
-    """Pass `form_kernels`: stamp `kernel` / `backend` / `kind` into every node's meta (in place; returns `graph`).
+def form_kernels(graph: Graph, ctx: CompileContext) -> Graph:
+    """Pass `form_kernels`: set `graph.kernels` to the launches (module docstring); the nodes are unchanged.
 
-    Deterministic: the same graph always gets the same groups and names. The computation is unchanged.
+    Deterministic: the same graph and context always give the same launches and names.
     """
-    for i, (backend, kind, nodes) in enumerate(plan_groups(graph)):
-        name = group_name(i, kind)
-        for node in nodes:
-            node.meta["kernel"], node.meta["backend"], node.meta["kind"] = name, backend, kind
+    spans, at = [], 0
+    for i, (backend, kind, nodes) in enumerate(assign_backends(propose_groups(graph), ctx.backends)):
+        spans.append(KernelSpan(group_name(i, kind, ctx.entry), backend, kind, at, len(nodes)))
+        at += len(nodes)
+    graph.kernels = spans
     return graph
-
-
-def kernel_groups(graph: Graph) -> list[KernelGroup]:
-    """The `KernelGroup`s of a graph stamped by `form_kernels`, in schedule order.
-
-    `inputs`: values read by the group's nodes and defined outside it (graph inputs and params included), in
-    first-use order. `outputs`: values defined in the group and read by a node of another group or a graph
-    output, in definition order. Raises `IRError` if a node has no stamp, or a group is not one consecutive run
-    of the schedule or mixes backends / kinds.
-    """
-    groups: list[KernelGroup] = []
-    seen: set[str] = set()
-    for node in graph.nodes:
-        name = node.meta.get("kernel")
-        if name is None:
-            raise IRError(f"{describe(node)} has no kernel group; run the form_kernels pass first")
-        if groups and groups[-1].name == name:
-            g = groups[-1]
-            if (node.meta.get("backend"), node.meta.get("kind")) != (g.backend, g.kind):
-                raise IRError(f"kernel group {name} mixes {g.backend}/{g.kind} and "
-                              f"{node.meta.get('backend')}/{node.meta.get('kind')} ({describe(node)})")
-            g.nodes.append(node)
-            continue
-        if name in seen:
-            raise IRError(f"kernel group {name} is not one consecutive run of the schedule ({describe(node)})")
-        seen.add(name)
-        groups.append(KernelGroup(name, node.meta.get("backend"), node.meta.get("kind"), [node]))
-    graph_outputs = set(graph.outputs.values())
-    for g in groups:
-        members = set(g.nodes)
-        defined = {v for n in g.nodes for v in n.outputs}
-        reads: dict[Value, None] = {}
-        for n in g.nodes:
-            for v in n.inputs:
-                if v not in defined:
-                    reads.setdefault(v, None)
-        g.inputs = list(reads)
-        g.outputs = [v for n in g.nodes for v in n.outputs
-                     if v in graph_outputs or any(u not in members for u in graph.users(v))]
-    return groups

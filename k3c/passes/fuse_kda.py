@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import math
 
+from k3c.context import CompileContext
 from k3c.errors import IRError
 from k3c.ir.graph import Graph, Node, Value, describe
 from k3c.ir.rewrite import shape_error
 from k3c.ir.types import TensorType, dims_equal
-from k3c.passes.canonicalize import l2_parts, rms_parts
-from k3c.passes.dce import dce_in_place
+from k3c.passes.common import l2_parts, rms_parts
+from k3c.ir.rewrite import dce_in_place
 from k3c.passes.pipeline import register_pass
 
 L2NORM_EPS = 1e-6  # K3-SPEC.md "KDA layer": l2norm eps, hard-wired in kda_fused
@@ -358,7 +359,7 @@ def fuse_kda_in_place(graph: Graph) -> int:
 
 
 @register_pass("fuse_kda")
-def fuse_kda(graph: Graph) -> Graph:
+def fuse_kda(graph: Graph, ctx: CompileContext) -> Graph:
     """Pass `fuse_kda`: every KDA layer becomes one `kda_fused` node (see the module docstring). In place."""
     fuse_kda_in_place(graph)
     return graph

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from k3c.context import CompileContext
 from k3c.errors import IRError
 from k3c.ir.graph import Graph, Node, Value
-from k3c.passes.dce import dce_in_place
+from k3c.ir.rewrite import dce_in_place
+from k3c.passes.common import reorder, skip_cast
 from k3c.passes.pipeline import register_pass
 
 
@@ -44,15 +46,6 @@ def _prod(graph: Graph, v: Value, op: str | tuple) -> Node | None:
     n = graph.producer(v)
     ops = (op,) if isinstance(op, str) else op
     return n if n is not None and n.op in ops else None
-
-
-def skip_cast(graph: Graph, v: Value) -> Value:
-    """`v` with any chain of `cast` producers peeled off."""
-    n = graph.producer(v)
-    while n is not None and n.op == "cast":
-        v = n.inputs[0]
-        n = graph.producer(v)
-    return v
 
 
 def _axis(d: int, rank: int) -> int:
@@ -176,23 +169,8 @@ def _param_chain(graph: Graph, v: Value, params: set) -> list[Node] | None:
     return order if visit(v) else None
 
 
-def reorder(graph: Graph, before: dict[int, list[Node]], moved: set[int]) -> None:
-    """Rebuild `graph.nodes` in one sweep: every node listed in `before[id(anchor)]` is emitted (in list order)
-    right before `anchor` instead of at its own place (new nodes appended at the end, moved nodes); nodes in
-    `moved` (ids) leave their place. Raises `IRError` if that loses or duplicates a node."""
-    placed = moved | {id(m) for lst in before.values() for m in lst}
-    out: list[Node] = []
-    for n in graph.nodes:
-        out.extend(before.get(id(n), ()))
-        if id(n) not in placed:
-            out.append(n)
-    if len(out) != len(graph.nodes):
-        raise IRError(f"reorder lost or duplicated nodes ({len(graph.nodes)} -> {len(out)}): an anchor is missing")
-    graph.nodes = out
-
-
 @register_pass("lower_attn_res")
-def lower_attn_res(graph: Graph) -> Graph:
+def lower_attn_res(graph: Graph, ctx: CompileContext) -> Graph:
     """Pass `lower_attn_res` (module docstring): direct AttnRes reads -> attn_res_inter / attn_res_merge."""
     memo: dict = {}
     sites = [s for n in graph.nodes if n.op == "softmax" for s in [match_site(graph, n, memo)] if s is not None]

@@ -28,6 +28,7 @@ identity). A block that differs raises `IRError` naming its `moe_experts` node a
 
 from __future__ import annotations
 
+from k3c.context import CompileContext
 from k3c.errors import IRError
 from k3c.ir.graph import Graph, Node, Value, describe
 from k3c.ir.rewrite import shape_error
@@ -181,7 +182,7 @@ def lower_moe_in_place(graph: Graph) -> int:
 
 
 @register_pass("lower_moe")
-def lower_moe(graph: Graph) -> Graph:
+def lower_moe(graph: Graph, ctx: CompileContext) -> Graph:
     """Pass `lower_moe`: MoE blocks checked and labelled by role (see the module docstring). In place."""
     lower_moe_in_place(graph)
     return graph

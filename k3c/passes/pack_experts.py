@@ -11,12 +11,14 @@ with new parameters `<key>.weight_packed` u8 [E, R, C/2] and `<key>.weight_scale
 (R × C its rows × columns), the stacked form of the checkpoint's `experts.<e>.<w>.weight_packed / weight_scale`
 (models/checkpoint.py `load_mxfp4_experts` reads them); the dense parameters are dropped. Numerically the identity
 when the dense weights are the dequantized packed ones (exact: E2M1 · 2^k is representable in f32 and bf16).
-The format "bf16" (dense) leaves the graph unchanged. Raises `IRError` for a weight that is not a parameter or
+The format "bf16" (dense) leaves the graph unchanged. The format is `CompileContext.experts_dtype`, which the
+driver resolves from the checkpoint (`k3c.compile.experts_dtype`: MXFP4 when its config says so). Raises `IRError` for a weight that is not a parameter or
 whose rows do not split into 32-value groups.
 """
 
 from __future__ import annotations
 
+from k3c.context import CompileContext
 from k3c.errors import IRError
 from k3c.ir.formats import MXFP4_GROUP
 from k3c.ir.graph import Graph, describe
@@ -69,8 +71,8 @@ def pack_experts_in_place(graph: Graph, experts_dtype: str = "mxfp4") -> int:
 
 
 @register_pass("pack_experts")
-def pack_experts(graph: Graph) -> Graph:
-    """Pass `pack_experts` with the MXFP4 expert format (see the module docstring). In place."""
-    # seam: the expert format comes from CompileContext.experts_dtype once the context lands (issue 9)
-    pack_experts_in_place(graph, "mxfp4")
+def pack_experts(graph: Graph, ctx: CompileContext) -> Graph:
+    """Pass `pack_experts` (see the module docstring) with `ctx.experts_dtype`; None (the driver did not say what
+    the checkpoint stores) leaves the experts as the model holds them, dense. In place."""
+    pack_experts_in_place(graph, ctx.experts_dtype or "bf16")
     return graph

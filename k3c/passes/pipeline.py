@@ -1,16 +1,16 @@
 """The pass manager: named phases of named passes, composed in one place (TVM Relax `pipeline.py` style).
 
-A pass is a function `Graph -> Graph` registered with `@register_pass("name")`; it may mutate the graph it is
-given and return it, or return a new graph. Pass modules register themselves on import; `load_passes()` imports
+A pass is a function `(Graph, CompileContext) -> Graph` registered with `@register_pass("name")`; it may mutate
+the graph it is given and return it, or return a new graph. Options (target, dtype, bounds, tp, backends) reach it
+only through the context (`k3c/context.py`). Pass modules register themselves on import; `load_passes()` imports
 every module of `k3c.passes` named in `PHASES`, so a new pass only needs its file plus its name below.
 
     cleanup   dce, cse, canonicalize              generic cleanup and canonical patterns
-    model     fuse_kda, lower_moe, lower_attn_res, absorb_mla, place_dsa, dce
+    model     pack_experts, fuse_kda, lower_moe, lower_attn_res, absorb_mla, place_dsa, dce
     kernels   bind_caches, form_kernels
     memory    plan_memory
 
-A name that no module registers is an `IRError` naming the registered passes. (Tensor parallelism, DESIGN.md's
-`parallel` phase, is estimated by `k3c plan` but not compiled: it gets its passes and phase when it is.)
+A name that no module registers is an `IRError` naming the registered passes.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from k3c.context import CompileContext
 from k3c.errors import IRError, K3CError
 from k3c.ir.graph import Graph
 from k3c.ir.interp import interpret
@@ -32,12 +33,12 @@ from k3c.ir.printer import print_graph
 from k3c.ir.types import FLOAT_DTYPES, evaluate, torch_dtype
 from k3c.ir.verify import verify as verify_graph
 
-Pass = Callable[[Graph], Graph]
+Pass = Callable[[Graph, CompileContext], Graph]
 
 #: The compilation, phase by phase. Edit here to add, reorder or drop a pass.
 PHASES: dict[str, list[str]] = {
     "cleanup": ["dce", "cse", "canonicalize"],
-    "model": ["fuse_kda", "lower_moe", "lower_attn_res", "absorb_mla", "place_dsa", "dce"],
+    "model": ["pack_experts", "fuse_kda", "lower_moe", "lower_attn_res", "absorb_mla", "place_dsa", "dce"],
     "kernels": ["bind_caches", "form_kernels"],
     "memory": ["plan_memory"],
 }
@@ -122,10 +123,14 @@ def _plan(phases) -> list[tuple[str, str]]:
     return out
 
 
-def run_pipeline(graph: Graph, phases: list[str] | dict[str, list[str]] | None = None, *, until: str | None = None,
+def run_pipeline(graph: Graph, phases: list[str] | dict[str, list[str]] | None = None, *,
+                 ctx: CompileContext | None = None, until: str | None = None,
                  verify: str = "each", dump_dir: str | Path | None = None,
                  numeric_check: NumericCheck | None = None) -> tuple[Graph, PipelineReport]:
     """Run the passes of `phases` (phase names from `PHASES`, or an explicit {phase: [pass names]}) in order.
+
+    `ctx`: the compile context handed to every pass (None: `CompileContext()`, f32 at the default bounds), resolved
+    (target loaded, backends chosen) before the first pass; it should name the entry point (`ctx.for_entry`).
 
     The caller's graph is copied first and never changed. `until`: stop after the first pass of that name.
     `verify`: "each" runs the verifier on the input and after every pass (`IRError` names the pass); "end" only on
@@ -136,6 +141,7 @@ def run_pipeline(graph: Graph, phases: list[str] | dict[str, list[str]] | None =
     Returns (final graph, report with per-pass timings).
     """
     t0 = time.perf_counter()
+    ctx = (ctx or CompileContext()).resolve()
     load_passes()
     dump = Path(dump_dir or os.environ.get("K3C_DUMP") or "") if (dump_dir or os.environ.get("K3C_DUMP")) else None
     if verify not in ("each", "end", "off"):
@@ -154,7 +160,7 @@ def run_pipeline(graph: Graph, phases: list[str] | dict[str, list[str]] | None =
         before = g.copy() if numeric_check is not None else None
         n0 = len(g.nodes)
         ts = time.perf_counter()
-        g = fn(g)
+        g = fn(g, ctx)
         if not isinstance(g, Graph):
             raise IRError(f"pass {name} returned {type(g).__name__}, not a Graph")
         secs = time.perf_counter() - ts

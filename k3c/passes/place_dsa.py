@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import heapq
 
+from k3c.context import CompileContext
 from k3c.ir.graph import Graph, Node, Value
 from k3c.ir.types import TensorType
-from k3c.passes.absorb_mla import lower_mla_layers
-from k3c.passes.dce import dce_in_place
+from k3c.passes.mla_forms import lower_mla_layers
+from k3c.ir.rewrite import dce_in_place
 from k3c.passes.derived import add_derived_param, prune_unused_params
 from k3c.passes.pipeline import register_pass
 
@@ -136,7 +137,7 @@ def schedule_asap(graph: Graph, movable: set[int], key: dict[int, float]) -> Non
 
 
 @register_pass("place_dsa")
-def place_dsa(graph: Graph) -> Graph:
+def place_dsa(graph: Graph, ctx: CompileContext) -> Graph:
     """Pass `place_dsa` (module docstring)."""
     tops = [n for n in graph.nodes if n.op == "dsa_index_topk"]
     if not tops:
@@ -146,7 +147,7 @@ def place_dsa(graph: Graph) -> Graph:
         return [u for u in graph.users(t.outputs[0]) if u.op == "mla_attention"]
 
     if any(not consumers(t) for t in tops):
-        lower_mla_layers(graph, pass_name="place_dsa", only_sparse=True)
+        lower_mla_layers(graph, ctx.bounds, pass_name="place_dsa", only_sparse=True)
     for t in tops:
         for att in consumers(t):
             if att.attrs["dense_max_keys"] != t.attrs["topk"]:

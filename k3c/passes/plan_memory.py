@@ -6,30 +6,23 @@ consumed inside one fused kernel never reach memory. A buffer is live from the l
 reader; graph outputs live to the end. Views (reshape, expand, unsqueeze, squeeze) share their input's buffer.
 Not in the arena: graph inputs and parameters, and the cache values bound to persistent pools (KDA states updated
 in place by `kda_fused`, KV / index-key caches extended by `cache_append`; see `bind_caches`).
-Sizes are evaluated at the compile bounds `graph.bounds` ({"B", "T", "L"}, set by the driver; see
-`bounds_bindings`). Packing: `k3c.memory.planner.plan_arena` (greedy by size, 256-byte alignment), validated.
+Sizes are evaluated at the compile bounds `ctx.bounds` ({"B", "T", "L"} of the context's entry point; see
+`k3c.context.bounds_bindings`). Packing: `k3c.memory.planner.plan_arena` (greedy by size, 256-byte alignment),
+validated.
 The pass stores the plan as `graph.memory_plan` and returns the graph unchanged otherwise.
 """
 
 from __future__ import annotations
 
-from k3c.errors import ConfigError, IRError
+from k3c.context import CompileContext
 from k3c.ir.graph import Graph, Value
+from k3c.ir.kernels import check_spans
 from k3c.ir.types import nbytes
 from k3c.memory.planner import Buffer, MemoryPlan, plan_arena, validate_plan
 from k3c.passes.pipeline import register_pass
 
 VIEW_OPS = frozenset({"reshape", "expand", "unsqueeze", "squeeze"})
 POOL_SUFFIXES = (".kda_state", ".conv_state", ".kv", ".index_k")
-
-
-def bounds_bindings(entry: str, max_batch: int, max_seq: int, max_prefill: int) -> dict[str, int]:
-    """Symbol values at the compile bounds for `entry` ("prefill" or "decode"). Raises ConfigError on bad bounds."""
-    if min(max_batch, max_seq, max_prefill) < 1 or max_prefill > max_seq:
-        raise ConfigError(f"bounds must satisfy 1 <= --max-prefill ({max_prefill}) <= --max-seq ({max_seq}) and "
-                          f"--max-batch ({max_batch}) >= 1")
-    T = max_prefill if entry == "prefill" else 1
-    return {"B": max_batch, "T": T, "L": max_seq - T}
 
 
 def pool_values(graph: Graph) -> set[Value]:
@@ -40,21 +33,11 @@ def pool_values(graph: Graph) -> set[Value]:
 
 
 def launch_index(graph: Graph) -> list[int]:
-    """For each node, the index of its launch: kernel groups from `form_kernels` meta, else one per node."""
-    idx, names, prev = [], {}, None
-    for i, node in enumerate(graph.nodes):
-        k = node.meta.get("kernel")
-        if k is None:
-            idx.append(len(names))
-            names[("node", i)] = True
-            continue
-        if k != prev and k in names:
-            raise IRError(f"plan_memory: kernel {k} is not a contiguous run of the schedule")
-        if k not in names:
-            names[k] = True
-        idx.append(len(names) - 1)
-        prev = k
-    return idx
+    """For each node, the index of its launch: the kernel schedule of `form_kernels` when the graph has one, else one
+    launch per node. Raises IRError for an invalid schedule (`k3c.ir.kernels.check_spans`)."""
+    if getattr(graph, "kernels", None) is None:
+        return list(range(len(graph.nodes)))
+    return [i for i, s in enumerate(check_spans(graph)) for _ in range(s.count)]
 
 
 def liveness(graph: Graph, bindings: dict[str, int]) -> list[Buffer]:
@@ -90,9 +73,7 @@ def plan_graph(graph: Graph, bindings: dict[str, int], alignment: int = 256) -> 
 
 
 @register_pass("plan_memory")
-def plan_memory(graph: Graph) -> Graph:
-    bounds = getattr(graph, "bounds", None)
-    if not bounds:
-        raise IRError("plan_memory: the graph has no compile bounds (graph.bounds = {'B': ..., 'T': ..., 'L': ...})")
-    graph.memory_plan = plan_graph(graph, bounds)
+def plan_memory(graph: Graph, ctx: CompileContext) -> Graph:
+    """Pass `plan_memory` (module docstring): `graph.memory_plan` at `ctx.bounds`; the nodes are unchanged."""
+    graph.memory_plan = plan_graph(graph, ctx.bounds)
     return graph

@@ -1,10 +1,9 @@
 """One call's bindings of an artifact's schedule: values by name over weights, cache pools and the arena.
 
 A `Frame` is made per prefill / decode call at its sizes {B, T, L}; `launch` runs one entry of `schedule.json`
-(a generated Triton kernel, a library op, a view or a cache append) and binds its outputs. Intermediates are
+through the launcher of its backend (`k3c.runtime.launchers`), which binds its outputs. Intermediates are
 views of the session's arena at `plan.json`'s offsets; caches are views of the pools. Used by
-`k3c.runtime.session` (eager execution) and `k3c.runtime.graphs` (capture). Raises ArtifactError for a kernel
-output the plan has no buffer for, or an op this runtime does not implement.
+`k3c.runtime.session` (eager execution) and `k3c.runtime.graphs` (capture).
 """
 
 from __future__ import annotations
@@ -13,9 +12,8 @@ import math
 
 import torch
 
-from k3c.errors import ArtifactError
-from k3c.runtime.dims import evaluate, shape
-from k3c.runtime.library import ALIASING, DTYPES, run_op
+from k3c.runtime.dims import shape
+from k3c.runtime.library import DTYPES
 
 
 class Frame:
@@ -51,29 +49,5 @@ class Frame:
         return None
 
     def launch(self, ln: dict) -> None:
-        """Run launch `ln` of the schedule, binding its outputs in `env`."""
-        env, B, L, T = self.env, self.B, self.L, self.T
-        ins = [env[n] for n in ln["inputs"]]
-        if ln["backend"] == "triton":
-            outs = [self.out(n) for n in ln["outputs"]]
-            for n, o in zip(ln["outputs"], outs):
-                if o is None:
-                    raise ArtifactError(f"kernel {ln['name']} output {n} has no buffer in plan.json")
-            self.session.kernels[ln["name"]].launch([x.contiguous() for x in ins], outs, self.sizes)
-            env.update(zip(ln["outputs"], outs))
-            return
-        if ln["kind"] == "cache_append":
-            pool = self.session.pools[ln["inputs"][0]][:B]
-            pool[:, L:L + T].copy_(ins[1])
-            env[ln["outputs"][0]] = pool[:, :L + T]
-            return
-        attrs = {k: (evaluate(v, self.sizes) if k in ln["dim_attrs"] and not isinstance(v, list)
-                     else [evaluate(x, self.sizes) for x in v] if k in ln["dim_attrs"] else v)
-                 for k, v in ln["attrs"].items()}
-        for n, r in zip(ln["outputs"], run_op(ln["kind"], attrs, ins)):
-            dst = self.out(n)
-            if dst is not None and not (ln["kind"] in ALIASING and n not in self.offsets):
-                dst.copy_(r)
-                env[n] = dst
-            else:
-                env[n] = r
+        """Run launch `ln` of the schedule through its backend's launcher, binding its outputs in `env`."""
+        self.session.launchers[ln["backend"]].launch(self, ln)

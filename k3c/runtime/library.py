@@ -29,8 +29,7 @@ def _reduce(fn):
     return lambda a, x: [fn(x, dim=a["dims"], keepdim=a.get("keepdim", False)) if a.get("dims") is not None else fn(x)]
 
 
-OPS = {
-    # library
+LIBRARY_OPS = {
     "linear": lambda a, x, w, b=None: [F.linear(x, w, b)],
     "matmul": lambda a, x, y: [torch.matmul(x, y)],
     "einsum": lambda a, *xs: [torch.einsum(a["equation"], *xs)],
@@ -49,7 +48,10 @@ OPS = {
     "ones": lambda a: [torch.ones(a["shape"], dtype=DTYPES[a["dtype"]])],
     "full": lambda a: [torch.full(a["shape"], a["value"], dtype=DTYPES[a["dtype"]])],
     "constant": lambda a: [torch.tensor(a["value"], dtype=DTYPES[a["dtype"]]).reshape(a["shape"])],
-    # views and layout
+    "cast": lambda a, x: [x.to(DTYPES[a["to"]])],
+}
+#: Layout ops; "cache_append" writes the new rows into the pool in place (performed by the view launcher).
+VIEW_OPS = {
     "reshape": lambda a, x: [x.reshape(a["shape"])],
     "unsqueeze": lambda a, x: [x.unsqueeze(a["dim"])],
     "squeeze": lambda a, x: [x.squeeze(a["dims"]) if a.get("dims") is not None else x.squeeze()],
@@ -63,8 +65,9 @@ OPS = {
     "stack": lambda a, *xs: [torch.stack(xs, a.get("dim", 0))],
     "pad": lambda a, x: [F.pad(x, list(a["pads"]), value=a.get("value", 0.0))],
     "copy": lambda a, x: [x.clone()],
-    "cast": lambda a, x: [x.to(DTYPES[a["to"]])],
+    "cache_append": None,
 }
+OPS = {**LIBRARY_OPS, **VIEW_OPS}
 #: ops whose result may be a view of their input (no new memory)
 ALIASING = frozenset({"reshape", "unsqueeze", "squeeze", "select", "slice", "expand", "transpose", "permute", "split"})
 
@@ -72,7 +75,7 @@ ALIASING = frozenset({"reshape", "unsqueeze", "squeeze", "select", "slice", "exp
 def run_op(op: str, attrs: dict, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Run library/view op `op`; raises ArtifactError if the runtime does not implement it."""
     fn = OPS.get(op)
-    if fn is None:
+    if fn is None:  # unknown, or cache_append (which needs the pool: the view launcher does it)
         raise ArtifactError(f"the artifact uses op '{op}', which this runtime does not implement")
     with torch.device(inputs[0].device if inputs else "cpu"):
         return fn(attrs, *inputs)

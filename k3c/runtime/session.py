@@ -5,8 +5,9 @@
     logits = session.decode(next_tokens)                      # [B,1] -> [B,1,vocab]
     session.reset()                                           # forget the sequences (caches zeroed)
 
-Execution follows `schedule.json`: each launch is a generated Triton kernel (imported from the artifact's
-`kernels/`), a library call (torch/cuBLAS) or a view. Intermediates live at the offsets of `plan.json` in one arena
+Execution follows `schedule.json`: each launch goes to the launcher of its backend (`k3c.runtime.launchers`): a
+generated Triton kernel (imported from the artifact's `kernels/`), a TVM kernel of the artifact's shared library,
+a library call (torch/cuBLAS) or a view. Intermediates live at the offsets of `plan.json` in one arena
 (the plan is made at the compile bounds, so every smaller call fits); caches live in pools sized at the bounds
 (KDA states updated in place, KV and index keys appended in place). A prompt longer than `max_prefill` is
 prefilled in chunks. On CUDA, decode steps after the first at a batch size replay piecewise CUDA graphs
@@ -18,10 +19,8 @@ bounds, a batch size that changes between calls).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
-import sys
 import tempfile
 import time
 import weakref
@@ -34,6 +33,7 @@ from k3c.runtime.artifact import read_artifact
 from k3c.runtime.dims import shape
 from k3c.runtime.frame import Frame
 from k3c.runtime.graphs import DecodeGraphs
+from k3c.runtime.launchers import make_launchers
 from k3c.runtime.library import DTYPES
 
 
@@ -56,22 +56,22 @@ class Session:
             raise RuntimeInputError(f"device {device!r}: the k3c runtime runs on 'cpu' or 'cuda'")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeInputError(f"device {device!r}: this torch build or machine has no CUDA GPU")
-        if self.device.type == "cpu":
-            os.environ.setdefault("TRITON_INTERPRET", "1")  # generated Triton kernels run on CPU in the interpreter
         art = read_artifact(path)
         self.manifest = art.manifest
         if not art.has_weights:
             raise ArtifactError(f"{path}: a plan-only artifact has no weights and cannot run (compile without --plan-only)")
-        dtype = self.manifest["extra"].get("dtype", "f32")
-        if self.device.type == "cpu" and dtype != "f32":
-            # Triton's interpreter multiplies bf16 tiles wrongly in tl.dot (triton 3.9: errors of 1e10 on a 16x16
-            # product), so a CPU run of a bf16 artifact would give wrong logits without any error
-            raise RuntimeInputError(f"{path}: a {dtype} artifact cannot run on CPU (Triton's interpreter computes "
-                                    f"{dtype} tl.dot wrongly); compile it with --dtype f32, or run it on cuda")
         b = self.manifest["bounds"]
         self.max_batch, self.max_seq, self.max_prefill = b["max_batch"], b["max_seq"], b["max_prefill"]
         self.vocab = self.manifest["extra"].get("vocab_size")
         self.schedule = art.schedule
+        dtype = self.manifest["extra"].get("dtype", "f32")
+        uses_triton = any(ln["backend"] == "triton" for e in self.schedule.values() for ln in e["launches"])
+        if self.device.type == "cpu" and dtype != "f32" and uses_triton:
+            # Triton's interpreter multiplies bf16 tiles wrongly in tl.dot (triton 3.9: errors of 1e10 on a 16x16
+            # product), so a CPU run of a bf16 Triton artifact would give wrong logits without any error
+            raise RuntimeInputError(f"{path}: a {dtype} artifact with Triton kernels cannot run on CPU (Triton's "
+                                    f"interpreter computes {dtype} tl.dot wrongly); compile it for a CPU target "
+                                    f"(--target cpu-x86-64) or with --dtype f32, or run it on cuda")
         dec = self.schedule["decode"]
         if self.vocab != dec["values"][dec["outputs"]["logits"]]["shape"][-1]:  # manifest.json is not hashed
             raise ArtifactError(f"{path}: manifest.json's vocab_size {self.vocab!r} disagrees with the logits of "
@@ -81,12 +81,9 @@ class Session:
         arena_bytes = max(plan["arena"][e]["arena_bytes"] for e in plan["arena"])
         self.arena = torch.empty(max(arena_bytes, 1), dtype=torch.uint8, device=self.device)
         self.weights = {k: v.to(self.device) for k, v in art.load_tensors("weights/params.safetensors").items()}
-        self.kernels = {}
         self._workdir = Path(tempfile.mkdtemp(prefix="k3c-kernels-"))
         weakref.finalize(self, shutil.rmtree, self._workdir, True)
-        for name in sorted({ln["name"] for e in self.schedule.values() for ln in e["launches"]
-                            if ln["backend"] == "triton"}):
-            self.kernels[name] = _import_kernel(art, f"kernels/{name}.py", name, self._workdir)
+        self.launchers = make_launchers(art, self.device, self.schedule, self._workdir)
         full = {"B": self.max_batch, "L": self.max_seq, "T": 1}
         types = self.schedule["decode"]["values"]
         self.pools = {n: torch.zeros(shape(types[n]["shape"], full), dtype=DTYPES[types[n]["dtype"]], device=self.device)
@@ -160,21 +157,3 @@ class Session:
         self.last_timing = {"entry": entry, "tokens": T, "seconds": time.perf_counter() - t0,
                             "cuda_graphs": graphs is not None}
         return logits
-
-
-def _import_kernel(art, rel: str, name: str, workdir: Path):
-    """Import one generated kernel module of the artifact. Its text is read through the artifact (hash-checked)
-    and written to `workdir` first: Triton reads a kernel's source from its file, and a .k3c archive has none."""
-    path = workdir / f"{name}.py"
-    path.write_text(art.read_text(rel))
-    modname = f"k3c_kernels_{workdir.name}_{name}"
-    spec = importlib.util.spec_from_file_location(modname, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[modname] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except Exception as e:  # a generated module that does not import is a broken artifact
-        raise ArtifactError(f"{rel}: the kernel module does not import ({type(e).__name__}: {e})") from e
-    if not hasattr(mod, "launch"):
-        raise ArtifactError(f"{rel}: the kernel module has no launch() function")
-    return mod

@@ -13,17 +13,20 @@ from collections import Counter
 import pytest
 import torch
 
-from k3c.errors import IRError
+from k3c.codegen.backend import Backend
+from k3c.context import CompileContext
+from k3c.errors import IRError, UnsupportedError
 from k3c.frontend import import_model
 from k3c.ir import Graph, TensorType
 from k3c.ir.interp import interpret
-from k3c.passes.form_kernels import (MODEL_OPS, VIEW_OPS, form_kernels, is_elementwise, is_row_op,
-                                     kernel_groups, same_shape)
+from k3c.ir.kernels import KernelSpan, kernel_groups
+from k3c.passes.form_kernels import MODEL_OPS, VIEW_OPS, form_kernels, is_elementwise, is_row_op, same_shape
 from k3c.passes.pipeline import random_inputs, run_pipeline
 
 PRESETS = [("k3-tiny", "decode"), ("k3-tiny", "prefill"), ("kimi-linear-tiny", "decode"),
            ("kimi-linear-tiny", "prefill")]
 FORM = {"kernels": ["form_kernels"]}
+CTX = CompileContext().resolve()  # h200: triton, library, view
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,12 +44,13 @@ def formed(model: str, mode: str) -> Graph:
 
 
 def stamps(g: Graph) -> list[tuple[str, str, str, str]]:
-    return [(n.outputs[0].name, n.meta["kernel"], n.meta["backend"], n.meta["kind"]) for n in g.nodes]
+    """(first output, kernel, backend, kind) per node."""
+    return [(n.outputs[0].name, k.name, k.backend, k.kind) for k in kernel_groups(g) for n in k.nodes]
 
 
 def grouping(g: Graph) -> list[tuple[str, list[str]]]:
     """(kind, [node ops]) per group: the shape of the grouping, for Before/Expected tests."""
-    return [(k.kind, [n.op for n in k.nodes]) for k in kernel_groups(form_kernels(g))]
+    return [(k.kind, [n.op for n in k.nodes]) for k in kernel_groups(form_kernels(g, CTX))]
 
 
 # ---- Before / Expected on small graphs ----------------------------------------------------------------------------
@@ -106,7 +110,7 @@ def test_names_backends_and_inputs_outputs():
     d = g.add("add", c, scalar=1.0, name_hint="o")
     g.set_output("y", d)
     g.set_output("t", b)
-    form_kernels(g)
+    form_kernels(g, CTX)
     assert stamps(g) == [("proj", "k0000_linear", "library", "linear"), ("t", "k0001_pointwise", "triton", "pointwise"),
                          ("m", "k0001_pointwise", "triton", "pointwise"), ("o", "k0001_pointwise", "triton", "pointwise")]
     lib, pw = kernel_groups(g)
@@ -124,11 +128,36 @@ def test_kernel_groups_rejects_unstamped_and_split_groups():
     g.set_output("c", c)
     with pytest.raises(IRError, match="form_kernels"):
         kernel_groups(g)
-    form_kernels(g)
-    g.nodes[2].meta["kernel"] = "k0099_pointwise"
-    g.nodes[0].meta["kernel"] = "k0099_pointwise"
-    with pytest.raises(IRError, match="not one consecutive run"):
+    form_kernels(g, CTX)
+    assert [(s.start, s.count) for s in g.kernels] == [(0, 3)]
+    g.kernels = [KernelSpan("k0000_pointwise", "triton", "pointwise", 0, 1),
+                 KernelSpan("k0001_pointwise", "triton", "pointwise", 2, 1)]
+    with pytest.raises(IRError, match="consecutively"):
         kernel_groups(g)
+    g.kernels = [KernelSpan("k0000_pointwise", "triton", "pointwise", 0, 2)]
+    with pytest.raises(IRError, match="covers 2 nodes but the graph has 3"):
+        kernel_groups(g)
+
+
+class OnlySingles(Backend):
+    """A code generator that implements pointwise groups of one node only."""
+
+    name, generates = "singles", True
+
+    def claims(self, kind, nodes):
+        return kind == "pointwise" and len(nodes) == 1
+
+
+def test_unclaimed_fusion_is_offered_node_by_node_then_as_single_ops():
+    g = Graph()
+    x = g.add_input("x", TensorType((4,), "f32"))
+    g.set_output("y", g.add("neg", g.add("exp", x)))
+    ctx = CTX.replace(backends=(OnlySingles(None), *CTX.backends[1:]))  # without triton
+    form_kernels(g, ctx)
+    assert [(s.backend, s.kind, s.count) for s in g.kernels] == [("singles", "pointwise", 1)] * 2
+    lib_only = CTX.replace(backends=CTX.backends[1:])  # library, view: neither runs exp
+    with pytest.raises(UnsupportedError, match=r"no backend implements .*exp.*library, view"):
+        form_kernels(g, lib_only)
 
 
 # ---- the tiny presets --------------------------------------------------------------------------------------------
@@ -158,7 +187,7 @@ def test_group_counts_k3_tiny_decode():
 def test_group_structure(model, mode):
     g = formed(model, mode)
     groups = kernel_groups(g)
-    assert [k.name for k in groups] == [f"k{i:04d}_{k.kind}" for i, k in enumerate(groups)]
+    assert [k.name for k in groups] == [f"k{i:04d}_{k.kind}" for i, k in enumerate(groups)]  # no entry in CTX
     assert [n for k in groups for n in k.nodes] == g.nodes
     outs = set(g.outputs.values())
     for i, k in enumerate(groups):

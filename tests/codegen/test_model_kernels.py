@@ -16,11 +16,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors need the interpret
 import pytest
 import torch
 
-from k3c.codegen.groups import KernelGroup
 from k3c.codegen.triton import attention, attn_res, emit, kda_abi, moe
 from k3c.frontend import import_model
 from k3c.ir.graph import Graph
 from k3c.ir.interp import interpret
+from k3c.ir.kernels import KernelGroup
 from k3c.ir.ops import get_op
 from k3c.ir.types import TensorType, torch_dtype
 from k3c.passes.pipeline import random_inputs, run_pipeline

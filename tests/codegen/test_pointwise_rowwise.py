@@ -17,14 +17,15 @@ import importlib.util
 import pytest
 import torch
 
-from k3c.codegen.groups import KernelGroup
 from k3c.codegen.triton import emit
 from k3c.errors import UnsupportedError
 from k3c.ir import Graph, TensorType
+from k3c.ir.kernels import KernelGroup
+from k3c.ir.kernels import kernel_groups
 from k3c.ir.ops import get_op
 from k3c.ir.types import torch_dtype
-from k3c.passes.form_kernels import form_kernels, kernel_groups
-from test_form_kernels import PRESETS, formed
+from k3c.passes.form_kernels import form_kernels
+from test_form_kernels import CTX, PRESETS, formed
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"  # TRITON_INTERPRET=0 runs the same tests on a GPU
@@ -109,7 +110,7 @@ def run_group(group: KernelGroup, tmp_path, *, binds=BINDS, seed=0, inputs=None,
 
 def one_group(g: Graph, kind: str) -> KernelGroup:
     """The single triton group form_kernels makes of `g` (asserting there is exactly one, of `kind`)."""
-    (group,) = [k for k in kernel_groups(form_kernels(g)) if k.backend == "triton"]
+    (group,) = [k for k in kernel_groups(form_kernels(g, CTX)) if k.backend == "triton"]
     assert group.kind == kind and len(group.nodes) == len(g.nodes), [n.op for n in group.nodes]
     return group
 
@@ -255,7 +256,7 @@ def test_softmax_with_masked_scores_and_rank1_reduction(tmp_path):
     g2.set_output("s", g2.add("sum", v))        # dims=None on rank 1: the last dim; rank-0 output
     ins = [torch.randn(2, 12), torch.rand(2, 12) < 0.5]
     ins[1][:, 0] = False                         # keep one score per row
-    groups = [k for k in kernel_groups(form_kernels(g)) if k.backend == "triton"]
+    groups = [k for k in kernel_groups(form_kernels(g, CTX)) if k.backend == "triton"]
     assert [k.kind for k in groups] == ["pointwise", "rowwise"]
     pw, rw = groups
     masked = reference(pw, [dict(zip((x, m), ins))[v] for v in pw.inputs], BINDS)[s]

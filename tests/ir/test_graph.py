@@ -107,7 +107,7 @@ def test_large_chain_builds_fast():
     g.set_output("y", v)
     g2 = g.copy()
     from k3c.ir import verify
-    from k3c.passes.dce import dce_in_place
+    from k3c.ir.rewrite import dce_in_place
 
     verify(g2)
     dce_in_place(g2)

@@ -15,8 +15,8 @@ from k3c.errors import CheckpointError
 from k3c.frontend import graph_inputs, import_model
 from k3c.ir.graph import Graph
 from k3c.ir.interp import interpret
-from k3c.passes import absorb_mla
-from k3c.passes.absorb_mla import MLAMatch, lower_mla_layers, mla_flops
+from k3c.passes import mla_forms
+from k3c.passes.mla_forms import MLAMatch, lower_mla_layers, mla_flops
 from k3c.passes.derived import copy_derived, materialize_params
 from k3c.passes.pipeline import run_pipeline
 from models.k3 import K3Config, K3ForCausalLM
@@ -76,9 +76,13 @@ def tokens(model: K3ForCausalLM, B: int, T: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
+#: The bounds `k3c compile` plans at by default for prefill (--max-seq 4096 --max-prefill 1024).
+BOUNDS = {"B": 1, "T": 1024, "L": 3072}
+
+
 def absorbed(g: Graph, **kw) -> Graph:
     out = fresh(g)
-    lower_mla_layers(out, **kw)
+    lower_mla_layers(out, BOUNDS, **kw)
     return out
 
 
@@ -160,14 +164,14 @@ def test_materialize_params_computes_the_per_head_split():
 def test_prefill_form_follows_the_flop_count_at_the_bounds():
     g = imported("k3-tiny", "prefill")
     small, large = fresh(g), fresh(g)
-    small.bounds, large.bounds = {"T": 4, "L": 4096}, {"T": 4096, "L": 4096}
-    lower_mla_layers(small)
-    lower_mla_layers(large)
+    bounds = {small: {"B": 1, "T": 4, "L": 4096}, large: {"B": 1, "T": 4096, "L": 4096}}
+    lower_mla_layers(small, bounds[small])
+    lower_mla_layers(large, bounds[large])
     for graph, want in ((small, True), (large, False)):
         for n in (n for n in graph.nodes if n.op == "mla_attention"):
             f = n.meta["mla_form"]
             assert n.attrs["absorbed"] is want
-            assert (f["absorbed_flops"] <= f["naive_flops"]) is want and f["T"] == graph.bounds["T"]
+            assert (f["absorbed_flops"] <= f["naive_flops"]) is want and f["T"] == bounds[graph]["T"]
 
 
 def test_long_context_prefill_is_absorbed_when_the_naive_kv_is_over_budget(monkeypatch):
@@ -178,10 +182,9 @@ def test_long_context_prefill_is_absorbed_when_the_naive_kv_is_over_budget(monke
     item = 4  # the imported graph is f32
     kv = 2 * 8192 * cfg.num_attention_heads * (2 * cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * item
     for budget, want, why in ((kv, False, "fewer FLOPs"), (kv - 1, True, "naive K/V over budget")):
-        monkeypatch.setattr(absorb_mla, "NAIVE_KV_BUDGET_BYTES", budget)
+        monkeypatch.setattr(mla_forms, "NAIVE_KV_BUDGET_BYTES", budget)
         graph = fresh(g)
-        graph.bounds = bounds
-        lower_mla_layers(graph)
+        lower_mla_layers(graph, bounds)
         nodes = [n for n in graph.nodes if n.op == "mla_attention"]
         assert nodes and all(n.attrs["absorbed"] is want for n in nodes)
         assert all(n.meta["mla_form"]["naive_kv_bytes"] == kv and n.meta["mla_form"]["why"] == why for n in nodes)

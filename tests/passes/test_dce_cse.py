@@ -1,5 +1,6 @@
 import torch
 
+from k3c.context import CompileContext
 from k3c.ir import Graph, TensorType, interpret, verify
 from k3c.passes.cse import cse
 from k3c.passes.dce import dce
@@ -14,7 +15,7 @@ def test_dce_removes_dead_nodes_only():
     g.add("exp", dead1)  # dead chain of two
     g.add("cache_append", cache, g.add("unsqueeze", x, dim=0))  # side effect: kept with its input
     g.set_output("y", live)
-    g = dce(g)
+    g = dce(g, CompileContext())
     verify(g)
     assert [n.op for n in g.nodes] == ["exp", "unsqueeze", "cache_append"]
 
@@ -38,7 +39,7 @@ def test_cse_merges_duplicate_expression_and_nothing_else():
     ins = {"x": torch.randn(3, 4), "cache": torch.zeros(1, 8, 4)}
     want = interpret(g, ins, {})
     n_before = len(g.nodes)
-    g = cse(g)
+    g = cse(g, CompileContext())
     verify(g)
     assert len(g.nodes) == n_before - 3  # a2 (its exp and mul) and the exp under b
     assert g.outputs["o0"] is g.outputs["o1"]
@@ -60,5 +61,5 @@ def test_cse_int_vs_float_attr_is_exact():
     g.set_output("a", a)
     g.set_output("b", b)
     g.set_output("x", x)
-    g = cse(g)
+    g = cse(g, CompileContext())
     assert len(g.nodes) == 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from k3c.context import CompileContext
 from k3c.ir.graph import Graph
 from k3c.ir.interp import interpret
 from k3c.ir.types import TensorType
@@ -85,7 +86,7 @@ def test_k3_tiny_structure():
     """Blocks of 3 layers, 10 layers: seals at 0, 3, 6, 9 -> 4 blocks with sealed blocks; 21 reads, of which
     layer 0's attention read sees no sealed block (it is the embedding itself)."""
     g = imported("k3-tiny", "prefill")
-    after = lower_attn_res(g.copy())
+    after = lower_attn_res(g.copy(), CompileContext())
     verify(after)
     inters = [n for n in after.nodes if n.op == "attn_res_inter"]
     merges = [n for n in after.nodes if n.op == "attn_res_merge"]
@@ -118,5 +119,5 @@ def test_k3_tiny_decode_exact():
 
 def test_no_attn_res_in_kimi_linear():
     g = imported("kimi-linear-tiny", "decode")
-    after = lower_attn_res(g.copy())
+    after = lower_attn_res(g.copy(), CompileContext())
     assert len(after.nodes) == len(g.nodes)

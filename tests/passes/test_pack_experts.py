@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3c.context import CompileContext
 from k3c.errors import IRError
 from k3c.frontend import graph_inputs, import_model
 from k3c.ir.interp import interpret
 from k3c.passes.pack_experts import pack_experts_in_place
+from k3c.passes.pipeline import run_pipeline
 from models.checkpoint import quantize_experts_
 from models.config import K3Config
 from models.k3 import K3ForCausalLM
@@ -53,6 +55,15 @@ def test_packed_graph_matches_the_model(quantized):
     named = {k: p.detach() for k, p in m.named_parameters()} | packed
     got = interpret(g, graph_inputs(m, tok, cache), {k: named[k] for k in g.params})
     assert rel_err(got["logits"], want) <= 1e-5
+
+
+def test_the_pass_follows_the_context(quantized):
+    """In the pipeline the format comes from CompileContext.experts_dtype; None (not resolved) keeps dense experts."""
+    g0 = quantized[2]
+    packed, _ = run_pipeline(g0, {"model": ["pack_experts"]}, ctx=CompileContext(experts_dtype="mxfp4"))
+    dense, _ = run_pipeline(g0, {"model": ["pack_experts"]}, ctx=CompileContext())
+    fmts = lambda g: {n.attrs["weight_format"] for n in g.nodes if n.op == "moe_experts"}  # noqa: E731
+    assert fmts(packed) == {"mxfp4"} and fmts(dense) == {"dense"}
 
 
 def test_errors(quantized):

@@ -49,7 +49,7 @@ def test_env_dump_and_until(tmp_path, monkeypatch):
 
 def test_numeric_check_names_the_broken_pass(scratch_passes):
     @register_pass("break_norm")
-    def break_norm(g):
+    def break_norm(g, ctx):
         for n in g.nodes:
             if n.op == "rms_norm":
                 n.attrs["eps"] = 10.0  # still well typed, numerically wrong
@@ -63,7 +63,7 @@ def test_numeric_check_names_the_broken_pass(scratch_passes):
 
 def test_verifier_runs_after_every_pass(scratch_passes):
     @register_pass("break_types")
-    def break_types(g):
+    def break_types(g, ctx):
         g.nodes[0].outputs[0].type = TensorType(("B", "T", 9), "f32")
         return g
 
@@ -73,12 +73,12 @@ def test_verifier_runs_after_every_pass(scratch_passes):
 
 def test_verify_end_checks_the_result_only(scratch_passes):
     @register_pass("break_types")
-    def break_types(g):
+    def break_types(g, ctx):
         g.nodes[0].outputs[0].type = TensorType(("B", "T", 9), "f32")
         return g
 
     @register_pass("fix_types")
-    def fix_types(g):
+    def fix_types(g, ctx):
         g.nodes[0].outputs[0].type = TensorType(("B", "T", 8), "f32")
         return g
 
@@ -94,7 +94,7 @@ def test_register_twice_is_an_error(scratch_passes):
     register_pass("dup")(lambda g: g)
     with pytest.raises(IRError, match="registered twice"):
         @register_pass("dup")
-        def other(g):
+        def other(g, ctx):
             return g
 
 

@@ -168,14 +168,14 @@ def test_inspect_does_not_overwrite_without_force(tmp_path):
     rc, err = k3c_cli("inspect", "k3-tiny", "-o", out)
     assert rc == 2 and "--force" in err and out.read_text() == "mine"
     rc, _ = k3c_cli("inspect", "k3-tiny", "-o", out, "--force", "--after", "form_kernels")
-    assert rc == 0 and "| kernel k0001_" in out.read_text()
+    assert rc == 0 and "| kernel prefill_k0001_" in out.read_text()
 
 
 def test_bf16_artifact_is_refused_on_cpu(art, tmp_path):
     """Triton's interpreter computes bf16 tl.dot wrongly: a CPU run must refuse rather than print wrong tokens."""
     compile_model(CompileOptions(str(art / "ckpt"), tmp_path / "b", target="cpu-x86-64", max_batch=1, max_seq=16,
-                                 max_prefill=8, dtype="bf16"))
-    with pytest.raises(RuntimeInputError, match="bf16 artifact cannot run on CPU.*--dtype f32"):
+                                 max_prefill=8, dtype="bf16", backend="triton"))
+    with pytest.raises(RuntimeInputError, match="bf16 artifact with Triton kernels cannot run on CPU.*--dtype f32"):
         k3c.load(tmp_path / "b", "cpu")
 
 

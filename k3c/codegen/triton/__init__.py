@@ -1,6 +1,6 @@
 """Triton code generation: the emitter registry and what every generated kernel module shares.
 
-An emitter turns one triton `KernelGroup` (see `k3c.codegen.groups`) into the source text of a standalone Python
+An emitter turns one triton `KernelGroup` (see `k3c.ir.kernels`) into the source text of a standalone Python
 module implementing the kernel ABI (`NAME`, `IR_NODES`, `launch(inputs, outputs, sizes)`). Emitters register by
 kind:
 
@@ -21,8 +21,8 @@ import importlib
 import pkgutil
 from typing import Callable
 
-from k3c.codegen.groups import KernelGroup
 from k3c.errors import UnsupportedError
+from k3c.ir.kernels import KernelGroup
 
 Emitter = Callable[[KernelGroup], str]
 
@@ -59,7 +59,7 @@ def registered_kinds() -> list[str]:
 
 
 def emit(group: KernelGroup) -> str:
-    """The source of the kernel module implementing `group` (a triton group; see `k3c.codegen.groups`).
+    """The source of the kernel module implementing `group` (a triton group; see `k3c.ir.kernels`).
 
     Raises `UnsupportedError` naming the kind when no emitter handles it, and whatever the emitter raises for a
     group it cannot generate (also `UnsupportedError`, naming the node).

@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from k3c.codegen.groups import KernelGroup
 from k3c.codegen.triton import emitter, model_module
 from k3c.errors import UnsupportedError
+from k3c.ir.kernels import KernelGroup
 
 
 # Launch policy (copied into every emitted module, where the runtime may retune it).

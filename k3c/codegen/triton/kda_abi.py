@@ -22,11 +22,11 @@ Public API: `emit_kda_fused(group)` -> module text (registered with `k3c.codegen
 
 from __future__ import annotations
 
-from k3c.codegen.groups import KernelGroup
 from k3c.codegen.triton import emitter, module_header
 from k3c.codegen.triton.attention import one_node
 from k3c.codegen.triton.kda import CHUNK, SAFE_LOG_DECAY, emit_source
 from k3c.errors import UnsupportedError
+from k3c.ir.kernels import KernelGroup
 
 _ERRORS_IMPORT = "from k3c.errors import RuntimeInputError, UnsupportedError"
 _LOCAL_ERRORS = '''class RuntimeInputError(ValueError):

@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from k3c.codegen.groups import KernelGroup
 from k3c.codegen.triton import emitter, model_module
 from k3c.codegen.triton.attention import one_node
+from k3c.ir.kernels import KernelGroup
 
 
 @triton.jit

@@ -22,10 +22,10 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from k3c.codegen.groups import KernelGroup
 from k3c.codegen.triton import emitter, launch_head, module_header
 from k3c.errors import UnsupportedError
 from k3c.ir.graph import Node, Value
+from k3c.ir.kernels import KernelGroup
 from k3c.ir.ops import get_op
 from k3c.ir.ops.registry import broadcast_shapes
 from k3c.ir.types import FLOAT_DTYPES, dim_str, dims_equal

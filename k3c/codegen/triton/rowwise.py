@@ -14,12 +14,12 @@ softmax, the row's single element for reductions. Inputs must be f32/bf16/f16.
 
 from __future__ import annotations
 
-from k3c.codegen.groups import KernelGroup
 from k3c.codegen.triton import emitter, launch_head, module_header
 from k3c.codegen.triton.pointwise import (BROADCAST_STRIDES, Names, check_elementwise, elementwise_body,
                                           helper_lines, literal, same_shape, shape_str)
 from k3c.errors import UnsupportedError
 from k3c.ir.graph import Node
+from k3c.ir.kernels import KernelGroup
 
 NORMS = ("rms_norm", "layer_norm", "l2norm", "softmax")
 REDUCTIONS = ("sum", "mean", "amax", "amin")

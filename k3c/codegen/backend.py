@@ -1,0 +1,108 @@
+"""The backend interface: who implements a kernel group, what goes into the artifact, which launcher runs it.
+
+A backend is one way a launch can be carried out. Code-generating backends (Triton for GPUs, TVM for CPUs through
+LLVM and CUDA source for retargeting) emit kernels into the artifact; the "library" backend leaves a GEMM, an
+embedding or another single op to torch at run time; the "view" backend performs layout ops on tensor views. Each
+backend
+
+- `claims(kind, nodes)`: whether it can implement a proposed group (`form_kernels` proposes the fusion, e.g. a
+  pointwise chain, then asks the context's backends in claim order; the first that claims it gets it);
+- `emit(groups, ctx)`: the artifact files for all its groups of the artifact at once (`kernels/<name>.py` per
+  Triton kernel; one shared library for TVM) and a sidecar row per group;
+- `launch_record(group)`: what `schedule.json` stores for one of its launches beyond the common fields (name,
+  backend, kind, inputs, outputs), read by the runtime launcher named `backend.name`
+  (`k3c.runtime.launchers`).
+
+The claim order comes from the target (`Target.backends`, by kind: GPUs generate Triton, CPUs TVM) with the
+`--backend` preference moved to the front. Adding a backend: one package under `k3c/codegen/` registering a
+`Backend` subclass with `@register_backend`, one launcher under `k3c/runtime/launchers/`; no pass changes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+from k3c.errors import ConfigError, UnsupportedError
+from k3c.ir.graph import Node
+from k3c.ir.kernels import KernelGroup
+
+#: Claim order per target kind when a target names none (`Target.backends` overrides).
+DEFAULT_ORDER = {"cuda": ("triton", "library", "view"), "rocm": ("triton", "library", "view"),
+                 "cpu": ("triton", "library", "view")}
+#: Modules that define the known backends (imported on first use, so the registry fills lazily).
+MODULES = {"triton": "k3c.codegen.triton.backend", "library": "k3c.codegen.library",
+           "view": "k3c.codegen.library"}
+
+
+@dataclass
+class Emission:
+    """What a backend adds to the artifact: files (relative path -> text or bytes) and `index` rows
+    (group name -> JSON data, merged into `kernels/index.json`)."""
+
+    files: dict[str, str | bytes] = field(default_factory=dict)
+    index: dict[str, dict] = field(default_factory=dict)
+
+
+class Backend:
+    """Base class of backends (see the module docstring). Subclasses set `name`, `generates` and implement
+    `claims`; code generators also `emit`; `launch_record` defaults to no extra fields."""
+
+    name: str = ""
+    generates: bool = False  # writes kernels into the artifact
+
+    def __init__(self, target):
+        self.target = target
+
+    def claims(self, kind: str, nodes: list[Node]) -> bool:
+        raise NotImplementedError
+
+    def emit(self, groups: list[KernelGroup], ctx) -> Emission:
+        """Artifact files for `groups` (all of this backend's groups of the artifact, every entry point)."""
+        return Emission()
+
+    def launch_record(self, group: KernelGroup) -> dict:
+        return {}
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name}>"
+
+
+_REGISTRY: dict[str, type[Backend]] = {}
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    """Class decorator registering backend `cls` under `cls.name`; raises UnsupportedError for a second class
+    of the same name."""
+    prev = _REGISTRY.get(cls.name)
+    if prev is not None and prev.__qualname__ != cls.__qualname__:
+        raise UnsupportedError(f"backend {cls.name!r} is registered twice ({prev.__module__}, {cls.__module__})")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The registered backend class `name`; raises ConfigError naming the known backends."""
+    if name not in _REGISTRY and name in MODULES:
+        importlib.import_module(MODULES[name])
+    if name not in _REGISTRY:
+        raise ConfigError(f"--backend {name}: unknown backend (known: {', '.join(sorted(MODULES))})")
+    return _REGISTRY[name]
+
+
+def claim_order(target, preferred: str | None = None) -> tuple[str, ...]:
+    """Backend names in the order they may claim groups on `target`: the target's own order (`Target.backends`,
+    else `DEFAULT_ORDER` by kind) with `preferred` first. Raises ConfigError for a preferred backend that
+    generates no code (library, view) or is unknown."""
+    order = tuple(getattr(target, "backends", ()) or DEFAULT_ORDER[target.kind])
+    if preferred is not None:
+        if not backend_class(preferred).generates:
+            raise ConfigError(f"--backend {preferred}: expected a code-generating backend "
+                              f"({', '.join(n for n in MODULES if backend_class(n).generates)})")
+        order = (preferred,) + tuple(n for n in order if n != preferred)
+    return order
+
+
+def backends_for(target, preferred: str | None = None) -> list[Backend]:
+    """Backend instances for `target` in claim order (`claim_order`)."""
+    return [backend_class(n)(target) for n in claim_order(target, preferred)]

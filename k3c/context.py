@@ -1,0 +1,107 @@
+"""The compile context: the one way options reach passes, code generators and the driver (DESIGN.md "Seams").
+
+A `CompileContext` is immutable data: the target, the storage dtype, the compile bounds, the parallel layout and
+the backends in the order they may claim kernel groups. The driver builds one per compile and derives one per entry
+point (`ctx.for_entry("decode")`), which fixes the symbol bounds {"B", "T", "L"} that cost choices (`absorb_mla`)
+and the memory plan (`plan_memory`) are made at. Passes read it; they never stash options on the graph.
+
+    ctx = CompileContext(target=load_target("h200"), dtype="bf16", max_batch=8, max_seq=32768, max_prefill=4096)
+    graph, report = run_pipeline(graph, ctx=ctx.for_entry("prefill"))
+
+Backends are objects with a `name` and `claims(kind, nodes) -> bool` (see `k3c.codegen.backend.Backend`); the
+context holds them so that `form_kernels` can ask them without importing the code generators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from k3c.errors import ConfigError
+
+ENTRIES = ("prefill", "decode")
+DTYPES = ("bf16", "f32")
+
+
+def bounds_bindings(entry: str, max_batch: int, max_seq: int, max_prefill: int) -> dict[str, int]:
+    """Symbol values {"B", "T", "L"} at the compile bounds for `entry` ("prefill" or "decode").
+
+    T is the tokens of one call (max_prefill for prefill, 1 for decode); L the context already cached, so that
+    L + T = max_seq. Raises ConfigError (naming the flags) unless 1 <= max_prefill <= max_seq and max_batch >= 1.
+    """
+    if entry not in ENTRIES:
+        raise ConfigError(f"entry {entry!r}: expected one of {', '.join(ENTRIES)}")
+    if min(max_batch, max_seq, max_prefill) < 1 or max_prefill > max_seq:
+        raise ConfigError(f"bounds must satisfy 1 <= --max-prefill ({max_prefill}) <= --max-seq ({max_seq}) and "
+                          f"--max-batch ({max_batch}) >= 1")
+    T = max_prefill if entry == "prefill" else 1
+    return {"B": max_batch, "T": T, "L": max_seq - T}
+
+
+@dataclass(frozen=True)
+class CompileContext:
+    """Options of one compile (see the module docstring).
+
+    target: a `k3c.targets.Target` (None: the default "h200"). dtype: storage dtype of activations and weights
+    ("bf16" | "f32"). max_batch / max_seq / max_prefill: bounds in sequences and tokens. entry: the entry point
+    being compiled ("prefill" | "decode"), None before `for_entry`. tp / ep: tensor- and expert-parallel degrees;
+    rank: this rank's index in [0, tp). backend: the preferred code-generating backend ("triton", "tvm"), None for
+    the target's own order. backends: resolved backend objects in claim order (filled by `resolve`).
+    experts_dtype: storage of routed experts ("bf16" keeps them dense; "mxfp4" keeps a 4-bit checkpoint 4-bit;
+    None: as the checkpoint stores them).
+    """
+
+    target: Any = None
+    dtype: str = "f32"
+    max_batch: int = 1
+    max_seq: int = 4096
+    max_prefill: int = 1024
+    entry: str | None = None
+    tp: int = 1
+    ep: int = 1
+    rank: int = 0
+    backend: str | None = None
+    experts_dtype: str | None = None
+    backends: tuple = field(default=(), compare=False)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype}: expected one of {', '.join(DTYPES)}")
+        for flag, v in (("--tp", self.tp), ("--ep", self.ep)):
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{flag} {v}: expected an integer >= 1")
+        if not 0 <= self.rank < self.tp:
+            raise ConfigError(f"rank {self.rank}: expected 0 <= rank < tp ({self.tp})")
+        bounds_bindings("decode", self.max_batch, self.max_seq, self.max_prefill)  # validates the bounds
+
+    # ---- derived contexts ---------------------------------------------------------------------------------------
+    def for_entry(self, entry: str) -> "CompileContext":
+        """This context for one entry point (fixes `bounds`); raises ConfigError for an unknown entry."""
+        if entry not in ENTRIES:
+            raise ConfigError(f"entry {entry!r}: expected one of {', '.join(ENTRIES)}")
+        return replace(self, entry=entry)
+
+    def replace(self, **changes) -> "CompileContext":
+        """A copy with `changes` applied (validated again)."""
+        return replace(self, **changes)
+
+    def resolve(self) -> "CompileContext":
+        """This context with `target` loaded (default "h200") and `backends` resolved from the code generators'
+        registry in the target's claim order (`k3c.codegen.backend.backends_for`). Idempotent."""
+        from k3c.codegen.backend import backends_for
+        from k3c.targets import load_target
+
+        target = load_target(self.target if self.target is not None else "h200")
+        backends = self.backends or backends_for(target, self.backend)
+        return replace(self, target=target, backends=tuple(backends))
+
+    # ---- views --------------------------------------------------------------------------------------------------
+    @property
+    def bounds(self) -> dict[str, int]:
+        """{"B", "T", "L"} at the compile bounds of `entry` (prefill when no entry is set)."""
+        return bounds_bindings(self.entry or "prefill", self.max_batch, self.max_seq, self.max_prefill)
+
+    @property
+    def bounds_json(self) -> dict[str, int]:
+        """The bounds as the artifact records them (flags' names)."""
+        return {"max_batch": self.max_batch, "max_seq": self.max_seq, "max_prefill": self.max_prefill}

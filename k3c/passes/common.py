@@ -1,0 +1,104 @@
+"""Helpers shared by several passes: recognisers of normalisation chains and node-order surgery.
+
+Passes do not import each other; what two of them need lives here (or, for generic IR rewriting, in
+`k3c.ir.rewrite`). Recognisers return the matched parts or None and never change the graph.
+"""
+
+from __future__ import annotations
+
+from k3c.errors import IRError
+from k3c.ir.graph import Graph, Node, Value
+from k3c.ir.rewrite import P, X, match
+from k3c.ir.types import dims_equal
+
+
+# ---- normalisation chains: x * rsqrt(reduce(x^2, -1, keepdim) + eps) ----------------------------------------------
+def _last_dim_keep(node: Node) -> bool:
+    """A reduction over the last dim only, keepdim=True."""
+    dims, rank = node.attrs.get("dims"), node.inputs[0].type.rank
+    return node.attrs.get("keepdim") is True and dims is not None and len(dims) == 1 and dims[0] in (-1, rank - 1)
+
+
+def _eps_add(node: Node) -> bool:
+    return len(node.inputs) == 1 and node.attrs.get("scalar") is not None
+
+
+def _square(name: str) -> tuple:
+    return (P("pow", X(name), attrs={"exponent": 2.0}, single_use=True),
+            P("mul", X(name), X(name), single_use=True))
+
+
+def _norm_chain(reduce_op: str) -> list[P]:
+    """x * rsqrt(reduce(x², -1, keepdim) + eps), both operand orders, x² as pow or x·x; root captured 'root'."""
+    pats = []
+    for sq in _square("x"):
+        r = P("rsqrt", P("add", P(reduce_op, sq, where=_last_dim_keep, single_use=True, name="red"),
+                         where=_eps_add, single_use=True, name="eps"), single_use=True)
+        pats += [P("mul", X("x"), r, name="root"), P("mul", r, X("x"), name="root")]
+    return pats
+
+
+RMS_CHAINS = _norm_chain("mean")
+L2_CHAINS = _norm_chain("sum")
+
+
+def _chain_parts(graph: Graph, v: Value, pats: list[P]) -> tuple[Value, float, list[Node]] | None:
+    node = graph.producer(v)
+    if node is None or node.op != "mul":
+        return None
+    for pat in pats:
+        m = match(graph, pat, node)
+        if m is not None:
+            return m["x"], m["eps"].attrs["scalar"], list(m.nodes)
+    return None
+
+
+def l2_parts(graph: Graph, v: Value) -> tuple[Value, float, list[Node]] | None:
+    """If `v` is an l2norm over the last dim (op or decomposed chain): (x, eps, matched nodes), else None."""
+    node = graph.producer(v)
+    if node is not None and node.op == "l2norm" and node.attrs["dim"] in (-1, v.type.rank - 1):
+        return node.inputs[0], node.attrs["eps"], [node]
+    return _chain_parts(graph, v, L2_CHAINS)
+
+
+def rms_parts(graph: Graph, v: Value) -> tuple[Value, Value | None, float, list[Node]] | None:
+    """If `v` is an RMSNorm over the last dim, with or without weight, as the op or the decomposed chain (weight
+    as a trailing `mul` by a [D] value): (x, weight or None, eps, matched nodes), else None."""
+    node = graph.producer(v)
+    if node is None:
+        return None
+    if node.op == "rms_norm":
+        return node.inputs[0], (node.inputs[1] if len(node.inputs) > 1 else None), node.attrs["eps"], [node]
+    if node.op == "mul" and len(node.inputs) == 2:
+        for a, w in (node.inputs, node.inputs[::-1]):
+            if w.type.rank == 1 and dims_equal(w.type.shape[0], v.type.shape[-1]) and len(graph.users(a)) == 1:
+                inner = rms_parts(graph, a)
+                if inner is not None and inner[1] is None:
+                    return inner[0], w, inner[2], inner[3] + [node]
+    got = _chain_parts(graph, v, RMS_CHAINS)
+    return None if got is None else (got[0], None, got[1], got[2])
+
+
+# ---- node order -------------------------------------------------------------------------------------------------
+def skip_cast(graph: Graph, v: Value) -> Value:
+    """`v` with any chain of `cast` producers peeled off."""
+    n = graph.producer(v)
+    while n is not None and n.op == "cast":
+        v = n.inputs[0]
+        n = graph.producer(v)
+    return v
+
+
+def reorder(graph: Graph, before: dict[int, list[Node]], moved: set[int]) -> None:
+    """Rebuild `graph.nodes` in one sweep: every node listed in `before[id(anchor)]` is emitted (in list order)
+    right before `anchor` instead of at its own place (new nodes appended at the end, moved nodes); nodes in
+    `moved` (ids) leave their place. Raises `IRError` if that loses or duplicates a node."""
+    placed = moved | {id(m) for lst in before.values() for m in lst}
+    out: list[Node] = []
+    for n in graph.nodes:
+        out.extend(before.get(id(n), ()))
+        if id(n) not in placed:
+            out.append(n)
+    if len(out) != len(graph.nodes):
+        raise IRError(f"reorder lost or duplicated nodes ({len(graph.nodes)} -> {len(out)}): an anchor is missing")
+    graph.nodes = out

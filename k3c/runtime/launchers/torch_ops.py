@@ -1,0 +1,34 @@
+"""The launcher of the "library" and "view" backends: one op per launch, carried out by torch.
+
+Library ops (GEMMs, einsum, embedding, ...) write their result into the planned buffer; view ops bind a view of
+their input where they alias it (reshape, slice, ...) and copy only when the plan gave the value its own buffer;
+`cache_append` writes the new rows into the pool in place (`bind_caches`).
+"""
+
+from __future__ import annotations
+
+from k3c.runtime.dims import evaluate
+from k3c.runtime.launchers import Launcher
+from k3c.runtime.library import ALIASING, run_op
+
+
+class TorchOpLauncher(Launcher):
+    def launch(self, frame, ln: dict) -> None:
+        env = frame.env
+        ins = [env[n] for n in ln["inputs"]]
+        if ln["kind"] == "cache_append":
+            B, L, T = frame.B, frame.L, frame.T
+            pool = frame.session.pools[ln["inputs"][0]][:B]
+            pool[:, L:L + T].copy_(ins[1])
+            env[ln["outputs"][0]] = pool[:, :L + T]
+            return
+        dims = ln["dim_attrs"]
+        attrs = {k: (v if k not in dims else [evaluate(x, frame.sizes) for x in v] if isinstance(v, list)
+                     else evaluate(v, frame.sizes)) for k, v in ln["attrs"].items()}
+        for n, r in zip(ln["outputs"], run_op(ln["kind"], attrs, ins)):
+            dst = frame.out(n)
+            if dst is not None and not (ln["kind"] in ALIASING and n not in frame.offsets):
+                dst.copy_(r)
+                env[n] = dst
+            else:
+                env[n] = r
