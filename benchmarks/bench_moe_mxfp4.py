@@ -9,8 +9,8 @@ at 16 × 2048 tokens (grouped GEMM). Decode reports the expert-weight bytes the 
 expert's w1, w3, w2, scales included) over the time of the two GEMM kernels plus the slot sum ("kernels": schedule
 precomputed) and of the whole op ("op": schedule included), as GB/s and as a fraction of the measured 4.2 TB/s HBM
 rate (KINDS.md); prefill reports 6·N·k·D·I FLOP over the op's time as TFLOP/s (vs 790 bf16). Timing:
-triton.testing.do_bench_cudagraph (mean of CUDA-graph replays), falling back to do_bench. A block-size sweep is
-run for decode; the defaults are the first configuration. MXFP4 runs both ways of dequantizing: "mxfp4" (Triton's
+triton.testing.do_bench_cudagraph (mean of CUDA-graph replays), falling back to do_bench. A block-size sweep
+is run (the defaults first; --quick: the defaults only). MXFP4 runs both ways of dequantizing: "mxfp4" (Triton's
 `dot_scaled`, the default for bf16) and "mxfp4-regs" (`mxfp4_tile`: k3c's own register decoding + tl.dot). Each
 MXFP4 case's output is compared with the bf16 kernels fed the dequantized weights (same math in bf16: the max
 relative difference is printed) and, at a small shape, with `moe_experts_ref` (fp32 and bf16).
@@ -93,12 +93,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--out", default=".")
-    ap.add_argument("--quick", action="store_true", help="no block sweep, no prefill")
+    ap.add_argument("--quick", action="store_true", help="default block sizes only, no prefill")
+    ap.add_argument("--prefill-tokens", type=int, default=16 * 2048)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (times meaningless)")
     args = ap.parse_args()
-    dev = "cuda"
+    dev = args.device
     E = args.experts
     gen = torch.Generator(device=dev).manual_seed(0)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    name = torch.cuda.get_device_name() if dev == "cuda" else dev
+    results = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
                "shape": {"E": E, "k": K, "D": D, "I": I}, "rows": []}
     results["check_small_rel"] = check_small(dev)
     print(f"MXFP4 kernels vs moe_experts_ref (small shape), max rel: {results['check_small_rel']}")
@@ -108,8 +111,10 @@ def main():
     dense = [dequantized(w, s) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
     mx_bytes = sum(t.numel() for t in (w1, w3, w2, s1, s3, s2)) // E
     bf_bytes = 2 * sum(t.numel() for t in dense) // E
-    sweep = [None, (16, 64, 128, 64), (16, 32, 256, 32), (16, 128, 128, 128), (16, 64, 256, 64)]
-    cases = [("decode", 1), ("decode", 16)] + ([] if args.quick else [("prefill", 16 * 2048)])
+    # block sizes (BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N); None: the launcher's defaults
+    sweeps = {"decode": [None, (16, 64, 128, 64), (16, 32, 256, 32), (16, 128, 128, 128)],
+              "prefill": [None, (64, 128, 64, 128), (128, 64, 64, 64)]}
+    cases = [("decode", 1), ("decode", 16)] + ([] if args.quick else [("prefill", args.prefill_tokens)])
     for phase, N in cases:
         z = (torch.randn(N, D, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
         ids, wt = routing(N, E, dev, gen)
@@ -125,7 +130,8 @@ def main():
                 launch_moe_experts(z, wt, ids, *ws, y=y_mx, dot_scaled=scaled, **ACT)
                 diff = rel(y_mx, y_bf)
                 print(f"{phase} N={N}: {fmt} vs bf16 kernels on the dequantized weights: max rel diff {diff:.2e}")
-            blocks_list = sweep if (phase == "decode" and not args.quick and fmt != "bf16") else sweep[:2]
+            sweep = sweeps[phase]
+            blocks_list = sweep[:1] if args.quick else sweep if (phase == "prefill" or fmt != "bf16") else sweep[:2]
             for blocks in blocks_list:
                 bm = blocks[0] if blocks else (16 if N * K < 16 * E else 64)
                 sched = moe_schedule(ids, E, bm)
