@@ -258,9 +258,10 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     p = 2 if mx else 1
     if tuple(w1.shape) != (E, I, D // p) or w3.shape != w1.shape or tuple(w2.shape) != (E, D, I // p) or \
             tuple(weights.shape) != (N, K) or ids.shape[0] != N or y.shape != z.shape or len(scales) not in (0, 3) \
-            or (mx and [tuple(s.shape) for s in scales] != [(E, I, D // 32)] * 2 + [(E, D, I // 32)]):
-        raise ValueError(f"moe_experts: z {tuple(z.shape)}, ids {tuple(ids.shape)}, w1 {tuple(w1.shape)}, "
-                         f"w2 {tuple(w2.shape)}, {len(scales)} scales, y {tuple(y.shape)} mismatch")
+            or (mx and [tuple(s.shape) for s in scales] != [(E, I, D // 32)] * 2 + [(E, D, I // 32)]) \
+            or (mx and z.dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"moe_experts: z {z.dtype}{list(z.shape)}, ids {list(ids.shape)}, w1 {list(w1.shape)}, "
+                         f"w2 {list(w2.shape)}, {len(scales)} scales, y {list(y.shape)} mismatch (MXFP4: z f32 or bf16)")
     if N == 0:
         return
     rows = N * K
