@@ -1,5 +1,6 @@
-"""Compile a random checkpoint of each tiny preset, run the artifact on CPU (Triton kernels interpreted), and
-compare every logit with `models/k3.py` eager: a 64-token prefill, then 32 decode steps, batch 1 and 3.
+"""Compile a random checkpoint of each tiny preset with the Triton backend, run the artifact on CPU (Triton kernels
+interpreted), and compare every logit with `models/k3.py` eager: a 64-token prefill, then 32 decode steps, batch 1
+and 3.
 
 k3.1-pro-tiny's checkpoint stores its routed experts as MXFP4, like the published K3 checkpoints: its artifact
 keeps them 4-bit (the checkpoint's bytes) and its kernels dequantize them in registers, against the eager model
@@ -31,7 +32,7 @@ def compiled(request, tmp_path_factory):
     model = save_random_checkpoint(K3Config.from_pretrained(request.param), root / "ckpt", seed=1,
                                    dtype=torch.float32, expert_format=fmt)
     opts = CompileOptions(str(root / "ckpt"), root / "art", target="cpu-x86-64", max_batch=3, max_seq=PROMPT + STEPS,
-                          max_prefill=PROMPT, dtype="f32")
+                          max_prefill=PROMPT, dtype="f32", backend="triton")
     compile_model(opts)
     return model.eval(), k3c.load(opts.out, "cpu"), opts
 
@@ -95,7 +96,7 @@ def test_mxfp4_artifact_keeps_the_checkpoint_bytes(compiled, tmp_path):
     plan = json.loads((opts.out / "plan.json").read_text())
     assert plan["weights"]["experts"] == expert_bytes
     dense = CompileOptions(opts.model, tmp_path / "bf16", target="cpu-x86-64", max_batch=1, max_seq=8, max_prefill=8,
-                           dtype="f32", experts_dtype="bf16")
+                           dtype="f32", experts_dtype="bf16", backend="triton")
     s = compile_model(dense)
     weights = load_file(str(dense.out / "weights/params.safetensors"))
     stacked = {k: v for k, v in weights.items() if ".experts.w" in k}
