@@ -11,7 +11,7 @@ precomputed) and of the whole op ("op": schedule included), as GB/s and as a fra
 rate (KINDS.md); prefill reports 6·N·k·D·I FLOP over the op's time as TFLOP/s (vs 790 bf16). Timing:
 triton.testing.do_bench_cudagraph (mean of CUDA-graph replays), falling back to do_bench. A block-size sweep
 is run (the defaults first; --quick: the defaults only). MXFP4 runs both ways of dequantizing: "mxfp4" (Triton's
-`dot_scaled`, the default for bf16) and "mxfp4-regs" (`mxfp4_tile`: k3c's own register decoding + tl.dot). Each
+`dot_scaled`) and "mxfp4-regs" (`mxfp4_tile`: k3c's own register decoding + tl.dot, the default). Each
 MXFP4 case's output is compared with the bf16 kernels fed the dequantized weights (same math in bf16: the max
 relative difference is printed) and, at a small shape, with `moe_experts_ref` (fp32 and bf16).
 """
@@ -72,7 +72,7 @@ def check_small(dev):
     ids = torch.rand(N, E, device=dev, generator=gen).argsort(-1)[:, :4].contiguous()
     wt = torch.rand(N, 4, device=dev, generator=gen)
     out = {}
-    for name, dt, scaled in (("f32", torch.float32, None), ("bf16-dot_scaled", torch.bfloat16, True),
+    for name, dt, scaled in (("f32", torch.float32, False), ("bf16-dot_scaled", torch.bfloat16, True),
                              ("bf16-regs", torch.bfloat16, False)):
         zz = z.to(dt)
         y = torch.full_like(zz, float("nan"))
@@ -123,7 +123,7 @@ def main():
         launch_moe_experts(z, wt, ids, *dense, y=y_bf, **ACT)
         mx = (w1, w3, w2, s1, s3, s2)
         for fmt, ws, per_expert, scaled in (("mxfp4", mx, mx_bytes, True), ("mxfp4-regs", mx, mx_bytes, False),
-                                            ("bf16", dense, bf_bytes, None)):
+                                            ("bf16", dense, bf_bytes, False)):
             diff = None
             if fmt != "bf16":
                 y_mx = torch.empty_like(z)

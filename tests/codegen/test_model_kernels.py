@@ -284,9 +284,9 @@ def test_moe_experts_mxfp4(act, tmp_path):
 
 
 def test_moe_experts_mxfp4_bf16_dot_scaled():
-    """bf16 activations take Triton's dot_scaled (bf16 × e2m1, E8M0 scales): the same result as the reference's
-    dequantize-then-GEMM in bf16 up to bf16 rounding of z and h (the interpreter's dot_scaled is exact; its plain
-    bf16 dot is not, so the register-decoding bf16 path runs on the GPU only: benchmarks/bench_moe_mxfp4.py)."""
+    """The optional dot_scaled path (bf16 × e2m1, E8M0 scales): the reference's dequantize-then-GEMM up to bf16
+    rounding of z and h (the interpreter's dot_scaled is exact; its plain bf16 dot is not, so the default
+    register-decoding path runs bf16 on the GPU only: benchmarks/bench_moe_mxfp4.py)."""
     gen = torch.Generator().manual_seed(6)
     N, k, E, D, I = 6, 2, 3, 64, 64
     ids = torch.tensor([[0, 1], [1, 2], [2, 0], [1, -1], [0, 2], [2, 1]])
@@ -296,7 +296,7 @@ def test_moe_experts_mxfp4_bf16_dot_scaled():
     z, wt = rand(N, D, s=0.1, gen=gen).bfloat16(), torch.rand(N, k, generator=gen)
     y = torch.full_like(z, float("nan"))
     attrs = {"act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
-    moe.launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, **attrs)
+    moe.launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, dot_scaled=True, **attrs)
     (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"}, z.float(), wt, ids, w1, w3, w2, s1, s3, s2)
     err = ((y.float() - want).abs().max() / want.abs().max()).item()
     assert err <= 2e-2, err

@@ -16,9 +16,10 @@ moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (n
      scratch [N·k, D];
   4. `moe_sum_kernel` (token, BLOCK_N columns): y = Σ over the token's slots with id ≥ 0, in slot order.
   MXFP4 experts (weight_format "mxfp4", k3c.ir.formats): both GEMM kernels load packed E2M1 bytes and E8M0 scales
-  and dequantize each weight tile in registers before the dot (`mxfp4_dot`: Triton's `dot_scaled` for bf16
-  activations, `mxfp4_tile` + an fp32 dot for f32 ones), so HBM carries 4.25 bits per weight;
-  decode (few rows per expert: BLOCK_M = 16) streams the packed weights, prefill feeds the tensor cores.
+  and dequantize each weight tile in registers before the dot (`mxfp4_dot`: `mxfp4_tile` + a dot in the
+  activations' dtype; optionally Triton's `dot_scaled`, native MXFP4 MMA on Blackwell, measured slower on the
+  H200: BENCHMARKS.md), so HBM carries 4.25 bits per weight; decode (few rows per expert: BLOCK_M = 16, K tiles
+  of 128) streams the packed weights, prefill (BLOCK_M = 128 once experts get ≥ 128 rows) feeds the tensor cores.
   Two GEMM kernels rather than one: a single fused act(z W1ᵀ, z W3ᵀ) W2ᵀ program would have to either hold all
   of D in registers or recompute h per output block (re-reading W1/W3 D/BLOCK_N times); split, every expert
   weight is read once per token tile and the grid covers I and D, which decode (few tokens) needs to fill the GPU.
@@ -241,13 +242,13 @@ def moe_schedule(ids, E, BLOCK_M):
 
 
 def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, situ_linear_beta,
-                       blocks=None, schedule=None, dot_scaled=None):
+                       blocks=None, schedule=None, dot_scaled=False):
     """z [N, D], weights f32 [N, k], ids int [N, k] (< 0: unused), w1/w3 [E, I, D], w2 [E, D, I] -> y [N, D].
 
     MXFP4 weights (k3c.ir.formats): w1/w3 u8 [E, I, D/2], w2 u8 [E, D, I/2] and `scales` (w1, w3, w2 scales:
     u8 [E, I, D/32], [E, I, D/32], [E, D, I/32]); dequantized in registers, dots in z's dtype with fp32
-    accumulation; with bf16 z by Triton's `dot_scaled` unless `dot_scaled` is False. Scratch allocated here: the
-    sort permutation and tile schedule (i64, O(N·k + E)), h [N·k, I] in z's dtype and y_slot f32 [N·k, D].
+    accumulation (`dot_scaled=True`, bf16 z: Triton's `dot_scaled` instead of k3c's decoding). Scratch allocated
+    here: the sort permutation and tile schedule (i64, O(N·k + E)), h [N·k, I] in z's dtype and y_slot f32 [N·k, D].
     Benchmarks may pass `blocks` (BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N) to override the defaults and a precomputed
     `schedule` (`moe_schedule(ids, E, BLOCK_M)`). Raises ValueError on mismatched shapes.
     """
@@ -261,18 +262,22 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
             or (mx and [tuple(s.shape) for s in scales] != [(E, I, D // 32)] * 2 + [(E, D, I // 32)]) \
             or (mx and z.dtype not in (torch.float32, torch.bfloat16)):
         raise ValueError(f"moe_experts: z {z.dtype}{list(z.shape)}, ids {list(ids.shape)}, w1 {list(w1.shape)}, "
-                         f"w2 {list(w2.shape)}, {len(scales)} scales, y {list(y.shape)} mismatch (MXFP4: z f32 or bf16)")
+                         f"w2 {list(w2.shape)}, {len(scales)} scales, y {list(y.shape)} mismatch "
+                         "(MXFP4: z f32 or bf16)")
     if N == 0:
         return
     rows = N * K
-    BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N = blocks or (16 if rows < 16 * E else 64, 64, 64, 64)  # decode: few rows
+    if blocks is None:   # decode: a few rows per expert; MXFP4 block sizes: the best measured on the H200
+        BLOCK_M = 16 if rows < 16 * E else 128 if mx and rows >= 128 * E else 64
+        blocks = (BLOCK_M, 64, 128 if mx and BLOCK_M == 16 else 64, 64)
+    BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N = blocks
     schedule = schedule or moe_schedule(ids, E, BLOCK_M)
     max_tiles = schedule[1].shape[0]
     h = torch.empty((rows, I), dtype=z.dtype, device=z.device)
     y_slot = torch.empty((rows, D), dtype=torch.float32, device=z.device)
     precision = "ieee" if z.dtype == torch.float32 else "tf32"
     s1, s3, s2 = scales if mx else (w1, w3, w2)         # unused by the dense kernels
-    scaled = mx and z.dtype == torch.bfloat16 and dot_scaled is not False
+    scaled = bool(mx and z.dtype == torch.bfloat16 and dot_scaled)
     moe_up_kernel[(max_tiles, triton.cdiv(I, BLOCK_I))](
         z, w1, w3, s1, s3, *schedule, h, float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I,
         ACT_SITU=act == "situ", MXFP4=mx, DOT_SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I,
