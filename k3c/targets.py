@@ -19,9 +19,9 @@ from k3c.errors import ConfigError, UnsupportedError
 
 KINDS = ("cuda", "rocm", "cpu")
 DTYPES = ("float64", "float32", "tfloat32", "bfloat16", "float16", "float8", "float4", "int8")
-_ALIASES = {"fp64": "float64", "fp32": "float32", "tf32": "tfloat32", "bf16": "bfloat16", "fp16": "float16",
-            "half": "float16", "fp8": "float8", "float8_e4m3fn": "float8", "float8_e5m2": "float8", "fp4": "float4",
-            "mxfp4": "float4", "nvfp4": "float4", "float4_e2m1fn_x2": "float4"}
+_ALIASES = {"fp64": "float64", "fp32": "float32", "f32": "float32", "tf32": "tfloat32", "bf16": "bfloat16",
+            "fp16": "float16", "half": "float16", "fp8": "float8", "float8_e4m3fn": "float8", "float8_e5m2": "float8",
+            "fp4": "float4", "mxfp4": "float4", "nvfp4": "float4", "float4_e2m1fn_x2": "float4"}
 _FIELDS = {"name": str, "kind": str, "arch": str, "memory_bytes": (int, float), "hbm_bandwidth": (int, float),
            "peak_flops": dict, "interconnect_bandwidth": (int, float, type(None)), "compute_units": int,
            "sources": dict, "measured": dict, "notes": str, "backends": list}
