@@ -12,8 +12,8 @@ with new parameters `<key>.weight_packed` u8 [E, R, C/2] and `<key>.weight_scale
 (models/checkpoint.py `load_mxfp4_experts` reads them); the dense parameters are dropped. Numerically the identity
 when the dense weights are the dequantized packed ones (exact: E2M1 · 2^k is representable in f32 and bf16).
 The format "bf16" (dense) leaves the graph unchanged. The format is `CompileContext.experts_dtype`, which the
-driver resolves from the checkpoint (`k3c.compile.experts_dtype`: MXFP4 when its config says so). Raises `IRError` for a weight that is not a parameter or
-whose rows do not split into 32-value groups.
+driver resolves from the checkpoint (`k3c.compile.experts_dtype`: MXFP4 when its config says so). Raises
+`IRError` for a weight that is not a parameter or whose rows do not split into 32-value groups.
 """
 
 from __future__ import annotations
