@@ -6,7 +6,8 @@ Usage (on the H200, through the device tool; the artifacts and checkpoint are bu
         [--artifact32 build/gpu/art32] [--torch-compile] --out $OUT
 
 With --artifact-bf16-experts (a build of the same MXFP4 checkpoint with `--experts-dtype bf16`) the MXFP4 and the
-dequantized-expert artifacts run side by side. Every runner sees the same tokens: a random prompt [B,64] then 32 teacher-forced decode steps (the fp32 eager greedy
+dequantized-expert artifacts run side by side. Every runner sees the same tokens: a random prompt [B,64] then 32
+teacher-forced decode steps (the fp32 eager greedy
 continuation), batch 1 and 3. Runners: eager fp32, eager bf16, k3c (the artifact's dtype; with and without CUDA
 graphs for decode), k3c f32 (optional), and
 torch.compile of eager bf16 (optional: a second bf16 implementation of the same model, the yardstick for how far two

@@ -38,7 +38,9 @@ def main():
                 tensors[k] = torch.arange(tensors[k].numel(), dtype=tensors[k].dtype)
             if keys:
                 save_file(tensors, str(ckpt / shard), metadata={"format": "pt"})
-    builds = [("bf16", "art", None), ("f32", "art32", None)] + ([("bf16", "art_bf16_experts", "bf16")] if a.mxfp4 else [])
+    builds = [("bf16", "art", None), ("f32", "art32", None)]
+    if a.mxfp4:
+        builds.append(("bf16", "art_bf16_experts", "bf16"))
     for dtype, name, experts in builds:
         compile_model(CompileOptions(str(ckpt), a.out / name, target="h200", max_batch=3, max_seq=96, max_prefill=64,
                                      dtype=dtype, experts_dtype=experts))

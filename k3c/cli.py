@@ -353,7 +353,8 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
             write(out_dir, report)
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
     out.print(f"wrote {out_dir}: {s['nodes']['prefill']} IR nodes, {s['kernels']} Triton kernels; weights "
-              f"{mib(s['weights']['total'])} (routed experts {mib(s['weights']['experts'])}); arena prefill {mib(s['arena']['prefill'])} "
+              f"{mib(s['weights']['total'])} (routed experts {mib(s['weights']['experts'])}); "
+              f"arena prefill {mib(s['arena']['prefill'])} "
               f"(lower bound {mib(s['lower_bound']['prefill'])}), decode {mib(s['arena']['decode'])}; pools "
               + ", ".join(f"{k} {mib(v)}" for k, v in s["pools"].items())
               + f"; roofline decode step {s['time']['decode'] * 1e3:.3f} ms; {s['seconds']:.1f} s"

@@ -108,7 +108,8 @@ def model_module(group: KernelGroup, summary: str, generator: str, semantics: st
 
     lines = module_header(group, summary, generator) + [f"# Exact semantics: {semantics}"]
     lines += [f"{k} = {v!r}" + (f"  # {c}" if c else "") for k, v, c in consts]
-    parts = ["\n".join(lines) + "\n"] + [inspect.getsource(getattr(k, "fn", k)) for k in kernels] + [inspect.getsource(launcher)]
+    parts = ["\n".join(lines) + "\n"] + [inspect.getsource(getattr(k, "fn", k)) for k in kernels]
+    parts.append(inspect.getsource(launcher))
     return "\n\n".join(parts + [body])
 
 
