@@ -21,7 +21,10 @@ configurations are inspected.
 from __future__ import annotations
 
 import gc
+import json
+import os
 import sys
+import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -306,7 +309,10 @@ def _checkpoint_dtype(path: Path) -> str:
 def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json or checkpoint directory"),
                 out_dir: Path = typer.Option(..., "-o", "--out", help="artifact directory to write"),
                 target: str = typer.Option("h200", help="target preset or target JSON file"),
-                tp: int = typer.Option(1), max_batch: int = typer.Option(1), max_seq: int = typer.Option(4096),
+                tp: int = typer.Option(1, help="tensor-parallel ranks (one artifact, weights/rank{r}.safetensors)"),
+                ep: int = typer.Option(1, help="expert parallelism: 1 (experts split over their width) or --tp "
+                                               "(experts partitioned over the ranks)"),
+                max_batch: int = typer.Option(1), max_seq: int = typer.Option(4096),
                 max_prefill: int = typer.Option(None, help="longest prefill call [default: min(1024, max-seq)]"),
                 plan_only: bool = typer.Option(False, "--plan-only"),
                 force: bool = typer.Option(False, "--force", help="replace an existing artifact"),
@@ -342,7 +348,8 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
 
     max_prefill = min(1024, max_seq) if max_prefill is None else max_prefill
     opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype,
-                          backend, report=report is not None, experts_dtype=experts_dtype)
+                          backend, report=report is not None, ep=ep,
+                          experts_dtype=experts_dtype)
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     with progress_bars() as progress:
         s = compile_model(opts, progress=progress)
@@ -359,6 +366,11 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
               + ", ".join(f"{k} {mib(v)}" for k, v in s["pools"].items())
               + f"; roofline decode step {s['time']['decode'] * 1e3:.3f} ms; {s['seconds']:.1f} s"
               + (f"; report {report}" if report is not None else ""))
+    if tp > 1:
+        c = s["communication"]
+        out.print(f"per rank and decode step at --max-batch {max_batch}: {mib(c['bytes'])} on the wire (plain "
+                  f"all-reduces: {mib(c['plain_allreduce_bytes'])}); AttnRes state not duplicated: "
+                  f"{mib(c['attn_res_state_bytes_not_duplicated'])}")
 
 
 @app.command("report")
@@ -384,7 +396,8 @@ def run(artifact: Path = typer.Argument(..., help="artifact directory or .k3c fi
         decode_steps: int = typer.Option(8, help="greedy tokens to generate"),
         device: str = typer.Option("cpu", help="cpu (Triton kernels interpreted) or cuda"),
         cuda_graphs: bool = typer.Option(True, help="on cuda, replay decode steps as piecewise CUDA graphs")):
-    """Run an artifact: prefill the prompt, then greedy decode; prints the tokens and timing."""
+    """Run an artifact: prefill the prompt, then greedy decode; prints the tokens and timing. A multi-rank
+    artifact (--tp N) runs as N processes: started here (gloo on cpu, NCCL on cuda), or by `torchrun`."""
     try:
         ids = [int(x) for x in tokens.split(",")]
     except ValueError:
@@ -394,34 +407,80 @@ def run(artifact: Path = typer.Argument(..., help="artifact directory or .k3c fi
         raise K3CError(f"--tokens: {bad[0]} is not a token id (ids are integers >= 0)")
     if decode_steps < 1:
         raise K3CError(f"--decode-steps {decode_steps}: generate at least one token")
+    tp = _artifact_tp(artifact)
+    if tp > 1 and "WORLD_SIZE" not in os.environ:  # not under torchrun: start the ranks here
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory(prefix="k3c-run-") as tmp:
+            try:
+                mp.spawn(_rank_main, args=(tp, _free_port(), artifact, ids, decode_steps, device, cuda_graphs, tmp),
+                         nprocs=tp, join=True)
+            except mp.ProcessExitedException:  # a rank refused its input: rank 0 printed the one-line error
+                raise typer.Exit(2) from None
+            new, line = json.loads(Path(tmp, "rank0.json").read_text())
+    else:
+        with progress_bars() as progress:
+            new, line = _generate(artifact, ids, decode_steps, device, cuda_graphs, progress)
+    out.print(f"next tokens: {new}")
+    err.print(line + (f"; {tp} ranks" if tp > 1 else ""))
+
+
+def _artifact_tp(artifact: Path) -> int:
+    from k3c.runtime.artifact import read_artifact
+
+    return int(read_artifact(artifact).manifest.get("tp", 1))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, artifact, ids, decode_steps, device, cuda_graphs, tmp) -> None:
+    """One rank spawned by `k3c run`: torchrun's environment, then the generation of a single-process run."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    try:
+        result = _generate(artifact, ids, decode_steps, device, cuda_graphs, lambda *a: None)
+    except K3CError as e:  # one line from rank 0, as a single-process run prints it
+        if rank == 0:
+            err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    if rank == 0:
+        Path(tmp, "rank0.json").write_text(json.dumps(result))
+
+
+def _generate(artifact, ids, decode_steps, device, cuda_graphs, progress) -> tuple[list[int], str]:
+    """Load, prefill `ids` chunk by chunk (showing progress on long prompts), greedy-decode; returns (the new
+    tokens, a timing line)."""
     import torch
 
     from k3c.runtime.session import load
 
-    with progress_bars() as progress:
-        progress("loading", 0, None)
-        t0 = time.perf_counter()
-        session = load(artifact, device, cuda_graphs=cuda_graphs)
-        t_load = time.perf_counter() - t0
-        if len(ids) + decode_steps - 1 > session.max_seq:
-            raise K3CError(f"{len(ids)} prompt tokens + {decode_steps} generated exceed the compiled max_seq "
-                           f"{session.max_seq} (the last generated token is not fed back)")
-        # prefill chunk by chunk (as Session.prefill does itself), to show progress on long prompts
-        prompt, t_prefill = torch.tensor([ids]), 0.0
-        chunks = prompt.split(session.max_prefill, dim=1)
-        for i, chunk in enumerate(chunks):
-            progress("prefill chunks", i, len(chunks))
-            logits = session.prefill(chunk)
-            t_prefill += session.last_timing["seconds"]
-        new, steps = [int(logits[0, -1].argmax())], []
-        for i in range(decode_steps - 1):
-            progress("decode", i, decode_steps - 1)
-            logits = session.decode(torch.tensor([[new[-1]]]))
-            steps.append(session.last_timing["seconds"])
-            new.append(int(logits[0, -1].argmax()))
+    progress("loading", 0, None)
+    t0 = time.perf_counter()
+    session = load(artifact, device, cuda_graphs=cuda_graphs)
+    t_load = time.perf_counter() - t0
+    if len(ids) + decode_steps - 1 > session.max_seq:
+        raise K3CError(f"{len(ids)} prompt tokens + {decode_steps} generated exceed the compiled max_seq "
+                       f"{session.max_seq} (the last generated token is not fed back)")
+    prompt, t_prefill = torch.tensor([ids]), 0.0
+    chunks = prompt.split(session.max_prefill, dim=1)
+    for i, chunk in enumerate(chunks):
+        progress("prefill chunks", i, len(chunks))
+        logits = session.prefill(chunk)
+        t_prefill += session.last_timing["seconds"]
+    new, steps = [int(logits[0, -1].argmax())], []
+    for i in range(decode_steps - 1):
+        progress("decode", i, decode_steps - 1)
+        logits = session.decode(torch.tensor([[new[-1]]]))
+        steps.append(session.last_timing["seconds"])
+        new.append(int(logits[0, -1].argmax()))
     per = f"{sum(steps) / len(steps) * 1e3:.1f} ms/step" if steps else "-"
-    out.print(f"next tokens: {new}")
-    err.print(f"load {t_load:.2f} s; prefill {len(ids)} tokens {t_prefill * 1e3:.1f} ms; decode {per} ({device})")
+    return new, f"load {t_load:.2f} s; prefill {len(ids)} tokens {t_prefill * 1e3:.1f} ms; decode {per} ({device})"
 
 
 @app.command()

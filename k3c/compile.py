@@ -6,9 +6,12 @@ group is emitted as a module under `kernels/` (with `kernels/index.json`, the ke
 launch order with buffer names goes to `schedule.json`, the arena and pools to `plan.json`, per-op FLOPs / bytes and
 roofline times to `report.json`, and the weights (derived ones such as MLA's absorbed matrices materialised;
 routed experts as the checkpoint stores them, MXFP4 bits included, unless `experts_dtype` asks for a dequantized
-build) to `weights/params.safetensors`, their byte counts to plan.json's "weights"; `--report` adds what the HTML
-report shows (`k3c.report.collect`: the IR after every pass, per-kernel costs) under `report/`. `--plan-only`
-skips kernels' weights (a config or preset without a checkpoint can only be compiled plan-only). The same input gives a byte-identical artifact; writing is atomic.
+build) to `weights/params.safetensors` (byte counts: plan.json's "weights"); `--report` adds what the HTML report shows (`k3c.report.collect`: the IR after every
+pass, per-kernel costs) under `report/`. With `--tp N` the `parallel` phase splits the model (`k3c.parallel`);
+one graph, schedule and plan serve every rank (the same shapes: only weights and the collectives' values differ by
+rank), and rank r's weights go to `weights/rank{r}.safetensors`; the summary adds the bytes each rank communicates
+per decode step (`communication`). `--plan-only` skips kernels' weights (a config or preset without a checkpoint can
+only be compiled plan-only). The same input gives a byte-identical artifact; writing is atomic.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from k3c.ir.kernels import KernelGroup, kernel_groups
 from k3c.ir.ops import get_op
 from k3c.ir.printer import print_graph
 from k3c.ir.types import evaluate, torch_dtype
+from k3c.parallel import check_layout, communication
 from k3c.passes.derived import materialize_params
 from k3c.passes.pack_experts import EXPERT_DTYPES
 from k3c.passes.pipeline import PHASES, run_pipeline
@@ -62,6 +66,7 @@ class CompileOptions:
     dtype: str = "bf16"
     backend: str | None = None
     report: bool = False
+    ep: int = 1  # expert groups: 1 (experts split over their width) or tp (experts partitioned); k3c.parallel
     experts_dtype: str | None = None  # routed experts: "mxfp4" or "bf16" (dense, in `dtype`); None: as the checkpoint
 
 
@@ -70,8 +75,9 @@ def compile_model(opts: CompileOptions, progress=None) -> dict:
 
     `progress(step, done, total)` (optional) is called as each step advances: "import prefill" / "import decode"
     (layers), "passes prefill" / "passes decode" (passes), code generation per backend and "weights" (total None).
-    Raises ConfigError (bad model or options), CheckpointError (bad weights), UnsupportedError (tp > 1; weights
-    requested for a model given without a checkpoint), ArtifactError (output directory problems).
+    Raises ConfigError (bad model or options, a --tp / --ep that does not split the model), CheckpointError (bad
+    weights), UnsupportedError (weights requested for a model given without a checkpoint), ArtifactError (output
+    directory problems).
     """
     with _gc_paused():
         return _compile(opts, progress)
@@ -93,12 +99,10 @@ def _gc_paused():
 
 def _compile(opts: CompileOptions, progress) -> dict:
     t0 = time.perf_counter()
-    if opts.tp != 1:
-        CompileContext(tp=opts.tp)  # validates the value first (a ConfigError for --tp 0)
-        raise UnsupportedError("tensor parallelism (--tp > 1) is estimated by `k3c plan` but not compiled yet")
     cfg = K3Config.from_pretrained(opts.model)
+    check_layout(cfg, opts.tp, opts.ep)
     ctx = CompileContext(target=load_target(opts.target), dtype=opts.dtype, max_batch=opts.max_batch,
-                         max_seq=opts.max_seq, max_prefill=opts.max_prefill, tp=opts.tp,
+                         max_seq=opts.max_seq, max_prefill=opts.max_prefill, tp=opts.tp, ep=opts.ep,
                          backend=opts.backend, experts_dtype=experts_dtype(opts, cfg)).resolve()
     if cfg.max_position_embeddings and opts.max_seq > cfg.max_position_embeddings:
         raise ConfigError(f"--max-seq {opts.max_seq} exceeds the model's context of {cfg.max_position_embeddings} "
@@ -164,16 +168,25 @@ def _compile(opts: CompileOptions, progress) -> dict:
         if not opts.plan_only:
             tick("weights", 0, None)
             packed = load_mxfp4_experts(opts.model) if ctx.experts_dtype == "mxfp4" else {}
-            writer.add_tensors("weights/params.safetensors", _weights(model, graphs, packed))
+            for rank in range(opts.tp):
+                writer.add_tensors(weights_file(rank, opts.tp), _weights(model, graphs, rank, packed))
         writer.commit(config=cfg.raw, target=ctx.target.to_dict(), tp=opts.tp, bounds=ctx.bounds_json,
                       entry_points={e: {"graph": f"graph/{e}.json"} for e in graphs},
                       extra={"k3c_version": __version__, "plan_only": opts.plan_only, "dtype": opts.dtype,
-                             "experts_dtype": ctx.experts_dtype, "vocab_size": cfg.vocab_size})
+                             "experts_dtype": ctx.experts_dtype,
+                             "vocab_size": cfg.vocab_size, "ep": opts.ep})
     summary.update(arena={e: g.memory_plan.arena_bytes for e, g in graphs.items()},
                    lower_bound={e: g.memory_plan.lower_bound for e, g in graphs.items()},
                    pools=pool_totals(pools), weights=wbytes, seconds=time.perf_counter() - t0,
-                   time={e: c["total"]["roofline_s"] for e, c in costs.items()})
+                   time={e: c["total"]["roofline_s"] for e, c in costs.items()},
+                   communication=communication(graphs["decode"], bindings["decode"], opts.tp))
     return summary
+
+
+def weights_file(rank: int, tp: int) -> str:
+    """The artifact path of rank `rank`'s weights: `weights/params.safetensors` at tp = 1, else
+    `weights/rank{rank}.safetensors` (the runtime's `k3c.runtime.session` reads the same names)."""
+    return "weights/params.safetensors" if tp == 1 else f"weights/rank{rank}.safetensors"
 
 
 def _observer(entry: str, tick, log: PassLog | None):
@@ -230,13 +243,13 @@ def weight_bytes(graphs: dict[str, Graph]) -> dict[str, int]:
     return {"total": sum(total.values()), "experts": sum(b for k, b in total.items() if ".experts.w" in k)}
 
 
-def _weights(model, graphs: dict[str, Graph], packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every parameter's tensor at its IR dtype: the model's, MXFP4 experts from `packed` (the checkpoint's bits),
-    derived ones materialised."""
+def _weights(model, graphs: dict[str, Graph], rank: int, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s tensor of every parameter at its IR dtype: the model's, MXFP4 experts from `packed` (the
+    checkpoint's bits), derived and sharded ones materialised."""
     named = {k: p.detach() for k, p in model.named_parameters()} | packed
     out: dict[str, torch.Tensor] = {}
     for g in graphs.values():
-        mat = materialize_params(g, named)
+        mat = materialize_params(g, named, rank=rank)
         for key, v in g.params.items():
             out[key] = mat[key].to(torch_dtype(v.type.dtype)).contiguous()
     return dict(sorted(out.items()))

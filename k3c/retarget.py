@@ -2,8 +2,10 @@
 
 `estimate(cfg, target, tp, max_batch, max_seq, context)` returns per-GPU memory (weights + persistent cache pools)
 and a roofline estimate of one decode step. Assumptions, each stated where it is used:
-- weights are split evenly over `tp` GPUs (tensor parallel for attention/dense, expert parallel for experts);
-  routed experts are stored as MXFP4 (4 bits + one E8M0 byte per 32 values = 4.25 bits) when the config's
+- weights are split over `tp` GPUs by the layout the compiler uses (`k3c.parallel`: column/row-parallel
+  attention, KDA and dense projections, vocabulary-parallel embedding and lm_head, routed experts partitioned
+  (ep = tp), norms, low-rank down projections, router and DSA indexer replicated); a tp that layout cannot split
+  is refused as `k3c compile --tp` refuses it; routed experts are stored as MXFP4 (4 bits + one E8M0 byte per 32 values = 4.25 bits) when the config's
   `quantization_config` says so (as `k3c compile` keeps them; `experts_dtype` "bf16" sizes a dequantized build),
   fp32 for the published fp32 parameters, bf16 for the rest;
 - a decode step reads every non-expert weight once, and the experts that the batch touches: with uniform routing,
@@ -11,7 +13,9 @@ and a roofline estimate of one decode step. Assumptions, each stated where it is
 - caches: KDA state read + written (fp32), MLA latent read for every visible token (DSA: the top-k only, plus the
   index keys of every token), per `k3c.memory.pools`;
 - FLOPs: 2 per active parameter per token, plus attention (latent scores and outputs, indexer scores);
-- tensor parallelism adds two all-reduces of [B, D] bf16 per layer, ring cost 2·(tp−1)/tp · bytes / link bandwidth.
+- tensor parallelism adds, per layer, two reduce-scatter + all-gather pairs over tokens of [B, D] bf16 (the
+  `split_allreduce` form: each rank holds ceil(B/tp) rows), ring cost 2 · 2·(tp−1)·ceil(B/tp)·D·2 bytes / link
+  bandwidth (equal to two all-reduces when tp divides B; more below, where the padded shards still travel).
 Roofline: Williams, Waterman & Patterson (2009); time = max(FLOPs / peak, bytes / bandwidth) + communication.
 """
 
@@ -22,6 +26,7 @@ from dataclasses import asdict, dataclass
 from k3c.errors import ConfigError
 from k3c.ir.formats import MXFP4_BITS
 from k3c.memory.pools import cache_pools, pools_total_bytes
+from k3c.parallel import check_layout, param_split
 from k3c.targets import Target, load_target
 from models.config import K3Config
 from models.layers import FP32_PARAM_SUFFIXES
@@ -64,19 +69,20 @@ class Weights:
     nbytes: int
     expert_bytes: int
     bytes_per_expert_layer: float  # one routed expert of one MoE layer (w1 + w2 + w3)
+    bytes_per_rank: int = 0  # at the `tp` given to `weights`, split as `k3c.parallel.param_split` says
 
 
-def weights(cfg: K3Config, experts_dtype: str | None = None) -> Weights:
+def weights(cfg: K3Config, tp: int = 1, experts_dtype: str | None = None) -> Weights:
     """Count the parameters of `cfg` on the meta device and size them as the published checkpoint stores them;
-    routed experts as `experts_dtype` ("mxfp4" | "bf16"; default: the checkpoint's). Raises ConfigError for
-    another value."""
+    routed experts as `experts_dtype` ("mxfp4" | "bf16"; default: the checkpoint's); `bytes_per_rank`: one rank's
+    share over `tp` ranks (replicated tensors whole on every rank). Raises ConfigError for another experts dtype."""
     from k3c.frontend import build_meta_model
 
     experts_dtype = experts_dtype or ("mxfp4" if cfg.expert_quantization == "mxfp4" else "bf16")
     if experts_dtype not in ("mxfp4", "bf16"):
         raise ConfigError(f"experts dtype {experts_dtype!r}: expected mxfp4 or bf16")
-
     w = Weights(0, 0, 0, 0, 0.0)
+    per_rank = 0.0
     for name, p in build_meta_model(cfg).named_parameters():
         n = p.numel()
         w.params += n
@@ -88,6 +94,8 @@ def weights(cfg: K3Config, experts_dtype: str | None = None) -> Weights:
         else:
             b = n * (4 if name.endswith(FP32_PARAM_SUFFIXES) else 2)
         w.nbytes += int(b)
+        per_rank += b / tp if param_split(name, ep=tp).sharded else b
+    w.bytes_per_rank = int(per_rank)
     moe_layers = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
     w.bytes_per_expert_layer /= max(moe_layers, 1)
     return w
@@ -104,6 +112,7 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     target = load_target(target)
     if tp < 1 or max_batch < 1 or max_seq < 1:
         raise ConfigError(f"tp ({tp}), max_batch ({max_batch}) and max_seq ({max_seq}) must be >= 1")
+    check_layout(cfg, tp, tp)
     if cfg.max_position_embeddings and max_seq > cfg.max_position_embeddings:
         raise ConfigError(f"max_seq {max_seq} exceeds the model's context of {cfg.max_position_embeddings} tokens "
                           f"(config: max_position_embeddings)")
@@ -114,7 +123,7 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     n_kda, n_dsa = kinds.count("kda"), kinds.count("dsa")
     n_global = len(kinds) - n_kda
     moe_layers = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
-    w = weights(cfg, experts_dtype)
+    w = weights(cfg, tp, experts_dtype)
     weight_bytes, expert_bytes, per_expert = w.nbytes, w.expert_bytes, w.bytes_per_expert_layer
     E, k = cfg.num_experts, cfg.num_experts_per_token
     active = w.params - w.expert_params + w.expert_params * k // E
@@ -123,7 +132,7 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
                         kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim, dsa_layers=n_dsa,
                         index_head_dim=cfg.index_head_dim)
     pool_bytes = pools_total_bytes(pools)
-    weight_gpu = weight_bytes // tp
+    weight_gpu = w.bytes_per_rank
     # decode step, per GPU
     B, L = max_batch, context
     touched = E * (1 - (1 - k / E) ** B) if E else 0
@@ -143,7 +152,7 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
         link = target.interconnect_bandwidth
         if not link:
             raise ConfigError(f"target '{target.name}' has no interconnect bandwidth; tp > 1 needs one")
-        comm = 2 * cfg.num_hidden_layers * 2 * (tp - 1) / tp * B * cfg.hidden_size * 2 / link
+        comm = 2 * cfg.num_hidden_layers * 2 * (tp - 1) * -(-B // tp) * cfg.hidden_size * 2 / link
     compute_s, memory_s = flops_gpu / target.peak(dtype, measured=True), bytes_gpu / target.bandwidth(measured=True)
     step = max(compute_s, memory_s) + comm
     mem = int(target.measured.get("memory_bytes", target.memory_bytes))

@@ -30,7 +30,7 @@ def test_bad_options_name_the_flag(kw, field):
 
 
 def test_claim_order_follows_the_target_and_the_preference():
-    assert claim_order(load_target("h200")) == ("triton", "library", "view")
+    assert claim_order(load_target("h200")) == ("triton", "library", "view", "collective")
     with pytest.raises(ConfigError, match="--backend library: expected a code-generating backend"):
         claim_order(load_target("h200"), "library")
     with pytest.raises(ConfigError, match="--backend cuda-magic: unknown backend"):

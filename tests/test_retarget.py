@@ -40,7 +40,11 @@ def test_k31_pro_pools_match_spec_arithmetic():
 def test_memory_fit_and_min_gpus(k3):
     e8, e16 = estimate(k3, "h200", tp=8), estimate(k3, "h200", tp=16)
     assert not e8.fits and e16.fits
-    assert e8.weight_bytes_per_gpu * 8 == pytest.approx(e16.weight_bytes_per_gpu * 16, rel=1e-6)
+    # per GPU = replicated R + split S / tp (k3c.parallel): two GPU counts give R and S, which add up to the model
+    split = 16 * (e8.weight_bytes_per_gpu - e16.weight_bytes_per_gpu)
+    replicated = e8.weight_bytes_per_gpu - split / 8
+    assert replicated + split == pytest.approx(weights(k3).nbytes, rel=1e-6)
+    assert 0 < replicated < 0.02 * weights(k3).nbytes  # norms, router, low-rank down projections, DSA indexer
     n = e16.min_gpus
     total = weights(k3).nbytes
     assert total / n + e16.pool_bytes_per_gpu <= e16.memory_bytes < total / (n - 1) + e16.pool_bytes_per_gpu
@@ -51,6 +55,11 @@ def test_decode_roofline_scales_with_gpus_and_context(k3):
     assert b.decode_step_s < a.decode_step_s and a.decode_bound == "memory"
     long = estimate(k3, "h200", tp=16, context=1 << 20)
     assert long.decode_bytes_per_gpu > b.decode_bytes_per_gpu
+
+
+def test_plan_refuses_a_layout_the_compiler_refuses(k3):
+    with pytest.raises(ConfigError, match="--tp 5 does not divide num_attention_heads = 96"):
+        estimate(k3, "h200", tp=5)
 
 
 def test_cli_plan_bad_tp_is_one_line_error():
@@ -72,9 +81,9 @@ def test_experts_dtype_before_and_after():
     """`k3c plan --experts-dtype bf16` sizes the dequantized build k3c made before MXFP4 kernels: 2 bytes per expert
     weight instead of 4.25 bits, so K3.1 Pro at 1M context needs 48 H200s instead of 14 (caches sized at tp 1)."""
     cfg = K3Config.from_pretrained("k3.1-pro")
-    mx, bf = weights(cfg), weights(cfg, "bf16")
+    mx, bf = weights(cfg), weights(cfg, experts_dtype="bf16")
     assert bf.expert_bytes == bf.expert_params * 2 and mx.expert_params == bf.expert_params
     assert bf.nbytes - mx.nbytes == bf.expert_bytes - mx.expert_bytes
     assert (estimate(cfg, "h200").min_gpus, estimate(cfg, "h200", experts_dtype="bf16").min_gpus) == (14, 48)
     with pytest.raises(ConfigError, match="expected mxfp4 or bf16"):
-        weights(cfg, "fp8")
+        weights(cfg, experts_dtype="fp8")

@@ -30,9 +30,11 @@ from k3c.ir.kernels import KernelGroup
 #: Claim order per target kind when a target names none (`Target.backends` overrides).
 DEFAULT_ORDER = {"cuda": ("triton", "library", "view"), "rocm": ("triton", "library", "view"),
                  "cpu": ("tvm", "library", "view")}
+#: Backends every target has, after its own order: collectives have one implementation (torch.distributed).
+ALWAYS = ("collective",)
 #: Modules that define the known backends (imported on first use, so the registry fills lazily).
 MODULES = {"triton": "k3c.codegen.triton.backend", "tvm": "k3c.codegen.tvm.backend",
-           "library": "k3c.codegen.library", "view": "k3c.codegen.library"}
+           "library": "k3c.codegen.library", "view": "k3c.codegen.library", "collective": "k3c.codegen.collective"}
 
 
 @dataclass
@@ -92,9 +94,10 @@ def backend_class(name: str) -> type[Backend]:
 
 def claim_order(target, preferred: str | None = None) -> tuple[str, ...]:
     """Backend names in the order they may claim groups on `target`: the target's own order (`Target.backends`,
-    else `DEFAULT_ORDER` by kind) with `preferred` first. Raises ConfigError for a preferred backend that
-    generates no code (library, view) or is unknown."""
+    else `DEFAULT_ORDER` by kind) with `preferred` first and `ALWAYS` last. Raises ConfigError for a preferred
+    backend that generates no code (library, view) or is unknown."""
     order = tuple(getattr(target, "backends", ()) or DEFAULT_ORDER[target.kind])
+    order += tuple(n for n in ALWAYS if n not in order)
     if preferred is not None:
         if not backend_class(preferred).generates:
             raise ConfigError(f"--backend {preferred}: expected a code-generating backend "

@@ -6,10 +6,11 @@ Passes do not import each other; what two of them need lives here (or, for gener
 
 from __future__ import annotations
 
-from k3c.errors import IRError
+from k3c.errors import ConfigError, IRError
 from k3c.ir.graph import Graph, Node, Value
 from k3c.ir.rewrite import P, X, match
 from k3c.ir.types import dims_equal
+from k3c.passes.derived import add_derived_param, prune_unused_params
 
 
 # ---- normalisation chains: x * rsqrt(reduce(x^2, -1, keepdim) + eps) ----------------------------------------------
@@ -102,3 +103,31 @@ def reorder(graph: Graph, before: dict[int, list[Node]], moved: set[int]) -> Non
     if len(out) != len(graph.nodes):
         raise IRError(f"reorder lost or duplicated nodes ({len(graph.nodes)} -> {len(out)}): an anchor is missing")
     graph.nodes = out
+
+
+# ---- tensor-parallel shards (shard_tp, shard_experts) -------------------------------------------------------------
+def shard_param(graph: Graph, key: str, dim: int, parts: int) -> Value:
+    """Replace parameter `key` by `<key>.shard`: a rank's block of `parts` along `dim` (derivation "shard", so each
+    rank's weight file holds its own block under the same key). Uses of the old value are redirected and it is
+    dropped. Raises `ConfigError` naming the key when `parts` does not divide the dim."""
+    old = graph.params[key]
+    size = old.type.shape[dim]
+    if not isinstance(size, int) or size % parts:
+        raise ConfigError(f"--tp/--ep {parts} does not divide dim {dim} of parameter {key} {old.type}")
+    shape = list(old.type.shape)
+    shape[dim] = size // parts
+    new = add_derived_param(graph, key + ".shard", old.type.with_shape(shape), "shard", [key],
+                            {"dim": dim, "parts": parts})
+    graph.replace_all_uses(old, new, check_type=False)
+    prune_unused_params(graph, [key])
+    return new
+
+
+def wrap_value(graph: Graph, x: Value, op: str, pass_name: str, **attrs) -> Value:
+    """Insert `op(x, **attrs)` right after x's producer and make every other reader of `x` (and the graph outputs)
+    read the result instead; returns it. Used to put a collective behind a partial result."""
+    node = graph.producer(x)
+    with graph.inserting_after(node):
+        y = graph.add(op, x, name_hint=f"{x.name}.{op}", meta={**node.meta, "pass": pass_name}, **attrs)
+    graph.replace_all_uses(x, y, exclude=[graph.producer(y)], check_type=False)
+    return y

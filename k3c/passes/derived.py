@@ -37,12 +37,39 @@ def _mla_w_uv(attrs: dict, w: torch.Tensor) -> torch.Tensor:
     return w.reshape(H, nope + vd, w.shape[-1])[:, nope:].contiguous()
 
 
-#: op name -> fn(attrs, *source tensors) -> derived tensor.
+def _shard(attrs: dict, w: torch.Tensor) -> torch.Tensor:
+    """Rank `rank`'s block of `parts` equal blocks of w along `dim` (column/row-parallel weights, experts)."""
+    return w.chunk(attrs["parts"], attrs["dim"])[attrs["rank"]].contiguous()
+
+
+def _vocab_shard(attrs: dict, w: torch.Tensor) -> torch.Tensor:
+    """Embedding [V, D] -> rank r's rows [r·V/p, (r+1)·V/p) and one zero row [V/p + 1, D] (vocab-parallel)."""
+    rows = w.chunk(attrs["parts"], 0)[attrs["rank"]]
+    return torch.cat([rows, rows.new_zeros((1, w.shape[1]))]).contiguous()
+
+
+def _local_index(attrs: dict, w: torch.Tensor) -> torch.Tensor:
+    """i64 [n, 1] for a tensor of n = w.shape[0] rows split in `parts` blocks: global row i -> its row in rank r's
+    block; outside it, `missing`: "zero_row" (vocab: the zero row V/p of `vocab_shard`) or "minus_one" (experts:
+    −1, which moe_experts skips)."""
+    n = w.shape[0]
+    per = n // attrs["parts"]
+    i = torch.arange(n) - attrs["rank"] * per
+    missing = per if attrs["missing"] == "zero_row" else -1
+    return torch.where((i >= 0) & (i < per), i, torch.full_like(i, missing)).reshape(n, 1)
+
+
+#: op name -> fn(attrs, *source tensors) -> derived tensor. `attrs` also carries the "rank" being materialised.
 DERIVATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "mla_w_uk": _mla_w_uk,
     "mla_w_uv": _mla_w_uv,
     "cat": lambda attrs, *ws: torch.cat(ws, attrs.get("dim", 0)),
+    "shard": _shard,
+    "vocab_shard": _vocab_shard,
+    "local_index": _local_index,
 }
+#: derivations whose result depends on the rank (tensor-parallel shards; `k3c.parallel`)
+RANKED = frozenset({"shard", "vocab_shard", "local_index"})
 
 
 def derived_params(graph: Graph) -> dict[str, dict]:
@@ -81,10 +108,11 @@ def add_derived_param(graph: Graph, key: str, type: TensorType, op: str, sources
     return graph.add_param(key, type)
 
 
-def materialize_params(graph: Graph, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def materialize_params(graph: Graph, params: dict[str, torch.Tensor], rank: int = 0) -> dict[str, torch.Tensor]:
     """Tensors for every parameter of `graph`: taken from `params` (checkpoint key -> tensor) or, for derived keys
-    not given there, computed from their recipe (recursively). Raises `CheckpointError` naming a missing source,
-    and `IRError` when a derived tensor does not have the declared type."""
+    not given there, computed from their recipe (recursively) for tensor-parallel rank `rank`. Raises
+    `CheckpointError` naming a missing source, and `IRError` when a derived tensor does not have the declared
+    type."""
     table = getattr(graph, "derived_params", None) or {}
     cache: dict[str, torch.Tensor] = {}
 
@@ -101,7 +129,7 @@ def materialize_params(graph: Graph, params: dict[str, torch.Tensor]) -> dict[st
             raise IRError(f"derived parameter {key!r} depends on itself")
         srcs = [get(s, stack + (key,)) for s in rec["from"]]
         with torch.no_grad():
-            t = DERIVATIONS[rec["op"]](rec["attrs"], *srcs)
+            t = DERIVATIONS[rec["op"]]({**rec["attrs"], "rank": rank}, *srcs)
         v = graph.params.get(key)
         if v is not None:
             want = tuple(int(d) for d in v.type.shape)
@@ -112,6 +140,13 @@ def materialize_params(graph: Graph, params: dict[str, torch.Tensor]) -> dict[st
         return t
 
     return {k: get(k) for k in graph.params}
+
+
+def rank_dependent(graph: Graph, key: str) -> bool:
+    """True when parameter `key` differs between tensor-parallel ranks (a `RANKED` recipe, directly or below)."""
+    table = getattr(graph, "derived_params", None) or {}
+    rec = table.get(key)
+    return rec is not None and (rec["op"] in RANKED or any(rank_dependent(graph, s) for s in rec["from"]))
 
 
 def prune_unused_params(graph: Graph, keys) -> list[str]:

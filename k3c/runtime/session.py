@@ -13,6 +13,11 @@ a library call (torch/cuBLAS) or a view. Intermediates live at the offsets of `p
 prefilled in chunks. On CUDA, decode steps after the first at a batch size replay piecewise CUDA graphs
 (`k3c.runtime.graphs`; `cuda_graphs=False` launches every kernel from Python). This module never imports the
 compiler: only torch, safetensors and the artifact files.
+
+A multi-rank artifact (`manifest.json` tp = N > 1) runs as N processes, one per rank, in a torch.distributed
+process group of world size N (started by `torchrun`, or by `k3c run`, which spawns them): each process loads
+`weights/rank{r}.safetensors` for its own rank r and runs the shared schedule; the collectives go through
+`k3c.runtime.launchers.collective`.
 Errors: ArtifactError (bad artifact), RuntimeInputError (tokens out of vocabulary, batch or context beyond the
 bounds, a batch size that changes between calls).
 """
@@ -44,6 +49,27 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", *, cuda_gr
     return Session(path, device, cuda_graphs=cuda_graphs)
 
 
+def _rank(art, path, device: torch.device) -> tuple[int, int]:
+    """(tp, rank) of this process for artifact `art`: tp = 1 needs no process group; tp > 1 needs torch.distributed
+    with world size tp, initialised here (NCCL on cuda, gloo on cpu) when `torchrun`'s environment (WORLD_SIZE,
+    RANK, MASTER_ADDR) is set and nobody did yet. Raises RuntimeInputError otherwise."""
+    tp = int(art.manifest.get("tp", 1))
+    if tp == 1:
+        return 1, 0
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeInputError(f"{path}: a tp = {tp} artifact runs as {tp} ranks: start it with `torchrun "
+                                f"--nproc-per-node {tp}` or `k3c run` (torch.distributed is not initialised here)")
+    world = dist.get_world_size()
+    if world != tp:
+        raise RuntimeInputError(f"{path}: compiled for tp = {tp} ranks (manifest.json tp) but the process group has "
+                                f"world size {world}")
+    return tp, dist.get_rank()
+
+
 class Session:
     """A loaded artifact with its arena, pools and weights on one device; see the module docstring."""
 
@@ -54,6 +80,8 @@ class Session:
             raise RuntimeInputError(f"device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'") from None
         if self.device.type not in ("cpu", "cuda"):
             raise RuntimeInputError(f"device {device!r}: the k3c runtime runs on 'cpu' or 'cuda'")
+        if self.device == torch.device("cuda") and "LOCAL_RANK" in os.environ:  # one GPU per torchrun process
+            self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeInputError(f"device {device!r}: this torch build or machine has no CUDA GPU")
         art = read_artifact(path)
@@ -80,7 +108,11 @@ class Session:
         self.offsets = {e: {k: v["offset"] for k, v in plan["arena"][e]["buffers"].items()} for e in plan["arena"]}
         arena_bytes = max(plan["arena"][e]["arena_bytes"] for e in plan["arena"])
         self.arena = torch.empty(max(arena_bytes, 1), dtype=torch.uint8, device=self.device)
-        self.weights = {k: v.to(self.device) for k, v in art.load_tensors("weights/params.safetensors").items()}
+        self.tp, self.rank = _rank(art, path, self.device)
+        wfile = "weights/params.safetensors" if self.tp == 1 else f"weights/rank{self.rank}.safetensors"
+        if wfile not in art.files:
+            raise ArtifactError(f"{path}: rank {self.rank} of {self.tp} has no weight file {wfile}")
+        self.weights = {k: v.to(self.device) for k, v in art.load_tensors(wfile).items()}
         self._workdir = Path(tempfile.mkdtemp(prefix="k3c-kernels-"))
         weakref.finalize(self, shutil.rmtree, self._workdir, True)
         self.launchers = make_launchers(art, self.device, self.schedule, self._workdir)
@@ -95,6 +127,11 @@ class Session:
         self._graphs: dict[int, DecodeGraphs] = {}  # by batch size
 
     # ---- public -------------------------------------------------------------------------------------------------
+    @property
+    def world(self) -> tuple[int, int]:
+        """(rank, tp): this process's rank and the artifact's tensor-parallel degree."""
+        return self.rank, self.tp
+
     def reset(self) -> None:
         """Zero every cache pool and forget the batch."""
         for p in self.pools.values():

@@ -92,6 +92,9 @@ CASES = {
     "all_reduce": [([F], {}, {})],
     "reduce_scatter": [([F], {"dim": 2}, {})],
     "all_gather": [([F], {"dim": 1}, {})],
+    "reduce_scatter_tokens": [([F], {}, {})],
+    "shard_tokens": [([F], {}, {})],
+    "all_gather_tokens": [([tt((1, "B*T", 8))], {"shape": ["B", "T", 8]}, {})],
 }
 
 

@@ -2,7 +2,8 @@
 or restricted to the DSA top-k) and "dsa_index_topk" (the lightning indexer's scores and their top-k).
 
 Exact semantics: `mla_attention_ref` and `dsa_index_topk_ref` in `k3c/ir/ops/model_attn.py` (K3-SPEC.md "Gated
-MLA", "Gated DSA"). Query t of T new tokens sits at absolute position S − T + t of S keys and sees keys s ≤ S − T + t.
+MLA", "Gated DSA"). Query t of T new tokens sits at absolute position S − T + t of S keys and sees keys
+s ≤ S − T + t.
 
 mla_attention: one parallel iteration per (b, t, h); an online softmax (running max m, sum l, fp32 accumulator of
 Dv values) over the visible keys, all of them (dense, or while S ≤ dense_max_keys) or the positions listed in
@@ -14,19 +15,14 @@ position, as a stable sort), −1 in the slots beyond the visible count.
 from __future__ import annotations
 
 from k3c.codegen.tvm import generator
-from k3c.codegen.tvm.script import Func, dim_expr, f32, load, store_value
+from k3c.codegen.tvm.script import Func, check_single_node, dim_expr, f32, load, store_value
 from k3c.errors import UnsupportedError
-
-
-def _same_io(group, node) -> None:
-    if list(group.inputs) != list(node.inputs) or list(group.outputs) != list(node.outputs):
-        raise UnsupportedError(f"{group.name}: {node.op} must read and write exactly its node's values")
 
 
 @generator("mla_attention")
 def gen_mla_attention(name: str, group, device: str) -> str:
     (node,) = group.nodes
-    _same_io(group, node)
+    check_single_node(group)
     a = node.attrs
     q = node.inputs[0]
     absorbed = a["absorbed"]
@@ -89,7 +85,7 @@ def gen_mla_attention(name: str, group, device: str) -> str:
 @generator("dsa_index_topk")
 def gen_dsa_index_topk(name: str, group, device: str) -> str:
     (node,) = group.nodes
-    _same_io(group, node)
+    check_single_node(group)
     qi, w, ki = node.inputs
     topk = node.attrs["topk"]
     B, Tn, J, D = (dim_expr(d) for d in qi.type.shape)

@@ -13,14 +13,13 @@ rows RMS-normalised without weight, K(x) = x · rsqrt(mean(x²) + eps), all in f
 from __future__ import annotations
 
 from k3c.codegen.tvm import generator
-from k3c.codegen.tvm.attention import _same_io
-from k3c.codegen.tvm.script import Func, dim_expr, f32, load, store_value
+from k3c.codegen.tvm.script import Func, check_single_node, dim_expr, f32, load, store_value
 
 
 @generator("attn_res_inter")
 def gen_attn_res_inter(name: str, group, device: str) -> str:
     (node,) = group.nodes
-    _same_io(group, node)
+    check_single_node(group)
     queries, *blocks = node.inputs
     Q, D = queries.type.shape
     N = len(blocks)
@@ -64,7 +63,7 @@ def gen_attn_res_inter(name: str, group, device: str) -> str:
 @generator("attn_res_merge")
 def gen_attn_res_merge(name: str, group, device: str) -> str:
     (node,) = group.nodes
-    _same_io(group, node)
+    check_single_node(group)
     o, lse, partial, queries = node.inputs
     D = queries.type.shape[1]
     B, Tn = (dim_expr(d) for d in partial.type.shape[:2])

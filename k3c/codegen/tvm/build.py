@@ -66,10 +66,52 @@ def build_cpu(funcs: dict[str, str], arch: str = "x86-64") -> dict[str, bytes]:
 
 
 def cuda_source(funcs: dict[str, str]) -> dict[str, bytes]:
-    """{file name: bytes}: the CUDA C of the kernels `funcs` (`cuda.cu`) and their TIR (`cuda.tir.txt`)."""
+    """{file name: bytes}: the CUDA C of the kernels `funcs` (`cuda.cu`), their TIR (`cuda.tir.txt`) and how to
+    launch them (`cuda.launch.json`: per PrimFunc, `cuda_launches` plus `params`, its tensors' names in ABI order)."""
+    import json
+    import re
+
     import tvm
+    from tvm.tirx.build import split_host_device_mods
 
     mod = _module(funcs)
-    lib = tvm.compile(mod, target=tvm.target.Target(CUDA_TARGET, host=X86_TARGET))
+    target = tvm.target.Target(CUDA_TARGET, host=X86_TARGET)
+    lib = tvm.compile(mod, target=target)
     src = lib.mod.imports[0].inspect_source()
-    return {"cuda.cu": src.encode(), "cuda.tir.txt": mod.script().encode()}
+    lowered = tvm.tirx.get_default_tir_pipeline(target)[0](tvm.tirx.transform.BindTarget(target)(mod))
+    host, _ = split_host_device_mods(lowered)
+    launches = {name: dict(cuda_launches(host[name].script()), params=re.findall(r"(\w+)_h: T\.handle", funcs[name]))
+                for name in sorted(funcs)}
+    return {"cuda.cu": src.encode(), "cuda.tir.txt": mod.script().encode(),
+            "cuda.launch.json": json.dumps(launches, indent=1, sort_keys=True).encode()}
+
+
+def cuda_launches(host_script: str) -> dict:
+    """How TVM's host code of one PrimFunc launches its CUDA kernels, read from the lowered host TIR (TVMScript):
+    {"kernels": [{"name", "args": [["buffer", name] | ["int", expr]], "grid": expr, "block": int}],
+     "workspaces": {name: [elements expr, dtype]}}. Expressions are Python over s_B, s_T, s_L (ints, + - * //)."""
+    import ast
+    import re
+
+    lets: dict[str, str] = {}
+    out = {"kernels": [], "workspaces": {}}
+
+    def expr(node) -> str:
+        text = re.sub(r"T\.int(?:32|64)\((-?\d+)\)", r"\1", ast.unparse(node))
+        return re.sub(r"\bcse_v\d+\b", lambda m: f"({lets[m.group(0)]})", text)
+
+    for node in ast.walk(ast.parse(host_script)):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            lets[node.target.id] = expr(node.value)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
+                ast.unparse(node.value.func) == "T.alloc_buffer":
+            dtype = next((a.value for a in node.value.args[1:2] if isinstance(a, ast.Constant)), "float32")
+            out["workspaces"][node.targets[0].id] = [expr(node.value.args[0].elts[0]), dtype]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "T.call_ffi_kernel":
+            name, *args = node.args
+            grid, block = args[-2:]
+            out["kernels"].append({
+                "name": name.value, "grid": expr(grid), "block": int(expr(block)),
+                "args": [["buffer", a.value.id] if isinstance(a, ast.Attribute) and a.attr == "data"
+                         else ["int", expr(a)] for a in args[:-2]]})
+    return out

@@ -18,8 +18,7 @@ and head, read and written from the state in cache.
 from __future__ import annotations
 
 from k3c.codegen.tvm import generator
-from k3c.codegen.tvm.script import Func, dim_expr, f32, load, store_value
-from k3c.errors import UnsupportedError
+from k3c.codegen.tvm.script import Func, check_single_node, dim_expr, f32, load, store_value
 
 _NAMES = ["q", "k", "v", "f", "beta", "gate", "q_conv", "k_conv", "v_conv", "A_log", "dt_bias", "o_norm",
           "state_in", "conv_in", "y", "state", "conv"]
@@ -28,8 +27,7 @@ _NAMES = ["q", "k", "v", "f", "beta", "gate", "q_conv", "k_conv", "v_conv", "A_l
 @generator("kda_fused")
 def gen_kda_fused(name: str, group, device: str) -> str:
     (node,) = group.nodes
-    if list(group.inputs) != list(node.inputs) or list(group.outputs) != list(node.outputs):
-        raise UnsupportedError(f"kda_fused must read and write exactly its node's values")
+    check_single_node(group)
     a = node.attrs
     H, K = a["heads"], a["head_dim"]
     W = node.inputs[6].type.shape[2]

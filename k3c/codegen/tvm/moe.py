@@ -18,14 +18,13 @@ The reference rounds the expert GEMMs to z's dtype; this kernel keeps them in fp
 from __future__ import annotations
 
 from k3c.codegen.tvm import generator
-from k3c.codegen.tvm.attention import _same_io
-from k3c.codegen.tvm.script import Func, dim_expr, f32, load, store_value
+from k3c.codegen.tvm.script import Func, check_single_node, dim_expr, f32, load, store_value
 
 
 @generator("moe_route")
 def gen_moe_route(name: str, group, device: str) -> str:
     (node,) = group.nodes
-    _same_io(group, node)
+    check_single_node(group)
     logits, bias = node.inputs
     N, E = dim_expr(logits.type.shape[0]), logits.type.shape[1]
     k, a = node.attrs["top_k"], node.attrs
@@ -64,7 +63,7 @@ def mxfp4_load(buf: str, scale: str, row: str, col: str, cols: int) -> str:
 @generator("moe_experts")
 def gen_moe_experts(name: str, group, device: str) -> str:
     (node,) = group.nodes
-    _same_io(group, node)
+    check_single_node(group)
     z, weights, ids, w1, w3, w2 = node.inputs[:6]
     mx = node.attrs["weight_format"] == "mxfp4"
     N, D = dim_expr(z.type.shape[0]), z.type.shape[1]

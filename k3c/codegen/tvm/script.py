@@ -6,14 +6,14 @@ Every TVM kernel of an artifact is one TIR PrimFunc with the same calling conven
 
 tensors first (the group's inputs then outputs, contiguous, any of them possibly the same tensor as another: the
 in-place states), then the call's sizes. Each tensor is matched at its IR shape and read through a flat 1-D view
-of its element count (an expression of the sizes); generators compute flat offsets themselves, so a rank-0 or rank-5 value needs no
-special case. Symbolic dims print as expressions of `s_B`, `s_T`, `s_L` (the IR's `B`, `T`, `L`; `T` itself names
-the TVMScript module).
+of its element count (an expression of the sizes); generators compute flat offsets themselves, so a rank-0 or
+rank-5 value needs no special case. Symbolic dims print as expressions of `s_B`, `s_T`, `s_L` (the IR's `B`, `T`,
+`L`; `T` itself names the TVMScript module).
 
 Loops over independent work (rows, heads, tokens) are written once with `Func.parallel` and lowered per device:
 `T.parallel` on CPU (LLVM's OpenMP-like thread pool), one CUDA thread per iteration on the GPU. Inner loops are
-serial with constant extents where the IR has them, so that LLVM vectorizes them (TVM's own `T.vectorized` breaks
-on bf16 stores and strided writes in 0.27, see the tests). Arithmetic is fp32; bf16/f16 values are converted at the
+serial with constant extents where the IR has them, so that LLVM vectorizes them (TVM 0.27's own `T.vectorized`
+fails to legalize bf16 stores and miscompiles strided writes). Arithmetic is fp32; bf16/f16 values are converted at the
 loads and stores.
 """
 
@@ -36,14 +36,24 @@ CUDA_THREADS = 128
 #: Partial sums of `Func.dot` (8 fp32 = one AVX2 register).
 LANES = 8
 _SYMBOL = re.compile(r"[A-Za-z_]\w*")
+_CEIL = re.compile(r"ceiling\(([^()]*)/(\d+)\)")
+
+
+def check_single_node(group) -> None:
+    """Raise `UnsupportedError` unless `group` reads and writes exactly its one node's inputs and outputs, in order
+    (what the model-op generators assume)."""
+    (node,) = group.nodes
+    if list(group.inputs) != list(node.inputs) or list(group.outputs) != list(node.outputs):
+        raise UnsupportedError(f"{group.name}: {node.op} must read and write exactly its node's values")
 
 
 def dim_expr(d) -> str:
     """TVMScript text of IR dim `d` (an int or a sympy expression over B, T, L) over the size arguments,
     parenthesized unless it is one name or number.
 
+    `ceiling(e/k)` (a token shard's rows, `k3c/ir/ops/collective.py`) becomes the integer `(e + k - 1) // k`.
     Raises `UnsupportedError` for a dim over another symbol or function (floor, Max, ...)."""
-    text = dim_str(d)
+    text = _CEIL.sub(lambda m: f"(({m.group(1)}) + {int(m.group(2)) - 1}) // {m.group(2)}", dim_str(d))
 
     def sub(m):
         name = m.group(0)

@@ -1,5 +1,4 @@
-"""Model-level ops of the MoE block and tensor-parallel collectives: moe_route, moe_experts, all_reduce,
-reduce_scatter, all_gather.
+"""Model-level ops of the MoE block: moe_route, moe_experts (the collectives are `collective.py`).
 
 Formulas: /work/shared/K3-SPEC.md "MLP and Stable LatentMoE" (router: DeepSeek-V3 §2.1.2). Signatures follow
 `k3::moe_route` / `k3::moe_experts` of models/ops.py (note: moe_experts takes weights before ids).
@@ -11,8 +10,8 @@ import sympy
 import torch
 import torch.nn.functional as F
 
-from k3c.errors import IRError, UnsupportedError
-from k3c.ir.ops.registry import Attr, need_dtype, need_eq, need_rank, norm_axis, op
+from k3c.errors import IRError
+from k3c.ir.ops.registry import Attr, need_dtype, need_eq, need_rank, op
 from k3c.ir.formats import MXFP4_GROUP, WEIGHT_FORMATS, mxfp4_dequantize
 from k3c.ir.types import TensorType, dim, numel
 
@@ -130,78 +129,3 @@ def _moe_experts(attrs, z, weights, ids, w1, w3, w2, *scales):
         need_eq(n, t.shape[1], w.shape[1], f"{nm} dim 1")
         need_eq(n, t.shape[2] * (MXFP4_GROUP // 2), w.shape[2], f"{nm} groups vs packed bytes")
     return [z]
-
-
-# ---- collectives ------------------------------------------------------------------------------------------------
-_COLL_ATTRS = {"group": Attr("int", 1), "dim": Attr("int", 0)}
-
-
-def simulate_collective(name: str, attrs: dict, shards: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Run a collective over all ranks at once: `shards[r]` is rank r's input; returns each rank's output.
-
-    all_reduce: every rank gets Σ_r x_r. reduce_scatter: Σ_r x_r split in `group` equal chunks along `dim`,
-    rank r gets chunk r. all_gather: every rank gets cat(x_0..x_{g-1}, dim). Raises `IRError` if
-    len(shards) != group.
-    """
-    g = attrs.get("group", 1)
-    if len(shards) != g:
-        raise IRError(f"{name}: {len(shards)} shards for a group of {g}")
-    d = attrs.get("dim", 0)
-    if name == "all_reduce":
-        total = torch.stack(shards).sum(0).to(shards[0].dtype)
-        return [total.clone() for _ in shards]
-    if name == "reduce_scatter":
-        total = torch.stack(shards).sum(0).to(shards[0].dtype)
-        return [c.contiguous() for c in total.chunk(g, d)]
-    if name == "all_gather":
-        full = torch.cat(shards, d)
-        return [full.clone() for _ in shards]
-    raise UnsupportedError(f"{name!r} is not a collective")
-
-
-def _coll_ref(name):
-    def ref(attrs, x):
-        if attrs["group"] != 1:
-            raise UnsupportedError(f"{name} over a group of {attrs['group']} needs all ranks: use "
-                                   "simulate_collective (the single-process interpreter runs tp = 1)")
-        return [x.clone()]
-
-    return ref
-
-
-def _coll_check(name, attrs, x):
-    if attrs["group"] < 1:
-        raise IRError(f"{name}: group must be >= 1")
-    return norm_axis(attrs["dim"], x.rank, name)
-
-
-@op("all_reduce", inputs=["x"], attrs={"group": Attr("int", 1), "reduce": Attr("str", "sum", ("sum",))},
-    kind="collective", ref=_coll_ref("all_reduce"), flops=lambda a, ins, outs: numel(ins[0]))
-def _all_reduce(attrs, x):
-    """all_reduce(x) {group, reduce="sum"} -> x's type: the sum over the group's ranks."""
-    if attrs["group"] < 1:
-        raise IRError("all_reduce: group must be >= 1")
-    return [x]
-
-
-@op("reduce_scatter", inputs=["x"], attrs=_COLL_ATTRS, kind="collective", ref=_coll_ref("reduce_scatter"),
-    flops=lambda a, ins, outs: numel(ins[0]))
-def _reduce_scatter(attrs, x):
-    """reduce_scatter(x) {group, dim}: sum over ranks, each rank keeps 1/group of `dim` (must divide exactly)."""
-    d = _coll_check("reduce_scatter", attrs, x)
-    size, g = x.shape[d], attrs["group"]
-    if isinstance(size, int) and size % g:
-        raise IRError(f"reduce_scatter: dim {d} of {x} is not divisible by {g}")
-    s = list(x.shape)
-    s[d] = dim(size / g) if not isinstance(size, int) else size // g
-    return [x.with_shape(s)]
-
-
-@op("all_gather", inputs=["x"], attrs=_COLL_ATTRS, kind="collective", ref=_coll_ref("all_gather"),
-    flops=lambda a, ins, outs: 0)
-def _all_gather(attrs, x):
-    """all_gather(x) {group, dim}: concatenation of every rank's x along `dim` (rank order)."""
-    d = _coll_check("all_gather", attrs, x)
-    s = list(x.shape)
-    s[d] = dim(s[d] * attrs["group"])
-    return [x.with_shape(s)]

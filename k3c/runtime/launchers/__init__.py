@@ -20,6 +20,7 @@ LAUNCHERS = {
     "tvm": "k3c.runtime.launchers.tvm:TvmLauncher",
     "library": "k3c.runtime.launchers.torch_ops:TorchOpLauncher",
     "view": "k3c.runtime.launchers.torch_ops:TorchOpLauncher",
+    "collective": "k3c.runtime.launchers.collective:CollectiveLauncher",
 }
 
 
