@@ -5,7 +5,9 @@ Usage (on the H200, through the device tool; the artifacts and checkpoint are bu
     python benchmarks/gpu_artifact_check.py --ckpt build/gpu/ckpt --artifact build/gpu/art \
         [--artifact32 build/gpu/art32] [--torch-compile] --out $OUT
 
-Every runner sees the same tokens: a random prompt [B,64] then 32 teacher-forced decode steps (the fp32 eager greedy
+With --artifact-bf16-experts (a build of the same MXFP4 checkpoint with `--experts-dtype bf16`) the MXFP4 and the
+dequantized-expert artifacts run side by side. Every runner sees the same tokens: a random prompt [B,64] then 32
+teacher-forced decode steps (the fp32 eager greedy
 continuation), batch 1 and 3. Runners: eager fp32, eager bf16, k3c (the artifact's dtype; with and without CUDA
 graphs for decode), k3c f32 (optional), and
 torch.compile of eager bf16 (optional: a second bf16 implementation of the same model, the yardstick for how far two
@@ -77,6 +79,8 @@ def main():
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--artifact", required=True)
     ap.add_argument("--artifact32", default=None, help="an f32 artifact of the same checkpoint (exactness check)")
+    ap.add_argument("--artifact-bf16-experts", default=None,
+                    help="a build of the same MXFP4 checkpoint with --experts-dtype bf16 (side-by-side speed)")
     ap.add_argument("--torch-compile", action="store_true", help="add torch.compile(eager bf16) as a runner")
     ap.add_argument("--out", default=".")
     ap.add_argument("--prompt", type=int, default=64)
@@ -85,15 +89,19 @@ def main():
     ref32 = Eager(load_checkpoint(a.ckpt, torch.float32, "cuda").eval())
     runners = {"eager_fp32": ref32, "eager_bf16": Eager(load_checkpoint(a.ckpt, torch.bfloat16, "cuda").eval()),
                "k3c": k3c.load(a.artifact, "cuda"), "k3c_no_cuda_graphs": k3c.load(a.artifact, "cuda", cuda_graphs=False)}
+    if a.artifact_bf16_experts:
+        runners["k3c_bf16_experts"] = k3c.load(a.artifact_bf16_experts, "cuda")
     if a.artifact32:
         runners["k3c_f32"] = k3c.load(a.artifact32, "cuda")
     if a.torch_compile:
         runners["torch_compile_bf16"] = Eager(runners["eager_bf16"].model, compiled=True)
     pairs = [("k3c", "eager_bf16"), ("k3c", "k3c_no_cuda_graphs"), ("k3c", "eager_fp32"), ("eager_bf16", "eager_fp32"),
-             ("k3c_f32", "eager_fp32"), ("torch_compile_bf16", "eager_bf16"), ("torch_compile_bf16", "eager_fp32")]
+             ("k3c_f32", "eager_fp32"), ("torch_compile_bf16", "eager_bf16"), ("torch_compile_bf16", "eager_fp32"),
+             ("k3c", "k3c_bf16_experts"), ("k3c_bf16_experts", "eager_bf16")]
     vocab = ref32.model.config.vocab_size
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "k3c_dtype": runners["k3c"].manifest["extra"]["dtype"]}
+               "k3c_dtype": runners["k3c"].manifest["extra"]["dtype"],
+               "k3c_experts_dtype": runners["k3c"].manifest["extra"].get("experts_dtype")}
     for batch in (1, 3):
         prompt = torch.randint(0, vocab, (batch, a.prompt), generator=torch.Generator().manual_seed(0)).cuda()
         ref32.reset()  # the teacher-forced continuation: fp32 eager greedy

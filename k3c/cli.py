@@ -92,15 +92,16 @@ def _check_after(after: str | None) -> None:
                        f"{', '.join(sorted(registered_passes()))})")
 
 
-def _run_passes(graph, entry: str, after: str | None, dump: Path | None):
+def _run_passes(graph, entry: str, after: str | None, dump: Path | None, experts_dtype: str | None = None):
     """The graph after `after`: a pass (its first run), a phase (all its passes) or, by default, the model phase;
-    planned at `k3c compile`'s default bounds (--max-batch 1 --max-seq 4096 --max-prefill 1024)."""
+    planned at `k3c compile`'s default bounds (--max-batch 1 --max-seq 4096 --max-prefill 1024), routed experts
+    stored as `experts_dtype` (see `k3c.compile.experts_dtype`)."""
     from k3c.context import CompileContext
     from k3c.passes.pipeline import PHASES, run_pipeline
 
     if after == "import":
         return graph, None
-    ctx = CompileContext(max_batch=1, max_seq=4096, max_prefill=1024).for_entry(entry)
+    ctx = CompileContext(max_batch=1, max_seq=4096, max_prefill=1024, experts_dtype=experts_dtype).for_entry(entry)
     after = after or "model"
     # the result is verified once (as `k3c compile` does); a --dump run verifies after every pass, naming the pass
     verify = "each" if dump else "end"
@@ -171,7 +172,7 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
         raise K3CError(f"-o {output}: already exists (pass --force to overwrite it)")
     _check_after(after)
     cfg, graph, stats = _import(model, entry)
-    graph, report = _run_passes(graph, entry, after, dump)
+    graph, report = _run_passes(graph, entry, after, dump, "mxfp4" if cfg.expert_quantization == "mxfp4" else "bf16")
     err.print(f"imported {cfg.name} ({entry}) in {stats['export_s'] + stats['import_s']:.1f} s: {stats['nodes']} nodes"
               + (f"; passes {report.seconds:.2f} s" if report else ""))
     if fmt == "summary":
@@ -217,11 +218,15 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
 @app.command()
 def check(model: str = typer.Argument(..., help="a tiny preset or a small config (weights are random)"),
           entry: str = typer.Option("prefill"), batch: int = typer.Option(2), tokens: int = typer.Option(7),
-          seed: int = typer.Option(0)):
+          seed: int = typer.Option(0),
+          experts_dtype: str = typer.Option(None, "--experts-dtype",
+                                            help="mxfp4: round the random experts to MXFP4 and check the MXFP4 "
+                                                 "graph (pack_experts) [default: as the config]")):
     """Per-pass numeric validation: interpret the graph before and after every pass on random inputs."""
     from k3c.context import CompileContext
     from k3c.frontend import import_model
     from k3c.passes.pipeline import make_numeric_check, run_pipeline
+    from models.checkpoint import quantize_experts_
     from models.config import K3Config
     from models.k3 import K3ForCausalLM
 
@@ -230,14 +235,18 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
     cfg = K3Config.from_pretrained(model)
     if cfg.hidden_size > 1024:
         raise K3CError(f"{model}: check interprets the model on random weights; use a tiny preset or small config")
+    experts_dtype = experts_dtype or ("mxfp4" if cfg.expert_quantization == "mxfp4" else "bf16")
+    if experts_dtype not in ("mxfp4", "bf16"):
+        raise K3CError(f"--experts-dtype {experts_dtype}: expected mxfp4 or bf16")
     net = K3ForCausalLM(cfg).init_random_(seed)
+    packed = quantize_experts_(net) if experts_dtype == "mxfp4" else {}   # the model an MXFP4 checkpoint loads
     graph = import_model(net, entry)
-    weights = {k: p.detach() for k, p in net.named_parameters()}
+    weights = {k: p.detach() for k, p in net.named_parameters()} | packed
     bindings = {"B": batch, "T": tokens if entry == "prefill" else 1, "L": 5}
     t0 = time.perf_counter()
     check = make_numeric_check(bindings, seed, params=weights)
-    ctx = CompileContext(max_batch=batch, max_seq=bindings["L"] + bindings["T"],
-                         max_prefill=bindings["T"]).for_entry(entry)
+    ctx = CompileContext(max_batch=batch, max_seq=bindings["L"] + bindings["T"], max_prefill=bindings["T"],
+                         experts_dtype=experts_dtype).for_entry(entry)
     _, report = run_pipeline(graph, ["cleanup", "model"], ctx=ctx, numeric_check=check)
     out.print(report.table())
     out.print(f"[green]every pass preserved the outputs of {cfg.name} ({entry}, {bindings})[/] "
@@ -315,7 +324,10 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                 report: Path = typer.Option(None, help="also keep the report data in the artifact and write the "
                                                        "HTML report (`k3c report`) to this file"),
                 allow_oversize: bool = typer.Option(False, "--allow-oversize", help="write an artifact that does not "
-                                                    "fit the target's memory (for planning; see k3c/memory/budget.py)")):
+                                                    "fit the target's memory (for planning; see k3c/memory/budget.py)"),
+                experts_dtype: str = typer.Option(None, "--experts-dtype",
+                                                  help="routed experts: mxfp4 (the checkpoint's 4-bit bits) or bf16 "
+                                                       "(dequantized, stored in --dtype) [default: as the checkpoint]")):
     """Compile MODEL into an artifact: kernels, memory plan, schedule, weights, cost report."""
     from k3c.targets import load_target
     from models.config import K3Config
@@ -338,7 +350,8 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
 
     max_prefill = min(1024, max_seq) if max_prefill is None else max_prefill
     opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype,
-                          backend, report=report is not None, ep=ep, allow_oversize=allow_oversize)
+                          backend, report=report is not None, ep=ep, allow_oversize=allow_oversize,
+                          experts_dtype=experts_dtype)
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     with progress_bars() as progress:
         s = compile_model(opts, progress=progress)
@@ -348,7 +361,9 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
 
             write(out_dir, report)
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
-    out.print(f"wrote {out_dir}: {s['nodes']['prefill']} IR nodes, {s['kernels']} Triton kernels; arena prefill {mib(s['arena']['prefill'])} "
+    out.print(f"wrote {out_dir}: {s['nodes']['prefill']} IR nodes, {s['kernels']} Triton kernels; weights "
+              f"{mib(s['weights']['total'])} (routed experts {mib(s['weights']['experts'])}); "
+              f"arena prefill {mib(s['arena']['prefill'])} "
               f"(lower bound {mib(s['lower_bound']['prefill'])}), decode {mib(s['arena']['decode'])}; pools "
               + ", ".join(f"{k} {mib(v)}" for k, v in s["pools"].items())
               + f"; roofline decode step {s['time']['decode'] * 1e3:.3f} ms; {s['seconds']:.1f} s"
@@ -479,6 +494,8 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
          max_batch: int = typer.Option(1, help="sequences the caches are sized for (and the decode batch)"),
          max_seq: int = typer.Option(1 << 20, help="tokens per sequence the caches are sized for"),
          context: int = typer.Option(None, help="cached tokens for the decode estimate (default max-seq)"),
+         experts_dtype: str = typer.Option(None, "--experts-dtype",
+                                           help="routed experts stored as mxfp4 or bf16 [default: as the checkpoint]"),
          json_out: bool = typer.Option(False, "--json", help="print JSON instead of a table")):
     """What MODEL needs on N GPUs of TARGET: memory per GPU and a decode-step roofline (no hardware needed)."""
     import json
@@ -491,7 +508,7 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
     except ValueError:
         raise K3CError(f"--tp {tp!r}: expected comma-separated integers such as 8 or 1,2,4,8") from None
     cfg = K3Config.from_pretrained(model)
-    rows = [estimate(cfg, target, n, max_batch, max_seq, context) for n in tps]
+    rows = [estimate(cfg, target, n, max_batch, max_seq, context, experts_dtype=experts_dtype) for n in tps]
     if json_out:
         out.print_json(json.dumps([r.to_json() for r in rows]))
         return

@@ -4,8 +4,9 @@ For each entry point (prefill, decode) the model is imported, the graph gets the
 runs every phase (cleanup, model, kernels: bind_caches + form_kernels, memory: plan_memory). Each Triton kernel
 group is emitted as a module under `kernels/` (with `kernels/index.json`, the kernel -> IR node sidecar); the
 launch order with buffer names goes to `schedule.json`, the arena and pools to `plan.json`, per-op FLOPs / bytes and
-roofline times to `report.json`, and the weights (derived ones such as MLA's absorbed matrices materialised) to
-`weights/params.safetensors`; `--report` adds what the HTML report shows (`k3c.report.collect`: the IR after every
+roofline times to `report.json`, and the weights (derived ones such as MLA's absorbed matrices materialised;
+routed experts as the checkpoint stores them, MXFP4 bits included, unless `experts_dtype` asks for a dequantized
+build) to `weights/params.safetensors` (byte counts: plan.json's "weights"); `--report` adds what the HTML report shows (`k3c.report.collect`: the IR after every
 pass, per-kernel costs) under `report/`. With `--tp N` the `parallel` phase splits the model (`k3c.parallel`);
 one graph, schedule and plan serve every rank (the same shapes: only weights and the collectives' values differ by
 rank), and rank r's weights go to `weights/rank{r}.safetensors`; the summary adds the bytes each rank communicates
@@ -38,11 +39,12 @@ from k3c.ir.types import evaluate, nbytes, torch_dtype
 from k3c.memory.budget import budget
 from k3c.parallel import check_layout, communication
 from k3c.passes.derived import materialize_params
+from k3c.passes.pack_experts import EXPERT_DTYPES
 from k3c.passes.pipeline import PHASES, run_pipeline
 from k3c.report.collect import PassLog, kernel_rows, report_files
 from k3c.runtime.artifact import ArtifactWriter
 from k3c.targets import load_target, roofline
-from models.checkpoint import load_checkpoint
+from models.checkpoint import load_checkpoint, load_mxfp4_experts
 from models.config import K3Config
 
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
@@ -67,6 +69,7 @@ class CompileOptions:
     report: bool = False
     ep: int = 1  # expert groups: 1 (experts split over their width) or tp (experts partitioned); k3c.parallel
     allow_oversize: bool = False
+    experts_dtype: str | None = None  # routed experts: "mxfp4" or "bf16" (dense, in `dtype`); None: as the checkpoint
 
 
 def compile_model(opts: CompileOptions, progress=None) -> dict:
@@ -105,7 +108,7 @@ def _compile(opts: CompileOptions, progress) -> dict:
     check_layout(cfg, opts.tp, opts.ep)
     ctx = CompileContext(target=load_target(opts.target), dtype=opts.dtype, max_batch=opts.max_batch,
                          max_seq=opts.max_seq, max_prefill=opts.max_prefill, tp=opts.tp, ep=opts.ep,
-                         backend=opts.backend).resolve()
+                         backend=opts.backend, experts_dtype=experts_dtype(opts, cfg)).resolve()
     if cfg.max_position_embeddings and opts.max_seq > cfg.max_position_embeddings:
         raise ConfigError(f"--max-seq {opts.max_seq} exceeds the model's context of {cfg.max_position_embeddings} "
                           f"tokens (config: max_position_embeddings)")
@@ -113,9 +116,10 @@ def _compile(opts: CompileOptions, progress) -> dict:
     if not opts.plan_only and not has_weights:
         raise UnsupportedError(f"{opts.model} has no weights (a preset or config.json): pass a checkpoint directory, "
                                f"or --plan-only")
+    with_weights = has_weights and not opts.plan_only
     # the output location is probed first (staging directory), so an unwritable -o fails before the work
     with ArtifactWriter(opts.out, force=opts.force).open() as writer:
-        model = load_checkpoint(opts.model, DTYPES[opts.dtype]) if has_weights and not opts.plan_only \
+        model = load_checkpoint(opts.model, DTYPES[opts.dtype]) if with_weights \
             else build_meta_model(cfg).cast_(DTYPES[opts.dtype])
         graphs, passes, bindings = {}, [], {}
         log = PassLog() if opts.report else None
@@ -164,23 +168,27 @@ def _compile(opts: CompileOptions, progress) -> dict:
                 (writer.add_text if isinstance(data, str) else writer.add_json)(path, data)
         generating = {b.name for b in ctx.backends if b.generates}
         summary["kernels"] = sum(1 for e in schedules.values() for ln in e["launches"] if ln["backend"] in generating)
+        wbytes = weight_bytes(graphs)
         writer.add_json("plan.json", {"bounds": bindings, "arena": {e: g.memory_plan.to_json() for e, g in graphs.items()},
-                                      "pools": pools, "pool_totals": pool_totals(pools), "budget": fit.to_json()})
+                                      "pools": pools, "pool_totals": pool_totals(pools), "budget": fit.to_json(),
+                                      "weights": wbytes})
         writer.add_json("schedule.json", schedules)
         # pass names only: timings would make two builds of the same input differ
         writer.add_json("report.json", {"target": ctx.target.name, "entries": costs, "passes": passes,
                                         "backends": [b.name for b in ctx.backends]})
         if not opts.plan_only:
             tick("weights", 0, None)
+            packed = load_mxfp4_experts(opts.model) if ctx.experts_dtype == "mxfp4" else {}
             for rank in range(opts.tp):
-                writer.add_tensors(weights_file(rank, opts.tp), _weights(model, graphs, rank))
+                writer.add_tensors(weights_file(rank, opts.tp), _weights(model, graphs, rank, packed))
         writer.commit(config=cfg.raw, target=ctx.target.to_dict(), tp=opts.tp, bounds=ctx.bounds_json,
                       entry_points={e: {"graph": f"graph/{e}.json"} for e in graphs},
                       extra={"k3c_version": __version__, "plan_only": opts.plan_only, "dtype": opts.dtype,
+                             "experts_dtype": ctx.experts_dtype,
                              "vocab_size": cfg.vocab_size, "ep": opts.ep})
     summary.update(arena={e: g.memory_plan.arena_bytes for e, g in graphs.items()},
                    lower_bound={e: g.memory_plan.lower_bound for e, g in graphs.items()},
-                   pools=pool_totals(pools), seconds=time.perf_counter() - t0,
+                   pools=pool_totals(pools), weights=wbytes, seconds=time.perf_counter() - t0,
                    time={e: c["total"]["roofline_s"] for e, c in costs.items()},
                    communication=communication(graphs["decode"], bindings["decode"], opts.tp))
     return summary
@@ -230,8 +238,33 @@ def _read_params(g: Graph) -> dict:
     return {k: v for k, v in g.params.items() if id(v) in read}
 
 
-def _weights(model, graphs: dict[str, Graph], rank: int) -> dict[str, torch.Tensor]:
-    named = {k: p.detach() for k, p in model.named_parameters()}
+def experts_dtype(opts: CompileOptions, cfg: K3Config) -> str:
+    """The routed experts' storage: `opts.experts_dtype`, by default the checkpoint's ("mxfp4" when its config has
+    an MXFP4 quantization_config, else "bf16": dense in the artifact dtype). Raises ConfigError for an unknown
+    value, or "mxfp4" asked of a dense checkpoint (k3c keeps the checkpoint's bits; it does not quantize)."""
+    fmt = opts.experts_dtype or ("mxfp4" if cfg.expert_quantization == "mxfp4" else "bf16")
+    if fmt not in EXPERT_DTYPES:
+        raise ConfigError(f"--experts-dtype {fmt}: expected one of {', '.join(EXPERT_DTYPES)}")
+    if fmt == "mxfp4" and cfg.expert_quantization != "mxfp4" and Path(opts.model).is_dir() and not opts.plan_only:
+        raise ConfigError(f"--experts-dtype mxfp4: {opts.model} stores dense experts (config.json has no MXFP4 "
+                          f"quantization_config); k3c keeps a checkpoint's expert bits and does not quantize")
+    return fmt
+
+
+def weight_bytes(graphs: dict[str, Graph]) -> dict[str, int]:
+    """Bytes of the artifact's weights (every parameter of any entry once, at its IR dtype: MXFP4 experts at
+    4.25 bits per weight) and, of those, the routed experts'."""
+    from k3c.ir.types import nbytes_expr
+
+    params = {k: v for g in graphs.values() for k, v in g.params.items()}
+    total = {k: int(nbytes_expr(v.type)) for k, v in params.items()}
+    return {"total": sum(total.values()), "experts": sum(b for k, b in total.items() if ".experts.w" in k)}
+
+
+def _weights(model, graphs: dict[str, Graph], rank: int, packed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s tensor of every parameter at its IR dtype: the model's, MXFP4 experts from `packed` (the
+    checkpoint's bits), derived and sharded ones materialised."""
+    named = {k: p.detach() for k, p in model.named_parameters()} | packed
     out: dict[str, torch.Tensor] = {}
     for g in graphs.values():
         mat = materialize_params(g, named, rank=rank)

@@ -6,7 +6,8 @@ and a roofline estimate of one decode step. Assumptions, each stated where it is
   attention, KDA and dense projections, vocabulary-parallel embedding and lm_head, routed experts partitioned
   (ep = tp), norms, low-rank down projections, router and DSA indexer replicated); a tp that layout cannot split
   is refused as `k3c compile --tp` refuses it; routed experts are stored as MXFP4 (4 bits + one E8M0 byte per 32 values = 4.25 bits) when the config's
-  `quantization_config` says so, fp32 for the published fp32 parameters, bf16 for the rest;
+  `quantization_config` says so (as `k3c compile` keeps them; `experts_dtype` "bf16" sizes a dequantized build),
+  fp32 for the published fp32 parameters, bf16 for the rest;
 - a decode step reads every non-expert weight once, and the experts that the batch touches: with uniform routing,
   the expected number of distinct experts of E chosen by B tokens taking k each is E·(1 − (1 − k/E)^B);
 - caches: KDA state read + written (fp32), MLA latent read for every visible token (DSA: the top-k only, plus the
@@ -23,13 +24,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from k3c.errors import ConfigError
+from k3c.ir.formats import MXFP4_BITS
 from k3c.memory.pools import cache_pools, pools_total_bytes
 from k3c.parallel import check_layout, param_split
 from k3c.targets import Target, load_target
 from models.config import K3Config
 from models.layers import FP32_PARAM_SUFFIXES
-
-MXFP4_BITS = 4 + 8 / 32  # E2M1 value + a shared E8M0 scale per 32 values (OCP MX spec v1.0)
 
 
 @dataclass
@@ -72,18 +72,22 @@ class Weights:
     bytes_per_rank: int = 0  # at the `tp` given to `weights`, split as `k3c.parallel.param_split` says
 
 
-def weights(cfg: K3Config, tp: int = 1) -> Weights:
+def weights(cfg: K3Config, tp: int = 1, experts_dtype: str | None = None) -> Weights:
     """Count the parameters of `cfg` on the meta device and size them as the published checkpoint stores them;
-    `bytes_per_rank`: one rank's share over `tp` ranks (replicated tensors whole on every rank)."""
+    routed experts as `experts_dtype` ("mxfp4" | "bf16"; default: the checkpoint's); `bytes_per_rank`: one rank's
+    share over `tp` ranks (replicated tensors whole on every rank). Raises ConfigError for another experts dtype."""
     from k3c.frontend import build_meta_model
 
+    experts_dtype = experts_dtype or ("mxfp4" if cfg.expert_quantization == "mxfp4" else "bf16")
+    if experts_dtype not in ("mxfp4", "bf16"):
+        raise ConfigError(f"experts dtype {experts_dtype!r}: expected mxfp4 or bf16")
     w = Weights(0, 0, 0, 0, 0.0)
     per_rank = 0.0
     for name, p in build_meta_model(cfg).named_parameters():
         n = p.numel()
         w.params += n
         if ".experts.w" in name:
-            b = n * MXFP4_BITS / 8 if cfg.expert_quantization == "mxfp4" else n * 2
+            b = n * MXFP4_BITS / 8 if experts_dtype == "mxfp4" else n * 2
             w.expert_params += n
             w.expert_bytes += int(b)
             w.bytes_per_expert_layer += b / p.shape[0]
@@ -98,12 +102,12 @@ def weights(cfg: K3Config, tp: int = 1) -> Weights:
 
 
 def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 1, max_seq: int = 1 << 20,
-             context: int | None = None, dtype: str = "bfloat16") -> Estimate:
+             context: int | None = None, dtype: str = "bfloat16", experts_dtype: str | None = None) -> Estimate:
     """Memory per GPU and a decode-step roofline for `cfg` on `tp` GPUs of `target` (see the module docstring).
 
     max_batch / max_seq bound the caches; the decode step is estimated at batch `max_batch` and `context` cached
-    tokens (default max_seq). Raises ConfigError for tp < 1, bounds < 1, max_seq beyond the model's context, or a
-    context outside [0, max_seq].
+    tokens (default max_seq); routed experts sized as `experts_dtype` (see `weights`). Raises ConfigError for
+    tp < 1, bounds < 1, max_seq beyond the model's context, a context outside [0, max_seq] or a bad experts dtype.
     """
     target = load_target(target)
     if tp < 1 or max_batch < 1 or max_seq < 1:
@@ -119,7 +123,7 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     n_kda, n_dsa = kinds.count("kda"), kinds.count("dsa")
     n_global = len(kinds) - n_kda
     moe_layers = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
-    w = weights(cfg, tp)
+    w = weights(cfg, tp, experts_dtype)
     weight_bytes, expert_bytes, per_expert = w.nbytes, w.expert_bytes, w.bytes_per_expert_layer
     E, k = cfg.num_experts, cfg.num_experts_per_token
     active = w.params - w.expert_params + w.expert_params * k // E

@@ -163,6 +163,49 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
     return model.cast_(dtype).to(device)
 
 
+def load_mxfp4_experts(path: str | Path) -> dict[str, torch.Tensor]:
+    """The MXFP4 routed experts of checkpoint `path` as stored, stacked over experts: model parameter key +
+    ".weight_packed" -> uint8 [E, R, C/2] and + ".weight_scale" -> uint8 [E, R, C/32] (e.g.
+    `layers.3.mlp.experts.w1.weight_packed`), the bits of the checkpoint's `...experts.<e>.w1.weight_packed`.
+
+    Reads only those tensors. Raises CheckpointError when the checkpoint does not store MXFP4 experts or one is
+    missing or mis-shaped (`load_checkpoint` checks the rest).
+    """
+    path = Path(path)
+    cfg = K3Config.from_pretrained(path)
+    if cfg.expert_quantization != "mxfp4":
+        raise CheckpointError(f"{path}: config.json has no MXFP4 quantization_config; its experts are dense")
+    expected = {k: v for k, v in expected_tensors(cfg).items() if _EXPERT.match(k[len(cfg.checkpoint_prefix):])}
+    found: dict[str, torch.Tensor] = {}
+    for shard in _shard_files(path):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                if key in expected:
+                    found[key] = f.get_tensor(key)
+    per: dict[str, dict[int, torch.Tensor]] = {}
+    for key, (shape, dtype) in expected.items():
+        t = found.get(key)
+        if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+            got = "missing" if t is None else f"{t.dtype}{list(t.shape)}"
+            raise CheckpointError(f"{path}: tensor '{key}' is {got}, expected {dtype}{list(shape)}")
+        m = _EXPERT.match(key[len(cfg.checkpoint_prefix):])
+        per.setdefault(f"{m.group(1)}.{m.group(3)}.{m.group(4)}", {})[int(m.group(2))] = t
+    return {k: torch.stack([v[e] for e in range(len(v))]) for k, v in sorted(per.items())}
+
+
+def quantize_experts_(model) -> dict[str, torch.Tensor]:
+    """Round the routed experts of `model` (a K3ForCausalLM) to MXFP4 in place (`mxfp4_quantize`, then the
+    dequantized values in the parameters' dtype) and return their packed form keyed like `load_mxfp4_experts`."""
+    out = {}
+    for name, p in model.named_parameters():
+        if re.match(r"^.*\.experts\.w[123]$", name):
+            packed, scale = mxfp4_quantize(p.detach().float().flatten(0, 1))
+            out[name + ".weight_packed"] = packed.reshape(*p.shape[:2], -1)
+            out[name + ".weight_scale"] = scale.reshape(*p.shape[:2], -1)
+            p.data.copy_(mxfp4_dequantize(packed, scale).reshape(p.shape).to(p.dtype))
+    return dict(sorted(out.items()))
+
+
 def save_random_checkpoint(config: K3Config | str, path: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                            expert_format: str | None = None, shard_bytes: int = 2 * 2**20):
     """Write a deterministic random checkpoint of `config` in the published layout; returns the model it holds.
@@ -185,6 +228,7 @@ def save_random_checkpoint(config: K3Config | str, path: str | Path, seed: int =
         text.pop("quantization_config", None)
     cfg = K3Config.from_dict(raw, source=cfg.name, name=cfg.name)
     model = K3ForCausalLM(cfg).init_random_(seed).cast_(dtype)
+    packed = quantize_experts_(model) if fmt == "mxfp4" else {}
     tensors: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         m = re.match(r"^(.*\.experts)\.(w[123])$", name)
@@ -194,9 +238,8 @@ def save_random_checkpoint(config: K3Config | str, path: str | Path, seed: int =
         for e in range(p.shape[0]):
             base = f"{cfg.checkpoint_prefix}{m.group(1)}.{e}.{m.group(2)}"
             if fmt == "mxfp4":
-                packed, scale = mxfp4_quantize(p[e].float())
-                tensors[base + ".weight_packed"], tensors[base + ".weight_scale"] = packed, scale
-                p.data[e] = mxfp4_dequantize(packed, scale).to(p.dtype)
+                for suffix in ("weight_packed", "weight_scale"):
+                    tensors[f"{base}.{suffix}"] = packed[f"{name}.{suffix}"][e].contiguous()
             else:
                 tensors[base + ".weight"] = p[e].detach().contiguous()
     path = Path(path)

@@ -67,3 +67,26 @@ def test_bad_options_are_clear_errors(tmp_path):
     with pytest.raises(UnsupportedError, match="--plan-only"):
         compile_model(CompileOptions("k3-tiny", tmp_path / "y"))
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_mxfp4_experts_in_the_plan(built, tmp_path):
+    """--experts-dtype mxfp4 (a plan-only build of a preset) counts each routed expert weight at 4.25 bits; the
+    default for a config without quantization_config keeps them dense; bad values are one-line errors."""
+    from models.checkpoint import save_random_checkpoint
+    from models.config import K3Config
+
+    root, opts, dense = built
+    cfg = K3Config.from_pretrained("k3.1-pro-tiny")
+    mx = compile_model(CompileOptions("k3.1-pro-tiny", root / "mx", max_batch=2, max_seq=256, max_prefill=64,
+                                      plan_only=True, experts_dtype="mxfp4"))
+    moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
+    n = moe * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size
+    assert dense["weights"]["experts"] == n * 2 and mx["weights"]["experts"] * 32 == n * 17     # bf16 vs 17/32 B
+    assert dense["weights"]["total"] - mx["weights"]["total"] == n * 2 - n * 17 // 32
+    assert json.loads((root / "mx" / "plan.json").read_text())["weights"] == mx["weights"]
+    with pytest.raises(ConfigError, match="--experts-dtype fp8"):
+        compile_model(CompileOptions("k3-tiny", tmp_path / "x", plan_only=True, experts_dtype="fp8"))
+    save_random_checkpoint("k3-tiny", tmp_path / "ckpt", expert_format="dense")
+    with pytest.raises(ConfigError, match="stores dense experts"):
+        compile_model(CompileOptions(str(tmp_path / "ckpt"), tmp_path / "y", experts_dtype="mxfp4", dtype="f32"))
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -75,3 +75,15 @@ def test_estimate_refuses_bounds_the_model_or_the_caches_cannot_have():
     for context in (-1, 1 << 21):
         with pytest.raises(ConfigError, match=r"context .* \[0, max_seq 1048576\]"):
             estimate(cfg, "h200", max_seq=1 << 20, context=context)
+
+
+def test_experts_dtype_before_and_after():
+    """`k3c plan --experts-dtype bf16` sizes the dequantized build k3c made before MXFP4 kernels: 2 bytes per expert
+    weight instead of 4.25 bits, so K3.1 Pro at 1M context needs 48 H200s instead of 14 (caches sized at tp 1)."""
+    cfg = K3Config.from_pretrained("k3.1-pro")
+    mx, bf = weights(cfg), weights(cfg, experts_dtype="bf16")
+    assert bf.expert_bytes == bf.expert_params * 2 and mx.expert_params == bf.expert_params
+    assert bf.nbytes - mx.nbytes == bf.expert_bytes - mx.expert_bytes
+    assert (estimate(cfg, "h200").min_gpus, estimate(cfg, "h200", experts_dtype="bf16").min_gpus) == (14, 48)
+    with pytest.raises(ConfigError, match="expected mxfp4 or bf16"):
+        weights(cfg, experts_dtype="fp8")

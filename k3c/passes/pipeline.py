@@ -6,7 +6,7 @@ only through the context (`k3c/context.py`). Pass modules register themselves on
 every module of `k3c.passes` named in `PHASES`, so a new pass only needs its file plus its name below.
 
     cleanup   dce, cse, canonicalize              generic cleanup and canonical patterns
-    model     fuse_kda, lower_moe, lower_attn_res, absorb_mla, place_dsa, dce
+    model     pack_experts, fuse_kda, lower_moe, lower_attn_res, absorb_mla, place_dsa, dce
     parallel  shard_tp, shard_experts, split_allreduce   (no-ops at tp = 1; `k3c.parallel` is the layout)
     kernels   bind_caches, form_kernels
     memory    plan_memory
@@ -39,7 +39,7 @@ Pass = Callable[[Graph, CompileContext], Graph]
 #: The compilation, phase by phase. Edit here to add, reorder or drop a pass.
 PHASES: dict[str, list[str]] = {
     "cleanup": ["dce", "cse", "canonicalize"],
-    "model": ["fuse_kda", "lower_moe", "lower_attn_res", "absorb_mla", "place_dsa", "dce"],
+    "model": ["pack_experts", "fuse_kda", "lower_moe", "lower_attn_res", "absorb_mla", "place_dsa", "dce"],
     "parallel": ["shard_tp", "shard_experts", "split_allreduce"],
     "kernels": ["bind_caches", "form_kernels"],
     "memory": ["plan_memory"],
@@ -247,7 +247,8 @@ def make_numeric_check(bindings: dict[str, int], seed: int = 0,
     bf16 2e-2), others exactly. Raises `IRError` naming the pass and the first differing output. Inputs and
     params are drawn from the graph before the pass (a pass may drop unused params; extra ones are ignored).
     `params` (checkpoint key -> tensor, e.g. a model's weights) replaces the random parameters: realistic weights
-    keep activations O(1), so fp32 rounding differences between equivalent forms stay within the tolerance.
+    keep activations O(1), so fp32 rounding differences between equivalent forms stay within the tolerance; it may
+    also hold the parameters a pass introduces (e.g. pack_experts' MXFP4 experts).
     """
     from k3c.passes.derived import materialize_params
 
@@ -260,7 +261,7 @@ def make_numeric_check(bindings: dict[str, int], seed: int = 0,
             params = materialize_params(before, given)
         want = interpret(before, ins, params, bindings=bindings)
         try:
-            got = interpret(after, ins, materialize_params(after, params), bindings=bindings)
+            got = interpret(after, ins, materialize_params(after, {**(given or {}), **params}), bindings=bindings)
         except K3CError as e:
             raise IRError(f"pass {pass_name}: the graph after it fails to run: {e}") from None
         if set(got) != set(want):

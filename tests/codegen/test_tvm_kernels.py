@@ -115,3 +115,34 @@ def test_aarch64_object(built):
     obj = files["cpu-aarch64.o"]
     assert obj[:4] == b"\x7fELF" and int.from_bytes(obj[18:20], "little") == 183
     assert files["cpu-aarch64.tir.txt"].startswith(b"#")
+
+
+@pytest.mark.parametrize("act", ["situ", "silu"])
+def test_moe_experts_mxfp4(act, tmp_path):
+    """MXFP4 experts (every byte value, scales 2^-3 .. 2^2; k3c.ir.formats) decoded per element in the CPU kernel:
+    equal to the reference's dequantize-then-GEMM in fp32. N = 5 tokens of top-2 over 4 experts, one unused slot,
+    expert 2 unchosen; D = 64, I = 96 (several 32-value groups per row in both GEMMs)."""
+    from k3c.ir.graph import Graph
+    from k3c.ir.kernels import KernelGroup
+    from k3c.ir.ops import get_op
+    from k3c.ir.types import TensorType
+
+    gen = torch.Generator().manual_seed(7)
+    N, k, E, D, I = 5, 2, 4, 64, 96
+    mx = [(torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, generator=gen),
+           torch.randint(124, 130, (E, R, C // 32), dtype=torch.uint8, generator=gen))
+          for R, C in ((I, D), (I, D), (D, I))]
+    tensors = [torch.randn(N, D, generator=gen) * 0.1, torch.rand(N, k, generator=gen),
+               torch.tensor([[0, 1], [1, 3], [3, 0], [1, -1], [0, 3]])] + [w for w, _ in mx] + [s for _, s in mx]
+    g = Graph()
+    dtype = {torch.float32: "f32", torch.int64: "i64", torch.uint8: "u8"}
+    vals = [g.add_input(f"in{i}", TensorType(tuple(t.shape), dtype[t.dtype])) for i, t in enumerate(tensors)]
+    outs = g.add_node("moe_experts", vals, {"act": act, "weight_format": "mxfp4"})
+    group = KernelGroup(f"mx_{act}", "tvm", "moe_experts", [g.nodes[0]], vals, outs)
+    funcs, symbol_of = tvm_codegen.emit_all([group], "cpu")
+    (tmp_path / "mx.so").write_bytes(build_cpu(funcs)["cpu.so"])
+    y = torch.full((N, D), float("nan"))
+    launch(TvmLibrary(tmp_path / "mx.so").function(symbol_of[group.name]), tensors, [y], {"B": 1, "T": 1, "L": 1})
+    node = g.nodes[0]
+    (want,) = get_op("moe_experts").ref(node.attrs, *tensors)
+    assert ((y - want).abs().max() / want.abs().max()).item() <= 1e-5

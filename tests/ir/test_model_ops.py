@@ -7,6 +7,7 @@ import torch
 
 from k3c.errors import IRError, UnsupportedError
 from k3c.ir.ops import get_op, simulate_collective
+from k3c.ir.types import TensorType
 
 
 def run(name, *tensors, **attrs):
@@ -286,6 +287,55 @@ def test_moe_experts_matches_per_token_loop(act):
                 h = gte * torch.sigmoid(gte) * up
             acc += wts[n, i] * (w2[e] @ h)
         torch.testing.assert_close(y[n], acc, rtol=1e-4, atol=1e-4)
+
+
+def mxfp4_random(E, R, C, g_):
+    """Random MXFP4 weights [E, R, C]: every byte value, scales 2^-3 .. 2^2."""
+    return (torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, generator=g_),
+            torch.randint(124, 130, (E, R, C // 32), dtype=torch.uint8, generator=g_))
+
+
+def test_mxfp4_dequantize_follows_the_ocp_table():
+    """k3c.ir.formats decodes every byte like the E2M1 table of the OCP MX spec (Table 5) and like the checkpoint
+    reader of models/checkpoint.py, for scales from 2^-126 to 2^125; E8M0 255 is NaN."""
+    from k3c.ir.formats import mxfp4_dequantize
+    from models.checkpoint import mxfp4_dequantize as reader
+
+    table = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+    packed = torch.arange(256, dtype=torch.uint8).repeat(2, 2)                    # [2, 512]: 1024 values
+    scale = torch.tensor([[1, 64, 126, 127, 128, 200, 252, 127] * 4] * 2, dtype=torch.uint8)  # 6·2^125 fits f32
+    got = mxfp4_dequantize(packed, scale)
+    codes = torch.stack([packed & 15, packed >> 4], -1).flatten(1).long()
+    want = table[codes] * torch.exp2(scale.double() - 127).repeat_interleave(32, 1)
+    assert torch.equal(got.double(), want)
+    assert torch.equal(got, reader(packed, scale))
+    assert mxfp4_dequantize(packed[:1, :16], torch.tensor([[255]], dtype=torch.uint8)).isnan().all()
+
+
+def test_moe_experts_mxfp4_equals_dequantize_then_dense():
+    from k3c.ir.formats import mxfp4_dequantize
+
+    N, D, I, E, k = 5, 64, 32, 3, 2
+    g_ = gen(12)
+    z = torch.randn(N, D, generator=g_)
+    (w1, s1), (w3, s3), (w2, s2) = mxfp4_random(E, I, D, g_), mxfp4_random(E, I, D, g_), mxfp4_random(E, D, I, g_)
+    ids = torch.tensor([[0, 2], [1, 1], [2, 0], [2, -1], [0, 1]])
+    wts = torch.rand(N, k, generator=g_)
+    (y,) = run("moe_experts", z, wts, ids, w1, w3, w2, s1, s3, s2, weight_format="mxfp4")
+    dense = [mxfp4_dequantize(w, s) for w, s in ((w1, s1), (w3, s3), (w2, s2))]
+    assert torch.equal(y, run("moe_experts", z, wts, ids, *dense)[0])
+    d = get_op("moe_experts")
+    attrs = d.normalize_attrs({"weight_format": "mxfp4"})
+    types = [TensorType(s, dt) for s, dt in [((N, D), "f32"), ((N, k), "f32"), ((N, k), "i64"), ((E, I, D // 2), "u8"),
+                                            ((E, I, D // 2), "u8"), ((E, D, I // 2), "u8"), ((E, I, D // 32), "u8"),
+                                            ((E, I, D // 32), "u8"), ((E, D, I // 32), "u8")]]
+    assert d.infer(attrs, types) == [types[0]]
+    with pytest.raises(IRError, match="takes 3 scale inputs, found 0"):
+        d.infer(attrs, types[:6])
+    with pytest.raises(IRError, match="w2_scale groups vs packed bytes"):
+        d.infer(attrs, types[:8] + [TensorType((E, D, 2), "u8")])
+    with pytest.raises(IRError, match="takes 0 scale inputs"):
+        d.infer(d.normalize_attrs({}), types)
 
 
 # ---- collectives ----------------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from k3c.errors import CheckpointError
-from models.checkpoint import E2M1_VALUES, expected_tensors, load_checkpoint, mxfp4_dequantize, mxfp4_quantize, save_random_checkpoint
+from models.checkpoint import (E2M1_VALUES, expected_tensors, load_checkpoint, load_mxfp4_experts, mxfp4_dequantize,
+                               mxfp4_quantize, quantize_experts_, save_random_checkpoint)
 from models.layers import FP32_PARAM_SUFFIXES
 
 SHARD = 256 * 1024  # small shards so a tiny model spans several files
@@ -113,6 +114,31 @@ def test_mxfp4_experts_are_quantized(ckpts):
     scale = 2.0 ** (tensors[k + ".weight_scale"].double() - 127)
     want = table[codes].double() * scale.repeat_interleave(32, 1)
     assert torch.equal(model.model.layers[1].block_sparse_moe.experts.w3[2].double(), want)
+
+
+def test_load_mxfp4_experts_returns_the_stored_bits(ckpts):
+    """Stacked over experts under the model's parameter keys, bit for bit the stored tensors; and quantize_experts_
+    is what save_random_checkpoint stored (the same model values, the same bits)."""
+    path, model, _ = ckpts["k3-tiny", "mxfp4"]
+    got = load_mxfp4_experts(path)
+    tensors = _all_tensors(path)
+    E = model.config.num_experts
+    assert len(got) == 6 * sum(model.config.is_moe(i) for i in range(model.config.num_hidden_layers))
+    for k, t in got.items():
+        base, suffix = k.rsplit(".", 1)
+        layer, w = base.rsplit(".experts.", 1)
+        per = [tensors[f"language_model.{layer}.experts.{e}.{w}.{suffix}"] for e in range(E)]
+        assert torch.equal(t, torch.stack(per)), k
+    again = save_random_checkpoint("k3-tiny", path.parent / "again", seed=3, expert_format="dense", shard_bytes=SHARD)
+    packed = quantize_experts_(again)
+    assert set(packed) == set(got) and all(torch.equal(packed[k], got[k]) for k in got)
+    for n, p in again.named_parameters():
+        assert torch.equal(p, model.get_parameter(n)), n
+
+
+def test_load_mxfp4_experts_of_a_dense_checkpoint_is_an_error(ckpts):
+    with pytest.raises(CheckpointError, match="no MXFP4 quantization_config"):
+        load_mxfp4_experts(ckpts["k3-tiny", "dense"][0])
 
 
 def test_deterministic_bytes(tmp_path, ckpts):

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from k3c.compile import CompileOptions, compile_model  # noqa: E402
 from models.config import K3Config  # noqa: E402
 from models.k3 import save_random_checkpoint  # noqa: E402
-from runtime_sizes import MAX_BATCH, MAX_PREFILL, MAX_SEQ  # noqa: E402
+from runtime_sizes import MAX_BATCH, MAX_PREFILL, MAX_SEQ, MXFP4_PRESET  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +27,8 @@ def compiled(tmp_path_factory):
         if (preset, backend) not in cache:
             root = tmp_path_factory.mktemp(f"{preset}-{backend}")
             model = save_random_checkpoint(K3Config.from_pretrained(preset), root / "ckpt", seed=1,
-                                           dtype=torch.float32)
+                                           dtype=torch.float32,
+                                           expert_format="mxfp4" if preset == MXFP4_PRESET else "dense")
             opts = CompileOptions(str(root / "ckpt"), root / "art", target="cpu-x86-64", max_batch=MAX_BATCH,
                                   max_seq=MAX_SEQ, max_prefill=MAX_PREFILL, dtype="f32", backend=backend)
             compile_model(opts)

@@ -18,4 +18,6 @@ from __future__ import annotations
 #: code generators the end-to-end tests run on CPU (the lead adds "tvm" when the TVM CPU backend lands)
 BACKENDS = ["triton"]
 PROMPT, MAX_PREFILL, STEPS, MAX_BATCH = 30, 24, 3, 3
+#: the preset whose checkpoint stores MXFP4 routed experts (like the published K3 / K3.1 Pro ones); others are dense
+MXFP4_PRESET = "k3.1-pro-tiny"
 MAX_SEQ = PROMPT + STEPS

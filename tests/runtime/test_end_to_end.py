@@ -1,10 +1,15 @@
 """Compile a random checkpoint of each tiny preset with each CPU backend, run the artifact on CPU (Triton kernels
 interpreted), and compare every logit with `models/k3.py` eager: a prompt prefilled in two calls (a partial KDA
-chunk, then the token-loop form), then decode steps, batch 1 and 3 (sizes and why: runtime_sizes.py)."""
+chunk, then the token-loop form), then decode steps, batch 1 and 3 (sizes and why: runtime_sizes.py).
+
+k3.1-pro-tiny's checkpoint stores its routed experts as MXFP4, like the published K3 checkpoints (conftest.py,
+MXFP4_PRESET): its artifact keeps them 4-bit (the checkpoint's bytes) and its kernels dequantize them in registers,
+against the eager model loaded from the same checkpoint (dequantized); the other two presets cover dense experts."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -12,8 +17,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import k3c  # noqa: E402
+from k3c.compile import CompileOptions, compile_model  # noqa: E402
 from models.config import TINY_PRESETS  # noqa: E402
-from runtime_sizes import BACKENDS, MAX_PREFILL, PROMPT, STEPS  # noqa: E402
+from runtime_sizes import BACKENDS, MAX_PREFILL, MXFP4_PRESET, PROMPT, STEPS  # noqa: E402
 
 pytestmark = pytest.mark.slow  # compiles artifacts and interprets them: `make test`, not `make test-quick`
 
@@ -47,3 +53,48 @@ def test_prefill_then_decode_matches_eager(session, batch):
         got = s.decode(nxt)
         assert _rel(got, want) <= 1e-4
         nxt = want[:, -1:].argmax(-1)
+
+
+def _checkpoint_experts(ckpt) -> dict[str, torch.Tensor]:
+    """The checkpoint's MXFP4 expert tensors, read with safetensors directly, stacked here over experts."""
+    import re
+
+    from safetensors.torch import load_file
+
+    per: dict[str, dict[int, torch.Tensor]] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        for k, t in load_file(str(f)).items():
+            m = re.match(r"^language_model\.(.*\.experts)\.(\d+)\.(w[123])\.(weight_packed|weight_scale)$", k)
+            if m:
+                per.setdefault(f"{m[1]}.{m[3]}.{m[4]}", {})[int(m[2])] = t
+    return {k: torch.stack([v[e] for e in sorted(v)]) for k, v in per.items()}
+
+
+def test_mxfp4_artifact_keeps_the_checkpoint_bytes(compiled, tmp_path):
+    """The artifact's routed experts are the checkpoint's packed bytes and scales (no dense copy), and plan.json
+    counts them; `--experts-dtype bf16` of the same checkpoint stores them dequantized, at f32 32/4.25 = 7.5x the
+    bytes, as the stacked dense parameters of the eager model."""
+    import json
+
+    from safetensors.torch import load_file
+
+    ckpt, out, model = compiled(MXFP4_PRESET)
+    want = _checkpoint_experts(ckpt)
+    art = load_file(str(out / "weights/params.safetensors"))
+    assert want and {k for k in art if ".experts.w" in k} == set(want)
+    for k, t in want.items():
+        assert art[k].dtype == torch.uint8 and torch.equal(art[k], t), k
+    expert_bytes = sum(t.numel() for t in want.values())
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["weights"]["experts"] == expert_bytes
+    dense = CompileOptions(str(ckpt), tmp_path / "bf16", target="cpu-x86-64", max_batch=1, max_seq=8, max_prefill=8,
+                           dtype="f32", experts_dtype="bf16", backend="triton")
+    s = compile_model(dense)
+    weights = load_file(str(dense.out / "weights/params.safetensors"))
+    stacked = {k: v for k, v in weights.items() if ".experts.w" in k}
+    assert all(k.endswith(("experts.w1", "experts.w2", "experts.w3")) for k in stacked)
+    assert s["weights"]["experts"] == sum(v.numel() * 4 for v in stacked.values())
+    assert s["weights"]["experts"] * 17 == expert_bytes * 128        # 4 bytes vs 1/2 + 1/32 byte per weight
+    assert json.loads((dense.out / "manifest.json").read_text())["extra"]["experts_dtype"] == "bf16"
+    w2 = "model.layers.1.block_sparse_moe.experts.w2"
+    assert torch.equal(stacked[w2], model.get_parameter(w2).detach())

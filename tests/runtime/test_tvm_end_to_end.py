@@ -1,6 +1,7 @@
 """The CPU deployment path: each tiny preset compiled for `cpu-x86-64` (TVM kernels in one `kernels/cpu.so`), run
 natively by `k3c.load(..., "cpu")`, against `models/k3.py` eager over a 64-token prefill and 32 decode steps at
-batch 1 and 3.
+batch 1 and 3. k3.1-pro-tiny's checkpoint stores MXFP4 routed experts (like the published K3 checkpoints): its
+artifact keeps them 4-bit and the CPU kernel decodes them in its dot loops.
 
 f32 artifact vs eager fp32: max relative ≤ 1e-4 on every step's logits (all presets). bf16 artifact vs eager fp32
 (k3.1-pro-tiny, batch 3): within 1.5× the distance of eager bf16 from eager fp32 on the same checkpoint and tokens
@@ -31,7 +32,8 @@ def compiled(request, tmp_path_factory):
     """(eager fp32 model, checkpoint dir, arts(dtype) -> artifact dir, compiled on first use) of one preset."""
     root = tmp_path_factory.mktemp(request.param)
     model = save_random_checkpoint(K3Config.from_pretrained(request.param), root / "ckpt", seed=1,
-                                   dtype=torch.float32)
+                                   dtype=torch.float32, expert_format="mxfp4" if request.param == "k3.1-pro-tiny" else
+                                   "dense")
     done = {}
 
     def arts(dtype):

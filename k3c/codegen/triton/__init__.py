@@ -101,13 +101,15 @@ def module_header(group: KernelGroup, summary: str, generator: str) -> list[str]
 def model_module(group: KernelGroup, summary: str, generator: str, semantics: str, consts, kernels, launcher,
                  body: str) -> str:
     """A model-op kernel module: the shared header, a line naming the exact semantics (`semantics`: where the op's
-    reference lives), the specialisation constants (name, value, comment), the `@triton.jit` kernel sources and the
-    launcher source copied from the generator module, then the ABI `launch` (`body`)."""
+    reference lives), the specialisation constants (name, value, comment), the sources of `kernels` (`@triton.jit`
+    kernels, or plain helper functions the launcher calls) and of the launcher copied from the generator module,
+    then the ABI `launch` (`body`)."""
     import inspect
 
     lines = module_header(group, summary, generator) + [f"# Exact semantics: {semantics}"]
     lines += [f"{k} = {v!r}" + (f"  # {c}" if c else "") for k, v, c in consts]
-    parts = ["\n".join(lines) + "\n"] + [inspect.getsource(k.fn) for k in kernels] + [inspect.getsource(launcher)]
+    parts = ["\n".join(lines) + "\n"] + [inspect.getsource(getattr(k, "fn", k)) for k in kernels]
+    parts.append(inspect.getsource(launcher))
     return "\n\n".join(parts + [body])
 
 

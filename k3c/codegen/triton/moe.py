@@ -7,7 +7,7 @@ moe_route: `moe_route_kernel`, one program per token row: s = sigmoid(logits) in
   (max of s + bias, lowest expert id among the maxima, knock it out) = the reference's stable descending sort;
   weights = s[chosen] / (Σ s[chosen] + 1e-20) · scaling (the bias only chooses).
 moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (no atomics):
-  1. in `launch` (torch, no host sync): the (token, slot) pairs are stably sorted by expert id (slots with id < 0
+  1. `moe_schedule` (torch, no host sync): the (token, slot) pairs are stably sorted by expert id (slots with id < 0
      last, never computed) and cut into tiles of BLOCK_M rows of one expert; the grid is the upper bound
      min(N·k, ⌈N·k / BLOCK_M⌉ + E) tiles, tiles past the schedule exit at once;
   2. `moe_up_kernel` (tile, BLOCK_I columns of the intermediate): h = act(z W1ᵀ, z W3ᵀ) into a scratch
@@ -15,6 +15,11 @@ moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (n
   3. `moe_down_kernel` (tile, BLOCK_N output columns): y_slot[(token, slot)] = (h W2ᵀ) · weight into an f32
      scratch [N·k, D];
   4. `moe_sum_kernel` (token, BLOCK_N columns): y = Σ over the token's slots with id ≥ 0, in slot order.
+  MXFP4 experts (weight_format "mxfp4", k3c.ir.formats): both GEMM kernels load packed E2M1 bytes and E8M0 scales
+  and dequantize each weight tile in registers before the dot (`mxfp4_dot`: `mxfp4_tile` + a dot in the
+  activations' dtype; optionally Triton's `dot_scaled`, native MXFP4 MMA on Blackwell, measured slower on the
+  H200: BENCHMARKS.md), so HBM carries 4.25 bits per weight; decode (few rows per expert: BLOCK_M = 16, K tiles
+  of 128) streams the packed weights, prefill (BLOCK_M = 128 once experts get ≥ 128 rows) feeds the tensor cores.
   Two GEMM kernels rather than one: a single fused act(z W1ᵀ, z W3ᵀ) W2ᵀ program would have to either hold all
   of D in registers or recompute h per output block (re-reading W1/W3 D/BLOCK_N times); split, every expert
   weight is read once per token tile and the grid covers I and D, which decode (few tokens) needs to fill the GPU.
@@ -84,11 +89,53 @@ def tanh_f32(x):
 
 
 @triton.jit
-def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, h_ptr,
-                  SITU_BETA, SITU_LINEAR_BETA, E: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
-                  I: tl.constexpr, ACT_SITU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
-                  BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """h[row, i] = act(z W1[e]ᵀ, z W3[e]ᵀ) for the sorted rows of one tile (z [N, D], w1/w3 [E, I, D])."""
+def mxfp4_load(packed_ptr, scale_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 : k0+BLOCK_K of MXFP4 rows `rows` (i64; k3c.ir.formats): packed u8 [R, BLOCK_K/2] from
+    [.., KDIM/2] and scales u8 [R, BLOCK_K/32] from [.., KDIM/32] (masked: code 0, scale 0). BLOCK_K: a multiple
+    of 32."""
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    p = tl.load(packed_ptr + rows[:, None] * (KDIM // 2) + offs_b[None, :],
+                mask=r_ok[:, None] & (offs_b < KDIM // 2)[None, :], other=0)
+    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    sc = tl.load(scale_ptr + rows[:, None] * (KDIM // 32) + offs_g[None, :],
+                 mask=r_ok[:, None] & (offs_g < KDIM // 32)[None, :], other=0)
+    return p, sc
+
+
+@triton.jit
+def mxfp4_tile(p, sc, BLOCK_K: tl.constexpr):
+    """Wᵀ · 2^-14 as fp32 [BLOCK_K, R] from `mxfp4_load`'s packed [R, BLOCK_K/2] and scales [R, BLOCK_K/32],
+    dequantized in registers.
+
+    A code (s, e, m) becomes the fp16 bit pattern s·2^15 | e·2^10 | m·2^9, which is exactly value · 2^-14
+    (e = 0 lands on fp16 subnormals, which the fp16 -> fp32 conversion keeps); the E8M0 scale 2^(s−127) is the
+    fp32 pattern s·2^23 (s = 0, 2^-127, reads as 0). Callers multiply their fp32 accumulator by 2^14 (exact).
+    """
+    p = p.to(tl.uint16)
+    lo = (((p & 7) << 9) | ((p & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (((p & 0x70) << 5) | ((p & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    v = tl.reshape(tl.interleave(lo, hi), [p.shape[0], BLOCK_K // 32, 32])      # element 2j = low nibble
+    v = v * (sc.to(tl.uint32) << 23).to(tl.uint32).to(tl.float32, bitcast=True)[:, :, None]
+    return tl.trans(tl.reshape(v, [p.shape[0], BLOCK_K]))
+
+
+@triton.jit
+def mxfp4_dot(x, p, sc, acc, BLOCK_K: tl.constexpr, DOT_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + x · Wᵀ for x [M, BLOCK_K] and an MXFP4 tile of W (`mxfp4_load`). DOT_SCALED (bf16 x): Triton's
+    `dot_scaled` (bf16 × e2m1 with E8M0 scales, fp32 accumulate; the compiler upcasts the codes for the tensor
+    cores); else `mxfp4_tile` and a dot in x's dtype, where acc carries the 2^-14 of `mxfp4_tile`."""
+    if DOT_SCALED:
+        return tl.dot_scaled(x, None, "bf16", tl.trans(p), sc, "e2m1", acc)
+    return tl.dot(x, mxfp4_tile(p, sc, BLOCK_K).to(x.dtype), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                  h_ptr, SITU_BETA, SITU_LINEAR_BETA, E: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
+                  I: tl.constexpr, ACT_SITU: tl.constexpr, MXFP4: tl.constexpr, DOT_SCALED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """h[row, i] = act(z W1[e]ᵀ, z W3[e]ᵀ) for the sorted rows of one tile (z [N, D], w1/w3 [E, I, D]; MXFP4:
+    packed [E, I, D/2] with scales s1/s3 [E, I, D/32], dequantized tile by tile in registers)."""
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
     if e < E:
@@ -97,18 +144,27 @@ def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, order_ptr, tile_expert_ptr, tile_row0_p
         token = tl.load(order_ptr + offs_m, mask=m_ok, other=0) // K
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         i_ok = offs_i < I
-        w_rows = (e.to(tl.int64) * I + offs_i) * D
+        rows = e.to(tl.int64) * I + offs_i
         gate = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
         up = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             d_ok = offs_d < D
             z = tl.load(z_ptr + token[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            wmask = d_ok[:, None] & i_ok[None, :]
-            w1 = tl.load(w1_ptr + w_rows[None, :] + offs_d[:, None], mask=wmask, other=0.0)
-            w3 = tl.load(w3_ptr + w_rows[None, :] + offs_d[:, None], mask=wmask, other=0.0)
-            gate += tl.dot(z, w1, input_precision=DOT_PRECISION)
-            up += tl.dot(z, w3, input_precision=DOT_PRECISION)
+            if MXFP4:
+                p1, sc1 = mxfp4_load(w1_ptr, s1_ptr, rows, i_ok, d0, D, BLOCK_D)
+                p3, sc3 = mxfp4_load(w3_ptr, s3_ptr, rows, i_ok, d0, D, BLOCK_D)
+                gate = mxfp4_dot(z, p1, sc1, gate, BLOCK_D, DOT_SCALED, DOT_PRECISION)
+                up = mxfp4_dot(z, p3, sc3, up, BLOCK_D, DOT_SCALED, DOT_PRECISION)
+            else:
+                wmask = d_ok[:, None] & i_ok[None, :]
+                w1 = tl.load(w1_ptr + rows[None, :] * D + offs_d[:, None], mask=wmask, other=0.0)
+                w3 = tl.load(w3_ptr + rows[None, :] * D + offs_d[:, None], mask=wmask, other=0.0)
+                gate += tl.dot(z, w1, input_precision=DOT_PRECISION)
+                up += tl.dot(z, w3, input_precision=DOT_PRECISION)
+        if MXFP4 and not DOT_SCALED:   # mxfp4_tile's 2^-14
+            gate *= 16384.0
+            up *= 16384.0
         if ACT_SITU:   # SiTU-GLU (config activation_situ_beta / _linear_beta)
             h = SITU_BETA * tanh_f32(gate / SITU_BETA) * tl.sigmoid(gate) * (SITU_LINEAR_BETA *
                                                                             tanh_f32(up / SITU_LINEAR_BETA))
@@ -119,10 +175,12 @@ def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, order_ptr, tile_expert_ptr, tile_row0_p
 
 
 @triton.jit
-def moe_down_kernel(h_ptr, w2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                    y_slot_ptr, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_N output columns (w2 [E, D, I])."""
+def moe_down_kernel(h_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                    y_slot_ptr, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
+                    DOT_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_N output columns (w2 [E, D, I]; MXFP4:
+    packed [E, D, I/2] with scales s2 [E, D, I/32])."""
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
     if e < E:
@@ -131,15 +189,22 @@ def moe_down_kernel(h_ptr, w2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile
         slot = tl.load(order_ptr + offs_m, mask=m_ok, other=0)           # flat (token · K + slot) index
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < D
-        w_rows = (e.to(tl.int64) * D + offs_n) * I
+        rows = e.to(tl.int64) * D + offs_n
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for i0 in range(0, I, BLOCK_I):
             offs_i = i0 + tl.arange(0, BLOCK_I)
             i_ok = offs_i < I
             h = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * I + offs_i[None, :], mask=m_ok[:, None] & i_ok[None, :],
                         other=0.0)
-            w2 = tl.load(w2_ptr + w_rows[None, :] + offs_i[:, None], mask=i_ok[:, None] & n_ok[None, :], other=0.0)
-            acc += tl.dot(h, w2, input_precision=DOT_PRECISION)
+            if MXFP4:
+                p2, sc2 = mxfp4_load(w2_ptr, s2_ptr, rows, n_ok, i0, I, BLOCK_I)
+                acc = mxfp4_dot(h, p2, sc2, acc, BLOCK_I, DOT_SCALED, DOT_PRECISION)
+            else:
+                w2 = tl.load(w2_ptr + rows[None, :] * I + offs_i[:, None], mask=i_ok[:, None] & n_ok[None, :],
+                             other=0.0)
+                acc += tl.dot(h, w2, input_precision=DOT_PRECISION)
+        if MXFP4 and not DOT_SCALED:   # mxfp4_tile's 2^-14
+            acc *= 16384.0
         weight = tl.load(weights_ptr + slot, mask=m_ok, other=0.0)
         tl.store(y_slot_ptr + slot[:, None] * D + offs_n[None, :], acc * weight[:, None],
                  mask=m_ok[:, None] & n_ok[None, :])
@@ -158,47 +223,68 @@ def moe_sum_kernel(y_slot_ptr, ids_ptr, y_ptr, K: tl.constexpr, D: tl.constexpr,
     tl.store(y_ptr + n * D + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def launch_moe_experts(z, weights, ids, w1, w3, w2, y, *, act, situ_beta, situ_linear_beta):
-    """z [N, D], weights f32 [N, k], ids int [N, k] (< 0: unused), w1/w3 [E, I, D], w2 [E, D, I] -> y [N, D].
-
-    Scratch allocated here: the sort permutation and tile schedule (i64, O(N·k + E)), h [N·k, I] in z's dtype and
-    y_slot f32 [N·k, D]. Raises ValueError on mismatched shapes.
-    """
-    N, D = z.shape
-    E, I, _ = w1.shape
-    K = ids.shape[1]
-    if tuple(w1.shape) != (E, I, D) or w3.shape != w1.shape or tuple(w2.shape) != (E, D, I) or \
-            tuple(weights.shape) != (N, K) or ids.shape[0] != N or y.shape != z.shape:
-        raise ValueError(f"moe_experts: z {tuple(z.shape)}, ids {tuple(ids.shape)}, w1 {tuple(w1.shape)}, "
-                         f"w2 {tuple(w2.shape)}, y {tuple(y.shape)} mismatch")
-    if N == 0:
-        return
-    rows = N * K
-    BLOCK_M = 16 if rows < 16 * E else 64              # decode: a few rows per expert
+def moe_schedule(ids, E, BLOCK_M):
+    """The tile schedule of `launch_moe_experts` for ids int [N, k] (< 0: unused) over E experts, in torch on ids'
+    device without a host sync: (order: sorted row -> flat token · k + slot index; tile_expert (E: past the
+    schedule), tile_row0, tile_row_end: per tile), each i64 [min(N·k, ⌈N·k / BLOCK_M⌉ + E)] but order [N·k]."""
+    rows = ids.numel()
     flat = ids.reshape(-1).long()
     key = torch.where(flat >= 0, flat, E)               # unused slots sort last and are never scheduled
-    order = torch.argsort(key, stable=True)             # sorted row -> flat (token · K + slot) index
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=z.device).scatter_add_(0, key, torch.ones_like(key))[:E]
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, key, torch.ones_like(key))[:E]
     row_start = torch.cumsum(counts, 0) - counts
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tile_end = torch.cumsum(tiles, 0)
-    max_tiles = min(rows, triton.cdiv(rows, BLOCK_M) + E)
-    tile = torch.arange(max_tiles, device=z.device)
-    tile_expert = torch.searchsorted(tile_end, tile, right=True)          # E: past the schedule
+    tile = torch.arange(min(rows, triton.cdiv(rows, BLOCK_M) + E), device=ids.device)
+    tile_expert = torch.searchsorted(tile_end, tile, right=True)
     e = tile_expert.clamp(max=E - 1)
-    tile_row0 = row_start[e] + (tile - (tile_end - tiles)[e]) * BLOCK_M
-    tile_row_end = row_start[e] + counts[e]
+    return order, tile_expert, row_start[e] + (tile - (tile_end - tiles)[e]) * BLOCK_M, row_start[e] + counts[e]
+
+
+def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, situ_linear_beta,
+                       blocks=None, schedule=None, dot_scaled=False):
+    """z [N, D], weights f32 [N, k], ids int [N, k] (< 0: unused), w1/w3 [E, I, D], w2 [E, D, I] -> y [N, D].
+
+    MXFP4 weights (k3c.ir.formats): w1/w3 u8 [E, I, D/2], w2 u8 [E, D, I/2] and `scales` (w1, w3, w2 scales:
+    u8 [E, I, D/32], [E, I, D/32], [E, D, I/32]); dequantized in registers, dots in z's dtype with fp32
+    accumulation (`dot_scaled=True`, bf16 z: Triton's `dot_scaled` instead of k3c's decoding). Scratch allocated
+    here: the sort permutation and tile schedule (i64, O(N·k + E)), h [N·k, I] in z's dtype and y_slot f32 [N·k, D].
+    Benchmarks may pass `blocks` (BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N) to override the defaults and a precomputed
+    `schedule` (`moe_schedule(ids, E, BLOCK_M)`). Raises ValueError on mismatched shapes.
+    """
+    N, D = z.shape
+    E, I = w1.shape[:2]
+    K = ids.shape[1]
+    mx = len(scales) == 3
+    p = 2 if mx else 1
+    if tuple(w1.shape) != (E, I, D // p) or w3.shape != w1.shape or tuple(w2.shape) != (E, D, I // p) or \
+            tuple(weights.shape) != (N, K) or ids.shape[0] != N or y.shape != z.shape or len(scales) not in (0, 3) \
+            or (mx and [tuple(s.shape) for s in scales] != [(E, I, D // 32)] * 2 + [(E, D, I // 32)]) \
+            or (mx and z.dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"moe_experts: z {z.dtype}{list(z.shape)}, ids {list(ids.shape)}, w1 {list(w1.shape)}, "
+                         f"w2 {list(w2.shape)}, {len(scales)} scales, y {list(y.shape)} mismatch "
+                         "(MXFP4: z f32 or bf16)")
+    if N == 0:
+        return
+    rows = N * K
+    if blocks is None:   # decode: a few rows per expert; MXFP4 block sizes: the best measured on the H200
+        BLOCK_M = 16 if rows < 16 * E else 128 if mx and rows >= 128 * E else 64
+        blocks = (BLOCK_M, 64, 128 if mx and BLOCK_M == 16 else 64, 64)
+    BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N = blocks
+    schedule = schedule or moe_schedule(ids, E, BLOCK_M)
+    max_tiles = schedule[1].shape[0]
     h = torch.empty((rows, I), dtype=z.dtype, device=z.device)
     y_slot = torch.empty((rows, D), dtype=torch.float32, device=z.device)
     precision = "ieee" if z.dtype == torch.float32 else "tf32"
-    BLOCK_I, BLOCK_N = 64, 64
-    schedule = (order, tile_expert, tile_row0, tile_row_end)
+    s1, s3, s2 = scales if mx else (w1, w3, w2)         # unused by the dense kernels
+    scaled = bool(mx and z.dtype == torch.bfloat16 and dot_scaled)
     moe_up_kernel[(max_tiles, triton.cdiv(I, BLOCK_I))](
-        z, w1, w3, *schedule, h, float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I,
-        ACT_SITU=act == "situ", BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_D=64, DOT_PRECISION=precision)
+        z, w1, w3, s1, s3, *schedule, h, float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I,
+        ACT_SITU=act == "situ", MXFP4=mx, DOT_SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I,
+        BLOCK_D=BLOCK_D, DOT_PRECISION=precision)
     moe_down_kernel[(max_tiles, triton.cdiv(D, BLOCK_N))](
-        h, w2, weights, *schedule, y_slot, E=E, D=D, I=I, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I,
-        DOT_PRECISION=precision)
+        h, w2, s2, weights, *schedule, y_slot, E=E, D=D, I=I, MXFP4=mx, DOT_SCALED=scaled, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I, DOT_PRECISION=precision)
     moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
 
 
@@ -229,7 +315,8 @@ def emit_moe_route(group: KernelGroup) -> str:
 
 @emitter("moe_experts")
 def emit_moe_experts(group: KernelGroup) -> str:
-    """Module text for one `moe_experts` node: inputs (z, weights, ids, w1, w3, w2), outputs [y].
+    """Module text for one `moe_experts` node: inputs (z, weights, ids, w1, w3, w2[, w1/w3/w2 scales]), outputs
+    [y].
     Raises UnsupportedError for a group that is not a single moe_experts node."""
     node, ip, op = one_node(group, "moe_experts")
     a = node.attrs
@@ -237,9 +324,14 @@ def emit_moe_experts(group: KernelGroup) -> str:
               ("SITU_BETA", float(a["situ_beta"]), "activation_situ_beta"),
               ("SITU_LINEAR_BETA", float(a["situ_linear_beta"]), "activation_situ_linear_beta")]
     args = ", ".join(f"inputs[{i}]" for i in ip)
+    mx = a["weight_format"] == "mxfp4"
     body = ("def launch(inputs, outputs, sizes):\n"
-            '    """ABI entry: inputs (z, weights, ids, w1, w3, w2), outputs [y [N,D]]."""\n'
-            f"    launch_moe_experts({args}, outputs[{op[0]}], act=ACT, situ_beta=SITU_BETA,\n"
+            f'    """ABI entry: inputs (z, weights, ids, w1, w3, w2{", w1_scale, w3_scale, w2_scale" if mx else ""}), '
+            'outputs [y [N,D]]."""\n'
+            f"    launch_moe_experts({args}, y=outputs[{op[0]}], act=ACT, situ_beta=SITU_BETA,\n"
             "                       situ_linear_beta=SITU_LINEAR_BETA)\n")
-    return _module(group, f"grouped expert GEMMs ({'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'})", consts,
-                   [tanh_f32, moe_up_kernel, moe_down_kernel, moe_sum_kernel], launch_moe_experts, body)
+    what = f"{'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'}{', MXFP4 weights' if mx else ''}"
+    return _module(group, f"grouped expert GEMMs ({what})", consts,
+                   [tanh_f32, mxfp4_load, mxfp4_tile, mxfp4_dot, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
+                    moe_schedule],
+                   launch_moe_experts, body)

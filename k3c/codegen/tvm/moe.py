@@ -11,6 +11,7 @@ LatentMoE"; router: DeepSeek-V3 §2.1.2), all in fp32:
 
 moe_experts runs in two parallel phases so that a single token still uses every core: (token, slot, hidden unit)
 computes the activation into a scratch buffer [N, k, I], then (token, output feature) sums the down projections.
+MXFP4 experts (weight_format "mxfp4") are read packed and decoded per element in the dot loops (`mxfp4_load`).
 The reference rounds the expert GEMMs to z's dtype; this kernel keeps them in fp32 (closer to the exact value).
 """
 
@@ -46,19 +47,41 @@ def gen_moe_route(name: str, group, device: str) -> str:
     return f.text()
 
 
+def mxfp4_load(buf: str, scale: str, row: str, col: str, cols: int) -> str:
+    """fp32 value of element (row, col) of an MXFP4 matrix of `cols` columns (k3c.ir.formats): the code is nibble
+    col % 2 of byte `buf`[row · cols/2 + col / 2], decoded as m/2 for the exponent bits e = 0 and as the fp32 bit
+    pattern (e, m) + (126 << 1) shifted to the exponent field otherwise, times the E8M0 scale `scale`[row · cols/32 +
+    col / 32] built as the fp32 pattern s << 23 (s = 0, 2^-127, reads as 0)."""
+    code = f'((T.Cast("int32", {buf}[{row} * {cols // 2} + {col} // 2]) >> ({col} % 2 * 4)) & 15)'
+    mag = f"({code} & 7)"
+    val = (f'T.Select({mag} < 2, T.Cast("float32", {mag}) * T.float32(0.5), '
+           f'T.reinterpret("float32", ({mag} + 252) << 22))')
+    exp = f'T.reinterpret("float32", T.Cast("int32", {scale}[{row} * {cols // 32} + {col} // 32]) << 23)'
+    return f"(T.Select({code} >= 8, T.float32(0.0) - {val}, {val}) * {exp})"
+
+
 @generator("moe_experts")
 def gen_moe_experts(name: str, group, device: str) -> str:
     (node,) = group.nodes
     check_single_node(group)
-    z, weights, ids, w1, w3, w2 = node.inputs
+    z, weights, ids, w1, w3, w2 = node.inputs[:6]
+    mx = node.attrs["weight_format"] == "mxfp4"
     N, D = dim_expr(z.type.shape[0]), z.type.shape[1]
     k = ids.type.shape[1]
     E, I = w1.type.shape[0], w1.type.shape[1]
     a = node.attrs
-    names = ["z", "weights", "ids", "w1", "w3", "w2", "y"]
+    names = ["z", "weights", "ids", "w1", "w3", "w2"] + (["s1", "s3", "s2"] if mx else []) + ["y"]
     dt = {n: v.type.dtype for n, v in zip(names, list(node.inputs) + list(node.outputs))}
+
+    def w(buf: str, row: str, col: str, cols: int) -> str:
+        """fp32 element (row, col) of expert weight `buf` ([rows, cols] per row of all experts)."""
+        if mx:
+            return mxfp4_load(buf, {"w1": "s1", "w3": "s3", "w2": "s2"}[buf], row, col, cols)
+        return load(buf, f"{row} * {cols} + {col}", dt[buf])
+
     f = Func(name, group.inputs, group.outputs, device,
-             f"moe_experts ({a['act']} GLU, {E} experts of {D} -> {I} -> {D}, top-{k})", names=names)
+             f"moe_experts ({a['act']} GLU, {E} experts of {D} -> {I} -> {D}, top-{k}"
+             f"{', MXFP4 weights' if mx else ''})", names=names)
     f.emit(f'hid = T.alloc_buffer(({N} * {k * I},), "float32")  # act(w1 z, w3 z) per token, slot, unit')
     with f.parallel("nsi", f"{N} * {k * I}"):
         f.emit(f"n = nsi // {k * I}", f"i = nsi % {I}", f"e = ids[nsi // {I}]")
@@ -67,8 +90,8 @@ def gen_moe_experts(name: str, group, device: str) -> str:
         f.emit("else:")
         f.depth += 1
         zl = lambda d: load("z", f"n * {D} + {d}", dt["z"])  # noqa: E731
-        f.dot("gv", D, lambda d: f"{load('w1', f'(e * {I} + i) * {D} + {d}', dt['w1'])} * {zl(d)}")
-        f.dot("uv", D, lambda d: f"{load('w3', f'(e * {I} + i) * {D} + {d}', dt['w3'])} * {zl(d)}")
+        f.dot("gv", D, lambda d: f"{w('w1', f'(e * {I} + i)', d, D)} * {zl(d)}")
+        f.dot("uv", D, lambda d: f"{w('w3', f'(e * {I} + i)', d, D)} * {zl(d)}")
         if a["act"] == "situ":
             b, bl = f32(a["situ_beta"]), f32(a["situ_linear_beta"])
             f.emit(f"hid[nsi] = {b} * T.tanh(gv / {b}) * T.sigmoid(gv) * ({bl} * T.tanh(uv / {bl}))")
@@ -82,8 +105,7 @@ def gen_moe_experts(name: str, group, device: str) -> str:
         with f.block(f"for s in T.serial({k}):"):
             f.emit(f"e = ids[n * {k} + s]")
             with f.block("if e >= 0:"):
-                f.dot("dv", I, lambda i: f"{load('w2', f'(e * {D} + d) * {I} + {i}', dt['w2'])} * "
-                                         f"hid[(n * {k} + s) * {I} + {i}]")
+                f.dot("dv", I, lambda i: f"{w('w2', f'(e * {D} + d)', i, I)} * hid[(n * {k} + s) * {I} + {i}]")
                 f.emit(f"acc[0] = acc[0] + weights[n * {k} + s] * dv")
         f.emit(f"y[nd] = {store_value('acc[0]', dt['y'])}")
     return f.text()
