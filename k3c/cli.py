@@ -170,13 +170,15 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                 dump: Path = typer.Option(None, help="write the IR after every pass here"),
                 dtype: str = typer.Option("bf16", help="activation and weight dtype: bf16 or f32"),
                 backend: str = typer.Option(None, help="preferred code generator (triton | tvm) [default: the "
-                                                       "target's: triton on GPUs, tvm on CPUs]")):
+                                                       "target's: triton on GPUs, tvm on CPUs]"),
+                all_logits: bool = typer.Option(False, "--all-logits", help="also compile prefill returning every "
+                                                "position's logits (prefill(tokens, logits='all'))")):
     """Compile MODEL into an artifact: kernels, memory plan, schedule, weights, cost report."""
     from k3c.compile import CompileOptions, compile_model
 
     max_prefill = min(1024, max_seq) if max_prefill is None else max_prefill
     opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype,
-                          backend)
+                          backend, all_logits)
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     if out_dir.exists() and not force:
         raise K3CError(f"{out_dir}: already exists (pass --force to replace it)")

@@ -1,6 +1,7 @@
 """The compile driver: model -> IR -> passes -> kernels, memory plan, schedule, weights -> artifact directory.
 
-For each entry point (prefill, decode) the model is imported, the graph gets the compile bounds, and the pipeline
+For each entry point (prefill: last position's logits; decode; with `all_logits`, prefill_all: every position's)
+the model is imported, the graph gets the compile bounds, and the pipeline
 runs every phase (cleanup, model, kernels: bind_caches + form_kernels, memory: plan_memory). Each Triton kernel
 group is emitted as a module under `kernels/` (with `kernels/index.json`, the kernel -> IR node sidecar); the
 launch order with buffer names goes to `schedule.json`, the arena and pools to `plan.json`, per-op FLOPs / bytes and
@@ -57,6 +58,7 @@ class CompileOptions:
     dump: Path | None = None
     dtype: str = "bf16"
     backend: str | None = None
+    all_logits: bool = False  # also compile `prefill_all` (prefill returning every position's logits)
 
 
 def compile_model(opts: CompileOptions, progress=None) -> dict:
@@ -104,7 +106,8 @@ def _compile(opts: CompileOptions, progress) -> dict:
         model = load_checkpoint(opts.model, DTYPES[opts.dtype]) if has_weights and not opts.plan_only \
             else build_meta_model(cfg).cast_(DTYPES[opts.dtype])
         graphs, passes, bindings = {}, [], {}
-        for entry in ENTRIES:
+        entries = [e for e in ENTRIES if opts.all_logits or e != "prefill_all"]
+        for entry in entries:
             ectx = ctx.for_entry(entry)
             bindings[entry] = ectx.bounds
             g = import_model(model, entry, progress=progress)
@@ -123,7 +126,7 @@ def _compile(opts: CompileOptions, progress) -> dict:
         if not opts.plan_only:
             index = {}
             for backend in ctx.backends:
-                mine = [grp for e in ENTRIES for grp in groups[e] if grp.backend == backend.name]
+                mine = [grp for e in entries for grp in groups[e] if grp.backend == backend.name]
                 if mine:
                     emitted = backend.emit(mine, ctx)
                     for rel, data in emitted.files.items():

@@ -1,5 +1,6 @@
 """Compile a random checkpoint of each tiny preset, run the artifact on CPU (Triton kernels interpreted), and
-compare every logit with `models/k3.py` eager: a 64-token prefill, then 32 decode steps, batch 1 and 3."""
+compare the logits with `models/k3.py` eager: a 64-token prefill (the last position's logits; every position's
+through `prefill_all` for the first preset), then 32 decode steps, batch 1 and 3."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def compiled(request, tmp_path_factory):
     model = save_random_checkpoint(K3Config.from_pretrained(request.param), root / "ckpt", seed=1,
                                    dtype=torch.float32)
     opts = CompileOptions(str(root / "ckpt"), root / "art", target="cpu-x86-64", max_batch=3, max_seq=PROMPT + STEPS,
-                          max_prefill=PROMPT, dtype="f32")
+                          max_prefill=PROMPT, dtype="f32", all_logits=request.param == TINY_PRESETS[0])
     compile_model(opts)
     return model.eval(), k3c.load(opts.out, "cpu")
 
@@ -42,8 +43,13 @@ def test_prefill_then_decode_matches_eager(compiled, batch):
     with torch.no_grad():
         want, cache = model(tokens)
     got = session.prefill(tokens)
-    assert got.shape == (batch, PROMPT, model.config.vocab_size)
-    assert _rel(got, want) <= 1e-4
+    assert got.shape == (batch, 1, model.config.vocab_size)
+    assert _rel(got, want[:, -1:]) <= 1e-4
+    if "prefill_all" in session.schedule:
+        session.reset()
+        got = session.prefill(tokens, logits="all")
+        assert got.shape == (batch, PROMPT, model.config.vocab_size)
+        assert _rel(got, want) <= 1e-4
     nxt = want[:, -1:].argmax(-1)
     for _ in range(STEPS):
         with torch.no_grad():
