@@ -234,6 +234,21 @@ def run(artifact: Path = typer.Argument(..., help="artifact directory or .k3c fi
 
 
 @app.command()
+def finalize(artifact: Path = typer.Argument(..., help="artifact directory"),
+             device: str = typer.Option("cuda", help="the CUDA device to compile for")):
+    """Compile the artifact's Triton kernels for this GPU and Triton once and add them to it (loads then compile
+    nothing; run on the machine that runs the artifact)."""
+    from k3c.runtime.finalize import finalize as _finalize
+
+    r = _finalize(artifact, device)
+    if r["skipped"]:
+        out.print(f"{artifact}: already holds the kernels for {r['tag']}")
+    else:
+        out.print(f"{artifact}: added {r['files']} files ({r['bytes'] / 2**20:.1f} MiB) of compiled kernels for "
+                  f"{r['tag']} in {r['seconds']:.1f} s")
+
+
+@app.command()
 def plan(model: str = typer.Argument(..., help="preset name, config.json or checkpoint directory"),
          target: str = typer.Option("h200", help="target preset (h200, h100-sxm, b200, mi300x, ...) or a target JSON file"),
          tp: str = typer.Option("1,2,4,8,16", help="GPU count(s), comma-separated"),

@@ -38,11 +38,20 @@ from k3c.runtime.launchers import make_launchers
 from k3c.runtime.library import DTYPES
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "cpu", *, cuda_graphs: bool = True) -> "Session":
+def load(path: str | os.PathLike, device: str | torch.device = "cpu", *, cuda_graphs: bool = True,
+         finalize: bool = False) -> "Session":
     """Load and verify the artifact at `path` (directory or .k3c file) onto `device`.
 
-    cuda_graphs: on a CUDA device, replay decode steps as piecewise CUDA graphs (`k3c.runtime.graphs`)."""
-    return Session(path, device, cuda_graphs=cuda_graphs)
+    cuda_graphs: on a CUDA device, replay decode steps as piecewise CUDA graphs (`k3c.runtime.graphs`).
+    finalize: on a CUDA device, if the artifact ships no compiled kernels for this Triton and GPU, compile them now
+    on a warm-up workload and add them to the artifact directory (`k3c.runtime.finalize`; the next load compiles
+    nothing). Without it such an artifact JIT-compiles each kernel at its first launch."""
+    session = Session(path, device, cuda_graphs=cuda_graphs)
+    if finalize and session.device.type == "cuda":
+        from k3c.runtime.finalize import finalize_session
+
+        session.finalized = finalize_session(session)
+    return session
 
 
 class Session:
@@ -58,7 +67,7 @@ class Session:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeInputError(f"device {device!r}: this torch build or machine has no CUDA GPU")
         art = read_artifact(path)
-        self.manifest = art.manifest
+        self.path, self.manifest, self.artifact_files = Path(path), art.manifest, art.files
         if not art.has_weights:
             raise ArtifactError(f"{path}: a plan-only artifact has no weights and cannot run (compile without --plan-only)")
         b = self.manifest["bounds"]
@@ -92,6 +101,7 @@ class Session:
         self.batch: int | None = None
         self.length = 0
         self.last_timing: dict = {}
+        self.finalized: dict | None = None  # what `load(..., finalize=True)` added (k3c.runtime.finalize)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._graphs: dict[int, DecodeGraphs] = {}  # by batch size
 
