@@ -226,6 +226,7 @@ def main():
 
     # ---- first logits after load, fresh process, empty Triton cache -----------------------------------------
     t0 = time.perf_counter()
+    torch.cuda.empty_cache()  # the fresh process needs the GPU memory this one has cached but not in use
     fresh = a.work / "fresh-triton-cache"
     env = {**os.environ, "TRITON_CACHE_DIR": str(fresh)}
     p = subprocess.run([sys.executable, "-c", FIRST_LOGITS, str(art), str(fresh), str(PROMPT)], env=env,

@@ -16,7 +16,7 @@ import torch
 from k3c.errors import ArtifactError
 from k3c.runtime import kernel_cache
 from k3c.runtime.artifact import ArtifactWriter, read_artifact
-from k3c.runtime.finalize import add_files, warm_up_lengths
+from k3c.runtime.finalize import add_files, warm_up, warm_up_lengths
 
 TAG = "triton-3.6.0/sm_90"
 
@@ -117,6 +117,46 @@ def test_warm_up_lengths_cover_the_context_geometrically(start, max_seq):
     Ls = warm_up_lengths(start, max_seq)
     assert Ls[0] == start and Ls[-1] == max_seq - 1 and Ls == sorted(set(Ls))
     assert all(b <= max(a + 1, int(a * 1.25)) for a, b in zip(Ls, Ls[1:]))
+
+
+class _Recorder:
+    """A session stand-in that records the (entry, B, T, L) of each call `warm_up` makes."""
+
+    def __init__(self, max_batch, max_seq, max_prefill, all_logits):
+        self.max_batch, self.max_seq, self.max_prefill, self.vocab = max_batch, max_seq, max_prefill, 11
+        self.schedule = {"prefill": {}, "decode": {}, **({"prefill_all": {}} if all_logits else {})}
+        self.calls, self.length, self.batch = [], 0, None
+
+    def reset(self):
+        self.length, self.batch = 0, None
+
+    def _call(self, entry, tokens):
+        B, T = tokens.shape
+        assert self.batch in (None, B) and self.length + T <= self.max_seq and int(tokens.max()) < self.vocab
+        self.calls.append((entry, B, T, self.length))
+        self.batch, self.length = B, self.length + T
+
+    def prefill(self, tokens, logits="last"):
+        self._call("prefill" if logits == "last" else "prefill_all", tokens)
+
+    def decode(self, tokens):
+        self._call("decode", tokens)
+
+
+@pytest.mark.parametrize("max_batch, max_seq, max_prefill, all_logits", [(8, 4096, 640, True), (1, 40, 32, False)])
+def test_warm_up_meets_each_batch_chunk_and_context_kind(max_batch, max_seq, max_prefill, all_logits):
+    s = _Recorder(max_batch, max_seq, max_prefill, all_logits)
+    warm_up(s)
+    assert s.length == 0 and s.batch is None
+    for B in {1, max_batch}:
+        pre = {(T, L) for e, b, T, L in s.calls if e == "prefill" and b == B}
+        full = min(max_prefill, max_seq - 1)
+        assert (full, 0) in pre and (17, 0) in pre  # a full and an odd chunk on an empty cache
+        assert any(T == full and L % 16 == 0 and L > 0 for T, L in pre) or 2 * full >= max_seq
+        assert any(T == 17 and L % 2 for T, L in pre)  # an odd chunk at an odd context
+        dec = sorted(L for e, b, T, L in s.calls if e == "decode" and b == B)
+        assert dec == warm_up_lengths(0, max_seq)
+        assert any(e == "prefill_all" and b == B for e, b, _, _ in s.calls) == all_logits
 
 
 @pytest.mark.gpu
