@@ -27,7 +27,8 @@ def _fake_triton_cache(root):
     for h, name in (("a" * 8, "k_add"), ("b" * 8, "k_norm")):
         d = root / h
         d.mkdir(parents=True)
-        files = {f"{name}.{ext}": f"{name} {ext}".encode() for ext in ("source", "ttir", "ttgir", "llir", "ptx", "cubin")}
+        exts = ("source", "ttir", "ttgir", "llir", "ptx", "cubin")
+        files = {f"{name}.{ext}": f"{name} {ext}".encode() for ext in exts}
         files[f"{name}.json"] = json.dumps({"name": name, "num_warps": 4}).encode()
         for f, data in files.items():
             (d / f).write_bytes(data)
