@@ -167,7 +167,7 @@ FIRST_LOGITS = textwrap.dedent("""
     torch.cuda.synchronize(); t3 = time.perf_counter()
     compiled = sorted(str(p.name) for p in pathlib.Path(sys.argv[2]).rglob("*.llir"))
     print(json.dumps({"process_setup_s": t1 - t0, "load_s": t2 - t1, "first_prefill_s": t3 - t2,
-                      "kernels_compiled": len(compiled),
+                      "kernels_compiled": len(compiled), "compiled": compiled[:8],
                       "kernel_files_installed": s.launchers["triton"].compiled_kernels,
                       "logits_finite": bool(torch.isfinite(logits).all())}))
 """)
@@ -179,7 +179,8 @@ def main():
     ap.add_argument("--work", type=Path, default=Path("/dev/shm/k3c-bench"))
     ap.add_argument("--max-seq", type=int, default=131072 + 1024)
     ap.add_argument("--max-prefill", type=int, default=640)
-    ap.add_argument("--skip", default="", help="comma-separated phases to skip: eager, numerics, long")
+    ap.add_argument("--skip", default="", help="comma-separated phases to skip: finalize, first_logits, long, "
+                                               "eager, numerics")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     import k3c
@@ -220,7 +221,8 @@ def main():
         shutil.rmtree(a.work, ignore_errors=True)
         ckpt, art = a.work / "ckpt", a.work / "art"
         model = save_random_checkpoint(cfg, ckpt, seed=0, dtype=torch.bfloat16, expert_format="dense",
-                                       shard_bytes=2**30, device="cuda").eval()
+                                       shard_bytes=2**30, device="cuda")
+        model = model.cast_(torch.bfloat16).eval()  # returned in fp32: eager bf16 is the checkpoint as stored
     with phase("compile"):
         opts = CompileOptions(str(ckpt), art, target="h200", max_batch=64, max_seq=a.max_seq,
                               max_prefill=a.max_prefill, dtype="bf16")
@@ -230,22 +232,24 @@ def main():
                           "pools_gib": sum(summary["pools"].values()) / 2**30,
                           "bounds": {"max_batch": 64, "max_seq": a.max_seq, "max_prefill": a.max_prefill}}
     with phase("load_and_finalize"):
-        session = k3c.load(art, "cuda", finalize=True)  # compiles the kernels on a warm-up, adds them to the artifact
+        # finalize: compile the kernels on a warm-up and add them to the artifact
+        session = k3c.load(art, "cuda", finalize="finalize" not in skip)
         res["finalize"] = session.finalized
 
     # ---- first logits after load, fresh process, empty Triton cache -----------------------------------------
-    with phase("first_logits"):
-        torch.cuda.empty_cache()  # the fresh process needs the GPU memory this one has cached but not in use
-        fresh = a.work / "fresh-triton-cache"
-        env = {**os.environ, "TRITON_CACHE_DIR": str(fresh)}
-        p = subprocess.run([sys.executable, "-c", FIRST_LOGITS, str(art), str(fresh), str(PROMPT)], env=env,
-                           capture_output=True, text=True)
-        try:
-            res["first_logits"] = json.loads(p.stdout.strip().splitlines()[-1])
-        except (IndexError, ValueError):
-            res["first_logits"] = {"error": (p.stderr or p.stdout)[-2000:]}
-        weight_bytes = sum(f.stat().st_size for f in (art / "weights").iterdir())
-        res["first_logits"]["weights_gib"] = weight_bytes / 2**30
+    weight_bytes = sum(f.stat().st_size for f in (art / "weights").iterdir())
+    if "first_logits" not in skip:
+        with phase("first_logits"):
+            torch.cuda.empty_cache()  # the fresh process needs the GPU memory this one has cached but not in use
+            fresh = a.work / "fresh-triton-cache"
+            env = {**os.environ, "TRITON_CACHE_DIR": str(fresh)}
+            p = subprocess.run([sys.executable, "-c", FIRST_LOGITS, str(art), str(fresh), str(PROMPT)], env=env,
+                               capture_output=True, text=True)
+            try:
+                res["first_logits"] = json.loads(p.stdout.strip().splitlines()[-1])
+            except (IndexError, ValueError):
+                res["first_logits"] = {"error": (p.stderr or p.stdout)[-2000:]}
+            res["first_logits"]["weights_gib"] = weight_bytes / 2**30
 
     # ---- k3c: decode grid, prefill, breakdown ---------------------------------------------------------------
     with phase("k3c_decode"):
