@@ -11,9 +11,10 @@ nothing (`kernel_cache.install`).
 Triton compiles one binary per specialisation of a kernel: its constexpr arguments (block sizes, split counts the
 launcher derives from the sizes) and whether integer arguments equal 1 or are multiples of 16. The warm-up covers
 what a session meets: for the batch sizes {1, max_batch}, full prefill chunks (max_prefill tokens) and short odd
-ones at contexts 0, multiples of 16 and odd ones, and decode steps (the first eager, capturing the CUDA graphs, the
-others replaying them) at context lengths from 0 spread geometrically up to max_seq (the cache contents do not
-matter for compiling; the length is set directly). A size outside them compiles on first use, as without a
+ones at contexts 0, 1, 2, 4, ... up to the longest (the kernels switch forms with the context, e.g. DSA's sparse
+attention once it exceeds index_topk keys), and decode steps (the first eager, capturing the CUDA graphs, the others
+replaying them) at context lengths from 0 growing by 1.25x up to max_seq (the cache contents do not matter for
+compiling; the length is set directly). A size outside them compiles on first use, as without a
 finalize (then Triton's own cache keeps it).
 Errors: ArtifactError (not an artifact directory; a .k3c archive must be unpacked or finalized before packing),
 RuntimeInputError (no CUDA device).
@@ -87,12 +88,11 @@ def warm_up(session) -> None:
     rand = lambda B, T: torch.randint(0, session.vocab, (B, T), generator=gen)  # noqa: E731
     T0, T1 = min(session.max_prefill, session.max_seq - 1), min(17, session.max_prefill)
     for B in sorted({1, session.max_batch}):
-        # prefill chunks of both sizes at contexts 0, a multiple of 16 (after full chunks) and odd (after odd ones)
-        for run in ((T0, T0, T1, T0), (T1, T1)):
-            session.reset()
-            for T in run:
-                if 1 < T <= session.max_seq - session.length - 1:
-                    session.prefill(rand(B, T))
+        for T in sorted({T0, T1} - {1}):  # a full and an odd chunk at contexts 0, 1, 2, 4, ... up to the longest
+            for L in warm_up_lengths(0, session.max_seq - T, ratio=2.0):
+                session.reset()
+                session.length, session.batch = L, B
+                session.prefill(rand(B, T))
         if "prefill_all" in session.schedule and T0 > 1:
             session.reset()
             session.prefill(rand(B, T0), logits="all")
