@@ -6,7 +6,8 @@ runs every phase (cleanup, model, kernels: bind_caches + form_kernels, memory: p
 group is emitted as a module under `kernels/` (with `kernels/index.json`, the kernel -> IR node sidecar); the
 launch order with buffer names goes to `schedule.json`, the arena and pools to `plan.json`, per-op FLOPs / bytes and
 roofline times to `report.json`, and the weights (derived ones such as MLA's absorbed matrices materialised) to
-`weights/params.safetensors`. `--plan-only` skips kernels' weights (a config or preset without a checkpoint can
+`weights/params.safetensors`; `--report` adds what the HTML report shows (`k3c.report.collect`: the IR after every
+pass, per-kernel costs) under `report/`. `--plan-only` skips kernels' weights (a config or preset without a checkpoint can
 only be compiled plan-only). The same input gives a byte-identical artifact; writing is atomic.
 """
 
@@ -33,7 +34,8 @@ from k3c.ir.ops import get_op
 from k3c.ir.printer import print_graph
 from k3c.ir.types import evaluate, torch_dtype
 from k3c.passes.derived import materialize_params
-from k3c.passes.pipeline import run_pipeline
+from k3c.passes.pipeline import PHASES, run_pipeline
+from k3c.report.collect import PassLog, kernel_rows, report_files
 from k3c.runtime.artifact import ArtifactWriter
 from k3c.targets import load_target, roofline
 from models.checkpoint import load_checkpoint
@@ -58,12 +60,15 @@ class CompileOptions:
     dump: Path | None = None
     dtype: str = "bf16"
     backend: str | None = None
+    report: bool = False
     all_logits: bool = False  # also compile `prefill_all` (prefill returning every position's logits)
 
 
 def compile_model(opts: CompileOptions, progress=None) -> dict:
     """Compile per `opts`; returns a summary (nodes, kernels, arena and pools in bytes, seconds).
 
+    `progress(step, done, total)` (optional) is called as each step advances: "import prefill" / "import decode"
+    (layers), "passes prefill" / "passes decode" (passes), code generation per backend and "weights" (total None).
     Raises ConfigError (bad model or options), CheckpointError (bad weights), UnsupportedError (tp > 1; weights
     requested for a model given without a checkpoint), ArtifactError (output directory problems).
     """
@@ -106,14 +111,17 @@ def _compile(opts: CompileOptions, progress) -> dict:
         model = load_checkpoint(opts.model, DTYPES[opts.dtype]) if has_weights and not opts.plan_only \
             else build_meta_model(cfg).cast_(DTYPES[opts.dtype])
         graphs, passes, bindings = {}, [], {}
+        log = PassLog() if opts.report else None
+        tick = progress or (lambda step, done, total: None)
         entries = [e for e in ENTRIES if opts.all_logits or e != "prefill_all"]
         for entry in entries:
             ectx = ctx.for_entry(entry)
             bindings[entry] = ectx.bounds
-            g = import_model(model, entry, progress=progress)
+            g = import_model(model, entry, progress=lambda d, t, e=entry: tick(f"import {e}", d, t))
             # verify the result only; a --dump build (debugging) verifies after every pass, naming the pass at fault
             graphs[entry], report = run_pipeline(g, ctx=ectx, verify="each" if opts.dump else "end",
-                                                 dump_dir=opts.dump / entry if opts.dump else None)
+                                                 dump_dir=opts.dump / entry if opts.dump else None,
+                                                 observe=_observer(entry, tick, log))
             passes = [r.name for r in report.passes]
         summary = {"model": cfg.name, "nodes": {e: len(g.nodes) for e, g in graphs.items()}, "kernels": 0}
         groups = {e: kernel_groups(g) for e, g in graphs.items()}
@@ -128,11 +136,20 @@ def _compile(opts: CompileOptions, progress) -> dict:
             for backend in ctx.backends:
                 mine = [grp for e in entries for grp in groups[e] if grp.backend == backend.name]
                 if mine:
+                    tick(f"generating {len(mine)} {backend.name} kernels", 0, None)
                     emitted = backend.emit(mine, ctx)
                     for rel, data in emitted.files.items():
                         (writer.add_bytes if isinstance(data, bytes) else writer.add_text)(rel, data)
                     index.update(emitted.index)
             writer.add_json("kernels/index.json", dict(sorted(index.items())))
+        if log is not None:
+            made = {b.name for b in ctx.backends if b.generates}
+            rows = {e: kernel_rows(groups[e], bindings[e], ctx.target, opts.dtype, made) for e in graphs}
+            options = {"model": cfg.name, "target": ctx.target.name, "dtype": opts.dtype, "tp": opts.tp,
+                       "max_batch": opts.max_batch, "max_seq": opts.max_seq, "max_prefill": opts.max_prefill,
+                       "plan_only": opts.plan_only, "backends": [b.name for b in ctx.backends], "passes": passes}
+            for path, data in report_files(log, rows, options).items():
+                (writer.add_text if isinstance(data, str) else writer.add_json)(path, data)
         generating = {b.name for b in ctx.backends if b.generates}
         summary["kernels"] = sum(1 for e in schedules.values() for ln in e["launches"] if ln["backend"] in generating)
         pools = _pools(graphs["decode"], opts)
@@ -143,6 +160,7 @@ def _compile(opts: CompileOptions, progress) -> dict:
         writer.add_json("report.json", {"target": ctx.target.name, "entries": costs, "passes": passes,
                                         "backends": [b.name for b in ctx.backends]})
         if not opts.plan_only:
+            tick("weights", 0, None)
             writer.add_tensors("weights/params.safetensors", _weights(model, graphs))
         writer.commit(config=cfg.raw, target=ctx.target.to_dict(), tp=opts.tp, bounds=ctx.bounds_json,
                       entry_points={e: {"graph": f"graph/{e}.json"} for e in graphs},
@@ -153,6 +171,20 @@ def _compile(opts: CompileOptions, progress) -> dict:
                    pools=pool_totals(pools), seconds=time.perf_counter() - t0,
                    time={e: c["total"]["roofline_s"] for e, c in costs.items()})
     return summary
+
+
+def _observer(entry: str, tick, log: PassLog | None):
+    """run_pipeline's `observe`: advance the "passes ENTRY" progress step; record the step for the report."""
+    total, done = sum(map(len, PHASES.values())), [0]
+    record = log.observer(entry) if log is not None else None
+
+    def observe(rec, graph) -> None:
+        done[0] += rec.name != "input"
+        tick(f"passes {entry}", done[0], total)
+        if record is not None:
+            record(rec, graph)
+
+    return observe
 
 
 def _schedule(g: Graph, groups: list[KernelGroup], ctx: CompileContext) -> dict:

@@ -19,12 +19,12 @@ from k3c.errors import ConfigError, UnsupportedError
 
 KINDS = ("cuda", "rocm", "cpu")
 DTYPES = ("float64", "float32", "tfloat32", "bfloat16", "float16", "float8", "float4", "int8")
-_ALIASES = {"fp64": "float64", "fp32": "float32", "tf32": "tfloat32", "bf16": "bfloat16", "fp16": "float16",
-            "half": "float16", "fp8": "float8", "float8_e4m3fn": "float8", "float8_e5m2": "float8", "fp4": "float4",
-            "mxfp4": "float4", "nvfp4": "float4", "float4_e2m1fn_x2": "float4"}
+_ALIASES = {"fp64": "float64", "fp32": "float32", "f32": "float32", "tf32": "tfloat32", "bf16": "bfloat16",
+            "fp16": "float16", "half": "float16", "fp8": "float8", "float8_e4m3fn": "float8", "float8_e5m2": "float8",
+            "fp4": "float4", "mxfp4": "float4", "nvfp4": "float4", "float4_e2m1fn_x2": "float4"}
 _FIELDS = {"name": str, "kind": str, "arch": str, "memory_bytes": (int, float), "hbm_bandwidth": (int, float),
            "peak_flops": dict, "interconnect_bandwidth": (int, float, type(None)), "compute_units": int,
-           "sources": dict, "measured": dict, "notes": str}
+           "sources": dict, "measured": dict, "notes": str, "backends": list}
 _REQUIRED = ("name", "kind", "arch", "memory_bytes", "hbm_bandwidth", "peak_flops")
 
 
@@ -45,6 +45,8 @@ class Target:
     compute_units: SMs (cuda), CUs (rocm) or cores (cpu). sources: field -> where its number comes from, with
     "*" for every field not named and "measured" for the `measured` figures.
     measured: field -> a value measured on real hardware (see the module docstring for the keys).
+    backends: names of the backends that may implement kernel groups, in claim order (`k3c.codegen.backend`);
+    empty: the default order for the kind (GPUs: triton; CPUs: tvm; then library and view).
     """
 
     name: str
@@ -58,6 +60,7 @@ class Target:
     sources: dict[str, str] = field(default_factory=dict)
     measured: dict[str, float] = field(default_factory=dict)
     notes: str = ""
+    backends: tuple[str, ...] = ()
 
     def bandwidth(self, measured: bool = False) -> float:
         """Memory bandwidth in B/s: the measured one when asked and known, else the spec."""
@@ -76,7 +79,8 @@ class Target:
         return {"name": self.name, "kind": self.kind, "arch": self.arch, "memory_bytes": self.memory_bytes,
                 "hbm_bandwidth": self.hbm_bandwidth, "peak_flops": dict(self.peak_flops),
                 "interconnect_bandwidth": self.interconnect_bandwidth, "compute_units": self.compute_units,
-                "sources": dict(self.sources), "measured": dict(self.measured), "notes": self.notes}
+                "sources": dict(self.sources), "measured": dict(self.measured), "notes": self.notes,
+                "backends": list(self.backends)}
 
 
 def target_from_dict(data: Any, source: str = "target") -> Target:
@@ -123,7 +127,14 @@ def target_from_dict(data: Any, source: str = "target") -> Target:
                   interconnect_bandwidth=None if data.get("interconnect_bandwidth") is None
                   else float(data["interconnect_bandwidth"]),
                   compute_units=data.get("compute_units", 0), sources=dict(data.get("sources", {})),
-                  measured=measured, notes=data.get("notes", ""))
+                  measured=measured, notes=data.get("notes", ""), backends=_backends(data, source))
+
+
+def _backends(data: dict, source: str) -> tuple[str, ...]:
+    names = data.get("backends", [])
+    if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+        raise ConfigError(f"{source}: field 'backends' must be a list of distinct backend names")
+    return tuple(names)
 
 
 def load_target(name_or_path: str | Path | Target) -> Target:

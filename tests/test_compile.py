@@ -15,7 +15,8 @@ from k3c.runtime.artifact import read_artifact
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("art")
-    opts = CompileOptions("k3.1-pro-tiny", root / "a", max_batch=2, max_seq=256, max_prefill=64, plan_only=True)
+    opts = CompileOptions("k3.1-pro-tiny", root / "a", max_batch=2, max_seq=256, max_prefill=64, plan_only=True,
+                          report=True)
     summary = compile_model(opts)
     return root, opts, summary
 
@@ -51,7 +52,8 @@ def test_gc_is_back_on_after_a_compile(built):
 
 def test_same_input_gives_byte_identical_artifact(built):
     root, opts, _ = built
-    again = CompileOptions(opts.model, root / "b", max_batch=2, max_seq=256, max_prefill=64, plan_only=True)
+    again = CompileOptions(opts.model, root / "b", max_batch=2, max_seq=256, max_prefill=64, plan_only=True,
+                           report=True)
     compile_model(again)
     files = sorted(p.relative_to(opts.out) for p in opts.out.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(again.out) for p in again.out.rglob("*") if p.is_file())

@@ -29,10 +29,10 @@ from k3c.ir.kernels import KernelGroup
 
 #: Claim order per target kind when a target names none (`Target.backends` overrides).
 DEFAULT_ORDER = {"cuda": ("triton", "library", "view"), "rocm": ("triton", "library", "view"),
-                 "cpu": ("triton", "library", "view")}
+                 "cpu": ("tvm", "library", "view")}
 #: Modules that define the known backends (imported on first use, so the registry fills lazily).
-MODULES = {"triton": "k3c.codegen.triton.backend", "library": "k3c.codegen.library",
-           "view": "k3c.codegen.library"}
+MODULES = {"triton": "k3c.codegen.triton.backend", "tvm": "k3c.codegen.tvm.backend",
+           "library": "k3c.codegen.library", "view": "k3c.codegen.library"}
 
 
 @dataclass

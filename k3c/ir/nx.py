@@ -4,6 +4,9 @@
 `op`, `kind`, `layer`, `outputs`, `label`) plus one node per graph input (`"in:NAME"`), param (`"param:KEY"`) and
 output (`"out:NAME"`); an edge u -> v carries `values` (names) and `types` (strings) of the values flowing.
 `to_dot(g, group_by_layer=True)`: DOT source with one cluster per `meta["layer"]` and a colour per op kind.
+`block_dot(g, block)`: one layer (`k3c.ir.views.layer_block`) with the values entering and leaving it;
+`collapsed_dot(g)`: the whole model with one box per layer (`k3c.ir.views.collapse`). Every drawing has a legend
+of the op-kind colours.
 `render(dot_source, path, fmt)`: needs the `dot` binary (Debian package graphviz); raises `UnsupportedError`.
 """
 
@@ -88,8 +91,72 @@ def to_dot(graph: Graph, group_by_layer: bool = True) -> str:
         lines.append("  }")
     for u, w, d in G.edges(data=True):
         lines.append(f"  {_q(u)} -> {_q(w)} [label={_q(', '.join(d['types']))}];")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + legend(G.nodes[n]["kind"] for n in G) + ["}"]) + "\n"
+
+
+def legend(kinds) -> list[str]:
+    """DOT lines of a legend cluster: one swatch per op kind in `kinds` (sorted), in the kind's colour."""
+    used = sorted(set(kinds))
+    lines = ['  subgraph "cluster_legend" {', '    label="legend: op kind"; style=dashed;']
+    lines += [f"    {_q('legend:' + k)} [label={_q(k)}, fillcolor={_q(KIND_COLOURS.get(k, '#ffffff'))}];"
+              for k in used]
+    lines += [f"    {_q('legend:' + a)} -> {_q('legend:' + b)} [style=invis];" for a, b in zip(used, used[1:])]
+    return lines + ["  }"]
+
+
+def block_dot(graph: Graph, block) -> str:
+    """DOT source of one `Block`: its nodes (op, outputs, types), and ellipses for the values entering and leaving."""
+    sub = networkx.DiGraph()
+    src: dict = {}
+    for v in block.inputs:
+        sub.add_node(f"in:{v.name}", kind="io", label=f"%{v.name} : {v.type}")
+        src[v] = f"in:{v.name}"
+    for i, n in enumerate(block.nodes):
+        sub.add_node(i, kind=_kind(n.op), label=f"{n.op} -> {', '.join('%' + v.name for v in n.outputs)}")
+        for v in n.inputs:
+            _edge(sub, src.get(v), i, v)
+        for v in n.outputs:
+            src[v] = i
+    for v in block.outputs:
+        sub.add_node(f"out:{v.name}", kind="io", label=f"%{v.name}")
+        _edge(sub, src[v], f"out:{v.name}", v)
+    return _draw(sub, block.name)
+
+
+def collapsed_dot(graph: Graph) -> str:
+    """DOT source of the whole graph with one box per run of a layer (`views.block_label`) and one per
+    node outside the layers; edges carry the number of values flowing between two boxes."""
+    from k3c.ir.views import block_label, collapse
+
+    sub = networkx.DiGraph()
+    src: dict = {}  # graph inputs and parameters are left out: several per layer would swamp the drawing
+    for b in collapse(graph):
+        if b.layer is None:
+            n = b.nodes[0]
+            sub.add_node(b.name, kind=_kind(n.op), label=f"{n.op} -> {', '.join('%' + v.name for v in n.outputs)}")
+        else:
+            sub.add_node(b.name, kind="model", label=block_label(b))
+        for v in b.inputs:
+            _edge(sub, src.get(v), b.name, v)
+        for v in b.outputs:
+            src[v] = b.name
+    for k, v in graph.outputs.items():
+        sub.add_node(f"out:{k}", kind="io", label=k)
+        _edge(sub, src.get(v), f"out:{k}", v)
+    return _draw(sub, "layers", count_edges=True)
+
+
+def _draw(G: networkx.DiGraph, name: str, count_edges: bool = False) -> str:
+    lines = [f"digraph {_q(name)} {{", "  rankdir=TB;",
+             '  node [shape=box, style="rounded,filled", fontname="monospace"];']
+    for n, d in G.nodes(data=True):
+        shape = "ellipse" if d["kind"] == "io" else "box"
+        lines.append(f"  {_q(n)} [label={_q(d['label'])}, fillcolor={_q(KIND_COLOURS.get(d['kind'], '#ffffff'))}, "
+                     f"shape={shape}];")
+    for u, w, d in G.edges(data=True):
+        label = f"{len(d['values'])} values" if count_edges and len(d["values"]) > 1 else ", ".join(d["types"])
+        lines.append(f"  {_q(u)} -> {_q(w)} [label={_q(label)}];")
+    return "\n".join(lines + legend(d["kind"] for _, d in G.nodes(data=True)) + ["}"]) + "\n"
 
 
 def render(dot_source: str, path: str | Path, fmt: str = "svg") -> Path:

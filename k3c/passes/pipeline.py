@@ -108,6 +108,7 @@ class PipelineReport:
 
 
 NumericCheck = Callable[[Graph, Graph, str], None]
+Observer = Callable[["PassRecord", Graph], None]
 
 
 def _plan(phases) -> list[tuple[str, str]]:
@@ -126,7 +127,8 @@ def _plan(phases) -> list[tuple[str, str]]:
 def run_pipeline(graph: Graph, phases: list[str] | dict[str, list[str]] | None = None, *,
                  ctx: CompileContext | None = None, until: str | None = None,
                  verify: str = "each", dump_dir: str | Path | None = None,
-                 numeric_check: NumericCheck | None = None) -> tuple[Graph, PipelineReport]:
+                 numeric_check: NumericCheck | None = None,
+                 observe: Observer | None = None) -> tuple[Graph, PipelineReport]:
     """Run the passes of `phases` (phase names from `PHASES`, or an explicit {phase: [pass names]}) in order.
 
     `ctx`: the compile context handed to every pass (None: `CompileContext()`, f32 at the default bounds), resolved
@@ -137,7 +139,9 @@ def run_pipeline(graph: Graph, phases: list[str] | dict[str, list[str]] | None =
     the result (`k3c compile`: on a full-size model, verifying after every pass costs more than the passes
     themselves; rerun with "each" to find the pass at fault); "off" never. `dump_dir` (or env `K3C_DUMP`): write
     `00-input.txt`, then `NN-pass.txt` after every pass. `numeric_check(before, after, pass_name)` is called after
-    every pass and should raise naming the pass (see `make_numeric_check`).
+    every pass and should raise naming the pass (see `make_numeric_check`). `observe(record, graph)` is called
+    with the input (a record named "input") and after every pass; it must not change the graph (the compile report
+    keeps each pass's IR this way, `k3c.report.collect`).
     Returns (final graph, report with per-pass timings).
     """
     t0 = time.perf_counter()
@@ -153,6 +157,8 @@ def run_pipeline(graph: Graph, phases: list[str] | dict[str, list[str]] | None =
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
         (dump / "00-input.txt").write_text(print_graph(g))
+    if observe is not None:
+        observe(PassRecord("input", "import", 0.0, len(g.nodes), len(g.nodes)), g)
     step = 0
     for phase, name in _plan(phases):
         fn = get_pass(name)
@@ -177,6 +183,8 @@ def run_pipeline(graph: Graph, phases: list[str] | dict[str, list[str]] | None =
                 raise IRError(f"after pass {name}: {e}") from None
         if numeric_check is not None:
             numeric_check(before, g, name)
+        if observe is not None:
+            observe(rec, g)
         if until is not None and name == until:
             break
     if verify == "end":

@@ -21,7 +21,8 @@ def test_dot_clusters_by_layer(graph):
     cluster = dot.split('subgraph "cluster_layer_0"')[1].split("}")[0]
     assert '"0" [label="linear' in cluster and '"1" [label="silu' in cluster
     assert '"2" [label="mul' not in cluster
-    assert "cluster" not in to_dot(graph, group_by_layer=False)
+    assert "cluster_layer" not in to_dot(graph, group_by_layer=False)
+    assert "cluster_legend" in dot  # one swatch per op kind drawn
 
 
 def silu_rule():

@@ -1,6 +1,6 @@
-"""Compile a random checkpoint of each tiny preset, run the artifact on CPU (Triton kernels interpreted), and
-compare the logits with `models/k3.py` eager: a 64-token prefill (the last position's logits; every position's
-through `prefill_all` for the first preset), then 32 decode steps, batch 1 and 3."""
+"""Compile a random checkpoint of each tiny preset with the Triton backend, run the artifact on CPU (Triton kernels
+interpreted), and compare the logits with `models/k3.py` eager: a 64-token prefill (the last position's logits;
+every position's through `prefill_all` for the first preset), then 32 decode steps, batch 1 and 3."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def compiled(request, tmp_path_factory):
     model = save_random_checkpoint(K3Config.from_pretrained(request.param), root / "ckpt", seed=1,
                                    dtype=torch.float32)
     opts = CompileOptions(str(root / "ckpt"), root / "art", target="cpu-x86-64", max_batch=3, max_seq=PROMPT + STEPS,
-                          max_prefill=PROMPT, dtype="f32", all_logits=request.param == TINY_PRESETS[0])
+                          max_prefill=PROMPT, dtype="f32", backend="triton",
+                          all_logits=request.param == TINY_PRESETS[0])
     compile_model(opts)
     return model.eval(), k3c.load(opts.out, "cpu")
 

@@ -17,6 +17,7 @@ from k3c.errors import ArtifactError
 #: backend name -> "module:Class"
 LAUNCHERS = {
     "triton": "k3c.runtime.launchers.triton:TritonLauncher",
+    "tvm": "k3c.runtime.launchers.tvm:TvmLauncher",
     "library": "k3c.runtime.launchers.torch_ops:TorchOpLauncher",
     "view": "k3c.runtime.launchers.torch_ops:TorchOpLauncher",
 }

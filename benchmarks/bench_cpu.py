@@ -1,0 +1,125 @@
+"""CPU speed of a k3c artifact (TVM kernels, `--target cpu-x86-64`) against torch eager and torch.compile.
+
+A mid-size K3 (hidden 1024, 8 layers: 6 KDA + 2 MLA, 32 experts choose 4, vocab 32K; random fp32 weights) is
+compiled for the CPU; all three run fp32 on the same checkpoint:
+- decode: one step at batch 1 and at batch 4 after a 64-token prompt (median of the timed steps);
+- prefill: one 256-token prompt at batch 1.
+
+    PYTHONPATH=$PWD python benchmarks/bench_cpu.py [--steps 8] [--out build/bench_cpu.json]
+
+Prints a markdown table (BENCHMARKS.md "CPU") and writes the numbers as JSON. Threads: torch and the k3c kernels
+use every core (torch.get_num_threads(); K3C_NUM_THREADS for the k3c kernel pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import k3c
+from k3c.compile import CompileOptions, compile_model
+from models.checkpoint import save_random_checkpoint
+from models.config import _shrink
+
+PROMPT, PREFILL = 64, 256
+
+
+def mid_config():
+    """hidden 1024, 8 layers (KDA 1-3, 5-7; MLA 4, 8), 8 KDA heads of 128, 32 experts choose 4 of width 512."""
+    return _shrink("k3-mid", "k3", vocab_size=32000, hidden_size=1024, num_hidden_layers=8, intermediate_size=2816,
+                   num_experts=32, num_experts_per_token=4, moe_intermediate_size=512, num_attention_heads=8,
+                   kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, q_lora_rank=384,
+                   routed_expert_hidden_size=512, attn_res_block_size=4, num_shared_experts=1,
+                   linear_attn_config=dict(kda_layers=[1, 2, 3, 5, 6, 7], full_attn_layers=[4, 8], num_heads=8,
+                                           head_dim=128))
+
+
+def _median_step(step, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_eager(model, steps: int, compiled: bool) -> dict:
+    fn = torch.compile(model, dynamic=True) if compiled else model
+    out = {}
+    with torch.no_grad():
+        for batch in (1, 4):
+            tokens = torch.randint(0, model.config.vocab_size, (batch, PROMPT))
+            _, cache = fn(tokens)
+            nxt = tokens[:, -1:]
+            for _ in range(2):  # warm-up (compilation for torch.compile)
+                _, cache = fn(nxt, cache)
+
+            def step():
+                nonlocal cache
+                _, cache = fn(nxt, cache)
+
+            out[f"decode_b{batch}_s"] = _median_step(step, steps)
+        tokens = torch.randint(0, model.config.vocab_size, (1, PREFILL))
+        fn(tokens)
+        out["prefill_s"] = _median_step(lambda: fn(tokens), 3)
+    return out
+
+
+def bench_k3c(path: Path, steps: int) -> dict:
+    session = k3c.load(path, "cpu")
+    out = {}
+    for batch in (1, 4):
+        session.reset()
+        tokens = torch.randint(0, session.vocab, (batch, PROMPT))
+        session.prefill(tokens)
+        nxt = tokens[:, -1:]
+        for _ in range(2):
+            session.decode(nxt)
+        out[f"decode_b{batch}_s"] = _median_step(lambda: session.decode(nxt), steps)
+    tokens = torch.randint(0, session.vocab, (1, PREFILL))
+
+    def prefill():
+        session.reset()
+        session.prefill(tokens)
+
+    prefill()
+    out["prefill_s"] = _median_step(prefill, 3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=Path("build/bench_cpu.json"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="k3c-bench-") as tmp:
+        root = Path(tmp)
+        model = save_random_checkpoint(mid_config(), root / "ckpt", seed=0, dtype=torch.float32).eval()
+        t0 = time.perf_counter()
+        compile_model(CompileOptions(str(root / "ckpt"), root / "art", target="cpu-x86-64", max_batch=4,
+                                     max_seq=PREFILL + 64, max_prefill=PREFILL, dtype="f32", backend="tvm"))
+        compile_s = time.perf_counter() - t0
+        rows = {"k3c (TVM, cpu-x86-64)": bench_k3c(root / "art", args.steps),
+                "torch eager": bench_eager(model, args.steps, compiled=False),
+                "torch.compile": bench_eager(model, args.steps, compiled=True)}
+    result = {"config": "hidden 1024, 8 layers, 32 experts top-4, vocab 32000, fp32", "threads": torch.get_num_threads(),
+              "k3c_compile_s": compile_s, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(f"| {'runtime':24} | decode B=1 (ms) | decode B=4 (ms) | prefill 256 (ms) |")
+    print(f"| {'-' * 24} | --------------- | --------------- | ---------------- |")
+    for name, r in rows.items():
+        print(f"| {name:24} | {r['decode_b1_s'] * 1e3:15.1f} | {r['decode_b4_s'] * 1e3:15.1f} | "
+              f"{r['prefill_s'] * 1e3:16.1f} |")
+    print(f"k3c compile: {compile_s:.0f} s; torch threads: {torch.get_num_threads()}")
+
+
+if __name__ == "__main__":
+    main()

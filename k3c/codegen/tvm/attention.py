@@ -1,0 +1,118 @@
+"""TVM kernels for "mla_attention" (latent attention: absorbed MQA over the latent cache or plain MHA; dense causal
+or restricted to the DSA top-k) and "dsa_index_topk" (the lightning indexer's scores and their top-k).
+
+Exact semantics: `mla_attention_ref` and `dsa_index_topk_ref` in `k3c/ir/ops/model_attn.py` (K3-SPEC.md "Gated
+MLA", "Gated DSA"). Query t of T new tokens sits at absolute position S − T + t of S keys and sees keys s ≤ S − T + t.
+
+mla_attention: one parallel iteration per (b, t, h); an online softmax (running max m, sum l, fp32 accumulator of
+Dv values) over the visible keys, all of them (dense, or while S ≤ dense_max_keys) or the positions listed in
+idx[b, t, :] (−1 = none). dsa_index_topk: one parallel iteration per (b, t); score[s] = Σ_j w_j · relu(q_j · k_s)
+over the visible keys, then the top-k kept in a sorted list by insertion (decreasing score, ties to the lowest
+position, as a stable sort), −1 in the slots beyond the visible count.
+"""
+
+from __future__ import annotations
+
+from k3c.codegen.tvm import generator
+from k3c.codegen.tvm.script import Func, dim_expr, f32, load, store_value
+from k3c.errors import UnsupportedError
+
+
+def _same_io(group, node) -> None:
+    if list(group.inputs) != list(node.inputs) or list(group.outputs) != list(node.outputs):
+        raise UnsupportedError(f"{group.name}: {node.op} must read and write exactly its node's values")
+
+
+@generator("mla_attention")
+def gen_mla_attention(name: str, group, device: str) -> str:
+    (node,) = group.nodes
+    _same_io(group, node)
+    a = node.attrs
+    q = node.inputs[0]
+    absorbed = a["absorbed"]
+    has_idx = node.inputs[-1].type.dtype in ("i64", "i32") and len(node.inputs) > (2 if absorbed else 3)
+    names = ["q", "k"] + ([] if absorbed else ["v"]) + (["idx"] if has_idx else []) + ["o"]
+    B, Tn, H, D = (dim_expr(d) for d in q.type.shape)
+    S = dim_expr(node.inputs[1].type.shape[1])
+    Dv = a["v_dim"] if absorbed else node.inputs[2].type.shape[3]
+    if not all(isinstance(x, int) for x in (q.type.shape[2], q.type.shape[3], Dv)):
+        raise UnsupportedError(f"{group.name}: mla_attention needs constant heads and head dims, got {q.type}")
+    dt = {n: v.type.dtype for n, v in zip(names, list(node.inputs) + list(node.outputs))}
+    topk = node.inputs[-1].type.shape[2] if has_idx else None
+    f = Func(name, group.inputs, group.outputs, device,
+             f"mla_attention ({'absorbed latent MQA' if absorbed else 'MHA'}, {H} heads, D {D}, Dv {Dv}"
+             f"{', DSA top-' + str(topk) if has_idx else ''}, scale {a['scale']:.6g})", names=names)
+    # flat offsets of key s's first element and of its value row
+    krow = (lambda s: f"(b * {S} + {s}) * {D}") if absorbed else (lambda s: f"((b * {S} + {s}) * {H} + h) * {D}")
+    vrow = (lambda s: f"(b * {S} + {s}) * {D}") if absorbed else (lambda s: f"((b * {S} + {s}) * {H} + h) * {Dv}")
+    vbuf = "k" if absorbed else "v"
+    with f.parallel("bth", f"{B} * {Tn} * {H}"):
+        f.emit(f"h = bth % {H}", f"t = (bth // {H}) % {Tn}", f"b = bth // ({H} * {Tn})",
+               f"qrow = bth * {D}", f"last = {S} - {Tn} + t" if a["causal"] else f"last = {S} - 1")
+        acc = f.local(Dv, name="acc")
+        st = f.local(3, name="st")  # running max m, running sum l, the score being summed
+        f.emit(f"st[0] = {f32(float('-inf'))}", f"st[1] = {f32(0.0)}")
+        with f.block(f"for d in T.serial({Dv}):"):
+            f.emit(f"acc[d] = {f32(0.0)}")
+
+        def visit(s: str):
+            f.emit(f"st[2] = {f32(0.0)}")
+            with f.block(f"for d in T.serial({D}):"):
+                f.emit(f"st[2] = st[2] + {load('q', 'qrow + d', dt['q'])} * {load('k', krow(s) + ' + d', dt['k'])}")
+            f.emit(f"x = st[2] * {f32(a['scale'])}", "m = T.max(st[0], x)", "corr = T.exp(st[0] - m)",
+                   "p = T.exp(x - m)", "st[0] = m", "st[1] = st[1] * corr + p")
+            with f.block(f"for d in T.serial({Dv}):"):
+                f.emit(f"acc[d] = acc[d] * corr + p * {load(vbuf, vrow(s) + ' + d', dt[vbuf])}")
+
+        guard = a.get("dense_max_keys")
+        if has_idx:
+            dense_if = f"if {S} <= {guard}:" if guard is not None else None
+            if dense_if:
+                with f.block(dense_if), f.block("for s in T.serial(last + 1):"):
+                    visit("s")
+                f.emit("else:")
+                f.depth += 1
+            with f.block(f"for j in T.serial({topk}):"):
+                f.emit(f"s = idx[(b * {Tn} + t) * {topk} + j]")
+                with f.block("if s >= 0 and s <= last:" if a["causal"] else "if s >= 0:"):
+                    visit("s")
+            if dense_if:
+                f.depth -= 1
+        else:
+            with f.block("for s in T.serial(last + 1):"):
+                visit("s")
+        with f.block(f"for d in T.serial({Dv}):"):
+            f.emit(f"o[bth * {Dv} + d] = {store_value('acc[d] / st[1]', dt['o'])}")
+    return f.text()
+
+
+@generator("dsa_index_topk")
+def gen_dsa_index_topk(name: str, group, device: str) -> str:
+    (node,) = group.nodes
+    _same_io(group, node)
+    qi, w, ki = node.inputs
+    topk = node.attrs["topk"]
+    B, Tn, J, D = (dim_expr(d) for d in qi.type.shape)
+    Lk = dim_expr(ki.type.shape[1])
+    dt = {"q": qi.type.dtype, "w": w.type.dtype, "k": ki.type.dtype}
+    f = Func(name, group.inputs, group.outputs, device,
+             f"dsa_index_topk (top-{topk} of {J} indexer heads of dim {D})", names=["q", "w", "k", "idx"])
+    with f.parallel("bt", f"{B} * {Tn}"):
+        f.emit(f"b = bt // {Tn}", f"t = bt % {Tn}", f"last = {Lk} - {Tn} + t")
+        val = f.local(topk, name="val")
+        pos = f.local(topk, "int64", name="pos")
+        n = f.local(2, "int64", name="n")  # entries of the sorted list, insertion slot
+        sc = f.local(2, name="sc")
+        f.emit("n[0] = T.int64(0)")
+        with f.block("for s in T.serial(last + 1):"):
+            f.emit(f"sc[0] = {f32(0.0)}")
+            with f.block(f"for j in T.serial({J}):"):
+                f.emit(f"sc[1] = {f32(0.0)}")
+                with f.block(f"for d in T.serial({D}):"):
+                    f.emit(f"sc[1] = sc[1] + {load('q', f'(bt * {J} + j) * {D} + d', dt['q'])} * "
+                           f"{load('k', f'(b * {Lk} + s) * {D} + d', dt['k'])}")
+                f.emit(f"sc[0] = sc[0] + {load('w', f'bt * {J} + j', dt['w'])} * T.max(sc[1], {f32(0.0)})")
+            f.insert_sorted("val", "pos", "n", topk, "sc[0]", "s")
+        with f.block(f"for j in T.serial({topk}):"):
+            f.emit(f"idx[bt * {topk} + j] = T.Select(T.Cast(\"int64\", j) < n[0], pos[j], T.int64(-1))")
+    return f.text()

@@ -1,0 +1,89 @@
+"""TVM kernels for Block Attention Residuals: "attn_res_inter" (phase 1: all pseudo-queries over the sealed blocks)
+and "attn_res_merge" (phase 2: online-softmax merge with the current block's partial sum).
+
+Exact semantics: `attn_res_inter_ref` / `attn_res_merge_ref` in `k3c/ir/ops/model_attn.py` (K3-SPEC.md "Block
+Attention Residuals"; AttnRes paper, Algorithm 1). One parallel iteration per token (b, t); keys are the blocks'
+rows RMS-normalised without weight, K(x) = x · rsqrt(mean(x²) + eps), all in fp32:
+
+    inter: logits[i, n] = K(b_n) · queries[i] ; lse_i = logsumexp_n ; o[i] = Σ_n exp(logits[i, n] − lse_i) b_n
+    merge: l_p = K(partial) · queries[index] ; m = logaddexp(lse[index], l_p) ;
+           h = exp(lse[index] − m) · o[index] + exp(l_p − m) · partial
+"""
+
+from __future__ import annotations
+
+from k3c.codegen.tvm import generator
+from k3c.codegen.tvm.attention import _same_io
+from k3c.codegen.tvm.script import Func, dim_expr, f32, load, store_value
+
+
+@generator("attn_res_inter")
+def gen_attn_res_inter(name: str, group, device: str) -> str:
+    (node,) = group.nodes
+    _same_io(group, node)
+    queries, *blocks = node.inputs
+    Q, D = queries.type.shape
+    N = len(blocks)
+    B, Tn = (dim_expr(d) for d in blocks[0].type.shape[:2])
+    names = ["queries"] + [f"b{n}" for n in range(N)] + ["o", "lse"]
+    dt = {n: v.type.dtype for n, v in zip(names, node.inputs)}
+    eps = f32(node.attrs["eps"])
+    f = Func(name, group.inputs, group.outputs, device,
+             f"attn_res_inter ({Q} pseudo-queries over {N} blocks of width {D})", names=names)
+    with f.parallel("bt", f"{B} * {Tn}"):
+        lg = f.local(Q * N, name="lg")   # logits[i, n], then the softmax weights
+        acc = f.local(3, name="acc")
+        for n in range(N):
+            f.emit(f"acc[0] = {f32(0.0)}")
+            with f.block(f"for d in T.serial({D}):"):
+                f.emit(f"x = {load(f'b{n}', f'bt * {D} + d', dt[f'b{n}'])}", "acc[0] = acc[0] + x * x")
+            f.emit(f"r{n} = T.rsqrt(acc[0] / {f32(float(D))} + {eps})")
+            with f.block(f"for i in T.serial({Q}):"):
+                f.emit(f"acc[0] = {f32(0.0)}")
+                with f.block(f"for d in T.serial({D}):"):
+                    f.emit(f"acc[0] = acc[0] + {load(f'b{n}', f'bt * {D} + d', dt[f'b{n}'])} * "
+                           f"{load('queries', f'i * {D} + d', dt['queries'])}")
+                f.emit(f"lg[i * {N} + {n}] = acc[0] * r{n}")
+        with f.block(f"for i in T.serial({Q}):"):
+            f.emit(f"acc[1] = lg[i * {N}]")
+            for n in range(1, N):
+                f.emit(f"acc[1] = T.max(acc[1], lg[i * {N} + {n}])")
+            f.emit(f"acc[2] = {f32(0.0)}")
+            for n in range(N):
+                f.emit(f"acc[2] = acc[2] + T.exp(lg[i * {N} + {n}] - acc[1])")
+            f.emit("lse_i = acc[1] + T.log(acc[2])", f"lse[i * {B} * {Tn} + bt] = lse_i")
+            for n in range(N):
+                f.emit(f"lg[i * {N} + {n}] = T.exp(lg[i * {N} + {n}] - lse_i)")
+            with f.block(f"for d in T.serial({D}):"):
+                terms = " + ".join(f"lg[i * {N} + {n}] * {load(f'b{n}', f'bt * {D} + d', dt[f'b{n}'])}"
+                                   for n in range(N))
+                f.emit(f"o[(i * {B} * {Tn} + bt) * {D} + d] = {terms}")
+    return f.text()
+
+
+@generator("attn_res_merge")
+def gen_attn_res_merge(name: str, group, device: str) -> str:
+    (node,) = group.nodes
+    _same_io(group, node)
+    o, lse, partial, queries = node.inputs
+    D = queries.type.shape[1]
+    B, Tn = (dim_expr(d) for d in partial.type.shape[:2])
+    i = node.attrs["index"]
+    names = ["o", "lse", "partial", "queries", "h"]
+    dt = {n: v.type.dtype for n, v in zip(names, list(node.inputs) + list(node.outputs))}
+    f = Func(name, group.inputs, group.outputs, device,
+             f"attn_res_merge (pseudo-query {i}, width {D})", names=names)
+    with f.parallel("bt", f"{B} * {Tn}"):
+        acc = f.local(2, name="acc")
+        f.emit(f"acc[0] = {f32(0.0)}", f"acc[1] = {f32(0.0)}")
+        with f.block(f"for d in T.serial({D}):"):
+            f.emit(f"x = {load('partial', f'bt * {D} + d', dt['partial'])}", "acc[0] = acc[0] + x * x",
+                   f"acc[1] = acc[1] + x * {load('queries', f'{i * D} + d', dt['queries'])}")
+        f.emit(f"lp = acc[1] * T.rsqrt(acc[0] / {f32(float(D))} + {f32(node.attrs['eps'])})",
+               f"li = {load('lse', f'{i} * {B} * {Tn} + bt', dt['lse'])}",
+               "m = T.max(li, lp) + T.log1p(T.exp(-T.abs(li - lp)))", "wo = T.exp(li - m)", "wp = T.exp(lp - m)")
+        with f.block(f"for d in T.serial({D}):"):
+            val = (f"wo * {load('o', f'({i} * {B} * {Tn} + bt) * {D} + d', dt['o'])} + "
+                   f"wp * {load('partial', f'bt * {D} + d', dt['partial'])}")
+            f.emit(f"h[bt * {D} + d] = {store_value(val, dt['h'])}")
+    return f.text()

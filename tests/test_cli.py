@@ -1,0 +1,52 @@
+"""The command line's start-up: `k3c --help`, `--version` and argument errors answer without importing torch or
+the compiler (the CLI imports them inside the commands, after the arguments are checked)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import k3c
+
+ROOT = Path(__file__).resolve().parents[1]
+# run the CLI, then list which heavy modules the process imported
+PROBE = """
+import sys, k3c.cli
+sys.argv = ["k3c", *sys.argv[1:]]
+try:
+    k3c.cli.main()
+except SystemExit as e:
+    code = e.code
+else:
+    code = 0
+print("HEAVY", sorted(m for m in ("torch", "k3c.compile", "k3c.frontend") if m in sys.modules), code)
+"""
+
+
+def probe(*args: str) -> tuple[str, str]:
+    r = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return r.stdout, r.stderr
+
+
+def test_help_and_version_do_not_import_torch():
+    out, _ = probe("--help")
+    assert "init" in out and "report" in out and "HEAVY [] 0" in out
+    out, _ = probe("--version")
+    assert f"k3c {k3c.__version__}" in out and "HEAVY [] 0" in out
+
+
+def test_argument_errors_answer_before_torch(tmp_path):
+    for args, message in [(["compile", "no-such-model", "-o", str(tmp_path / "a")], "not a preset"),
+                          (["compile", "k3-tiny", "-o", str(tmp_path / "a"), "--target", "tpu9"], "unknown target"),
+                          (["inspect", "no-such-model"], "not a preset"),
+                          (["report", str(tmp_path), "-o", str(tmp_path / "r.html")], "not a k3c artifact")]:
+        out, err = probe(*args)
+        assert message in err and "HEAVY [] 2" in out, (args, out, err)
+
+
+def test_init_refuses_a_full_size_checkpoint(tmp_path):
+    out, err = probe("init", "kimi-linear-48b", "-o", str(tmp_path / "c"))
+    assert "GiB (init writes at most 4 GiB)" in err and out.rstrip().endswith(" 2") and not (tmp_path / "c").exists()
