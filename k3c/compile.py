@@ -117,7 +117,9 @@ def _compile(opts: CompileOptions, progress) -> dict:
         for entry in entries:
             ectx = ctx.for_entry(entry)
             bindings[entry] = ectx.bounds
-            g = import_model(model, entry, progress=lambda d, t, e=entry: tick(f"import {e}", d, t))
+            g = import_model(model, "decode" if entry == "decode" else "prefill",
+                             progress=lambda d, t, e=entry: tick(f"import {e}", d, t),
+                             logits="last" if entry == "prefill" else "all")
             # verify the result only; a --dump build (debugging) verifies after every pass, naming the pass at fault
             graphs[entry], report = run_pipeline(g, ctx=ectx, verify="each" if opts.dump else "end",
                                                  dump_dir=opts.dump / entry if opts.dump else None,
