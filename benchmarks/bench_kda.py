@@ -1,14 +1,16 @@
 """Benchmark and GPU check of the fused KDA kernels (k3c.codegen.triton.kda) against FLA, torch eager and
-torch.compile, at Kimi K3 shapes (H = 96 heads, D = 128), bf16 activations, fp32 state.
+torch.compile, at Kimi K3 shapes (H = 96 heads, D = 128), bf16 activations, fp32 (or bf16) state.
 
 Run on a CUDA machine (fla-core optional: its rows are skipped when it is missing):
-    python benchmarks/bench_kda.py [--out DIR] [--quick]
-Prints one table (time, GB/s and fraction of the 4.2 TB/s HBM roofline; TFLOP/s vs 790 for prefill) and writes
-kda_bench.json / kda_bench.md under --out. Timing: triton.testing.do_bench_cudagraph (median of graph replays;
-each replay runs the op once per buffer set, rotating through enough sets to exceed the 60 MB L2), falling back to
-do_bench (median) where graph capture fails; that column says which.
-Bytes per decode step = state read + write (fp32) + conv state read + write (fp32) + activations in (bf16) +
-y out (bf16) + per-layer weights. Prefill FLOP = B*T*H*(6*D^2 + 10*64*D): the chunk algorithm's matrix products
+    python benchmarks/bench_kda.py [--out DIR] [--no-compile] [--prefill-T 1024,8192,32768]
+Every k3c variant is checked against the reference in the same run before it is timed (CHECK lines). Prints one
+table (time, GB/s and fraction of the 4.2 TB/s HBM roofline; TFLOP/s vs 790 for prefill) and writes kda_bench.json /
+kda_bench.md under --out. Timing: triton.testing.do_bench_cudagraph (median of graph replays; each replay runs the
+op once per buffer set, rotating through enough sets to exceed the 60 MB L2), falling back to do_bench (median)
+where graph capture fails; that column says which. Per-kernel times of the multi-kernel paths come from
+torch.profiler (PROFILE lines).
+Bytes per decode step = state read + write (fp32 or bf16) + conv state read + write (fp32) + activations in (bf16)
++ y out (bf16) + per-layer weights. Prefill FLOP = B*T*H*(6*D^2 + 10*64*D): the chunk algorithm's matrix products
 at chunk 64 (three state products, five intra-chunk products), the same count for every implementation.
 """
 
@@ -24,7 +26,8 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from k3c.codegen.triton.kda import kda_decode, kda_fused_reference, kda_prefill  # noqa: E402
+from k3c.codegen.triton import kda as kda_module  # noqa: E402
+from k3c.codegen.triton.kda import kda_decode, kda_fused_reference, kda_prefill, kda_spec_replay  # noqa: E402
 
 HBM_BYTES_PER_S = 4.2e12       # measured device copy bandwidth (KINDS.md: ~4.3 TB/s)
 BF16_FLOP_PER_S = 790e12       # measured bf16 matrix rate (KINDS.md)
@@ -101,68 +104,140 @@ def fla_available():
         return False
 
 
-def check_gpu(dev, results):
-    """bf16-input correctness on the GPU vs the fp32 reference (relative L2 error)."""
-    acts, weights, state = make(2, 300, dev, seed=1)
-    small = {k: v[..., : 8 * D] if k not in ("beta_logits",) else v[..., :8] for k, v in acts.items()}
-    w8 = {k: (v[: 8 * D] if v.shape[0] == HD else v[:8] if k == "A_log" else v) for k, v in weights.items()}
-    st8 = dict(state=state["state"][:, :8].contiguous(),
-               conv_state=state["conv_state"].view(2, 3, HD, W)[:, :, : 8 * D].reshape(2, 24 * D, W).contiguous())
-    y_ref, S_ref, C_ref = kda_fused_reference(**small, **w8, **st8)
-    for method in ("chunk", "recurrent"):
-        st = {k: v.clone() for k, v in st8.items()}
-        y = kda_prefill(**small, **w8, **st, method=method)
-        results.append(dict(check=f"prefill {method} T=300 H=8", y_rel=rel_err(y, y_ref),
-                            state_rel=rel_err(st["state"], S_ref), conv_rel=rel_err(st["conv_state"], C_ref)))
-    # decode steps after a prefill == the reference over the whole sequence
-    st = {k: v.clone() for k, v in st8.items()}
-    kda_prefill(**{k: v[:, :296] for k, v in small.items()}, **w8, **st, method="chunk")
-    errs = []
-    for t in range(296, 300):
-        y_t = kda_decode(**{k: v[:, t] for k, v in small.items()}, **w8, **st)
-        errs.append(rel_err(y_t, y_ref[:, t]))
-    results.append(dict(check="decode x4 after prefill", y_rel=max(errs), state_rel=rel_err(st["state"], S_ref),
-                        conv_rel=rel_err(st["conv_state"], C_ref)))
-    # chunked vs recurrent at full K3 width and T = 4096
-    acts, weights, state = make(1, 4096, dev, seed=2)
-    s1 = {k: v.clone() for k, v in state.items()}
-    s2 = {k: v.clone() for k, v in state.items()}
-    y1 = kda_prefill(**acts, **weights, **s1, method="chunk")
-    y2 = kda_prefill(**acts, **weights, **s2, method="recurrent")
-    results.append(dict(check="chunk vs recurrent T=4096 H=96", y_rel=rel_err(y1, y2),
-                        state_rel=rel_err(s1["state"], s2["state"]), conv_rel=rel_err(s1["conv_state"],
-                                                                                         s2["conv_state"])))
-    for r in results:
+def small_heads(acts, weights, state, n_heads):
+    """The first n_heads heads of full-width inputs (a cheap reference at K3's D)."""
+    hd = n_heads * D
+    B = state["state"].shape[0]
+    a = {k: v[..., :n_heads] if k == "beta_logits" else v[..., :hd] for k, v in acts.items()}
+    w = {k: (v[:hd] if v.shape[0] == HD else v[:n_heads] if k == "A_log" else v) for k, v in weights.items()}
+    st = dict(state=state["state"][:, :n_heads].contiguous(),
+              conv_state=state["conv_state"].view(B, 3, HD, W)[:, :, :hd].reshape(B, 3 * hd, W).contiguous())
+    return a, w, st
+
+
+def check(results, name, y, y_ref, st, S_ref, C_ref, tol):
+    r = dict(check=name, y_rel=rel_err(y, y_ref), state_rel=rel_err(st["state"], S_ref),
+             conv_rel=rel_err(st["conv_state"], C_ref))
+    r["ok"] = max(r["y_rel"], r["state_rel"], r["conv_rel"]) <= tol
+    results.append(r)
+    print("CHECK", r, flush=True)
+
+
+def check_gpu(dev, results, decode_bvs, chunk_bvs):
+    """bf16-input correctness of every timed k3c variant vs the fp32 reference (relative L2 error)."""
+    acts, weights, state = small_heads(*make(2, 300, dev, seed=1), 8)
+    y_ref, S_ref, C_ref = kda_fused_reference(**acts, **weights, **state)
+    st = {k: v.clone() for k, v in state.items()}
+    y = kda_prefill(**acts, **weights, **st, method="recurrent")
+    check(results, "prefill recurrent T=300 H=8", y, y_ref, st, S_ref, C_ref, 1e-3)
+    for bv in chunk_bvs:
+        for lens in (None, [300, 173]):
+            st = {k: v.clone() for k, v in state.items()}
+            y = kda_prefill(**acts, **weights, **st, method="chunk", block_v=bv, lengths=lens)
+            if lens is None:
+                check(results, f"prefill chunk block_v={bv} T=300 H=8", y, y_ref, st, S_ref, C_ref, 1e-2)
+            else:       # row 1 stops at 173 tokens
+                r1 = kda_fused_reference(**{k: v[1:, :173] for k, v in acts.items()}, **weights,
+                                         **{k: v[1:] for k, v in state.items()})
+                check(results, f"prefill chunk block_v={bv} lengths (300, 173), row 1", y[1:, :173], r1[0],
+                      {k: v[1:] for k, v in st.items()}, r1[1], r1[2], 1e-2)
+    for bv in decode_bvs:
+        for sdt in (torch.float32, torch.bfloat16):
+            if sdt == torch.bfloat16 and bv not in (0, 32, 64):
+                continue
+            st = {k: v.clone() for k, v in state.items()}
+            kda_prefill(**{k: v[:, :296] for k, v in acts.items()}, **weights, **st, method="recurrent")
+            st["state"] = st["state"].to(sdt)
+            ys = [kda_decode(**{k: v[:, t] for k, v in acts.items()}, **weights, **st, block_v=bv or None)
+                  for t in range(296, 300)]
+            st["state"] = st["state"].float()
+            check(results, f"decode x4 block_v={bv or 'default'} state {str(sdt)[6:]} after prefill",
+                  torch.stack(ys, 1), y_ref[:, 296:], st, S_ref, C_ref, 1e-2 if sdt == torch.bfloat16 else 1e-3)
+
+
+def bf16_state_drift(dev, results, steps=4096):
+    """bf16 vs fp32 decode state over `steps` decode steps at B = 1, H = 96 (same inputs), two gate regimes."""
+    for regime, f_shift in (("random gates (mean g = -2.5)", 0.0), ("slow decay (g ~ -0.002)", -8.0)):
+        _, weights, state = make(1, 1, dev, seed=5)
+        weights["dt_bias"].zero_()
+        weights["A_log"].zero_()                            # a = 1: g = -5 sigmoid(f)
+        s32 = {k: v.clone() for k, v in state.items()}
+        s16 = dict(state=state["state"].to(torch.bfloat16), conv_state=state["conv_state"].clone())
+        worst, y_last = 0.0, None
+        for t in range(steps):
+            acts = {k: v[:, 0] for k, v in make(1, 1, dev, seed=1000 + t)[0].items()}
+            acts["f"] = acts["f"] + f_shift
+            y32 = kda_decode(**acts, **weights, **s32)
+            y16 = kda_decode(**acts, **weights, **s16)
+            e = rel_err(y16, y32)
+            worst = max(worst, e)
+            y_last = e
+        r = dict(check=f"bf16 state vs fp32 state, {steps} decode steps, {regime}", y_rel=worst,
+                 state_rel=rel_err(s16["state"], s32["state"]),
+                 conv_rel=rel_err(s16["conv_state"], s32["conv_state"]), y_rel_last=y_last, ok=True)
+        results.append(r)
         print("CHECK", r, flush=True)
 
 
-def decode_rows(dev, have_fla, rows):
+def profile_kernels(label, fn):
+    """Per-kernel CUDA times of fn (5 calls), from torch.profiler, printed as PROFILE lines."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    for key in ("self_cuda_time_total", "self_device_time_total"):
+        try:
+            table = prof.key_averages().table(sort_by=key, row_limit=8)
+            break
+        except Exception:  # noqa: BLE001  the sort key's name differs across torch versions
+            table = str(prof.key_averages())
+    for line in table.splitlines():
+        print(f"PROFILE {label} | {line}", flush=True)
+
+
+def cfg_name(bv, nw):
+    return f"block_v={bv}, num_warps={nw}" if bv else "default: 16 KB of state per program, num_warps = block_v/16"
+
+
+def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile):
     for B in (1, 16, 64):
-        acts, weights, state = make(B, 1, dev, seed=3)
         state_bytes = B * H * D * D * 4 * 2 + B * 3 * HD * W * 4 * 2
         io_bytes = B * (5 * HD + H) * 2 + B * HD * 2 + (3 * HD * W + HD + D + H) * 4
         n_sets = max(1, math.ceil(3 * L2_BYTES / state_bytes))
         sets = [make(B, 1, dev, seed=10 + i) for i in range(n_sets)]
         step = [({k: v[:, 0] for k, v in a.items()}, w, s) for a, w, s in sets]
-        nbytes = state_bytes + io_bytes
 
-        def add(name, ms, how):
+        def add(name, ms, how, nbytes=state_bytes + io_bytes):
             rows.append(dict(kind="decode", B=B, T=1, impl=name, ms=ms, how=how, GBps=nbytes / ms / 1e6,
                              roofline=nbytes / ms / 1e-3 / HBM_BYTES_PER_S))
             print("ROW", rows[-1], flush=True)
 
-        for nw in (8, 16):
-            ms, how = bench(lambda i, nw=nw: kda_decode(**step[i][0], **step[i][1], **step[i][2], num_warps=nw),
-                            n_sets)
-            add(f"k3c fused decode (num_warps={nw})", ms, how)
+        for bv, nw in decode_cfgs:
+            ms, how = bench(lambda i, bv=bv, nw=nw: kda_decode(**step[i][0], **step[i][1], **step[i][2],
+                                                               block_v=bv or None, num_warps=nw or None), n_sets)
+            add(f"k3c fused decode, split V ({cfg_name(bv, nw)})", ms, how)
+        ms, how = bench(lambda i: kda_prefill(**{k: v[:, None] for k, v in step[i][0].items()}, **step[i][1],
+                                              **step[i][2], method="recurrent"), n_sets)
+        add("k3c token-loop kernel (the previous decode path)", ms, how)
+        s16 = [dict(state=s["state"].to(torch.bfloat16), conv_state=s["conv_state"]) for _, _, s in step]
+        b16 = state_bytes // 2 + B * 3 * HD * W * 4 + io_bytes
+        for bv, nw in decode_cfgs[:3]:
+            ms, how = bench(lambda i, bv=bv, nw=nw: kda_decode(**step[i][0], **step[i][1], **s16[i],
+                                                               block_v=bv or None, num_warps=nw or None), n_sets)
+            add(f"k3c fused decode, bf16 state ({cfg_name(bv, nw)})", ms, how, b16)
+        del s16
         ms, how = bench(lambda i: eager_decode_step(**step[i][0], **step[i][1], **step[i][2]), n_sets)
         add("torch eager step", ms, how)
-        try:
-            compiled = torch.compile(eager_decode_step, dynamic=False)
-            ms, how = bench(lambda i: compiled(**step[i][0], **step[i][1], **step[i][2]), n_sets)
-            add("torch.compile step", ms, how)
-        except Exception as e:  # noqa: BLE001
-            print(f"# torch.compile failed: {e!r}", flush=True)
+        if do_compile:
+            try:
+                compiled = torch.compile(eager_decode_step, dynamic=False)
+                ms, how = bench(lambda i: compiled(**step[i][0], **step[i][1], **step[i][2]), n_sets)
+                add("torch.compile step", ms, how)
+            except Exception as e:  # noqa: BLE001
+                print(f"# torch.compile failed: {e!r}", flush=True)
         if have_fla:
             from fla.modules.causal_conv1d import causal_conv1d_update
             from fla.modules.norm.fused_norm_gate import rms_norm_gated
@@ -192,7 +267,8 @@ def decode_rows(dev, have_fla, rows):
         del sets, step
 
 
-def prefill_rows(dev, have_fla, rows, Ts):
+def prefill_rows(dev, have_fla, rows, Ts, chunk_cfgs, fla_Ts):
+    default_prep_warps = kda_module.CHUNK_PREP_WARPS
     for T in Ts:
         B = 1
         acts, weights, state = make(B, T, dev, seed=4)
@@ -204,13 +280,18 @@ def prefill_rows(dev, have_fla, rows, Ts):
                              TFLOPs=flop / ms / 1e9, frac_790=flop / ms / 1e-3 / BF16_FLOP_PER_S))
             print("ROW", rows[-1], flush=True)
 
-        for nw in (8, 16):
-            ms, how = bench(lambda i, nw=nw: kda_prefill(**acts, **weights, **state, method="chunk", num_warps=nw), 1)
-            add(f"k3c fused chunked prefill (num_warps={nw})", ms, how)
-        if T <= 1024:
-            ms, how = bench(lambda i: kda_prefill(**acts, **weights, **state, method="recurrent"), 1)
-            add("k3c fused recurrent prefill", ms, how)
-        if have_fla:
+        for bv, nw, pw in chunk_cfgs:
+            kda_module.CHUNK_PREP_WARPS = pw
+            ms, how = bench(lambda i, bv=bv, nw=nw: kda_prefill(**acts, **weights, **state, method="chunk",
+                                                                block_v=bv, num_warps=nw), 1)
+            add(f"k3c chunked prefill, chunk 16 (state pass block_v={bv}, num_warps={nw}; prep {pw} warps)", ms,
+                how)
+            if T == 8192:
+                profile_kernels(f"prefill T={T} block_v={bv} nw={nw} pw={pw}",
+                                lambda: kda_prefill(**acts, **weights, **state, method="chunk", block_v=bv,
+                                                    num_warps=nw))
+        kda_module.CHUNK_PREP_WARPS = default_prep_warps
+        if have_fla and T in fla_Ts:
             from fla.modules.causal_conv1d import causal_conv1d
             from fla.modules.norm.fused_norm_gate import rms_norm_gated
             from fla.ops.kda import chunk_kda
@@ -238,12 +319,34 @@ def prefill_rows(dev, have_fla, rows, Ts):
                 add("FLA causal_conv1d + chunk_kda + rms_norm_gated", ms, how)
             except Exception as e:  # noqa: BLE001
                 print(f"# FLA prefill failed: {e!r}", flush=True)
-        if T <= 1024:   # eager reference: a Python loop over tokens, timed once
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            kda_fused_reference(**acts, **weights, **state)
-            torch.cuda.synchronize()
-            add("torch eager reference (per-token loop, 1 run)", (time.perf_counter() - t0) * 1e3, "wall")
+        del acts, state
+
+
+def spec_rows(dev, rows, checks):
+    """kda_spec_replay at B = 16: replay all k draft tokens (checked against k decode steps first)."""
+    B = 16
+    for k in (2, 4, 8):
+        acts, weights, state = make(B, k, dev, seed=6)
+        drafts = {n: v for n, v in acts.items() if n != "gate_logits"}
+        w = {n: v for n, v in weights.items() if n != "o_norm_weight"}
+        want = {n: v.clone() for n, v in state.items()}
+        for t in range(k):
+            kda_decode(**{n: v[:, t] for n, v in acts.items()}, **weights, **want)
+        for method in ("recurrent", "chunk"):
+            st = {n: v.clone() for n, v in state.items()}
+            kda_spec_replay(**drafts, **w, **st, n_accepted=k, method=method)
+            r = dict(check=f"spec replay {method} B=16 k={k} vs {k} decode steps", y_rel=0.0,
+                     state_rel=rel_err(st["state"], want["state"]), conv_rel=rel_err(st["conv_state"],
+                                                                                      want["conv_state"]))
+            r["ok"] = r["state_rel"] < 1e-2
+            checks.append(r)
+            print("CHECK", r, flush=True)
+            ms, how = bench(lambda i, method=method: kda_spec_replay(**drafts, **w, **st, n_accepted=k,
+                                                                     method=method), 1)   # st: a scratch copy
+            nbytes = B * H * D * D * 8 + B * k * (5 * HD + H) * 2
+            rows.append(dict(kind="spec replay", B=B, T=k, impl=f"k3c kda_spec_replay ({method})", ms=ms, how=how,
+                             GBps=nbytes / ms / 1e6, roofline=nbytes / ms / 1e-3 / HBM_BYTES_PER_S))
+            print("ROW", rows[-1], flush=True)
 
 
 def write_table(rows, checks, out):
@@ -255,9 +358,10 @@ def write_table(rows, checks, out):
         roof = f"{100 * r['roofline']:.1f}" if "roofline" in r else f"{100 * r['GBps'] * 1e9 / HBM_BYTES_PER_S:.1f}"
         lines.append(f"| {r['kind']} | {r['B']} | {r['T']} | {r['impl']} | {r['ms'] * 1e3:.1f} | {r['GBps']:.0f} | "
                      f"{roof} | {tf} | {fr} | {r['how']} |")
-    lines += ["", "| GPU check (bf16 in, fp32 reference) | y rel L2 | state rel L2 | conv state rel L2 |",
-              "|---|---|---|---|"]
-    lines += [f"| {c['check']} | {c['y_rel']:.2e} | {c['state_rel']:.2e} | {c['conv_rel']:.2e} |" for c in checks]
+    lines += ["", "| GPU check (bf16 in, fp32 reference) | y rel L2 | state rel L2 | conv state rel L2 | ok |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {c['check']} | {c['y_rel']:.2e} | {c['state_rel']:.2e} | {c['conv_rel']:.2e} | {c['ok']} |"
+              for c in checks]
     text = "\n".join(lines)
     print(text)
     if out:
@@ -269,24 +373,44 @@ def write_table(rows, checks, out):
                            torch=torch.__version__, triton=triton.__version__), fh, indent=1)
 
 
+def parse_pairs(text):
+    return [tuple(int(x) for x in p.split(":")) for p in text.split(",") if p]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
-    ap.add_argument("--quick", action="store_true", help="prefill T=1024 only")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    ap.add_argument("--prefill-T", default="1024,8192,32768")
+    ap.add_argument("--decode", default="0:0,16:4,64:4,128:8,32:4,32:8",
+                    help="block_v:num_warps,... (0:0 = the launcher's default)")
+    ap.add_argument("--chunk", default="64:4:4,32:4:4,128:8:4",
+                    help="block_v:num_warps:prep_warps,... of the chunk state pass and the intra-chunk kernel")
+    ap.add_argument("--fla-prefill-T", default="8192", help="prefill lengths with an FLA row")
+    ap.add_argument("--stages", default="check,drift,decode,prefill,spec")
     args = ap.parse_args()
     dev = "cuda"
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     have_fla = fla_available()
     rows, checks = [], []
     torch.backends.cuda.matmul.allow_tf32 = False
-    for stage in (lambda: check_gpu(dev, checks), lambda: decode_rows(dev, have_fla, rows),
-                  lambda: prefill_rows(dev, have_fla, rows, (1024,) if args.quick else (1024, 8192))):
+    decode_cfgs, chunk_cfgs = parse_pairs(args.decode), parse_pairs(args.chunk)
+    stages = {"check": lambda: check_gpu(dev, checks, sorted({bv for bv, _ in decode_cfgs}),
+                                         sorted({c[0] for c in chunk_cfgs})),
+              "drift": lambda: bf16_state_drift(dev, checks),
+              "decode": lambda: decode_rows(dev, have_fla, rows, decode_cfgs, not args.no_compile),
+              "prefill": lambda: prefill_rows(dev, have_fla, rows, [int(t) for t in args.prefill_T.split(",")],
+                                              chunk_cfgs, [int(t) for t in args.fla_prefill_T.split(",") if t]),
+              "spec": lambda: spec_rows(dev, rows, checks)}
+    for name in args.stages.split(","):
+        t0 = time.perf_counter()
         try:
-            stage()
+            stages[name]()
         except Exception as e:  # noqa: BLE001  keep the other stages' numbers
             import traceback
             traceback.print_exc()
-            print(f"# stage failed: {e!r}", flush=True)
+            print(f"# stage {name} failed: {e!r}", flush=True)
+        print(f"# stage {name}: {time.perf_counter() - t0:.1f} s", flush=True)
         write_table(rows, checks, args.out)
 
 

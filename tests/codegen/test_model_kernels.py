@@ -189,6 +189,21 @@ def test_dsa_index_topk(T, L, topk, tmp_path):
     run_group(group, [q, w, k], {}, tmp_path, emitter=attention.emit_dsa_index_topk)
 
 
+@pytest.mark.parametrize("L,topk", [(12, 5), (3, 5), (2500, 64)])
+def test_dsa_index_topk_radix_decode(L, topk, tmp_path):
+    """Decode through the radix select (RADIX_MIN_KEYS lowered to 1): zero and duplicate rows tie exactly."""
+    gen = torch.Generator().manual_seed(L)
+    B, J, D = 2, 4, 16
+    q, w, k = rand(B, 1, J, D, gen=gen), rand(B, 1, J, gen=gen).abs(), rand(B, L, D, gen=gen)
+    k[:, ::3] = 0.0
+    if L > 4:
+        k[:, 4] = k[:, 1]
+    group = one_node_group("dsa_index_topk", [((B, 1, J, D), "f32"), ((B, 1, J), "f32"), ((B, L, D), "f32")],
+                           {"topk": topk})
+    run_group(group, [q, w, k], {}, tmp_path, emitter=attention.emit_dsa_index_topk,
+              setup=lambda m: setattr(m, "RADIX_MIN_KEYS", 1))
+
+
 def test_dsa_index_topk_scratch_chunks(tmp_path):
     gen = torch.Generator().manual_seed(3)
     B, T, J, D, L = 2, 5, 4, 16, 9

@@ -172,6 +172,53 @@ def test_decode_after_prefill_equals_prefill():
     assert_close(run["conv_state"], whole["conv_state"], "conv state")
 
 
+@pytest.mark.parametrize("block_v", [16, 32, 64])
+def test_decode_split_over_v(block_v):
+    # D = 60: 4, 2 or 1 value blocks per head (the last one partly masked); 3 steps reuse the reset counters
+    acts, weights, state = make_inputs(2, 3, 3, 60, seed=29)
+    y_ref, S_ref, C_ref = kda_fused_reference(**acts, **weights, **state)
+    run = clone(state)
+    for t in range(3):
+        y_t = kda_decode(**{k: v[:, t] for k, v in acts.items()}, **weights, **run, block_v=block_v)
+        assert_close(y_t, y_ref[:, t], f"decode y at {t}")
+    assert_close(run["state"], S_ref, "state")
+    assert_close(run["conv_state"], C_ref, "conv state")
+
+
+@pytest.mark.parametrize("method", ["decode", "chunk"])
+def test_bf16_state_is_rounded_fp32_state(method):
+    # the kernels keep the state in fp32 and round it once on the way out: y is exact for the bf16 input state,
+    # the new state within one bf16 ulp (2^-7 relative; the interpreter truncates, the GPU rounds to nearest)
+    T = 1 if method == "decode" else 21
+    acts, weights, state = make_inputs(1, T, 2, 64, seed=31)
+    state["state"] = state["state"].to(torch.bfloat16)
+    y_ref, S_ref, _ = kda_fused_reference(**acts, **weights, **state)
+    run = clone(state)
+    if method == "decode":
+        y = kda_decode(**{k: v[:, 0] for k, v in acts.items()}, **weights, **run)[:, None]
+    else:
+        y = kda_prefill(**acts, **weights, **run, method="chunk")
+    assert run["state"].dtype == torch.bfloat16
+    assert_close(y, y_ref, "y")
+    err = (run["state"].double() - S_ref.double()).abs()
+    assert (err <= S_ref.double().abs() * 2 ** -7 + TOL).all(), "state beyond one bf16 ulp of the reference"
+
+
+@pytest.mark.parametrize("lengths", [None, [37, 20]])
+def test_chunk_state_pass_split_over_v(lengths):
+    # block_v = 16 < D: four state programs per head, O through the fp32 buffer and the separate norm kernel
+    acts, weights, state = make_inputs(2, 37, 2, 60, seed=37)
+    run = clone(state)
+    y = kda_prefill(**acts, **weights, **run, method="chunk", block_v=16, lengths=lengths)
+    n = [37, 37] if lengths is None else lengths
+    for b in range(2):
+        y_ref, S_ref, C_ref = kda_fused_reference(**{k: v[b:b + 1, :n[b]] for k, v in acts.items()}, **weights,
+                                                  **{k: v[b:b + 1] for k, v in state.items()})
+        assert_close(y[b:b + 1, :n[b]], y_ref, f"y row {b}")
+        assert_close(run["state"][b:b + 1], S_ref, f"state row {b}")
+        assert_close(run["conv_state"][b:b + 1], C_ref, f"conv state row {b}")
+
+
 @pytest.mark.parametrize("n_accepted", [0, 1, 5, [0, 3]])
 @pytest.mark.parametrize("method", ["recurrent", "chunk"])
 def test_spec_replay_equals_running_accepted_tokens(n_accepted, method):

@@ -74,18 +74,28 @@ def load_conv_weight(w_ptr, chan, chan_mask, W: tl.constexpr, BW: tl.constexpr):
 
 
 @triton.jit
-def causal_conv_silu_token(x_ptr, conv_ptr, w_tile, t, chan, chan_mask, stride_t, W: tl.constexpr,
-                           BW: tl.constexpr):
-    """`causal_conv_silu` for one position t and [BD] channels, as one [BD, BW] window load and a row sum.
+def conv_window(x_ptr, conv_ptr, t, chan, chan_mask, stride_t, W: tl.constexpr, BW: tl.constexpr):
+    """The [BD, BW] tile of the W raw inputs ending at position t (oldest first; padding lanes 0) for [BD] channels.
 
-    w_tile: the group's weight tile from `load_conv_weight` (loaded once, outside the token loop).
+    Positions before 0 come from the conv state (column W-1 is position -1). For t = 0 the tile is also the new
+    conv state after one decode step.
     """
     j = tl.arange(0, BW)
     p = t - (W - 1) + j[None, :] + 0 * chan[:, None]        # [BD, BW] positions of the window
     m = chan_mask[:, None] & (j[None, :] < W)
     x_new = tl.load(x_ptr + p * stride_t + chan[:, None], mask=m & (p >= 0), other=0.0).to(tl.float32)
     x_old = tl.load(conv_ptr + chan[:, None] * W + (W + p), mask=m & (p < 0), other=0.0)
-    return silu(tl.sum((x_new + x_old) * w_tile, 1))
+    return x_new + x_old
+
+
+@triton.jit
+def causal_conv_silu_token(x_ptr, conv_ptr, w_tile, t, chan, chan_mask, stride_t, W: tl.constexpr,
+                           BW: tl.constexpr):
+    """`causal_conv_silu` for one position t and [BD] channels, as one [BD, BW] window load and a row sum.
+
+    w_tile: the group's weight tile from `load_conv_weight` (loaded once, outside the token loop).
+    """
+    return silu(tl.sum(conv_window(x_ptr, conv_ptr, t, chan, chan_mask, stride_t, W, BW) * w_tile, 1))
 
 
 @triton.jit
@@ -119,5 +129,5 @@ def rms_norm_sigmoid_gate(o, norm_w, gate_logits, D: tl.constexpr, EPS: tl.const
 
 
 # Source order for code generation (each helper's dependencies come first).
-HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, load_conv_weight,
+HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, load_conv_weight, conv_window,
            causal_conv_silu_token, roll_conv_state, rms_norm_sigmoid_gate)

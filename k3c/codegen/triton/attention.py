@@ -17,6 +17,8 @@ dsa_index_topk: `dsa_score_kernel` writes one int64 sort key per (b, t, s) into 
 `launch` (high word: the score's order-preserving int32 bits, INT32_MIN when s is not visible; low word:
 2³² − 1 − s, so equal scores order by lowest position, as the reference's stable sort); `torch.topk` over these
 unique keys (inside `launch`: O(L) selection, sorted, deterministic) gives the ref's order exactly.
+Decode (T = 1) with L ≥ RADIX_MIN_KEYS keys instead runs the radix select of `dsa_decode` (scan + four 8-bit digit
+passes + exact tie fill, then a sort of the topk picks): same result, no O(L) int64 scratch or sort.
 
 Public API: `emit_mla_attention(group)`, `emit_dsa_index_topk(group)` -> module text (registered with
 `k3c.codegen.triton.emitter` for kinds "mla_attention" / "dsa_index_topk"); the launchers `launch_mla`,
@@ -25,12 +27,14 @@ Public API: `emit_mla_attention(group)`, `emit_dsa_index_topk(group)` -> module 
 
 from __future__ import annotations
 
+import inspect
 
 import torch
 import triton
 import triton.language as tl
 
-from k3c.codegen.triton import emitter, model_module
+from k3c.codegen.triton import dsa_decode, emitter, model_module
+from k3c.codegen.triton.dsa_decode import radix_topk
 from k3c.errors import UnsupportedError
 from k3c.ir.kernels import KernelGroup
 
@@ -43,6 +47,8 @@ HEAD_BLOCK_WIDE = 32        # absorbed form, v_dim >= 256: heads per program (ea
                             # 32 measured fastest on an H200 for 64 heads, bf16, v_dim 512; 64 overflows shared
                             # memory with 64-key tiles)
 SCRATCH_BYTES = 1 << 28     # cap of dsa_index_topk's i64 sort-key scratch; T is processed in row chunks under it
+RADIX_MIN_KEYS = 16384      # decode (T = 1) with at least this many keys: radix select (`dsa_decode.radix_topk`);
+                            # H200, B = 1: 38.6 us vs 140.2 us at 131072 keys (BENCHMARKS.md); crossover not measured
 
 
 @triton.jit
@@ -253,7 +259,8 @@ def dsa_score_kernel(q_ptr, w_ptr, k_ptr, key_ptr, T, L, t0, n_rows,
 def launch_dsa_index_topk(q_i, w, k_i, out, *, topk):
     """Run `dsa_index_topk`: q_i [B,T,J,D], w [B,T,J], k_i [B,L,D] -> out i64 [B,T,topk] (−1 padding).
 
-    Scratch: i64 sort keys [B, rows, L] allocated here, rows ≤ T chosen so that it stays ≤ SCRATCH_BYTES.
+    Scratch: i64 sort keys [B, rows, L] allocated here, rows ≤ T chosen so that it stays ≤ SCRATCH_BYTES. Decode
+    (T = 1) with L ≥ RADIX_MIN_KEYS runs the radix select of `dsa_decode` instead (same result, exact ties).
     Raises ValueError on mismatched shapes.
     """
     B, T, J, D = q_i.shape
@@ -261,6 +268,9 @@ def launch_dsa_index_topk(q_i, w, k_i, out, *, topk):
     if tuple(w.shape) != (B, T, J) or tuple(k_i.shape) != (B, L, D) or tuple(out.shape) != (B, T, topk):
         raise ValueError(f"dsa_index_topk: q_i {tuple(q_i.shape)}, w {tuple(w.shape)}, k_i {tuple(k_i.shape)}, "
                          f"out {tuple(out.shape)} mismatch")
+    if T == 1 and L >= RADIX_MIN_KEYS:
+        out.copy_(radix_topk(q_i[:, 0], w[:, 0], k_i, topk, None, True))
+        return
     kk = min(topk, L)
     if kk < topk:
         out[..., kk:] = -1
@@ -339,11 +349,18 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
     for a group that is not a single dsa_index_topk node."""
     node, ip, op = one_node(group, "dsa_index_topk")
     consts = [("TOPK", node.attrs["topk"], "index_topk"),
-              ("SCRATCH_BYTES", SCRATCH_BYTES, "cap of the i64 sort-key scratch (rows of T per pass)")]
+              ("SCRATCH_BYTES", SCRATCH_BYTES, "cap of the i64 sort-key scratch (rows of T per pass)"),
+              ("RADIX_MIN_KEYS", RADIX_MIN_KEYS, "decode with at least this many keys: radix select"),
+              ("SCAN_BLOCK", dsa_decode.SCAN_BLOCK, "radix select: keys per scan step"),
+              ("SELECT_BLOCK", dsa_decode.SELECT_BLOCK, "radix select: keys per refine / gather step"),
+              ("SCAN_PROGRAMS", dsa_decode.SCAN_PROGRAMS, "radix select: programs per launch"),
+              ("MAX_PROGRAMS", dsa_decode.MAX_PROGRAMS, "radix select: bound of programs per row"),
+              ("BITS", dsa_decode.BITS, "radix digit width"), ("BINS", dsa_decode.BINS, "bins per digit")]
     body = (
         "def launch(inputs, outputs, sizes):\n"
         '    """ABI entry: inputs (q_i, w, k_i), outputs [idx i64 [B,T,TOPK]]."""\n'
         f"    launch_dsa_index_topk(inputs[{ip[0]}], inputs[{ip[1]}], inputs[{ip[2]}], outputs[{op[0]}], topk=TOPK)\n")
-    return _module(group, "dsa_index_topk (score kernel + torch.topk on packed int64 keys)", consts,
-                   [dsa_score_kernel], launch_dsa_index_topk, body)
+    body = inspect.getsource(radix_topk) + "\n\n" + body
+    return _module(group, "dsa_index_topk (score kernel + torch.topk on packed int64 keys; decode at long context: "
+                   "radix select)", consts, [dsa_score_kernel, *dsa_decode.KERNELS], launch_dsa_index_topk, body)
 

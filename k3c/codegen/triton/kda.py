@@ -12,11 +12,13 @@ The fused op covers everything of K3-SPEC.md "KDA layer" between the projections
 
 Public API:
     kda_fused_reference  per-token torch loop straight from the spec (tests, interpreter fallback)
-    kda_decode           one fused kernel per decode step (T = 1), state and conv state in place
-    kda_prefill          any T >= 1, chunked tensor-core kernel for bounded gates, recurrent kernel otherwise
+    kda_decode           one fused kernel launch per decode step (T = 1), value dim split over programs, state
+                         (fp32 or bf16) and conv state in place
+    kda_prefill          any T >= 1, chunk-parallel tensor-core kernels for bounded gates, recurrent kernel otherwise
     kda_spec_replay      rebuild state + conv state from cached draft inputs, replaying n_accepted tokens
     emit_source          standalone kernel-module text for the code generator
-Kernels: `kda_recurrent.kda_recurrent_kernel`, `kda_chunk.kda_chunk_kernel`; helpers in `_common`.
+Kernels: `kda_decode.kda_decode_kernel`, `kda_recurrent.kda_recurrent_kernel`, `kda_chunk.kda_chunk_prep_kernel`
+/ `kda_chunk_state_kernel` / `kda_norm_gate_kernel`; helpers in `_common`.
 All launchers also run on CPU tensors under TRITON_INTERPRET=1 (fp32; the interpreter has no bf16 arithmetic).
 """
 
@@ -28,13 +30,18 @@ import torch.nn.functional as F
 import triton
 
 from k3c.codegen.triton import _common
-from k3c.codegen.triton.kda_chunk import kda_chunk_kernel
+from k3c.codegen.triton.kda_chunk import kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel
+from k3c.codegen.triton.kda_decode import kda_decode_kernel
 from k3c.codegen.triton.kda_recurrent import kda_recurrent_kernel
 from k3c.errors import RuntimeInputError, UnsupportedError
 
 # Decay-gate kinds (K3-SPEC "KDA layer"): kernel constexpr GATE_KIND.
 GATE_KINDS = {"lower_bound": 0, "softplus": 1}
-CHUNK = 16            # tokens per chunk of kda_chunk_kernel (one tensor-core tile)
+CHUNK = 16            # tokens per chunk of the chunked prefill (one tensor-core tile)
+DECODE_TILE_BYTES = 16384  # state bytes per decode program: block_v = 32 (fp32) / 64 (bf16) at D = 128, the fastest
+                           # on an H200 at B = 16 and 64 (BENCHMARKS.md, KDA decode); num_warps = block_v / 16
+CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
+CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| across one chunk for which exp(r - gc) stays finite in fp32
 
 
@@ -91,10 +98,29 @@ def kda_fused_reference(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q,
     return y.reshape(B, T, HD).to(q_in.dtype), S, window
 
 
-def _launch_kda(kernel, chunked, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log,
-                dt_bias, o_norm_weight, state, conv_state, *, gate_kind, lower_bound, eps, lengths, state_out,
-                conv_state_out, store_output, num_warps):
-    """Check shapes/devices and launch `kernel` (recurrent or chunked) over the (B, H) grid; returns y or None."""
+_DECODE_SCRATCH = {}  # (device, B*H, D) -> (o_part, counters) of kda_decode_kernel; counters are 0 between launches
+
+
+def _decode_scratch(device, rows, D):
+    """The decode kernel's cross-program scratch for `rows` = B*H heads: o_part [rows*D] fp32, counters [rows] int32.
+
+    Allocated once per (device, rows, D) and reused (the kernel leaves the counters at 0), so a captured CUDA graph
+    replays without allocations. Launches sharing it must not run concurrently on different streams.
+    """
+    key = (str(device), rows, D)
+    if key not in _DECODE_SCRATCH:
+        _DECODE_SCRATCH[key] = (torch.empty(rows * D, dtype=torch.float32, device=device),
+                                torch.zeros(rows, dtype=torch.int32, device=device))
+    return _DECODE_SCRATCH[key]
+
+
+def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
+                o_norm_weight, state, conv_state, *, gate_kind, lower_bound, eps, lengths, state_out,
+                conv_state_out, store_output, num_warps, block_v=None):
+    """Check shapes/devices and launch the `mode` kernels ("decode": T = 1, split over V; "recurrent": token loop
+    over the (B, H) grid; "chunk": chunk-parallel prep + state pass split over V + norm epilogue); returns y or None.
+    block_v: value columns per program of the decode / chunk state kernels (None: DECODE_TILE_BYTES of state per
+    decode program / CHUNK_BLOCK_V)."""
     if q_in.dim() != 3:
         raise RuntimeInputError(f"KDA: q_in must be [B, T, H*D], got {tuple(q_in.shape)}")
     B, T, HD = q_in.shape
@@ -112,37 +138,71 @@ def _launch_kda(kernel, chunked, q_in, k_in, v_in, f, beta_logits, gate_logits, 
             raise RuntimeInputError(f"KDA: {name} must have shape {shape}, got {tuple(tensor.shape)}")
     if A_log.numel() < H:
         raise RuntimeInputError(f"KDA: A_log has {A_log.numel()} entries, fewer than H={H}")
-    for name, tensor in (("state", state), ("conv_state", conv_state), ("conv_w_q", conv_w_q),
-                         ("A_log", A_log), ("dt_bias", dt_bias), ("o_norm_weight", o_norm_weight)):
+    for name, tensor in (("conv_state", conv_state), ("conv_w_q", conv_w_q), ("A_log", A_log),
+                         ("dt_bias", dt_bias), ("o_norm_weight", o_norm_weight)):
         if tensor.dtype != torch.float32:
             raise UnsupportedError(f"KDA: {name} must be float32, got {tensor.dtype}")
+    state_out = state if state_out is None else state_out
+    conv_state_out = conv_state if conv_state_out is None else conv_state_out
+    for name, tensor in (("state", state), ("state_out", state_out)):
+        if tensor.dtype not in (torch.float32, torch.bfloat16):
+            raise UnsupportedError(f"KDA: {name} must be float32 or bfloat16, got {tensor.dtype}")
     if not (state.is_contiguous() and conv_state.is_contiguous()):
         raise RuntimeInputError("KDA: state and conv_state must be contiguous (they are updated in place)")
     if q_in.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise UnsupportedError("KDA Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
     if gate_kind not in GATE_KINDS:
         raise UnsupportedError(f"KDA gate kind {gate_kind!r} (expected one of {sorted(GATE_KINDS)})")
-    state_out = state if state_out is None else state_out
-    conv_state_out = conv_state if conv_state_out is None else conv_state_out
+    if mode == "decode" and (T != 1 or lengths is not None or not store_output):
+        raise RuntimeInputError(f"KDA decode: one token per row and no lengths, got T={T}")
     if lengths is not None:
         lengths = torch.as_tensor(lengths, device=q_in.device).to(torch.int32).reshape(-1).expand(B).contiguous()
     y = torch.empty_like(q_in) if store_output else None
     BD = triton.next_power_of_2(D)
-    extra = {}
-    if chunked:
-        # TF32 (10-bit mantissa) is below the storage precision of a bf16/fp16 model; an fp32 model gets fp32 dots
-        tf32 = q_in.device.type == "cuda" and q_in.dtype != torch.float32
-        extra = {"BT": 16, "LOG2_BT": 4, "INV_PRECISION": "ieee", "DOT_PRECISION": "tf32" if tf32 else "ieee"}
+    BW = triton.next_power_of_2(W)
     c = [t.contiguous() for t in (q_in, k_in, v_in, f, gate_logits, beta_logits, conv_w_q, conv_w_k, conv_w_v,
                                   A_log, dt_bias, o_norm_weight)]
-    kernel[(B, H)](
-        *c, state, state_out, conv_state, conv_state_out, y if store_output else c[0],
-        lengths if lengths is not None else c[0], T,
-        H=H, D=D, W=W, BD=BD, BW=triton.next_power_of_2(W), GATE_KIND=GATE_KINDS[gate_kind],
-        LOWER_BOUND=float(lower_bound), EPS=float(eps), SCALE=D ** -0.5, HAS_LENGTHS=lengths is not None,
-        STORE_Y=store_output, num_warps=num_warps or (4 if BD <= 64 else 8),
-        num_stages=1,  # no software pipelining of the token/chunk loop: 3 stages need 476 KB smem at D=128
-        **extra)
+    has_len = lengths is not None
+    lens = lengths if has_len else c[0]
+    gate = dict(GATE_KIND=GATE_KINDS[gate_kind], LOWER_BOUND=float(lower_bound))
+    if mode == "decode":
+        BV = min(BD, block_v or max(16, DECODE_TILE_BYTES // (BD * state.element_size())))
+        NV = triton.cdiv(D, BV)
+        o_part, counters = _decode_scratch(q_in.device, B * H, D) if NV > 1 else (c[0], c[0])
+        kda_decode_kernel[(NV, H, B)](
+            *c, state, state_out, conv_state, conv_state_out, y, o_part, counters, H=H, D=D, W=W, BD=BD, BW=BW,
+            BV=BV, NV=NV, EPS=float(eps), SCALE=D ** -0.5, num_warps=num_warps or max(1, BV // 16), **gate)
+    elif mode == "recurrent":
+        kda_recurrent_kernel[(B, H)](
+            *c, state, state_out, conv_state, conv_state_out, y if store_output else c[0], lens, T, H=H, D=D, W=W,
+            BD=BD, BW=BW, EPS=float(eps), SCALE=D ** -0.5, HAS_LENGTHS=has_len, STORE_Y=store_output,
+            num_warps=num_warps or (4 if BD <= 64 else 8),
+            num_stages=1,  # no software pipelining of the token loop: 3 stages need 476 KB smem at D=128
+            **gate)
+    else:
+        # TF32 (10-bit mantissa) is below the storage precision of a bf16/fp16 model; an fp32 model gets fp32 dots
+        dot = "tf32" if q_in.device.type == "cuda" and q_in.dtype != torch.float32 else "ieee"
+        NC = triton.cdiv(T, CHUNK)
+        ws = torch.empty(4, B, H, NC, CHUNK, D, dtype=q_in.dtype, device=q_in.device)
+        ws_p = torch.empty(B, H, NC, CHUNK, CHUNK, dtype=q_in.dtype, device=q_in.device)
+        ws_glast = torch.empty(B, H, NC, D, dtype=torch.float32, device=q_in.device)
+        kda_chunk_prep_kernel[(NC, H, B)](
+            *c[:4], c[5], *c[6:11], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, T, NC, H=H, D=D,
+            W=W, BD=BD, SCALE=D ** -0.5, HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1,
+            INV_PRECISION="ieee", DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
+        BV = min(BD, block_v or CHUNK_BLOCK_V)
+        fuse = BV == BD
+        o_buf = y if fuse or not store_output else torch.empty(B, T, HD, dtype=torch.float32, device=q_in.device)
+        kda_chunk_state_kernel[(triton.cdiv(D, BV), H, B)](
+            ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, c[0], c[1], c[2], c[4], c[11], state, state_out, conv_state,
+            conv_state_out, o_buf if store_output else c[0], lens, T, NC, H=H, D=D, W=W, BD=BD, BW=BW, BV=BV,
+            EPS=float(eps), HAS_LENGTHS=has_len, STORE_Y=store_output, FUSE_NORM=fuse, BT=CHUNK,
+            DOT_PRECISION=dot, num_warps=num_warps or 4, num_stages=2)
+        if store_output and not fuse:
+            rows = 16
+            kda_norm_gate_kernel[(triton.cdiv(T * H, rows), B)](
+                o_buf, c[4], c[11], y, lens, T, H=H, D=D, BD=BD, EPS=float(eps), HAS_LENGTHS=has_len, BR=rows,
+                num_warps=4)
     return y
 
 
@@ -153,17 +213,21 @@ def _chunk_is_safe(gate_kind, lower_bound):
 
 def kda_prefill(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
                 o_norm_weight, state, conv_state, *, gate_kind="lower_bound", lower_bound=-5.0, eps=1e-5,
-                lengths=None, state_out=None, conv_state_out=None, method="auto", store_output=True, num_warps=None):
+                lengths=None, state_out=None, conv_state_out=None, method="auto", store_output=True, num_warps=None,
+                block_v=None):
     """Fused KDA over T >= 1 tokens per row, carrying the recurrent state and the conv state in and out.
 
     Shapes/dtypes as `kda_fused_reference`: activations [B, T, H*D] (fp32/bf16/fp16, beta_logits [B, T, H]),
     conv weights [H*D, W] fp32, A_log [>= H] fp32, dt_bias [H*D] fp32, o_norm_weight [D] fp32, state
-    [B, H, D, D] fp32, conv_state [B, 3*H*D, W] fp32 (both contiguous). gate_kind: "lower_bound" (K3, config
+    [B, H, D, D] fp32 or bf16 (kept in fp32 inside the kernels), conv_state [B, 3*H*D, W] fp32 (both
+    contiguous). gate_kind: "lower_bound" (K3, config
     linear_attn_config.gate_lower_bound) or "softplus" (Kimi Linear); eps: o_norm's rms_norm_eps.
     lengths: None or int / [B] ints <= T (only the first lengths[b] tokens of row b are used; y past them is left
     unwritten). State and conv state are updated in place unless state_out / conv_state_out (same shapes) are given.
-    method: "chunk" (16-token WY/UT tensor-core kernel; bounded gate with 15*|lower_bound| <= 80 only),
-    "recurrent" (token loop, any gate), or "auto" (chunk when safe and T >= 16).
+    method: "chunk" (16-token WY/UT tensor-core kernels, chunk-parallel; bounded gate with 15*|lower_bound| <= 80
+    only; a workspace of about 4*T*H*D activation-dtype elements per row, plus T*H*D fp32 when block_v < D),
+    "recurrent" (token loop, any gate), or "auto" (chunk when safe and T >= 16). block_v: state columns per program
+    of the chunk state pass (default CHUNK_BLOCK_V; D fuses the norm epilogue into it).
     Returns y [B, T, H*D] in q_in's dtype (None if store_output is False).
     Raises RuntimeInputError on shape mismatch, UnsupportedError on dtype/device/gate/method not supported.
     """
@@ -174,18 +238,20 @@ def kda_prefill(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_
         raise UnsupportedError(f"KDA chunked prefill needs a lower-bounded gate with 15*|bound| <= 80, "
                                f"got gate {gate_kind!r}, bound {lower_bound}")
     chunked = method == "chunk" or (method == "auto" and safe and q_in.shape[1] >= CHUNK)
-    kernel = kda_chunk_kernel if chunked else kda_recurrent_kernel
-    return _launch_kda(kernel, chunked, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v,
-                       A_log, dt_bias, o_norm_weight, state, conv_state, gate_kind=gate_kind,
-                       lower_bound=lower_bound, eps=eps, lengths=lengths, state_out=state_out,
-                       conv_state_out=conv_state_out, store_output=store_output, num_warps=num_warps)
+    return _launch_kda("chunk" if chunked else "recurrent", q_in, k_in, v_in, f, beta_logits, gate_logits,
+                       conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias, o_norm_weight, state, conv_state,
+                       gate_kind=gate_kind, lower_bound=lower_bound, eps=eps, lengths=lengths, state_out=state_out,
+                       conv_state_out=conv_state_out, store_output=store_output, num_warps=num_warps,
+                       block_v=block_v)
 
 
 def kda_decode(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
                o_norm_weight, state, conv_state, *, gate_kind="lower_bound", lower_bound=-5.0, eps=1e-5,
-               num_warps=None):
+               num_warps=None, block_v=None):
     """One fused KDA decode step (one kernel launch): conv-state roll + conv + silu + l2norm + gate + beta +
-    recurrence + RMSNorm + sigmoid gate, with state [B, H, D, D] and conv_state [B, 3*H*D, W] updated in place.
+    recurrence + RMSNorm + sigmoid gate, with state [B, H, D, D] (fp32 or bf16) and conv_state [B, 3*H*D, W]
+    updated in place. The value dim is split over cdiv(D, block_v) programs per head (default: DECODE_TILE_BYTES of
+    state per program).
 
     Activations are [B, H*D] (or [B, 1, H*D]), beta_logits [B, H] (or [B, 1, H]); other shapes, dtypes and errors
     as `kda_prefill`. Returns y with q_in's shape and dtype.
@@ -194,10 +260,10 @@ def kda_decode(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k
     q_in, k_in, v_in, f, gate_logits = (t.reshape(t.shape[0], 1, t.shape[-1]) for t in
                                         (q_in, k_in, v_in, f, gate_logits))
     beta_logits = beta_logits.reshape(beta_logits.shape[0], 1, beta_logits.shape[-1])
-    y = _launch_kda(kda_recurrent_kernel, False, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k,
+    y = _launch_kda("decode", q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k,
                     conv_w_v, A_log, dt_bias, o_norm_weight, state, conv_state, gate_kind=gate_kind,
                     lower_bound=lower_bound, eps=eps, lengths=None, state_out=None, conv_state_out=None,
-                    store_output=True, num_warps=num_warps)
+                    store_output=True, num_warps=num_warps, block_v=block_v)
     return y.reshape(shape)
 
 
@@ -225,9 +291,10 @@ def kda_spec_replay(q_in, k_in, v_in, f, beta_logits, conv_w_q, conv_w_k, conv_w
 # Code generation: a standalone module per kernel family.
 
 _FAMILIES = {  # family -> (kernels to include, IR node it implements by default)
-    "decode": ((kda_recurrent_kernel,), "kda.fused_decode"),
-    "prefill": ((kda_recurrent_kernel, kda_chunk_kernel), "kda.fused_prefill"),
-    "spec_replay": ((kda_recurrent_kernel, kda_chunk_kernel), "kda.spec_replay"),
+    "decode": ((kda_decode_kernel,), "kda.fused_decode"),
+    "prefill": ((kda_decode_kernel, kda_recurrent_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel,
+                 kda_norm_gate_kernel), "kda.fused_prefill"),
+    "spec_replay": ((kda_recurrent_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel), "kda.spec_replay"),
 }
 
 _LAUNCH_TEMPLATE = '''
@@ -238,17 +305,17 @@ def launch(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, co
 
     Activations [B, T, H*D] with H = HEADS, D = HEAD_DIM (decode: T = 1); beta_logits [B, T, H];
     conv weights [H*D, CONV_SIZE] fp32; A_log [>= H], dt_bias [H*D], o_norm_weight [D] fp32;
-    state [B, H, D, D] and conv_state [B, 3*H*D, CONV_SIZE] fp32, updated in place unless *_out are given;
+    state [B, H, D, D] fp32 or bf16 and conv_state [B, 3*H*D, CONV_SIZE] fp32, updated in place unless *_out
+    are given;
     lengths: None or [B] ints (tokens per row; spec replay: n_accepted). Returns y [B, T, H*D] or None.
     Raises RuntimeInputError / UnsupportedError (k3c.errors) on inputs this specialization does not fit.
     """
     if q_in.shape[-1] != HEADS * HEAD_DIM or o_norm_weight.numel() != HEAD_DIM or conv_w_q.shape[-1] != CONV_SIZE:
         raise RuntimeInputError(f"kernel specialized for H={{HEADS}}, D={{HEAD_DIM}}, W={{CONV_SIZE}}")
-    chunked = {chunked}
-    return _launch_kda(kda_chunk_kernel if chunked else kda_recurrent_kernel, chunked, q_in, k_in, v_in, f,
-                       beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias, o_norm_weight, state,
-                       conv_state, gate_kind=GATE_KIND, lower_bound=LOWER_BOUND, eps=EPS, lengths=lengths,
-                       state_out=state_out, conv_state_out=conv_state_out, store_output=store_output, num_warps=None)
+    return _launch_kda({mode!r}, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v,
+                       A_log, dt_bias, o_norm_weight, state, conv_state, gate_kind=GATE_KIND, lower_bound=LOWER_BOUND,
+                       eps=EPS, lengths=lengths, state_out=state_out, conv_state_out=conv_state_out,
+                       store_output=store_output, num_warps=None)
 '''
 
 
@@ -258,7 +325,7 @@ def emit_source(spec):
     spec keys: "family" ("decode" | "prefill" | "spec_replay"), "heads" (H), "head_dim" (D), "conv_size" (W,
     default 4), "gate_kind" ("lower_bound" | "softplus"), "lower_bound" (default -5.0), "eps" (default 1e-5),
     optional "ir_nodes" (names of the IR nodes implemented, for the header) and "chunked" (prefill/spec_replay:
-    use the 16-token tensor-core kernel; default: when the gate is safely bounded).
+    use the chunk-parallel 16-token tensor-core kernels; default: when the gate is safely bounded).
     The module imports torch, triton and k3c.errors only; it holds a header naming the IR nodes and the
     specialization constants, the `@triton.jit` helper and kernel sources, `_launch_kda`, and
     `launch(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
@@ -284,6 +351,7 @@ def emit_source(spec):
     if chunked and not safe:
         raise UnsupportedError("KDA emit_source: chunked kernel requested for an unbounded or too-low gate")
     kernels, default_node = _FAMILIES[family]
+    mode = "decode" if family == "decode" else "chunk" if chunked else "recurrent"
     nodes = ", ".join(spec.get("ir_nodes", [default_node]))
     doc = {"decode": "One fused KDA decode step (T = 1).",
            "prefill": "Fused KDA prefill over T >= 1 tokens.",
@@ -292,19 +360,18 @@ def emit_source(spec):
         f'"""k3c generated kernel module: KDA {family}.\n\n'
         f"Implements IR node(s): {nodes}\n"
         f"Specialization: H={H}, D={D}, W={W}, gate={gate_kind}, lower_bound={lower_bound}, eps={eps}, "
-        f"kernel={'kda_chunk_kernel (16-token WY/UT tiles)' if chunked else 'kda_recurrent_kernel (token loop)'}\n"
+        f"kernels={', '.join(k.fn.__name__ for k in kernels)}; {family} runs {mode!r}\n"
         f"Math: K3-SPEC.md 'KDA layer'. Emitted by k3c.codegen.triton.kda.emit_source.\n"
         f'"""\n\nimport os\n\nimport torch\nimport triton\nimport triton.language as tl\n\n'
         f"from k3c.errors import RuntimeInputError, UnsupportedError\n\n"
         f"HEADS = {H}  # linear_attn_config.num_heads\nHEAD_DIM = {D}  # linear_attn_config.head_dim\n"
         f"CONV_SIZE = {W}  # short_conv_kernel_size\nGATE_KIND = {gate_kind!r}\n"
         f"LOWER_BOUND = {lower_bound!r}  # linear_attn_config.gate_lower_bound\nEPS = {eps!r}  # rms_norm_eps\n"
-        f"GATE_KINDS = {GATE_KINDS!r}\n")
+        f"GATE_KINDS = {GATE_KINDS!r}\nCHUNK = {CHUNK}\nDECODE_TILE_BYTES = {DECODE_TILE_BYTES}\n"
+        f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n_DECODE_SCRATCH = {{}}\n")
     parts = [header]
     parts += [inspect.getsource(fn.fn) for fn in _common.HELPERS]
     parts += [inspect.getsource(kernel.fn) for kernel in kernels]
-    if family == "decode":
-        parts.append("kda_chunk_kernel = None  # decode modules carry only the token-loop kernel\n")
-    parts.append(inspect.getsource(_launch_kda))
-    parts.append(_LAUNCH_TEMPLATE.format(doc=doc, chunked=chunked))
+    parts += [inspect.getsource(_decode_scratch), inspect.getsource(_launch_kda)]
+    parts.append(_LAUNCH_TEMPLATE.format(doc=doc, mode=mode))
     return "\n\n".join(parts)

@@ -2,19 +2,19 @@
 implementing `launch(inputs, outputs, sizes)`.
 
 Math: K3-SPEC.md "KDA layer"; exact semantics: `kda_fused_ref` of k3c/ir/ops/model_kda.py. The kernel text is
-`kda.emit_source` of the "prefill" family (token-loop kernel `kda_recurrent_kernel` and, for a safely bounded gate,
-the 16-token chunk kernel `kda_chunk_kernel`), with two edits so that the module stands alone and keeps the ABI
+`kda.emit_source` of the "prefill" family (the split-V decode kernel, the token-loop kernel and the chunk-parallel
+prefill kernels), with two edits so that the module stands alone and keeps the ABI
 name free: its `from k3c.errors import ...` becomes two local exception classes (subclasses of ValueError), and its
 own `launch(q_in, ...)` is renamed `kda_family_launch`. The ABI `launch` maps the IR operands onto `_launch_kda`:
 
     inputs  (q, k, v, f, beta, gate, q_conv, k_conv, v_conv, A_log, dt_bias, o_norm, state, conv_state)
     outputs (y [B,T,H·K], new state [B,H,K,K] f32, new conv state [B,3·H·K,W])
 
-T == 1 (decode) runs the token-loop kernel, like `kda.kda_decode`; T > 1 (prefill) runs the chunk kernel when the
-gate is safely bounded and T ≥ 16, else the token loop, like `kda.kda_prefill(method="auto")`. The state outputs
-may be the very tensors of the state inputs (in-place update) or separate ones. Conv weights [H·K,1,W] are viewed
-as [H·K,W]; non-fp32 weights or conv state are converted (the kernels take fp32), a converted conv state is
-copied back.
+T == 1 (decode) runs the split-V decode kernel, like `kda.kda_decode`; T > 1 (prefill) runs the chunked
+kernels when the gate is safely bounded and T ≥ 16, else the token loop, like `kda.kda_prefill(method="auto")`.
+The state outputs may be the very tensors of the state inputs (in-place update) or separate ones. Conv weights
+[H·K,1,W] are viewed as [H·K,W]; non-fp32 weights or conv state are converted (the kernels take fp32), a converted
+conv state is copied back.
 
 Public API: `emit_kda_fused(group)` -> module text (registered with `k3c.codegen.triton.emitter` for the kind
 "kda_fused").
@@ -47,8 +47,8 @@ def launch(inputs, outputs, sizes):
     conv_w = [w.reshape(w.shape[0], w.shape[-1]).float() for w in (q_conv, k_conv, v_conv)]
     conv_in = conv_state if conv_state.dtype == torch.float32 else conv_state.float()
     conv_dst = conv_out if conv_out.dtype == torch.float32 else conv_in
-    chunked = T > 1 and CHUNKED and T >= CHUNK_MIN_TOKENS
-    y_new = _launch_kda(kda_chunk_kernel if chunked else kda_recurrent_kernel, chunked, q, k, v, f, beta, gate,
+    mode = "decode" if T == 1 else "chunk" if CHUNKED and T >= CHUNK_MIN_TOKENS else "recurrent"
+    y_new = _launch_kda(mode, q, k, v, f, beta, gate,
                         *conv_w, A_log.reshape(-1).float(), dt_bias.reshape(-1).float(), o_norm.float(), state,
                         conv_in, gate_kind=GATE_KIND, lower_bound=LOWER_BOUND, eps=EPS, lengths=None,
                         state_out=state_out, conv_state_out=conv_dst, store_output=True, num_warps=None)

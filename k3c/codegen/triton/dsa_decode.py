@@ -1,0 +1,254 @@
+"""DSA decode at long context: indexer scan, radix top-k selection (no sort), sparse latent attention.
+
+Math: K3-SPEC.md "Gated DSA" (DeepSeek-V3.2 eq. 1): for the one new token of each batch row b,
+    I[s] = sum_j w[j] * ReLU(q_I[j] . k_I[s])            over the L cached index keys s (all visible at decode)
+and the attention reads the top-k keys of I (`mla_attention` with idx, absorbed form, `attention.launch_mla`, which
+also runs this selection for decode at long context: `attention.launch_dsa_index_topk`).
+
+Selection is a four-digit radix select on the scores' order-preserving 32-bit keys (u = float bits with the sign
+flipped for positives and all bits flipped for negatives; unsigned order = float order), 8-bit digits, with global
+histograms (BINS int32 per digit and row):
+  dsa_scan_kernel     grid (programs, B): scores of n_blocks x BLOCK_S keys per program -> keys [B, L] (u32 bits
+                      in an int32 tensor) and the histogram of digit 1 (bits 31..24), added with masked atomics
+  dsa_refine_kernel   LEVEL 2..4: every program derives the digits chosen so far from the histograms (a suffix sum
+                      over BINS), re-reads the keys (L2-resident: 4 bytes per key), and histograms the next digit
+                      of the keys that match the prefix
+  dsa_tie_count_kernel  the threshold key tau (all four digits); per program, the keys equal to tau
+  dsa_gather_kernel   keys > tau take slots from a per-row counter (atomics); keys == tau fill the remaining slots
+                      by position (a prefix over the programs' tie counts), as the reference's stable sort
+The output is the reference's top-k SET (positions, int64 [B, 1, topk], -1 past min(L, topk)), in no particular
+order (the attention is order-free), or in the reference's order with `ordered=True`.
+FP8 index keys (optional): k_I as float8_e4m3fn with one fp32 scale per key (k = scale * k8; `quantize_index_keys`)
+halve the bytes of the scan; the score is scale * sum_j w_j ReLU(q_j . k8) (scale > 0).
+
+Public API: `dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False)` -> idx, `radix_topk` (its launches),
+`quantize_index_keys(k_i)` -> (k8, scale), and the kernels (`KERNELS`, in source order).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from k3c.errors import RuntimeInputError
+
+SCAN_BLOCK = 128       # keys per scan step (one [J, D] x [D, SCAN_BLOCK] tensor-core product)
+SELECT_BLOCK = 1024    # keys per step of the refine / tie-count / gather passes
+SCAN_PROGRAMS = 1056   # scan / refine programs per launch: about 8 per H200 SM
+MAX_PROGRAMS = 2048    # bound of the programs per row of the refine / gather grid (<= SCAN_PROGRAMS + 1)
+BITS = 8               # radix digit width: four digits per 32-bit key
+BINS = 1 << BITS       # histogram bins per digit (tl.histogram's cost grows with the bin count)
+FP8_MAX = 448.0        # largest float8_e4m3fn value
+
+
+@triton.jit
+def _order_key(score):
+    """Order-preserving uint32 of fp32 scores (-0.0 folded to +0.0)."""
+    bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)          # signed int32 order == float order
+    return (ordered ^ -2147483648).to(tl.uint32, bitcast=True)    # sign bit flipped: unsigned order
+
+
+@triton.jit
+def _pick_bin(hist_row, k_rem, BINS: tl.constexpr):
+    """Largest bin whose suffix count (this bin and above) reaches k_rem, and the count strictly above it.
+
+    Returns (-1, total) when the row holds fewer than k_rem keys.
+    """
+    bins = tl.arange(0, BINS)
+    h = tl.load(hist_row + bins)
+    suffix = tl.sum(h, 0) - tl.cumsum(h, 0) + h
+    chosen = tl.max(tl.where(suffix >= k_rem, bins, -1), 0)
+    above = tl.sum(tl.where(bins > chosen, h, 0), 0)
+    return chosen, above
+
+
+@triton.jit
+def _chosen_prefix(hist_row, K, DIGITS: tl.constexpr, BINS: tl.constexpr):
+    """The first DIGITS digits of the K-th largest key, from the histograms of digits 1..DIGITS.
+
+    Returns (prefix, keys above the prefix, everything): everything = the row has at most K keys (digit 1 found no
+    bin), and then every key is selected.
+    """
+    prefix = tl.zeros([], tl.int64)
+    above = tl.zeros([], tl.int32)
+    first = tl.zeros([], tl.int32)
+    for level in tl.static_range(DIGITS):
+        d, a = _pick_bin(hist_row + level * BINS, K - above, BINS)
+        if level == 0:
+            first = d
+        prefix = prefix * BINS + tl.maximum(d, 0)
+        above = above + a
+    return prefix, above, first < 0
+
+
+@triton.jit
+def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, L, n_blocks,
+                    J: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
+                    FP8: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores of keys [pid*n_blocks*BLOCK_S, ...) of row b; q [B, J, D], w [B, J], k [B, L, D] (bf16/fp32, or
+    fp8 with ks [B, L] fp32 scales); keys [B, L] int32 (u32 bits); hist [B, 4, BINS] int32 (digit 1 added here)."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_j = tl.arange(0, BLOCK_J)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + (b * J + offs_j)[:, None] * D + offs_d[None, :], mask=(offs_j < J)[:, None], other=0.0)
+    w = tl.load(w_ptr + b * J + offs_j, mask=offs_j < J, other=0.0).to(tl.float32)
+    hist = tl.zeros([BINS], tl.int32)
+    n_pad = 0
+    for i in range(n_blocks):
+        offs_s = (pid * n_blocks + i) * BLOCK_S + tl.arange(0, BLOCK_S)
+        ok = offs_s < L
+        k = tl.load(k_ptr + (b * L + offs_s)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)     # [BLOCK_J, BLOCK_S]
+        score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
+        if FP8:
+            score = score * tl.load(ks_ptr + b * L + offs_s, mask=ok, other=0.0)
+        u = _order_key(score)
+        tl.store(keys_ptr + b * L + offs_s, u.to(tl.int32, bitcast=True), mask=ok)
+        hist += tl.histogram(tl.where(ok, u >> (32 - BITS), 0).to(tl.int32), BINS)
+        n_pad += tl.sum((~ok).to(tl.int32), 0)
+    bins = tl.arange(0, BINS)
+    hist = tl.where(bins == 0, hist - n_pad, hist)                # padding lanes were counted in bin 0
+    tl.atomic_add(hist_ptr + b * 4 * BINS + bins, hist, mask=hist > 0)
+
+
+@triton.jit
+def dsa_refine_kernel(keys_ptr, hist_ptr, L, n_blocks, K,
+                      LEVEL: tl.constexpr, BLOCK_R: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr):
+    """Histogram of digit LEVEL (2..4) over the keys matching the LEVEL-1 digits chosen so far."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    row = hist_ptr + b * 4 * BINS
+    prefix, above, everything = _chosen_prefix(row, K, LEVEL - 1, BINS)
+    hist = tl.zeros([BINS], tl.int32)
+    n_other = 0
+    for i in range(n_blocks):
+        offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = offs < L
+        u = tl.load(keys_ptr + b * L + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        match = ok & ((u >> (32 - BITS * (LEVEL - 1))).to(tl.int64) == prefix)
+        match = match & ((everything.to(tl.int32) + 0 * offs) == 0)
+        digit = ((u >> (32 - BITS * LEVEL)) & (BINS - 1)).to(tl.int32)
+        hist += tl.histogram(tl.where(match, digit, 0), BINS)
+        n_other += tl.sum((~match).to(tl.int32), 0)
+    bins = tl.arange(0, BINS)
+    hist = tl.where(bins == 0, hist - n_other, hist)
+    tl.atomic_add(row + (LEVEL - 1) * BINS + bins, hist, mask=hist > 0)
+
+
+@triton.jit
+def dsa_tie_count_kernel(keys_ptr, hist_ptr, ties_ptr, L, n_blocks, K,
+                         BLOCK_R: tl.constexpr, BINS: tl.constexpr, MAX_P: tl.constexpr):
+    """ties [B, MAX_P] int32: how many keys of program pid's range equal tau (0 when every key is taken)."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    tau, above, everything = _chosen_prefix(hist_ptr + b * 4 * BINS, K, 4, BINS)
+    n = 0
+    for i in range(n_blocks):
+        offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+        u = tl.load(keys_ptr + b * L + offs, mask=offs < L, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        n += tl.sum(((offs < L) & (u == tau)).to(tl.int32), 0)
+    tl.store(ties_ptr + b * MAX_P + pid, tl.where(everything, 0, n))
+
+
+@triton.jit
+def dsa_gather_kernel(keys_ptr, hist_ptr, ties_ptr, count_ptr, idx_ptr, L, n_blocks, K,
+                      BLOCK_R: tl.constexpr, BINS: tl.constexpr, MAX_P: tl.constexpr):
+    """Positions of the top-K keys of row b into idx [B, K] int64 (pre-filled with -1).
+
+    Keys above tau take slots [0, above) from the row's counter (count [B] int32, zeroed; arrival order); keys equal
+    to tau take slots above + rank, rank = their order by position among the row's ties (ties of the programs
+    before pid, from `dsa_tie_count_kernel`, then in-block order), while rank < K - above: the lowest positions,
+    as the reference's stable sort."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    tau, above, everything = _chosen_prefix(hist_ptr + b * 4 * BINS, K, 4, BINS)
+    take_all = everything.to(tl.int32)
+    p = tl.arange(0, MAX_P)
+    rank0 = tl.sum(tl.load(ties_ptr + b * MAX_P + p, mask=p < pid, other=0), 0)
+    for i in range(n_blocks):
+        offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = offs < L
+        u = tl.load(keys_ptr + b * L + offs, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        gt = ok & (((u > tau).to(tl.int32) | take_all) != 0)
+        tie = (ok & (((u == tau).to(tl.int32) & (1 - take_all)) != 0)).to(tl.int32)
+        slot = tl.atomic_add(count_ptr + b + tl.zeros([BLOCK_R], tl.int32), 1, mask=gt, sem="relaxed")
+        tl.store(idx_ptr + b * K + slot, offs.to(tl.int64), mask=gt)
+        rank = rank0 + tl.cumsum(tie, 0) - 1
+        tl.store(idx_ptr + b * K + above + rank, offs.to(tl.int64), mask=(tie != 0) & (rank < K - above))
+        rank0 += tl.sum(tie, 0)
+
+
+def quantize_index_keys(k_i):
+    """FP8 index keys: k_i [B, L, D] -> (k8 float8_e4m3fn [B, L, D], scale fp32 [B, L]), k ~= scale * k8.
+
+    scale = max|k| / 448 per key (1 for an all-zero key), so every key uses the e4m3 range fully.
+    """
+    amax = k_i.float().abs().amax(-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (k_i.float() / scale[..., None]).to(torch.float8_e4m3fn), scale.contiguous()
+
+
+def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False):
+    """Top-`topk` index positions for one new token per row: q_i [B, J, D] (or [B, 1, J, D]), w [B, J],
+    k_i [B, L, D] (bf16/fp16/fp32, or float8_e4m3fn with k_scale [B, L] fp32).
+
+    Returns int64 [B, 1, topk]: the positions of the topk largest I[s], ties by lowest position, -1 past
+    min(L, topk); in no particular order unless `ordered` (then as `dsa_index_topk_ref`: score descending, ties by
+    position). Raises RuntimeInputError on mismatched shapes or a missing / unexpected k_scale.
+    """
+    q_i = q_i.reshape(q_i.shape[0], q_i.shape[-2], q_i.shape[-1])
+    B, J, D = q_i.shape
+    L = k_i.shape[1]
+    fp8 = k_i.dtype == torch.float8_e4m3fn
+    if tuple(w.reshape(B, -1).shape) != (B, J) or k_i.shape[0] != B or k_i.shape[2] != D or L < 1:
+        raise RuntimeInputError(f"dsa_decode_topk: q_i {tuple(q_i.shape)}, w {tuple(w.shape)}, "
+                                f"k_i {tuple(k_i.shape)} mismatch")
+    if fp8 != (k_scale is not None) or (fp8 and tuple(k_scale.shape) != (B, L)):
+        raise RuntimeInputError("dsa_decode_topk: k_scale [B, L] fp32 goes with float8_e4m3fn keys, and only then")
+    return radix_topk(q_i, w.reshape(B, J), k_i, topk, k_scale, ordered)
+
+
+def radix_topk(q_i, w, k_i, topk, k_scale, ordered):
+    """The launches of `dsa_decode_topk` (q_i [B, J, D], w [B, J]; shapes already checked; copied into generated
+    `dsa_index_topk` modules). Scratch: keys [B, L] int32, histograms [B, 4, BINS] and tie counts
+    [B, MAX_PROGRAMS] int32, allocated here."""
+    B, J, D = q_i.shape
+    L = k_i.shape[1]
+    fp8 = k_scale is not None
+    dev = q_i.device
+    keys = torch.empty((B, L), dtype=torch.int32, device=dev)
+    hist = torch.zeros((B, 4, BINS), dtype=torch.int32, device=dev)
+    count = torch.zeros((B,), dtype=torch.int32, device=dev)
+    ties = torch.empty((B, MAX_PROGRAMS), dtype=torch.int32, device=dev)
+    idx = torch.full((B, 1, topk), -1, dtype=torch.int64, device=dev)
+    q = q_i.contiguous() if not fp8 else q_i.to(torch.bfloat16).contiguous()
+    n_scan = triton.cdiv(L, SCAN_BLOCK)
+    per_scan = max(1, triton.cdiv(n_scan * B, SCAN_PROGRAMS))
+    n_ref = triton.cdiv(L, SELECT_BLOCK)
+    per_ref = max(1, triton.cdiv(n_ref * B, SCAN_PROGRAMS))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    dsa_scan_kernel[(triton.cdiv(n_scan, per_scan), B)](
+        q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, L, per_scan, J=J, D=D,
+        BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_S=SCAN_BLOCK, FP8=fp8, BINS=BINS, BITS=BITS,
+        DOT_PRECISION=precision, num_warps=4)
+    grid = (triton.cdiv(n_ref, per_ref), B)
+    for level in (2, 3, 4):
+        dsa_refine_kernel[grid](keys, hist, L, per_ref, topk, LEVEL=level, BLOCK_R=SELECT_BLOCK, BINS=BINS,
+                                BITS=BITS, num_warps=4)
+    dsa_tie_count_kernel[grid](keys, hist, ties, L, per_ref, topk, BLOCK_R=SELECT_BLOCK, BINS=BINS,
+                               MAX_P=MAX_PROGRAMS, num_warps=4)
+    dsa_gather_kernel[grid](keys, hist, ties, count, idx, L, per_ref, topk, BLOCK_R=SELECT_BLOCK, BINS=BINS,
+                            MAX_P=MAX_PROGRAMS, num_warps=4)
+    if ordered:     # the reference's order: score descending, ties by lowest position
+        pos = idx[:, 0]
+        u = torch.gather(keys, 1, pos.clamp(min=0)).to(torch.int64) & 0xFFFFFFFF
+        rank = ((u - 2 ** 31) << 32) + (2 ** 32 - 1 - pos)
+        rank = torch.where(pos >= 0, rank, torch.full_like(rank, -2 ** 63))
+        idx = torch.gather(pos, 1, torch.sort(rank, dim=1, descending=True).indices)[:, None]
+    return idx
+
+
+# Source order for code generation (helpers first).
+KERNELS = (_order_key, _pick_bin, _chosen_prefix, dsa_scan_kernel, dsa_refine_kernel, dsa_tie_count_kernel,
+           dsa_gather_kernel)

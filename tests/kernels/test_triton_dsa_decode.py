@@ -1,0 +1,84 @@
+"""DSA decode kernels (k3c.codegen.triton.dsa_decode) under the Triton interpreter, fp32, small shapes.
+
+Oracle: `dsa_index_topk_ref` (k3c/ir/ops/model_attn.py: torch scores + stable sort) for the selected set, and a
+torch gather + softmax for the sparse attention.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors need the interpreter; set before triton.jit runs
+
+import pytest
+import torch
+
+from k3c.codegen.triton.attention import launch_mla
+from k3c.codegen.triton.dsa_decode import dsa_decode_topk
+from k3c.errors import RuntimeInputError
+from k3c.ir.ops.model_attn import dsa_index_topk_ref
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tests run the kernels under TRITON_INTERPRET=1")
+
+B, J, D = 2, 4, 32
+
+
+def index_inputs(L, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, J, D, generator=gen), torch.randn(B, J, generator=gen),
+            torch.randn(B, L, D, generator=gen))
+
+
+def as_sets(idx):
+    return [set(row.tolist()) - {-1} for row in idx.reshape(idx.shape[0], -1)]
+
+
+@pytest.mark.parametrize("L,topk", [(3000, 64), (1500, 700), (40, 64), (64, 64)])
+def test_topk_set_equals_reference(L, topk):
+    q_i, w, k_i = index_inputs(L, seed=L + topk)
+    idx = dsa_decode_topk(q_i, w, k_i, topk)
+    ref = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0]
+    assert idx.shape == (B, 1, topk)
+    assert as_sets(idx) == as_sets(ref)
+    assert ((idx >= 0).sum(-1) == min(L, topk)).all()                    # -1 exactly past min(L, topk)
+    assert torch.equal(dsa_decode_topk(q_i, w, k_i, topk, ordered=True), ref)
+
+
+@pytest.mark.parametrize("case", ["repeated keys", "zero scores"])
+def test_ties_at_threshold_as_reference(case):
+    # repeated keys: every score appears 8 times, the threshold score is tied across positions; zero scores: w > 0,
+    # so 1/16 of the keys (all four ReLU terms 0) score exactly 0, and the threshold falls among them
+    if case == "repeated keys":
+        L, topk = 800, 100
+        q_i, w, k_i = index_inputs(L // 8, seed=3)
+        k_i = k_i.repeat_interleave(8, dim=1)
+    else:
+        L, topk = 1500, 1450
+        q_i, w, k_i = index_inputs(L, seed=4)
+        w = w.abs()
+    idx = dsa_decode_topk(q_i, w, k_i, topk, ordered=True)
+    ref = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0]
+    assert torch.equal(idx, ref)
+
+
+def test_sparse_attention_matches_torch():
+    L, topk, H, Dl, dv = 500, 64, 16, 48, 32
+    q_i, w, k_i = index_inputs(L, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(B, 1, H, Dl, generator=gen)
+    kv = torch.randn(B, L, Dl, generator=gen)
+    out = torch.empty(B, 1, H, dv)
+    launch_mla(q, kv, None, dsa_decode_topk(q_i, w, k_i, topk), out, absorbed=True, causal=True, scale=Dl ** -0.5,
+               v_dim=dv, dense_max_keys=None)                           # the selection as an unordered set
+    idx = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0][:, 0]       # [B, topk]
+    rows = torch.gather(kv, 1, idx[..., None].expand(B, topk, Dl))                           # [B, topk, Dl]
+    p = torch.softmax(torch.einsum("bhd,bsd->bhs", q[:, 0], rows) * Dl ** -0.5, -1)
+    want = torch.einsum("bhs,bsd->bhd", p, rows[..., :dv])[:, None]
+    assert (out - want).abs().max().item() <= 1e-5
+
+
+def test_errors():
+    q_i, w, k_i = index_inputs(100, seed=7)
+    with pytest.raises(RuntimeInputError):
+        dsa_decode_topk(q_i, w[:, :2], k_i, 16)
+    with pytest.raises(RuntimeInputError):
+        dsa_decode_topk(q_i, w, k_i, 16, k_scale=torch.ones(B, 100))
