@@ -34,40 +34,32 @@ from k3c.runtime.artifact import ArtifactWriter, read_artifact
 
 
 def finalize(path: str | os.PathLike, device: str = "cuda") -> dict:
-    """Finalize the artifact directory `path` for `device` (module docstring); returns {"tag", "files",
-    "bytes", "seconds", "skipped"} (skipped: it already held kernels for this Triton and GPU)."""
+    """Finalize the artifact directory `path` for `device` (module docstring); returns `finalize_session`'s
+    summary."""
     from k3c.runtime.session import Session
 
-    path = Path(path)
     if not torch.cuda.is_available():
         raise RuntimeInputError("finalize compiles kernels for the GPU they run on: this machine has no CUDA GPU")
     dev = torch.device(device)
-    art = read_artifact(path, verify=False)
-    if kernel_cache.shipped(art.files, dev):
+    if kernel_cache.shipped(read_artifact(path, verify=False).files, dev):  # without loading the weights
         return {"tag": kernel_cache.tag(dev), "files": 0, "bytes": 0, "seconds": 0.0, "skipped": True}
-    t0 = time.perf_counter()
-    with kernel_cache.capture() as root:
-        session = Session(path, dev)
-        warm_up(session)
-        files = kernel_cache.collect(root, dev)
-    del session
-    add_files(path, files)
-    return {"tag": kernel_cache.tag(dev), "files": len(files), "bytes": sum(map(len, files.values())),
-            "seconds": time.perf_counter() - t0, "skipped": False}
+    return finalize_session(Session(path, dev))
 
 
 def finalize_session(session) -> dict:
-    """Finalize the artifact of a freshly loaded `session` (nothing run yet) with that session, then reset it;
-    used by `k3c.load(..., finalize=True)`."""
-    dev = session.device
+    """Finalize the artifact of a freshly loaded CUDA `session` (no kernel launched yet) with it, then reset it.
+    Returns {"tag", "files", "bytes" (added), "seconds", "skipped" (it already held this Triton's and GPU's
+    kernels)}. Used by `finalize` and `k3c.load(..., finalize=True)`."""
+    t0, dev = time.perf_counter(), session.device
     if kernel_cache.shipped(session.artifact_files, dev):
-        return {"tag": kernel_cache.tag(dev), "files": 0, "skipped": True}
+        return {"tag": kernel_cache.tag(dev), "files": 0, "bytes": 0, "seconds": 0.0, "skipped": True}
     with kernel_cache.capture() as root:
         warm_up(session)
         files = kernel_cache.collect(root, dev)
     add_files(session.path, files)
     session.artifact_files = read_artifact(session.path, verify=False).files
-    return {"tag": kernel_cache.tag(dev), "files": len(files), "skipped": False}
+    return {"tag": kernel_cache.tag(dev), "files": len(files), "bytes": sum(map(len, files.values())),
+            "seconds": time.perf_counter() - t0, "skipped": False}
 
 
 def warm_up_lengths(start: int, max_seq: int, ratio: float = 1.25) -> list[int]:

@@ -162,6 +162,7 @@ def test_warm_up_meets_each_batch_chunk_and_context_kind(max_batch, max_seq, max
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_finalized_artifact_loads_without_compiling(tmp_path):
+    import k3c
     from k3c.compile import CompileOptions, compile_model
     from k3c.runtime.finalize import finalize
     from models.config import K3Config
@@ -176,7 +177,7 @@ def test_finalized_artifact_loads_without_compiling(tmp_path):
     script = textwrap.dedent(f"""
         import pathlib, torch, k3c
         s = k3c.load({str(opts.out)!r}, "cuda")
-        t = torch.arange(40, dtype=torch.long).reshape(1, 40) % s.vocab
+        t = torch.arange(64, dtype=torch.long).reshape(1, 64) % s.vocab
         out = [s.prefill(t)] + [s.decode(t[:, :1]) for _ in range(3)]
         torch.save(torch.cat(out, 1).float().cpu(), {str(tmp_path / 'logits.pt')!r})
         print(sorted({{p.suffix for p in pathlib.Path({str(tmp_path / 'fresh')!r}).rglob('*') if p.is_file()}}))
@@ -185,7 +186,7 @@ def test_finalized_artifact_loads_without_compiling(tmp_path):
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     suffixes = res.stdout.strip().splitlines()[-1]
     assert ".llir" not in suffixes and ".ttir" not in suffixes and ".cubin" in suffixes, suffixes  # nothing compiled
-    s = __import__("k3c").load(opts.out, "cuda", cuda_graphs=False)
-    t = torch.arange(40, dtype=torch.long).reshape(1, 40).cuda() % s.vocab
+    s = k3c.load(opts.out, "cuda", cuda_graphs=False)
+    t = torch.arange(64, dtype=torch.long).reshape(1, 64).cuda() % s.vocab
     want = torch.cat([s.prefill(t)] + [s.decode(t[:, :1]) for _ in range(3)], 1).float().cpu()
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), want, rtol=0, atol=0)
