@@ -49,6 +49,7 @@ def main() -> None:
     logits = session.prefill(prompt)
     with torch.no_grad():
         want, cache = model(prompt)
+    want = want[:, -1:]  # prefill returns the last position's logits
     worst = float((logits - want).abs().max() / want.abs().max())
     tokens, step_s = [int(logits[0, -1].argmax())], []
     for _ in range(args.decode_steps - 1):

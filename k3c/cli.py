@@ -327,7 +327,9 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                                                     "fit the target's memory (for planning; see k3c/memory/budget.py)"),
                 experts_dtype: str = typer.Option(None, "--experts-dtype",
                                                   help="routed experts: mxfp4 (the checkpoint's 4-bit bits) or bf16 "
-                                                       "(dequantized, stored in --dtype) [default: as the checkpoint]")):
+                                                       "(dequantized, stored in --dtype) [default: as the checkpoint]"),
+                all_logits: bool = typer.Option(False, "--all-logits", help="also compile prefill returning every "
+                                                "position's logits (prefill(tokens, logits='all'))")):
     """Compile MODEL into an artifact: kernels, memory plan, schedule, weights, cost report."""
     from k3c.targets import load_target
     from models.config import K3Config
@@ -351,7 +353,7 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
     max_prefill = min(1024, max_seq) if max_prefill is None else max_prefill
     opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype,
                           backend, report=report is not None, ep=ep, allow_oversize=allow_oversize,
-                          experts_dtype=experts_dtype)
+                          experts_dtype=experts_dtype, all_logits=all_logits)
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     with progress_bars() as progress:
         s = compile_model(opts, progress=progress)
@@ -485,6 +487,21 @@ def _generate(artifact, ids, decode_steps, device, cuda_graphs, progress) -> tup
         new.append(int(logits[0, -1].argmax()))
     per = f"{sum(steps) / len(steps) * 1e3:.1f} ms/step" if steps else "-"
     return new, f"load {t_load:.2f} s; prefill {len(ids)} tokens {t_prefill * 1e3:.1f} ms; decode {per} ({device})"
+
+
+@app.command()
+def finalize(artifact: Path = typer.Argument(..., help="artifact directory"),
+             device: str = typer.Option("cuda", help="the CUDA device to compile for")):
+    """Compile the artifact's Triton kernels for this GPU and Triton once and add them to it (loads then compile
+    nothing; run on the machine that runs the artifact)."""
+    from k3c.runtime.finalize import finalize as _finalize
+
+    r = _finalize(artifact, device)
+    if r["skipped"]:
+        out.print(f"{artifact}: already holds the kernels for {r['tag']}")
+    else:
+        out.print(f"{artifact}: added {r['files']} files ({r['bytes'] / 2**20:.1f} MiB) of compiled kernels for "
+                  f"{r['tag']} in {r['seconds']:.1f} s")
 
 
 @app.command()

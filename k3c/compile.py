@@ -1,6 +1,7 @@
 """The compile driver: model -> IR -> passes -> kernels, memory plan, schedule, weights -> artifact directory.
 
-For each entry point (prefill, decode) the model is imported, the graph gets the compile bounds, and the pipeline
+For each entry point (prefill: last position's logits; decode; with `all_logits`, prefill_all: every position's)
+the model is imported, the graph gets the compile bounds, and the pipeline
 runs every phase (cleanup, model, kernels: bind_caches + form_kernels, memory: plan_memory). Each Triton kernel
 group is emitted as a module under `kernels/` (with `kernels/index.json`, the kernel -> IR node sidecar); the
 launch order with buffer names goes to `schedule.json`, the arena and pools to `plan.json`, per-op FLOPs / bytes and
@@ -70,6 +71,7 @@ class CompileOptions:
     ep: int = 1  # expert groups: 1 (experts split over their width) or tp (experts partitioned); k3c.parallel
     allow_oversize: bool = False
     experts_dtype: str | None = None  # routed experts: "mxfp4" or "bf16" (dense, in `dtype`); None: as the checkpoint
+    all_logits: bool = False  # also compile `prefill_all` (prefill returning every position's logits)
 
 
 def compile_model(opts: CompileOptions, progress=None) -> dict:
@@ -124,10 +126,13 @@ def _compile(opts: CompileOptions, progress) -> dict:
         graphs, passes, bindings = {}, [], {}
         log = PassLog() if opts.report else None
         tick = progress or (lambda step, done, total: None)
-        for entry in ENTRIES:
+        entries = [e for e in ENTRIES if opts.all_logits or e != "prefill_all"]
+        for entry in entries:
             ectx = ctx.for_entry(entry)
             bindings[entry] = ectx.bounds
-            g = import_model(model, entry, progress=lambda d, t, e=entry: tick(f"import {e}", d, t))
+            g = import_model(model, "decode" if entry == "decode" else "prefill",
+                             progress=lambda d, t, e=entry: tick(f"import {e}", d, t),
+                             logits="last" if entry == "prefill" else "all")
             # verify the result only; a --dump build (debugging) verifies after every pass, naming the pass at fault
             graphs[entry], report = run_pipeline(g, ctx=ectx, verify="each" if opts.dump else "end",
                                                  dump_dir=opts.dump / entry if opts.dump else None,
@@ -150,7 +155,7 @@ def _compile(opts: CompileOptions, progress) -> dict:
         if not opts.plan_only:
             index = {}
             for backend in ctx.backends:
-                mine = [grp for e in ENTRIES for grp in groups[e] if grp.backend == backend.name]
+                mine = [grp for e in entries for grp in groups[e] if grp.backend == backend.name]
                 if mine:
                     tick(f"generating {len(mine)} {backend.name} kernels", 0, None)
                     emitted = backend.emit(mine, ctx)

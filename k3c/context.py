@@ -19,14 +19,15 @@ from typing import Any
 
 from k3c.errors import ConfigError
 
-ENTRIES = ("prefill", "decode")
+#: entry points: `prefill` returns the last position's logits, `prefill_all` every position's (compiled on request)
+ENTRIES = ("prefill", "prefill_all", "decode")
 DTYPES = ("bf16", "f32")
 
 
 def bounds_bindings(entry: str, max_batch: int, max_seq: int, max_prefill: int) -> dict[str, int]:
-    """Symbol values {"B", "T", "L"} at the compile bounds for `entry` ("prefill" or "decode").
+    """Symbol values {"B", "T", "L"} at the compile bounds for `entry` (one of `ENTRIES`).
 
-    T is the tokens of one call (max_prefill for prefill, 1 for decode); L the context already cached, so that
+    T is the tokens of one call (max_prefill for the prefill entries, 1 for decode); L the context already cached, so that
     L + T = max_seq. Raises ConfigError (naming the flags) unless 1 <= max_prefill <= max_seq and max_batch >= 1.
     """
     if entry not in ENTRIES:
@@ -34,7 +35,7 @@ def bounds_bindings(entry: str, max_batch: int, max_seq: int, max_prefill: int) 
     if min(max_batch, max_seq, max_prefill) < 1 or max_prefill > max_seq:
         raise ConfigError(f"bounds must satisfy 1 <= --max-prefill ({max_prefill}) <= --max-seq ({max_seq}) and "
                           f"--max-batch ({max_batch}) >= 1")
-    T = max_prefill if entry == "prefill" else 1
+    T = 1 if entry == "decode" else max_prefill
     return {"B": max_batch, "T": T, "L": max_seq - T}
 
 

@@ -207,8 +207,10 @@ def quantize_experts_(model) -> dict[str, torch.Tensor]:
 
 
 def save_random_checkpoint(config: K3Config | str, path: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                           expert_format: str | None = None, shard_bytes: int = 2 * 2**20):
-    """Write a deterministic random checkpoint of `config` in the published layout; returns the model it holds.
+                           expert_format: str | None = None, shard_bytes: int = 2 * 2**20,
+                           device: str | torch.device = "cpu"):
+    """Write a deterministic random checkpoint of `config` in the published layout; returns the model it holds
+    (on `device`, where its weights are drawn: `K3ForCausalLM.init_random_`).
 
     `expert_format`: "mxfp4" or "dense"; by default MXFP4 when the config has a quantization_config. The returned
     model (fp32) holds exactly the values a later `load_checkpoint` reads (MXFP4 rounding included). The
@@ -227,7 +229,9 @@ def save_random_checkpoint(config: K3Config | str, path: str | Path, seed: int =
     if fmt == "dense":
         text.pop("quantization_config", None)
     cfg = K3Config.from_dict(raw, source=cfg.name, name=cfg.name)
-    model = K3ForCausalLM(cfg).init_random_(seed).cast_(dtype)
+    with torch.device(device):
+        model = K3ForCausalLM(cfg)
+    model.init_random_(seed, device).cast_(dtype)
     packed = quantize_experts_(model) if fmt == "mxfp4" else {}
     tensors: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():

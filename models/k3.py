@@ -146,29 +146,31 @@ class K3ForCausalLM(nn.Module):
         return self
 
     @torch.no_grad()
-    def init_random_(self, seed: int) -> "K3ForCausalLM":
+    def init_random_(self, seed: int, device: str | torch.device = "cpu") -> "K3ForCausalLM":
         """Deterministic random weights with realistic scales (activations stay O(1) through every layer).
 
-        Each parameter draws from its own generator seeded by (seed, parameter name), so the values do not depend
-        on construction order. Linear weights ~ N(0, 1/in); output projections are further scaled by
-        1/sqrt(2 * layers); norms ~ 1 + N(0, 0.1^2); A_log = log U(1, 16) (Kimi Linear's init); router bias ~ N(0, 0.1^2).
+        Each parameter draws from its own generator on `device` seeded by (seed, parameter name), so the values do
+        not depend on construction order (they do depend on `device`: CPU and CUDA generators differ; drawing on a
+        GPU is what makes a full-width random model quick to build). Linear weights ~ N(0, 1/in); output
+        projections are further scaled by 1/sqrt(2 * layers); norms ~ 1 + N(0, 0.1^2); A_log = log U(1, 16) (Kimi
+        Linear's init); router bias ~ N(0, 0.1^2).
         """
         depth_scale = 1.0 / math.sqrt(2 * self.config.num_hidden_layers)
         for name, p in sorted(self.named_parameters()):
-            gen = torch.Generator().manual_seed((seed * 1_000_003 + _stable_hash(name)) % 2**63)
+            gen = torch.Generator(device).manual_seed((seed * 1_000_003 + _stable_hash(name)) % 2**63)
             shape = p.shape
             if name.endswith("A_log"):
-                val = torch.empty(shape).uniform_(1, 16, generator=gen).log()
+                val = torch.empty(shape, device=device).uniform_(1, 16, generator=gen).log()
             elif name.endswith(("norm.weight", "layernorm.weight")) or ".o_norm." in name:
-                val = 1 + 0.1 * torch.randn(shape, generator=gen)
+                val = 1 + 0.1 * torch.randn(shape, generator=gen, device=device)
             elif name.endswith(("e_score_correction_bias", "dt_bias", "k_norm.bias")):
-                val = 0.1 * torch.randn(shape, generator=gen)
+                val = 0.1 * torch.randn(shape, generator=gen, device=device)
             elif name.endswith("embed_tokens.weight"):
-                val = torch.randn(shape, generator=gen)
+                val = torch.randn(shape, generator=gen, device=device)
             elif "conv1d" in name:
-                val = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+                val = torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[-1])
             else:  # projections: [out, in] or stacked experts [E, out, in]
-                val = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+                val = torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[-1])
                 if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2", "routed_expert_up_proj.weight")):
                     val = val * depth_scale
             p.copy_(val.to(p.dtype))

@@ -2,10 +2,13 @@
 
     graph = import_model("k3.1-pro", entry="decode")          # full model on the meta device: no weights
     graph = import_model(model, entry="prefill")              # a loaded K3ForCausalLM
+    graph = import_model(model, entry="prefill", logits="last")   # the lm_head on the last position only
 
 The prefill entry (T symbolic) is exported; the decode entry is the same graph specialised to T = 1 (the model
-computes one function for any T, so one export serves both). Each distinct sublayer (AttnRes read, token mixer of
-each kind, dense MLP, MoE) is exported once (`segments.py`) and instantiated for every use (`fx_import.py`), with
+computes one function for any T, so one export serves both). With `logits="last"` the head's inputs are sliced to
+row T-1 before it: a caller continuing the sequence needs no other row, and [B,T,vocab] logits are the largest
+buffer of a long prefill (the compiled artifact's `prefill` entry is built so). Each distinct sublayer (AttnRes read,
+token mixer of each kind, dense MLP, MoE) is exported once (`segments.py`) and instantiated for every use (`fx_import.py`), with
 parameters bound to the layer's own keys and the AttnRes block count N bound to the number of sealed blocks at that
 point; `import_model` joins the pieces as `K3DecoderLayer.forward` does (AttnRes read -> mixer -> residual add or
 seal -> AttnRes read -> MLP -> residual add; Kimi Linear: mixer and MLP on a plain residual stream).
@@ -14,7 +17,8 @@ The result is one graph with:
   `layers.i.conv_state` f32 [B,3HK,W], `layers.i.kv` [B,L,kv_lora_rank+rope], `layers.i.index_k` [B,L,Dk];
 - params: keyed by the reference model's parameter names (the checkpoint key without `language_model.`;
   routed experts stacked as `...experts.w1` [E,I,D]);
-- outputs: `logits` [B,T,vocab] and the new cache entries under the same names as the inputs.
+- outputs: `logits` [B,T,vocab] ([B,1,vocab] with `logits="last"`) and the new cache entries under the same names
+  as the inputs.
 The cache's token count `pos` is kept by the runtime (the K3 family is NoPE: no op reads positions).
 """
 
@@ -45,16 +49,21 @@ def build_meta_model(cfg: K3Config | str) -> K3ForCausalLM:
 
 
 def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
-                 progress: Callable[[int, int], None] | None = None, stats: dict | None = None) -> Graph:
+                 progress: Callable[[int, int], None] | None = None, stats: dict | None = None,
+                 logits: str = "all") -> Graph:
     """Import `model` (a module, a config or a preset/config path) into a k3c graph for `entry`.
 
-    progress(done, total) is called per layer; stats (if given) receives timings in seconds and node counts.
+    logits: "all" (every position's, as the model returns them) or "last" (the last position's: the head runs on
+    that row only; the same for decode, where T = 1). progress(done, total) is called per layer; stats (if given)
+    receives timings in seconds and node counts.
     Raises ConfigError (bad config), UnsupportedError (an op without a lowering, naming the model line).
     """
     if entry not in ENTRIES:
         raise UnsupportedError(f"entry point must be one of {', '.join(ENTRIES)}, found {entry!r}")
     if not isinstance(model, K3ForCausalLM):
         model = build_meta_model(model)
+    if logits not in ("all", "last"):
+        raise UnsupportedError(f"logits must be 'all' or 'last', found {logits!r}")
     if entry == "decode":  # decode is prefill at T = 1: one export serves both entry points
         prefill = import_model(model, "prefill", progress, stats)
         return specialize(prefill, {"T": 1}, pass_name="import(decode)")
@@ -80,12 +89,13 @@ def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
     im = FxImporter(g)
     subs_memo: dict[tuple, dict] = {}
 
-    def run(seg_name: str, ins: list[Value], params, layer: int | None, hint: str, n_blocks: int | None = None):
+    def run(seg_name: str, ins: list[Value], params, layer: int | None, hint: str, n_blocks: int | None = None,
+            rows: int | None = None):
         seg = segs[seg_name]
-        if (seg_name, n_blocks) not in subs_memo:
-            subs_memo[seg_name, n_blocks] = _subs(seg, n_blocks)
+        if (seg_name, n_blocks, rows) not in subs_memo:
+            subs_memo[seg_name, n_blocks, rows] = _subs(seg, n_blocks, rows)
         source = "models/k3.py (K3DecoderLayer.forward: AttnRes read)" if seg_name == "attn_res" else ""
-        return im.run(seg.program, ins, params, subs_memo[seg_name, n_blocks], layer, hint, source)
+        return im.run(seg.program, ins, params, subs_memo[seg_name, n_blocks, rows], layer, hint, source)
 
     # the layer-level nodes (AttnRes reads, residual adds) are named `l<i>.layer.<n>`, as in a whole-layer export
     def attn_res_read(i: int, kind: str, blocks: Value, partial: Value, n_blocks: int) -> tuple[Value, Value]:
@@ -128,7 +138,10 @@ def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
         if progress:
             progress(i + 1, cfg.num_hidden_layers)
     head_param = lambda fqn: param(fqn if fqn.startswith("lm_head") else "model." + fqn)  # noqa: E731
-    (logits,) = run("head", [h] + ([blocks] if attn_res else []), head_param, None, "head", n_blocks)
+    rows = None
+    if logits == "last":  # the head (final AttnRes read, norm, lm_head) on the last position only
+        h, blocks, rows = _last_row(g, h, 1), _last_row(g, blocks, 2) if attn_res else None, 1
+    (logits,) = run("head", [h] + ([blocks] if attn_res else []), head_param, None, "head", n_blocks, rows)
     g.set_output("logits", logits)
     g.outputs = {"logits": g.outputs.pop("logits"), **g.outputs}
     if stats is not None:
@@ -136,9 +149,16 @@ def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
     return g
 
 
-def _subs(seg, n_blocks: int | None) -> dict:
-    """{export symbol -> k3c dim} for one use of `seg`, read off the roles of its placeholders."""
-    base = {"B": symbol("B"), "T": symbol("T"), "L": symbol("L")}
+def _last_row(g: Graph, x: Value, axis: int) -> Value:
+    """x[..., T-1:T, ...] along `axis` (the token axis), as a `slice` node of `g`."""
+    meta = {"source": "k3c.frontend (prefill: logits of the last position)", "pass": "import"}
+    return g.add_node("slice", [x], {"dim": axis, "start": "T - 1", "end": "T"}, name_hint="head.last", meta=meta)[0]
+
+
+def _subs(seg, n_blocks: int | None, rows: int | None = None) -> dict:
+    """{export symbol -> k3c dim} for one use of `seg`, read off the roles of its placeholders; `rows` (if given)
+    replaces T (the head sees one row with `logits="last"`)."""
+    base = {"B": symbol("B"), "T": symbol("T") if rows is None else rows, "L": symbol("L")}
     out = {}
     for fx, role in zip(_user_placeholders(seg.program), seg.inputs):
         for ax, sym in zip(fx.meta["val"].shape, _ROLE_AXES[role]):

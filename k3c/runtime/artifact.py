@@ -182,6 +182,19 @@ class ArtifactWriter:
         """Add a JSON file in canonical form (see canonical_json)."""
         self._write(relpath, [canonical_json(obj, relpath)])
 
+    def add_existing(self, relpath: str, src: str | os.PathLike, sha256: str) -> None:
+        """Add file `src` of a verified artifact as `relpath` with its known `sha256`: hard-linked (copied across
+        file systems), not rehashed. Used to amend an artifact (`k3c.runtime.finalize`) without copying weights."""
+        path = self._stage(relpath)
+        try:
+            try:
+                os.link(src, path)
+            except OSError:
+                shutil.copyfile(src, path)
+        except OSError as err:
+            raise ArtifactError(f"cannot add artifact file {relpath}: {err}") from None
+        self._hashes[relpath] = sha256
+
     def add_tensors(self, relpath: str, tensors: Mapping[str, torch.Tensor],
                     metadata: Mapping[str, str] | None = None) -> None:
         """Add a deterministic safetensors file (see safetensors_chunks), e.g. `weights/rank0.safetensors`."""

@@ -1,7 +1,8 @@
 """The k3c runtime: load an artifact, allocate one arena and the persistent cache pools, run prefill / decode.
 
     session = k3c.load("build/k3-tiny.k3c", device="cpu")    # on CPU the Triton kernels run under TRITON_INTERPRET
-    logits = session.prefill(tokens)                          # int64 [B,T] -> [B,T,vocab] (every prompt position)
+    logits = session.prefill(tokens)                          # int64 [B,T] -> [B,1,vocab] (the last position)
+    logits = session.prefill(tokens, logits="all")            # [B,T,vocab] (compiled with all_logits / --all-logits)
     logits = session.decode(next_tokens)                      # [B,1] -> [B,1,vocab]
     session.reset()                                           # forget the sequences (caches zeroed)
 
@@ -44,11 +45,20 @@ from k3c.runtime.graphs import DecodeGraphs
 from k3c.runtime.launchers import make_launchers
 
 
-def load(path: str | os.PathLike, device: str | torch.device = "cpu", *, cuda_graphs: bool = True) -> "Session":
+def load(path: str | os.PathLike, device: str | torch.device = "cpu", *, cuda_graphs: bool = True,
+         finalize: bool = False) -> "Session":
     """Load and verify the artifact at `path` (directory or .k3c file) onto `device`.
 
-    cuda_graphs: on a CUDA device, replay decode steps as piecewise CUDA graphs (`k3c.runtime.graphs`)."""
-    return Session(path, device, cuda_graphs=cuda_graphs)
+    cuda_graphs: on a CUDA device, replay decode steps as piecewise CUDA graphs (`k3c.runtime.graphs`).
+    finalize: on a CUDA device, if the artifact ships no compiled kernels for this Triton and GPU, compile them now
+    on a warm-up workload and add them to the artifact directory (`k3c.runtime.finalize`; the next load compiles
+    nothing). Without it such an artifact JIT-compiles each kernel at its first launch."""
+    session = Session(path, device, cuda_graphs=cuda_graphs)
+    if finalize and session.device.type == "cuda":
+        from k3c.runtime.finalize import finalize_session
+
+        session.finalized = finalize_session(session)
+    return session
 
 
 def _rank(art, path, device: torch.device) -> tuple[int, int]:
@@ -87,7 +97,7 @@ class Session:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeInputError(f"device {device!r}: this torch build or machine has no CUDA GPU")
         art = read_artifact(path)  # every file against its hash, manifest.json against the hashed build.json
-        self.manifest = art.manifest
+        self.path, self.manifest, self.artifact_files = Path(path), art.manifest, art.files
         if not art.has_weights:
             raise ArtifactError(f"{path}: a plan-only artifact has no weights and cannot run (compile without --plan-only)")
         facts = derive(art)  # bounds, vocabulary, weight / pool types: from the hashed plan.json and schedule.json
@@ -119,6 +129,7 @@ class Session:
         self.batch: int | None = None
         self.length = 0
         self.last_timing: dict = {}
+        self.finalized: dict | None = None  # what `load(..., finalize=True)` added (k3c.runtime.finalize)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._graphs: dict[int, DecodeGraphs] = {}  # by batch size
 
@@ -135,16 +146,28 @@ class Session:
         self.batch, self.length = None, 0
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append prompt tokens int64 [B,T] (T >= 1) to the sequences; returns fp32 logits [B,T,vocab]."""
+    def prefill(self, tokens: torch.Tensor, logits: str = "last") -> torch.Tensor:
+        """Append prompt tokens int64 [B,T] (T >= 1) to the sequences; returns the logits in the artifact's dtype:
+        [B,1,vocab] of the last position (`logits="last"`: the lm_head runs on that row only) or [B,T,vocab] of
+        every position (`logits="all"`: needs an artifact compiled with `all_logits`, the `prefill_all` entry).
+        Raises RuntimeInputError (bad tokens, or "all" from an artifact without `prefill_all`)."""
+        if logits not in ("last", "all"):
+            raise RuntimeInputError(f"logits={logits!r}: expected 'last' or 'all'")
+        if logits == "all" and "prefill_all" not in self.schedule:
+            raise RuntimeInputError("logits='all': this artifact has no prefill_all entry (compile it with "
+                                    "--all-logits)")
         tokens = self._check(tokens)
-        outs = [self._run("prefill" if c.shape[1] > 1 else "decode", c)
-                for c in tokens.split(self.max_prefill, dim=1)]
-        return torch.cat(outs, 1)
+        chunks = tokens.split(self.max_prefill, dim=1)
+        entry = "prefill" if logits == "last" else "prefill_all"
+        if logits == "last":  # only the last chunk's logits are returned: the others skip the copy
+            for c in chunks[:-1]:
+                self._run(entry if c.shape[1] > 1 else "decode", c, keep=False)
+            chunks = chunks[-1:]
+        return torch.cat([self._run(entry if c.shape[1] > 1 else "decode", c) for c in chunks], 1)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One decode step: int64 [B,1] -> logits [B,1,vocab]."""
+        """One decode step: int64 [B,1] -> logits [B,1,vocab] in the artifact's dtype."""
         tokens = self._check(tokens)
         if tokens.shape[1] != 1:
             raise RuntimeInputError(f"decode takes tokens of shape [B,1], got {list(tokens.shape)}; use prefill")
@@ -168,7 +191,8 @@ class Session:
             raise RuntimeInputError(f"context {self.length} + {T} tokens exceeds the compiled max_seq {self.max_seq}")
         return tokens.to(self.device, torch.int64)
 
-    def _run(self, entry: str, tokens: torch.Tensor) -> torch.Tensor:
+    def _run(self, entry: str, tokens: torch.Tensor, keep: bool = True) -> torch.Tensor | None:
+        """Run `entry` on `tokens` at the session's length; returns a copy of the logits (None unless `keep`)."""
         t0 = time.perf_counter()
         B, T = tokens.shape
         graphs = self._graphs.get(B) if entry == "decode" else None
@@ -183,7 +207,7 @@ class Session:
             if entry == "decode" and self.cuda_graphs:
                 # after one eager step (Triton JIT and cuBLAS set up): capture; capturing runs nothing
                 self._graphs[B] = DecodeGraphs(self, B, self.length)
-        logits = out.float().clone()
+        logits = out.clone() if keep else None
         self.batch, self.length = B, self.length + T
         if self.device.type == "cuda":
             torch.cuda.synchronize()

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from k3c.compile import CompileOptions, compile_model  # noqa: E402
-from models.config import K3Config  # noqa: E402
+from models.config import TINY_PRESETS, K3Config  # noqa: E402
 from models.k3 import save_random_checkpoint  # noqa: E402
 from runtime_sizes import MAX_BATCH, MAX_PREFILL, MAX_SEQ, MXFP4_PRESET  # noqa: E402
 
@@ -30,7 +30,8 @@ def compiled(tmp_path_factory):
                                            dtype=torch.float32,
                                            expert_format="mxfp4" if preset == MXFP4_PRESET else "dense")
             opts = CompileOptions(str(root / "ckpt"), root / "art", target="cpu-x86-64", max_batch=MAX_BATCH,
-                                  max_seq=MAX_SEQ, max_prefill=MAX_PREFILL, dtype="f32", backend=backend)
+                                  max_seq=MAX_SEQ, max_prefill=MAX_PREFILL, dtype="f32", backend=backend,
+                                  all_logits=preset == TINY_PRESETS[0])
             compile_model(opts)
             cache[preset, backend] = root / "ckpt", opts.out, model.eval()
         return cache[preset, backend]

@@ -1,6 +1,7 @@
 """Compile a random checkpoint of each tiny preset with each CPU backend, run the artifact on CPU (Triton kernels
-interpreted), and compare every logit with `models/k3.py` eager: a prompt prefilled in two calls (a partial KDA
-chunk, then the token-loop form), then decode steps, batch 1 and 3 (sizes and why: runtime_sizes.py).
+interpreted), and compare the logits with `models/k3.py` eager: a prompt prefilled in two calls (a partial KDA
+chunk, then the token-loop form; the last position's logits, and every position's through `prefill_all` for the
+first preset), then decode steps, batch 1 and 3 (sizes and why: runtime_sizes.py).
 
 k3.1-pro-tiny's checkpoint stores its routed experts as MXFP4, like the published K3 checkpoints (conftest.py,
 MXFP4_PRESET): its artifact keeps them 4-bit (the checkpoint's bytes) and its kernels dequantize them in registers,
@@ -42,10 +43,15 @@ def test_prefill_then_decode_matches_eager(session, batch):
     tokens = torch.randint(0, model.config.vocab_size, (batch, PROMPT), generator=gen)
     with torch.no_grad():
         want, cache = model(tokens)
-    got = s.prefill(tokens)  # calls of MAX_PREFILL and PROMPT - MAX_PREFILL tokens
+    got = s.prefill(tokens)  # calls of MAX_PREFILL and PROMPT - MAX_PREFILL tokens; the last position's logits
     assert PROMPT > MAX_PREFILL and s.length == PROMPT
-    assert got.shape == (batch, PROMPT, model.config.vocab_size)
-    assert _rel(got, want) <= 1e-4
+    assert got.shape == (batch, 1, model.config.vocab_size)
+    assert _rel(got, want[:, -1:]) <= 1e-4
+    if "prefill_all" in s.schedule:
+        s.reset()
+        got = s.prefill(tokens, logits="all")
+        assert got.shape == (batch, PROMPT, model.config.vocab_size)
+        assert _rel(got, want) <= 1e-4
     nxt = want[:, -1:].argmax(-1)
     for _ in range(STEPS):
         with torch.no_grad():

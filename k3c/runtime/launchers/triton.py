@@ -2,8 +2,10 @@
 (`kernels/<name>.py`, the kernel ABI of `k3c.ir.kernels`), imported once per session.
 
 A module's text is read through the artifact (hash-checked) and written to the session's work directory first:
-Triton reads a kernel's source from its file, and a .k3c archive has none. On a CPU device the kernels run in
-Triton's interpreter (`TRITON_INTERPRET=1`, set before Triton is imported).
+Triton reads a kernel's source from its file, and a .k3c archive has none. On a CUDA device the compiled kernels the
+artifact ships for the running Triton and GPU (`k3c finalize`) are installed into Triton's cache first
+(`k3c.runtime.kernel_cache`), so no kernel is compiled at load; `compiled_kernels` counts the files installed.
+On a CPU device the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set before Triton is imported).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 from k3c.errors import ArtifactError
+from k3c.runtime import kernel_cache
 from k3c.runtime.launchers import Launcher
 
 
@@ -22,6 +25,7 @@ class TritonLauncher(Launcher):
         super().__init__(art, device, launches, workdir)
         if device.type == "cpu":
             os.environ.setdefault("TRITON_INTERPRET", "1")
+        self.compiled_kernels = kernel_cache.install(art, device) if device.type == "cuda" else 0
         self.kernels = {ln["name"]: _import_kernel(art, ln["module"], ln["name"], workdir)
                         for ln in sorted(launches, key=lambda ln: ln["name"])}
 

@@ -1,0 +1,387 @@
+"""End-to-end GPU benchmark: k3c against eager PyTorch on a full-width, reduced-depth Kimi K3.1 Pro, one run.
+
+The model (`bench_config`): K3.1 Pro's published widths (hidden 7168, vocab 163840, 96 KDA heads of 128, gated DSA
+with a 32-head indexer choosing 2048 keys, LatentMoE experts of 3584 -> 3072) at 4 layers (3 KDA + 1 DSA, layer 0 a
+dense MLP) with 32 routed experts choosing 16, bf16, dense experts; random weights drawn on the GPU and written as a
+checkpoint in the published layout (`save_random_checkpoint`), compiled by k3c for the H200, then:
+
+1. `finalize`: the Triton kernels compiled on this GPU once and stored in the artifact (`k3c.runtime.finalize`);
+2. first logits after load: a fresh process with an empty Triton cache loads the artifact and prefills a prompt;
+   load (weights read, hash-checked and copied), first prefill, and whether any kernel was compiled (none should);
+3. decode at batch 1 / 16 / 64 and context 4K / 128K: k3c (CUDA graphs) and eager, median step time, against the
+   HBM floor: the bytes a step must read (`floor_bytes`: every weight the step touches, routed experts at the
+   expected share a batch touches under uniform routing, KDA / conv states read and written, the DSA index keys
+   and the selected latent-KV rows) at 4.2 TB/s (the H200's achievable HBM read rate; the copy rate measured here
+   is reported beside it). The cache contents do not change a step's work: contexts are set, not prefilled;
+4. prefill of 2560-token prompts at batch 1 and 16 (tokens/s, TFLOP/s of the model's matmuls) and the GEMM rate of
+   the prefill against a plain bf16 matmul measured here; batch 4 x 32K context prefilled in chunks, its peak
+   memory against the plan (arena + pools + weights);
+5. a per-kernel-kind breakdown (torch.profiler) of one decode step and one prefill call;
+6. numerics: k3c bf16 vs eager bf16, in the band of eager bf16 vs eager fp32 (same checkpoint), over a prefill and
+   teacher-forced decode steps.
+Phases write OUT/bench_e2e.json as they finish (a run cut short keeps what it measured).
+
+Usage (on the H200, through the device tool): python benchmarks/bench_e2e.py --out $OUT [--work /dev/shm/k3c-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+HBM_BPS = 4.2e12
+PROMPT = 2560
+
+
+def bench_config():
+    """K3.1 Pro at full width, 4 layers (3 KDA + 1 DSA, layer 0 dense), 32 routed experts choosing 16, dense bf16."""
+    from models.config import K3Config
+
+    raw = json.loads((Path(__file__).parents[1] / "models/configs/kimi-k3.1-pro.json").read_text())
+    t = raw["text_config"]
+    t.pop("quantization_config", None)
+    t.update(num_hidden_layers=4, num_experts=32, num_experts_per_token=16, first_k_dense_replace=1)
+    t["linear_attn_config"].update(kda_layers=[1, 2, 3], full_attn_layers=[4])
+    t["dsa_config"]["dsa_layers"] = [4]
+    return K3Config.from_dict(raw, source="bench_e2e", name="k3.1-pro-4L-32E")
+
+
+def floor_bytes(cfg, weights: dict, B: int, L: int) -> int:
+    """Bytes one decode step at batch B and context L must move (module docstring, item 3)."""
+    E, k = cfg.num_experts, cfg.num_experts_per_token
+    touched = 1 - (1 - k / E) ** B  # expected share of the routed experts a batch of B tokens selects
+    total = 0
+    for name, t in weights.items():
+        nbytes = t.numel() * t.element_size()
+        if "embed_tokens" in name:
+            nbytes = B * t.shape[-1] * t.element_size()
+        elif ".experts." in name:
+            nbytes = int(nbytes * touched)
+        total += nbytes
+    H, K = cfg.kda_num_heads, cfg.kda_head_dim
+    for i in range(cfg.num_hidden_layers):
+        if cfg.layer_kind(i) == "kda":
+            total += 2 * B * (H * K * K + 3 * H * K * cfg.conv_kernel_size) * 4  # states read and written, fp32
+        else:
+            rows = min(L, cfg.index_topk) if cfg.layer_kind(i) == "dsa" else L
+            total += B * rows * cfg.mla_cache_width * 2
+            if cfg.layer_kind(i) == "dsa":
+                total += B * L * cfg.index_head_dim * 2
+    return total
+
+
+def matmul_flops_per_token(cfg, weights: dict) -> int:
+    """2 x the matmul weights one token multiplies with: every 2-D projection but the embedding (a gather), and
+    k of the E routed experts."""
+    n = 0
+    for name, t in weights.items():
+        if "embed_tokens" in name or t.dim() < 2 or "conv1d" in name:
+            continue
+        n += t.numel() * (cfg.num_experts_per_token / cfg.num_experts if ".experts." in name else 1)
+    return int(2 * n)
+
+
+def kind_of(kernel: str) -> str:
+    """The kind of a GPU kernel by its name: gemm (cuBLAS / CUTLASS), the k3c Triton kernels by model op, copies."""
+    k = kernel.lower()
+    for kind, keys in (("moe (Triton)", ("moe_",)), ("kda (Triton)", ("kda", "causal_conv", "roll_conv")),
+                       ("attention (Triton)", ("mla_attention", "mla_combine")),
+                       ("dsa indexer", ("dsa_score", "topk", "radix", "sort")), ("attn_res (Triton)", ("attn_res",)),
+                       ("pointwise / rowwise (Triton)", ("pointwise", "rowwise")),
+                       ("gemm (cuBLAS)", ("gemm", "cutlass", "xmma", "cublas", "splitk", "nvjet", "sm90_")),
+                       ("copy / fill", ("copy", "memcpy", "memset", "fill", "cat"))):
+        if any(x in k for x in keys):
+            return kind
+    return "other (torch)"
+
+
+def profile(fn) -> dict:
+    """Kernel time (ms) and launches per kernel kind of one call of `fn` (after a warm-up call), torch.profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    fn()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    out: dict[str, dict] = {}
+    for e in p.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us:
+            row = out.setdefault(kind_of(e.key), {"ms": 0.0, "launches": 0})
+            row["ms"] += us / 1e3
+            row["launches"] += e.count
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of `reps` calls of `fn`, each synchronised."""
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
+class EagerDecode:
+    """models/k3.py eager at a fixed context: a cache of L zero rows (the values do not change the work)."""
+
+    def __init__(self, model, B: int, L: int):
+        self.model, self.cache = model, model.new_cache(B)
+        for key, v in self.cache.items():
+            if key.endswith((".kv", ".index_k")):
+                self.cache[key] = torch.zeros(B, L, v.shape[-1], dtype=v.dtype, device=v.device)
+        self.cache["pos"] = torch.tensor(L, device=self.cache["pos"].device)
+        self.tokens = torch.zeros(B, 1, dtype=torch.long, device="cuda")
+
+    @torch.no_grad()
+    def step(self):
+        return self.model(self.tokens, self.cache)[0]
+
+
+FIRST_LOGITS = textwrap.dedent("""
+    import json, pathlib, sys, time
+    t0 = time.perf_counter()
+    import torch, triton, k3c
+    torch.zeros(1, device="cuda"); triton.runtime.driver.active.utils  # CUDA context, Triton's driver helpers
+    t1 = time.perf_counter()
+    s = k3c.load(sys.argv[1], "cuda")
+    torch.cuda.synchronize(); t2 = time.perf_counter()
+    logits = s.prefill(torch.randint(0, s.vocab, (1, int(sys.argv[3]))))
+    torch.cuda.synchronize(); t3 = time.perf_counter()
+    compiled = sorted(str(p.name) for p in pathlib.Path(sys.argv[2]).rglob("*.llir"))
+    print(json.dumps({"process_setup_s": t1 - t0, "load_s": t2 - t1, "first_prefill_s": t3 - t2,
+                      "kernels_compiled": len(compiled), "compiled": compiled[:8],
+                      "kernel_files_installed": s.launchers["triton"].compiled_kernels,
+                      "logits_finite": bool(torch.isfinite(logits).all())}))
+""")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=Path("/dev/shm/k3c-bench"))
+    ap.add_argument("--max-seq", type=int, default=131072 + 1024)
+    ap.add_argument("--max-prefill", type=int, default=640)
+    ap.add_argument("--skip", default="", help="comma-separated phases to skip: finalize, first_logits, long, "
+                                               "eager, numerics")
+    a = ap.parse_args()
+    skip = set(filter(None, a.skip.split(",")))
+    import k3c
+    from k3c.compile import CompileOptions, compile_model
+    from models.checkpoint import save_random_checkpoint
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "triton": __import__("triton").__version__, "phases_s": {}}
+    t_start = time.perf_counter()
+
+    @contextmanager
+    def phase(name: str):
+        """Time a phase, record an exception instead of stopping (later phases report what they can), save."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001  (one run on a lent GPU: keep going, say what failed)
+            res.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:1500]}"
+            traceback.print_exc()
+        res["phases_s"][name] = round(time.perf_counter() - t0, 2)
+        res["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+        (a.out / "bench_e2e.json").write_text(json.dumps(res, indent=1))
+        print(f"[{res['elapsed_s']:7.1f} s] {name} done", flush=True)
+
+    # ---- rates of this GPU ----------------------------------------------------------------------------------
+    with phase("rates"):
+        from triton.testing import do_bench
+        x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        res["matmul_bf16_tflops"] = 2 * 8192**3 / do_bench(lambda: x @ x) / 1e9
+        buf = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+        res["copy_read_tbps"] = buf.numel() / do_bench(lambda: buf.clone()) / 1e9  # bytes read per second
+        del x, buf
+
+    # ---- checkpoint, compile, finalize ----------------------------------------------------------------------
+    with phase("checkpoint"):
+        cfg = bench_config()
+        shutil.rmtree(a.work, ignore_errors=True)
+        ckpt, art = a.work / "ckpt", a.work / "art"
+        model = save_random_checkpoint(cfg, ckpt, seed=0, dtype=torch.bfloat16, expert_format="dense",
+                                       shard_bytes=2**30, device="cuda")
+        model = model.cast_(torch.bfloat16).eval()  # returned in fp32: eager bf16 is the checkpoint as stored
+    with phase("compile"):
+        opts = CompileOptions(str(ckpt), art, target="h200", max_batch=64, max_seq=a.max_seq,
+                              max_prefill=a.max_prefill, dtype="bf16")
+        summary = compile_model(opts)
+        res["compile"] = {"seconds": summary["seconds"], "kernels": summary["kernels"],
+                          "arena_gib": {e: b / 2**30 for e, b in summary["arena"].items()},
+                          "pools_gib": sum(summary["pools"].values()) / 2**30,
+                          "bounds": {"max_batch": 64, "max_seq": a.max_seq, "max_prefill": a.max_prefill}}
+    with phase("load_and_finalize"):
+        # finalize: compile the kernels on a warm-up and add them to the artifact
+        session = k3c.load(art, "cuda", finalize="finalize" not in skip)
+        res["finalize"] = session.finalized
+
+    # ---- first logits after load, fresh process, empty Triton cache -----------------------------------------
+    weight_bytes = sum(f.stat().st_size for f in (art / "weights").iterdir())
+    if "first_logits" not in skip:
+        with phase("first_logits"):
+            torch.cuda.empty_cache()  # the fresh process needs the GPU memory this one has cached but not in use
+            fresh = a.work / "fresh-triton-cache"
+            env = {**os.environ, "TRITON_CACHE_DIR": str(fresh)}
+            p = subprocess.run([sys.executable, "-c", FIRST_LOGITS, str(art), str(fresh), str(PROMPT)], env=env,
+                               capture_output=True, text=True)
+            try:
+                res["first_logits"] = json.loads(p.stdout.strip().splitlines()[-1])
+            except (IndexError, ValueError):
+                res["first_logits"] = {"error": (p.stderr or p.stdout)[-2000:]}
+            res["first_logits"]["weights_gib"] = weight_bytes / 2**30
+
+    # ---- k3c: decode grid, prefill, breakdown ---------------------------------------------------------------
+    with phase("k3c_decode"):
+        weights = session.weights
+        fpt = matmul_flops_per_token(cfg, weights)
+        decode = res.setdefault("decode", {})
+        for L in (4096, 131072):
+            for B in (1, 16, 64):
+                if L + 1 > session.max_seq:
+                    continue
+                session.reset()
+                tok = torch.zeros(B, 1, dtype=torch.long, device="cuda")
+
+                def step():
+                    session.length, session.batch = L, B  # a fixed context (module docstring)
+                    session.decode(tok)
+
+                step()  # eager step, captures the graphs
+                fb = floor_bytes(cfg, weights, B, L)
+                decode[f"B{B}_L{L}"] = {"k3c_ms": timed(step, 20) * 1e3, "floor_ms": fb / HBM_BPS * 1e3,
+                                        "floor_gb": fb / 1e9}
+                d = decode[f"B{B}_L{L}"]
+                d["k3c_of_floor"] = d["floor_ms"] / d["k3c_ms"]
+                g = session._graphs[B]
+                d["step_pieces"] = {"cuda_graphs": g.graph_count, "eager_launches": sum(g.eager)}
+    with phase("k3c_prefill"):
+        prefill = res.setdefault("prefill", {})
+        for B in (1, 16):
+            toks = torch.randint(0, cfg.vocab_size, (B, PROMPT), device="cuda")
+
+            def run():
+                session.reset()
+                session.prefill(toks)
+
+            s = timed(run, 3)
+            prefill[f"B{B}"] = {"k3c_s": s, "tokens_per_s": B * PROMPT / s,
+                                "matmul_tflops": fpt * B * PROMPT / s / 1e12}
+        res["breakdown"] = {}
+        session.reset()
+        graphs, session._graphs, session.cuda_graphs = session._graphs, {}, False  # kernels launched one by one
+        tok1 = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+
+        def one_step():
+            session.length, session.batch = 4096, 1
+            session.decode(tok1)
+
+        res["breakdown"]["decode_B1_L4096"] = profile(one_step)
+        toks = torch.randint(0, cfg.vocab_size, (16, a.max_prefill), device="cuda")
+
+        def one_chunk():
+            session.reset()
+            session.prefill(toks)
+
+        br = res["breakdown"][f"prefill_B16_T{a.max_prefill}"] = profile(one_chunk)
+        gemm_s = sum(br.get(k, {}).get("ms", 0) for k in ("gemm (cuBLAS)", "moe (Triton)")) / 1e3
+        res["prefill_gemm"] = {"tflops": fpt * toks.numel() / gemm_s / 1e12 if gemm_s else None,
+                               "of_matmul_rate": fpt * toks.numel() / gemm_s / 1e12 / res["matmul_bf16_tflops"]
+                               if gemm_s else None}
+        session._graphs, session.cuda_graphs = graphs, True
+
+    if "long" not in skip:  # batch 4 x 32K context, prefilled in chunks; peak memory against the plan
+        with phase("long_context"):
+            session.reset()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            toks = torch.randint(0, cfg.vocab_size, (4, 32768), device="cuda")
+            t1 = time.perf_counter()
+            out = session.prefill(toks)
+            torch.cuda.synchronize()
+            planned = session.arena.numel() + sum(p.numel() * p.element_size() for p in session.pools.values())
+            res["long_context"] = {"batch": 4, "tokens": 32768, "prefill_s": time.perf_counter() - t1,
+                                   "logits_shape": list(out.shape), "allocated_before_gib": base / 2**30,
+                                   "peak_above_before_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+                                   "planned_gib": (planned + weight_bytes) / 2**30}
+
+    # ---- eager ----------------------------------------------------------------------------------------------
+    if "eager" not in skip:
+        with phase("eager"):
+            for L in (4096, 131072):
+                for B in (1, 16, 64):
+                    key = f"B{B}_L{L}"
+                    if key not in decode or (L > 4096 and B > 16):
+                        continue
+                    try:
+                        e = EagerDecode(model, B, L)
+                        decode[key]["eager_ms"] = timed(e.step, 5) * 1e3
+                        decode[key]["k3c_speedup_vs_eager"] = decode[key]["eager_ms"] / decode[key]["k3c_ms"]
+                        del e
+                    except torch.OutOfMemoryError as err:
+                        decode[key]["eager_ms"] = f"out of memory: {str(err)[:120]}"
+                    torch.cuda.empty_cache()
+            for B in (1, 16):
+                toks = torch.randint(0, cfg.vocab_size, (B, PROMPT), device="cuda")
+                with torch.no_grad():
+                    s = timed(lambda: model(toks), 3)
+                prefill[f"B{B}"]["eager_s"] = s
+                prefill[f"B{B}"]["k3c_speedup_vs_eager"] = s / prefill[f"B{B}"]["k3c_s"]
+                torch.cuda.empty_cache()
+
+    # ---- numerics: k3c bf16 vs eager bf16, in the band of eager bf16 vs eager fp32 --------------------------
+    if "numerics" not in skip:
+        with phase("numerics"):
+            session.reset()
+            prompt = torch.randint(0, cfg.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0)).cuda()
+            model32 = copy.deepcopy(model).float()  # the same checkpoint in fp32
+            outs = {"k3c": [], "eager_bf16": [], "eager_fp32": []}
+            with torch.no_grad():
+                l32, c32 = model32(prompt)
+                l16, c16 = model(prompt)
+                outs["eager_fp32"].append(l32[:, -1:].float())
+                outs["eager_bf16"].append(l16[:, -1:].float())
+                outs["k3c"].append(session.prefill(prompt).float())
+                for _ in range(16):
+                    nxt = outs["eager_fp32"][-1].argmax(-1)  # teacher forcing: the fp32 greedy continuation
+                    l32, c32 = model32(nxt, c32)
+                    l16, c16 = model(nxt, c16)
+                    outs["eager_fp32"].append(l32.float())
+                    outs["eager_bf16"].append(l16.float())
+                    outs["k3c"].append(session.decode(nxt).float())
+
+            def rel(x, y):
+                return max(float((p - q).abs().max() / q.abs().max()) for p, q in zip(outs[x], outs[y]))
+
+            res["numerics_max_rel"] = {"k3c_vs_eager_bf16": rel("k3c", "eager_bf16"),
+                                       "eager_bf16_vs_eager_fp32": rel("eager_bf16", "eager_fp32"),
+                                       "k3c_vs_eager_fp32": rel("k3c", "eager_fp32"),
+                                       "greedy_agreement_k3c_vs_fp32": sum(
+                                           int((p.argmax(-1) == q.argmax(-1)).all()) for p, q in
+                                           zip(outs["k3c"], outs["eager_fp32"])) / len(outs["k3c"])}
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
