@@ -61,8 +61,9 @@ def progress_bars():
 
 
 def _compiling() -> None:
-    """Before a long compiler command: CPython's cyclic GC off for the rest of the process (the IR and the FX
-    graphs are millions of small objects that live until the end; each full collection would walk them again)."""
+    """Before a long compiler command: CPython's cyclic GC off until the command returns (`main` turns it back on;
+    the IR and the FX graphs are millions of small objects that live until the end, and each full collection would
+    walk them again)."""
     gc.disable()
 
 
@@ -558,6 +559,7 @@ def _options(version: bool = typer.Option(False, "--version", callback=_version,
 
 def main() -> None:
     """Entry point: run the app, printing K3CError (and an OSError on a path the user gave) as one line, exit 2."""
+    gc_was_on = gc.isenabled()
     try:
         app()
     except K3CError as e:
@@ -567,6 +569,9 @@ def main() -> None:
         where = f"{e.filename}: " if e.filename else ""
         err.print(f"[red]error:[/] {where}{e.strerror or e}", highlight=False, soft_wrap=True)
         sys.exit(2)
+    finally:
+        if gc_was_on:  # a command may pause it (`_compiling`); a caller running main() in process gets it back
+            gc.enable()
 
 
 if __name__ == "__main__":

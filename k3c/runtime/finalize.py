@@ -30,7 +30,7 @@ import torch
 
 from k3c.errors import ArtifactError, RuntimeInputError
 from k3c.runtime import kernel_cache
-from k3c.runtime.artifact import ArtifactWriter, read_artifact
+from k3c.runtime.artifact import BUILD, ArtifactWriter, read_artifact
 
 
 def finalize(path: str | os.PathLike, device: str = "cuda") -> dict:
@@ -108,7 +108,8 @@ def add_files(path: Path, files: dict[str, bytes]) -> None:
     m = art.manifest
     with ArtifactWriter(path, force=True) as writer:
         for rel, sha in sorted(art.files.items()):
-            writer.add_existing(rel, path / rel, sha)
+            if rel != BUILD:  # commit writes build.json anew from the same manifest fields
+                writer.add_existing(rel, path / rel, sha)
         for rel, data in sorted(files.items()):
             writer.add_bytes(rel, data)
         writer.commit(config=m["config"], target=m["target"], tp=m["tp"], bounds=m["bounds"],
