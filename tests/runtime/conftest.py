@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():  # CPU: Triton kernels in the interpreter; a GPU machine compiles them
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from k3c.compile import CompileOptions, compile_model  # noqa: E402
 from models.config import TINY_PRESETS, K3Config  # noqa: E402
