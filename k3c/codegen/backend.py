@@ -21,6 +21,7 @@ The claim order comes from the target (`Target.backends`, by kind: GPUs generate
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from k3c.errors import ConfigError, UnsupportedError
@@ -46,7 +47,7 @@ class Emission:
     index: dict[str, dict] = field(default_factory=dict)
 
 
-class Backend:
+class Backend(ABC):
     """Base class of backends (see the module docstring). Subclasses set `name`, `generates` and implement
     `claims`; code generators also `emit`; `launch_record` defaults to no extra fields."""
 
@@ -56,8 +57,9 @@ class Backend:
     def __init__(self, target):
         self.target = target
 
+    @abstractmethod
     def claims(self, kind: str, nodes: list[Node]) -> bool:
-        raise NotImplementedError
+        """Whether this backend implements a launch of `kind` made of `nodes`."""
 
     def emit(self, groups: list[KernelGroup], ctx) -> Emission:
         """Artifact files for `groups` (all of this backend's groups of the artifact, every entry point)."""

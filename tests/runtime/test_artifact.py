@@ -247,4 +247,4 @@ def test_runtime_module_imports_no_compiler_code():
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     third_party = {m for m in imported if m.split(".")[0] not in sys.stdlib_module_names and m != "__future__"}
-    assert third_party == {"torch", "safetensors", "safetensors.torch", "k3c", "k3c.errors"}
+    assert third_party == {"torch", "safetensors", "safetensors.torch", "k3c", "k3c.errors", "k3c.runtime.encoding"}

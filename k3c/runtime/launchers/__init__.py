@@ -11,6 +11,7 @@ Raises ArtifactError for a backend this runtime does not know (an artifact from 
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
 
 from k3c.errors import ArtifactError
 
@@ -24,15 +25,16 @@ LAUNCHERS = {
 }
 
 
-class Launcher:
+class Launcher(ABC):
     """Base class: `__init__(art, device, launches, workdir)` prepares the launches of one backend (all entry
     points); `launch(frame, ln)` runs one of them on `frame` (`k3c.runtime.frame.Frame`)."""
 
     def __init__(self, art, device, launches: list[dict], workdir):
         self.device = device
 
+    @abstractmethod
     def launch(self, frame, ln: dict) -> None:
-        raise NotImplementedError
+        """Run launch `ln` on `frame`, binding its outputs."""
 
 
 def make_launchers(art, device, schedule: dict, workdir) -> dict[str, Launcher]:
