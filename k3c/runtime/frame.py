@@ -4,6 +4,11 @@ A `Frame` is made per prefill / decode call at its sizes {B, T, L}; `launch` run
 through the launcher of its backend (`k3c.runtime.launchers`), which binds its outputs. Intermediates are
 views of the session's arena at `plan.json`'s offsets; caches are views of the pools. Used by
 `k3c.runtime.session` (eager execution) and `k3c.runtime.graphs` (capture).
+
+A frame with device lengths (`lengths`: the session's i32 [B] context per row, in device memory; whole-step decode,
+`k3c.runtime.graphs`) is built at the bound L = max_seq − T: the KV / index-key pools are bound whole, the kernels
+that depend on the context read it from `sizes["lengths"]` and cache appends write row b at positions
+lengths[b] + t, so no launch depends on a host-side length.
 """
 
 from __future__ import annotations
@@ -20,9 +25,14 @@ class Frame:
     """One call's bindings: every value of the schedule by name (weights, pool views, arena views at the plan's
     offsets) at sizes {B, T, L}, and `launch` to run one launch of the schedule on them."""
 
-    def __init__(self, session, entry: str, B: int, T: int, L: int):
+    def __init__(self, session, entry: str, B: int, T: int, L: int, lengths: torch.Tensor | None = None):
         self.session, self.entry, self.B, self.T, self.L = session, entry, B, T, L
         self.sizes = {"B": B, "T": T, "L": L}
+        self.lengths = self.positions = None
+        if lengths is not None:  # device lengths (module docstring): L is the bound
+            self.sizes["lengths"] = self.lengths = lengths
+            ar = torch.arange(max(B, T), dtype=torch.int64, device=lengths.device)
+            self.rows, self.positions = ar[:B, None], lengths.long()[:, None] + ar[None, :T]  # [B,1], [B,T]
         sched = session.schedule[entry]
         self.types, self.offsets = sched["values"], session.offsets[entry]
         self.pool_of = {v: k for k, v in sched["outputs"].items() if k in session.pools}

@@ -11,8 +11,9 @@ generated Triton kernel (imported from the artifact's `kernels/`), a TVM kernel 
 a library call (torch/cuBLAS) or a view. Intermediates live at the offsets of `plan.json` in one arena
 (the plan is made at the compile bounds, so every smaller call fits); caches live in pools sized at the bounds
 (KDA states updated in place, KV and index keys appended in place). A prompt longer than `max_prefill` is
-prefilled in chunks. On CUDA, decode steps after the first at a batch size replay piecewise CUDA graphs
-(`k3c.runtime.graphs`; `cuda_graphs=False` launches every kernel from Python). This module never imports the
+prefilled in chunks. Decode reads the context length of each sequence from device memory (`lengths`, i32, kept
+in step with `length`; `k3c.runtime.graphs`), so on CUDA the decode steps after the first at a batch size replay
+one CUDA graph of the whole step (`cuda_graphs=False` launches every kernel from Python). This module never imports the
 compiler: only torch, safetensors and the artifact files.
 Bounds, dtypes and shapes come from the hashed plan.json / schedule.json and are checked before anything is
 allocated (`k3c.runtime.checks`): weights against the schedule, weights + arena + pools against free memory.
@@ -41,7 +42,7 @@ from k3c.errors import ArtifactError, RuntimeInputError
 from k3c.runtime.artifact import read_artifact
 from k3c.runtime.checks import WEIGHTS, check_memory, check_weights, derive
 from k3c.runtime.frame import Frame
-from k3c.runtime.graphs import DecodeGraphs
+from k3c.runtime.graphs import DecodeGraph, device_lengths_supported
 from k3c.runtime.launchers import make_launchers
 
 
@@ -49,7 +50,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", *, cuda_gr
          finalize: bool = False) -> "Session":
     """Load and verify the artifact at `path` (directory or .k3c file) onto `device`.
 
-    cuda_graphs: on a CUDA device, replay decode steps as piecewise CUDA graphs (`k3c.runtime.graphs`).
+    cuda_graphs: on a CUDA device, replay decode steps as whole-step CUDA graphs (`k3c.runtime.graphs`).
     finalize: on a CUDA device, if the artifact ships no compiled kernels for this Triton and GPU, compile them now
     on a warm-up workload and add them to the artifact directory (`k3c.runtime.finalize`; the next load compiles
     nothing). Without it such an artifact JIT-compiles each kernel at its first launch."""
@@ -126,18 +127,34 @@ class Session:
         weakref.finalize(self, shutil.rmtree, self._workdir, True)
         self.launchers = make_launchers(art, self.device, self.schedule, self._workdir)
         self.pools = {n: torch.zeros(shp, dtype=dt, device=self.device) for n, (dt, shp) in facts.pools.items()}
+        # the context of each sequence in device memory, read by decode's context-dependent launches; None where
+        # one of them needs it on the host (TVM kernels): then decode takes the host length, without CUDA graphs
+        self.lengths = (torch.zeros(self.max_batch, dtype=torch.int32, device=self.device)
+                        if device_lengths_supported(self.schedule["decode"]) else None)
         self.batch: int | None = None
         self.length = 0
         self.last_timing: dict = {}
         self.finalized: dict | None = None  # what `load(..., finalize=True)` added (k3c.runtime.finalize)
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self._graphs: dict[int, DecodeGraphs] = {}  # by batch size
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.lengths is not None
+        self._graphs: dict[int, DecodeGraph] = {}  # by batch size
 
     # ---- public -------------------------------------------------------------------------------------------------
     @property
     def world(self) -> tuple[int, int]:
         """(rank, tp): this process's rank and the artifact's tensor-parallel degree."""
         return self.rank, self.tp
+
+    @property
+    def length(self) -> int:
+        """The context length of the sequences (tokens appended so far). Setting it (e.g. a benchmark at a fixed
+        context; the cache contents are kept) sets the device lengths too."""
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._length = value
+        if self.lengths is not None:
+            self.lengths.fill_(value)
 
     def reset(self) -> None:
         """Zero every cache pool and forget the batch."""
@@ -195,22 +212,28 @@ class Session:
         """Run `entry` on `tokens` at the session's length; returns a copy of the logits (None unless `keep`)."""
         t0 = time.perf_counter()
         B, T = tokens.shape
-        graphs = self._graphs.get(B) if entry == "decode" else None
-        if graphs is not None:
-            out = graphs.replay(tokens, self.length)
+        lengths = self.lengths[:B] if entry == "decode" and self.lengths is not None else None
+        graph = self._graphs.get(B) if lengths is not None else None
+        if graph is not None:
+            out = graph.replay(tokens)
         else:
-            frame = Frame(self, entry, B, T, self.length)
+            frame = Frame(self, entry, B, T, self._length if lengths is None else self.max_seq - T, lengths)
             frame.env["tokens"] = tokens
             for ln in self.schedule[entry]["launches"]:
                 frame.launch(ln)
             out = frame.env[self.schedule[entry]["outputs"]["logits"]]
-            if entry == "decode" and self.cuda_graphs:
-                # after one eager step (Triton JIT and cuBLAS set up): capture; capturing runs nothing
-                self._graphs[B] = DecodeGraphs(self, B, self.length)
+            if lengths is not None:
+                lengths.add_(T)
+                if self.cuda_graphs:  # after one eager step (Triton JIT, cuBLAS set up): capture; runs nothing
+                    self._graphs[B] = DecodeGraph(self, B)
         logits = out.clone() if keep else None
-        self.batch, self.length = B, self.length + T
+        self.batch = B
+        if lengths is None:
+            self.length += T
+        else:  # the device lengths moved on already
+            self._length += T
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.last_timing = {"entry": entry, "tokens": T, "seconds": time.perf_counter() - t0,
-                            "cuda_graphs": graphs is not None}
+                            "cuda_graphs": graph is not None}
         return logits

@@ -1,5 +1,5 @@
-"""Piecewise CUDA graphs for decode (`k3c.runtime.graphs`): which launches stay eager (CPU), and that replaying the
-graphs gives the logits of eager execution (GPU)."""
+"""Whole-step CUDA graphs for decode (`k3c.runtime.graphs`): which launches depend on the context and read it from
+device memory (CPU), and that replaying the graph gives the logits of eager execution (GPU)."""
 
 from __future__ import annotations
 
@@ -10,25 +10,23 @@ import pytest
 import torch
 
 from k3c.compile import CompileOptions, compile_model
-from k3c.runtime.graphs import eager_launches
+from k3c.runtime.graphs import device_lengths_supported, length_dependent
 from models.config import TINY_PRESETS, K3Config
 from models.k3 import save_random_checkpoint
 
 
-def _plan_only(preset: str, out):
-    compile_model(CompileOptions(preset, out, target="h200", max_batch=2, max_seq=64, max_prefill=16, plan_only=True))
-    sched = json.loads((out / "schedule.json").read_text())["decode"]
-    plan = json.loads((out / "plan.json").read_text())
-    return sched, {k: v["offset"] for k, v in plan["arena"]["decode"]["buffers"].items()}
+def _plan_only(preset: str, out, target: str = "h200"):
+    compile_model(CompileOptions(preset, out, target=target, max_batch=2, max_seq=64, max_prefill=16, plan_only=True))
+    return json.loads((out / "schedule.json").read_text())["decode"]
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)
-def test_only_context_length_dependent_launches_are_eager(preset, tmp_path):
+def test_context_dependent_launches_read_device_lengths(preset, tmp_path):
     cfg = K3Config.from_pretrained(preset)
-    sched, offsets = _plan_only(preset, tmp_path / "art")
-    eager = eager_launches(sched, offsets)
+    sched = _plan_only(preset, tmp_path / "art")
+    dep = length_dependent(sched)
     launches = sched["launches"]
-    kinds = [ln["kind"] for ln, e in zip(launches, eager) if e]
+    kinds = [ln["kind"] for ln, d in zip(launches, dep) if d]
     attn_layers = sum(cfg.layer_kind(i) != "kda" for i in range(cfg.num_hidden_layers))
     dsa_layers = sum(cfg.layer_kind(i) == "dsa" for i in range(cfg.num_hidden_layers))
     # per global-attention layer: the attention and its latent-KV append; per DSA layer also the indexer and its
@@ -36,15 +34,18 @@ def test_only_context_length_dependent_launches_are_eager(preset, tmp_path):
     assert sorted(kinds) == sorted(["mla_attention", "cache_append"] * attn_layers
                                    + ["dsa_index_topk", "cache_append"] * dsa_layers)
     mentions_l = re.compile(r"\bL\b")
-    for ln, e in zip(launches, eager):
-        dims = [d for v in (*ln["inputs"], *ln["outputs"]) for d in sched["values"].get(v, {}).get("shape", [])]
-        if any(isinstance(d, str) and mentions_l.search(d) for d in dims):
-            assert e, f"{ln['name']} depends on L but would be recorded in a graph"
-    producer = {v: i for i, ln in enumerate(launches) for v in ln["outputs"]}
-    for i, ln in enumerate(launches):  # a recorded launch reads eager results only from fixed arena buffers
-        if not eager[i]:
-            for v in ln["inputs"]:
-                assert not (v in producer and eager[producer[v]]) or v in offsets, (ln["name"], v)
+    for ln, d in zip(launches, dep):
+        dims = [x for v in (*ln["inputs"], *ln["outputs"]) for x in sched["values"].get(v, {}).get("shape", [])]
+        if any(isinstance(x, str) and mentions_l.search(x) for x in dims):
+            assert d, f"{ln['name']} depends on L but is not marked"
+    assert device_lengths_supported(sched)  # Triton attention / indexer, view appends: one graph per step
+
+
+def test_tvm_kernels_take_host_lengths(tmp_path):
+    # TVM's CPU kernels take L as an integer: such an artifact decodes with host lengths (and no CUDA graphs)
+    sched = _plan_only("k3-tiny", tmp_path / "art", target="cpu-x86-64")
+    assert any(ln["backend"] == "tvm" and ln["kind"] == "mla_attention" for ln in sched["launches"])
+    assert not device_lengths_supported(sched)
 
 
 @pytest.mark.gpu
@@ -67,3 +68,4 @@ def test_graph_replay_matches_eager_decode(tmp_path, dtype):
         assert graphed.last_timing["cuda_graphs"] == (step > 0)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         nxt = want.argmax(-1)
+    assert graphed.lengths[:2].tolist() == [24 + 8] * 2  # the in-graph increment kept the device lengths

@@ -56,14 +56,17 @@ def mla_attention_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr,           # q [B,T,H,D]; k/v rows (strides below); idx [B,T,TOPK] i64 (USE_IDX)
     o_ptr,                                  # [B,T,H,DV] output (SPLITS == 1) or [B*T,SPLITS,H,DV] f32 partials
     lse_ptr,                                # [B*T,SPLITS,H] f32 log2-sum-exp of each split (SPLITS > 1)
-    T, S, n_tblocks, keys_per_split,        # new tokens, keys, token blocks per batch row, keys (or slots) per split
+    len_ptr,                                # LEN_FROM_PTR: [B] i32 context length per row (keys before this call)
+    T, S, n_tblocks, keys_per_split,        # new tokens, keys (LEN_FROM_PTR: the bound), token blocks per batch row,
+                                            # keys (or slots) per split (LEN_FROM_PTR: derived here)
+    dense_max,                              # USE_IDX: rows with at most this many keys run dense (-1: never)
     stride_kb, stride_ks, stride_kh,        # key strides in elements (kh = 0: absorbed, all heads share kv rows)
     stride_vb, stride_vs, stride_vh,        # value strides in elements
     qk_scale,                               # attrs.scale · log2(e): scores in the base-2 domain
     H: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, TOPK: tl.constexpr,
     HEADS_LAYOUT: tl.constexpr,             # True: rows = heads of one token; False: rows = tokens of one head
     ROWS_T: tl.constexpr,                   # tokens per program in the tokens layout (1 with idx)
-    USE_IDX: tl.constexpr, CAUSAL: tl.constexpr, SPLITS: tl.constexpr,
+    USE_IDX: tl.constexpr, CAUSAL: tl.constexpr, SPLITS: tl.constexpr, LEN_FROM_PTR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,            # "ieee" for fp32 inputs (exact), "tf32" otherwise (ignored for bf16)
 ):
@@ -87,12 +90,17 @@ def mla_attention_kernel(
         k_head = pid_h
         t_first = tb * ROWS_T
         t_last = tl.minimum(t_first + ROWS_T - 1, T - 1)
-    if USE_IDX:
-        n_keys = TOPK                                       # walk the index slots of token t_first
-    elif CAUSAL:
+    if LEN_FROM_PTR:                                        # the row's keys: its context in device memory + T
+        S = tl.load(len_ptr + b).to(tl.int32) + T
+    if CAUSAL:
         n_keys = S - T + t_last + 1                         # keys visible to the block's last token
     else:
         n_keys = S
+    sparse = (S + 0 * tl.arange(0, BLOCK_S)) > dense_max    # USE_IDX: walk the index slots of token t_first
+    if USE_IDX:                                             # (a vector: masks combine with it as bool)
+        n_keys = tl.where(tl.max(sparse.to(tl.int32), 0) > 0, TOPK, n_keys)
+    if LEN_FROM_PTR:                                        # split this row's keys over the SPLITS programs
+        keys_per_split = ((n_keys + SPLITS - 1) // SPLITS + BLOCK_S - 1) // BLOCK_S * BLOCK_S
     start = split * keys_per_split
     end = tl.minimum(n_keys, start + keys_per_split)
 
@@ -106,7 +114,8 @@ def mla_attention_kernel(
         offs_j = j0 + tl.arange(0, BLOCK_S)
         j_ok = offs_j < end
         if USE_IDX:
-            pos = tl.load(idx_ptr + (b * T + t_first) * TOPK + offs_j, mask=j_ok, other=-1)
+            pos = tl.load(idx_ptr + (b * T + t_first) * TOPK + offs_j, mask=j_ok & sparse, other=-1)
+            pos = tl.where(sparse, pos, offs_j.to(tl.int64))
             key_ok = j_ok & (pos >= 0) & (pos < S)
             pos = tl.where(key_ok, pos, 0)
         else:
@@ -164,12 +173,15 @@ def mla_combine_kernel(part_ptr, lse_ptr, o_ptr, H: tl.constexpr, DV: tl.constex
     tl.store(o_ptr + (bt * H + h) * DV + offs_dv, out.to(o_ptr.dtype.element_ty), mask=offs_dv < DV)
 
 
-def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_keys):
+def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_keys, lengths=None):
     """Run `mla_attention` (see the module docstring of the emitted module for the semantics).
 
     q [B,T,H,D]; absorbed: k = kv [B,S,D] (v ignored), values kv[..., :v_dim]; else k [B,S,H,D], v [B,S,H,Dv].
-    idx: None or i64 [B,T,topk]; out: [B,T,H,Dv] (q's dtype), fully written. Scratch: with split-K, f32 partials
-    [B·T, splits, H, Dv] and [B·T, splits, H] allocated here. Raises ValueError on mismatched shapes.
+    idx: None or i64 [B,T,topk]; out: [B,T,H,Dv] (q's dtype), fully written. lengths: None, or i32 [B] on q's device,
+    the context of each row before these T tokens: then row b has lengths[b] + T keys, S is only the bound of the
+    key tensors, the grid and the split-K count are fixed by that bound and the DSA guard is taken per row on the
+    device (nothing here depends on the lengths: a CUDA graph replays it at any context). Scratch: with split-K,
+    f32 partials [B·T, splits, H, Dv] and [B·T, splits, H] allocated here. Raises ValueError on mismatched shapes.
     """
     B, T, H, D = q.shape
     S = k.shape[1]
@@ -182,7 +194,11 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
         sk, sv = (k.stride(0), k.stride(1), k.stride(2)), (v.stride(0), v.stride(1), v.stride(2))
     if k.shape[0] != B or k.shape[-1] != D or tuple(out.shape) != (B, T, H, DV) or S < 1:
         raise ValueError(f"mla_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, out {tuple(out.shape)} mismatch")
-    use_idx = idx is not None and (dense_max_keys is None or S > dense_max_keys)
+    from_ptr = lengths is not None
+    if from_ptr and tuple(lengths.shape) != (B,):
+        raise ValueError(f"mla_attention: lengths {tuple(lengths.shape)}, expected ({B},)")
+    use_idx = idx is not None and (from_ptr or dense_max_keys is None or S > dense_max_keys)
+    dense_max = dense_max_keys if from_ptr and use_idx and dense_max_keys is not None else -1
     topk = idx.shape[2] if use_idx else 1
     BLOCK_DV = triton.next_power_of_2(DV)
     BLOCK_D = 64 if D > 64 else max(16, triton.next_power_of_2(D))
@@ -195,7 +211,7 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
         BLOCK_M = 16 if use_idx or wide else 32
         rows_t = 1 if use_idx else BLOCK_M
         n_tb, n_hb = triton.cdiv(T, rows_t), H
-    n_keys = topk if use_idx else S
+    n_keys = (max(topk, min(S, dense_max)) if from_ptr else topk) if use_idx else S   # at most, per row
     programs = B * n_tb * n_hb
     splits = 1
     if programs < TARGET_PROGRAMS and n_keys > MIN_KEYS_PER_SPLIT:
@@ -209,10 +225,11 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
         o_dst, lse = out, out
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     mla_attention_kernel[(B * n_tb, n_hb, splits)](
-        q, k, v, idx if use_idx else q, o_dst, lse, T, S, n_tb, keys_per_split, *sk, *sv,
+        q, k, v, idx if use_idx else q, o_dst, lse, lengths if from_ptr else q, T, S, n_tb, keys_per_split,
+        dense_max, *sk, *sv,
         scale * 1.4426950408889634,  # log2(e): exp(x) = exp2(x · log2 e)
         H=H, D=D, DV=DV, TOPK=topk, HEADS_LAYOUT=absorbed, ROWS_T=rows_t, USE_IDX=use_idx, CAUSAL=causal,
-        SPLITS=splits, BLOCK_M=BLOCK_M, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        SPLITS=splits, LEN_FROM_PTR=from_ptr, BLOCK_M=BLOCK_M, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         DOT_PRECISION=precision, num_warps=8 if wide else 4, num_stages=2)
     if splits > 1:
         mla_combine_kernel[(B * T, H)](o_dst, lse, out, H=H, DV=DV, SPLITS=splits,
@@ -220,18 +237,22 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
 
 
 @triton.jit
-def dsa_score_kernel(q_ptr, w_ptr, k_ptr, key_ptr, T, L, t0, n_rows,
+def dsa_score_kernel(q_ptr, w_ptr, k_ptr, key_ptr, len_ptr, T, L, t0, n_rows,
                      J: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
     """Sort keys of I[t,s] = Σ_j w[t,j]·ReLU(q_I[t,j]·k_I[s]) for tokens t0 .. t0+n_rows−1 (see module docstring).
 
     q [B,T,J,D], w [B,T,J], k [B,L,D]; key_ptr: i64 [B, n_rows, L]. Program: (b·n_rows + t − t0, key block).
+    LEN_FROM_PTR: row b holds len_ptr[b] + T keys (i32 [B]); L is the bound, the keys past the row's are not visible.
     """
     pid = tl.program_id(0)
     b = (pid // n_rows).to(tl.int64)
     t = t0 + pid % n_rows
     offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_ok = offs_s < L
+    n_keys = L
+    if LEN_FROM_PTR:
+        n_keys = tl.load(len_ptr + b).to(tl.int32) + T
     offs_j = tl.arange(0, BLOCK_J)
     j_ok = offs_j < J
     dots = tl.zeros([BLOCK_J, BLOCK_S], tl.float32)
@@ -240,15 +261,15 @@ def dsa_score_kernel(q_ptr, w_ptr, k_ptr, key_ptr, T, L, t0, n_rows,
         d_ok = offs_d < D
         q = tl.load(q_ptr + ((b * T + t) * J + offs_j)[:, None] * D + offs_d[None, :],
                     mask=j_ok[:, None] & d_ok[None, :], other=0.0)
-        k = tl.load(k_ptr + (b * L + offs_s)[:, None] * D + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                    other=0.0)
+        k = tl.load(k_ptr + (b * L + offs_s)[:, None] * D + offs_d[None, :],
+                    mask=(offs_s < n_keys)[:, None] & d_ok[None, :], other=0.0)
         dots += tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
     w = tl.load(w_ptr + (b * T + t) * J + offs_j, mask=j_ok, other=0.0).to(tl.float32)
     score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
     score = tl.where(score == 0.0, 0.0, score)             # −0.0 -> +0.0: the reference's sort sees them equal
     bits = score.to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)   # signed int32 order == float order
-    visible = s_ok & (offs_s <= L - T + t)
+    visible = s_ok & (offs_s <= n_keys - T + t)
     int32_min = tl.full([BLOCK_S], -2147483648, tl.int32)  # below every float's key, incl. −inf
     ordered = tl.where(visible, ordered, int32_min)
     low = tl.full([BLOCK_S], 4294967295, tl.int64) - offs_s.to(tl.int64)   # 2^32 − 1 − s: lower s sorts first
@@ -256,9 +277,12 @@ def dsa_score_kernel(q_ptr, w_ptr, k_ptr, key_ptr, T, L, t0, n_rows,
     tl.store(key_ptr + (pid.to(tl.int64) * L + offs_s), key, mask=s_ok)
 
 
-def launch_dsa_index_topk(q_i, w, k_i, out, *, topk):
+def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, lengths=None):
     """Run `dsa_index_topk`: q_i [B,T,J,D], w [B,T,J], k_i [B,L,D] -> out i64 [B,T,topk] (−1 padding).
 
+    lengths: None, or i32 [B] on the device, the context of each row before these T tokens: row b then holds
+    lengths[b] + T keys and L is only the bound (the launches do not depend on the lengths: a CUDA graph replays
+    them at any context; the result is the same as for k_i cut to the row's keys).
     Scratch: i64 sort keys [B, rows, L] allocated here, rows ≤ T chosen so that it stays ≤ SCRATCH_BYTES. Decode
     (T = 1) with L ≥ RADIX_MIN_KEYS runs the radix select of `dsa_decode` instead (same result, exact ties).
     Raises ValueError on mismatched shapes.
@@ -268,8 +292,11 @@ def launch_dsa_index_topk(q_i, w, k_i, out, *, topk):
     if tuple(w.shape) != (B, T, J) or tuple(k_i.shape) != (B, L, D) or tuple(out.shape) != (B, T, topk):
         raise ValueError(f"dsa_index_topk: q_i {tuple(q_i.shape)}, w {tuple(w.shape)}, k_i {tuple(k_i.shape)}, "
                          f"out {tuple(out.shape)} mismatch")
+    from_ptr = lengths is not None
+    if from_ptr and tuple(lengths.shape) != (B,):
+        raise ValueError(f"dsa_index_topk: lengths {tuple(lengths.shape)}, expected ({B},)")
     if T == 1 and L >= RADIX_MIN_KEYS:
-        out.copy_(radix_topk(q_i[:, 0], w[:, 0], k_i, topk, None, True))
+        out.copy_(radix_topk(q_i[:, 0], w[:, 0], k_i, topk, None, True, lengths))
         return
     kk = min(topk, L)
     if kk < topk:
@@ -281,8 +308,9 @@ def launch_dsa_index_topk(q_i, w, k_i, out, *, topk):
     for t0 in range(0, T, rows):
         n = min(rows, T - t0)
         dsa_score_kernel[(B * n, triton.cdiv(L, BLOCK_S))](
-            q_i, w, k_i, keys, T, L, t0, n, J=J, D=D, BLOCK_J=max(16, triton.next_power_of_2(J)),
-            BLOCK_D=64 if D > 64 else max(16, triton.next_power_of_2(D)), BLOCK_S=BLOCK_S, DOT_PRECISION=precision)
+            q_i, w, k_i, keys, lengths if from_ptr else q_i, T, L, t0, n, J=J, D=D,
+            BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_D=64 if D > 64 else max(16, triton.next_power_of_2(D)),
+            BLOCK_S=BLOCK_S, DOT_PRECISION=precision, LEN_FROM_PTR=from_ptr)
         chunk = keys.view(-1)[:B * n * L].view(B, n, L)       # the kernel's [B, n, L] layout
         top = torch.topk(chunk, kk, dim=-1, sorted=True).values
         pos = 4294967295 - (top & 4294967295)                  # undo the low word 2^32 − 1 − s
@@ -338,7 +366,8 @@ def emit_mla_attention(group: KernelGroup) -> str:
         "def launch(inputs, outputs, sizes):\n"
         '    """ABI entry: inputs (q, k[, v][, idx]) and outputs [o] are the group\'s tensors at `sizes`."""\n'
         f"    launch_mla(inputs[{ip[0]}], inputs[{ip[1]}], {v_arg}, {idx_arg}, outputs[{op[0]}], absorbed=ABSORBED,\n"
-        "               causal=CAUSAL, scale=SCALE, v_dim=V_DIM, dense_max_keys=DENSE_MAX_KEYS)\n")
+        "               causal=CAUSAL, scale=SCALE, v_dim=V_DIM, dense_max_keys=DENSE_MAX_KEYS,\n"
+        '               lengths=sizes.get("lengths"))\n')
     title = f"mla_attention ({'absorbed' if a['absorbed'] else 'unabsorbed'}{', DSA idx' if has_idx else ''})"
     return _module(group, title, consts, [mla_attention_kernel, mla_combine_kernel], launch_mla, body)
 
@@ -359,7 +388,8 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
     body = (
         "def launch(inputs, outputs, sizes):\n"
         '    """ABI entry: inputs (q_i, w, k_i), outputs [idx i64 [B,T,TOPK]]."""\n'
-        f"    launch_dsa_index_topk(inputs[{ip[0]}], inputs[{ip[1]}], inputs[{ip[2]}], outputs[{op[0]}], topk=TOPK)\n")
+        f"    launch_dsa_index_topk(inputs[{ip[0]}], inputs[{ip[1]}], inputs[{ip[2]}], outputs[{op[0]}], topk=TOPK,\n"
+        '                          lengths=sizes.get("lengths"))\n')
     body = inspect.getsource(radix_topk) + "\n\n" + body
     return _module(group, "dsa_index_topk (score kernel + torch.topk on packed int64 keys; decode at long context: "
                    "radix select)", consts, [dsa_score_kernel, *dsa_decode.KERNELS], launch_dsa_index_topk, body)

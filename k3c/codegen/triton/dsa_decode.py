@@ -82,13 +82,26 @@ def _chosen_prefix(hist_row, K, DIGITS: tl.constexpr, BINS: tl.constexpr):
 
 
 @triton.jit
-def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, L, n_blocks,
+def _row_range(len_ptr, b, L, BLOCK: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
+    """(keys of row b, blocks of BLOCK keys per program): L keys, or len_ptr[b] + 1 (i32 [B]: the context before
+    the new token) with LEN_FROM_PTR, L then being the bound; the row's blocks split evenly over axis 0's programs."""
+    n_valid = L
+    if LEN_FROM_PTR:
+        n_valid = tl.load(len_ptr + b).to(tl.int32) + 1
+    n_prog = tl.num_programs(0)
+    return n_valid, ((n_valid + BLOCK - 1) // BLOCK + n_prog - 1) // n_prog
+
+
+@triton.jit
+def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, len_ptr, L,
                     J: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
-                    FP8: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    FP8: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    LEN_FROM_PTR: tl.constexpr):
     """Scores of keys [pid*n_blocks*BLOCK_S, ...) of row b; q [B, J, D], w [B, J], k [B, L, D] (bf16/fp32, or
     fp8 with ks [B, L] fp32 scales); keys [B, L] int32 (u32 bits); hist [B, 4, BINS] int32 (digit 1 added here)."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    n_valid, n_blocks = _row_range(len_ptr, b, L, BLOCK_S, LEN_FROM_PTR)
     offs_j = tl.arange(0, BLOCK_J)
     offs_d = tl.arange(0, D)
     q = tl.load(q_ptr + (b * J + offs_j)[:, None] * D + offs_d[None, :], mask=(offs_j < J)[:, None], other=0.0)
@@ -97,7 +110,7 @@ def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, L, n_blocks
     n_pad = 0
     for i in range(n_blocks):
         offs_s = (pid * n_blocks + i) * BLOCK_S + tl.arange(0, BLOCK_S)
-        ok = offs_s < L
+        ok = offs_s < n_valid
         k = tl.load(k_ptr + (b * L + offs_s)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
         dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)     # [BLOCK_J, BLOCK_S]
         score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
@@ -113,18 +126,19 @@ def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, L, n_blocks
 
 
 @triton.jit
-def dsa_refine_kernel(keys_ptr, hist_ptr, L, n_blocks, K,
-                      LEVEL: tl.constexpr, BLOCK_R: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr):
+def dsa_refine_kernel(keys_ptr, hist_ptr, len_ptr, L, K, LEVEL: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BINS: tl.constexpr, BITS: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
     """Histogram of digit LEVEL (2..4) over the keys matching the LEVEL-1 digits chosen so far."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    n_valid, n_blocks = _row_range(len_ptr, b, L, BLOCK_R, LEN_FROM_PTR)
     row = hist_ptr + b * 4 * BINS
     prefix, above, everything = _chosen_prefix(row, K, LEVEL - 1, BINS)
     hist = tl.zeros([BINS], tl.int32)
     n_other = 0
     for i in range(n_blocks):
         offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
-        ok = offs < L
+        ok = offs < n_valid
         u = tl.load(keys_ptr + b * L + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
         match = ok & ((u >> (32 - BITS * (LEVEL - 1))).to(tl.int64) == prefix)
         match = match & ((everything.to(tl.int32) + 0 * offs) == 0)
@@ -137,23 +151,24 @@ def dsa_refine_kernel(keys_ptr, hist_ptr, L, n_blocks, K,
 
 
 @triton.jit
-def dsa_tie_count_kernel(keys_ptr, hist_ptr, ties_ptr, L, n_blocks, K,
-                         BLOCK_R: tl.constexpr, BINS: tl.constexpr, MAX_P: tl.constexpr):
+def dsa_tie_count_kernel(keys_ptr, hist_ptr, ties_ptr, len_ptr, L, K, BLOCK_R: tl.constexpr, BINS: tl.constexpr,
+                         MAX_P: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
     """ties [B, MAX_P] int32: how many keys of program pid's range equal tau (0 when every key is taken)."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    n_valid, n_blocks = _row_range(len_ptr, b, L, BLOCK_R, LEN_FROM_PTR)
     tau, above, everything = _chosen_prefix(hist_ptr + b * 4 * BINS, K, 4, BINS)
     n = 0
     for i in range(n_blocks):
         offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
-        u = tl.load(keys_ptr + b * L + offs, mask=offs < L, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
-        n += tl.sum(((offs < L) & (u == tau)).to(tl.int32), 0)
+        u = tl.load(keys_ptr + b * L + offs, mask=offs < n_valid, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
+        n += tl.sum(((offs < n_valid) & (u == tau)).to(tl.int32), 0)
     tl.store(ties_ptr + b * MAX_P + pid, tl.where(everything, 0, n))
 
 
 @triton.jit
-def dsa_gather_kernel(keys_ptr, hist_ptr, ties_ptr, count_ptr, idx_ptr, L, n_blocks, K,
-                      BLOCK_R: tl.constexpr, BINS: tl.constexpr, MAX_P: tl.constexpr):
+def dsa_gather_kernel(keys_ptr, hist_ptr, ties_ptr, count_ptr, idx_ptr, len_ptr, L, K, BLOCK_R: tl.constexpr,
+                      BINS: tl.constexpr, MAX_P: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
     """Positions of the top-K keys of row b into idx [B, K] int64 (pre-filled with -1).
 
     Keys above tau take slots [0, above) from the row's counter (count [B] int32, zeroed; arrival order); keys equal
@@ -162,13 +177,14 @@ def dsa_gather_kernel(keys_ptr, hist_ptr, ties_ptr, count_ptr, idx_ptr, L, n_blo
     as the reference's stable sort."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    n_valid, n_blocks = _row_range(len_ptr, b, L, BLOCK_R, LEN_FROM_PTR)
     tau, above, everything = _chosen_prefix(hist_ptr + b * 4 * BINS, K, 4, BINS)
     take_all = everything.to(tl.int32)
     p = tl.arange(0, MAX_P)
     rank0 = tl.sum(tl.load(ties_ptr + b * MAX_P + p, mask=p < pid, other=0), 0)
     for i in range(n_blocks):
         offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
-        ok = offs < L
+        ok = offs < n_valid
         u = tl.load(keys_ptr + b * L + offs, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
         gt = ok & (((u > tau).to(tl.int32) | take_all) != 0)
         tie = (ok & (((u == tau).to(tl.int32) & (1 - take_all)) != 0)).to(tl.int32)
@@ -209,13 +225,16 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False):
     return radix_topk(q_i, w.reshape(B, J), k_i, topk, k_scale, ordered)
 
 
-def radix_topk(q_i, w, k_i, topk, k_scale, ordered):
+def radix_topk(q_i, w, k_i, topk, k_scale, ordered, lengths=None):
     """The launches of `dsa_decode_topk` (q_i [B, J, D], w [B, J]; shapes already checked; copied into generated
-    `dsa_index_topk` modules). Scratch: keys [B, L] int32, histograms [B, 4, BINS] and tie counts
-    [B, MAX_PROGRAMS] int32, allocated here."""
+    `dsa_index_topk` modules). lengths: None, or i32 [B] on the device: row b then holds lengths[b] + 1 keys of k_i
+    (the context before the new token, plus it) and L = k_i.shape[1] is only the bound (the launches do not depend
+    on the lengths: a CUDA graph replays them at any context). Scratch: keys [B, L] int32, histograms
+    [B, 4, BINS] and tie counts [B, MAX_PROGRAMS] int32, allocated here."""
     B, J, D = q_i.shape
     L = k_i.shape[1]
     fp8 = k_scale is not None
+    from_ptr = lengths is not None
     dev = q_i.device
     keys = torch.empty((B, L), dtype=torch.int32, device=dev)
     hist = torch.zeros((B, 4, BINS), dtype=torch.int32, device=dev)
@@ -223,23 +242,24 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered):
     ties = torch.empty((B, MAX_PROGRAMS), dtype=torch.int32, device=dev)
     idx = torch.full((B, 1, topk), -1, dtype=torch.int64, device=dev)
     q = q_i.contiguous() if not fp8 else q_i.to(torch.bfloat16).contiguous()
+    n_len = lengths if from_ptr else keys
     n_scan = triton.cdiv(L, SCAN_BLOCK)
     per_scan = max(1, triton.cdiv(n_scan * B, SCAN_PROGRAMS))
     n_ref = triton.cdiv(L, SELECT_BLOCK)
     per_ref = max(1, triton.cdiv(n_ref * B, SCAN_PROGRAMS))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     dsa_scan_kernel[(triton.cdiv(n_scan, per_scan), B)](
-        q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, L, per_scan, J=J, D=D,
+        q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, n_len, L, J=J, D=D,
         BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_S=SCAN_BLOCK, FP8=fp8, BINS=BINS, BITS=BITS,
-        DOT_PRECISION=precision, num_warps=4)
+        DOT_PRECISION=precision, LEN_FROM_PTR=from_ptr, num_warps=4)
     grid = (triton.cdiv(n_ref, per_ref), B)
     for level in (2, 3, 4):
-        dsa_refine_kernel[grid](keys, hist, L, per_ref, topk, LEVEL=level, BLOCK_R=SELECT_BLOCK, BINS=BINS,
-                                BITS=BITS, num_warps=4)
-    dsa_tie_count_kernel[grid](keys, hist, ties, L, per_ref, topk, BLOCK_R=SELECT_BLOCK, BINS=BINS,
-                               MAX_P=MAX_PROGRAMS, num_warps=4)
-    dsa_gather_kernel[grid](keys, hist, ties, count, idx, L, per_ref, topk, BLOCK_R=SELECT_BLOCK, BINS=BINS,
-                            MAX_P=MAX_PROGRAMS, num_warps=4)
+        dsa_refine_kernel[grid](keys, hist, n_len, L, topk, LEVEL=level, BLOCK_R=SELECT_BLOCK, BINS=BINS,
+                                BITS=BITS, LEN_FROM_PTR=from_ptr, num_warps=4)
+    dsa_tie_count_kernel[grid](keys, hist, ties, n_len, L, topk, BLOCK_R=SELECT_BLOCK, BINS=BINS,
+                               MAX_P=MAX_PROGRAMS, LEN_FROM_PTR=from_ptr, num_warps=4)
+    dsa_gather_kernel[grid](keys, hist, ties, count, idx, n_len, L, topk, BLOCK_R=SELECT_BLOCK, BINS=BINS,
+                            MAX_P=MAX_PROGRAMS, LEN_FROM_PTR=from_ptr, num_warps=4)
     if ordered:     # the reference's order: score descending, ties by lowest position
         pos = idx[:, 0]
         u = torch.gather(keys, 1, pos.clamp(min=0)).to(torch.int64) & 0xFFFFFFFF
@@ -250,5 +270,5 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered):
 
 
 # Source order for code generation (helpers first).
-KERNELS = (_order_key, _pick_bin, _chosen_prefix, dsa_scan_kernel, dsa_refine_kernel, dsa_tie_count_kernel,
+KERNELS = (_order_key, _pick_bin, _chosen_prefix, _row_range, dsa_scan_kernel, dsa_refine_kernel, dsa_tie_count_kernel,
            dsa_gather_kernel)

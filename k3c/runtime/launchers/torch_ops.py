@@ -2,7 +2,8 @@
 
 Library ops (GEMMs, einsum, embedding, ...) write their result into the planned buffer; view ops bind a view of
 their input where they alias it (reshape, slice, ...) and copy only when the plan gave the value its own buffer;
-`cache_append` writes the new rows into the pool in place (`bind_caches`).
+`cache_append` writes the new rows into the pool in place (`bind_caches`): at the frame's L, or at the device
+positions of a frame with device lengths (`k3c.runtime.frame`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ class TorchOpLauncher(Launcher):
         if ln["kind"] == "cache_append":
             B, L, T = frame.B, frame.L, frame.T
             pool = frame.session.pools[ln["inputs"][0]][:B]
-            pool[:, L:L + T].copy_(ins[1])
-            env[ln["outputs"][0]] = pool[:, :L + T]
+            if frame.positions is None:
+                pool[:, L:L + T].copy_(ins[1])
+                env[ln["outputs"][0]] = pool[:, :L + T]
+            else:  # device lengths: row b at positions lengths[b] + t; readers see the whole pool
+                pool.index_put_((frame.rows, frame.positions), ins[1])
+                env[ln["outputs"][0]] = pool
             return
         dims = ln["dim_attrs"]
         attrs = {k: (v if k not in dims else [evaluate(x, frame.sizes) for x in v] if isinstance(v, list)
