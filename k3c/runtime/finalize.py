@@ -12,9 +12,9 @@ Triton compiles one binary per specialisation of a kernel: its constexpr argumen
 launcher derives from the sizes) and whether integer arguments equal 1 or are multiples of 16. The warm-up covers
 what a session meets: for the batch sizes {1, max_batch}, full prefill chunks (max_prefill tokens) and short odd
 ones at contexts 0, 1, 2, 4, ... up to the longest (the kernels switch forms with the context, e.g. DSA's sparse
-attention once it exceeds index_topk keys), and decode steps (the first eager, capturing the CUDA graphs, the others
-replaying them) at context lengths from 0 growing by 1.25x up to max_seq (the cache contents do not matter for
-compiling; the length is set directly). A size outside them compiles on first use, as without a
+attention once it exceeds index_topk keys), and two decode steps (the first eager, capturing the CUDA graph, the
+second replaying it): decode reads the context from device memory, so its kernels do not change with it. The cache
+contents do not matter for compiling; the length is set directly. A size outside them compiles on first use, as without a
 finalize (then Triton's own cache keeps it).
 Errors: ArtifactError (not an artifact directory; a .k3c archive must be unpacked or finalized before packing),
 RuntimeInputError (no CUDA device).
@@ -89,7 +89,7 @@ def warm_up(session) -> None:
             session.reset()
             session.prefill(rand(B, T0), logits="all")
         session.reset()
-        for L in warm_up_lengths(0, session.max_seq):
+        for L in (0, session.max_seq - 1):
             session.length, session.batch = L, B  # the cache contents do not matter for compiling
             session.decode(rand(B, 1))
     session.reset()

@@ -19,6 +19,10 @@ dsa_index_topk: `dsa_score_kernel` writes one int64 sort key per (b, t, s) into 
 unique keys (inside `launch`: O(L) selection, sorted, deterministic) gives the ref's order exactly.
 Decode (T = 1) with L ≥ RADIX_MIN_KEYS keys instead runs the radix select of `dsa_decode` (scan + four 8-bit digit
 passes + exact tie fill, then a sort of the topk picks): same result, no O(L) int64 scratch or sort.
+Device lengths (`lengths` i32 [B], the kernel ABI's `sizes["lengths"]`): the key tensors are the bound, row b holds
+lengths[b] + T keys, read in the kernels: grids and split counts follow the bound (a CUDA graph replays them at any
+context), each split covers 1/splits of its row's keys, the DSA guard is taken per row, and the indexer marks the
+keys past the row's as not visible; the results equal those of the tensors cut to each row's keys.
 
 Public API: `emit_mla_attention(group)`, `emit_dsa_index_topk(group)` -> module text (registered with
 `k3c.codegen.triton.emitter` for kinds "mla_attention" / "dsa_index_topk"); the launchers `launch_mla`,
