@@ -59,11 +59,13 @@ class DecodeGraph:
     def __init__(self, session, B: int):
         sched = session.schedule["decode"]
         lengths = session.lengths[:B]
-        frame = Frame(session, "decode", B, 1, session.max_seq - 1, lengths)
         self.tokens = torch.zeros((B, 1), dtype=torch.int64, device=session.device)
-        frame.env["tokens"] = self.tokens
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(session.device)):
+            # the frame inside the capture: its append positions (lengths + t) are recomputed by every replay, in
+            # the graph's own memory pool, which lives as long as the graph
+            frame = Frame(session, "decode", B, 1, session.max_seq - 1, lengths)
+            frame.env["tokens"] = self.tokens
             for ln in sched["launches"]:
                 frame.launch(ln)
             lengths.add_(1)
