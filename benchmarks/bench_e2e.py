@@ -7,18 +7,22 @@ checkpoint in the published layout (`save_random_checkpoint`), compiled by k3c f
 
 1. `finalize`: the Triton kernels compiled on this GPU once and stored in the artifact (`k3c.runtime.finalize`);
 2. first logits after load: a fresh process with an empty Triton cache loads the artifact and prefills a prompt;
-   load (weights read, hash-checked and copied), first prefill, and whether any kernel was compiled (none should);
-3. decode at batch 1 / 16 / 64 and context 4K / 128K: k3c (CUDA graphs) and eager, median step time, against the
+   load (files hash-checked, weights copied, kernel code loaded: `Session.load_seconds`), first and second prefill,
+   the first prefill's costliest functions (cProfile) and whether any kernel was compiled (none should);
+3. decode at batch 1 / 16 / 64 and context 4K / 128K: k3c (one CUDA graph per step), eager and torch.compile
+   (`dynamic=True`, batch 1 and 16 at 4K), median step time, against the
    HBM floor: the bytes a step must read (`floor_bytes`: every weight the step touches, routed experts at the
    expected share a batch touches under uniform routing, KDA / conv states read and written, the DSA index keys
    and the selected latent-KV rows) at 4.2 TB/s (the H200's achievable HBM read rate; the copy rate measured here
    is reported beside it). The cache contents do not change a step's work: contexts are set, not prefilled;
 4. prefill of 2560-token prompts at batch 1 and 16 (tokens/s, TFLOP/s of the model's matmuls) and the GEMM rate of
-   the prefill against a plain bf16 matmul measured here; batch 4 x 32K context prefilled in chunks, its peak
-   memory against the plan (arena + pools + weights);
+   the prefill against a plain bf16 matmul measured here;
 5. a per-kernel-kind breakdown (torch.profiler) of one decode step and one prefill call;
 6. numerics: k3c bf16 vs eager bf16, in the band of eager bf16 vs eager fp32 (same checkpoint), over a prefill and
-   teacher-forced decode steps.
+   teacher-forced decode steps; and per layer (input norm, mixer output after o_proj) over the prefill, to see
+   where a difference arises;
+7. batch 4 x 32K context prefilled in 8K chunks (a second artifact, `--max-batch 4 --max-prefill 8192`, loaded
+   after the first session is released), its peak memory against the plan (arena + pools + weights).
 Phases write OUT/bench_e2e.json as they finish (a run cut short keeps what it measured).
 
 Usage (on the H200, through the device tool): python benchmarks/bench_e2e.py --out $OUT [--work /dev/shm/k3c-bench]
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import shutil
@@ -155,21 +160,80 @@ class EagerDecode:
         return self.model(self.tokens, self.cache)[0]
 
 
+def layer_errors(session, models: dict, prompt) -> dict:
+    """Per layer i, over one prefill of `prompt`: max |a−b| / max |b| of the input norm's output ("norm") and of
+    the mixer's output after o_proj ("mixer"), k3c vs eager bf16, eager bf16 vs eager fp32 and k3c vs eager fp32
+    (`models`: {"eager_bf16": model, "eager_fp32": model}); where the k3c error exceeds the eager band first is
+    where it arises. k3c's values are kept as its launches write them (`Frame.launch` wrapped: the values named
+    l<i>.input_layernorm[.n] and l<i>.self_attn.o_proj), the eager ones by forward hooks."""
+    import re
+
+    from k3c.runtime.frame import Frame
+
+    acts: dict[str, dict] = {"k3c": {}, **{name: {} for name in models}}
+    pattern = re.compile(r"l(\d+)\.(input_layernorm|self_attn\.o_proj)(\.\d+)?$")
+    launch = Frame.launch
+
+    def keep(frame, ln):
+        launch(frame, ln)
+        for v in ln["outputs"]:
+            m = pattern.match(v)
+            if m:
+                acts["k3c"][f"{m[1]}.{'norm' if m[2] == 'input_layernorm' else 'mixer'}"] = frame.env[v].float().clone()
+
+    hooks = []
+    for name, model in models.items():
+        for i, layer in enumerate(model.model.layers):
+            for part, mod in (("norm", layer.input_layernorm), ("mixer", layer.self_attn)):
+                hooks.append(mod.register_forward_hook(
+                    lambda m, args, out, key=f"{i}.{part}", d=acts[name]: d.__setitem__(
+                        key, (out[0] if isinstance(out, tuple) else out).float().clone())))
+    Frame.launch = keep
+    try:
+        with torch.no_grad():
+            session.reset()
+            session.prefill(prompt)
+            for model in models.values():
+                model(prompt)
+    finally:
+        Frame.launch = launch
+        for h in hooks:
+            h.remove()
+        session.reset()
+
+    def rel(a, b, key):
+        x, y = acts[a].get(key), acts[b].get(key)
+        return float((x - y).abs().max() / y.abs().max()) if x is not None and y is not None else None
+
+    keys = sorted(set(acts["eager_bf16"]), key=lambda k: (int(k.split(".")[0]), k))
+    return {k: {"k3c_vs_eager_bf16": rel("k3c", "eager_bf16", k), "eager_bf16_vs_eager_fp32": rel(
+        "eager_bf16", "eager_fp32", k), "k3c_vs_eager_fp32": rel("k3c", "eager_fp32", k)} for k in keys}
+
+
 FIRST_LOGITS = textwrap.dedent("""
-    import json, pathlib, sys, time
+    import cProfile, io, json, pathlib, pstats, sys, time
     t0 = time.perf_counter()
     import torch, triton, k3c
     torch.zeros(1, device="cuda"); triton.runtime.driver.active.utils  # CUDA context, Triton's driver helpers
     t1 = time.perf_counter()
     s = k3c.load(sys.argv[1], "cuda")
     torch.cuda.synchronize(); t2 = time.perf_counter()
-    logits = s.prefill(torch.randint(0, s.vocab, (1, int(sys.argv[3]))))
+    tokens = torch.randint(0, s.vocab, (1, int(sys.argv[3])))
+    prof = cProfile.Profile()
+    prof.enable()
+    logits = s.prefill(tokens)
     torch.cuda.synchronize(); t3 = time.perf_counter()
+    prof.disable()
+    s.reset(); s.prefill(tokens); torch.cuda.synchronize(); t4 = time.perf_counter()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
     compiled = sorted(str(p.name) for p in pathlib.Path(sys.argv[2]).rglob("*.llir"))
-    print(json.dumps({"process_setup_s": t1 - t0, "load_s": t2 - t1, "first_prefill_s": t3 - t2,
+    print(json.dumps({"process_setup_s": t1 - t0, "load_s": t2 - t1, "load_parts_s": s.load_seconds,
+                      "first_prefill_s": t3 - t2, "second_prefill_s": t4 - t3,
                       "kernels_compiled": len(compiled), "compiled": compiled[:8],
                       "kernel_files_installed": s.launchers["triton"].compiled_kernels,
-                      "logits_finite": bool(torch.isfinite(logits).all())}))
+                      "logits_finite": bool(torch.isfinite(logits).all()),
+                      "first_prefill_profile": text.getvalue().splitlines()[:60]}))
 """)
 
 
@@ -180,7 +244,7 @@ def main():
     ap.add_argument("--max-seq", type=int, default=131072 + 1024)
     ap.add_argument("--max-prefill", type=int, default=640)
     ap.add_argument("--skip", default="", help="comma-separated phases to skip: finalize, first_logits, long, "
-                                               "eager, numerics")
+                                               "eager, torch_compile, numerics")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     import k3c
@@ -273,8 +337,7 @@ def main():
                                         "floor_gb": fb / 1e9}
                 d = decode[f"B{B}_L{L}"]
                 d["k3c_of_floor"] = d["floor_ms"] / d["k3c_ms"]
-                g = session._graphs[B]
-                d["step_pieces"] = {"cuda_graphs": g.graph_count, "eager_launches": sum(g.eager)}
+                d["whole_step_graph"] = B in session._graphs  # one graph replay per step, nothing launched beside
     with phase("k3c_prefill"):
         prefill = res.setdefault("prefill", {})
         for B in (1, 16):
@@ -310,22 +373,6 @@ def main():
                                if gemm_s else None}
         session._graphs, session.cuda_graphs = graphs, True
 
-    if "long" not in skip:  # batch 4 x 32K context, prefilled in chunks; peak memory against the plan
-        with phase("long_context"):
-            session.reset()
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            toks = torch.randint(0, cfg.vocab_size, (4, 32768), device="cuda")
-            t1 = time.perf_counter()
-            out = session.prefill(toks)
-            torch.cuda.synchronize()
-            planned = session.arena.numel() + sum(p.numel() * p.element_size() for p in session.pools.values())
-            res["long_context"] = {"batch": 4, "tokens": 32768, "prefill_s": time.perf_counter() - t1,
-                                   "logits_shape": list(out.shape), "allocated_before_gib": base / 2**30,
-                                   "peak_above_before_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
-                                   "planned_gib": (planned + weight_bytes) / 2**30}
-
     # ---- eager ----------------------------------------------------------------------------------------------
     if "eager" not in skip:
         with phase("eager"):
@@ -349,6 +396,29 @@ def main():
                 prefill[f"B{B}"]["eager_s"] = s
                 prefill[f"B{B}"]["k3c_speedup_vs_eager"] = s / prefill[f"B{B}"]["k3c_s"]
                 torch.cuda.empty_cache()
+
+    # ---- torch.compile --------------------------------------------------------------------------------------
+    if "torch_compile" not in skip:
+        with phase("torch_compile"):
+            import torch._dynamo
+
+            for knob in ("recompile_limit", "cache_size_limit"):  # the name differs between torch versions
+                if hasattr(torch._dynamo.config, knob):
+                    setattr(torch._dynamo.config, knob, 64)
+            compiled = torch.compile(model, dynamic=True)
+            for B in (1, 16):
+                key = f"B{B}_L4096"
+                e = EagerDecode(model, B, 4096)
+                e.model = compiled
+                t1 = time.perf_counter()
+                e.step()
+                torch.cuda.synchronize()
+                decode[key]["torch_compile_first_call_s"] = time.perf_counter() - t1
+                decode[key]["torch_compile_ms"] = timed(e.step, 10) * 1e3
+                decode[key]["k3c_speedup_vs_torch_compile"] = decode[key]["torch_compile_ms"] / decode[key]["k3c_ms"]
+                del e
+                torch.cuda.empty_cache()
+            del compiled
 
     # ---- numerics: k3c bf16 vs eager bf16, in the band of eager bf16 vs eager fp32 --------------------------
     if "numerics" not in skip:
@@ -380,6 +450,35 @@ def main():
                                        "greedy_agreement_k3c_vs_fp32": sum(
                                            int((p.argmax(-1) == q.argmax(-1)).all()) for p, q in
                                            zip(outs["k3c"], outs["eager_fp32"])) / len(outs["k3c"])}
+            res["numerics_per_layer"] = layer_errors(session, {"eager_bf16": model, "eager_fp32": model32}, prompt)
+            del model32, outs, c32, c16
+            torch.cuda.empty_cache()
+
+    # ---- batch 4 x 32K context in 8K prefill chunks: a second artifact, the first session released ------------
+    if "long" not in skip:
+        with phase("long_context"):
+            session = weights = graphs = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            art8k = a.work / "art-8k"
+            compile_model(CompileOptions(str(ckpt), art8k, target="h200", max_batch=4, max_seq=32768 + 1024,
+                                         max_prefill=8192, dtype="bf16"))
+            base = torch.cuda.memory_allocated()
+            s8 = k3c.load(art8k, "cuda")
+            torch.cuda.synchronize()
+            loaded = torch.cuda.memory_allocated() - base
+            torch.cuda.reset_peak_memory_stats()
+            toks = torch.randint(0, cfg.vocab_size, (4, 32768), device="cuda")
+            t1 = time.perf_counter()
+            out = s8.prefill(toks)
+            torch.cuda.synchronize()
+            planned = (s8.arena.numel() + sum(p.numel() * p.element_size() for p in s8.pools.values())
+                       + sum(w.numel() * w.element_size() for w in s8.weights.values()))
+            res["long_context"] = {"batch": 4, "tokens": 32768, "chunk": 8192, "prefill_s": time.perf_counter() - t1,
+                                   "logits_shape": list(out.shape), "planned_gib": planned / 2**30,
+                                   "allocated_after_load_gib": loaded / 2**30,
+                                   "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+                                   "peak_above_plan_gib": (torch.cuda.max_memory_allocated() - base - planned) / 2**30}
     print(json.dumps(res, indent=1))
 
 

@@ -97,7 +97,9 @@ class Session:
             self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeInputError(f"device {device!r}: this torch build or machine has no CUDA GPU")
+        t0 = time.perf_counter()
         art = read_artifact(path)  # every file against its hash, manifest.json against the hashed build.json
+        t1 = time.perf_counter()
         self.path, self.manifest, self.artifact_files = Path(path), art.manifest, art.files
         if not art.has_weights:
             raise ArtifactError(f"{path}: a plan-only artifact has no weights and cannot run (compile without --plan-only)")
@@ -123,9 +125,15 @@ class Session:
         check_weights(weights, facts, f"{path}/{wfile}")
         self.arena = torch.empty(max(facts.arena_bytes, 1), dtype=torch.uint8, device=self.device)
         self.weights = {k: v.to(self.device) for k, v in weights.items()}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
         self._workdir = Path(tempfile.mkdtemp(prefix="k3c-kernels-"))
         weakref.finalize(self, shutil.rmtree, self._workdir, True)
         self.launchers = make_launchers(art, self.device, self.schedule, self._workdir)
+        #: where the load went, seconds: files read and hash-checked, weights copied (with the arena allocation),
+        #: kernel code loaded (modules imported, compiled kernels installed)
+        self.load_seconds = {"verify": t1 - t0, "weights": t2 - t1, "kernels": time.perf_counter() - t2}
         self.pools = {n: torch.zeros(shp, dtype=dt, device=self.device) for n, (dt, shp) in facts.pools.items()}
         # the context of each sequence in device memory, read by decode's context-dependent launches; None where
         # one of them needs it on the host (TVM kernels): then decode takes the host length, without CUDA graphs
