@@ -161,30 +161,33 @@ class EagerDecode:
 
 
 def layer_errors(session, models: dict, prompt) -> dict:
-    """Per layer i, over one prefill of `prompt`: max |a−b| / max |b| of the input norm's output ("norm") and of
-    the mixer's output after o_proj ("mixer"), k3c vs eager bf16, eager bf16 vs eager fp32 and k3c vs eager fp32
+    """Per layer i, over one prefill of `prompt`: max |a−b| / max |b| of the input norm's output ("norm"), the
+    mixer's output after o_proj ("mixer") and the MLP / MoE output ("ffn"), k3c vs eager bf16, eager bf16 vs eager fp32 and k3c vs eager fp32
     (`models`: {"eager_bf16": model, "eager_fp32": model}); where the k3c error exceeds the eager band first is
     where it arises. k3c's values are kept as its launches write them (`Frame.launch` wrapped: the values named
-    l<i>.input_layernorm[.n] and l<i>.self_attn.o_proj), the eager ones by forward hooks."""
+    l<i>.input_layernorm[.n], l<i>.self_attn.o_proj, and the last [B,T,hidden] value of l<i>.mlp* /
+    l<i>.block_sparse_moe*), the eager ones by forward hooks."""
     import re
 
     from k3c.runtime.frame import Frame
 
     acts: dict[str, dict] = {"k3c": {}, **{name: {} for name in models}}
-    pattern = re.compile(r"l(\d+)\.(input_layernorm|self_attn\.o_proj)(\.\d+)?$")
+    pattern = re.compile(r"l(\d+)\.(input_layernorm|self_attn\.o_proj|mlp|block_sparse_moe)(\..+)?$")
+    part_of = {"input_layernorm": "norm", "self_attn.o_proj": "mixer", "mlp": "ffn", "block_sparse_moe": "ffn"}
     launch = Frame.launch
 
     def keep(frame, ln):
         launch(frame, ln)
         for v in ln["outputs"]:
-            m = pattern.match(v)
-            if m:
-                acts["k3c"][f"{m[1]}.{'norm' if m[2] == 'input_layernorm' else 'mixer'}"] = frame.env[v].float().clone()
+            m, t = pattern.match(v), frame.env.get(v)
+            if m and (part_of[m[2]] != "ffn" or (t.dim() == 3 and t.shape[-1] == frame.env["embed.embed_tokens"].shape[-1])):
+                acts["k3c"][f"{m[1]}.{part_of[m[2]]}"] = t.float().clone()
 
     hooks = []
     for name, model in models.items():
         for i, layer in enumerate(model.model.layers):
-            for part, mod in (("norm", layer.input_layernorm), ("mixer", layer.self_attn)):
+            ffn = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
+            for part, mod in (("norm", layer.input_layernorm), ("mixer", layer.self_attn), ("ffn", ffn)):
                 hooks.append(mod.register_forward_hook(
                     lambda m, args, out, key=f"{i}.{part}", d=acts[name]: d.__setitem__(
                         key, (out[0] if isinstance(out, tuple) else out).float().clone())))
