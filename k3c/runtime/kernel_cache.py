@@ -8,13 +8,18 @@ the cache entries its kernels need, per Triton version and GPU architecture:
     kernels/cache/triton-<version>/sm_<major><minor>/<hash>/<kernel>.json      launch metadata (Triton's own)
     kernels/cache/triton-<version>/sm_<major><minor>/<hash>/<kernel>.cubin     the binary
     kernels/cache/triton-<version>/sm_<major><minor>/<hash>/__grp__<kernel>.json   the entry's file list
+    kernels/cache/triton-<version>/sm_<major><minor>/<hash>/__triton_launcher<ext>  a launcher stub (host code)
 
 hashed in the manifest like every file. `install(art, device)` (the Triton launcher, at load) copies the entries of
 the running Triton and GPU into the process's cache directory, so each first launch is a cache hit: the cubin is
 loaded, nothing is compiled. Triton's group files name their files by absolute path; the artifact stores bare file
 names and `install` writes the paths of the directory it installs into. `capture()` makes a fresh cache directory
 current for a block and `collect` reads back what Triton compiled into it (only the .json and the binary of each
-entry: the intermediate IRs are not needed to launch). `k3c.runtime.finalize` runs the kernels on the target and
+entry: the intermediate IRs are not needed to launch), and the host-side shared objects Triton builds with the C
+compiler on a kernel's first launch (one launcher stub per distinct kernel signature, and its driver helpers: a
+quarter of a second each; 23 of them were 5.8 s of an 8.0 s first prefill of k3.1-pro-tiny on the H200). Those
+are keyed by their C source and the platform, and named for the Python ABI (`EXT_SUFFIX`), so another Python or
+platform never finds them and builds its own. `k3c.runtime.finalize` runs the kernels on the target and
 adds the collected entries to the artifact. A cache entry is content-addressed, so installing into a shared
 directory never changes a kernel another process uses.
 Errors: ArtifactError (a corrupted entry, through the artifact's hash check).
@@ -105,10 +110,14 @@ def capture():
 
 def collect(root: Path, device) -> dict[str, bytes]:
     """The artifact files (relative path -> bytes) for the compiled kernels in cache directory `root`: per
-    entry with a group file, its metadata and binary, and the group file with bare names (module docstring).
-    Entries without a binary (e.g. Triton's own driver helpers) are skipped."""
+    entry with a group file, its metadata and binary, and the group file with bare names; and the shared objects
+    of the entries without a group file (launcher stubs, driver helpers) (module docstring). Group entries
+    without a binary are skipped."""
     out: dict[str, bytes] = {}
     base = f"{PREFIX}/{tag(device)}"
+    for so in sorted(root.glob("*/*.so")):
+        if not any(so.parent.glob(f"{_GROUP}*.json")):
+            out[f"{base}/{so.parent.name}/{so.name}"] = so.read_bytes()
     for grp in sorted(root.glob(f"*/{_GROUP}*.json")):
         children = json.loads(grp.read_text()).get("child_paths", {})
         keep = {k: Path(p).name for k, p in children.items() if k.endswith(_KEEP)}

@@ -22,8 +22,9 @@ TAG = "triton-3.6.0/sm_90"
 
 
 def _fake_triton_cache(root):
-    """Two kernel entries as Triton writes them (every stage's file, a group file with absolute paths) and one
-    driver-helper entry (a shared object, no group)."""
+    """Two kernel entries as Triton writes them (every stage's file, a group file with absolute paths), a
+    driver-helper entry and a launcher-stub entry (a shared object each, no group), and a group entry without a
+    binary."""
     for h, name in (("a" * 8, "k_add"), ("b" * 8, "k_norm")):
         d = root / h
         d.mkdir(parents=True)
@@ -35,6 +36,10 @@ def _fake_triton_cache(root):
         (d / f"__grp__{name}.json").write_text(json.dumps({"child_paths": {f: str(d / f) for f in files}}))
     (root / ("c" * 8)).mkdir()
     (root / ("c" * 8) / "cuda_utils.so").write_bytes(b"\x7fELF")
+    (root / ("d" * 8)).mkdir()
+    (root / ("d" * 8) / "__triton_launcher.cpython-312-x86_64-linux-gnu.so").write_bytes(b"\x7fELF launcher")
+    (root / ("e" * 8)).mkdir()
+    (root / ("e" * 8) / "__grp__k_none.json").write_text(json.dumps({"child_paths": {"k_none.source": "x"}}))
 
 
 def _artifact(out):
@@ -58,7 +63,10 @@ def test_collect_keeps_metadata_and_binary_with_bare_names(tmp_path, tagged):
     base = f"kernels/cache/{TAG}/{'a' * 8}"
     assert sorted(f for f in files if f.startswith(base)) == [f"{base}/__grp__k_add.json", f"{base}/k_add.cubin",
                                                               f"{base}/k_add.json"]
-    assert len(files) == 6  # the driver helper (no group, no binary) is not a kernel
+    assert len(files) == 8  # and the driver helper and launcher stub (built by the C compiler at a first launch)
+    assert files[f"kernels/cache/{TAG}/{'d' * 8}/__triton_launcher.cpython-312-x86_64-linux-gnu.so"] == \
+        b"\x7fELF launcher"
+    assert files[f"kernels/cache/{TAG}/{'c' * 8}/cuda_utils.so"] == b"\x7fELF"
     assert json.loads(files[f"{base}/__grp__k_add.json"]) == {"child_paths": {"k_add.cubin": "k_add.cubin",
                                                                               "k_add.json": "k_add.json"}}
     assert files[f"{base}/k_add.cubin"] == b"k_add cubin"
@@ -82,7 +90,9 @@ def test_add_files_then_install_round_trip(tmp_path, tagged, monkeypatch):
 
     target = tmp_path / "triton-home"
     monkeypatch.setattr(kernel_cache, "cache_dir", lambda: target)
-    assert kernel_cache.install(art, "cuda") == 6
+    assert kernel_cache.install(art, "cuda") == 8
+    assert (target / ("d" * 8) / "__triton_launcher.cpython-312-x86_64-linux-gnu.so").read_bytes() == \
+        b"\x7fELF launcher"
     grp = json.loads((target / ("b" * 8) / "__grp__k_norm.json").read_text())["child_paths"]
     assert grp == {"k_norm.cubin": str(target / ("b" * 8) / "k_norm.cubin"),
                    "k_norm.json": str(target / ("b" * 8) / "k_norm.json")}
