@@ -18,6 +18,9 @@ histograms (BINS int32 per digit and row):
                       by position (a prefix over the programs' tie counts), as the reference's stable sort
 The output is the reference's top-k SET (positions, int64 [B, 1, topk], -1 past min(L, topk)), in no particular
 order (the attention is order-free), or in the reference's order with `ordered=True`.
+Each kernel splits its row's keys evenly over the programs of grid axis 0 (`_row_range`); with device lengths
+(`radix_topk(..., lengths)`, i32 [B]: whole-step decode graphs) row b has lengths[b] + 1 keys, read in the kernels,
+and L is only the bound that sizes the grids and scratch.
 FP8 index keys (optional): k_I as float8_e4m3fn with one fp32 scale per key (k = scale * k8; `quantize_index_keys`)
 halve the bytes of the scan; the score is scale * sum_j w_j ReLU(q_j . k8) (scale > 0).
 
