@@ -292,8 +292,10 @@ class Artifact:
     path: the directory or .k3c file; files: relpath -> sha256 from the manifest (manifest.json excluded).
     """
 
-    def __init__(self, path: Path, manifest: dict, source: _DirSource | _TarSource, verified: set[str]):
+    def __init__(self, path: Path, manifest: dict, source: _DirSource | _TarSource, verified: set[str],
+                 deferred: set[str] = frozenset()):
         self.path, self.manifest, self._source, self._verified = path, manifest, source, verified
+        self._deferred = set(deferred)  # not hashed by read_artifact: the caller checks them (`check`)
         self.files: dict[str, str] = manifest["files"]
 
     @property
@@ -317,6 +319,20 @@ class Artifact:
             raise ArtifactError(f"{self.path}: {rel} is corrupted (sha256 differs from the manifest)")
         return data
 
+    def check(self, rel: str) -> None:
+        """Hash file `rel` against the manifest (a file `read_artifact` deferred; a no-op for one already
+        checked). hashlib releases the GIL, so this runs beside a copy in another thread. Raises ArtifactError."""
+        self._known(rel)
+        if rel in self._verified:
+            return
+        digest = hashlib.sha256()
+        for chunk in self._source.chunks(rel):
+            digest.update(chunk)
+        if digest.hexdigest() != self.files[rel]:
+            raise ArtifactError(f"{self.path}: {rel} is corrupted (sha256 differs from the manifest)")
+        self._verified.add(rel)
+        self._deferred.discard(rel)
+
     def read_text(self, rel: str) -> str:
         return self.read_bytes(rel).decode("utf-8")
 
@@ -327,10 +343,11 @@ class Artifact:
             raise ArtifactError(f"{self.path}: {rel} is not valid JSON: {err}") from None
 
     def load_tensors(self, rel: str, device: str = "cpu") -> dict[str, torch.Tensor]:
-        """Tensors of a safetensors file. Verified directory files are memory-mapped; else read and checked."""
+        """Tensors of a safetensors file. Verified or deferred directory files are memory-mapped (a deferred one
+        is the caller's to `check` before its tensors are used); else read and checked."""
         self._known(rel)
         try:
-            if isinstance(self._source, _DirSource) and rel in self._verified:
+            if isinstance(self._source, _DirSource) and (rel in self._verified or rel in self._deferred):
                 return safetensors.torch.load_file(str(self.path / rel), device=device)
             return {k: v.to(device) for k, v in safetensors.torch.load(self.read_bytes(rel)).items()}
         except (OSError, ValueError, RuntimeError, safetensors.SafetensorError) as err:
@@ -349,12 +366,14 @@ class Artifact:
         return self.read_json("report.json")
 
 
-def read_artifact(path: str | os.PathLike, verify: bool = True) -> Artifact:
+def read_artifact(path: str | os.PathLike, verify: bool = True, defer: tuple[str, ...] = ()) -> Artifact:
     """Open an artifact directory or `.k3c` archive.
 
     Checks: manifest.json parses; format_version is an int this runtime reads (FORMAT_VERSION); every file the
     manifest lists is present and no other file is; the required files are listed; with `verify`, every file's
-    sha256 (else each file is checked when read). Raises ArtifactError naming the artifact and the file.
+    sha256 but those under the path prefixes `defer`, which the caller checks with `Artifact.check` (the session
+    hashes its weight file while copying it to the device); without `verify`, each file is checked when read.
+    Raises ArtifactError naming the artifact and the file.
     """
     p = Path(path)
     if p.is_dir():
@@ -393,15 +412,16 @@ def read_artifact(path: str | os.PathLike, verify: bool = True) -> Artifact:
     if absent:
         raise ArtifactError(f"{p}: manifest lacks required file(s): {', '.join(absent)}")
     verified = set()
+    deferred = {rel for rel in files if rel.startswith(defer)} if verify and defer else set()
     if verify:
-        for rel in sorted(files):
+        for rel in sorted(set(files) - deferred):
             digest = hashlib.sha256()
             for chunk in source.chunks(rel):
                 digest.update(chunk)
             if digest.hexdigest() != files[rel]:
                 raise ArtifactError(f"{p}: {rel} is corrupted (sha256 differs from the manifest)")
             verified.add(rel)
-    art = Artifact(p, manifest, source, verified)
+    art = Artifact(p, manifest, source, verified, deferred)
     _check_manifest_fields(p, manifest, art.read_json(BUILD))
     return art
 

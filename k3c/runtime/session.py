@@ -34,6 +34,7 @@ import shutil
 import tempfile
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -98,7 +99,9 @@ class Session:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeInputError(f"device {device!r}: this torch build or machine has no CUDA GPU")
         t0 = time.perf_counter()
-        art = read_artifact(path)  # every file against its hash, manifest.json against the hashed build.json
+        # every file against its hash but the weights (checked below, while they are copied; each rank checks its
+        # own), manifest.json against the hashed build.json
+        art = read_artifact(path, defer=("weights/",))
         t1 = time.perf_counter()
         self.path, self.manifest, self.artifact_files = Path(path), art.manifest, art.files
         if not art.has_weights:
@@ -121,18 +124,21 @@ class Session:
         wfile = WEIGHTS if self.tp == 1 else f"weights/rank{self.rank}.safetensors"
         if wfile not in art.files:
             raise ArtifactError(f"{path}: rank {self.rank} of {self.tp} has no weight file {wfile}")
-        weights = art.load_tensors(wfile)  # memory-mapped: checked before it is copied anywhere
+        weights = art.load_tensors(wfile)  # memory-mapped; names, dtypes and shapes checked before any copy
         check_weights(weights, facts, f"{path}/{wfile}")
         self.arena = torch.empty(max(facts.arena_bytes, 1), dtype=torch.uint8, device=self.device)
-        self.weights = {k: v.to(self.device) for k, v in weights.items()}
+        with ThreadPoolExecutor(1) as pool:  # the file's sha256 beside the copy (hashlib releases the GIL)
+            hashed = pool.submit(art.check, wfile)
+            self.weights = {k: v.to(self.device) for k, v in weights.items()}
+            hashed.result()  # a corrupted file raises ArtifactError here, before anything runs
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
         self._workdir = Path(tempfile.mkdtemp(prefix="k3c-kernels-"))
         weakref.finalize(self, shutil.rmtree, self._workdir, True)
         self.launchers = make_launchers(art, self.device, self.schedule, self._workdir)
-        #: where the load went, seconds: files read and hash-checked, weights copied (with the arena allocation),
-        #: kernel code loaded (modules imported, compiled kernels installed)
+        #: where the load went, seconds: files read and hash-checked, weights copied and hash-checked side by side
+        #: (with the arena allocation), kernel code loaded (modules imported, compiled kernels installed)
         self.load_seconds = {"verify": t1 - t0, "weights": t2 - t1, "kernels": time.perf_counter() - t2}
         self.pools = {n: torch.zeros(shp, dtype=dt, device=self.device) for n, (dt, shp) in facts.pools.items()}
         # the context of each sequence in device memory, read by decode's context-dependent launches; None where
