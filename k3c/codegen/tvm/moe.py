@@ -11,6 +11,9 @@ LatentMoE"; router: DeepSeek-V3 §2.1.2), all in fp32:
 
 moe_experts runs in two parallel phases so that a single token still uses every core: (token, slot, hidden unit)
 computes the activation into a scratch buffer [N, k, I], then (token, output feature) sums the down projections.
+On CUDA each phase runs one warp per output (token, slot, hidden unit), then (token, output feature): the lanes
+stride over the dot (coalesced along the weight rows) and reduce with warp shuffles; moe_route keeps the naive
+schedule (one thread per token: E sigmoids and an insertion top-k, small next to the experts).
 MXFP4 experts (weight_format "mxfp4") are read packed and decoded per element in the dot loops (`mxfp4_load`).
 The reference rounds the expert GEMMs to z's dtype; this kernel keeps them in fp32 (closer to the exact value).
 """
@@ -18,13 +21,12 @@ The reference rounds the expert GEMMs to z's dtype; this kernel keeps them in fp
 from __future__ import annotations
 
 from k3c.codegen.tvm import generator
-from k3c.codegen.tvm.script import Func, check_single_node, dim_expr, f32, load, store_value
+from k3c.codegen.tvm.script import Func, single_node, dim_expr, f32, load, store_value
 
 
 @generator("moe_route")
 def gen_moe_route(name: str, group, device: str) -> str:
-    (node,) = group.nodes
-    check_single_node(group)
+    node = single_node(group)
     logits, bias = node.inputs
     N, E = dim_expr(logits.type.shape[0]), logits.type.shape[1]
     k, a = node.attrs["top_k"], node.attrs
@@ -62,8 +64,7 @@ def mxfp4_load(buf: str, scale: str, row: str, col: str, cols: int) -> str:
 
 @generator("moe_experts")
 def gen_moe_experts(name: str, group, device: str) -> str:
-    (node,) = group.nodes
-    check_single_node(group)
+    node = single_node(group)
     z, weights, ids, w1, w3, w2 = node.inputs[:6]
     mx = node.attrs["weight_format"] == "mxfp4"
     N, D = dim_expr(z.type.shape[0]), z.type.shape[1]
@@ -83,6 +84,12 @@ def gen_moe_experts(name: str, group, device: str) -> str:
              f"moe_experts ({a['act']} GLU, {E} experts of {D} -> {I} -> {D}, top-{k}"
              f"{', MXFP4 weights' if mx else ''})", names=names)
     f.emit(f'hid = T.alloc_buffer(({N} * {k * I},), "float32")  # act(w1 z, w3 z) per token, slot, unit')
+    act = (f"{f32(a['situ_beta'])} * T.tanh(gv / {f32(a['situ_beta'])}) * T.sigmoid(gv) * "
+           f"({f32(a['situ_linear_beta'])} * T.tanh(uv / {f32(a['situ_linear_beta'])}))" if a["act"] == "situ"
+           else "gv * T.sigmoid(gv) * uv")
+    if device == "cuda":
+        _experts_cuda(f, N, D, k, I, dt, w, act)
+        return f.text()
     with f.parallel("nsi", f"{N} * {k * I}"):
         f.emit(f"n = nsi // {k * I}", f"i = nsi % {I}", f"e = ids[nsi // {I}]")
         with f.block("if e < 0:"):
@@ -92,11 +99,7 @@ def gen_moe_experts(name: str, group, device: str) -> str:
         zl = lambda d: load("z", f"n * {D} + {d}", dt["z"])  # noqa: E731
         f.dot("gv", D, lambda d: f"{w('w1', f'(e * {I} + i)', d, D)} * {zl(d)}")
         f.dot("uv", D, lambda d: f"{w('w3', f'(e * {I} + i)', d, D)} * {zl(d)}")
-        if a["act"] == "situ":
-            b, bl = f32(a["situ_beta"]), f32(a["situ_linear_beta"])
-            f.emit(f"hid[nsi] = {b} * T.tanh(gv / {b}) * T.sigmoid(gv) * ({bl} * T.tanh(uv / {bl}))")
-        else:
-            f.emit("hid[nsi] = gv * T.sigmoid(gv) * uv")
+        f.emit(f"hid[nsi] = {act}")
         f.depth -= 1
     with f.parallel("nd", f"{N} * {D}"):
         f.emit(f"n = nd // {D}", f"d = nd % {D}")
@@ -109,3 +112,30 @@ def gen_moe_experts(name: str, group, device: str) -> str:
                 f.emit(f"acc[0] = acc[0] + weights[n * {k} + s] * dv")
         f.emit(f"y[nd] = {store_value('acc[0]', dt['y'])}")
     return f.text()
+
+
+def _experts_cuda(f: Func, N: str, D: int, k: int, I: int, dt: dict, w, act: str) -> None:
+    """The CUDA schedule of moe_experts: the two phases of `gen_moe_experts`, one warp per output (module
+    docstring). `w(buf, row, col, cols)` reads an expert weight element, `act` is the activation over gv, uv."""
+    with f.cuda_warps("nsi", f"{N} * {k * I}"):
+        f.emit(f"n = nsi // {k * I}", f"i = nsi % {I}", f"e = ids[nsi // {I}]")
+        p = f.local(2, name="p")
+        f.emit(f"p[0] = {f32(0.0)}", f"p[1] = {f32(0.0)}")
+        with f.block("if e >= 0:"), f.strided("d", D, 32, lane="lane"):
+            f.emit(f"zd = {load('z', f'n * {D} + d', dt['z'])}",
+                   f"p[0] = p[0] + {w('w1', f'(e * {I} + i)', 'd', D)} * zd",
+                   f"p[1] = p[1] + {w('w3', f'(e * {I} + i)', 'd', D)} * zd")
+        f.emit(f"gv = {f.allreduce('p[0]', lane='lane')}", f"uv = {f.allreduce('p[1]', lane='lane')}")
+        with f.block("if nsi_ok and lane == 0:"):
+            f.emit(f"hid[nsi] = T.Select(e < 0, {f32(0.0)}, {act})")
+    with f.cuda_warps("nd", f"{N} * {D}"):
+        f.emit(f"n = nd // {D}", f"d = nd % {D}")
+        acc = f.local(1, name="acc")
+        f.emit(f"acc[0] = {f32(0.0)}")
+        with f.block(f"for s in T.serial({k}):"):
+            f.emit(f"e = ids[n * {k} + s]", f"ws = weights[n * {k} + s]")
+            with f.block("if e >= 0:"), f.strided("i", I, 32, lane="lane"):
+                f.emit(f"acc[0] = acc[0] + ws * {w('w2', f'(e * {D} + d)', 'i', I)} * hid[(n * {k} + s) * {I} + i]")
+        f.emit(f"yv = {f.allreduce('acc[0]', lane='lane')}")
+        with f.block("if nd_ok and lane == 0:"):
+            f.emit(f"y[nd] = {store_value('yv', dt['y'])}")
