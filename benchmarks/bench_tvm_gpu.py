@@ -3,7 +3,7 @@
 Two steps, since the GPU machine has no apache-tvm:
 
     PYTHONPATH=$PWD python benchmarks/bench_tvm_gpu.py prepare DIR     # CPU, with the compiler: the kernels
-    python benchmarks/bench_tvm_gpu.py run DIR [--out results.json]    # GPU: NVRTC, time, print a markdown table
+    python benchmarks/bench_tvm_gpu.py run DIR [--out results.json] [--kinds a,b]   # GPU: NVRTC, time, a table
 
 `prepare` lowers K3.1 Pro's decode step (bf16, MXFP4 experts) for `--target h200 --backend tvm`, takes per kind
 TVM generates the kernel group that touches the most elements (at B = 16, L = 4096), and writes the groups' TVM CUDA C (`cuda.cu`, `cuda.launch.json`), the
@@ -98,7 +98,7 @@ def _inputs(case: dict, sizes: dict, gen):
     return out, outs
 
 
-def run(root: Path, out_json: Path | None) -> None:
+def run(root: Path, out_json: Path | None, kinds: set[str] | None = None) -> None:
     import importlib.util
 
     import torch
@@ -110,7 +110,7 @@ def run(root: Path, out_json: Path | None) -> None:
     major, minor = torch.cuda.get_device_capability(dev)
     kernels = CudaKernels(compile_cubin((root / "cuda.cu").read_bytes(), f"sm_{major}{minor}"),
                           json.loads((root / "cuda.launch.json").read_text()), dev)
-    cases = json.loads((root / "cases.json").read_text())
+    cases = [c for c in json.loads((root / "cases.json").read_text()) if kinds is None or c["kind"] in kinds]
     rows = []
     for case in cases:
         spec = importlib.util.spec_from_file_location(case["name"], root / "triton" / f"{case['name']}.py")
@@ -144,8 +144,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("step", choices=["prepare", "run"])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="run: also write the rows as JSON here")
+    ap.add_argument("--kinds", default=None, help="run: only these kernel kinds (comma-separated)")
     a = ap.parse_args(argv)
-    prepare(a.dir) if a.step == "prepare" else run(a.dir, a.out)
+    prepare(a.dir) if a.step == "prepare" else run(a.dir, a.out, set(a.kinds.split(",")) if a.kinds else None)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ s ≤ S − T + t.
 
 mla_attention: one parallel iteration per (b, t, h); an online softmax (running max m, sum l, fp32 accumulator of
 Dv values) over the visible keys, all of them (dense, or while S ≤ dense_max_keys) or the positions listed in
-idx[b, t, :] (−1 = none). On CUDA mla_attention runs one thread block per (b, t, h) (`_mla_cuda`): tiles of `CUDA_ROW_THREADS` keys, one
-score per thread (its key's dot with the query, held in shared memory), the tile's max and sum across the block,
-then each thread updates its share of the Dv accumulators from the tile's probabilities (coalesced value rows).
+idx[b, t, :] (−1 = none). On CUDA mla_attention runs one thread block per (b, t, h) (`_mla_cuda`) over tiles of `CUDA_ROW_THREADS // 2`
+keys: each warp scores 32 of them (lanes striding over D against the query in shared memory, a warp reduction per
+key), the tile's max and sum reduce across the block, then each thread updates its share of the Dv accumulators
+from the tile's probabilities (coalesced value rows).
 dsa_index_topk keeps the naive schedule (one thread per (b, t)). dsa_index_topk: one parallel iteration per (b, t); score[s] = Σ_j w_j · relu(q_j · k_s)
 over the visible keys, then the top-k kept in a sorted list by insertion (decreasing score, ties to the lowest
 position, as a stable sort), −1 in the slots beyond the visible count.
@@ -18,7 +19,7 @@ position, as a stable sort), −1 in the slots beyond the visible count.
 from __future__ import annotations
 
 from k3c.codegen.tvm import generator
-from k3c.codegen.tvm.script import CUDA_ROW_THREADS, Func, single_node, dim_expr, f32, load, store_value
+from k3c.codegen.tvm.script import CUDA_ROW_THREADS, WARP, Func, single_node, dim_expr, f32, load, store_value
 from k3c.errors import UnsupportedError
 
 
@@ -123,10 +124,11 @@ def _mla_cuda(f: Func, a: dict, dims: tuple, krow, vrow, vbuf: str, dt: dict,
     B, Tn, H, D, S, Dv = dims
     nt = CUDA_ROW_THREADS // 2
     nc = -(-Dv // nt)
-    with f.cuda_blocks("bth", f"{B} * {Tn} * {H}", nt):
+    with f.cuda_blocks("bth", f"{B} * {Tn} * {H}", nt, warps=True):
         f.emit(f"h = bth % {H}", f"t = (bth // {H}) % {Tn}", f"b = bth // ({H} * {Tn})",
                f"last = {S} - {Tn} + t" if a["causal"] else f"last = {S} - 1")
         qs, ps, ks = f.shared(D, name="qs"), f.shared(nt, name="ps"), f.shared(nt, "int64", name="ks")
+        scs = f.shared(nt, name="scs")  # the tile's scores
         acc, st = f.local(nc, name="acc"), f.local(3, name="st")
         with f.strided("d", D, nt):
             f.emit(f"qs[d] = {load('q', f'bth * {D} + d', dt['q'])}")
@@ -138,12 +140,20 @@ def _mla_cuda(f: Func, a: dict, dims: tuple, krow, vrow, vbuf: str, dt: dict,
         def tiles(count: str, key: str, valid: str) -> None:
             """The tile loop over `count` candidate keys; `key` / `valid`: thread tx's key of the tile at jj."""
             with f.block(f"for tile in T.serial(({count} + {nt - 1}) // {nt}):"):
-                f.emit(f"jj = tile * {nt} + T.Cast(\"int64\", tx)", f"s = {key}", f"ok = {valid}",
-                       f"st[2] = {f32(float('-inf'))}")
-                with f.block("if ok:"):
-                    krs = krow("s")
-                    f.dot("sc", D, lambda d: f"qs[{d}] * {load('k', f'{krs} + {d}', dt['k'])}")
-                    f.emit(f"st[2] = sc * {f32(a['scale'])}")
+                # the tile's scores: warp w takes keys w·32 .. w·32 + 31, its lanes striding over D (coalesced)
+                with f.block(f"for kk in T.serial({WARP}):"):
+                    f.emit(f"jj = tile * {nt} + T.Cast(\"int64\", w * {WARP} + kk)", f"s = {key}", f"ok = {valid}")
+                    part = f.local(1)
+                    f.emit(f"{part}[0] = {f32(0.0)}")
+                    krs = krow(f"T.Select(ok, s, T.int64(0))")
+                    with f.strided("d", D, WARP, lane="lane"):
+                        f.emit(f"{part}[0] = {part}[0] + qs[d] * {load('k', f'{krs} + d', dt['k'])}")
+                    f.emit(f"sc = {f.allreduce(f'{part}[0]', lane='lane')}")
+                    with f.block("if lane == 0:"):
+                        f.emit(f"scs[w * {WARP} + kk] = sc * {f32(a['scale'])}")
+                f.sync()
+                f.emit(f"jj = tile * {nt} + T.Cast(\"int64\", tx)", f"s = {key}", f"ok = {valid}")
+                f.emit(f"st[2] = T.Select(ok, scs[tx], {f32(float('-inf'))})")
                 f.emit(f"m = T.max(st[0], {f.allreduce('st[2]', 'max')})",
                        f"p = T.Select(ok, T.exp(st[2] - m), {f32(0.0)})",
                        f"corr = T.Select(st[0] == {f32(float('-inf'))}, {f32(0.0)}, T.exp(st[0] - m))")

@@ -14,9 +14,10 @@ be the same tensor as the `state` input) and its 3·K conv-state channels [W]; i
 The recurrence is sequential in T (this kernel does not use the chunked WY form); its cost is 4·K·V FLOPs per token
 and head, read and written from the state in cache.
 
-CUDA schedule: one thread block per (b, h) of K threads, thread j owning column j of S (so kᵀS and Sᵀq are
-per-thread sums over the rows, coalesced across the block) and channel j of the q, k, v convolutions; the token's
-q | k | v and exp g sit in shared memory, the two l2 norms and the output norm reduce across the block.
+CUDA schedule: one thread block per (b, h) of K threads. Thread j owns column j of S, held in registers over the
+T tokens (kᵀS and Sᵀq are per-thread sums over the rows; S is read and written once, coalesced), and channel j of
+the q, k, v convolutions; the token's q | k | v and exp g sit in shared memory, the two l2 norms and the output
+norm reduce across the block.
 """
 
 from __future__ import annotations
@@ -117,8 +118,9 @@ def _kda_cuda(f: Func, a: dict, H: int, K: int, W: int, B: str, Tn: str, dt: dic
         x = f.shared(3 * K, name="x")   # q | k | v of the token after conv + silu (then q, k normalized)
         g = f.shared(K, name="g")       # exp(g)
         acc = f.local(2, name="acc")
-        with f.block(f"for i in T.serial({K}):"):
-            f.emit(f"state[s0 + i * {K} + j] = state_in[s0 + i * {K} + j]")
+        col = f.local(K, name="col")    # column j of S, in registers for all the tokens (unrolled loops)
+        with f.block(f"for i in T.unroll({K}):"):
+            f.emit(f"col[i] = state_in[s0 + i * {K} + j]")
         for p in range(3):
             f.emit(f"cb{p} = (b * {3 * HK} + {p * HK} + h * {K} + j) * {W}")
             with f.block(f"for w in T.serial({W}):"):
@@ -143,15 +145,15 @@ def _kda_cuda(f: Func, a: dict, H: int, K: int, W: int, B: str, Tn: str, dt: dic
                    f"bt = T.sigmoid({ld('beta', f'(b * {Tn} + t) * {H} + h')})")
             f.sync()
             f.emit(f"acc[0] = {f32(0.0)}")
-            with f.block(f"for i in T.serial({K}):"):  # S <- Diag(exp g) S ; r_j = (kᵀS)_j
-                f.emit(f"s = state[s0 + i * {K} + j] * g[i]", f"state[s0 + i * {K} + j] = s",
-                       f"acc[0] = acc[0] + x[{K} + i] * s")
+            with f.block(f"for i in T.unroll({K}):"):  # S <- Diag(exp g) S ; r_j = (kᵀS)_j
+                f.emit("col[i] = col[i] * g[i]", f"acc[0] = acc[0] + x[{K} + i] * col[i]")
             f.emit(f"u = bt * (x[{2 * K} + j] - acc[0])", f"acc[1] = {f32(0.0)}")
-            with f.block(f"for i in T.serial({K}):"):  # S += k uᵀ ; o_j = (Sᵀq)_j
-                f.emit(f"s = state[s0 + i * {K} + j] + x[{K} + i] * u", f"state[s0 + i * {K} + j] = s",
-                       "acc[1] = acc[1] + x[i] * s")
+            with f.block(f"for i in T.unroll({K}):"):  # S += k uᵀ ; o_j = (Sᵀq)_j
+                f.emit(f"col[i] = col[i] + x[{K} + i] * u", "acc[1] = acc[1] + x[i] * col[i]")
             oo = f.allreduce("acc[1] * acc[1]")
             out = (f"acc[1] * T.rsqrt({oo} / {f32(float(K))} + {f32(a['eps'])}) * {ld('o_norm', 'j')} * "
                    f"T.sigmoid({ld('gate', 'row + j')})")
             f.emit(f"y[row + j] = {store_value(out, dt['y'])}")
             f.sync()  # x and g are rewritten by the next token
+        with f.block(f"for i in T.unroll({K}):"):
+            f.emit(f"state[s0 + i * {K} + j] = col[i]")

@@ -11,9 +11,10 @@ LatentMoE"; router: DeepSeek-V3 §2.1.2), all in fp32:
 
 moe_experts runs in two parallel phases so that a single token still uses every core: (token, slot, hidden unit)
 computes the activation into a scratch buffer [N, k, I], then (token, output feature) sums the down projections.
-On CUDA each phase runs one warp per output (token, slot, hidden unit), then (token, output feature): the lanes
-stride over the dot (coalesced along the weight rows) and reduce with warp shuffles; moe_route keeps the naive
-schedule (one thread per token: E sigmoids and an insertion top-k, small next to the experts).
+On CUDA each experts phase runs one warp per output, (token, slot, hidden unit) then (token, output feature): the
+lanes stride over the dot (coalesced along the weight rows) and reduce with warp shuffles. moe_route runs a block
+per token, its threads holding the E candidates, the top-k taken in k rounds of a block-wide max (the value, then
+the lowest id among equal values).
 MXFP4 experts (weight_format "mxfp4") are read packed and decoded per element in the dot loops (`mxfp4_load`).
 The reference rounds the expert GEMMs to z's dtype; this kernel keeps them in fp32 (closer to the exact value).
 """
@@ -21,7 +22,8 @@ The reference rounds the expert GEMMs to z's dtype; this kernel keeps them in fp
 from __future__ import annotations
 
 from k3c.codegen.tvm import generator
-from k3c.codegen.tvm.script import Func, single_node, dim_expr, f32, load, store_value
+from k3c.codegen.tvm.script import Func, dim_expr, f32, load, row_threads, single_node, store_value
+from k3c.errors import UnsupportedError
 
 
 @generator("moe_route")
@@ -32,6 +34,9 @@ def gen_moe_route(name: str, group, device: str) -> str:
     k, a = node.attrs["top_k"], node.attrs
     f = Func(name, group.inputs, group.outputs, device, f"moe_route (top-{k} of {E} experts)",
              names=["logits", "bias", "weights", "ids"])
+    if device == "cuda":
+        _route_cuda(f, N, E, k, a, bias.type.dtype)
+        return f.text()
     with f.parallel("n", N):
         val = f.local(k, name="val")   # s + bias of the chosen, decreasing
         pos = f.local(k, "int64", name="pos")
@@ -139,3 +144,39 @@ def _experts_cuda(f: Func, N: str, D: int, k: int, I: int, dt: dict, w, act: str
         f.emit(f"yv = {f.allreduce('acc[0]', lane='lane')}")
         with f.block("if nd_ok and lane == 0:"):
             f.emit(f"y[nd] = {store_value('yv', dt['y'])}")
+
+
+def _route_cuda(f: Func, N: str, E: int, k: int, a: dict, bias_dtype: str) -> None:
+    """The CUDA schedule of moe_route: block n, thread tx holds candidates e = tx, tx + nt, ... (s + bias, −inf once
+    taken); round r takes the block's largest, ties to the lowest id, as the CPU's stable insertion does."""
+    nt = row_threads(E)
+    nc = -(-E // nt)
+    if k > nt:
+        raise UnsupportedError(f"{f.name}: the CUDA router picks at most {nt} experts, not {k}")
+    ninf = f32(float("-inf"))
+    with f.cuda_blocks("n", N, nt):
+        cv = f.local(nc, name="cv")
+        sel_s, sel_id = f.shared(k, name="sel_s"), f.shared(k, "int64", name="sel_id")
+        tot = f.local(1, name="tot")
+        f.emit(f"tot[0] = {f32(0.0)}")
+        with f.block(f"for c in T.serial({nc}):"):
+            f.emit(f"e = c * {nt} + tx")
+            f.emit(f"cv[c] = T.Select(e < {E}, T.sigmoid(logits[n * {E} + T.min(e, {E - 1})]) + "
+                   f"{load('bias', f'T.min(e, {E - 1})', bias_dtype)}, {ninf})")
+        with f.block(f"for r in T.serial({k}):"):
+            best = f.local(2, name="best")  # this thread's largest candidate and its id (as fp32: ids < 2^24)
+            f.emit(f"best[0] = {ninf}", f"best[1] = {f32(float(E))}")
+            with f.block(f"for c in T.serial({nc}):"), f.block("if cv[c] > best[0]:"):
+                f.emit("best[0] = cv[c]", f'best[1] = T.Cast("float32", c * {nt} + tx)')
+            f.emit(f"top = {f.allreduce('best[0]', 'max')}")
+            f.emit(f"win = T.Cast(\"int64\", -{f.allreduce(f'T.Select(best[0] == top, -best[1], {ninf})', 'max')})")
+            with f.block(f"if win % {nt} == T.Cast(\"int64\", tx):"):
+                f.emit(f"cv[win // {nt}] = {ninf}")
+            f.emit(f"sw = T.sigmoid(logits[n * {E} + win])", "tot[0] = tot[0] + sw")
+            with f.block("if tx == 0:"):
+                f.emit("sel_s[r] = sw", "sel_id[r] = win")
+        f.emit(f"norm = {f32(a['scaling'])} / (tot[0] + {f32(1e-20)})" if a["renormalize"] else
+               f"norm = {f32(a['scaling'])}")
+        f.sync()
+        with f.block(f"if tx < {k}:"):
+            f.emit(f"weights[n * {k} + tx] = sel_s[tx] * norm", f"ids[n * {k} + tx] = sel_id[tx]")

@@ -147,6 +147,7 @@ class Func:
                               f'data={n}_nd.data)')
         self.depth = 1
         self._tmp = 0
+        self._block_lanes = "tx"  # the thread variables of the current `cuda_blocks` block
 
     # ---- statements --------------------------------------------------------------------------------------------
     def emit(self, *lines: str) -> None:
@@ -178,13 +179,23 @@ class Func:
             yield
 
     @contextmanager
-    def cuda_blocks(self, var: str, extent: str, threads: int):
+    def cuda_blocks(self, var: str, extent: str, threads: int, warps: bool = False):
         """CUDA: `for var in range(extent)` over thread blocks of `threads` threads (the thread index is `tx`).
-        Every thread of a block runs the body: it may `sync` and `allreduce` over `tx`."""
+        Every thread of a block runs the body: it may `sync` and `allreduce` (over the whole block). `warps`: the
+        threads are also named as warp `w` and `lane` (threads a multiple of the warp size), so that the body may
+        reduce within each warp too (`allreduce(..., lane="lane")`)."""
         self._cuda_only("cuda_blocks")
-        with self.block(f'for {var} in T.thread_binding({extent}, thread="blockIdx.x"):'), \
-                self.block(f'for tx in T.thread_binding({threads}, thread="threadIdx.x"):'):
-            yield
+        with self.block(f'for {var} in T.thread_binding({extent}, thread="blockIdx.x"):'):
+            if not warps:
+                with self.block(f'for tx in T.thread_binding({threads}, thread="threadIdx.x"):'):
+                    self._block_lanes = "tx"
+                    yield
+                return
+            with self.block(f'for w in T.thread_binding({threads // WARP}, thread="threadIdx.y"):'), \
+                    self.block(f'for lane in T.thread_binding({WARP}, thread="threadIdx.x"):'):
+                self.emit(f"tx = w * {WARP} + lane")
+                self._block_lanes = "lane, w"
+                yield
 
     @contextmanager
     def cuda_warps(self, var: str, extent: str):
@@ -214,11 +225,12 @@ class Func:
                 with self.block(f"if {var} < {extent}:"):
                     yield
 
-    def allreduce(self, value: str, op: str = "sum", lane: str = "tx") -> str:
-        """CUDA: emit the reduction (`op`: "sum" | "max", fp32) of `value` over the threads `lane` of the block
-        (`cuda_blocks`) or warp (`cuda_warps`, lane="lane"); every thread gets the result. Returns its name. All
-        threads of the block must reach it (no divergent branch around it)."""
+    def allreduce(self, value: str, op: str = "sum", lane: str | None = None) -> str:
+        """CUDA: emit the reduction (`op`: "sum" | "max", fp32) of `value` over the threads `lane` (default: all
+        threads of the `cuda_blocks` block; "lane": those of the warp, in `cuda_warps` or a `warps` block); every
+        thread gets the result. Returns its name. All threads reduced over must reach it (no divergent branch)."""
         self._cuda_only("allreduce")
+        lane = lane or self._block_lanes
         expr, ident = _REDUCERS[op]
         red = self.local(1)
         with self.block(f'with T.attr(T.comm_reducer(lambda a, b: {expr}, [{f32(ident)}]), "reduce_scope", '
