@@ -6,12 +6,12 @@ Two steps, since the GPU machine has no apache-tvm:
     python benchmarks/bench_tvm_gpu.py run DIR [--out results.json] [--kinds a,b]   # GPU: NVRTC, time, a table
 
 `prepare` lowers K3.1 Pro's decode step (bf16, MXFP4 experts) for `--target h200 --backend tvm`, takes per kind
-TVM generates the kernel group that touches the most elements (at B = 16, L = 4096), and writes the groups' TVM CUDA C (`cuda.cu`, `cuda.launch.json`), the
-Triton module of the same group (`triton/<name>.py`) and the groups' tensors (`cases.json`: shapes over B, T, L,
-dtypes). `run` compiles the CUDA C with NVRTC and launches it through the runtime's `CudaKernels`, the Triton
-modules through their `launch`, on the same random inputs (ids and DSA indices in range, MXFP4 scales near 1) at
-decode sizes B = 1 and 16, T = 1, L = 4096 (the DSA layers attend to their top-2048 keys), and reports each
-kind's median time (`triton.testing.do_bench`: CUDA events, L2 flushed between runs) and the largest relative
+TVM generates the kernel group that touches the most elements (at B = 16, L = 4096), and writes their TVM CUDA C
+(`cuda.cu`, `cuda.launch.json`), the Triton module of the same group (`triton/<name>.py`) and the groups' tensors
+(`cases.json`: shapes over B, T, L, dtypes). `run` compiles the CUDA C with NVRTC and launches it through the
+runtime's `CudaKernels`, the Triton modules through their `launch`, on the same random inputs (ids and DSA indices
+in range, MXFP4 scales near 1) at decode sizes B = 1 and 16, T = 1, L = 4096 (the DSA layers attend to their
+top-2048 keys), and reports each kind's median time (`triton.testing.do_bench`: CUDA events, L2 flushed between runs) and the largest relative
 difference between the two backends' outputs. GEMMs are torch (cuBLAS) calls under both backends: not compared.
 """
 

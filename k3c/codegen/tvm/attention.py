@@ -7,13 +7,14 @@ s ≤ S − T + t.
 
 mla_attention: one parallel iteration per (b, t, h); an online softmax (running max m, sum l, fp32 accumulator of
 Dv values) over the visible keys, all of them (dense, or while S ≤ dense_max_keys) or the positions listed in
-idx[b, t, :] (−1 = none). On CUDA mla_attention runs one thread block per (b, t, h) (`_mla_cuda`) over tiles of `CUDA_ROW_THREADS // 2`
-keys: each warp scores 32 of them (lanes striding over D against the query in shared memory, a warp reduction per
-key), the tile's max and sum reduce across the block, then each thread updates its share of the Dv accumulators
-from the tile's probabilities (coalesced value rows).
-dsa_index_topk keeps the naive schedule (one thread per (b, t)). dsa_index_topk: one parallel iteration per (b, t); score[s] = Σ_j w_j · relu(q_j · k_s)
+idx[b, t, :] (−1 = none). dsa_index_topk: one parallel iteration per (b, t); score[s] = Σ_j w_j · relu(q_j · k_s)
 over the visible keys, then the top-k kept in a sorted list by insertion (decreasing score, ties to the lowest
 position, as a stable sort), −1 in the slots beyond the visible count.
+
+CUDA: mla_attention runs one thread block per (b, t, h) (`_mla_cuda`) over tiles of `CUDA_ROW_THREADS // 2` keys:
+each warp scores 32 of them (lanes striding over D against the query in shared memory, a warp reduction per key),
+the tile's max and sum reduce across the block, then each thread updates its share of the Dv accumulators from
+the tile's probabilities (coalesced value rows). dsa_index_topk keeps the naive schedule (one thread per (b, t)).
 """
 
 from __future__ import annotations
@@ -174,9 +175,10 @@ def _mla_cuda(f: Func, a: dict, dims: tuple, krow, vrow, vbuf: str, dt: dict,
         if topk is None:
             dense()
         else:
+            slot = f"idx[(b * {Tn} + t) * {topk} + T.min(jj, {topk - 1})]"
             sparse = lambda: tiles(  # noqa: E731
-                str(topk), f"T.Select(jj < {topk}, T.Cast(\"int64\", idx[(b * {Tn} + t) * {topk} + T.min(jj, {topk - 1})]), "
-                           f"T.int64(-1))", "s >= 0 and s <= last" if a["causal"] else "s >= 0")
+                str(topk), f'T.Select(jj < {topk}, T.Cast("int64", {slot}), T.int64(-1))',
+                "s >= 0 and s <= last" if a["causal"] else "s >= 0")
             if guard is None:
                 sparse()
             else:

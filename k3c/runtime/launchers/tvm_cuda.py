@@ -112,7 +112,6 @@ class CudaModule:
         with torch.cuda.device(device):
             torch.cuda.synchronize(device)  # creates torch's primary context, current on this thread
             _check(driver.cuInit(0), "cuInit")
-            self._cubin = cubin  # the driver reads it during the load
             self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
 
     def function(self, name: str):
