@@ -311,12 +311,13 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
     n_ref = triton.cdiv(L, SELECT_BLOCK)
     per_ref = max(1, triton.cdiv(n_ref * B, SCAN_PROGRAMS))
     precision = "ieee" if q_i.dtype == torch.float32 else "tf32"
+    scan_fp32 = q.dtype == torch.float32
     block_j = max(16, triton.next_power_of_2(J))
     dsa_scan_kernel[(triton.cdiv(n_scan, per_scan), B)](
         q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, L, per_scan, J=J, D=D,
         BLOCK_J=block_j, BLOCK_S=SCAN_BLOCK, FP8=fp8, QUERY_FP8=fp8 and FP8_QUERY,
-        KEYS_FIRST=q.dtype != torch.float32,     # tensor-core products; fp32 (ieee) keeps q x k^T
-        BINS=BINS, BITS=BITS, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        KEYS_FIRST=not scan_fp32,       # tensor-core products; fp32 (IEEE) keeps q x k^T
+        BINS=BINS, BITS=BITS, DOT_PRECISION="ieee" if scan_fp32 else "tf32", num_warps=4)
     grid = (triton.cdiv(n_ref, per_ref), B)
     for level in (2, 3, 4):
         dsa_refine_kernel[grid](keys, hist, L, per_ref, n_sel, LEVEL=level, BLOCK_R=SELECT_BLOCK, BINS=BINS,
