@@ -38,6 +38,9 @@ import triton.language as tl
 
 from k3c.codegen.triton import emitter, model_module
 from k3c.codegen.triton.attention import one_node
+from k3c.codegen.triton.moe_act import glu, tanh_f32
+from k3c.codegen.triton.moe_mxfp4 import (moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile, mx_block_k, mx_permute,
+                                         mx_permuted_col, mxfp4_codes_f32, mxfp4_weight_tile, mxfp4_words_bf16)
 from k3c.ir.kernels import KernelGroup
 
 
@@ -74,18 +77,6 @@ def launch_moe_route(logits, bias, weights, ids, *, top_k, scaling, renormalize)
     if N:
         moe_route_kernel[(N,)](logits, bias, weights, ids, float(scaling), E=E, K=top_k, RENORMALIZE=renormalize,
                                BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k))
-
-
-@triton.jit
-def tanh_f32(x):
-    """tanh in fp32 without cancellation (Triton has no portable tanh): odd Taylor polynomial for |x| < 1/8,
-    else (1 − e^−2|x|) / (1 + e^−2|x|)."""
-    a = tl.abs(x)
-    e = tl.exp(-2.0 * a)
-    big = (1.0 - e) / (1.0 + e)
-    x2 = a * a
-    small = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-    return tl.where(x < 0, -1.0, 1.0) * tl.where(a < 0.125, small, big)
 
 
 @triton.jit
@@ -165,11 +156,7 @@ def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_
         if MXFP4 and not DOT_SCALED:   # mxfp4_tile's 2^-14
             gate *= 16384.0
             up *= 16384.0
-        if ACT_SITU:   # SiTU-GLU (config activation_situ_beta / _linear_beta)
-            h = SITU_BETA * tanh_f32(gate / SITU_BETA) * tl.sigmoid(gate) * (SITU_LINEAR_BETA *
-                                                                            tanh_f32(up / SITU_LINEAR_BETA))
-        else:          # SwiGLU
-            h = gate * tl.sigmoid(gate) * up
+        h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
         tl.store(h_ptr + offs_m.to(tl.int64)[:, None] * I + offs_i[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & i_ok[None, :])
 
@@ -242,15 +229,17 @@ def moe_schedule(ids, E, BLOCK_M):
 
 
 def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, situ_linear_beta,
-                       blocks=None, schedule=None, dot_scaled=False):
+                       blocks=None, schedule=None, dot_scaled=False, legacy_mx=False, mx_config=None):
     """z [N, D], weights f32 [N, k], ids int [N, k] (< 0: unused), w1/w3 [E, I, D], w2 [E, D, I] -> y [N, D].
 
     MXFP4 weights (k3c.ir.formats): w1/w3 u8 [E, I, D/2], w2 u8 [E, D, I/2] and `scales` (w1, w3, w2 scales:
-    u8 [E, I, D/32], [E, I, D/32], [E, D, I/32]); dequantized in registers, dots in z's dtype with fp32
-    accumulation (`dot_scaled=True`, bf16 z: Triton's `dot_scaled` instead of k3c's decoding). Scratch allocated
-    here: the sort permutation and tile schedule (i64, O(N·k + E)), h [N·k, I] in z's dtype and y_slot f32 [N·k, D].
-    Benchmarks may pass `blocks` (BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N) to override the defaults and a precomputed
-    `schedule` (`moe_schedule(ids, E, BLOCK_M)`). Raises ValueError on mismatched shapes.
+    u8 [E, I, D/32], [E, I, D/32], [E, D, I/32]); decoded in registers by `moe_up_mx_kernel` /
+    `moe_down_mx_kernel` (k3c.codegen.triton.moe_mxfp4: bf16 z on the GPU, 8 codes per 32-bit word in inline
+    PTX; fp32 z anywhere), dots in z's dtype with fp32 accumulation. Scratch allocated here: the sort permutation
+    and tile schedule (i64, O(N·k + E)), h [N·k, I] in z's dtype, y_slot f32 [N·k, D] and, MXFP4, z in the
+    kernels' K order. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config`
+    (MXFP4: BLOCK_M, BLOCK_R, BLOCK_K, num_warps, num_stages, two_muls) and a precomputed `schedule`
+    (`moe_schedule(ids, E, BLOCK_M)`). Raises ValueError on mismatched shapes.
     """
     N, D = z.shape
     E, I = w1.shape[:2]
@@ -267,6 +256,28 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     if N == 0:
         return
     rows = N * K
+    precision = "ieee" if z.dtype == torch.float32 else "tf32"
+    y_slot = torch.empty((rows, D), dtype=torch.float32, device=z.device)
+    if mx and not (legacy_mx or dot_scaled):
+        if mx_config is None:   # decode: a few rows per expert (the best measured on the H200)
+            mx_config = (16, 64, 256, 4, 3, False) if rows < 16 * E else (64, 128, 128, 4, 3, False)
+        BLOCK_M, BLOCK_R, most_k, warps, stages, two_muls = mx_config
+        BK1, BK2 = mx_block_k(D, most_k), mx_block_k(I, most_k)
+        schedule = schedule or moe_schedule(ids, E, BLOCK_M)
+        max_tiles = schedule[1].shape[0]
+        fast = z.dtype == torch.bfloat16
+        hp = torch.empty((rows, I), dtype=z.dtype, device=z.device)
+        moe_up_mx_kernel[(max_tiles, triton.cdiv(I, BLOCK_R))](
+            mx_permute(z, BK1), w1, w3, scales[0], scales[1], *schedule, hp, float(situ_beta),
+            float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ", FAST=fast, TWO_MULS=two_muls,
+            BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2, DOT_PRECISION=precision,
+            num_warps=warps, num_stages=stages)
+        moe_down_mx_kernel[(max_tiles, triton.cdiv(D, BLOCK_R))](
+            hp, w2, scales[2], weights, *schedule, y_slot, E=E, D=D, I=I, FAST=fast, TWO_MULS=two_muls,
+            BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, DOT_PRECISION=precision, num_warps=warps,
+            num_stages=stages)
+        moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
+        return
     if blocks is None:   # decode: a few rows per expert; MXFP4 block sizes: the best measured on the H200
         BLOCK_M = 16 if rows < 16 * E else 128 if mx and rows >= 128 * E else 64
         blocks = (BLOCK_M, 64, 128 if mx and BLOCK_M == 16 else 64, 64)
@@ -274,8 +285,6 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     schedule = schedule or moe_schedule(ids, E, BLOCK_M)
     max_tiles = schedule[1].shape[0]
     h = torch.empty((rows, I), dtype=z.dtype, device=z.device)
-    y_slot = torch.empty((rows, D), dtype=torch.float32, device=z.device)
-    precision = "ieee" if z.dtype == torch.float32 else "tf32"
     s1, s3, s2 = scales if mx else (w1, w3, w2)         # unused by the dense kernels
     scaled = bool(mx and z.dtype == torch.bfloat16 and dot_scaled)
     moe_up_kernel[(max_tiles, triton.cdiv(I, BLOCK_I))](
@@ -332,6 +341,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
             "                       situ_linear_beta=SITU_LINEAR_BETA)\n")
     what = f"{'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'}{', MXFP4 weights' if mx else ''}"
     return _module(group, f"grouped expert GEMMs ({what})", consts,
-                   [tanh_f32, mxfp4_load, mxfp4_tile, mxfp4_dot, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
-                    moe_schedule],
+                   [tanh_f32, glu, mxfp4_load, mxfp4_tile, mxfp4_dot, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
+                    mx_block_k, mx_permute, mx_permuted_col, mxfp4_words_bf16, mxfp4_codes_f32, mxfp4_weight_tile,
+                    mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel, moe_schedule],
                    launch_moe_experts, body)
