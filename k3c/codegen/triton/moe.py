@@ -40,7 +40,7 @@ from k3c.codegen.triton import emitter, model_module
 from k3c.codegen.triton.attention import one_node
 from k3c.codegen.triton.moe_act import glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile, mx_block_k, mx_permute,
-                                         mx_permuted_col, mxfp4_codes_f32, mxfp4_weight_tile, mxfp4_words_bf16)
+                                         mx_permuted_col, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
 from k3c.ir.kernels import KernelGroup
 
 
@@ -268,12 +268,12 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         fast = z.dtype == torch.bfloat16
         hp = torch.empty((rows, I), dtype=z.dtype, device=z.device)
         moe_up_mx_kernel[(max_tiles, triton.cdiv(I, BLOCK_R))](
-            mx_permute(z, BK1), w1, w3, scales[0], scales[1], *schedule, hp, float(situ_beta),
+            mx_permute(z, BK1), w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, hp, float(situ_beta),
             float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ", FAST=fast, TWO_MULS=two_muls,
             BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2, DOT_PRECISION=precision,
             num_warps=warps, num_stages=stages)
         moe_down_mx_kernel[(max_tiles, triton.cdiv(D, BLOCK_R))](
-            hp, w2, scales[2], weights, *schedule, y_slot, E=E, D=D, I=I, FAST=fast, TWO_MULS=two_muls,
+            hp, w2.view(torch.int32), scales[2], weights, *schedule, y_slot, E=E, D=D, I=I, FAST=fast, TWO_MULS=two_muls,
             BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, DOT_PRECISION=precision, num_warps=warps,
             num_stages=stages)
         moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
@@ -342,6 +342,6 @@ def emit_moe_experts(group: KernelGroup) -> str:
     what = f"{'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'}{', MXFP4 weights' if mx else ''}"
     return _module(group, f"grouped expert GEMMs ({what})", consts,
                    [tanh_f32, glu, mxfp4_load, mxfp4_tile, mxfp4_dot, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
-                    mx_block_k, mx_permute, mx_permuted_col, mxfp4_words_bf16, mxfp4_codes_f32, mxfp4_weight_tile,
-                    mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel, moe_schedule],
+                    mx_block_k, mx_permute, mx_permuted_col, mxfp4_word_bf16, mxfp4_tile_bf16, mxfp4_tile_f32,
+                    mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel, moe_schedule],
                    launch_moe_experts, body)
