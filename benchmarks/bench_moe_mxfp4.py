@@ -10,12 +10,11 @@ touched expert's w1, w3, w2, scales included) over the time of the two GEMM kern
 schedule precomputed) and of the whole op ("op": schedule and the activations' K permutation included), as GB/s
 and as a fraction of the measured 4.2 TB/s HBM rate (KINDS.md); prefill reports 6·N·k·D·I FLOP over the op's time
 as TFLOP/s (vs 790 bf16). Timing: triton.testing.do_bench_cudagraph (mean of CUDA-graph replays), falling back to
-do_bench. Formats: "bf16" (the dense kernels on the dequantized weights), "mxfp4" (`moe_up_mx_kernel` /
-`moe_down_mx_kernel`: word decoding, a sweep of `mx_config` = BLOCK_M, BLOCK_R, BLOCK_K, warps, stages, two_muls;
-the launcher's default first) and "mxfp4-tile" (the previous byte-wise decoding feeding the dot's right operand,
-`legacy_mx`). Each MXFP4 row's output is compared with the bf16 kernels fed the dequantized weights (max relative
-difference) and, at a small shape, with `moe_experts_ref`. Results: OUT/moe_mxfp4_bench.json, rewritten after every
-row (a run cut short keeps what it measured).
+do_bench. Formats: "bf16" (the dense kernels on the dequantized weights) and "mxfp4" (`moe_up_mx_kernel` /
+`moe_down_mx_kernel`, a sweep of `mx_config`, the launcher's default first). Each MXFP4 row's output is compared
+with the bf16 kernels fed the dequantized weights (max relative difference) and, at a small shape, with
+`moe_experts_ref`. Results: OUT/moe_mxfp4_bench.json, rewritten after every row (a run cut short keeps what it
+measured).
 """
 
 import argparse
@@ -29,6 +28,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton.moe import launch_moe_experts, moe_schedule  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4 import mx_default_config  # noqa: E402
 from k3c.ir.formats import mxfp4_dequantize  # noqa: E402
 from k3c.ir.ops.model_moe import moe_experts_ref  # noqa: E402
 
@@ -64,7 +64,7 @@ def rel(a, b):
 
 def check_small(dev):
     """MXFP4 kernels vs the IR reference at a small shape (N = 9, E = 6, D = 256, I = 192): fp32 (portable
-    decoding), bf16 (PTX word decoding) and bf16 with the previous tile decoding. Returns {case: max rel error}."""
+    decoding) and bf16 (PTX word decoding). Returns {case: max rel error}."""
     gen = torch.Generator(device=dev).manual_seed(1)
     N, E, d, i = 9, 6, 256, 192
     w1, s1 = mx_weights(E, i, d, dev, gen)
@@ -74,11 +74,10 @@ def check_small(dev):
     ids = torch.rand(N, E, device=dev, generator=gen).argsort(-1)[:, :4].contiguous()
     wt = torch.rand(N, 4, device=dev, generator=gen)
     out = {}
-    for name, dt, legacy in (("f32", torch.float32, False), ("bf16", torch.bfloat16, False),
-                             ("bf16-tile", torch.bfloat16, True)):
+    for name, dt in (("f32", torch.float32), ("bf16", torch.bfloat16)):
         zz = z.to(dt)
         y = torch.full_like(zz, float("nan"))
-        launch_moe_experts(zz, wt, ids, w1, w3, w2, s1, s3, s2, y=y, legacy_mx=legacy, **ACT)
+        launch_moe_experts(zz, wt, ids, w1, w3, w2, s1, s3, s2, y=y, **ACT)
         ref = moe_experts_ref({**ACT, "weight_format": "mxfp4"},
                               *(t.cpu() for t in (zz.float(), wt, ids, w1, w3, w2, s1, s3, s2)))
         out[name] = rel(y.cpu(), ref[0])
@@ -91,10 +90,12 @@ def dequantized(w, s, chunk=32):
                       for e in range(0, w.shape[0], chunk)])
 
 
-# mx_config sweeps (BLOCK_M, BLOCK_R, most BLOCK_K, num_warps, num_stages, two_muls); None: the launcher's default
-MX_SWEEP = {"decode": [None, (16, 64, 256, 4, 3, True), (16, 64, 128, 4, 4, False), (16, 128, 256, 8, 3, False),
-                       (16, 64, 512, 4, 2, False), (16, 64, 256, 4, 4, False), (16, 128, 128, 8, 4, False)],
-            "prefill": [None, (128, 128, 128, 8, 3, False), (128, 128, 64, 8, 4, False)]}
+# mx_config sweeps (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg); None: the
+# launcher's default (k3c.codegen.triton.moe_mxfp4.mx_default_config)
+MX_SWEEP = {"decode": [None, (16, 64, 256, 4, 3, False, 128), (16, 64, 256, 4, 3, False, 168),
+                       (16, 64, 256, 4, 4, False, 128), (16, 64, 512, 4, 2, False, 168),
+                       (16, 64, 256, 4, 3, True, None)],
+            "prefill": [None, (64, 128, 128, 4, 3, False, None)]}
 
 
 def run_case(results, out_path, phase, N, E, dense, mx, bytes_per_expert, quick, gen, dev):
@@ -105,13 +106,11 @@ def run_case(results, out_path, phase, N, E, dense, mx, bytes_per_expert, quick,
     y_bf = torch.empty_like(z)
     launch_moe_experts(z, wt, ids, *dense, y=y_bf, **ACT)
     sweep = MX_SWEEP[phase][:1 if quick else None]
-    variants = [("bf16", dense, {})] + [("mxfp4", mx, {"mx_config": c}) for c in sweep] + \
-        [("mxfp4-tile", mx, {"legacy_mx": True})]
+    variants = [("bf16", dense, {})] + [("mxfp4", mx, {"mx_config": c}) for c in sweep]
     for fmt, ws, kw in variants:
         cfg = kw.get("mx_config")
-        small, rows = 16, N * K                   # the launcher's BLOCK_M choices (moe.launch_moe_experts)
-        bm = cfg[0] if cfg else small if rows < 16 * E else \
-            (128 if rows >= 128 * E else 64) if fmt == "mxfp4-tile" else 64
+        rows = N * K                              # the launcher's BLOCK_M choices (moe.launch_moe_experts)
+        bm = (cfg or mx_default_config(rows, E))[0] if fmt == "mxfp4" else 16 if rows < 16 * E else 64
         sched = moe_schedule(ids, E, bm)
         y = torch.empty_like(z)
         try:

@@ -47,9 +47,9 @@ def _col_kernel(out_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 def test_mx_permuted_col_inverts_permute():
     K, bk = 128, 64
-    out = torch.empty(K, dtype=torch.int32)
+    out = torch.empty(K, dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
     _col_kernel[(1,)](out, K=K, BLOCK_K=bk)
-    assert torch.equal(out.long(), kernel_order(K, bk))
+    assert torch.equal(out.long().cpu(), kernel_order(K, bk))
 
 
 @triton.jit

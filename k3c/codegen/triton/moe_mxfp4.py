@@ -22,7 +22,7 @@ masks, an or and a multiply per bf16 pair; the assembly is elementwise (one word
 does not depend on Triton's register layout. Elsewhere (fp32 activations; Triton's interpreter, which has no
 inline assembly): `mxfp4_tile_f32` gathers the same tile's bytes and scales per element and decodes in fp32.
 
-Public API: `mx_block_k(K)`, `mx_permute(x, block_k)`, the jit helpers and `moe_up_mx_kernel`,
+Public API: `mx_default_config(rows, E)`, `mx_block_k(K)`, `mx_permute(x, block_k)`, the jit helpers and `moe_up_mx_kernel`,
 `moe_down_mx_kernel` (launched by `launch_moe_experts`).
 """
 
@@ -33,6 +33,14 @@ import triton
 import triton.language as tl
 
 from k3c.codegen.triton.moe_act import glu
+
+
+def mx_default_config(rows: int, E: int) -> tuple:
+    """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages,
+    two_muls, maxnreg) for `rows` (token, slot) pairs over E experts: the best measured on the H200
+    (BENCHMARKS.md, benchmarks/bench_moe_mxfp4.py). Decode (< 16 rows per expert on average): 16-row tiles, the
+    weights streamed; prefill: 128 × 128 tiles."""
+    return (16, 64, 256, 4, 3, False, None) if rows < 16 * E else (128, 128, 128, 8, 3, False, None)
 
 
 def mx_block_k(K: int, most: int = 256) -> int:
