@@ -63,15 +63,21 @@ def _decode_kernel(w_ptr, s_ptr, out_ptr, R: tl.constexpr, KDIM: tl.constexpr, B
 
 
 def random_mxfp4(R, KDIM, smax, dev):
-    """Packed [R, KDIM/2] with every byte value in row 0, scales [R, KDIM/32] mostly 2^-27..2^2, rows 1..3 any
-    E8M0 ≤ smax, row 4 starting with 0, 1, smax."""
+    """Packed [R, KDIM/2] with every byte value in row 0, scales [R, KDIM/32] ≤ smax: mostly 2^-27..2^1, rows
+    1..3 any E8M0 ≤ smax, row 4 starting with 0, 1, smax."""
     gen = torch.Generator(device=dev).manual_seed(0)
     w = torch.randint(0, 256, (R, KDIM // 2), dtype=torch.uint8, device=dev, generator=gen)
     w[0, :256] = torch.arange(256, dtype=torch.uint8)
-    s = torch.randint(100, 130, (R, KDIM // 32), dtype=torch.uint8, device=dev, generator=gen)
+    s = torch.randint(100, 129, (R, KDIM // 32), dtype=torch.uint8, device=dev, generator=gen)
     s[1:4].random_(0, smax + 1, generator=gen)
     s[4, :3] = torch.tensor([0, 1, smax])
     return w, s
+
+
+def dequantized(w, s, dtype):
+    """The IR's `mxfp4_dequantize` on the CPU (exact there; torch.exp2 on a GPU is not for 2^-127), in the kernels'
+    K order, on w's device."""
+    return mx_permute(mxfp4_dequantize(w.cpu(), s.cpu()).to(dtype), 256).to(w.device)
 
 
 def decode(w, s, dtype, fast, two_muls, bk=256):
@@ -84,8 +90,8 @@ def decode(w, s, dtype, fast, two_muls, bk=256):
 def test_portable_decoding_equals_dequantize():
     """The fp32 decoding (interpreter / fp32 activations): every byte value, E8M0 0 (2^-127) and 255 (NaN),
     equal to the IR's `mxfp4_dequantize` in the kernels' K order."""
-    w, s = random_mxfp4(8, 512, 255, "cpu")
-    want = mx_permute(mxfp4_dequantize(w, s), 256)
+    w, s = random_mxfp4(8, 512, 255, "cuda" if torch.cuda.is_available() else "cpu")
+    want = dequantized(w, s, torch.float32)
     torch.testing.assert_close(decode(w, s, torch.float32, False, False), want, rtol=0, atol=0, equal_nan=True)
 
 
@@ -96,7 +102,7 @@ def test_word_decoding_equals_portable(two_muls):
     """Every byte value with every scale the variant handles (TWO_MULS: all E8M0 but NaN; else ≤ 128): the PTX
     decoding, the portable one (fp32, rounded to bf16: exact) and the IR's `mxfp4_dequantize` agree bitwise."""
     w, s = random_mxfp4(64, 512, 254 if two_muls else 128, "cuda")
-    want = mx_permute(mxfp4_dequantize(w, s).to(torch.bfloat16), 256).view(torch.int16)
+    want = dequantized(w, s, torch.bfloat16).view(torch.int16)
     assert torch.equal(decode(w, s, torch.bfloat16, False, two_muls).view(torch.int16), want)
     assert torch.equal(decode(w, s, torch.bfloat16, True, two_muls).view(torch.int16), want)
 

@@ -16,9 +16,10 @@ the down kernel's order, `mx_permuted_col`); the products are the same, summed i
 
 Decoding a word (bf16 activations on the GPU: inline PTX, Hopper has no E2M1 convert): a code s·8 + em (em =
 exponent and mantissa bits) moved to bf16 bits 15 (sign) and 8..6 (em) is the bf16 number code · 2^-126 (em < 2
-lands on bf16 subnormals, which `mul.bf16x2` keeps); one `mul.bf16x2` by 2^(s_E8M0 − 1) = 2^126 · scale gives
-code · scale exactly, for s_E8M0 ≤ 128 (TWO_MULS: by 2^126, then by the scale: every E8M0 value). Two shifts, two
-masks, an or and a multiply per bf16 pair; the assembly is elementwise (one word in, its 8 values out), so it
+lands on bf16 subnormals, which `mul.bf16x2` keeps); TWO_MULS (the default): `mul.bf16x2` by 2^126, then by the
+scale, gives code · scale exactly for every E8M0 value; without, one `mul.bf16x2` by 2^(s_E8M0 − 1) = 2^126 · scale
+does, for s_E8M0 ≤ 128 only (2^(s − 1) overflows bf16 above). Two shifts, two masks, an or and two multiplies per
+bf16 pair, about 11 instructions per 8 weights; the assembly is elementwise (one word in, its 8 values out), so it
 does not depend on Triton's register layout. Elsewhere (fp32 activations; Triton's interpreter, which has no
 inline assembly): `mxfp4_tile_f32` gathers the same tile's bytes and scales per element and decodes in fp32.
 
@@ -39,8 +40,9 @@ def mx_default_config(rows: int, E: int) -> tuple:
     """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages,
     two_muls, maxnreg) for `rows` (token, slot) pairs over E experts: the best measured on the H200
     (BENCHMARKS.md, benchmarks/bench_moe_mxfp4.py). Decode (< 16 rows per expert on average): 16-row tiles, the
-    weights streamed; prefill: 128 × 128 tiles."""
-    return (16, 64, 256, 4, 3, False, None) if rows < 16 * E else (128, 128, 128, 8, 3, False, None)
+    weights streamed; prefill: 128 × 128 tiles. two_muls: exact for every E8M0 scale (the one-multiply decoding,
+    5 % faster at decode, overflows for scales above 2: a checkpoint property nothing checks yet)."""
+    return (16, 64, 256, 4, 3, True, None) if rows < 16 * E else (128, 128, 128, 8, 3, True, None)
 
 
 def mx_block_k(K: int, most: int = 256) -> int:
