@@ -19,8 +19,8 @@ def tanh_f32(x):
 
 @triton.jit
 def glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU: tl.constexpr):
-    """fp32 act(gate, up), elementwise: SiTU-GLU β·tanh(g/β)·σ(g) · β_l·tanh(u/β_l) (config activation_situ_beta,
-    activation_situ_linear_beta) with ACT_SITU, else SwiGLU g·σ(g)·u."""
+    """fp32 act(gate, up), elementwise: SiTU-GLU β·tanh(g/β)·σ(g) · β_l·tanh(u/β_l) (config
+    activation_situ_beta, activation_situ_linear_beta) with ACT_SITU, else SwiGLU g·σ(g)·u."""
     if ACT_SITU:
         h = SITU_BETA * tanh_f32(gate / SITU_BETA) * tl.sigmoid(gate) * (SITU_LINEAR_BETA *
                                                                         tanh_f32(up / SITU_LINEAR_BETA))

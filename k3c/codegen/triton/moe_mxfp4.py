@@ -23,8 +23,8 @@ bf16 pair, about 11 instructions per 8 weights; the assembly is elementwise (one
 does not depend on Triton's register layout. Elsewhere (fp32 activations; Triton's interpreter, which has no
 inline assembly): `mxfp4_tile_f32` gathers the same tile's bytes and scales per element and decodes in fp32.
 
-Public API: `mx_default_config(rows, E)`, `mx_block_k(K)`, `mx_permute(x, block_k)`, the jit helpers and `moe_up_mx_kernel`,
-`moe_down_mx_kernel` (launched by `launch_moe_experts`).
+Public API: `mx_default_config(rows, E)`, `mx_block_k(K)`, `mx_permute(x, block_k)`, the jit helpers and
+`moe_up_mx_kernel`, `moe_down_mx_kernel` (launched by `launch_moe_experts`).
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ def mxfp4_tile_bf16(w_ptr, s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: t
                     TWO_MULS: tl.constexpr):
     """The bf16 tile [R, BLOCK_K] (module docstring's column order) of rows `rows` (i64 [R], masked by r_ok: 0),
     in-row columns k0 : k0+BLOCK_K of an MXFP4 matrix (packed bytes read as i32 words [.., KDIM/8], scales u8
-    [.., KDIM/32]), from 16-byte loads and `mxfp4_word_bf16`. Scale E8M0 0 is 2^-127, 255 NaN (TWO_MULS; else s ≤ 128 assumed)."""
+    [.., KDIM/32]), from 16-byte loads and `mxfp4_word_bf16`. Scale E8M0 0 is 2^-127, 255 NaN (TWO_MULS; else
+    s ≤ 128 assumed)."""
     CC: tl.constexpr = BLOCK_K // 32
     R: tl.constexpr = rows.shape[0]
     t = tl.arange(0, 4)
@@ -182,8 +183,8 @@ def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_exp
                      TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one tile of sorted rows and BLOCK_R intermediate columns. zp: z [N, D]
-    `mx_permute`d by BLOCK_D; w1/w3 the packed bytes as i32 words [E, I, D/8], scales s1/s3 u8 [E, I, D/32]; hp [N·k, I] written in
-    `mx_permute` order of BLOCK_K2 (the down kernel's K tile)."""
+    `mx_permute`d by BLOCK_D; w1/w3 the packed bytes as i32 words [E, I, D/8], scales s1/s3 u8 [E, I, D/32];
+    hp [N·k, I] written in `mx_permute` order of BLOCK_K2 (the down kernel's K tile)."""
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
     if e < E:
