@@ -125,7 +125,8 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
     _check_after(after)
     cfg, graph, stats = _import(model, entry)
     graph, report = _run_passes(graph, entry, after, dump, "mxfp4" if cfg.expert_quantization == "mxfp4" else "bf16")
-    err.print(f"imported {cfg.name} ({entry}) in {stats['export_s'] + stats['import_s']:.1f} s: {stats['nodes']} nodes"
+    err.print(f"imported {cfg.name} ({entry}) in {stats['export_s'] + stats['import_s']:.1f} s"
+              + (" (from the import cache)" if stats["cached"] else "") + f": {stats['nodes']} nodes"
               + (f"; passes {report.seconds:.2f} s" if report else ""))
     if fmt == "summary":
         table, line = summary_table(cfg, graph)
@@ -148,10 +149,9 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
         onnx.save(model_proto, output)
         err.print(f"wrote {output}: {len(model_proto.graph.node)} ONNX nodes")
         return
-    from k3c.ir import nx, serialize, views
-    from k3c.ir.printer import print_graph
-
     if fmt in ("dot", "svg"):
+        from k3c.ir import nx, views  # networkx: only for drawings
+
         text = (nx.block_dot(graph, views.layer_block(graph, layer)) if layer is not None
                 else nx.collapsed_dot(graph) if collapse else nx.to_dot(graph))
         if fmt == "svg":
@@ -159,6 +159,9 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
             err.print(f"wrote {output}")
             return
     else:
+        from k3c.ir import serialize
+        from k3c.ir.printer import print_graph
+
         text = print_graph(graph) if fmt == "text" else serialize.dumps(graph, indent=1)
     if output is None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
