@@ -120,7 +120,8 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
 
             write(out_dir, report)
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
-    out.print(f"wrote {out_dir}: {s['nodes']['prefill']} IR nodes, {s['kernels']} Triton kernels; weights "
+    kinds = "/".join(s["kernel_backends"]) or "generated"  # plan-only: none
+    out.print(f"wrote {out_dir}: {s['nodes']['prefill']} IR nodes, {s['kernels']} {kinds} kernels; weights "
               f"{mib(s['weights']['total'])} (routed experts {mib(s['weights']['experts'])}); "
               f"arena prefill {mib(s['arena']['prefill'])} "
               f"(lower bound {mib(s['lower_bound']['prefill'])}), decode {mib(s['arena']['decode'])}; pools "
