@@ -24,16 +24,30 @@ from __future__ import annotations
 import gc
 import sys
 
+import typer
+
 from k3c.cli import ir, build, run, plan  # noqa: F401, I001  (registers the commands; --help lists them in this order)
 from k3c.cli.app import app, err
 from k3c.errors import K3CError
 
 
 def main() -> None:
-    """Entry point: run the app, printing K3CError (and an OSError on a path the user gave) as one line, exit 2."""
+    """Entry point: run the app, printing a usage error (unknown option, bad value), a K3CError and an OSError on a
+    path the user gave as one line each, exit 2."""
     gc_was_on = gc.isenabled()
     try:
-        app()
+        code = app(standalone_mode=False)  # click's errors come here instead of its boxed usage text
+        if isinstance(code, int) and code:  # typer.Exit(code) of a command
+            sys.exit(code)
+    except typer.TyperException as e:  # click's errors (typer's base class of them)
+        if type(e).__name__ != "NoArgsIsHelpError":  # (`k3c` alone: typer printed the help already)
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            err.print(f"[red]error:[/] {e.format_message()}{hint}", highlight=False, soft_wrap=True)
+        sys.exit(getattr(e, "exit_code", 2))
+    except typer.Abort:  # Ctrl-C, end of input
+        err.print("aborted")
+        sys.exit(1)
     except K3CError as e:
         err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from k3c.cli.app import app, compiling, err, out, progress_bars
+from k3c.cli.app import app, check_writable, compiling, err, out, progress_bars
 from k3c.errors import K3CError
 
 INIT_MAX_BYTES = 4 * 2**30  # `k3c init` is for small models: a random full-size checkpoint is ~1e12 parameters
@@ -26,6 +26,7 @@ def init(preset: str = typer.Argument(..., help="a tiny preset (k3-tiny, k3.1-pr
         raise K3CError(f"--dtype {dtype}: expected f32 or bf16")
     if out_dir.exists():
         raise K3CError(f"-o {out_dir}: already exists; choose a new directory")
+    check_writable(out_dir, "-o")
     cfg = K3Config.from_pretrained(preset)
     import torch
 
@@ -102,8 +103,11 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
         raise K3CError(f"{out_dir}: already exists (pass --force to replace it)")
     if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file())):
         raise K3CError(f"{out_dir}: exists and is not a k3c artifact; --force only replaces artifacts")
+    check_writable(out_dir, "-o")
     if report is not None and report.exists() and not force:
         raise K3CError(f"--report {report}: already exists (pass --force to overwrite it)")
+    if report is not None:
+        check_writable(report, "--report")
     compiling()
     from k3c.compile import CompileOptions, compile_model
 
@@ -145,6 +149,7 @@ def report_cmd(artifact: Path = typer.Argument(..., help="artifact directory com
     with their roofline, the memory timeline, per-layer and per-entry totals, the compile options."""
     if output.exists() and not force:
         raise K3CError(f"-o {output}: already exists (pass --force to overwrite it)")
+    check_writable(output, "-o")
     from k3c.report.html import write
 
     write(artifact, output)

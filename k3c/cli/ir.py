@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from k3c.cli.app import app, compiling, err, out, progress_bars
+from k3c.cli.app import app, check_writable, compiling, err, out, progress_bars
 from k3c.errors import K3CError
 
 FORMATS = ("text", "json", "dot", "svg", "onnx", "summary")
@@ -122,6 +122,10 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
         raise K3CError(f"-o {output}: is a directory; give a file name")
     if output is not None and output.exists() and not force:
         raise K3CError(f"-o {output}: already exists (pass --force to overwrite it)")
+    if output is not None:
+        check_writable(output, "-o")
+    if entry not in ("prefill", "decode"):
+        raise K3CError(f"--entry {entry}: expected prefill or decode")
     _check_after(after)
     cfg, graph, stats = _import(model, entry)
     graph, report = _run_passes(graph, entry, after, dump, "mxfp4" if cfg.expert_quantization == "mxfp4" else "bf16")

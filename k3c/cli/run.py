@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from k3c.cli.app import app, err, out, progress_bars
+from k3c.cli.app import app, check_artifact_exists, err, out, progress_bars
 from k3c.errors import K3CError
 
 DEFAULT_PROMPT = "1,2,3,4,5,6,7,8"
@@ -35,6 +35,7 @@ def run(artifact: Path = typer.Argument(..., help="artifact directory or .k3c fi
         raise K3CError(f"--tokens: {bad[0]} is not a token id (ids are integers >= 0)")
     if decode_steps < 1:
         raise K3CError(f"--decode-steps {decode_steps}: generate at least one token")
+    check_artifact_exists(artifact)
     tp = _artifact_tp(artifact)
     if tp > 1 and "WORLD_SIZE" not in os.environ:  # not under torchrun: start the ranks here
         import torch.multiprocessing as mp
@@ -116,6 +117,7 @@ def finalize(artifact: Path = typer.Argument(..., help="artifact directory"),
              device: str = typer.Option("cuda", help="the CUDA device to compile for")):
     """Compile the artifact's Triton kernels for this GPU and Triton once and add them to it (loads then compile
     nothing; run on the machine that runs the artifact)."""
+    check_artifact_exists(artifact)
     from k3c.runtime.finalize import finalize as _finalize
 
     r = _finalize(artifact, device)
