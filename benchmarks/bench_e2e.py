@@ -2,8 +2,9 @@
 
 The model (`bench_config`): K3.1 Pro's published widths (hidden 7168, vocab 163840, 96 KDA heads of 128, gated DSA
 with a 32-head indexer choosing 2048 keys, LatentMoE experts of 3584 -> 3072) at 4 layers (3 KDA + 1 DSA, layer 0 a
-dense MLP) with 32 routed experts choosing 16, bf16, dense experts; random weights drawn on the GPU and written as a
-checkpoint in the published layout (`save_random_checkpoint`), compiled by k3c for the H200, then:
+dense MLP) with 32 routed experts choosing 16, bf16, dense experts (`--experts mxfp4`: MXFP4 experts as the published
+checkpoints store them, kept 4-bit in the artifact); random weights drawn on the GPU and written as a checkpoint in
+the published layout (`save_random_checkpoint`), compiled by k3c for the H200, then:
 
 1. `finalize`: the Triton kernels compiled on this GPU once and stored in the artifact (`k3c.runtime.finalize`);
 2. first logits after load: a fresh process with an empty Triton cache loads the artifact and prefills a prompt;
@@ -19,9 +20,11 @@ checkpoint in the published layout (`save_random_checkpoint`), compiled by k3c f
 5. a per-kernel-kind breakdown (torch.profiler) of one decode step and one prefill call;
 6. numerics: k3c bf16 vs eager bf16, in the band of eager bf16 vs eager fp32 (same checkpoint), over a prefill and
    teacher-forced decode steps.
-Phases write OUT/bench_e2e.json as they finish (a run cut short keeps what it measured).
+Phases write OUT/bench_e2e.json (`--experts mxfp4`: OUT/bench_e2e_mxfp4.json) as they finish (a run cut short keeps
+what it measured).
 
 Usage (on the H200, through the device tool): python benchmarks/bench_e2e.py --out $OUT [--work /dev/shm/k3c-bench]
+[--experts mxfp4]
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ PROMPT = 2560
 
 
 def bench_config():
-    """K3.1 Pro at full width, 4 layers (3 KDA + 1 DSA, layer 0 dense), 32 routed experts choosing 16, dense bf16."""
+    """K3.1 Pro at full width, 4 layers (3 KDA + 1 DSA, layer 0 dense), 32 routed experts choosing 16."""
     from models.config import K3Config
 
     raw = json.loads((Path(__file__).parents[1] / "models/configs/kimi-k3.1-pro.json").read_text())
@@ -89,7 +92,10 @@ def matmul_flops_per_token(cfg, weights: dict) -> int:
     for name, t in weights.items():
         if "embed_tokens" in name or t.dim() < 2 or "conv1d" in name:
             continue
-        n += t.numel() * (cfg.num_experts_per_token / cfg.num_experts if ".experts." in name else 1)
+        if name.endswith(".weight_scale"):      # MXFP4 experts: E8M0 scales, no multiplies of their own
+            continue
+        per = 2 if name.endswith(".weight_packed") else 1   # MXFP4: two E2M1 weights per byte
+        n += per * t.numel() * (cfg.num_experts_per_token / cfg.num_experts if ".experts." in name else 1)
     return int(2 * n)
 
 
@@ -179,10 +185,14 @@ def main():
     ap.add_argument("--work", type=Path, default=Path("/dev/shm/k3c-bench"))
     ap.add_argument("--max-seq", type=int, default=131072 + 1024)
     ap.add_argument("--max-prefill", type=int, default=640)
+    ap.add_argument("--experts", choices=("dense", "mxfp4"), default="dense",
+                    help="routed experts of the checkpoint: bf16 (dense) or MXFP4 (the published layout, kept 4-bit "
+                         "in the artifact); mxfp4 writes OUT/bench_e2e_mxfp4.json")
     ap.add_argument("--skip", default="", help="comma-separated phases to skip: finalize, first_logits, long, "
                                                "eager, numerics")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
+    out_name = "bench_e2e.json" if a.experts == "dense" else "bench_e2e_mxfp4.json"
     import k3c
     from k3c.compile import CompileOptions, compile_model
     from models.checkpoint import save_random_checkpoint
@@ -203,7 +213,7 @@ def main():
             traceback.print_exc()
         res["phases_s"][name] = round(time.perf_counter() - t0, 2)
         res["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-        (a.out / "bench_e2e.json").write_text(json.dumps(res, indent=1))
+        (a.out / out_name).write_text(json.dumps(res, indent=1))
         print(f"[{res['elapsed_s']:7.1f} s] {name} done", flush=True)
 
     # ---- rates of this GPU ----------------------------------------------------------------------------------
@@ -220,7 +230,7 @@ def main():
         cfg = bench_config()
         shutil.rmtree(a.work, ignore_errors=True)
         ckpt, art = a.work / "ckpt", a.work / "art"
-        model = save_random_checkpoint(cfg, ckpt, seed=0, dtype=torch.bfloat16, expert_format="dense",
+        model = save_random_checkpoint(cfg, ckpt, seed=0, dtype=torch.bfloat16, expert_format=a.experts,
                                        shard_bytes=2**30, device="cuda")
         model = model.cast_(torch.bfloat16).eval()  # returned in fp32: eager bf16 is the checkpoint as stored
     with phase("compile"):

@@ -173,7 +173,8 @@ def _compile(opts: CompileOptions, progress) -> dict:
             for path, data in report_files(log, rows, options).items():
                 (writer.add_text if isinstance(data, str) else writer.add_json)(path, data)
         generating = {b.name for b in ctx.backends if b.generates}
-        summary["kernels"] = sum(1 for e in schedules.values() for ln in e["launches"] if ln["backend"] in generating)
+        generated = [ln["backend"] for e in schedules.values() for ln in e["launches"] if ln["backend"] in generating]
+        summary["kernels"], summary["kernel_backends"] = len(generated), sorted(set(generated))
         wbytes = weight_bytes(graphs)
         writer.add_json("plan.json", {"bounds": bindings, "arena": {e: g.memory_plan.to_json() for e, g in graphs.items()},
                                       "pools": pools, "pool_totals": pool_totals(pools), "budget": fit.to_json(),

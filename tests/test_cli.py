@@ -39,12 +39,25 @@ def test_help_and_version_do_not_import_torch():
 
 
 def test_argument_errors_answer_before_torch(tmp_path):
+    """Each in one line on stderr, exit status 2, torch not imported: wrong names and values, unknown options,
+    output locations that cannot be written, missing artifacts."""
+    (tmp_path / "afile").write_text("")
     for args, message in [(["compile", "no-such-model", "-o", str(tmp_path / "a")], "not a preset"),
                           (["compile", "k3-tiny", "-o", str(tmp_path / "a"), "--target", "tpu9"], "unknown target"),
+                          (["compile", "k3-tiny", "-o", str(tmp_path / "a"), "--max-sq", "9"],
+                           "No such option: --max-sq"),
+                          (["compile", "k3-tiny", "-o", str(tmp_path / "a"), "--plan-only", "--report",
+                            str(tmp_path / "afile" / "r.html")], "is not a directory"),
+                          (["init", "k3-tiny", "-o", str(tmp_path / "afile" / "ck")], "afile is not a directory"),
+                          (["init", "k3-tiny", "-o", str(tmp_path / "ck"), "--seed", "x"],
+                           "Invalid value for '--seed'"),
                           (["inspect", "no-such-model"], "not a preset"),
+                          (["inspect", "k3-tiny", "--entry", "both"], "--entry both: expected prefill or decode"),
+                          (["run", str(tmp_path / "none")], "no such artifact"),
+                          (["finalize", str(tmp_path / "none")], "no such artifact"),
                           (["report", str(tmp_path), "-o", str(tmp_path / "r.html")], "not a k3c artifact")]:
         out, err = probe(*args)
-        assert message in err and "HEAVY [] 2" in out, (args, out, err)
+        assert message in err and "HEAVY [] 2" in out and len(err.strip().splitlines()) == 1, (args, out, err)
 
 
 def test_init_refuses_a_full_size_checkpoint(tmp_path):

@@ -20,6 +20,8 @@ The result is one graph with:
 - outputs: `logits` [B,T,vocab] ([B,1,vocab] with `logits="last"`) and the new cache entries under the same names
   as the inputs.
 The cache's token count `pos` is kept by the runtime (the K3 family is NoPE: no op reads positions).
+Imported graphs are memoised on disk (`cache.py`, keyed by the config, parameter types and the importing code):
+torch.export runs only for a model this code has not imported before.
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ from typing import Callable
 import torch
 
 from k3c.errors import IRError, UnsupportedError
-from k3c.frontend.fx_import import FxImporter
-from k3c.frontend.segments import SAMPLE, export_segments, ffn_segment, layer_cache_keys, mixer_segment
+from k3c.frontend import cache as memo
 from k3c.ir.graph import Graph, Value
 from k3c.ir.specialize import specialize
 from k3c.ir.types import TensorType, dtype_of, symbol
@@ -56,17 +57,41 @@ def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
     logits: "all" (every position's, as the model returns them) or "last" (the last position's: the head runs on
     that row only; the same for decode, where T = 1). progress(done, total) is called per layer; stats (if given)
     receives timings in seconds and node counts.
+    The graph is memoised on disk (`k3c.frontend.cache`): a model imported before by the same code is read back
+    (stats["cached"] is True then, and progress is called once).
     Raises ConfigError (bad config), UnsupportedError (an op without a lowering, naming the model line).
     """
     if entry not in ENTRIES:
         raise UnsupportedError(f"entry point must be one of {', '.join(ENTRIES)}, found {entry!r}")
-    if not isinstance(model, K3ForCausalLM):
-        model = build_meta_model(model)
     if logits not in ("all", "last"):
         raise UnsupportedError(f"logits must be 'all' or 'last', found {logits!r}")
+    if isinstance(model, K3ForCausalLM):
+        cfg, params = model.config, [(k, str(p.dtype), list(p.shape)) for k, p in model.named_parameters()]
+    else:
+        cfg, params = model if isinstance(model, K3Config) else K3Config.from_pretrained(model), "meta"
     if entry == "decode":  # decode is prefill at T = 1: one export serves both entry points
-        prefill = import_model(model, "prefill", progress, stats)
-        return specialize(prefill, {"T": 1}, pass_name="import(decode)")
+        build = lambda: specialize(import_model(model, "prefill", progress, stats), {"T": 1},  # noqa: E731
+                                   pass_name="import(decode)")
+    else:
+        build = lambda: _import_prefill(model if params != "meta" else build_meta_model(cfg),  # noqa: E731
+                                        progress, stats, logits)
+    t0 = time.perf_counter()
+    graph, hit = memo.memoized(memo.key(cfg.raw, cfg.name, params, entry, logits), build)
+    if hit:
+        if progress:
+            progress(cfg.num_hidden_layers, cfg.num_hidden_layers)
+        if stats is not None:
+            stats.update(export_s=0.0, import_s=time.perf_counter() - t0, nodes=len(graph.nodes), segments=0,
+                         cached=True)
+    return graph
+
+
+def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: str) -> Graph:
+    """The prefill graph of `import_model`, not memoised: export the pieces (`segments.py`), import them
+    (`fx_import.py`) and join them."""
+    from k3c.frontend.fx_import import FxImporter  # torch.export: only when the graph is not memoised
+    from k3c.frontend.segments import export_segments, ffn_segment, layer_cache_keys, mixer_segment
+
     cfg = model.config
     t0 = time.perf_counter()
     segs = export_segments(model)
@@ -145,7 +170,8 @@ def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
     g.set_output("logits", logits)
     g.outputs = {"logits": g.outputs.pop("logits"), **g.outputs}
     if stats is not None:
-        stats.update(export_s=t1 - t0, import_s=time.perf_counter() - t1, nodes=len(g.nodes), segments=len(segs))
+        stats.update(export_s=t1 - t0, import_s=time.perf_counter() - t1, nodes=len(g.nodes), segments=len(segs),
+                     cached=False)
     return g
 
 
@@ -201,4 +227,4 @@ def graph_inputs(model: K3ForCausalLM, tokens: torch.Tensor, cache: dict | None 
     return {"tokens": tokens, **{k: v for k, v in cache.items() if k != "pos"}}
 
 
-__all__ = ["ENTRIES", "SAMPLE", "build_meta_model", "graph_inputs", "graph_params", "import_model"]
+__all__ = ["ENTRIES", "build_meta_model", "graph_inputs", "graph_params", "import_model"]

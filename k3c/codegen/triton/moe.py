@@ -15,11 +15,10 @@ moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (n
   3. `moe_down_kernel` (tile, BLOCK_N output columns): y_slot[(token, slot)] = (h W2ᵀ) · weight into an f32
      scratch [N·k, D];
   4. `moe_sum_kernel` (token, BLOCK_N columns): y = Σ over the token's slots with id ≥ 0, in slot order.
-  MXFP4 experts (weight_format "mxfp4", k3c.ir.formats): both GEMM kernels load packed E2M1 bytes and E8M0 scales
-  and dequantize each weight tile in registers before the dot (`mxfp4_dot`: `mxfp4_tile` + a dot in the
-  activations' dtype; optionally Triton's `dot_scaled`, native MXFP4 MMA on Blackwell, measured slower on the
-  H200: BENCHMARKS.md), so HBM carries 4.25 bits per weight; decode (few rows per expert: BLOCK_M = 16, K tiles
-  of 128) streams the packed weights, prefill (BLOCK_M = 128 once experts get ≥ 128 rows) feeds the tensor cores.
+  MXFP4 experts (weight_format "mxfp4", k3c.ir.formats): steps 2 and 3 are `moe_up_mx_kernel` /
+  `moe_down_mx_kernel` (k3c.codegen.triton.moe_mxfp4), which read the packed E2M1 words and E8M0 scales and
+  decode each weight tile in registers straight into the MMA, so HBM carries 4.25 bits per weight; decode (few
+  rows per expert: BLOCK_M = 16) streams the packed weights, prefill (BLOCK_M = 128) feeds the tensor cores.
   Two GEMM kernels rather than one: a single fused act(z W1ᵀ, z W3ᵀ) W2ᵀ program would have to either hold all
   of D in registers or recompute h per output block (re-reading W1/W3 D/BLOCK_N times); split, every expert
   weight is read once per token tile and the grid covers I and D, which decode (few tokens) needs to fill the GPU.
@@ -38,6 +37,10 @@ import triton.language as tl
 
 from k3c.codegen.triton import emitter, model_module
 from k3c.codegen.triton.attention import one_node
+from k3c.codegen.triton.moe_act import glu, tanh_f32
+from k3c.codegen.triton.moe_mxfp4 import (moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile, mx_block_k,
+                                         mx_default_config, mx_permute, mx_permuted_col, mxfp4_tile_bf16,
+                                         mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
 from k3c.ir.kernels import KernelGroup
 
 
@@ -77,65 +80,11 @@ def launch_moe_route(logits, bias, weights, ids, *, top_k, scaling, renormalize)
 
 
 @triton.jit
-def tanh_f32(x):
-    """tanh in fp32 without cancellation (Triton has no portable tanh): odd Taylor polynomial for |x| < 1/8,
-    else (1 − e^−2|x|) / (1 + e^−2|x|)."""
-    a = tl.abs(x)
-    e = tl.exp(-2.0 * a)
-    big = (1.0 - e) / (1.0 + e)
-    x2 = a * a
-    small = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-    return tl.where(x < 0, -1.0, 1.0) * tl.where(a < 0.125, small, big)
-
-
-@triton.jit
-def mxfp4_load(packed_ptr, scale_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns k0 : k0+BLOCK_K of MXFP4 rows `rows` (i64; k3c.ir.formats): packed u8 [R, BLOCK_K/2] from
-    [.., KDIM/2] and scales u8 [R, BLOCK_K/32] from [.., KDIM/32] (masked: code 0, scale 0). BLOCK_K: a multiple
-    of 32."""
-    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    p = tl.load(packed_ptr + rows[:, None] * (KDIM // 2) + offs_b[None, :],
-                mask=r_ok[:, None] & (offs_b < KDIM // 2)[None, :], other=0)
-    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    sc = tl.load(scale_ptr + rows[:, None] * (KDIM // 32) + offs_g[None, :],
-                 mask=r_ok[:, None] & (offs_g < KDIM // 32)[None, :], other=0)
-    return p, sc
-
-
-@triton.jit
-def mxfp4_tile(p, sc, BLOCK_K: tl.constexpr):
-    """Wᵀ · 2^-14 as fp32 [BLOCK_K, R] from `mxfp4_load`'s packed [R, BLOCK_K/2] and scales [R, BLOCK_K/32],
-    dequantized in registers.
-
-    A code (s, e, m) becomes the fp16 bit pattern s·2^15 | e·2^10 | m·2^9, which is exactly value · 2^-14
-    (e = 0 lands on fp16 subnormals, which the fp16 -> fp32 conversion keeps); the E8M0 scale 2^(s−127) is the
-    fp32 pattern s·2^23 (s = 0, 2^-127, reads as 0). Callers multiply their fp32 accumulator by 2^14 (exact).
-    """
-    p = p.to(tl.uint16)
-    lo = (((p & 7) << 9) | ((p & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (((p & 0x70) << 5) | ((p & 0x80) << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    v = tl.reshape(tl.interleave(lo, hi), [p.shape[0], BLOCK_K // 32, 32])      # element 2j = low nibble
-    v = v * (sc.to(tl.uint32) << 23).to(tl.uint32).to(tl.float32, bitcast=True)[:, :, None]
-    return tl.trans(tl.reshape(v, [p.shape[0], BLOCK_K]))
-
-
-@triton.jit
-def mxfp4_dot(x, p, sc, acc, BLOCK_K: tl.constexpr, DOT_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + x · Wᵀ for x [M, BLOCK_K] and an MXFP4 tile of W (`mxfp4_load`). DOT_SCALED (bf16 x): Triton's
-    `dot_scaled` (bf16 × e2m1 with E8M0 scales, fp32 accumulate; the compiler upcasts the codes for the tensor
-    cores); else `mxfp4_tile` and a dot in x's dtype, where acc carries the 2^-14 of `mxfp4_tile`."""
-    if DOT_SCALED:
-        return tl.dot_scaled(x, None, "bf16", tl.trans(p), sc, "e2m1", acc)
-    return tl.dot(x, mxfp4_tile(p, sc, BLOCK_K).to(x.dtype), acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                  h_ptr, SITU_BETA, SITU_LINEAR_BETA, E: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
-                  I: tl.constexpr, ACT_SITU: tl.constexpr, MXFP4: tl.constexpr, DOT_SCALED: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """h[row, i] = act(z W1[e]ᵀ, z W3[e]ᵀ) for the sorted rows of one tile (z [N, D], w1/w3 [E, I, D]; MXFP4:
-    packed [E, I, D/2] with scales s1/s3 [E, I, D/32], dequantized tile by tile in registers)."""
+def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, h_ptr, SITU_BETA,
+                  SITU_LINEAR_BETA, E: tl.constexpr, K: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                  ACT_SITU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """h[row, i] = act(z W1[e]ᵀ, z W3[e]ᵀ) for the sorted rows of one tile (z [N, D], dense w1/w3 [E, I, D])."""
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
     if e < E:
@@ -151,36 +100,21 @@ def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_
             offs_d = d0 + tl.arange(0, BLOCK_D)
             d_ok = offs_d < D
             z = tl.load(z_ptr + token[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            if MXFP4:
-                p1, sc1 = mxfp4_load(w1_ptr, s1_ptr, rows, i_ok, d0, D, BLOCK_D)
-                p3, sc3 = mxfp4_load(w3_ptr, s3_ptr, rows, i_ok, d0, D, BLOCK_D)
-                gate = mxfp4_dot(z, p1, sc1, gate, BLOCK_D, DOT_SCALED, DOT_PRECISION)
-                up = mxfp4_dot(z, p3, sc3, up, BLOCK_D, DOT_SCALED, DOT_PRECISION)
-            else:
-                wmask = d_ok[:, None] & i_ok[None, :]
-                w1 = tl.load(w1_ptr + rows[None, :] * D + offs_d[:, None], mask=wmask, other=0.0)
-                w3 = tl.load(w3_ptr + rows[None, :] * D + offs_d[:, None], mask=wmask, other=0.0)
-                gate += tl.dot(z, w1, input_precision=DOT_PRECISION)
-                up += tl.dot(z, w3, input_precision=DOT_PRECISION)
-        if MXFP4 and not DOT_SCALED:   # mxfp4_tile's 2^-14
-            gate *= 16384.0
-            up *= 16384.0
-        if ACT_SITU:   # SiTU-GLU (config activation_situ_beta / _linear_beta)
-            h = SITU_BETA * tanh_f32(gate / SITU_BETA) * tl.sigmoid(gate) * (SITU_LINEAR_BETA *
-                                                                            tanh_f32(up / SITU_LINEAR_BETA))
-        else:          # SwiGLU
-            h = gate * tl.sigmoid(gate) * up
+            wmask = d_ok[:, None] & i_ok[None, :]
+            w1 = tl.load(w1_ptr + rows[None, :] * D + offs_d[:, None], mask=wmask, other=0.0)
+            w3 = tl.load(w3_ptr + rows[None, :] * D + offs_d[:, None], mask=wmask, other=0.0)
+            gate += tl.dot(z, w1, input_precision=DOT_PRECISION)
+            up += tl.dot(z, w3, input_precision=DOT_PRECISION)
+        h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
         tl.store(h_ptr + offs_m.to(tl.int64)[:, None] * I + offs_i[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & i_ok[None, :])
 
 
 @triton.jit
-def moe_down_kernel(h_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
-                    y_slot_ptr, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
-                    DOT_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-    """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_N output columns (w2 [E, D, I]; MXFP4:
-    packed [E, D, I/2] with scales s2 [E, D, I/32])."""
+def moe_down_kernel(h_ptr, w2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr,
+                    E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_I: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_N output columns (dense w2 [E, D, I])."""
     tile = tl.program_id(0)
     e = tl.load(tile_expert_ptr + tile)
     if e < E:
@@ -196,15 +130,8 @@ def moe_down_kernel(h_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_p
             i_ok = offs_i < I
             h = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * I + offs_i[None, :], mask=m_ok[:, None] & i_ok[None, :],
                         other=0.0)
-            if MXFP4:
-                p2, sc2 = mxfp4_load(w2_ptr, s2_ptr, rows, n_ok, i0, I, BLOCK_I)
-                acc = mxfp4_dot(h, p2, sc2, acc, BLOCK_I, DOT_SCALED, DOT_PRECISION)
-            else:
-                w2 = tl.load(w2_ptr + rows[None, :] * I + offs_i[:, None], mask=i_ok[:, None] & n_ok[None, :],
-                             other=0.0)
-                acc += tl.dot(h, w2, input_precision=DOT_PRECISION)
-        if MXFP4 and not DOT_SCALED:   # mxfp4_tile's 2^-14
-            acc *= 16384.0
+            w2 = tl.load(w2_ptr + rows[None, :] * I + offs_i[:, None], mask=i_ok[:, None] & n_ok[None, :], other=0.0)
+            acc += tl.dot(h, w2, input_precision=DOT_PRECISION)
         weight = tl.load(weights_ptr + slot, mask=m_ok, other=0.0)
         tl.store(y_slot_ptr + slot[:, None] * D + offs_n[None, :], acc * weight[:, None],
                  mask=m_ok[:, None] & n_ok[None, :])
@@ -242,15 +169,17 @@ def moe_schedule(ids, E, BLOCK_M):
 
 
 def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, situ_linear_beta,
-                       blocks=None, schedule=None, dot_scaled=False):
+                       blocks=None, schedule=None, mx_config=None):
     """z [N, D], weights f32 [N, k], ids int [N, k] (< 0: unused), w1/w3 [E, I, D], w2 [E, D, I] -> y [N, D].
 
     MXFP4 weights (k3c.ir.formats): w1/w3 u8 [E, I, D/2], w2 u8 [E, D, I/2] and `scales` (w1, w3, w2 scales:
-    u8 [E, I, D/32], [E, I, D/32], [E, D, I/32]); dequantized in registers, dots in z's dtype with fp32
-    accumulation (`dot_scaled=True`, bf16 z: Triton's `dot_scaled` instead of k3c's decoding). Scratch allocated
-    here: the sort permutation and tile schedule (i64, O(N·k + E)), h [N·k, I] in z's dtype and y_slot f32 [N·k, D].
-    Benchmarks may pass `blocks` (BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N) to override the defaults and a precomputed
-    `schedule` (`moe_schedule(ids, E, BLOCK_M)`). Raises ValueError on mismatched shapes.
+    u8 [E, I, D/32], [E, I, D/32], [E, D, I/32]), decoded in registers by `moe_up_mx_kernel` /
+    `moe_down_mx_kernel` (k3c.codegen.triton.moe_mxfp4: bf16 z on the GPU, 8 codes per 32-bit word in inline PTX;
+    f32 z anywhere), dots in z's dtype with fp32 accumulation. Scratch allocated here: the sort permutation and
+    tile schedule (i64, O(N·k + E)), h [N·k, I] in z's dtype, y_slot f32 [N·k, D] and, MXFP4, z in the kernels'
+    K order. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config` (MXFP4:
+    BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg) and a precomputed `schedule`
+    (`moe_schedule(ids, E, BLOCK_M)`). Raises ValueError on mismatched shapes.
     """
     N, D = z.shape
     E, I = w1.shape[:2]
@@ -267,24 +196,35 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     if N == 0:
         return
     rows = N * K
-    if blocks is None:   # decode: a few rows per expert; MXFP4 block sizes: the best measured on the H200
-        BLOCK_M = 16 if rows < 16 * E else 128 if mx and rows >= 128 * E else 64
-        blocks = (BLOCK_M, 64, 128 if mx and BLOCK_M == 16 else 64, 64)
-    BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N = blocks
-    schedule = schedule or moe_schedule(ids, E, BLOCK_M)
-    max_tiles = schedule[1].shape[0]
-    h = torch.empty((rows, I), dtype=z.dtype, device=z.device)
-    y_slot = torch.empty((rows, D), dtype=torch.float32, device=z.device)
     precision = "ieee" if z.dtype == torch.float32 else "tf32"
-    s1, s3, s2 = scales if mx else (w1, w3, w2)         # unused by the dense kernels
-    scaled = bool(mx and z.dtype == torch.bfloat16 and dot_scaled)
-    moe_up_kernel[(max_tiles, triton.cdiv(I, BLOCK_I))](
-        z, w1, w3, s1, s3, *schedule, h, float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I,
-        ACT_SITU=act == "situ", MXFP4=mx, DOT_SCALED=scaled, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I,
-        BLOCK_D=BLOCK_D, DOT_PRECISION=precision)
-    moe_down_kernel[(max_tiles, triton.cdiv(D, BLOCK_N))](
-        h, w2, s2, weights, *schedule, y_slot, E=E, D=D, I=I, MXFP4=mx, DOT_SCALED=scaled, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I, DOT_PRECISION=precision)
+    y_slot = torch.empty((rows, D), dtype=torch.float32, device=z.device)
+    if mx:
+        BLOCK_M, BLOCK_R, most_k, warps, stages, two_muls, maxnreg = mx_config or mx_default_config(rows, E)
+        BK1, BK2 = mx_block_k(D, most_k), mx_block_k(I, most_k)
+        schedule = schedule or moe_schedule(ids, E, BLOCK_M)
+        max_tiles = schedule[1].shape[0]
+        fast = z.dtype == torch.bfloat16
+        h = torch.empty((rows, I), dtype=z.dtype, device=z.device)
+        opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+        moe_up_mx_kernel[(max_tiles, triton.cdiv(I, BLOCK_R))](
+            mx_permute(z, BK1), w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
+            float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ", FAST=fast,
+            TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2,
+            DOT_PRECISION=precision, **opts)
+        moe_down_mx_kernel[(max_tiles, triton.cdiv(D, BLOCK_R))](
+            h, w2.view(torch.int32), scales[2], weights, *schedule, y_slot, E=E, D=D, I=I, FAST=fast,
+            TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, DOT_PRECISION=precision, **opts)
+    else:
+        BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N = blocks or (16 if rows < 16 * E else 64, 64, 64, 64)
+        schedule = schedule or moe_schedule(ids, E, BLOCK_M)
+        max_tiles = schedule[1].shape[0]
+        h = torch.empty((rows, I), dtype=z.dtype, device=z.device)
+        moe_up_kernel[(max_tiles, triton.cdiv(I, BLOCK_I))](
+            z, w1, w3, *schedule, h, float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I,
+            ACT_SITU=act == "situ", BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_D=BLOCK_D, DOT_PRECISION=precision)
+        moe_down_kernel[(max_tiles, triton.cdiv(D, BLOCK_N))](
+            h, w2, weights, *schedule, y_slot, E=E, D=D, I=I, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I,
+            DOT_PRECISION=precision)
     moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
 
 
@@ -332,6 +272,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
             "                       situ_linear_beta=SITU_LINEAR_BETA)\n")
     what = f"{'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'}{', MXFP4 weights' if mx else ''}"
     return _module(group, f"grouped expert GEMMs ({what})", consts,
-                   [tanh_f32, mxfp4_load, mxfp4_tile, mxfp4_dot, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
-                    moe_schedule],
+                   [tanh_f32, glu, moe_up_kernel, moe_down_kernel, moe_sum_kernel, mx_default_config, mx_block_k,
+                    mx_permute, mx_permuted_col, mxfp4_word_bf16, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile,
+                    mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel, moe_schedule],
                    launch_moe_experts, body)

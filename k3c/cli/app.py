@@ -1,0 +1,78 @@
+"""What every `k3c` command shares: the Typer app the commands register on, the stdout/stderr consoles, progress
+bars and the garbage-collector switch of long compiler commands. Imports only typer and rich (start-up stays
+short: torch and the compiler are imported inside the commands)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from k3c import __version__
+from k3c.errors import K3CError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="k3c: ahead-of-time compiler for the Kimi K3 family")
+err = Console(stderr=True)
+out = Console()
+
+
+@contextmanager
+def progress_bars():
+    """A `progress(step, done, total)` callback drawing one transient bar per step name on stderr (nothing when
+    stderr is not a terminal). `total` None: a spinner-like bar without a count."""
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=not err.is_terminal) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(step: str, done: int, total: int | None) -> None:
+            if step not in tasks:
+                tasks[step] = bar.add_task(step, total=total)
+            bar.update(tasks[step], completed=done, total=total)
+
+        yield update
+
+
+def compiling() -> None:
+    """Before a long compiler command: CPython's cyclic GC off until the command returns (`k3c.cli.main` turns it
+    back on; the IR and the FX graphs are millions of small objects that live until the end, and each full
+    collection would walk them again)."""
+    gc.disable()
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Raise K3CError (naming `flag` and `path`) unless `path` can be created: its parent is a directory that accepts
+    a new entry. Probed with a temporary file, since permission bits tell neither root's rights nor a read-only or
+    virtual file system; called before the work, so a bad output location fails in a second, not after it."""
+    parent = path.parent
+    if not parent.is_dir():
+        raise K3CError(f"{flag} {path}: {parent} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".k3c-probe-")
+    except OSError as e:
+        raise K3CError(f"{flag} {path}: cannot create files in {parent} ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_artifact_exists(artifact: Path) -> None:
+    """Raise K3CError unless `artifact` exists (before the runtime, and torch, are imported to read it)."""
+    if not artifact.exists():
+        raise K3CError(f"{artifact}: no such artifact (expected a directory or a .k3c file)")
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"k3c {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                          help="print the version and exit")) -> None:
+    """k3c: ahead-of-time compiler for the Kimi K3 family."""

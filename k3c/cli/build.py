@@ -1,0 +1,156 @@
+"""`k3c init`, `k3c compile` and `k3c report`: a random checkpoint, an artifact from a model, and the HTML
+compile report of an artifact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from k3c.cli.app import app, check_writable, compiling, err, out, progress_bars
+from k3c.errors import K3CError
+
+INIT_MAX_BYTES = 4 * 2**30  # `k3c init` is for small models: a random full-size checkpoint is ~1e12 parameters
+
+
+@app.command()
+def init(preset: str = typer.Argument(..., help="a tiny preset (k3-tiny, k3.1-pro-tiny, kimi-linear-tiny) or config"),
+         out_dir: Path = typer.Option(..., "-o", "--out", help="checkpoint directory to write (must not exist)"),
+         seed: int = typer.Option(0, help="random seed (the same seed writes the same checkpoint)"),
+         dtype: str = typer.Option("f32", help="f32 (runs on CPU) or bf16")):
+    """Write a random checkpoint of PRESET in the published layout (config.json, sharded safetensors, index):
+    the first step of `k3c init k3-tiny -o ck && k3c compile ck -o art && k3c run art`."""
+    from models.config import K3Config
+
+    if dtype not in ("f32", "bf16"):
+        raise K3CError(f"--dtype {dtype}: expected f32 or bf16")
+    if out_dir.exists():
+        raise K3CError(f"-o {out_dir}: already exists; choose a new directory")
+    check_writable(out_dir, "-o")
+    cfg = K3Config.from_pretrained(preset)
+    import torch
+
+    from k3c.retarget import weights
+    from models.checkpoint import save_random_checkpoint
+
+    size = weights(cfg).params * (4 if dtype == "f32" else 2)
+    if size > INIT_MAX_BYTES:
+        raise K3CError(f"{preset}: a random {dtype} checkpoint would take {size / 2**30:,.0f} GiB (init writes at most "
+                       f"{INIT_MAX_BYTES / 2**30:.0f} GiB); use a tiny preset, or `k3c compile {preset} --plan-only`, "
+                       f"which needs no weights")
+
+    with progress_bars() as progress:
+        progress(f"writing {cfg.name}", 0, None)
+        save_random_checkpoint(cfg, out_dir, seed=seed, dtype={"f32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    files = sorted(p.name for p in out_dir.iterdir())
+    size = sum(p.stat().st_size for p in out_dir.iterdir())
+    out.print(f"wrote {out_dir}: {cfg.name}, {dtype}, seed {seed}; {len(files)} files, {size / 2**20:,.1f} MiB")
+
+
+def _checkpoint_dtype(path: Path) -> str:
+    """'f32' or 'bf16': the dtype of a checkpoint's embedding table (from the safetensors header, nothing loaded)."""
+    import json
+
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    shards = json.loads(index.read_text())["weight_map"] if index.is_file() else {
+        k: f.name for f in sorted(path.glob("*.safetensors")) for k in safe_open(f, "numpy").keys()}
+    key = next((k for k in sorted(shards) if k.endswith("embed_tokens.weight")), None)
+    if key is None:
+        raise K3CError(f"{path}: no embed_tokens.weight in the checkpoint; pass --dtype")
+    with safe_open(path / shards[key], "numpy") as f:
+        return "bf16" if f.get_slice(key).get_dtype() == "BF16" else "f32"
+
+
+@app.command("compile")
+def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json or checkpoint directory"),
+                out_dir: Path = typer.Option(..., "-o", "--out", help="artifact directory to write"),
+                target: str = typer.Option("h200", help="target preset or target JSON file"),
+                tp: int = typer.Option(1, help="tensor-parallel ranks (one artifact, weights/rank{r}.safetensors)"),
+                ep: int = typer.Option(1, help="expert parallelism: 1 (experts split over their width) or --tp "
+                                               "(experts partitioned over the ranks)"),
+                max_batch: int = typer.Option(1), max_seq: int = typer.Option(4096),
+                max_prefill: int = typer.Option(None, help="longest prefill call [default: min(1024, max-seq)]"),
+                plan_only: bool = typer.Option(False, "--plan-only"),
+                force: bool = typer.Option(False, "--force", help="replace an existing artifact"),
+                dump: Path = typer.Option(None, help="write the IR after every pass here"),
+                dtype: str = typer.Option("auto", help="activation and weight dtype: bf16, f32 or auto (the "
+                                                       "checkpoint's: f32 or bf16; bf16 without weights)"),
+                backend: str = typer.Option(None, help="preferred code generator (triton | tvm) [default: the "
+                                                       "target's: triton on GPUs, tvm on CPUs]"),
+                report: Path = typer.Option(None, help="also keep the report data in the artifact and write the "
+                                                       "HTML report (`k3c report`) to this file"),
+                allow_oversize: bool = typer.Option(False, "--allow-oversize", help="write an artifact that does not "
+                                                    "fit the target's memory (for planning; see k3c/memory/budget.py)"),
+                experts_dtype: str = typer.Option(None, "--experts-dtype",
+                                                  help="routed experts: mxfp4 (the checkpoint's 4-bit bits) or bf16 "
+                                                       "(dequantized, stored in --dtype) [default: as the checkpoint]"),
+                all_logits: bool = typer.Option(False, "--all-logits", help="also compile prefill returning every "
+                                                "position's logits (prefill(tokens, logits='all'))")):
+    """Compile MODEL into an artifact: kernels, memory plan, schedule, weights, cost report."""
+    from k3c.targets import load_target
+    from models.config import K3Config
+
+    # the cheap checks first: a wrong argument is reported before torch is imported
+    K3Config.from_pretrained(model)
+    load_target(target)
+    if dtype not in ("auto", "bf16", "f32"):
+        raise K3CError(f"--dtype {dtype}: expected auto, bf16 or f32")
+    if dtype == "auto":
+        dtype = _checkpoint_dtype(Path(model)) if Path(model).is_dir() and not plan_only else "bf16"
+    if out_dir.exists() and not force:
+        raise K3CError(f"{out_dir}: already exists (pass --force to replace it)")
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file())):
+        raise K3CError(f"{out_dir}: exists and is not a k3c artifact; --force only replaces artifacts")
+    check_writable(out_dir, "-o")
+    if report is not None and report.exists() and not force:
+        raise K3CError(f"--report {report}: already exists (pass --force to overwrite it)")
+    if report is not None:
+        check_writable(report, "--report")
+    compiling()
+    from k3c.compile import CompileOptions, compile_model
+
+    max_prefill = min(1024, max_seq) if max_prefill is None else max_prefill
+    opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype,
+                          backend, report=report is not None, ep=ep, allow_oversize=allow_oversize,
+                          experts_dtype=experts_dtype, all_logits=all_logits)
+    err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
+    with progress_bars() as progress:
+        s = compile_model(opts, progress=progress)
+        if report is not None:
+            progress("report", 0, None)
+            from k3c.report.html import write
+
+            write(out_dir, report)
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    kinds = "/".join(s["kernel_backends"]) or "generated"  # plan-only: none
+    out.print(f"wrote {out_dir}: {s['nodes']['prefill']} IR nodes, {s['kernels']} {kinds} kernels; weights "
+              f"{mib(s['weights']['total'])} (routed experts {mib(s['weights']['experts'])}); "
+              f"arena prefill {mib(s['arena']['prefill'])} "
+              f"(lower bound {mib(s['lower_bound']['prefill'])}), decode {mib(s['arena']['decode'])}; pools "
+              + ", ".join(f"{k} {mib(v)}" for k, v in s["pools"].items())
+              + f"; roofline decode step {s['time']['decode'] * 1e3:.3f} ms; {s['seconds']:.1f} s"
+              + (f"; report {report}" if report is not None else ""))
+    if s["warning"]:
+        err.print(f"[yellow]warning:[/] {s['warning']}", highlight=False, soft_wrap=True)
+    if tp > 1:
+        c = s["communication"]
+        out.print(f"per rank and decode step at --max-batch {max_batch}: {mib(c['bytes'])} on the wire (plain "
+                  f"all-reduces: {mib(c['plain_allreduce_bytes'])}); AttnRes state not duplicated: "
+                  f"{mib(c['attn_res_state_bytes_not_duplicated'])}")
+
+
+@app.command("report")
+def report_cmd(artifact: Path = typer.Argument(..., help="artifact directory compiled with --report"),
+               output: Path = typer.Option(..., "-o", "--output", help="HTML file to write"),
+               force: bool = typer.Option(False, "--force", help="overwrite an existing -o file")):
+    """Write the compile report of ARTIFACT as one self-contained HTML page: passes and per-pass IR diffs, kernels
+    with their roofline, the memory timeline, per-layer and per-entry totals, the compile options."""
+    if output.exists() and not force:
+        raise K3CError(f"-o {output}: already exists (pass --force to overwrite it)")
+    check_writable(output, "-o")
+    from k3c.report.html import write
+
+    write(artifact, output)
+    out.print(f"wrote {output} ({output.stat().st_size / 2**20:,.1f} MiB)")

@@ -1,0 +1,48 @@
+"""`k3c plan`: what a model needs on N GPUs of a target (memory per GPU, a decode-step roofline); no hardware."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from k3c.cli.app import app, out
+from k3c.errors import K3CError
+
+@app.command()
+def plan(model: str = typer.Argument(..., help="preset name, config.json or checkpoint directory"),
+         target: str = typer.Option("h200", help="target preset (h200, h100-sxm, b200, mi300x, ...) or a target JSON file"),
+         tp: str = typer.Option("1,2,4,8,16", help="GPU count(s), comma-separated"),
+         max_batch: int = typer.Option(1, help="sequences the caches are sized for (and the decode batch)"),
+         max_seq: int = typer.Option(1 << 20, help="tokens per sequence the caches are sized for"),
+         context: int = typer.Option(None, help="cached tokens for the decode estimate (default max-seq)"),
+         experts_dtype: str = typer.Option(None, "--experts-dtype",
+                                           help="routed experts stored as mxfp4 or bf16 [default: as the checkpoint]"),
+         json_out: bool = typer.Option(False, "--json", help="print JSON instead of a table")):
+    """What MODEL needs on N GPUs of TARGET: memory per GPU and a decode-step roofline (no hardware needed)."""
+    import json
+
+    from k3c.retarget import estimate
+    from models.config import K3Config
+
+    try:
+        tps = [int(x) for x in tp.split(",")]
+    except ValueError:
+        raise K3CError(f"--tp {tp!r}: expected comma-separated integers such as 8 or 1,2,4,8") from None
+    cfg = K3Config.from_pretrained(model)
+    rows = [estimate(cfg, target, n, max_batch, max_seq, context, experts_dtype=experts_dtype) for n in tps]
+    if json_out:
+        out.print_json(json.dumps([r.to_json() for r in rows]))
+        return
+    e0 = rows[0]
+    t = Table(title=f"{cfg.name} on {e0.target}: {e0.params / 1e9:,.1f} billion parameters ({e0.active_params_per_token / 1e9:.1f} "
+                    f"billion active); caches for {max_batch} x {max_seq:,} tokens")
+    for col in ("GPUs", "weights/GPU", "caches/GPU", "total/GPU", "fits", "decode step", "bound", "tokens/s"):
+        t.add_column(col, justify="right")
+    gib = lambda b: f"{b / 2**30:,.1f} GiB"  # noqa: E731
+    for r in rows:
+        t.add_row(str(r.tp), gib(r.weight_bytes_per_gpu), gib(r.pool_bytes_per_gpu),
+                  gib(r.weight_bytes_per_gpu + r.pool_bytes_per_gpu), "[green]yes[/]" if r.fits else "[red]no[/]",
+                  f"{r.decode_step_s * 1e3:.2f} ms", r.decode_bound, f"{r.decode_tokens_per_s:,.0f}")
+    t.caption = (f"memory per GPU {gib(e0.memory_bytes)}; at least {e0.min_gpus} GPUs needed; decode at batch "
+                 f"{e0.decode_batch}, context {e0.decode_context:,}: roofline with measured bandwidth/peak (k3c/retarget.py)")
+    out.print(t)

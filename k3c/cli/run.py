@@ -1,0 +1,128 @@
+"""`k3c run` and `k3c finalize`, the commands of the machine that runs an artifact: prefill a prompt and decode
+greedily (a multi-rank artifact as one process per rank), and compile an artifact's kernels into it once."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import typer
+
+from k3c.cli.app import app, check_artifact_exists, err, out, progress_bars
+from k3c.errors import K3CError
+
+DEFAULT_PROMPT = "1,2,3,4,5,6,7,8"
+
+
+@app.command()
+def run(artifact: Path = typer.Argument(..., help="artifact directory or .k3c file"),
+        tokens: str = typer.Option(DEFAULT_PROMPT, help="prompt token ids, comma-separated"),
+        decode_steps: int = typer.Option(8, help="greedy tokens to generate"),
+        device: str = typer.Option("cpu", help="cpu (Triton kernels interpreted) or cuda"),
+        cuda_graphs: bool = typer.Option(True, help="on cuda, replay decode steps as piecewise CUDA graphs")):
+    """Run an artifact: prefill the prompt, then greedy decode; prints the tokens and timing. A multi-rank
+    artifact (--tp N) runs as N processes: started here (gloo on cpu, NCCL on cuda), or by `torchrun`."""
+    try:
+        ids = [int(x) for x in tokens.split(",")]
+    except ValueError:
+        raise K3CError(f"--tokens {tokens!r}: expected comma-separated integers") from None
+    bad = [x for x in ids if not 0 <= x < 2**63]
+    if bad:
+        raise K3CError(f"--tokens: {bad[0]} is not a token id (ids are integers >= 0)")
+    if decode_steps < 1:
+        raise K3CError(f"--decode-steps {decode_steps}: generate at least one token")
+    check_artifact_exists(artifact)
+    tp = _artifact_tp(artifact)
+    if tp > 1 and "WORLD_SIZE" not in os.environ:  # not under torchrun: start the ranks here
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory(prefix="k3c-run-") as tmp:
+            try:
+                mp.spawn(_rank_main, args=(tp, _free_port(), artifact, ids, decode_steps, device, cuda_graphs, tmp),
+                         nprocs=tp, join=True)
+            except mp.ProcessExitedException:  # a rank refused its input: rank 0 printed the one-line error
+                raise typer.Exit(2) from None
+            new, line = json.loads(Path(tmp, "rank0.json").read_text())
+    else:
+        with progress_bars() as progress:
+            new, line = _generate(artifact, ids, decode_steps, device, cuda_graphs, progress)
+    out.print(f"next tokens: {new}")
+    err.print(line + (f"; {tp} ranks" if tp > 1 else ""))
+
+
+def _artifact_tp(artifact: Path) -> int:
+    from k3c.runtime.artifact import read_artifact
+
+    return int(read_artifact(artifact).manifest.get("tp", 1))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, artifact, ids, decode_steps, device, cuda_graphs, tmp) -> None:
+    """One rank spawned by `k3c run`: torchrun's environment, then the generation of a single-process run."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    try:
+        result = _generate(artifact, ids, decode_steps, device, cuda_graphs, lambda *a: None)
+    except K3CError as e:  # one line from rank 0, as a single-process run prints it
+        if rank == 0:
+            err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    if rank == 0:
+        Path(tmp, "rank0.json").write_text(json.dumps(result))
+
+
+def _generate(artifact, ids, decode_steps, device, cuda_graphs, progress) -> tuple[list[int], str]:
+    """Load, prefill `ids` chunk by chunk (showing progress on long prompts), greedy-decode; returns (the new
+    tokens, a timing line)."""
+    import torch
+
+    from k3c.runtime.session import load
+
+    progress("loading", 0, None)
+    t0 = time.perf_counter()
+    session = load(artifact, device, cuda_graphs=cuda_graphs)
+    t_load = time.perf_counter() - t0
+    if len(ids) + decode_steps - 1 > session.max_seq:
+        raise K3CError(f"{len(ids)} prompt tokens + {decode_steps} generated exceed the compiled max_seq "
+                       f"{session.max_seq} (the last generated token is not fed back)")
+    prompt, t_prefill = torch.tensor([ids]), 0.0
+    chunks = prompt.split(session.max_prefill, dim=1)
+    for i, chunk in enumerate(chunks):
+        progress("prefill chunks", i, len(chunks))
+        logits = session.prefill(chunk)
+        t_prefill += session.last_timing["seconds"]
+    new, steps = [int(logits[0, -1].argmax())], []
+    for i in range(decode_steps - 1):
+        progress("decode", i, decode_steps - 1)
+        logits = session.decode(torch.tensor([[new[-1]]]))
+        steps.append(session.last_timing["seconds"])
+        new.append(int(logits[0, -1].argmax()))
+    per = f"{sum(steps) / len(steps) * 1e3:.1f} ms/step" if steps else "-"
+    return new, f"load {t_load:.2f} s; prefill {len(ids)} tokens {t_prefill * 1e3:.1f} ms; decode {per} ({device})"
+
+
+@app.command()
+def finalize(artifact: Path = typer.Argument(..., help="artifact directory"),
+             device: str = typer.Option("cuda", help="the CUDA device to compile for")):
+    """Compile the artifact's Triton kernels for this GPU and Triton once and add them to it (loads then compile
+    nothing; run on the machine that runs the artifact)."""
+    check_artifact_exists(artifact)
+    from k3c.runtime.finalize import finalize as _finalize
+
+    r = _finalize(artifact, device)
+    if r["skipped"]:
+        out.print(f"{artifact}: already holds the kernels for {r['tag']}")
+    else:
+        out.print(f"{artifact}: added {r['files']} files ({r['bytes'] / 2**20:.1f} MiB) of compiled kernels for "
+                  f"{r['tag']} in {r['seconds']:.1f} s")

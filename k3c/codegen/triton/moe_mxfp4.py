@@ -1,0 +1,234 @@
+"""MXFP4 expert GEMM kernels of `moe_experts` (k3c.codegen.triton.moe): packed E2M1 weights + E8M0 scales
+(k3c.ir.formats) decoded in registers, 8 codes per 32-bit word, feeding bf16 (or fp32) tensor-core dots.
+
+Orientation: the weight tile is the dot's left operand, out[r, m] = Σ_k W[r, k] · x[m, k] for BLOCK_R weight rows
+and a tile of BLOCK_M token rows (a GEMV at decode: the MMA's M dimension is the weights', its N the tokens'), so
+on Hopper the decoded tile goes from registers straight into `wgmma` (its A operand may live in registers).
+
+K order. The dot sums over k in any order, so each K tile of BLOCK_K weights is fed to the dot in the order that
+puts every decoded value where the MMA wants it: `wgmma`'s A fragment gives thread t (of a quad) the columns
+16c + 8p + 2t + e (p, e ∈ {0, 1}) of its rows; the tile's column (cc, cl, p, t, e) ↦ 32·cc + 16·cl + 8p + 2t + e
+holds the weight of in-tile k = 8·(t·CC + cc) + 4e + 2·cl + p (CC = BLOCK_K/32). So thread t reads the CC
+consecutive words t·CC .. t·CC + CC − 1 of each of its rows (16-byte loads), and the pair (e = 0, 1) of one
+register is the pair of codes (s, s + 4), s = 2·cl + p, of one word, which the decoding makes in one 32-bit
+register. The activations are stored once in the same order (`mx_permute`; the up kernel writes h directly in
+the down kernel's order, `mx_permuted_col`); the products are the same, summed in another order.
+
+Decoding a word (bf16 activations on the GPU: inline PTX, Hopper has no E2M1 convert): a code s·8 + em (em =
+exponent and mantissa bits) moved to bf16 bits 15 (sign) and 8..6 (em) is the bf16 number code · 2^-126 (em < 2
+lands on bf16 subnormals, which `mul.bf16x2` keeps); TWO_MULS (the default): `mul.bf16x2` by 2^126, then by the
+scale, gives code · scale exactly for every E8M0 value; without, one `mul.bf16x2` by 2^(s_E8M0 − 1) = 2^126 · scale
+does, for s_E8M0 ≤ 128 only (2^(s − 1) overflows bf16 above). Two shifts, two masks, an or and two multiplies per
+bf16 pair, about 11 instructions per 8 weights; the assembly is elementwise (one word in, its 8 values out), so it
+does not depend on Triton's register layout. Elsewhere (fp32 activations; Triton's interpreter, which has no
+inline assembly): `mxfp4_tile_f32` gathers the same tile's bytes and scales per element and decodes in fp32.
+
+Public API: `mx_default_config(rows, E)`, `mx_block_k(K)`, `mx_permute(x, block_k)`, the jit helpers and
+`moe_up_mx_kernel`, `moe_down_mx_kernel` (launched by `launch_moe_experts`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3c.codegen.triton.moe_act import glu
+
+
+def mx_default_config(rows: int, E: int) -> tuple:
+    """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages,
+    two_muls, maxnreg) for `rows` (token, slot) pairs over E experts: the best measured on the H200
+    (BENCHMARKS.md, benchmarks/bench_moe_mxfp4.py). Decode (< 16 rows per expert on average): 16-row tiles, the
+    weights streamed; prefill: 128 × 128 tiles. two_muls: exact for every E8M0 scale (the one-multiply decoding,
+    5 % faster at decode, overflows for scales above 2: a checkpoint property nothing checks yet)."""
+    return (16, 64, 256, 4, 3, True, None) if rows < 16 * E else (128, 128, 128, 8, 3, True, None)
+
+
+def mx_block_k(K: int, most: int = 256) -> int:
+    """The K tile for an MXFP4 reduction of length K (a multiple of 32): the largest power of two ≤ `most` that
+    divides K (≥ 32), so tiles never straddle the end."""
+    b = most
+    while K % b:
+        b //= 2
+    return b
+
+
+def mx_permute(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """x [N, K] -> the same values [N, K] in the MXFP4 kernels' K order (module docstring): per tile of block_k,
+    column 32·cc + 16·cl + 8p + 2t + e holds k = 8·(t·CC + cc) + 4e + 2·cl + p. A contiguous copy."""
+    N, K = x.shape
+    return x.reshape(N, K // block_k, 4, block_k // 32, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4).reshape(N, K)
+
+
+@triton.jit
+def mx_permuted_col(k, BLOCK_K: tl.constexpr):
+    """`mx_permute`'s column of natural column k (int tensor)."""
+    r = k % BLOCK_K
+    CC: tl.constexpr = BLOCK_K // 32
+    t = r // (8 * CC)
+    cc = (r // 8) % CC
+    return k - r + 32 * cc + 16 * ((r // 2) % 2) + 8 * (r % 2) + 2 * t + (r // 4) % 2
+
+
+@triton.jit
+def mxfp4_word_bf16(w, mult, TWO_MULS: tl.constexpr):
+    """w u32 (8 codes), mult bf16 (the word's 2^(s − 1), or with TWO_MULS its scale 2^(s − 127)), same shape ->
+    8 bf16 tensors: code (s, s + 4) · scale for s = 0..3, i.e. the word's codes 0, 4, 1, 5, 2, 6, 3, 7. PTX sm_90."""
+    if TWO_MULS:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t, u, m, b;
+            mov.b32 m, {$9, $9};
+            mov.b32 b, 0x7e807e80;
+            shl.b32 t, $8, 6; and.b32 t, t, 0x01c001c0; shl.b32 u, $8, 12; and.b32 u, u, 0x80008000;
+            or.b32 t, t, u; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$0, $1}, t;
+            shl.b32 t, $8, 2; and.b32 t, t, 0x01c001c0; shl.b32 u, $8, 8; and.b32 u, u, 0x80008000;
+            or.b32 t, t, u; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$2, $3}, t;
+            shr.b32 t, $8, 2; and.b32 t, t, 0x01c001c0; shl.b32 u, $8, 4; and.b32 u, u, 0x80008000;
+            or.b32 t, t, u; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$4, $5}, t;
+            shr.b32 t, $8, 6; and.b32 t, t, 0x01c001c0; and.b32 u, $8, 0x80008000;
+            or.b32 t, t, u; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$6, $7}, t;
+            }""",
+            "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, mult], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t, u, m;
+        mov.b32 m, {$9, $9};
+        shl.b32 t, $8, 6; and.b32 t, t, 0x01c001c0; shl.b32 u, $8, 12; and.b32 u, u, 0x80008000;
+        or.b32 t, t, u; mul.bf16x2 t, t, m; mov.b32 {$0, $1}, t;
+        shl.b32 t, $8, 2; and.b32 t, t, 0x01c001c0; shl.b32 u, $8, 8; and.b32 u, u, 0x80008000;
+        or.b32 t, t, u; mul.bf16x2 t, t, m; mov.b32 {$2, $3}, t;
+        shr.b32 t, $8, 2; and.b32 t, t, 0x01c001c0; shl.b32 u, $8, 4; and.b32 u, u, 0x80008000;
+        or.b32 t, t, u; mul.bf16x2 t, t, m; mov.b32 {$4, $5}, t;
+        shr.b32 t, $8, 6; and.b32 t, t, 0x01c001c0; and.b32 u, $8, 0x80008000;
+        or.b32 t, t, u; mul.bf16x2 t, t, m; mov.b32 {$6, $7}, t;
+        }""",
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, mult], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def mxfp4_tile_bf16(w_ptr, s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr,
+                    TWO_MULS: tl.constexpr):
+    """The bf16 tile [R, BLOCK_K] (module docstring's column order) of rows `rows` (i64 [R], masked by r_ok: 0),
+    in-row columns k0 : k0+BLOCK_K of an MXFP4 matrix (packed bytes read as i32 words [.., KDIM/8], scales u8
+    [.., KDIM/32]), from 16-byte loads and `mxfp4_word_bf16`. Scale E8M0 0 is 2^-127, 255 NaN (TWO_MULS; else
+    s ≤ 128 assumed)."""
+    CC: tl.constexpr = BLOCK_K // 32
+    R: tl.constexpr = rows.shape[0]
+    t = tl.arange(0, 4)
+    cc = tl.arange(0, CC)
+    word = (rows * (KDIM // 8) + k0 // 8)[:, None, None] + (t * CC)[None, :, None] + cc[None, None, :]
+    w = tl.load(w_ptr + word, mask=r_ok[:, None, None], other=0)
+    G: tl.constexpr = (CC + 3) // 4                         # groups a thread's CC words span (CC < 4: a part of one)
+    g = (t * CC)[None, :, None] // 4 + tl.arange(0, G)[None, None, :]
+    s = tl.load(s_ptr + (rows * (KDIM // 32) + k0 // 32)[:, None, None] + g, mask=r_ok[:, None, None],
+                other=127).to(tl.int32)
+    if TWO_MULS:
+        bits = tl.where(s == 0, 0x40, tl.where(s == 255, 0x7FC0, s << 7))
+    else:
+        bits = (s + 126) << 7
+    mult = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    if CC >= 4:      # word cc of the thread's CC is in its group cc // 4
+        mult = tl.reshape(tl.broadcast_to(mult[:, :, :, None], [R, 4, G, 4]), [R, 4, CC])
+    else:
+        mult = tl.broadcast_to(mult, [R, 4, CC])
+    v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(w, mult, TWO_MULS)
+    # [R, t, cc, e, p, cl] with code s = 2·cl + p, pair element e: code s + 4e
+    v = tl.join(tl.join(tl.join(v0, v4), tl.join(v1, v5)), tl.join(tl.join(v2, v6), tl.join(v3, v7)))
+    return tl.reshape(tl.permute(v, (0, 2, 5, 4, 1, 3)), [R, BLOCK_K])
+
+
+@triton.jit
+def mxfp4_tile_f32(w_ptr, s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`mxfp4_tile_bf16`'s tile in fp32, decoded per element from gathered words and scales (portable: fp32
+    activations, Triton's interpreter). A code (s, em) becomes the fp16 pattern s·2^15 | em·2^9 = code · 2^-14
+    (em < 2: fp16 subnormals, which the fp16 -> fp32 conversion keeps), times 2^14 (exact), times the scale."""
+    col = tl.arange(0, BLOCK_K)
+    CC: tl.constexpr = BLOCK_K // 32
+    k = k0 + 8 * (((col // 2) % 4) * CC + col // 32) + 4 * (col % 2) + 2 * ((col // 16) % 2) + (col // 8) % 2
+    word = tl.load(w_ptr + rows[:, None] * (KDIM // 8) + (k // 8)[None, :], mask=r_ok[:, None], other=0)
+    s = tl.load(s_ptr + rows[:, None] * (KDIM // 32) + (k // 32)[None, :], mask=r_ok[:, None], other=127)
+    code = ((word >> (4 * (k % 8))[None, :]) & 15).to(tl.uint16)
+    v = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    s = s.to(tl.int32)
+    scale = tl.where(s == 0, 0x400000, tl.where(s == 255, 0x7FC00000, s << 23)).to(tl.float32, bitcast=True)
+    return v * 16384.0 * scale
+
+
+@triton.jit
+def mxfp4_weight_tile(w_ptr, s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr,
+               TWO_MULS: tl.constexpr):
+    """The decoded weight tile [R, BLOCK_K]: bf16 `mxfp4_tile_bf16` with FAST, else fp32 `mxfp4_tile_f32`."""
+    if FAST:
+        tile = mxfp4_tile_bf16(w_ptr, s_ptr, rows, r_ok, k0, KDIM, BLOCK_K, TWO_MULS)
+    else:
+        tile = mxfp4_tile_f32(w_ptr, s_ptr, rows, r_ok, k0, KDIM, BLOCK_K)
+    return tile
+
+
+@triton.jit
+def mx_act_tile(xp_ptr, rows_m, m_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The activations of token rows `rows_m` [M] for K tile k0 from the `mx_permute`d x [.., KDIM], as the dot's
+    right operand [BLOCK_K, M]."""
+    offs = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+    x = tl.load(xp_ptr + rows_m.to(tl.int64)[:, None] * KDIM + offs[None, :], mask=m_ok[:, None], other=0.0)
+    return tl.trans(x)
+
+
+@triton.jit
+def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
+                     tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, E: tl.constexpr, K: tl.constexpr,
+                     D: tl.constexpr, I: tl.constexpr, ACT_SITU: tl.constexpr, FAST: tl.constexpr,
+                     TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one tile of sorted rows and BLOCK_R intermediate columns. zp: z [N, D]
+    `mx_permute`d by BLOCK_D; w1/w3 the packed bytes as i32 words [E, I, D/8], scales s1/s3 u8 [E, I, D/32];
+    hp [N·k, I] written in `mx_permute` order of BLOCK_K2 (the down kernel's K tile)."""
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile)
+    if e < E:
+        offs_m = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < tl.load(tile_row_end_ptr + tile)
+        token = tl.load(order_ptr + offs_m, mask=m_ok, other=0) // K
+        offs_i = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        i_ok = offs_i < I
+        rows = e.to(tl.int64) * I + offs_i
+        gate = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
+        up = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            z = mx_act_tile(zp_ptr, token, m_ok, d0, D, BLOCK_D)
+            w = mxfp4_weight_tile(w1_ptr, s1_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS)
+            gate = tl.dot(w.to(z.dtype), z, gate, input_precision=DOT_PRECISION)
+            w = mxfp4_weight_tile(w3_ptr, s3_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS)
+            up = tl.dot(w.to(z.dtype), z, up, input_precision=DOT_PRECISION)
+        h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
+        col = mx_permuted_col(offs_i, BLOCK_K2)
+        tl.store(hp_ptr + offs_m.to(tl.int64)[None, :] * I + col[:, None], h.to(hp_ptr.dtype.element_ty),
+                 mask=i_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def moe_down_mx_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
+                       tile_row_end_ptr, y_slot_ptr, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                       FAST: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_R output columns; hp [N·k, I] in
+    `mx_permute` order of BLOCK_K2; w2 the packed bytes as i32 words [E, D, I/8], scales s2 u8 [E, D, I/32]."""
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + tile)
+    if e < E:
+        offs_m = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < tl.load(tile_row_end_ptr + tile)
+        slot = tl.load(order_ptr + offs_m, mask=m_ok, other=0)           # flat (token · K + slot) index
+        offs_n = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        n_ok = offs_n < D
+        rows = e.to(tl.int64) * D + offs_n
+        acc = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
+        for i0 in range(0, I, BLOCK_K2):
+            h = mx_act_tile(hp_ptr, offs_m, m_ok, i0, I, BLOCK_K2)
+            w = mxfp4_weight_tile(w2_ptr, s2_ptr, rows, n_ok, i0, I, BLOCK_K2, FAST, TWO_MULS)
+            acc = tl.dot(w.to(h.dtype), h, acc, input_precision=DOT_PRECISION)
+        weight = tl.load(weights_ptr + slot, mask=m_ok, other=0.0)
+        tl.store(y_slot_ptr + slot[None, :] * D + offs_n[:, None], acc * weight[None, :],
+                 mask=n_ok[:, None] & m_ok[None, :])

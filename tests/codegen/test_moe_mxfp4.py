@@ -1,0 +1,131 @@
+"""The MXFP4 expert kernels' pieces (k3c.codegen.triton.moe_mxfp4): the K order of the activations and, on a GPU,
+the inline-PTX word decoding against the portable one (bitwise) and the bf16 launcher against the reference."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from k3c.codegen.triton import moe
+from k3c.codegen.triton.moe_mxfp4 import mx_block_k, mx_permute, mx_permuted_col, mxfp4_weight_tile
+from k3c.ir.formats import mxfp4_dequantize
+from k3c.ir.ops import get_op
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def kernel_order(K, block_k):
+    """Natural k of every permuted column, from the module docstring's rule (column 32·cc + 16·cl + 8p + 2t + e
+    holds in-tile k = 8·(t·CC + cc) + 4e + 2·cl + p), written independently of the code."""
+    CC = block_k // 32
+    cols = torch.empty(K, dtype=torch.long)
+    for tile in range(K // block_k):
+        for cc in range(CC):
+            for cl in (0, 1):
+                for p in (0, 1):
+                    for t in range(4):
+                        for e in (0, 1):
+                            cols[tile * block_k + 32 * cc + 16 * cl + 8 * p + 2 * t + e] = \
+                                tile * block_k + 8 * (t * CC + cc) + 4 * e + 2 * cl + p
+    return cols
+
+
+@pytest.mark.parametrize("K,most", [(96, 256), (256, 256), (3584, 256), (3072, 512)])
+def test_mx_permute_order(K, most):
+    bk = mx_block_k(K, most)
+    assert K % bk == 0 and bk >= 32 and (bk * 2 > most or K % (bk * 2))
+    x = torch.arange(2 * K).reshape(2, K)
+    want = kernel_order(K, bk)
+    assert torch.equal(mx_permute(x, bk), x[:, want])
+
+
+@triton.jit
+def _col_kernel(out_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    k = tl.arange(0, K)
+    tl.store(out_ptr + mx_permuted_col(k, BLOCK_K), k)
+
+
+def test_mx_permuted_col_inverts_permute():
+    K, bk = 128, 64
+    out = torch.empty(K, dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
+    _col_kernel[(1,)](out, K=K, BLOCK_K=bk)
+    assert torch.equal(out.long().cpu(), kernel_order(K, bk))
+
+
+@triton.jit
+def _decode_kernel(w_ptr, s_ptr, out_ptr, R: tl.constexpr, KDIM: tl.constexpr, BLOCK_K: tl.constexpr,
+                   FAST: tl.constexpr, TWO_MULS: tl.constexpr):
+    rows = tl.arange(0, R).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    for k0 in range(0, KDIM, BLOCK_K):
+        w = mxfp4_weight_tile(w_ptr, s_ptr, rows, rows < R, k0, KDIM, BLOCK_K, FAST, TWO_MULS)
+        tl.store(out_ptr + rows[:, None] * KDIM + k0 + offs[None, :], w.to(out_ptr.dtype.element_ty))
+
+
+def random_mxfp4(R, KDIM, smax, dev):
+    """Packed [R, KDIM/2] with every byte value in row 0, scales [R, KDIM/32] ≤ smax: mostly 2^-27..2^1, rows
+    1..3 any E8M0 ≤ smax, row 4 starting with 0, 1, smax."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randint(0, 256, (R, KDIM // 2), dtype=torch.uint8, device=dev, generator=gen)
+    w[0, :256] = torch.arange(256, dtype=torch.uint8)
+    s = torch.randint(100, 129, (R, KDIM // 32), dtype=torch.uint8, device=dev, generator=gen)
+    s[1:4].random_(0, smax + 1, generator=gen)
+    s[4, :3] = torch.tensor([0, 1, smax])
+    return w, s
+
+
+def dequantized(w, s, dtype):
+    """The IR's `mxfp4_dequantize` on the CPU (exact there; torch.exp2 on a GPU is not for 2^-127), in the kernels'
+    K order, on w's device."""
+    return mx_permute(mxfp4_dequantize(w.cpu(), s.cpu()).to(dtype), 256).to(w.device)
+
+
+def decode(w, s, dtype, fast, two_muls, bk=256):
+    R, KDIM = w.shape[0], 2 * w.shape[1]
+    out = torch.empty(R, KDIM, dtype=dtype, device=w.device)
+    _decode_kernel[(1,)](w.view(torch.int32), s, out, R=R, KDIM=KDIM, BLOCK_K=bk, FAST=fast, TWO_MULS=two_muls)
+    return out
+
+
+def test_portable_decoding_equals_dequantize():
+    """The fp32 decoding (interpreter / fp32 activations): every byte value, E8M0 0 (2^-127) and 255 (NaN),
+    equal to the IR's `mxfp4_dequantize` in the kernels' K order."""
+    w, s = random_mxfp4(8, 512, 255, "cuda" if torch.cuda.is_available() else "cpu")
+    want = dequantized(w, s, torch.float32)
+    torch.testing.assert_close(decode(w, s, torch.float32, False, False), want, rtol=0, atol=0, equal_nan=True)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("two_muls", [False, True])
+def test_word_decoding_equals_portable(two_muls):
+    """Every byte value with every scale the variant handles (TWO_MULS: all E8M0 but NaN; else ≤ 128): the PTX
+    decoding, the portable one (fp32, rounded to bf16: exact) and the IR's `mxfp4_dequantize` agree bitwise."""
+    w, s = random_mxfp4(64, 512, 254 if two_muls else 128, "cuda")
+    want = dequantized(w, s, torch.bfloat16).view(torch.int16)
+    assert torch.equal(decode(w, s, torch.bfloat16, False, two_muls).view(torch.int16), want)
+    assert torch.equal(decode(w, s, torch.bfloat16, True, two_muls).view(torch.int16), want)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 40])
+def test_launch_bf16_matches_reference(N):
+    """bf16 activations (the PTX path), decode (N = 1) and 64-row tiles (N = 40), I with a 32-wide K tile: the
+    reference's dequantize-then-GEMM up to bf16 rounding of z and h."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    k, E, D, I = 4, 6, 256, 160
+    (w1, s1), (w3, s3), (w2, s2) = [(torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, device="cuda",
+                                                   generator=gen),
+                                     torch.randint(118, 124, (E, R, C // 32), dtype=torch.uint8, device="cuda",
+                                                   generator=gen)) for R, C in ((I, D), (I, D), (D, I))]
+    z = (torch.randn(N, D, device="cuda", generator=gen) * 0.5).bfloat16()
+    ids = torch.rand(N, E, device="cuda", generator=gen).argsort(-1)[:, :k].contiguous()
+    wt = torch.rand(N, k, device="cuda", generator=gen)
+    attrs = {"act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
+    y = torch.full_like(z, float("nan"))
+    moe.launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, **attrs)
+    (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"},
+                                        *(t.cpu() for t in (z.float(), wt, ids, w1, w3, w2, s1, s3, s2)))
+    err = ((y.float().cpu() - want).abs().max() / want.abs().max()).item()
+    assert err <= 1e-2, err
