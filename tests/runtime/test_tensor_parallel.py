@@ -134,3 +134,26 @@ def test_a_layout_that_does_not_split_is_refused_before_writing(tvm_compiled, tm
     with pytest.raises(ConfigError, match=message):
         compile_model(CompileOptions(str(tvm_compiled(preset)[1]), out, target=TARGET, tp=tp, ep=ep, dtype="f32"))
     assert not out.exists()
+
+
+def test_k3c_run_spawns_the_ranks(tp_artifacts, tvm_compiled):
+    """`k3c run` on a TP = 2 artifact starts its two ranks itself and prints the TP = 1 artifact's greedy tokens."""
+    import contextlib
+    import io
+    import sys
+    from unittest import mock
+
+    from k3c.cli import main
+
+    preset, ids, steps = "kimi-linear-tiny", [5, 7, 11], 4
+    session = k3c.load(tvm_compiled(preset)[2]("f32"))
+    want = [int(session.prefill(torch.tensor([ids]))[0, -1].argmax())]
+    for _ in range(steps - 1):
+        want.append(int(session.decode(torch.tensor([want[-1:]]))[0, -1].argmax()))
+    stdout = io.StringIO()
+    argv = ["k3c", "run", str(tp_artifacts[2][preset][0]), "--tokens", ",".join(map(str, ids)),
+            "--decode-steps", str(steps)]
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()), \
+            mock.patch.object(sys, "argv", argv):
+        main()  # returns on success (a failure exits)
+    assert f"next tokens: {want}" in stdout.getvalue()
