@@ -5,7 +5,9 @@ compiled for the CPU; all three run fp32 on the same checkpoint:
 - decode: one step at batch 1 and at batch 4 after a 64-token prompt (median of the timed steps);
 - prefill: one 256-token prompt at batch 1.
 
-    PYTHONPATH=$PWD python benchmarks/bench_cpu.py [--steps 8] [--out build/bench_cpu.json]
+    PYTHONPATH=$PWD python benchmarks/bench_cpu.py [--steps 8] [--out build/bench_cpu.json] [--small]
+
+`--small` runs a quarter-width config instead (hidden 256, 4 layers, 8 experts, vocab 4K): a check of the script.
 
 Prints a markdown table (BENCHMARKS.md "CPU") and writes the numbers as JSON. Threads: torch and the k3c kernels
 use every core (torch.get_num_threads(); K3C_NUM_THREADS for the k3c kernel pool).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +41,15 @@ def mid_config():
                    routed_expert_hidden_size=256, attn_res_block_size=4, num_shared_experts=1,
                    linear_attn_config=dict(kda_layers=[1, 2, 3, 5, 6, 7], full_attn_layers=[4, 8], num_heads=8,
                                            head_dim=128))
+
+
+def small_config():
+    """A quarter-width stand-in of `mid_config` (hidden 256, 4 layers, 8 experts, vocab 4K) to check the script."""
+    return _shrink("k3-small", "k3", vocab_size=4096, hidden_size=256, num_hidden_layers=4, intermediate_size=704,
+                   num_experts=8, num_experts_per_token=2, moe_intermediate_size=64, num_attention_heads=4,
+                   kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, q_lora_rank=96,
+                   routed_expert_hidden_size=64, attn_res_block_size=2, num_shared_experts=1,
+                   linear_attn_config=dict(kda_layers=[1, 3], full_attn_layers=[2, 4], num_heads=4, head_dim=64))
 
 
 def _median_step(step, n: int) -> float:
@@ -97,20 +109,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("build/bench_cpu.json"))
+    ap.add_argument("--small", action="store_true", help="the quarter-width config (checks the script, minutes less)")
     args = ap.parse_args()
+    cfg = small_config() if args.small else mid_config()
+    phases = {}
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="k3c-bench-") as tmp:
         root = Path(tmp)
-        model = save_random_checkpoint(mid_config(), root / "ckpt", seed=0, dtype=torch.float32).eval()
+        model = save_random_checkpoint(cfg, root / "ckpt", seed=0, dtype=torch.float32).eval()
         t0 = time.perf_counter()
         compile_model(CompileOptions(str(root / "ckpt"), root / "art", target="cpu-x86-64", max_batch=4,
                                      max_seq=PREFILL + 64, max_prefill=PREFILL, dtype="f32", backend="tvm"))
         compile_s = time.perf_counter() - t0
-        rows = {"k3c (TVM, cpu-x86-64)": bench_k3c(root / "art", args.steps),
-                "torch eager": bench_eager(model, args.steps, compiled=False),
-                "torch.compile": bench_eager(model, args.steps, compiled=True)}
-    result = {"config": "hidden 1024, 8 layers, 32 experts top-4, vocab 32000, fp32",
-              "threads": torch.get_num_threads(), "k3c_compile_s": compile_s, "rows": rows}
+        print(f"k3c compile: {compile_s:.0f} s", file=sys.stderr, flush=True)
+        rows = {}
+        for name, run in (("k3c (TVM, cpu-x86-64)", lambda: bench_k3c(root / "art", args.steps)),
+                          ("torch eager", lambda: bench_eager(model, args.steps, compiled=False)),
+                          ("torch.compile", lambda: bench_eager(model, args.steps, compiled=True))):
+            t0 = time.perf_counter()
+            rows[name] = run()
+            phases[name] = time.perf_counter() - t0
+            print(f"{name}: {phases[name]:.0f} s", file=sys.stderr, flush=True)
+    c = cfg
+    result = {"config": f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, {c.num_experts} experts top-"
+                        f"{c.num_experts_per_token}, vocab {c.vocab_size}, fp32",
+              "threads": torch.get_num_threads(), "k3c_compile_s": compile_s, "phase_s": phases, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"| {'runtime':24} | decode B=1 (ms) | decode B=4 (ms) | prefill 256 (ms) |")
@@ -118,7 +141,12 @@ def main() -> None:
     for name, r in rows.items():
         print(f"| {name:24} | {r['decode_b1_s'] * 1e3:15.1f} | {r['decode_b4_s'] * 1e3:15.1f} | "
               f"{r['prefill_s'] * 1e3:16.1f} |")
-    print(f"k3c compile: {compile_s:.0f} s; torch threads: {torch.get_num_threads()}")
+    for name in rows:
+        r = rows[name]
+        print(f"{name}: decode B=1 {rows['torch eager']['decode_b1_s'] / r['decode_b1_s']:.2f}x eager, "
+              f"{rows['torch.compile']['decode_b1_s'] / r['decode_b1_s']:.2f}x torch.compile")
+    print(f"{result['config']}; k3c compile: {compile_s:.0f} s; time per runtime (s): "
+          f"{', '.join(f'{k} {v:.0f}' for k, v in phases.items())}; torch threads: {torch.get_num_threads()}")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@ J = 32 heads x D = 128, top-2048, absorbed latent attention over H = 96 heads x 
 Run on a CUDA machine:
     python benchmarks/bench_dsa.py [--out DIR] [--cases 1x131072,1x1048576,16x131072]
 Per case (B x L), before timing: the top-k set against torch's fp32 scores + torch.topk (overlap), FP8 index keys
-(e4m3 + one fp32 scale per key) against bf16 keys (top-k overlap, attention-output error), and the attention output
-against a torch gather + softmax. Timing: triton.testing.do_bench_cudagraph median, rotating buffer sets past 3x the
-60 MB L2. Floor = bytes / 4.2 TB/s, bytes = index keys (+ scales) + the 2048 latent rows read by the attention.
+(e4m3 + one fp32 scale per key; q bf16 or fp8 in the scan; alone or with the bf16 re-ranking of topk +
+RERANK_EXTRA candidates) against bf16 keys (top-k overlap, attention-output error), and the attention output
+against a torch gather + softmax. Variants swept in the same run: fp8 q in the fp8-key scan (FP8_QUERY, --variants)
+and the attention's split-K granularity (attention.MIN_KEYS_PER_SPLIT, --min-keys). Timing:
+triton.testing.do_bench_cudagraph median, rotating buffer sets past 3x the 60 MB L2. Floor = bytes / 4.2 TB/s,
+bytes = index keys (+ scales, + the re-ranked candidates' bf16 keys) + the 2048 latent rows read by the attention.
 Writes dsa_bench.json / dsa_bench.md under --out; per-kernel times as PROFILE lines (torch.profiler).
 """
 
@@ -20,6 +23,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from k3c.codegen.triton import attention, dsa_decode as dd  # noqa: E402
 from k3c.codegen.triton.attention import launch_dsa_index_topk, launch_mla  # noqa: E402
 from k3c.codegen.triton.dsa_decode import dsa_decode_topk, quantize_index_keys  # noqa: E402
 
@@ -40,11 +44,11 @@ def make(B, L, seed, dev="cuda"):
                 kv=torch.randn(B, L, DL, generator=g, device=dev).to(bf))
 
 
-def dsa_decode(q_i, w, k_i, q, kv, k_scale=None):
+def dsa_decode(q_i, w, k_i, q, kv, k_scale=None, k_exact=None):
     """One DSA decode step: the radix top-k set, then the absorbed sparse latent attention over it."""
     out = torch.empty((q.shape[0], 1, H, DV), dtype=q.dtype, device=q.device)
-    launch_mla(q, kv, None, dsa_decode_topk(q_i, w, k_i, TOPK, k_scale), out, absorbed=True, causal=True,
-               scale=SCALE, v_dim=DV, dense_max_keys=None)
+    launch_mla(q, kv, None, dsa_decode_topk(q_i, w, k_i, TOPK, k_scale, k_exact=k_exact), out, absorbed=True,
+               causal=True, scale=SCALE, v_dim=DV, dense_max_keys=None)
     return out
 
 
@@ -95,23 +99,46 @@ def profile(label, fn):
             print(f"PROFILE {label} | {ev.key[:50]} | {us:.1f} us", flush=True)
 
 
-def run_case(B, L, rows, checks):
+VARIANTS = {"bf16 q": False, "fp8 q": True}     # FP8_QUERY of the fp8-key scan
+
+
+def set_variant(name):
+    dd.FP8_QUERY = VARIANTS[name]
+
+
+def run_case(B, L, rows, checks, variants, min_keys_list):
     x = make(B, L, seed=B + L)
+    default = dd.FP8_QUERY
     idx = dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK)
-    idx8 = dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"])
     want = ref_topk(x, x["k_i"].float())
     o = dsa_decode(x["q_i"], x["w"], x["k_i"], x["q"], x["kv"])
-    o8 = dsa_decode(x["q_i"], x["w"], x["k8"], x["q"], x["kv"], k_scale=x["ks"])
     o_ref = ref_attention(x, want)
     c = dict(case=f"B={B} L={L}", topk_overlap_bf16_vs_fp32_torch=overlap(idx, want),
-             topk_overlap_fp8_vs_bf16=overlap(idx8, idx), topk_overlap_fp8_vs_fp32_torch=overlap(idx8, want),
-             attn_rel_bf16_vs_torch=rel(o, o_ref), attn_rel_fp8_vs_bf16=rel(o8, o),
+             attn_rel_bf16_vs_torch=rel(o, o_ref),
              valid=bool(((idx >= 0).sum(-1) == TOPK).all()) and bool((idx.max() < L).item()))
+    c["ordered == torch fp32 sort (positions, fp8 + rerank)"] = bool(torch.equal(
+        dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"])[:, 0], want))
+    for name in variants:
+        set_variant(name)
+        for rr in (False, True):
+            k_exact = x["k_i"] if rr else None
+            tag = f"fp8 keys{' + rerank' if rr else ''} [{name}]"
+            try:
+                idx8 = dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=k_exact)
+                o8 = dsa_decode(x["q_i"], x["w"], x["k8"], x["q"], x["kv"], k_scale=x["ks"], k_exact=k_exact)
+            except Exception as e:  # noqa: BLE001  keep the other variants
+                print(f"# {tag} failed: {e!r}", flush=True)
+                continue
+            c[f"overlap {tag} vs bf16"] = overlap(idx8, idx)
+            c[f"overlap {tag} vs fp32 torch"] = overlap(idx8, want)
+            c[f"attn rel {tag} vs bf16"] = rel(o8, o)
+    dd.FP8_QUERY = default
     checks.append(c)
     print("CHECK", c, flush=True)
 
     idx_bytes = B * L * DI * 2
     idx8_bytes = B * L * (DI + 4)
+    rerank_bytes = B * (TOPK + dd.RERANK_EXTRA) * DI * 2
     attn_bytes = B * TOPK * DL * 2
     per_set = idx_bytes + idx8_bytes + B * L * DL * 2
     n_sets = max(1, math.ceil(3 * L2_BYTES / per_set))
@@ -122,6 +149,13 @@ def run_case(B, L, rows, checks):
         rows.append(dict(B=B, L=L, impl=name, ms=ms, how=how, floor_ms=floor_ms, frac_floor=floor_ms / ms))
         print("ROW", rows[-1], flush=True)
 
+    def timed(name, fn, nbytes):
+        try:
+            ms, how = bench(fn, n_sets)
+            add(name, ms, how, nbytes)
+        except Exception as e:  # noqa: BLE001
+            print(f"# {name} failed: {e!r}", flush=True)
+
     def topk_bf16(i):
         s = sets[i]
         return dsa_decode_topk(s["q_i"], s["w"], s["k_i"], TOPK)
@@ -130,13 +164,17 @@ def run_case(B, L, rows, checks):
         s = sets[i]
         return dsa_decode_topk(s["q_i"], s["w"], s["k8"], TOPK, k_scale=s["ks"])
 
+    def topk_fp8_rerank(i):
+        s = sets[i]
+        return dsa_decode_topk(s["q_i"], s["w"], s["k8"], TOPK, k_scale=s["ks"], k_exact=s["k_i"])
+
     def full_bf16(i):
         s = sets[i]
         return dsa_decode(s["q_i"], s["w"], s["k_i"], s["q"], s["kv"])
 
-    def full_fp8(i):
+    def full_fp8_rerank(i):
         s = sets[i]
-        return dsa_decode(s["q_i"], s["w"], s["k8"], s["q"], s["kv"], k_scale=s["ks"])
+        return dsa_decode(s["q_i"], s["w"], s["k8"], s["q"], s["kv"], k_scale=s["ks"], k_exact=s["k_i"])
 
     idx_prev = [torch.empty(B, 1, TOPK, dtype=torch.int64, device="cuda") for _ in sets]
 
@@ -157,32 +195,41 @@ def run_case(B, L, rows, checks):
         launch_mla(s["q"], s["kv"], None, idx_all[i], out_attn[i], absorbed=True, causal=True, scale=SCALE,
                    v_dim=DV, dense_max_keys=None)
 
-    for name, fn, nbytes in (("k3c index scan + radix top-k, bf16 keys", topk_bf16, idx_bytes),
-                             ("k3c index scan + radix top-k, fp8 keys", topk_fp8, idx8_bytes),
-                             ("k3c sparse latent attention (2048 rows)", attn_only, attn_bytes),
-                             ("k3c DSA decode: top-k + attention, bf16 keys", full_bf16, idx_bytes + attn_bytes),
-                             ("k3c DSA decode: top-k + attention, fp8 keys", full_fp8, idx8_bytes + attn_bytes),
+    timed("k3c index scan + radix top-k, bf16 keys", topk_bf16, idx_bytes)
+    for name in variants:
+        set_variant(name)
+        timed(f"k3c index scan + radix top-k, fp8 keys [{name}]", topk_fp8, idx8_bytes)
+        timed(f"k3c index scan + radix top-k, fp8 keys + rerank [{name}]", topk_fp8_rerank, idx8_bytes + rerank_bytes)
+    dd.FP8_QUERY = default
+    min_keys = attention.MIN_KEYS_PER_SPLIT
+    for mk in min_keys_list:
+        attention.MIN_KEYS_PER_SPLIT = mk
+        timed(f"k3c sparse latent attention (2048 rows), MIN_KEYS_PER_SPLIT {mk}", attn_only, attn_bytes)
+    attention.MIN_KEYS_PER_SPLIT = min_keys
+    for name, fn, nbytes in (("k3c DSA decode: top-k + attention, bf16 keys", full_bf16, idx_bytes + attn_bytes),
+                             ("k3c DSA decode: top-k + attention, fp8 keys + rerank", full_fp8_rerank,
+                              idx8_bytes + rerank_bytes + attn_bytes),
                              ("previous k3c dsa_index_topk (score kernel + torch.topk)", topk_previous, idx_bytes),
                              ("torch eager scores + torch.topk", topk_torch, idx_bytes)):
-        try:
-            ms, how = bench(fn, n_sets)
-            add(name, ms, how, nbytes)
-        except Exception as e:  # noqa: BLE001
-            print(f"# {name} failed: {e!r}", flush=True)
+        timed(name, fn, nbytes)
     profile(f"B={B} L={L} bf16", lambda: full_bf16(0))
-    profile(f"B={B} L={L} fp8", lambda: full_fp8(0))
+    profile(f"B={B} L={L} fp8 + rerank", lambda: full_fp8_rerank(0))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--cases", default="1x131072,1x1048576,16x131072")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="fp8-key scan variants (FP8_QUERY) to time")
+    ap.add_argument("--min-keys", default="256,128,64,32", help="attention.MIN_KEYS_PER_SPLIT values to time")
     args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    min_keys_list = [int(v) for v in args.min_keys.split(",") if v]
     rows, checks = [], []
     for case in args.cases.split(","):
         B, L = (int(v) for v in case.split("x"))
         try:
-            run_case(B, L, rows, checks)
+            run_case(B, L, rows, checks, variants, min_keys_list)
         except Exception as e:  # noqa: BLE001  keep the other cases
             import traceback
             traceback.print_exc()
@@ -192,11 +239,9 @@ def main():
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['B']} | {r['L']} | {r['impl']} | {r['ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} | "
               f"{100 * r['frac_floor']:.1f} | {r['how']} |" for r in rows]
-    lines += ["", "| case | top-k overlap bf16 vs fp32 torch | fp8 vs bf16 | fp8 vs fp32 torch | "
-              "attn rel err vs torch | attn rel err fp8 vs bf16 | idx valid |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {c['case']} | {c['topk_overlap_bf16_vs_fp32_torch']:.4f} | {c['topk_overlap_fp8_vs_bf16']:.4f} | "
-              f"{c['topk_overlap_fp8_vs_fp32_torch']:.4f} | {c['attn_rel_bf16_vs_torch']:.2e} | "
-              f"{c['attn_rel_fp8_vs_bf16']:.2e} | {c['valid']} |" for c in checks]
+    for c in checks:
+        lines += ["", f"Checks {c['case']}:"] + [f"- {k}: {v:.4f}" if isinstance(v, float) else f"- {k}: {v}"
+                                                for k, v in c.items() if k != "case"]
     text = "\n".join(lines)
     print(text)
     if args.out:

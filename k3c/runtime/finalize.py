@@ -6,7 +6,8 @@ kernels are run on a warm-up workload with Triton compiling into a fresh cache d
 (`k3c.runtime.kernel_cache.capture`), and the compiled entries are added to the artifact under
 `kernels/cache/triton-<version>/sm_<arch>/`, hashed in the manifest, the artifact replaced atomically (its other
 files hard-linked, not copied). Later loads on a machine with that Triton and architecture install them and compile
-nothing (`kernel_cache.install`).
+nothing (`kernel_cache.install`). Kernels a launcher compiles at load (TVM's CUDA C -> one cubin,
+`k3c.runtime.launchers.tvm_cuda`) are added the same way, from its `compiled` files.
 
 Triton compiles one binary per specialisation of a kernel: its constexpr arguments (block sizes, split counts the
 launcher derives from the sizes) and whether integer arguments equal 1 or are multiples of 16. The warm-up covers
@@ -56,6 +57,8 @@ def finalize_session(session) -> dict:
     with kernel_cache.capture() as root:
         warm_up(session)
         files = kernel_cache.collect(root, dev)
+    for launcher in session.launchers.values():  # e.g. the cubin of TVM's CUDA kernels, compiled at load
+        files.update(launcher.compiled)
     add_files(session.path, files)
     session.artifact_files = read_artifact(session.path, verify=False).files
     return {"tag": kernel_cache.tag(dev), "files": len(files), "bytes": sum(map(len, files.values())),

@@ -1,7 +1,8 @@
 """DSA decode kernels (k3c.codegen.triton.dsa_decode) under the Triton interpreter, fp32, small shapes.
 
 Oracle: `dsa_index_topk_ref` (k3c/ir/ops/model_attn.py: torch scores + stable sort) for the selected set, and a
-torch gather + softmax for the sparse attention.
+torch gather + softmax for the sparse attention. FP8 keys run with fp8 q (FP8_QUERY, the default): the interpreter's
+bf16 tl.dot is not exact, its fp8 one is.
 """
 
 import os
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from k3c.codegen.triton.attention import launch_mla
-from k3c.codegen.triton.dsa_decode import dsa_decode_topk
+from k3c.codegen.triton import dsa_decode
+from k3c.codegen.triton.dsa_decode import dsa_decode_topk, quantize_index_keys
 from k3c.errors import RuntimeInputError
 from k3c.ir.ops.model_attn import dsa_index_topk_ref
 
@@ -76,9 +78,36 @@ def test_sparse_attention_matches_torch():
     assert (out - want).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("L,topk,extra", [(1200, 48, 208), (1200, 200, 56), (40, 64, 16)])
+def test_fp8_rerank_equals_exact_selection(L, topk, extra):
+    # fp8 alone moves keys across the threshold; the exact re-scoring of topk + extra fp8 candidates restores the
+    # reference set and order (extra chosen well above the fp8 rank of the reference's worst key, checked below)
+    assert dsa_decode.FP8_QUERY
+    q_i, w, k_i = index_inputs(L, seed=L + topk)
+    k8, ks = quantize_index_keys(k_i)
+    ref = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0]
+    fp8_rank = dsa_index_topk_ref({"topk": L}, q_i[:, None], w[:, None],
+                                  k8.float() * ks[..., None])[0][:, 0].argsort(-1)   # [B, L]: fp8 rank of s
+    assert fp8_rank.gather(1, ref[:, 0].clamp(min=0)).max() < topk + extra
+    plain = dsa_decode_topk(q_i, w, k8, topk, k_scale=ks)
+    idx = dsa_decode_topk(q_i, w, k8, topk, k_scale=ks, k_exact=k_i, rerank_extra=extra)
+    if L > topk + extra:
+        assert as_sets(plain) != as_sets(ref)
+    assert idx.shape == (B, 1, topk)
+    assert as_sets(idx) == as_sets(ref)
+    assert ((idx >= 0).sum(-1) == min(L, topk)).all()
+    assert torch.equal(dsa_decode_topk(q_i, w, k8, topk, k_scale=ks, ordered=True, k_exact=k_i,
+                                       rerank_extra=extra), ref)
+
+
 def test_errors():
     q_i, w, k_i = index_inputs(100, seed=7)
     with pytest.raises(RuntimeInputError):
         dsa_decode_topk(q_i, w[:, :2], k_i, 16)
     with pytest.raises(RuntimeInputError):
         dsa_decode_topk(q_i, w, k_i, 16, k_scale=torch.ones(B, 100))
+    k8, ks = quantize_index_keys(k_i)
+    with pytest.raises(RuntimeInputError):
+        dsa_decode_topk(q_i, w, k_i, 16, k_exact=k_i)                  # exact keys only with fp8 keys
+    with pytest.raises(RuntimeInputError):
+        dsa_decode_topk(q_i, w, k8, 16, k_scale=ks, k_exact=k_i[:, :50])

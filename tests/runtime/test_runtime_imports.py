@@ -5,7 +5,7 @@ import sys
 
 
 def test_runtime_imports_no_compiler_module():
-    code = ("import sys, k3c, k3c.runtime.session\n"
+    code = ("import sys, k3c, k3c.runtime.session, k3c.runtime.launchers.tvm, k3c.runtime.launchers.tvm_cuda\n"
             "bad = sorted(m for m in sys.modules if m.startswith(('k3c.ir', 'k3c.passes', 'k3c.frontend', "
             "'k3c.codegen', 'k3c.compile', 'models', 'tvm', 'sympy', 'networkx')))\n"
             "print(','.join(bad))")

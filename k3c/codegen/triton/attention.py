@@ -41,7 +41,7 @@ from k3c.ir.kernels import KernelGroup
 
 # Launch policy (copied into every emitted module, where the runtime may retune it).
 TARGET_PROGRAMS = 264       # split-K (flash decoding) until about this many programs: 2 per H200 SM (132 SMs)
-MIN_KEYS_PER_SPLIT = 256    # no key split shorter than this
+MIN_KEYS_PER_SPLIT = 64     # no key split shorter than this (DSA top-2048 at B = 1: 24 -> 14 us vs 256)
 MAX_SPLITS = 64
 HEAD_BLOCK_WIDE = 32        # absorbed form, v_dim >= 256: heads per program (each head block re-reads the latent;
                             # 32 measured fastest on an H200 for 64 heads, bf16, v_dim 512; 64 overflows shared
@@ -355,7 +355,10 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("SELECT_BLOCK", dsa_decode.SELECT_BLOCK, "radix select: keys per refine / gather step"),
               ("SCAN_PROGRAMS", dsa_decode.SCAN_PROGRAMS, "radix select: programs per launch"),
               ("MAX_PROGRAMS", dsa_decode.MAX_PROGRAMS, "radix select: bound of programs per row"),
-              ("BITS", dsa_decode.BITS, "radix digit width"), ("BINS", dsa_decode.BINS, "bins per digit")]
+              ("BITS", dsa_decode.BITS, "radix digit width"), ("BINS", dsa_decode.BINS, "bins per digit"),
+              ("FP8_QUERY", dsa_decode.FP8_QUERY, "fp8 index keys: fp8 q in the scan"),
+              ("RERANK_EXTRA", dsa_decode.RERANK_EXTRA, "fp8 keys + exact keys: extra candidates re-ranked"),
+              ("RERANK_BLOCK", dsa_decode.RERANK_BLOCK, "candidates per re-scoring program")]
     body = (
         "def launch(inputs, outputs, sizes):\n"
         '    """ABI entry: inputs (q_i, w, k_i), outputs [idx i64 [B,T,TOPK]]."""\n'

@@ -19,10 +19,20 @@ histograms (BINS int32 per digit and row):
 The output is the reference's top-k SET (positions, int64 [B, 1, topk], -1 past min(L, topk)), in no particular
 order (the attention is order-free), or in the reference's order with `ordered=True`.
 FP8 index keys (optional): k_I as float8_e4m3fn with one fp32 scale per key (k = scale * k8; `quantize_index_keys`)
-halve the bytes of the scan; the score is scale * sum_j w_j ReLU(q_j . k8) (scale > 0).
+halve the bytes of the scan; the score is scale * sum_j w_j ReLU(q_j . k8) (scale > 0). With FP8_QUERY the scan also
+quantizes q per head in registers (q_j = sq_j * q8_j, sq_j = max|q_j| / 448, folded into w_j: one fp8 x fp8 product).
+E4m3's 3 mantissa bits move 3-6 % of a top-2048 set across the threshold (H200, Gaussian keys: overlap 0.94-0.97),
+so with the exact keys at hand (`k_exact`, bf16) the selection re-ranks: the fp8 scan selects topk + RERANK_EXTRA
+candidates, then
+  dsa_rerank_kernel   grid (candidate blocks, B): exact scores of the candidates from the gathered exact keys, as
+                      unique 64-bit keys (order key << 32 | ~position: ties by lowest position)
+  dsa_rerank_rank_kernel  same grid: each candidate's rank = the number of larger keys (all pairs: 4096^2 per row);
+                      rank < topk is its slot, so the result comes in the reference's order
+which equals the exact selection unless a key of the exact top-k ranks below topk + RERANK_EXTRA in fp8 order
+(Gaussian keys, L = 1M, CPU simulation: worst rank 2.9K with fp8 q, so 2048 extra; 1 MB of exact keys per row).
 
-Public API: `dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False)` -> idx, `radix_topk` (its launches),
-`quantize_index_keys(k_i)` -> (k8, scale), and the kernels (`KERNELS`, in source order).
+Public API: `dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None)` -> idx, `radix_topk`
+(its launches), `quantize_index_keys(k_i)` -> (k8, scale), and the kernels (`KERNELS`, in source order).
 """
 
 import torch
@@ -31,13 +41,16 @@ import triton.language as tl
 
 from k3c.errors import RuntimeInputError
 
-SCAN_BLOCK = 128       # keys per scan step (one [J, D] x [D, SCAN_BLOCK] tensor-core product)
+SCAN_BLOCK = 128       # keys per scan step (one [SCAN_BLOCK, D] x [D, J] tensor-core product)
 SELECT_BLOCK = 1024    # keys per step of the refine / tie-count / gather passes
 SCAN_PROGRAMS = 1056   # scan / refine programs per launch: about 8 per H200 SM
 MAX_PROGRAMS = 2048    # bound of the programs per row of the refine / gather grid (<= SCAN_PROGRAMS + 1)
 BITS = 8               # radix digit width: four digits per 32-bit key
 BINS = 1 << BITS       # histogram bins per digit (tl.histogram's cost grows with the bin count)
 FP8_MAX = 448.0        # largest float8_e4m3fn value
+FP8_QUERY = True       # fp8 keys: quantize q per head in the scan too (fp8 x fp8 tensor-core product)
+RERANK_EXTRA = 2048    # fp8 keys + exact keys: candidates beyond topk that the exact re-scoring sees
+RERANK_BLOCK = 128     # candidates per re-scoring program
 
 
 @triton.jit
@@ -46,6 +59,18 @@ def _order_key(score):
     bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)          # signed int32 order == float order
     return (ordered ^ -2147483648).to(tl.uint32, bitcast=True)    # sign bit flipped: unsigned order
+
+
+@triton.jit
+def _to_e4m3(x):
+    """fp32 (|x| <= 448) -> float8_e4m3fn, rounded to nearest even on the fp32 bits first (3 mantissa bits kept), so
+    that the conversion itself is exact: the same bits as torch's cast on every backend (Triton's interpreter
+    mis-rounds values that round up to the next binade, and subnormals). Below 2^-6 (e4m3 subnormals: multiples
+    of 2^-9) the rounding is x * 2^9 to an integer by the 1.5 * 2^23 trick."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    sub = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    return tl.where(tl.abs(x) < 0.015625, sub, normal).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -84,23 +109,34 @@ def _chosen_prefix(hist_row, K, DIGITS: tl.constexpr, BINS: tl.constexpr):
 @triton.jit
 def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, L, n_blocks,
                     J: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
-                    FP8: tl.constexpr, BINS: tl.constexpr, BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    FP8: tl.constexpr, QUERY_FP8: tl.constexpr, KEYS_FIRST: tl.constexpr, BINS: tl.constexpr,
+                    BITS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Scores of keys [pid*n_blocks*BLOCK_S, ...) of row b; q [B, J, D], w [B, J], k [B, L, D] (bf16/fp32, or
-    fp8 with ks [B, L] fp32 scales); keys [B, L] int32 (u32 bits); hist [B, 4, BINS] int32 (digit 1 added here)."""
+    fp8 with ks [B, L] fp32 scales; QUERY_FP8: q quantized per head here, its scale folded into w); keys [B, L]
+    int32 (u32 bits); hist [B, 4, BINS] int32 (digit 1 added here). KEYS_FIRST: the product as keys x q^T."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_j = tl.arange(0, BLOCK_J)
     offs_d = tl.arange(0, D)
     q = tl.load(q_ptr + (b * J + offs_j)[:, None] * D + offs_d[None, :], mask=(offs_j < J)[:, None], other=0.0)
     w = tl.load(w_ptr + b * J + offs_j, mask=offs_j < J, other=0.0).to(tl.float32)
+    if QUERY_FP8:       # q_j = sq_j * q8_j with sq_j > 0, so w_j ReLU(q_j . k) = (w_j sq_j) ReLU(q8_j . k)
+        amax = tl.max(tl.abs(q.to(tl.float32)), 1)
+        sq = tl.where(amax > 0, amax / 448.0, 1.0)
+        q = _to_e4m3(q.to(tl.float32) / sq[:, None])
+        w = w * sq
     hist = tl.zeros([BINS], tl.int32)
     n_pad = 0
     for i in range(n_blocks):
         offs_s = (pid * n_blocks + i) * BLOCK_S + tl.arange(0, BLOCK_S)
         ok = offs_s < L
         k = tl.load(k_ptr + (b * L + offs_s)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)     # [BLOCK_J, BLOCK_S]
-        score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
+        if KEYS_FIRST:  # keys x q^T [BLOCK_S, BLOCK_J]: keys as the MMA's M side, 3-10 % faster on the H200
+            dots = tl.dot(k.to(q.dtype), tl.trans(q), input_precision=DOT_PRECISION)
+            score = tl.sum(w[None, :] * tl.maximum(dots, 0.0), 1)
+        else:           # q x keys^T [BLOCK_J, BLOCK_S]
+            dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
         if FP8:
             score = score * tl.load(ks_ptr + b * L + offs_s, mask=ok, other=0.0)
         u = _order_key(score)
@@ -179,6 +215,47 @@ def dsa_gather_kernel(keys_ptr, hist_ptr, ties_ptr, count_ptr, idx_ptr, L, n_blo
         rank0 += tl.sum(tie, 0)
 
 
+@triton.jit
+def dsa_rerank_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, ck_ptr, L, K1,
+                      J: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    """Exact scores of candidates [pid*BLOCK_C, ...) of row b: cand [B, K1] int64 positions (-1: none), k [B, L, D]
+    exact keys (q's dtype) -> ck [B, K1] int64 holding the u64 key (order key of the score << 32) | (2^32-1 - s):
+    unique, larger = better, ties by lowest position; 0 for no candidate."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_j = tl.arange(0, BLOCK_J)
+    offs_d = tl.arange(0, D)
+    offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    pos = tl.load(cand_ptr + b * K1 + offs_c, mask=offs_c < K1, other=-1)
+    ok = pos >= 0
+    q = tl.load(q_ptr + (b * J + offs_j)[:, None] * D + offs_d[None, :], mask=(offs_j < J)[:, None], other=0.0)
+    w = tl.load(w_ptr + b * J + offs_j, mask=offs_j < J, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + (b * L + tl.maximum(pos, 0))[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)        # [BLOCK_J, BLOCK_C]
+    score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
+    low = (4294967295 - pos).to(tl.uint64)
+    key = tl.where(ok, (_order_key(score).to(tl.uint64) << 32) | low, 0)
+    tl.store(ck_ptr + b * K1 + offs_c, key.to(tl.int64, bitcast=True), mask=offs_c < K1)
+
+
+@triton.jit
+def dsa_rerank_rank_kernel(ck_ptr, idx_ptr, K1, K, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr):
+    """Rank of candidates [pid*BLOCK_C, ...) of row b among all K1 (ck [B, K1] from `dsa_rerank_kernel`): the
+    number of larger keys; rank < K goes to idx [B, K] int64 (pre-filled with -1) at slot rank. The keys are
+    unique, so the slots are too, and idx comes out in the reference's order (score descending, ties by position)."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    key = tl.load(ck_ptr + b * K1 + offs_c, mask=offs_c < K1, other=0).to(tl.uint64, bitcast=True)
+    rank = tl.zeros([BLOCK_C], tl.int32)
+    for o in range(0, K1, BLOCK_O):
+        offs_o = o + tl.arange(0, BLOCK_O)
+        other = tl.load(ck_ptr + b * K1 + offs_o, mask=offs_o < K1, other=0).to(tl.uint64, bitcast=True)
+        rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), 1)
+    pos = (4294967295 - (key & 4294967295)).to(tl.int64)
+    tl.store(idx_ptr + b * K + rank, pos, mask=(key != 0) & (rank < K))
+
 def quantize_index_keys(k_i):
     """FP8 index keys: k_i [B, L, D] -> (k8 float8_e4m3fn [B, L, D], scale fp32 [B, L]), k ~= scale * k8.
 
@@ -189,13 +266,15 @@ def quantize_index_keys(k_i):
     return (k_i.float() / scale[..., None]).to(torch.float8_e4m3fn), scale.contiguous()
 
 
-def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False):
+def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None, rerank_extra=RERANK_EXTRA):
     """Top-`topk` index positions for one new token per row: q_i [B, J, D] (or [B, 1, J, D]), w [B, J],
-    k_i [B, L, D] (bf16/fp16/fp32, or float8_e4m3fn with k_scale [B, L] fp32).
+    k_i [B, L, D] (bf16/fp16/fp32, or float8_e4m3fn with k_scale [B, L] fp32, optionally with the exact keys
+    k_exact [B, L, D] in q_i's dtype: then topk + rerank_extra fp8 candidates are re-ranked by their exact scores).
 
     Returns int64 [B, 1, topk]: the positions of the topk largest I[s], ties by lowest position, -1 past
     min(L, topk); in no particular order unless `ordered` (then as `dsa_index_topk_ref`: score descending, ties by
-    position). Raises RuntimeInputError on mismatched shapes or a missing / unexpected k_scale.
+    position). Raises RuntimeInputError on mismatched shapes, a missing / unexpected k_scale, or k_exact without
+    fp8 keys.
     """
     q_i = q_i.reshape(q_i.shape[0], q_i.shape[-2], q_i.shape[-1])
     B, J, D = q_i.shape
@@ -206,40 +285,56 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False):
                                 f"k_i {tuple(k_i.shape)} mismatch")
     if fp8 != (k_scale is not None) or (fp8 and tuple(k_scale.shape) != (B, L)):
         raise RuntimeInputError("dsa_decode_topk: k_scale [B, L] fp32 goes with float8_e4m3fn keys, and only then")
-    return radix_topk(q_i, w.reshape(B, J), k_i, topk, k_scale, ordered)
+    if k_exact is not None and (not fp8 or tuple(k_exact.shape) != (B, L, D) or k_exact.dtype != q_i.dtype):
+        raise RuntimeInputError(f"dsa_decode_topk: k_exact must be [B, L, D] = {(B, L, D)} in q_i's dtype "
+                                f"{q_i.dtype} with float8_e4m3fn k_i, got {tuple(k_exact.shape)} {k_exact.dtype}")
+    return radix_topk(q_i, w.reshape(B, J), k_i, topk, k_scale, ordered, k_exact, rerank_extra)
 
 
-def radix_topk(q_i, w, k_i, topk, k_scale, ordered):
+def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=RERANK_EXTRA):
     """The launches of `dsa_decode_topk` (q_i [B, J, D], w [B, J]; shapes already checked; copied into generated
     `dsa_index_topk` modules). Scratch: keys [B, L] int32, histograms [B, 4, BINS] and tie counts
-    [B, MAX_PROGRAMS] int32, allocated here."""
+    [B, MAX_PROGRAMS] int32, allocated here (re-ranking: candidate keys [B, topk + rerank_extra] int64)."""
     B, J, D = q_i.shape
     L = k_i.shape[1]
     fp8 = k_scale is not None
+    n_sel = topk if k_exact is None else topk + rerank_extra
     dev = q_i.device
     keys = torch.empty((B, L), dtype=torch.int32, device=dev)
     hist = torch.zeros((B, 4, BINS), dtype=torch.int32, device=dev)
     count = torch.zeros((B,), dtype=torch.int32, device=dev)
     ties = torch.empty((B, MAX_PROGRAMS), dtype=torch.int32, device=dev)
-    idx = torch.full((B, 1, topk), -1, dtype=torch.int64, device=dev)
+    idx = torch.full((B, 1, n_sel), -1, dtype=torch.int64, device=dev)
     q = q_i.contiguous() if not fp8 else q_i.to(torch.bfloat16).contiguous()
     n_scan = triton.cdiv(L, SCAN_BLOCK)
     per_scan = max(1, triton.cdiv(n_scan * B, SCAN_PROGRAMS))
     n_ref = triton.cdiv(L, SELECT_BLOCK)
     per_ref = max(1, triton.cdiv(n_ref * B, SCAN_PROGRAMS))
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    precision = "ieee" if q_i.dtype == torch.float32 else "tf32"
+    scan_fp32 = q.dtype == torch.float32
+    block_j = max(16, triton.next_power_of_2(J))
     dsa_scan_kernel[(triton.cdiv(n_scan, per_scan), B)](
         q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, L, per_scan, J=J, D=D,
-        BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_S=SCAN_BLOCK, FP8=fp8, BINS=BINS, BITS=BITS,
-        DOT_PRECISION=precision, num_warps=4)
+        BLOCK_J=block_j, BLOCK_S=SCAN_BLOCK, FP8=fp8, QUERY_FP8=fp8 and FP8_QUERY,
+        KEYS_FIRST=not scan_fp32,       # tensor-core products; fp32 (IEEE) keeps q x k^T
+        BINS=BINS, BITS=BITS, DOT_PRECISION="ieee" if scan_fp32 else "tf32", num_warps=4)
     grid = (triton.cdiv(n_ref, per_ref), B)
     for level in (2, 3, 4):
-        dsa_refine_kernel[grid](keys, hist, L, per_ref, topk, LEVEL=level, BLOCK_R=SELECT_BLOCK, BINS=BINS,
+        dsa_refine_kernel[grid](keys, hist, L, per_ref, n_sel, LEVEL=level, BLOCK_R=SELECT_BLOCK, BINS=BINS,
                                 BITS=BITS, num_warps=4)
-    dsa_tie_count_kernel[grid](keys, hist, ties, L, per_ref, topk, BLOCK_R=SELECT_BLOCK, BINS=BINS,
+    dsa_tie_count_kernel[grid](keys, hist, ties, L, per_ref, n_sel, BLOCK_R=SELECT_BLOCK, BINS=BINS,
                                MAX_P=MAX_PROGRAMS, num_warps=4)
-    dsa_gather_kernel[grid](keys, hist, ties, count, idx, L, per_ref, topk, BLOCK_R=SELECT_BLOCK, BINS=BINS,
+    dsa_gather_kernel[grid](keys, hist, ties, count, idx, L, per_ref, n_sel, BLOCK_R=SELECT_BLOCK, BINS=BINS,
                             MAX_P=MAX_PROGRAMS, num_warps=4)
+    if k_exact is not None:         # exact scores of the candidates: unique u64 keys, larger = better
+        ck = torch.empty((B, n_sel), dtype=torch.int64, device=dev)
+        dsa_rerank_kernel[(triton.cdiv(n_sel, RERANK_BLOCK), B)](
+            q_i.contiguous(), w.contiguous(), k_exact.contiguous(), idx, ck, L, n_sel, J=J, D=D, BLOCK_J=block_j,
+            BLOCK_C=RERANK_BLOCK, DOT_PRECISION=precision, num_warps=4)
+        idx = torch.full((B, 1, topk), -1, dtype=torch.int64, device=dev)
+        dsa_rerank_rank_kernel[(triton.cdiv(n_sel, RERANK_BLOCK), B)](ck, idx, n_sel, topk, BLOCK_C=RERANK_BLOCK,
+                                                                      BLOCK_O=RERANK_BLOCK, num_warps=4)
+        return idx                  # in the reference's order already
     if ordered:     # the reference's order: score descending, ties by lowest position
         pos = idx[:, 0]
         u = torch.gather(keys, 1, pos.clamp(min=0)).to(torch.int64) & 0xFFFFFFFF
@@ -250,5 +345,5 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered):
 
 
 # Source order for code generation (helpers first).
-KERNELS = (_order_key, _pick_bin, _chosen_prefix, dsa_scan_kernel, dsa_refine_kernel, dsa_tie_count_kernel,
-           dsa_gather_kernel)
+KERNELS = (_order_key, _to_e4m3, _pick_bin, _chosen_prefix, dsa_scan_kernel, dsa_refine_kernel, dsa_tie_count_kernel,
+           dsa_gather_kernel, dsa_rerank_kernel, dsa_rerank_rank_kernel)

@@ -1,8 +1,10 @@
 """TVM kernels for "pointwise" groups (fused elementwise chains) and "rowwise" groups (a norm / softmax /
 reduction over the last dim, then an elementwise epilogue), generated from the IR nodes' expressions.
 
-Iteration: the group's output shape [..., D] as rows × D; rows run in parallel, the D columns of a row in a serial
-inner loop (LLVM vectorizes it when D is a constant). Every IR node becomes one let-binding named after its output
+Iteration: the group's output shape [..., D] as rows × D. CPU: rows run in parallel, the D columns of a row in a
+serial inner loop (LLVM vectorizes it when D is a constant). CUDA: pointwise runs one thread per element; rowwise
+one thread block per row, its threads striding over D (coalesced), the row's reduction across the block
+(`Func.allreduce`), the epilogue again strided over D. Every IR node becomes one let-binding named after its output
 value, computed in fp32 for floats (a `cast` to bf16 rounds through bf16 on the bits), in its own type for
 integers, as `bool` for comparisons; only stored values are converted to their IR dtype. An input whose shape
 differs from the iteration shape broadcasts (numpy rules): its flat offset uses stride 0 along the broadcast dims.
@@ -14,7 +16,7 @@ ops: `k3c/codegen/triton/rowwise.py` (rms_norm, layer_norm, l2norm, softmax, sum
 from __future__ import annotations
 
 from k3c.codegen.tvm import generator
-from k3c.codegen.tvm.script import Func, const_int, dim_expr, f32, load, round_bf16, store_value
+from k3c.codegen.tvm.script import Func, const_int, dim_expr, f32, load, round_bf16, row_threads, store_value
 from k3c.errors import UnsupportedError
 from k3c.ir.graph import Node, Value
 from k3c.ir.types import FLOAT_DTYPES, dims_equal
@@ -216,6 +218,12 @@ def gen_pointwise(name: str, group, device: str) -> str:
              f"{len(group.nodes)} elementwise nodes over {group.outputs[0].type}")
     rows, D = split_rows(shape)
     shape = shape or (1,)
+    if device == "cuda":  # one thread per element
+        with f.parallel("e", f"{rows} * {D}"):
+            f.emit(f"r = e // {D}", f"j = e % {D}")
+            idx = row_index(f, shape, "r")
+            elementwise_lines(f, group.nodes, {}, Names(), shape, idx, "j", group.outputs)
+        return f.text()
     with f.parallel("r", rows):
         idx = row_index(f, shape, "r")
         with f.block(f"for j in T.serial({D}):"):
@@ -240,6 +248,9 @@ def gen_rowwise(name: str, group, device: str) -> str:
     names = Names()
     y = row.outputs[0]
     reduce = row.op in ("sum", "mean", "amax", "amin")
+    if device == "cuda":
+        _rowwise_cuda(f, group, xshape, names)
+        return f.text()
     with f.parallel("r", rows):
         idx = row_index(f, xshape, "r")
         xr = f.local(D, name="xr")
@@ -277,14 +288,79 @@ def gen_rowwise(name: str, group, device: str) -> str:
             elementwise_lines(f, epilogue, env, names, yshape, yidx, ycol, group.outputs)
             return f.text()
         with f.block(f"for j in T.serial({D}):"):
-            w = [load(f.buf[v], offset(v, xshape, idx, "j"), v.type.dtype) for v in row.inputs[1:]]
-            val = {"rms_norm": "xr[j] * inv", "l2norm": "xr[j] * inv", "softmax": "xr[j] * inv",
-                   "layer_norm": "(xr[j] - mean) * inv"}[row.op]
-            if w:
-                val = f"{val} * {w[0]}"
-            if len(w) > 1:
-                val = f"{val} + {w[1]}"
-            env = {y: names(y)}
-            f.emit(f"{env[y]} = {val}  # {row.op}")
-            elementwise_lines(f, epilogue, env, names, xshape, idx, "j", group.outputs)
+            row_store(f, group, names, xshape, idx, "xr[j]")  # (softmax: xr holds the exponentials)
     return f.text()
+
+
+def row_store(f: Func, group, names: Names, xshape: tuple, idx: list[str], x: str) -> None:
+    """Emit column `j` of a normalizing row op's output from its input element `x` (inv, mean computed): the
+    normalized value, times the weight and plus the bias (inputs 1 and 2, if any), then the epilogue's stores."""
+    row, epilogue = group.nodes[0], group.nodes[1:]
+    y = row.outputs[0]
+    val = f"({x} - mean) * inv" if row.op == "layer_norm" else f"{x} * inv"
+    w = [load(f.buf[v], offset(v, xshape, idx, "j"), v.type.dtype) for v in row.inputs[1:]]
+    if w:
+        val = f"{val} * {w[0]}"
+    if len(w) > 1:
+        val = f"{val} + {w[1]}"
+    env = {y: names(y)}
+    f.emit(f"{env[y]} = {val}  # {row.op}")
+    elementwise_lines(f, epilogue, env, names, xshape, idx, "j", group.outputs)
+
+
+_COMBINE = {"softmax": "max", "amax": "max", "amin": "min"}
+
+
+def _rowwise_cuda(f: Func, group, xshape: tuple, names: Names) -> None:
+    """The CUDA schedule of `gen_rowwise`: a block per row (module docstring). Same formulas as the CPU one; the
+    partial sums are per thread, combined by `Func.allreduce` (amin as the negated max of −x)."""
+    row, epilogue = group.nodes[0], group.nodes[1:]
+    x, y = row.inputs[0], row.outputs[0]
+    rows, D = split_rows(xshape)
+    Dc = const_int(xshape[-1]) if xshape else 1
+    nt = row_threads(Dc if Dc is not None else D)
+    dn = f'T.Cast("float32", {D})'
+    xj = lambda: load(f.buf[x], offset(x, xshape, idx, "j"), x.type.dtype)  # noqa: E731
+    ext = Dc if Dc is not None else D
+
+    def reduce_pass(first: str, term: str, op: str) -> str:
+        part = f.local(1)
+        f.emit(f"{part}[0] = {first}")
+        with f.strided("j", ext, nt):
+            f.emit(f"xj = {xj()}")
+            f.emit(f"{part}[0] = T.max({part}[0], {term})" if op == "max" else f"{part}[0] = {part}[0] + {term}")
+        return f.allreduce(f"{part}[0]", op)
+
+    with f.cuda_blocks("r", rows, nt):
+        idx = row_index(f, xshape, "r")
+        op = _COMBINE.get(row.op, "sum")
+        ninf = f32(float("-inf"))
+        if op == "max":
+            red = reduce_pass(ninf, "xj", "max")
+        elif op == "min":
+            red = f"(-{reduce_pass(ninf, '(-xj)', 'max')})"
+        else:
+            red = reduce_pass(f32(0.0), "xj" if row.op in ("sum", "mean", "layer_norm") else "xj * xj", "sum")
+        eps = f32(row.attrs["eps"]) if "eps" in row.attrs else None
+        f.emit(f"tot = {red}")
+        if row.op == "layer_norm":
+            f.emit(f"mean = tot / {dn}")
+            f.emit(f"inv = T.rsqrt({reduce_pass(f32(0.0), '(xj - mean) * (xj - mean)', 'sum')} / {dn} + {eps})")
+        elif row.op == "softmax":
+            f.emit(f"inv = {f32(1.0)} / {reduce_pass(f32(0.0), 'T.exp(xj - tot)', 'sum')}")
+        elif row.op == "rms_norm":
+            f.emit(f"inv = T.rsqrt(tot / {dn} + {eps})")
+        elif row.op == "l2norm":
+            f.emit(f"inv = T.rsqrt(tot + {eps})")
+        if row.op in ("sum", "mean", "amax", "amin"):
+            yshape = tuple(y.type.shape) or (1,)
+            env = {y: names(y)}
+            keep = len(y.type.shape) == len(xshape)  # keepdim: [..., 1]
+            yidx, ycol = (idx, "0") if keep or not idx else (idx[:-1], idx[-1])
+            with f.block("if tx == 0:"):
+                f.emit(f"{env[y]} = {f'tot / {dn}' if row.op == 'mean' else 'tot'}  # {row.op}")
+                elementwise_lines(f, epilogue, env, names, yshape, yidx, ycol, group.outputs)
+            return
+        with f.strided("j", ext, nt):
+            f.emit(f"xj = {xj()}")
+            row_store(f, group, names, xshape, idx, "T.exp(xj - tot)" if row.op == "softmax" else "xj")

@@ -13,12 +13,18 @@ be the same tensor as the `state` input) and its 3·K conv-state channels [W]; i
 
 The recurrence is sequential in T (this kernel does not use the chunked WY form); its cost is 4·K·V FLOPs per token
 and head, read and written from the state in cache.
+
+CUDA schedule: one thread block per (b, h) of K threads. Thread j owns column j of S, held in registers over the
+T tokens (kᵀS and Sᵀq are per-thread sums over the rows; S is read and written once, coalesced), and channel j of
+the q, k, v convolutions; the token's q | k | v and exp g sit in shared memory, the two l2 norms and the output
+norm reduce across the block.
 """
 
 from __future__ import annotations
 
 from k3c.codegen.tvm import generator
-from k3c.codegen.tvm.script import Func, check_single_node, dim_expr, f32, load, store_value
+from k3c.codegen.tvm.script import Func, single_node, dim_expr, f32, load, store_value
+from k3c.errors import UnsupportedError
 
 _NAMES = ["q", "k", "v", "f", "beta", "gate", "q_conv", "k_conv", "v_conv", "A_log", "dt_bias", "o_norm",
           "state_in", "conv_in", "y", "state", "conv"]
@@ -26,8 +32,7 @@ _NAMES = ["q", "k", "v", "f", "beta", "gate", "q_conv", "k_conv", "v_conv", "A_l
 
 @generator("kda_fused")
 def gen_kda_fused(name: str, group, device: str) -> str:
-    (node,) = group.nodes
-    check_single_node(group)
+    node = single_node(group)
     a = node.attrs
     H, K = a["heads"], a["head_dim"]
     W = node.inputs[6].type.shape[2]
@@ -38,6 +43,11 @@ def gen_kda_fused(name: str, group, device: str) -> str:
              f"kda_fused, {H} heads of {K}, conv width {W}, gate {a['gate']}", names=_NAMES,
              noalias=False)
     ld = lambda n, i: load(n, i, dt[n])  # noqa: E731
+    gate_of = lambda fb: (f"{f32(a['lower_bound'])} * T.sigmoid(a * {fb})" if a["gate"] == "lower_bound" else  # noqa
+                          f"-a * T.Select({fb} > {f32(20.0)}, {fb}, T.log1p(T.exp(T.min({fb}, {f32(20.0)}))))")
+    if device == "cuda":
+        _kda_cuda(f, a, H, K, W, B, Tn, dt, ld, gate_of)
+        return f.text()
     with f.parallel("bh", f"{B} * {H}"):
         f.emit(f"b = bh // {H}", f"h = bh % {H}")
         s0 = f"bh * {K * K}"
@@ -75,9 +85,7 @@ def gen_kda_fused(name: str, group, device: str) -> str:
             with f.block(f"for i in T.serial({K}):"):
                 fb = f"({ld('f', 'row + i')} + {ld('dt_bias', f'h * {K} + i')})"
                 f.emit(f"fb = {fb}")
-                gate = (f"{f32(a['lower_bound'])} * T.sigmoid(a * fb)" if a["gate"] == "lower_bound" else
-                        f"-a * T.Select(fb > {f32(20.0)}, fb, T.log1p(T.exp(T.min(fb, {f32(20.0)}))))")  # softplus
-                f.emit(f"g[i] = T.exp({gate})", f"x[i] = x[i] * qs", f"x[{K} + i] = x[{K} + i] * ks",
+                f.emit(f"g[i] = T.exp({gate_of('fb')})", f"x[i] = x[i] * qs", f"x[{K} + i] = x[{K} + i] * ks",
                        f"r[i] = {f32(0.0)}")
             with f.block(f"for i in T.serial({K}):"):  # S <- Diag(exp g) S ; r = kᵀS
                 with f.block(f"for j in T.serial({K}):"):
@@ -98,3 +106,54 @@ def gen_kda_fused(name: str, group, device: str) -> str:
                 out = f"g[j] * inv * {ld('o_norm', 'j')} * T.sigmoid({ld('gate', 'row + j')})"
                 f.emit(f"y[row + j] = {store_value(out, dt['y'])}")
     return f.text()
+
+
+def _kda_cuda(f: Func, a: dict, H: int, K: int, W: int, B: str, Tn: str, dt: dict, ld, gate_of) -> None:
+    """The CUDA schedule of `gen_kda_fused` (module docstring): block (b, h), thread j = `tx` < K."""
+    HK = H * K
+    if K > 1024:
+        raise UnsupportedError(f"{f.name}: the CUDA KDA kernel runs a thread per key dim, at most 1024, not {K}")
+    with f.cuda_blocks("bh", f"{B} * {H}", K):
+        f.emit(f"b = bh // {H}", f"h = bh % {H}", "j = T.Cast(\"int64\", tx)", f"s0 = bh * {K * K}")
+        x = f.shared(3 * K, name="x")   # q | k | v of the token after conv + silu (then q, k normalized)
+        g = f.shared(K, name="g")       # exp(g)
+        acc = f.local(2, name="acc")
+        col = f.local(K, name="col")    # column j of S, in registers for all the tokens (unrolled loops)
+        with f.block(f"for i in T.unroll({K}):"):
+            f.emit(f"col[i] = state_in[s0 + i * {K} + j]")
+        for p in range(3):
+            f.emit(f"cb{p} = (b * {3 * HK} + {p * HK} + h * {K} + j) * {W}")
+            with f.block(f"for w in T.serial({W}):"):
+                f.emit(f"conv[cb{p} + w] = conv_in[cb{p} + w]")
+        f.emit(f"a = T.exp({ld('A_log', 'h')})")
+        with f.block(f"for t in T.serial({Tn}):"):
+            f.emit(f"row = (b * {Tn} + t) * {HK} + h * {K}")
+            for p, (src, wb) in enumerate((("q", "q_conv"), ("k", "k_conv"), ("v", "v_conv"))):
+                cb, wt = f"cb{p}", lambda w: ld(wb, f"(h * {K} + j) * {W} + {w}")  # noqa: B023
+                f.emit(f"xin{p} = {ld(src, 'row + j')}")
+                terms = [f"{wt(w)} * {ld('conv', f'{cb} + {w + 1}')}" for w in range(W - 1)]
+                f.emit(f"cy{p} = {' + '.join(terms + [f'{wt(W - 1)} * xin{p}'])}")
+                for w in range(W - 1):
+                    f.emit(f"conv[{cb} + {w}] = conv[{cb} + {w + 1}]")
+                f.emit(f"conv[{cb} + {W - 1}] = {store_value(f'xin{p}', dt['conv'])}")
+            f.emit("xq = cy0 * T.sigmoid(cy0)", "xk = cy1 * T.sigmoid(cy1)")
+            qq, kk = f.allreduce("xq * xq"), f.allreduce("xk * xk")
+            fb = f"({ld('f', 'row + j')} + {ld('dt_bias', f'h * {K} + j')})"
+            f.emit(f"x[j] = xq * T.rsqrt({qq} + {f32(1e-6)}) * {f32(K ** -0.5)}",
+                   f"x[{K} + j] = xk * T.rsqrt({kk} + {f32(1e-6)})", f"x[{2 * K} + j] = cy2 * T.sigmoid(cy2)",
+                   f"fb = {fb}", f"g[j] = T.exp({gate_of('fb')})",
+                   f"bt = T.sigmoid({ld('beta', f'(b * {Tn} + t) * {H} + h')})")
+            f.sync()
+            f.emit(f"acc[0] = {f32(0.0)}")
+            with f.block(f"for i in T.unroll({K}):"):  # S <- Diag(exp g) S ; r_j = (kᵀS)_j
+                f.emit("col[i] = col[i] * g[i]", f"acc[0] = acc[0] + x[{K} + i] * col[i]")
+            f.emit(f"u = bt * (x[{2 * K} + j] - acc[0])", f"acc[1] = {f32(0.0)}")
+            with f.block(f"for i in T.unroll({K}):"):  # S += k uᵀ ; o_j = (Sᵀq)_j
+                f.emit(f"col[i] = col[i] + x[{K} + i] * u", "acc[1] = acc[1] + x[i] * col[i]")
+            oo = f.allreduce("acc[1] * acc[1]")
+            out = (f"acc[1] * T.rsqrt({oo} / {f32(float(K))} + {f32(a['eps'])}) * {ld('o_norm', 'j')} * "
+                   f"T.sigmoid({ld('gate', 'row + j')})")
+            f.emit(f"y[row + j] = {store_value(out, dt['y'])}")
+            f.sync()  # x and g are rewritten by the next token
+        with f.block(f"for i in T.unroll({K}):"):
+            f.emit(f"state[s0 + i * {K} + j] = col[i]")

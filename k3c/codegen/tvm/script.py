@@ -11,7 +11,11 @@ rank-5 value needs no special case. Symbolic dims print as expressions of `s_B`,
 `L`; `T` itself names the TVMScript module).
 
 Loops over independent work (rows, heads, tokens) are written once with `Func.parallel` and lowered per device:
-`T.parallel` on CPU (LLVM's OpenMP-like thread pool), one CUDA thread per iteration on the GPU. Inner loops are
+`T.parallel` on CPU (LLVM's OpenMP-like thread pool), one CUDA thread per iteration on the GPU (the naive CUDA
+schedule). The CUDA schedules of the kinds that dominate a step use the block primitives instead (`cuda_blocks`:
+one thread block per row / head, its threads over the row; `cuda_warps`: one warp per output, its lanes over the
+dot; `strided`, `allreduce`, `shared`, `sync`): TVM lowers `allreduce` (its `tvm_thread_allreduce` intrinsic) to
+warp shuffles plus one shared-memory stage across warps. Inner loops are
 serial with constant extents where the IR has them, so that LLVM vectorizes them (TVM 0.27's own `T.vectorized`
 fails to legalize bf16 stores and miscompiles strided writes). Arithmetic is fp32; bf16/f16 values are converted at the
 loads and stores.
@@ -33,18 +37,27 @@ SIZE_ARGS = ("s_B", "s_T", "s_L")
 DEVICES = ("cpu", "cuda")
 #: CUDA threads per block for `Func.parallel` loops.
 CUDA_THREADS = 128
+#: At most this many threads per block of the block-per-row schedules (`Func.cuda_blocks`).
+CUDA_ROW_THREADS = 256
+WARP = 32
+#: Warps per block of the warp-per-output schedules (`Func.cuda_warps`).
+CUDA_WARPS = 4
+_REDUCERS = {"sum": ("a + b", 0.0), "max": ("T.max(a, b)", float("-inf"))}
 #: Partial sums of `Func.dot` (8 fp32 = one AVX2 register).
 LANES = 8
 _SYMBOL = re.compile(r"[A-Za-z_]\w*")
 _CEIL = re.compile(r"ceiling\(([^()]*)/(\d+)\)")
 
 
-def check_single_node(group) -> None:
-    """Raise `UnsupportedError` unless `group` reads and writes exactly its one node's inputs and outputs, in order
-    (what the model-op generators assume)."""
+def single_node(group):
+    """The one node of `group`. Raises `UnsupportedError` unless the group is that node and reads and writes
+    exactly its inputs and outputs, in order (what the model-op generators assume)."""
+    if len(group.nodes) != 1:
+        raise UnsupportedError(f"{group.name}: a {group.kind} group must be one node, not {len(group.nodes)}")
     (node,) = group.nodes
     if list(group.inputs) != list(node.inputs) or list(group.outputs) != list(node.outputs):
         raise UnsupportedError(f"{group.name}: {node.op} must read and write exactly its node's values")
+    return node
 
 
 def dim_expr(d) -> str:
@@ -63,6 +76,14 @@ def dim_expr(d) -> str:
 
     out = _SYMBOL.sub(sub, text)
     return out if re.fullmatch(r"\w+", out) else f"({out})"
+
+
+def row_threads(extent) -> int:
+    """Threads per block for a row of `extent` elements (an int, or script text when symbolic): a multiple of the
+    warp size, at most `CUDA_ROW_THREADS`, no more than the row needs."""
+    if not isinstance(extent, int):
+        return CUDA_ROW_THREADS
+    return min(CUDA_ROW_THREADS, max(WARP, -(-extent // WARP) * WARP))
 
 
 def const_int(d) -> int | None:
@@ -126,6 +147,7 @@ class Func:
                               f'data={n}_nd.data)')
         self.depth = 1
         self._tmp = 0
+        self._block_lanes = "tx"  # the thread variables of the current `cuda_blocks` block
 
     # ---- statements --------------------------------------------------------------------------------------------
     def emit(self, *lines: str) -> None:
@@ -156,11 +178,88 @@ class Func:
             self.emit(f"{var} = {var}_o * {n} + {var}_i")
             yield
 
+    @contextmanager
+    def cuda_blocks(self, var: str, extent: str, threads: int, warps: bool = False):
+        """CUDA: `for var in range(extent)` over thread blocks of `threads` threads (the thread index is `tx`).
+        Every thread of a block runs the body: it may `sync` and `allreduce` (over the whole block). `warps`: the
+        threads are also named as warp `w` and `lane` (threads a multiple of the warp size), so that the body may
+        reduce within each warp too (`allreduce(..., lane="lane")`)."""
+        self._cuda_only("cuda_blocks")
+        with self.block(f'for {var} in T.thread_binding({extent}, thread="blockIdx.x"):'):
+            if not warps:
+                with self.block(f'for tx in T.thread_binding({threads}, thread="threadIdx.x"):'):
+                    self._block_lanes = "tx"
+                    yield
+                return
+            with self.block(f'for w in T.thread_binding({threads // WARP}, thread="threadIdx.y"):'), \
+                    self.block(f'for lane in T.thread_binding({WARP}, thread="threadIdx.x"):'):
+                self.emit(f"tx = w * {WARP} + lane")
+                self._block_lanes = "lane, w"
+                yield
+
+    @contextmanager
+    def cuda_warps(self, var: str, extent: str):
+        """CUDA: `for var in range(extent)`, one warp per iteration (`CUDA_WARPS` per block; the lane is `lane`).
+        The tail warps of the last block compute iteration `extent - 1` again: the body guards its stores with
+        `{var}_ok` (the warps' reductions stay outside any branch)."""
+        self._cuda_only("cuda_warps")
+        n = CUDA_WARPS
+        with self.block(f'for {var}_o in T.thread_binding(({extent} + {n - 1}) // {n}, thread="blockIdx.x"):'), \
+                self.block(f'for {var}_w in T.thread_binding({n}, thread="threadIdx.y"):'), \
+                self.block(f'for lane in T.thread_binding({WARP}, thread="threadIdx.x"):'):
+            self.emit(f'{var}_ok = {var}_o * {n} + T.Cast("int64", {var}_w) < {extent}',
+                      f'{var} = T.min({var}_o * {n} + T.Cast("int64", {var}_w), {extent} - 1)')
+            yield
+
+    @contextmanager
+    def strided(self, var: str, extent: int | str, threads: int, lane: str = "tx"):
+        """CUDA: the share of thread `lane` of `for var in range(extent)`: var = lane, lane + threads, ... (the
+        threads of a warp touch consecutive elements: coalesced loads)."""
+        steps = f"{extent // threads}" if isinstance(extent, int) and extent % threads == 0 else \
+            f"({extent} + {threads - 1}) // {threads}"
+        with self.block(f"for {var}_s in T.serial({steps}):"):
+            self.emit(f"{var} = {var}_s * {threads} + {lane}")
+            if isinstance(extent, int) and extent % threads == 0:
+                yield
+            else:
+                with self.block(f"if {var} < {extent}:"):
+                    yield
+
+    def allreduce(self, value: str, op: str = "sum", lane: str | None = None) -> str:
+        """CUDA: emit the reduction (`op`: "sum" | "max", fp32) of `value` over the threads `lane` (default: all
+        threads of the `cuda_blocks` block; "lane": those of the warp, in `cuda_warps` or a `warps` block); every
+        thread gets the result. Returns its name. All threads reduced over must reach it (no divergent branch)."""
+        self._cuda_only("allreduce")
+        lane = lane or self._block_lanes
+        expr, ident = _REDUCERS[op]
+        red = self.local(1)
+        with self.block(f'with T.attr(T.comm_reducer(lambda a, b: {expr}, [{f32(ident)}]), "reduce_scope", '
+                        f'T.reinterpret("handle", T.uint64(0))):'):
+            self.emit(f"T.tvm_thread_allreduce(T.uint32(1), {value}, T.bool(True), {red}[0], {lane})")
+        return f"{red}[0]"
+
+    def shared(self, shape: int, dtype: str = "float32", name: str | None = None) -> str:
+        """CUDA: a buffer of `shape` elements shared by the threads of a block; returns its name."""
+        self._cuda_only("shared")
+        name = name or self._fresh()
+        self.emit(f'{name} = T.alloc_buffer(({shape},), "{dtype}", scope="shared")')
+        return name
+
+    def sync(self) -> None:
+        """CUDA: a barrier of the block's threads (shared-memory writes before it are seen after it)."""
+        self.emit('T.tvm_storage_sync("shared")')
+
+    def _cuda_only(self, what: str) -> None:
+        if self.device != "cuda":
+            raise UnsupportedError(f"{self.name}: {what} is a CUDA schedule primitive (device {self.device})")
+
+    def _fresh(self) -> str:
+        self._tmp += 1
+        return f"t{self._tmp}"
+
     def local(self, shape: int | str, dtype: str = "float32", name: str | None = None) -> str:
         """A per-iteration scratch buffer of `shape` elements (registers / stack); returns its name."""
-        if name is None:
-            self._tmp += 1
-            name = f"t{self._tmp}"
+        name = name or self._fresh()
         self.emit(f'{name} = T.alloc_buffer(({shape},), "{dtype}", scope="local")')
         return name
 

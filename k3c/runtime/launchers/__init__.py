@@ -15,10 +15,10 @@ from abc import ABC, abstractmethod
 
 from k3c.errors import ArtifactError
 
-#: backend name -> "module:Class"
+#: backend name -> "module:Class" (or a function of the same arguments returning the launcher)
 LAUNCHERS = {
     "triton": "k3c.runtime.launchers.triton:TritonLauncher",
-    "tvm": "k3c.runtime.launchers.tvm:TvmLauncher",
+    "tvm": "k3c.runtime.launchers.tvm:tvm_launcher",
     "library": "k3c.runtime.launchers.torch_ops:TorchOpLauncher",
     "view": "k3c.runtime.launchers.torch_ops:TorchOpLauncher",
     "collective": "k3c.runtime.launchers.collective:CollectiveLauncher",
@@ -28,6 +28,9 @@ LAUNCHERS = {
 class Launcher(ABC):
     """Base class: `__init__(art, device, launches, workdir)` prepares the launches of one backend (all entry
     points); `launch(frame, ln)` runs one of them on `frame` (`k3c.runtime.frame.Frame`)."""
+
+    #: artifact files (relative path -> bytes) this launcher compiled at load, for `k3c finalize` to keep
+    compiled: dict[str, bytes] = {}
 
     def __init__(self, art, device, launches: list[dict], workdir):
         self.device = device

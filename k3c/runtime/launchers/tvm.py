@@ -1,5 +1,6 @@
-"""The launcher of the "tvm" backend: the artifact's `kernels/cpu.so` loaded with apache-tvm-ffi, called with
-torch tensors.
+"""The launcher of the "tvm" backend on the CPU: the artifact's `kernels/cpu.so` loaded with apache-tvm-ffi, called
+with torch tensors (`tvm_launcher` picks it, or `k3c.runtime.launchers.tvm_cuda` for an artifact's CUDA kernels on a
+GPU).
 
 The library holds one exported PrimFunc per distinct kernel (launches record theirs as `symbol`; several may share
 one). A function takes the launch's input tensors, then its output tensors (contiguous, at the IR shapes of the
@@ -54,14 +55,26 @@ def launch(fn: Callable, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
     fn(*inputs, *outputs, sizes["B"], sizes["T"], sizes["L"])
 
 
+def tvm_launcher(art, device, launches: list[dict], workdir: Path) -> Launcher:
+    """The launcher of the artifact's TVM kernels on `device`: `TvmLauncher` on the CPU, `TvmCudaLauncher` on a
+    CUDA GPU (imported only then). Raises `ArtifactError` on another device type."""
+    if device.type == "cuda":
+        from k3c.runtime.launchers.tvm_cuda import TvmCudaLauncher
+
+        return TvmCudaLauncher(art, device, launches, workdir)
+    if device.type != "cpu":
+        raise ArtifactError(f"{art.path}: TVM kernels run on 'cpu' or 'cuda', not {device}")
+    return TvmLauncher(art, device, launches, workdir)
+
+
 class TvmLauncher(Launcher):
-    """Runs the artifact's TVM launches on the CPU. Raises `ArtifactError` on another device (the artifact's
-    kernels are CPU code), for a missing library or symbol."""
+    """Runs the artifact's TVM launches on the CPU. Raises `ArtifactError` for an artifact without a CPU library
+    (its kernels are CUDA code), a missing library or symbol."""
 
     def __init__(self, art, device, launches: list[dict], workdir: Path):
         super().__init__(art, device, launches, workdir)
-        if device.type != "cpu":
-            raise ArtifactError(f"{art.path}: its TVM kernels are CPU code; load it on device 'cpu', not {device}")
+        if LIBRARY not in art.files:
+            raise ArtifactError(f"{art.path}: its TVM kernels are CUDA code (no {LIBRARY}); load it on 'cuda'")
         path = Path(workdir) / "cpu.so"  # read through the artifact (hash-checked), loaded from a file
         path.write_bytes(art.read_bytes(LIBRARY))
         self.library = TvmLibrary(path)
