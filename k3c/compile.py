@@ -107,10 +107,11 @@ def _gc_paused():
 def _compile(opts: CompileOptions, progress) -> dict:
     t0 = time.perf_counter()
     cfg = K3Config.from_pretrained(opts.model)
-    check_layout(cfg, opts.tp, opts.ep)
+    fmt = experts_dtype(opts, cfg)
+    check_layout(cfg, opts.tp, opts.ep, fmt)
     ctx = CompileContext(target=load_target(opts.target), dtype=opts.dtype, max_batch=opts.max_batch,
                          max_seq=opts.max_seq, max_prefill=opts.max_prefill, tp=opts.tp, ep=opts.ep,
-                         backend=opts.backend, experts_dtype=experts_dtype(opts, cfg)).resolve()
+                         backend=opts.backend, experts_dtype=fmt).resolve()
     if cfg.max_position_embeddings and opts.max_seq > cfg.max_position_embeddings:
         raise ConfigError(f"--max-seq {opts.max_seq} exceeds the model's context of {cfg.max_position_embeddings} "
                           f"tokens (config: max_position_embeddings)")

@@ -13,7 +13,9 @@ Layout over a group of `tp` ranks (Megatron-LM, Shoeybi et al. 2019, §3; DESIGN
   sends a token to its local row or to the zero row, and the partial embeddings are all-reduced;
 - routed experts: `ep == tp` partitions them (rank r keeps experts [r·E/tp, (r+1)·E/tp), a per-rank map renumbers
   the router's choice to a local id or −1 = not here); `ep == 1` splits every expert's intermediate width like a
-  dense MLP (w1/w3 column-, w2 row-parallel). Both give partial sums over the group, reduced like row-parallel;
+  dense MLP (w1/w3 column-, w2 row-parallel). MXFP4 experts (`<w>.weight_packed` [E, R, C/2], `<w>.weight_scale`
+  [E, R, C/32], `k3c.passes.pack_experts`) split the same way along the same dims, so a width split of w2 cuts
+  whole 32-value groups only when tp divides I/32. Both give partial sums over the group, reduced like row-parallel;
 - replicated: norms, the query/KV low-rank down projections (q_a_proj, kv_a_proj_with_mqa: per token, shared by all
   heads), the KDA f_a / g_a projections, the router, the LatentMoE down/up projections, AttnRes weights, and the
   whole DSA indexer (its top-k ranks keys by a score summed over every index head: splitting the heads would need an
@@ -39,6 +41,10 @@ COLUMN = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "g_proj.weight", "f
 ROW = ("o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight")
 EMBEDDING = "model.embed_tokens.weight"
 EXPERTS = (".experts.w1", ".experts.w3", ".experts.w2")
+#: MXFP4 routed experts: the packed values and scales of expert weight `<w>` (k3c.passes.pack_experts.packed_keys)
+MXFP4_PARTS = (".weight_packed", ".weight_scale")
+#: values per MXFP4 scale (k3c.ir.formats.MXFP4_GROUP; the planner does not import the IR)
+MXFP4_GROUP = 32
 #: cache input suffix -> the dim split with the heads (the others are replicated)
 CACHE_SPLIT = {".kda_state": 1, ".conv_state": 1}
 
@@ -68,6 +74,8 @@ def param_split(key: str, ep: int = 1) -> Split:
     between partitioned experts (ep > 1) and experts split over their intermediate width (ep == 1)."""
     if key == EMBEDDING:
         return Split("vocab", 0)
+    for part in MXFP4_PARTS:
+        key = key.removesuffix(part)
     if any(key.endswith(s) for s in EXPERTS):
         if ep > 1:
             return Split("experts", 0)
@@ -89,12 +97,13 @@ def cache_split(name: str) -> Split:
     return REPLICATED
 
 
-def check_layout(cfg, tp: int, ep: int = 1) -> None:
+def check_layout(cfg, tp: int, ep: int = 1, experts_dtype: str = "bf16") -> None:
     """Raise ConfigError unless `tp` ranks (and `ep` expert groups) split `cfg` exactly.
 
     `ep` must be 1 (experts split over their width) or `tp` (experts partitioned over the same ranks). Every count
     a split divides is checked, naming its config field: attention heads, KDA heads, vocabulary, dense and
-    expert intermediate widths, routed experts.
+    expert intermediate widths (in MXFP4 experts, `experts_dtype` "mxfp4", the count of 32-value scale groups of
+    the intermediate width), routed experts.
     """
     for flag, v in (("--tp", tp), ("--ep", ep)):
         if not isinstance(v, int) or v < 1:
@@ -109,8 +118,13 @@ def check_layout(cfg, tp: int, ep: int = 1) -> None:
     if cfg.kda_num_heads:
         counts.append(("linear_attn_config.num_heads", cfg.kda_num_heads))
     if cfg.num_experts:
-        counts.append(("num_experts", cfg.num_experts) if ep > 1 else
-                      ("moe_intermediate_size", cfg.moe_intermediate_size))
+        if ep > 1:
+            counts.append(("num_experts", cfg.num_experts))
+        elif experts_dtype == "mxfp4":
+            counts.append((f"moe_intermediate_size / {MXFP4_GROUP} (MXFP4 scale groups; or use --ep {tp})",
+                           cfg.moe_intermediate_size // MXFP4_GROUP))
+        else:
+            counts.append(("moe_intermediate_size", cfg.moe_intermediate_size))
         shared = cfg.num_shared_experts * cfg.moe_intermediate_size
         if shared:
             counts.append(("num_shared_experts * moe_intermediate_size", shared))

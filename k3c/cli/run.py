@@ -40,10 +40,11 @@ def run(artifact: Path = typer.Argument(..., help="artifact directory or .k3c fi
     if tp > 1 and "WORLD_SIZE" not in os.environ:  # not under torchrun: start the ranks here
         import torch.multiprocessing as mp
 
+        from k3c.runtime.distributed import spawn
+
         with tempfile.TemporaryDirectory(prefix="k3c-run-") as tmp:
             try:
-                mp.spawn(_rank_main, args=(tp, _free_port(), artifact, ids, decode_steps, device, cuda_graphs, tmp),
-                         nprocs=tp, join=True)
+                spawn(_rank_main, tp, (artifact, ids, decode_steps, device, cuda_graphs, tmp))
             except mp.ProcessExitedException:  # a rank refused its input: rank 0 printed the one-line error
                 raise typer.Exit(2) from None
             new, line = json.loads(Path(tmp, "rank0.json").read_text())
@@ -60,18 +61,9 @@ def _artifact_tp(artifact: Path) -> int:
     return int(read_artifact(artifact).manifest.get("tp", 1))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, world, port, artifact, ids, decode_steps, device, cuda_graphs, tmp) -> None:
-    """One rank spawned by `k3c run`: torchrun's environment, then the generation of a single-process run."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
+def _rank_main(rank, artifact, ids, decode_steps, device, cuda_graphs, tmp) -> None:
+    """One rank spawned by `k3c run` (`k3c.runtime.distributed.spawn`: torchrun's environment, its share of the
+    cores), then the generation of a single-process run."""
     try:
         result = _generate(artifact, ids, decode_steps, device, cuda_graphs, lambda *a: None)
     except K3CError as e:  # one line from rank 0, as a single-process run prints it

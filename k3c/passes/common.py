@@ -1,4 +1,6 @@
-"""Helpers shared by several passes: recognisers of normalisation chains and node-order surgery.
+"""Helpers shared by several passes: recognisers of normalisation chains, node-order surgery, and the
+tensor-parallel rewrites that shard_tp and shard_experts share (parameter shards, collectives behind a value,
+per-rank id maps).
 
 Passes do not import each other; what two of them need lives here (or, for generic IR rewriting, in
 `k3c.ir.rewrite`). Recognisers return the matched parts or None and never change the graph.
@@ -9,7 +11,7 @@ from __future__ import annotations
 from k3c.errors import ConfigError, IRError
 from k3c.ir.graph import Graph, Node, Value
 from k3c.ir.rewrite import P, X, match
-from k3c.ir.types import dims_equal
+from k3c.ir.types import TensorType, dims_equal
 from k3c.passes.derived import add_derived_param, prune_unused_params
 
 
@@ -131,3 +133,19 @@ def wrap_value(graph: Graph, x: Value, op: str, pass_name: str, **attrs) -> Valu
         y = graph.add(op, x, name_hint=f"{x.name}.{op}", meta={**node.meta, "pass": pass_name}, **attrs)
     graph.replace_all_uses(x, y, exclude=[graph.producer(y)], check_type=False)
     return y
+
+
+def local_rows(graph: Graph, key: str, ids: Value, before: Node, pass_name: str, missing: str,
+               parts: int) -> Value:
+    """`ids` (i64, any shape) mapped through this rank's row map of parameter `key` (a derived i64 [n, 1]
+    parameter `<key>.local_ids`, derivation "local_index": global row -> local row, else `missing`, "zero_row"
+    or "minus_one"), as embedding(map, ids) reshaped to ids' shape; inserted before `before`. Vocabulary-parallel
+    embeddings (shard_tp) and partitioned experts (shard_experts) renumber their ids this way."""
+    n = graph.params[key].type.shape[0]
+    rmap = add_derived_param(graph, key + ".local_ids", TensorType((n, 1), "i64"), "local_index", [key],
+                             {"parts": parts, "missing": missing})
+    meta = {**before.meta, "pass": pass_name}
+    with graph.inserting_before(before):
+        local = graph.add("embedding", rmap, ids, name_hint=f"{ids.name}.local", meta=meta)
+        return graph.add("reshape", local, shape=[d if isinstance(d, int) else str(d) for d in ids.type.shape],
+                         name_hint=f"{ids.name}.local", meta=meta)

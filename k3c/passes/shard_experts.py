@@ -3,10 +3,11 @@ at tp = 1.
 
 The router stays replicated: every rank scores every token and picks the same top-k. Two layouts (`k3c.parallel`):
 - expert parallel (`ctx.ep == tp`): rank r keeps experts [r·E/tp, (r+1)·E/tp) (`<key>.shard`, derivation
-  "shard" along dim 0), and the router's ids pass through a per-rank map (derivation "local_index", missing = −1):
-  a choice of another rank's expert becomes −1, which moe_experts skips;
+  "shard" along dim 0), and the router's ids pass through a per-rank map (`<w1>.local_ids`, derivation
+  "local_index", missing = −1): a choice of another rank's expert becomes −1, which moe_experts skips;
 - width split (`ctx.ep == 1`): every expert keeps all E experts with 1/tp of the intermediate width (w1/w3 rows,
   w2 columns), as a dense MLP splits.
+MXFP4 experts split their packed values and scales alike (`k3c.parallel.param_split`).
 Either way the result is a partial sum over the ranks, so it is all-reduced before the routed-expert norm.
 
 Token dispatch is "all-gather + reduce-scatter over tokens", not all-to-all: with `split_allreduce` the MoE input
@@ -21,10 +22,8 @@ from __future__ import annotations
 
 from k3c.context import CompileContext
 from k3c.ir.graph import Graph
-from k3c.ir.types import TensorType
 from k3c.parallel import param_split
-from k3c.passes.common import shard_param, wrap_value
-from k3c.passes.derived import add_derived_param
+from k3c.passes.common import local_rows, shard_param, wrap_value
 from k3c.passes.pipeline import register_pass
 
 PASS = "shard_experts"
@@ -36,18 +35,10 @@ def shard_experts(graph: Graph, ctx: CompileContext) -> Graph:
     if tp == 1:
         return graph
     for node in [n for n in graph.nodes if n.op == "moe_experts"]:
-        z, weights, ids, w1, w3, w2 = node.inputs
-        for w in (w1, w3, w2):  # shard_param redirects the node's inputs to the shards
-            shard_param(graph, w.name, param_split(w.name, ctx.ep).dim, tp)
+        ids, weights = node.inputs[2], node.inputs[3:]  # w1, w3, w2 and, in MXFP4, their scales
         if ctx.ep > 1:
-            E = w1.type.shape[0]
-            rmap = add_derived_param(graph, w1.name + ".local_ids", TensorType((E, 1), "i64"), "local_index",
-                                     [w1.name], {"parts": tp, "missing": "minus_one"})
-            meta = {**node.meta, "pass": PASS}
-            with graph.inserting_before(node):
-                local = graph.add("embedding", rmap, ids, name_hint=f"{ids.name}.local", meta=meta)
-                local = graph.add("reshape", local, shape=[d if isinstance(d, int) else str(d) for d in ids.type.shape],
-                                  name_hint=f"{ids.name}.local", meta=meta)
-            graph.set_input(node, 2, local)
+            graph.set_input(node, 2, local_rows(graph, weights[0].name, ids, node, PASS, "minus_one", tp))
+        for w in weights:  # shard_param redirects the node's inputs to the shards
+            shard_param(graph, w.name, param_split(w.name, ctx.ep).dim, tp)
         wrap_value(graph, node.output, "all_reduce", PASS, group=tp)
     return graph

@@ -4,16 +4,19 @@
 One graph serves every rank. A split weight becomes the derived parameter `<key>.shard` (derivation "shard": the
 rank's block, see `k3c.passes.derived`), so the graph only names it and each rank's weight file holds its own block
 under that key; per-head caches (KDA state, conv state) get their per-rank shapes. Then every node's output type
-is inferred again in schedule order, adjusting the two attrs that carry a head count: `kda_fused.heads`, and the
-`shape` of a reshape whose input shrank (the first static dim divisible by tp is the head or feature dim, which
-comes before the per-head dims in every layout of the model). Finally the communication:
+is inferred again in schedule order, adjusting the attrs that carry a head count: `kda_fused.heads`, the `shape` of
+a reshape whose input shrank (the first static dim divisible by tp is the head or feature dim, which comes before
+the per-head dims in every layout of the model), and the `shape` of an `expand` that broadcasts a replicated value
+to the heads of a `cat` partner (MLA's naive form: cat(k_nope, expand(k_pe)), `k3c.passes.mla_forms`): it follows
+the partner's split dims. Finally the communication:
 
     row-parallel linear y = x_r W_rᵀ        ->  all_reduce(y)                 (partial sums over the ranks)
     lm_head (vocabulary slice)              ->  all_gather(logits, dim=-1)
     embedding(W, tokens)                    ->  all_reduce(embedding(W_r ∪ 0, embedding(map_r, tokens)))
 
-where W_r ∪ 0 is the rank's vocabulary rows plus a zero row and map_r (derivation "local_index") sends a token
-outside the rank's rows to that zero row, so the all-reduce of the partial embeddings is the full lookup.
+where W_r ∪ 0 is the rank's vocabulary rows plus a zero row and map_r (`<key>.local_ids`, derivation
+"local_index") sends a token outside the rank's rows to that zero row, so the all-reduce of the partial embeddings
+is the full lookup.
 `split_allreduce` later turns the all-reduces into reduce-scatter / all-gather pairs around AttnRes.
 Raises ConfigError naming a parameter or cache that tp does not divide. O(nodes + params).
 """
@@ -26,7 +29,7 @@ from k3c.ir.graph import Graph, Node, describe
 from k3c.ir.ops import get_op
 from k3c.ir.types import TensorType
 from k3c.parallel import EMBEDDING, cache_split, param_split
-from k3c.passes.common import shard_param, wrap_value
+from k3c.passes.common import local_rows, shard_param, wrap_value
 from k3c.passes.derived import add_derived_param, prune_unused_params
 from k3c.passes.pipeline import register_pass
 
@@ -75,6 +78,8 @@ def shard_tp(graph: Graph, ctx: CompileContext) -> Graph:
 def _reinfer(graph: Graph, before: dict[int, list[TensorType]], tp: int) -> None:
     """Infer every node's output types again after the parameter and cache shapes changed."""
     for node in graph.nodes:
+        if node.op == "cat":
+            _follow_cat(graph, node)
         if [v.type for v in node.inputs] == before.get(id(node)):
             continue
         if node.op == "kda_fused":
@@ -87,6 +92,24 @@ def _reinfer(graph: Graph, before: dict[int, list[TensorType]], tp: int) -> None
             raise IRError(f"{PASS}: cannot split {describe(node)} over {tp} ranks: {e}") from None
         for v, t in zip(node.outputs, outs):
             v.type = t
+
+
+def _follow_cat(graph: Graph, cat: Node) -> None:
+    """Re-target each `expand` input of `cat` whose broadcast dims no longer match the other inputs (which lost
+    their heads to the split) to those inputs' sizes; the expand's own input is replicated, so it is unchanged."""
+    d = cat.attrs["dim"] % cat.inputs[0].type.rank
+    shaped = [v for v in cat.inputs if (p := graph.producer(v)) is None or p.op != "expand"]
+    if not shaped:
+        return
+    want = shaped[0].type.shape
+    for v in cat.inputs:
+        node = graph.producer(v)
+        if node is None or node.op != "expand" or v.type.rank != len(want):
+            continue
+        shape = [v.type.shape[i] if i == d else want[i] for i in range(len(want))]
+        if shape != list(v.type.shape):
+            node.attrs = {**node.attrs, "shape": [s if isinstance(s, int) else str(s) for s in shape]}
+            (v.type,) = get_op("expand").infer(node.attrs, [node.inputs[0].type])
 
 
 def _split_shape(node: Node, tp: int) -> list:
@@ -103,15 +126,9 @@ def _vocab_parallel(graph: Graph, node: Node, tp: int) -> None:
     V, D = w.type.shape
     if V % tp:
         raise ConfigError(f"--tp {tp} does not divide vocab_size = {V} ({EMBEDDING} {w.type})")
-    rows = add_derived_param(graph, EMBEDDING + ".rows", TensorType((V, 1), "i64"), "local_index", [EMBEDDING],
-                             {"parts": tp, "missing": "zero_row"})
+    local = local_rows(graph, EMBEDDING, tokens, node, PASS, "zero_row", tp)
     table = add_derived_param(graph, EMBEDDING + ".shard", TensorType((V // tp + 1, D), w.type.dtype),
                               "vocab_shard", [EMBEDDING], {"parts": tp})
-    meta = {**node.meta, "pass": PASS}
-    with graph.inserting_before(node):
-        local = graph.add("embedding", rows, tokens, name_hint="embed.local_rows", meta=meta)
-        local = graph.add("reshape", local, shape=[d if isinstance(d, int) else str(d) for d in tokens.type.shape],
-                          name_hint="embed.local_rows", meta=meta)
     graph.set_input(node, 0, table)
     graph.set_input(node, 1, local)
     prune_unused_params(graph, [EMBEDDING])

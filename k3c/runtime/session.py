@@ -22,9 +22,9 @@ does not fit the device's free memory, tokens out of vocabulary, batch or contex
 that changes between calls).
 
 A multi-rank artifact (`manifest.json` tp = N > 1) runs as N processes, one per rank, in a torch.distributed
-process group of world size N (started by `torchrun`, or by `k3c run`, which spawns them): each process loads
-`weights/rank{r}.safetensors` for its own rank r and runs the shared schedule; the collectives go through
-`k3c.runtime.launchers.collective`.
+process group of world size N (started by `torchrun`, or by `k3c run`, which spawns them; `k3c.runtime.distributed`
+joins the group): each process loads `weights/rank{r}.safetensors` for its own rank r and runs the shared schedule;
+the collectives go through `k3c.runtime.launchers.collective`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import torch
 
 from k3c.errors import ArtifactError, RuntimeInputError
 from k3c.runtime.artifact import read_artifact
+from k3c.runtime import distributed
 from k3c.runtime.checks import WEIGHTS, check_memory, check_weights, derive
 from k3c.runtime.frame import Frame
 from k3c.runtime.graphs import DecodeGraph, device_lengths_supported
@@ -61,27 +62,6 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", *, cuda_gr
 
         session.finalized = finalize_session(session)
     return session
-
-
-def _rank(art, path, device: torch.device) -> tuple[int, int]:
-    """(tp, rank) of this process for artifact `art`: tp = 1 needs no process group; tp > 1 needs torch.distributed
-    with world size tp, initialised here (NCCL on cuda, gloo on cpu) when `torchrun`'s environment (WORLD_SIZE,
-    RANK, MASTER_ADDR) is set and nobody did yet. Raises RuntimeInputError otherwise."""
-    tp = int(art.manifest.get("tp", 1))
-    if tp == 1:
-        return 1, 0
-    import torch.distributed as dist
-
-    if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeInputError(f"{path}: a tp = {tp} artifact runs as {tp} ranks: start it with `torchrun "
-                                f"--nproc-per-node {tp}` or `k3c run` (torch.distributed is not initialised here)")
-    world = dist.get_world_size()
-    if world != tp:
-        raise RuntimeInputError(f"{path}: compiled for tp = {tp} ranks (manifest.json tp) but the process group has "
-                                f"world size {world}")
-    return tp, dist.get_rank()
 
 
 class Session:
@@ -120,7 +100,8 @@ class Session:
         check_memory(facts, self.device)
         plan = art.plan
         self.offsets = {e: {k: v["offset"] for k, v in plan["arena"][e]["buffers"].items()} for e in plan["arena"]}
-        self.tp, self.rank = _rank(art, path, self.device)
+        self.tp = int(art.manifest.get("tp", 1))
+        self.rank = 0 if self.tp == 1 else distributed.join(self.tp, self.device, path)
         wfile = WEIGHTS if self.tp == 1 else f"weights/rank{self.rank}.safetensors"
         if wfile not in art.files:
             raise ArtifactError(f"{path}: rank {self.rank} of {self.tp} has no weight file {wfile}")

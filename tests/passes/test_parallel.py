@@ -12,14 +12,15 @@ from k3c.errors import ConfigError
 from k3c.frontend import import_model
 from k3c.ir.interp import interpret
 from k3c.ir.interp_ranks import interpret_ranks
-from k3c.parallel import cache_split, check_layout, communication, param_split
+from k3c.parallel import Split, cache_split, check_layout, communication, param_split
 from k3c.passes.derived import materialize_params
 from k3c.passes.pipeline import random_inputs, run_pipeline
 from models.config import K3Config
 from models.k3 import K3ForCausalLM
 
-#: one entry point per preset keeps the imports few; both entries and all presets are covered across the cases
-ENTRY = {"k3-tiny": "decode", "k3.1-pro-tiny": "prefill", "kimi-linear-tiny": "decode"}
+#: one entry point per preset keeps the imports few; both entries and all presets are covered across the cases;
+#: k3-tiny's prefill is MLA's naive form (cat(k_nope, expand(k_pe)) over the heads), the others' are absorbed
+ENTRY = {"k3-tiny": "decode", "k3.1-pro-tiny": "prefill", "kimi-linear-tiny": "decode", "k3-tiny/prefill": "prefill"}
 CTX = CompileContext(max_batch=3, max_seq=64, max_prefill=16)
 PARALLEL = {"parallel": ["shard_tp", "shard_experts", "split_allreduce"]}
 
@@ -31,7 +32,7 @@ def model_graph():
     def get(name):
         if name not in cache:
             torch.manual_seed(0)
-            model = K3ForCausalLM(K3Config.from_pretrained(name)).eval()
+            model = K3ForCausalLM(K3Config.from_pretrained(name.split("/")[0])).eval()
             ctx = CTX.for_entry(ENTRY[name])
             g, _ = run_pipeline(import_model(model, ENTRY[name]), ["cleanup", "model"], ctx=ctx, verify="end")
             cache[name] = model, g
@@ -64,8 +65,8 @@ def _unshard_output(name, outs, tp):
     return torch.cat([o[name] for o in outs], s.dim) if s.sharded else outs[0][name]
 
 
-@pytest.mark.parametrize("name", list(ENTRY))
-@pytest.mark.parametrize("tp,ep", [(2, 1), (4, 4)])
+@pytest.mark.parametrize("name,tp,ep", [(n, tp, ep) for n in list(ENTRY)[:3] for tp, ep in [(2, 1), (4, 4)]]
+                         + [("k3-tiny/prefill", 4, 4)])
 def test_split_graph_on_simulated_ranks_equals_tp1(model_graph, name, tp, ep):
     model, g = model_graph(name)
     gt = _split(g, name, tp, ep)
@@ -147,6 +148,11 @@ def test_layout_refuses_what_does_not_divide():
     with pytest.raises(ConfigError, match="--ep 2: expected 1"):
         check_layout(cfg, 4, 2)
     check_layout(cfg, 4, 4)
+    # MXFP4 experts split over their width cut whole 32-value scale groups only: I = 32 is one group
+    check_layout(cfg, 2, 1)
+    with pytest.raises(ConfigError, match=r"--tp 2 does not divide moe_intermediate_size / 32 .*--ep 2\) = 1"):
+        check_layout(cfg, 2, 1, "mxfp4")
+    check_layout(cfg, 2, 2, "mxfp4")
 
 
 def test_communication_counts_the_split(model_graph):
@@ -163,3 +169,11 @@ def test_communication_counts_the_split(model_graph):
     assert c["plain_allreduce_bytes"] == sum(widths) * 2 * 4 + logits
     assert c["saving_bytes"] == c["plain_allreduce_bytes"] - c["bytes"]
     assert c["attn_res_state_bytes_not_duplicated"] > 0
+
+
+def test_mxfp4_experts_split_like_their_dense_weights():
+    moe = "model.layers.3.block_sparse_moe.experts"
+    for part in ("", ".weight_packed", ".weight_scale"):
+        assert param_split(f"{moe}.w1{part}", 1) == param_split(f"{moe}.w3{part}", 1) == Split("column", 1)
+        assert param_split(f"{moe}.w2{part}", 1) == Split("row", 2)
+        assert param_split(f"{moe}.w2{part}", 4) == Split("experts", 0)

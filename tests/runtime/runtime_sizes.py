@@ -11,6 +11,11 @@ token-loop prefill is dearer per token than a chunked one):
 - STEPS = 3 decode steps: the decode entry point with pool appends at three context lengths.
 - batch 1 and 3 (MAX_BATCH = 3): one sequence and several rows per program.
 Every preset runs prefill + decode at batch 1 and 3 on every backend in BACKENDS.
+
+Native (TVM, `cpu-x86-64`) artifacts run fast enough for the acceptance lengths: test_tvm_end_to_end.py prefills
+TVM_PROMPT = 64 tokens and decodes TVM_STEPS = 32, and the tensor-parallel test compares TP = 2 and 4 with those TP = 1
+artifacts over the PROMPT-token prompt above (prefilled in calls of MAX_PREFILL, so the collectives run at 24 and 6
+tokens: 6 rows do not split evenly over 4 ranks) and TP_STEPS = 32 decode steps.
 """
 
 from __future__ import annotations
@@ -21,3 +26,5 @@ PROMPT, MAX_PREFILL, STEPS, MAX_BATCH = 30, 24, 3, 3
 #: the preset whose checkpoint stores MXFP4 routed experts (like the published K3 / K3.1 Pro ones); others are dense
 MXFP4_PRESET = "k3.1-pro-tiny"
 MAX_SEQ = PROMPT + STEPS
+TVM_PROMPT, TVM_STEPS = 64, 32
+TP_STEPS = 32

@@ -1,122 +1,119 @@
-"""Multi-rank artifacts on CPU: the collective launcher on gloo agrees with the simulated collectives; a TP=2
-artifact run by two spawned gloo processes gives the eager model's logits; a wrong world size, a missing rank
-file and a --tp that does not divide the model are one-line errors."""
+"""Multi-rank artifacts on CPU through the real runtime (issue 10's acceptance): every tiny preset compiled for
+`cpu-x86-64` (TVM kernels) at TP = 2 and TP = 4 and run by spawned gloo processes (`k3c.runtime.distributed.spawn`,
+what `k3c run` does: torchrun's environment, `k3c.load` joins the group) gives the TP = 1 artifact's logits
+(fp32, max relative ≤ 1e-5) over a prefill and TP_STEPS decode steps at batch 1 and 3. The MXFP4 preset runs
+expert-parallel (its experts partitioned, `--ep` = `--tp`), the dense ones split their experts' width (`--ep 1`).
+Also: the collective launcher on gloo agrees with the simulated collectives at group sizes 2 and 4; a wrong world
+size, a missing rank file and a `--tp` / `--ep` that does not split the model are one-line errors, and a refused
+compile writes nothing.
+
+Cost: one world of 2 and one of 4 processes per session, each rank loading its world's three artifacts; the TP = 1
+artifacts and checkpoints are the TVM end-to-end test's (conftest.py `tvm_compiled`), fed the same prefill calls.
+"""
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import k3c
+from k3c.compile import CompileOptions, compile_model
+from k3c.errors import ArtifactError, ConfigError, RuntimeInputError
+from k3c.ir.ops.collective import simulate_collective
+from k3c.runtime.distributed import spawn
+from models.config import TINY_PRESETS
+from runtime_sizes import MAX_PREFILL, MXFP4_PRESET, PROMPT, TP_STEPS
+from tp_ranks import BATCHES, CASES, collective_inputs, logits, rank_main
 
-import k3c  # noqa: E402
-from k3c.compile import CompileOptions, compile_model  # noqa: E402
-from k3c.errors import ArtifactError, ConfigError, RuntimeInputError  # noqa: E402
-from k3c.ir.ops.collective import simulate_collective  # noqa: E402
-from models.config import K3Config  # noqa: E402
-from models.k3 import save_random_checkpoint  # noqa: E402
-
-#: the compile target of these tests (a CPU target: its code generator decides how fast the ranks run)
+pytestmark = pytest.mark.slow  # compiles six artifacts and spawns six processes: `make test`, not `make test-quick`
 TARGET = "cpu-x86-64"
-PRESET, PROMPT, STEPS = "kimi-linear-tiny", 4, 2
+WORLDS = (2, 4)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
-CASES = {"all_reduce": ({}, (3, 5)), "all_gather": ({"dim": -1}, (3, 2)), "reduce_scatter": ({"dim": 1}, (3, 4)),
-         "reduce_scatter_tokens": ({}, (1, 3, 4)), "shard_tokens": ({}, (3, 1, 4)),
-         "all_gather_tokens": ({"shape": [3, 4]}, (1, 2, 4))}
-
-
-def _inputs(rank: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(rank)
-    return {op: torch.randn(shape, generator=gen) for op, (_, shape) in CASES.items()}
+def _ep(preset: str, tp: int) -> int:
+    """The MXFP4 preset's experts are partitioned (a width split would cut its 32-value scale groups); the dense
+    presets' are split over their width."""
+    return tp if preset == MXFP4_PRESET else 1
 
 
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp2")
-    model = save_random_checkpoint(K3Config.from_pretrained(PRESET), root / "ckpt", seed=3, dtype=torch.float32)
-    opts = CompileOptions(str(root / "ckpt"), root / "art", target=TARGET, tp=2, ep=2, max_batch=1,
-                          max_seq=PROMPT + STEPS, max_prefill=PROMPT, dtype="f32")
-    summary = compile_model(opts)
-    return root, model.eval(), summary
-
-
-def _worker(rank, world, port, art, out):
-    """One rank: the collectives of `CASES`, then the artifact's prefill + greedy decode (one spawn for both:
-    starting a process costs more than either)."""
-    from k3c.runtime.launchers.collective import run_collective
-
-    _init(rank, world, port)
-    xs = _inputs(rank)
-    results = {op: run_collective(op, {"group": world, **a}, xs[op], rank) for op, (a, _) in CASES.items()}
-    session = k3c.load(art)
-    tokens = torch.arange(PROMPT).reshape(1, PROMPT) * 7 % session.vocab
-    logits = [session.prefill(tokens)]
-    for _ in range(STEPS):
-        logits.append(session.decode(logits[-1][:, -1:].argmax(-1)))
-    torch.save({"collectives": results, "logits": torch.cat(logits, 1)}, f"{out}/rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+def tp_artifacts(tvm_compiled, tmp_path_factory) -> dict[int, dict[str, tuple]]:
+    """world -> preset -> (artifact dir, compile summary), compiled from the TVM end-to-end test's checkpoints."""
+    root = tmp_path_factory.mktemp("tp")
+    arts = {}
+    for tp in WORLDS:
+        for preset in TINY_PRESETS:
+            opts = CompileOptions(str(tvm_compiled(preset)[1]), root / f"{preset}-tp{tp}", target=TARGET, tp=tp,
+                                  ep=_ep(preset, tp), max_batch=max(BATCHES), max_seq=PROMPT + TP_STEPS,
+                                  max_prefill=MAX_PREFILL, dtype="f32", backend="tvm")
+            arts.setdefault(tp, {})[preset] = opts.out, compile_model(opts)
+    return arts
 
 
 @pytest.fixture(scope="module")
-def ranks(tp2, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ranks")
-    mp.spawn(_worker, args=(2, _port(), str(tp2[0] / "art"), str(out)), nprocs=2, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+def ranks(tp_artifacts, tmp_path_factory) -> dict[int, list[dict]]:
+    """world -> what each of its ranks saved (`tp_ranks.rank_main`)."""
+    out = {}
+    for world in WORLDS:
+        d = tmp_path_factory.mktemp(f"world{world}")
+        spawn(rank_main, world, (world, {p: str(a) for p, (a, _) in tp_artifacts[world].items()}, str(d)))
+        out[world] = [torch.load(d / f"rank{r}.pt") for r in range(world)]
+    return out
 
 
-def test_collective_launcher_on_gloo_matches_the_simulation(ranks):
+@pytest.fixture(scope="module")
+def tp1_logits(tvm_compiled) -> dict[tuple[str, int], torch.Tensor]:
+    """(preset, batch) -> the TP = 1 artifact's logits, run in this process on one torch thread, like each rank
+    (these GEMMs are too small to gain from a second thread, and on a busy machine its waits cost 10x)."""
+    out, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for preset in TINY_PRESETS:
+            session = k3c.load(tvm_compiled(preset)[2]("f32"))
+            out.update({(preset, b): logits(session, b) for b in BATCHES})
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_collective_launcher_on_gloo_matches_the_simulation(ranks, world):
     for op, (attrs, _) in CASES.items():
-        want = simulate_collective(op, {"group": 2, **attrs}, [_inputs(r)[op] for r in range(2)])
-        for r in range(2):
-            torch.testing.assert_close(ranks[r]["collectives"][op], want[r], rtol=1e-6, atol=1e-6)
+        want = simulate_collective(op, {"group": world, **attrs}, [collective_inputs(r, world)[op]
+                                                                  for r in range(world)])
+        for r in range(world):
+            torch.testing.assert_close(ranks[world][r]["collectives"][op], want[r], rtol=1e-6, atol=1e-6)
 
 
-def test_two_gloo_ranks_give_the_eager_logits(tp2, ranks):
-    root, model, summary = tp2
-    assert sorted(p.name for p in (root / "art" / "weights").iterdir()) == ["rank0.safetensors", "rank1.safetensors"]
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_ranks_give_the_tp1_logits(tp_artifacts, ranks, tp1_logits, world, preset):
+    art, summary = tp_artifacts[world][preset]
+    assert sorted(p.name for p in (art / "weights").iterdir()) == [f"rank{r}.safetensors" for r in range(world)]
     assert summary["communication"]["bytes"] > 0
-    got = [r["logits"] for r in ranks]
-    assert torch.equal(got[0], got[1])
-    tokens = torch.arange(PROMPT).reshape(1, PROMPT) * 7 % model.config.vocab_size
-    with torch.no_grad():
-        want, cache = model(tokens)
-        steps = [want[:, -1:]]  # prefill returns the last position's logits
-        for _ in range(STEPS):
-            want, cache = model(steps[-1][:, -1:].argmax(-1), cache)
-            steps.append(want)
-    want = torch.cat(steps, 1)
-    assert float((got[0] - want).abs().max() / want.abs().max()) <= 1e-5
+    for r, got in enumerate(ranks[world]):
+        assert got["sessions"][preset] == ((r, world), ["collective", "library", "tvm", "view"])
+    for b in BATCHES:
+        got = [rk["logits"][preset, b] for rk in ranks[world]]
+        assert all(torch.equal(g, got[0]) for g in got[1:])  # every rank ends with the whole logits
+        want = tp1_logits[preset, b]
+        assert got[0].shape == want.shape == (b, 1 + TP_STEPS, want.shape[-1])
+        rel = float((got[0] - want).abs().max() / want.abs().max())
+        print(f"{preset} TP={world} ep={_ep(preset, world)} batch {b}: max relative {rel:.2e} vs TP=1")
+        assert rel <= 1e-5
 
 
-def test_wrong_world_size_and_missing_rank_file(tp2, tmp_path):
+def test_wrong_world_size_and_missing_rank_file(tp_artifacts, tmp_path):
     import torch.distributed as dist
 
-    root, _, _ = tp2
-    art = root / "art"
+    art = tp_artifacts[2][TINY_PRESETS[0]][0]
     with pytest.raises(RuntimeInputError, match="torchrun --nproc-per-node 2"):
         k3c.load(art)  # no process group
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        with pytest.raises(RuntimeInputError, match="compiled for tp = 2 ranks .* world size 1"):
+        with pytest.raises(RuntimeInputError, match=r"compiled for tp = 2 ranks \(manifest.json tp\) .* world size 1"):
             k3c.load(art)
     finally:
         dist.destroy_process_group()
@@ -127,8 +124,36 @@ def test_wrong_world_size_and_missing_rank_file(tp2, tmp_path):
         k3c.load(broken)
 
 
-def test_tp_that_does_not_divide_is_refused_before_writing(tmp_path):
+@pytest.mark.parametrize("tp,ep,preset,message", [
+    (3, 1, "kimi-linear-tiny", "--tp 3 does not divide num_attention_heads = 4"),
+    (4, 2, "kimi-linear-tiny", "--ep 2: expected 1 .* or --tp"),
+    (2, 1, MXFP4_PRESET, r"--tp 2 does not divide moe_intermediate_size / 32 .* = 1"),
+])
+def test_a_layout_that_does_not_split_is_refused_before_writing(tvm_compiled, tmp_path, tp, ep, preset, message):
     out = tmp_path / "art"
-    with pytest.raises(ConfigError, match="--tp 3 does not divide num_attention_heads = 4"):
-        compile_model(CompileOptions(PRESET, out, target=TARGET, tp=3, plan_only=True, dtype="f32"))
+    with pytest.raises(ConfigError, match=message):
+        compile_model(CompileOptions(str(tvm_compiled(preset)[1]), out, target=TARGET, tp=tp, ep=ep, dtype="f32"))
     assert not out.exists()
+
+
+def test_k3c_run_spawns_the_ranks(tp_artifacts, tvm_compiled):
+    """`k3c run` on a TP = 2 artifact starts its two ranks itself and prints the TP = 1 artifact's greedy tokens."""
+    import contextlib
+    import io
+    import sys
+    from unittest import mock
+
+    from k3c.cli import main
+
+    preset, ids, steps = "kimi-linear-tiny", [5, 7, 11], 4
+    session = k3c.load(tvm_compiled(preset)[2]("f32"))
+    want = [int(session.prefill(torch.tensor([ids]))[0, -1].argmax())]
+    for _ in range(steps - 1):
+        want.append(int(session.decode(torch.tensor([want[-1:]]))[0, -1].argmax()))
+    stdout = io.StringIO()
+    argv = ["k3c", "run", str(tp_artifacts[2][preset][0]), "--tokens", ",".join(map(str, ids)),
+            "--decode-steps", str(steps)]
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()), \
+            mock.patch.object(sys, "argv", argv):
+        main()  # returns on success (a failure exits)
+    assert f"next tokens: {want}" in stdout.getvalue()

@@ -18,33 +18,19 @@ import pytest
 import torch
 
 import k3c
-from k3c.compile import CompileOptions, compile_model
 from models.checkpoint import load_checkpoint
-from models.config import TINY_PRESETS, K3Config
-from models.k3 import save_random_checkpoint
+from models.config import TINY_PRESETS
+from runtime_sizes import TVM_PROMPT, TVM_STEPS
 
-PROMPT, STEPS = 64, 32
+PROMPT, STEPS = TVM_PROMPT, TVM_STEPS
 pytestmark = pytest.mark.slow  # compiles artifacts (TVM) and runs them end to end: `make test`, not `make test-quick`
 
 
 @pytest.fixture(scope="module", params=TINY_PRESETS)
-def compiled(request, tmp_path_factory):
-    """(eager fp32 model, checkpoint dir, arts(dtype) -> artifact dir, compiled on first use) of one preset."""
-    root = tmp_path_factory.mktemp(request.param)
-    model = save_random_checkpoint(K3Config.from_pretrained(request.param), root / "ckpt", seed=1,
-                                   dtype=torch.float32, expert_format="mxfp4" if request.param == "k3.1-pro-tiny" else
-                                   "dense")
-    done = {}
-
-    def arts(dtype):
-        if dtype not in done:
-            opts = CompileOptions(str(root / "ckpt"), root / f"art_{dtype}", target="cpu-x86-64", max_batch=3,
-                                  max_seq=PROMPT + STEPS, max_prefill=PROMPT, dtype=dtype, backend="tvm")
-            compile_model(opts)
-            done[dtype] = opts.out
-        return done[dtype]
-
-    return model.eval(), root / "ckpt", arts
+def compiled(request, tvm_compiled):
+    """(eager fp32 model, checkpoint dir, arts(dtype) -> artifact dir, compiled on first use) of one preset
+    (conftest.py: shared with the tensor-parallel test)."""
+    return tvm_compiled(request.param)
 
 
 def _rel(a, b):
