@@ -21,10 +21,11 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import torch
+
+from bench_e2e import timed  # this directory: the script's own sys.path entry
 
 FIRST = textwrap.dedent("""
     import cProfile, io, json, pstats, sys, time
@@ -45,17 +46,6 @@ FIRST = textwrap.dedent("""
     print(json.dumps({"load_s": t1 - t0, "first_prefill_s": t2 - t1, "second_prefill_s": t3 - t2,
                       "profile": text.getvalue()[-6000:]}))
 """)
-
-
-def median_ms(fn, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2] * 1e3
 
 
 def main():
@@ -88,7 +78,7 @@ def main():
 
             step()
             step()
-            res["decode_ms"][f"{'graphs' if graphs else 'python'}_B{B}"] = median_ms(step, 50 if graphs else 10)
+            res["decode_ms"][f"{'graphs' if graphs else 'python'}_B{B}"] = timed(step, 50 if graphs else 10) * 1e3
         del s
     if a.first_logits:
         k3c.load(opts.out, "cuda", finalize=True)
