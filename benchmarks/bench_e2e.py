@@ -107,7 +107,7 @@ def matmul_flops_per_token(cfg, weights: dict) -> int:
 def kind_of(kernel: str) -> str:
     """The kind of a GPU kernel by its name: gemm (cuBLAS / CUTLASS), the k3c Triton kernels by model op, copies."""
     k = kernel.lower()
-    for kind, keys in (("moe (Triton)", ("moe_",)), ("kda (Triton)", ("kda", "causal_conv", "roll_conv")),
+    for kind, keys in (("moe experts (Triton)", ("moe_up", "moe_down")), ("moe (Triton)", ("moe_",)), ("kda (Triton)", ("kda", "causal_conv", "roll_conv")),
                        ("attention (Triton)", ("mla_attention", "mla_combine")),
                        ("dsa indexer", ("dsa_score", "topk", "radix", "sort")), ("attn_res (Triton)", ("attn_res",)),
                        ("pointwise / rowwise (Triton)", ("pointwise", "rowwise")),
@@ -129,13 +129,17 @@ def profile(fn) -> dict:
         fn()
         torch.cuda.synchronize()
     out: dict[str, dict] = {}
+    names = []
     for e in p.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if us:
             row = out.setdefault(kind_of(e.key), {"ms": 0.0, "launches": 0})
             row["ms"] += us / 1e3
             row["launches"] += e.count
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+            names.append((e.count, round(us / 1e3, 4), e.key[:90]))
+    out = dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+    out["kernels_by_launches"] = sorted(names, reverse=True)[:40]  # (launches, ms, kernel name)
+    return out
 
 
 def timed(fn, reps: int) -> float:
@@ -150,6 +154,21 @@ def timed(fn, reps: int) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def eager_prefill(model, tokens):
+    """models/k3.py eager prefill returning the last position's logits, as k3c's prefill does (`logits="last"`):
+    the body over every token, the lm_head on the last row only (all rows' logits at batch 16 x 2560 would be a
+    12.5 GiB tensor that k3c never computes)."""
+    cache = model.new_cache(tokens.shape[0], tokens.device)
+    new_cache = {"pos": cache["pos"] + tokens.shape[1]}
+    return model.lm_head(model.model(tokens, cache, new_cache)[:, -1:])
+
+
+def decode_tokens(B: int, vocab: int) -> torch.Tensor:
+    """long [B, 1] on the GPU: distinct random tokens, so the rows of a batch route to different experts (one
+    token repeated would route every row alike and read only k of the E experts, below `floor_bytes`)."""
+    return torch.randint(0, vocab, (B, 1), generator=torch.Generator().manual_seed(B)).cuda()
+
+
 class EagerDecode:
     """models/k3.py eager at a fixed context: a cache of L zero rows (the values do not change the work)."""
 
@@ -159,7 +178,7 @@ class EagerDecode:
             if key.endswith((".kv", ".index_k")):
                 self.cache[key] = torch.zeros(B, L, v.shape[-1], dtype=v.dtype, device=v.device)
         self.cache["pos"] = torch.tensor(L, device=self.cache["pos"].device)
-        self.tokens = torch.zeros(B, 1, dtype=torch.long, device="cuda")
+        self.tokens = decode_tokens(B, model.config.vocab_size)
 
     @torch.no_grad()
     def step(self):
@@ -256,7 +275,7 @@ def main():
                     help="routed experts of the checkpoint: bf16 (dense) or MXFP4 (the published layout, kept 4-bit "
                          "in the artifact); mxfp4 writes OUT/bench_e2e_mxfp4.json")
     ap.add_argument("--skip", default="", help="comma-separated phases to skip: finalize, first_logits, long, "
-                                               "eager, torch_compile, numerics")
+                                               "eager, torch_compile, numerics, bf16_build (mxfp4 only)")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     out_name = "bench_e2e.json" if a.experts == "dense" else "bench_e2e_mxfp4.json"
@@ -278,6 +297,8 @@ def main():
         except Exception as e:  # noqa: BLE001  (one run on a lent GPU: keep going, say what failed)
             res.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:1500]}"
             traceback.print_exc()
+            gc.collect()
+            torch.cuda.empty_cache()  # an OOM leaves its memory reserved; the next phase's load check counts it used
         res["phases_s"][name] = round(time.perf_counter() - t0, 2)
         res["elapsed_s"] = round(time.perf_counter() - t_start, 1)
         (a.out / out_name).write_text(json.dumps(res, indent=1))
@@ -300,6 +321,14 @@ def main():
         model = save_random_checkpoint(cfg, ckpt, seed=0, dtype=torch.bfloat16, expert_format=a.experts,
                                        shard_bytes=2**30, device="cuda")
         model = model.cast_(torch.bfloat16).eval()  # returned in fp32: eager bf16 is the checkpoint as stored
+    if "eager" not in skip:
+        with phase("eager_prefill"):  # before k3c loads: eager prefill at batch 16 needs the memory k3c holds
+            for B in (1, 16):
+                toks = torch.randint(0, cfg.vocab_size, (B, PROMPT), device="cuda")
+                with torch.no_grad():
+                    res.setdefault("prefill", {})[f"B{B}"] = {"eager_s": timed(lambda: eager_prefill(model, toks), 3)}
+                del toks
+                torch.cuda.empty_cache()
     with phase("compile"):
         opts = CompileOptions(str(ckpt), art, target="h200", max_batch=64, max_seq=a.max_seq,
                               max_prefill=a.max_prefill, dtype="bf16")
@@ -338,7 +367,7 @@ def main():
                 if L + 1 > session.max_seq:
                     continue
                 session.reset()
-                tok = torch.zeros(B, 1, dtype=torch.long, device="cuda")
+                tok = decode_tokens(B, cfg.vocab_size)
 
                 def step():
                     session.length, session.batch = L, B  # a fixed context (module docstring)
@@ -361,18 +390,23 @@ def main():
                 session.prefill(toks)
 
             s = timed(run, 3)
-            prefill[f"B{B}"] = {"k3c_s": s, "tokens_per_s": B * PROMPT / s,
-                                "matmul_tflops": fpt * B * PROMPT / s / 1e12}
+            prefill.setdefault(f"B{B}", {}).update(k3c_s=s, tokens_per_s=B * PROMPT / s,
+                                                   matmul_tflops=fpt * B * PROMPT / s / 1e12)
         res["breakdown"] = {}
         session.reset()
         graphs, session._graphs, session.cuda_graphs = session._graphs, {}, False  # kernels launched one by one
-        tok1 = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+        expert_bytes = sum(w.numel() * w.element_size() for n, w in weights.items() if ".experts." in n)
+        for B in (1, 16):
+            tokB = decode_tokens(B, cfg.vocab_size)
 
-        def one_step():
-            session.length, session.batch = 4096, 1
-            session.decode(tok1)
+            def one_step():
+                session.length, session.batch = 4096, B
+                session.decode(tokB)
 
-        res["breakdown"]["decode_B1_L4096"] = profile(one_step)
+            br = res["breakdown"][f"decode_B{B}_L4096"] = profile(one_step)
+            touched = 1 - (1 - cfg.num_experts_per_token / cfg.num_experts) ** B  # as `floor_bytes`
+            ms = br.get("moe experts (Triton)", {}).get("ms")
+            res.setdefault("expert_read_tbps", {})[f"B{B}"] = expert_bytes * touched / ms / 1e9 if ms else None
         toks = torch.randint(0, cfg.vocab_size, (16, a.max_prefill), device="cuda")
 
         def one_chunk():
@@ -380,7 +414,7 @@ def main():
             session.prefill(toks)
 
         br = res["breakdown"][f"prefill_B16_T{a.max_prefill}"] = profile(one_chunk)
-        gemm_s = sum(br.get(k, {}).get("ms", 0) for k in ("gemm (cuBLAS)", "moe (Triton)")) / 1e3
+        gemm_s = sum(br.get(k, {}).get("ms", 0) for k in ("gemm (cuBLAS)", "moe experts (Triton)")) / 1e3
         res["prefill_gemm"] = {"tflops": fpt * toks.numel() / gemm_s / 1e12 if gemm_s else None,
                                "of_matmul_rate": fpt * toks.numel() / gemm_s / 1e12 / res["matmul_bf16_tflops"]
                                if gemm_s else None}
@@ -403,21 +437,17 @@ def main():
                         decode[key]["eager_ms"] = f"out of memory: {str(err)[:120]}"
                     torch.cuda.empty_cache()
             for B in (1, 16):
-                toks = torch.randint(0, cfg.vocab_size, (B, PROMPT), device="cuda")
-                with torch.no_grad():
-                    s = timed(lambda: model(toks), 3)
-                prefill[f"B{B}"]["eager_s"] = s
-                prefill[f"B{B}"]["k3c_speedup_vs_eager"] = s / prefill[f"B{B}"]["k3c_s"]
-                torch.cuda.empty_cache()
+                if f"B{B}" in prefill and "eager_s" in prefill[f"B{B}"]:
+                    prefill[f"B{B}"]["k3c_speedup_vs_eager"] = prefill[f"B{B}"]["eager_s"] / prefill[f"B{B}"]["k3c_s"]
 
     # ---- torch.compile --------------------------------------------------------------------------------------
     if "torch_compile" not in skip:
         with phase("torch_compile"):
-            import torch._dynamo
+            import torch._dynamo as dynamo  # (a bare `import torch._dynamo` would make `torch` local to main)
 
             for knob in ("recompile_limit", "cache_size_limit"):  # the name differs between torch versions
-                if hasattr(torch._dynamo.config, knob):
-                    setattr(torch._dynamo.config, knob, 64)
+                if hasattr(dynamo.config, knob):
+                    setattr(dynamo.config, knob, 64)
             compiled = torch.compile(model, dynamic=True)
             for B in (1, 16):
                 key = f"B{B}_L4096"
@@ -465,6 +495,31 @@ def main():
                                            zip(outs["k3c"], outs["eager_fp32"])) / len(outs["k3c"])}
             res["numerics_per_layer"] = layer_errors(session, {"eager_bf16": model, "eager_fp32": model32}, prompt)
             del model32, outs, c32, c16
+            torch.cuda.empty_cache()
+
+    # ---- MXFP4 checkpoint: the same decode with a dequantized (bf16-expert) build, side by side ------------------
+    if a.experts == "mxfp4" and "bf16_build" not in skip:
+        with phase("bf16_experts_build"):
+            session = weights = graphs = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            art16 = a.work / "art-bf16-experts"
+            compile_model(CompileOptions(str(ckpt), art16, target="h200", max_batch=16, max_seq=4096 + 64,
+                                         max_prefill=a.max_prefill, dtype="bf16", experts_dtype="bf16"))
+            s16 = k3c.load(art16, "cuda")
+            for B in (1, 16):
+                tok = decode_tokens(B, cfg.vocab_size)
+
+                def step16():
+                    s16.length, s16.batch = 4096, B
+                    s16.decode(tok)
+
+                step16()
+                d = decode[f"B{B}_L4096"]
+                d["bf16_experts_build_ms"] = timed(step16, 20) * 1e3
+                d["mxfp4_speedup_vs_bf16_experts"] = d["bf16_experts_build_ms"] / d["k3c_ms"]
+            del s16
+            gc.collect()
             torch.cuda.empty_cache()
 
     # ---- batch 4 x 32K context in 8K prefill chunks: a second artifact, the first session released ------------

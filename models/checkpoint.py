@@ -35,7 +35,7 @@ def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """uint8 packed [R, C/2] + uint8 E8M0 scale [R, C/32] -> fp32 [R, C]."""
     lo, hi = packed & 0x0F, packed >> 4
     codes = torch.stack([lo, hi], -1).reshape(packed.shape[0], -1).long()  # element 2j = low nibble
-    vals = E2M1_VALUES[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    vals = E2M1_VALUES.to(packed.device)[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
     exp = torch.exp2(scale.float() - 127).repeat_interleave(MX_GROUP, dim=1)
     return vals * exp
 
@@ -53,7 +53,7 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = g.abs().amax(-1).clamp(min=2.0 ** -126)
     s = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     q = g / torch.exp2(s).unsqueeze(-1)
-    code = (q.abs().unsqueeze(-1) - E2M1_VALUES).abs().argmin(-1) + torch.where(q < 0, 8, 0)
+    code = (q.abs().unsqueeze(-1) - E2M1_VALUES.to(w.device)).abs().argmin(-1) + torch.where(q < 0, 8, 0)
     code = code.reshape(R, C).to(torch.uint8)
     return (code[:, 0::2] | (code[:, 1::2] << 4)).contiguous(), (s + 127).to(torch.uint8)
 
