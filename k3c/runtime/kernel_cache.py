@@ -82,6 +82,17 @@ def install(art, device) -> int:
     return len(rels)
 
 
+def warm_cache_key() -> None:
+    """Compute now the part of Triton's cache key that hashes Triton itself (its compiler sources and libtriton:
+    about 0.4 s on the H200 host, once per process, `triton.runtime.cache.triton_key`), which the first launch of a
+    kernel would otherwise pay inside the first prefill. The session calls it while the weights copy."""
+    from triton.runtime import cache
+
+    key = getattr(cache, "triton_key", None)  # memoised in Triton (functools.lru_cache)
+    if key is not None:
+        key()
+
+
 @contextmanager
 def capture():
     """Within the block, Triton compiles into (and reads from) a fresh empty cache directory, which is yielded

@@ -108,19 +108,24 @@ class Session:
         weights = art.load_tensors(wfile)  # memory-mapped; names, dtypes and shapes checked before any copy
         check_weights(weights, facts, f"{path}/{wfile}")
         self.arena = torch.empty(max(facts.arena_bytes, 1), dtype=torch.uint8, device=self.device)
-        with ThreadPoolExecutor(1) as pool:  # the file's sha256 beside the copy (hashlib releases the GIL)
+        self._workdir = Path(tempfile.mkdtemp(prefix="k3c-kernels-"))
+        weakref.finalize(self, shutil.rmtree, self._workdir, True)
+        # three things side by side: the weight copy and the file's sha256 on worker threads (torch's copies and
+        # hashlib release the GIL), the kernel code loaded here (modules imported, compiled kernels installed);
+        # the copy is the long one, so the kernels cost no wall time
+        with ThreadPoolExecutor(2) as pool:
             hashed = pool.submit(art.check, wfile)
-            self.weights = {k: v.to(self.device) for k, v in weights.items()}
+            copied = pool.submit(lambda: {k: v.to(self.device) for k, v in weights.items()})
+            t2 = time.perf_counter()
+            self.launchers = make_launchers(art, self.device, self.schedule, self._workdir)
+            t3 = time.perf_counter()
+            self.weights = copied.result()
             hashed.result()  # a corrupted file raises ArtifactError here, before anything runs
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        t2 = time.perf_counter()
-        self._workdir = Path(tempfile.mkdtemp(prefix="k3c-kernels-"))
-        weakref.finalize(self, shutil.rmtree, self._workdir, True)
-        self.launchers = make_launchers(art, self.device, self.schedule, self._workdir)
-        #: where the load went, seconds: files read and hash-checked, weights copied and hash-checked side by side
-        #: (with the arena allocation), kernel code loaded (modules imported, compiled kernels installed)
-        self.load_seconds = {"verify": t1 - t0, "weights": t2 - t1, "kernels": time.perf_counter() - t2}
+        #: where the load went, seconds: files read and hash-checked; weights copied and hash-checked (with the
+        #: arena allocation), the wall time of the load's second part; kernel code loaded, overlapped with it
+        self.load_seconds = {"verify": t1 - t0, "weights": time.perf_counter() - t1, "kernels": t3 - t2}
         self.pools = {n: torch.zeros(shp, dtype=dt, device=self.device) for n, (dt, shp) in facts.pools.items()}
         # the context of each sequence in device memory, read by decode's context-dependent launches; None where
         # one of them needs it on the host (TVM kernels): then decode takes the host length, without CUDA graphs

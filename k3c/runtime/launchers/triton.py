@@ -26,6 +26,8 @@ class TritonLauncher(Launcher):
         if device.type == "cpu":
             os.environ.setdefault("TRITON_INTERPRET", "1")
         self.compiled_kernels = kernel_cache.install(art, device) if device.type == "cuda" else 0
+        if self.compiled_kernels:
+            kernel_cache.warm_cache_key()
         self.kernels = {ln["name"]: _import_kernel(art, ln["module"], ln["name"], workdir)
                         for ln in sorted(launches, key=lambda ln: ln["name"])}
 
