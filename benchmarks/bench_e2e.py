@@ -195,6 +195,35 @@ class EagerDecode:
         return self.model(self.tokens, self.cache)[0]
 
 
+@contextmanager
+def launch_transients():
+    """Within the block, each launch's transient memory: the allocator's peak during the launch above what was
+    allocated before it (what the launch allocates beside its planned buffers: temporaries, copies), from the CUDA
+    allocator's counters (no synchronisation). Yields a dict: "peak" (bytes, the block's peak allocation, which
+    max_memory_allocated no longer gives: it is reset per launch) and, when the block ends, "largest" ([GiB, launch
+    name, kind, backend], largest first)."""
+    from k3c.runtime.frame import Frame
+
+    launch, rows, found = Frame.launch, {}, {"peak": torch.cuda.max_memory_allocated(), "largest": []}
+
+    def tracked(frame, ln):
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        launch(frame, ln)
+        peak = torch.cuda.max_memory_allocated()
+        found["peak"] = max(found["peak"], peak)
+        if peak - before > rows.get(ln["name"], (0,))[0]:
+            rows[ln["name"]] = (peak - before, ln["kind"], ln["backend"])
+
+    Frame.launch = tracked
+    try:
+        yield found
+    finally:
+        Frame.launch = launch
+        found["largest"] = [[round(b / 2**30, 3), name, kind, backend] for name, (b, kind, backend) in
+                            sorted(rows.items(), key=lambda kv: -kv[1][0])]
+
+
 def layer_errors(session, models: dict, prompt) -> dict:
     """Per layer i, over one prefill of `prompt`: max |a−b| / max |b| of the input norm's output ("norm"), the
     mixer's output after o_proj ("mixer") and the MLP / MoE output ("ffn"), k3c vs eager bf16, eager bf16 vs eager
@@ -560,15 +589,17 @@ def main():
             torch.cuda.reset_peak_memory_stats()
             toks = torch.randint(0, cfg.vocab_size, (4, 32768), device="cuda")
             t1 = time.perf_counter()
-            out = s8.prefill(toks)
-            torch.cuda.synchronize()
+            with launch_transients() as transients:
+                out = s8.prefill(toks)
+                torch.cuda.synchronize()
             planned = (s8.arena.numel() + sum(p.numel() * p.element_size() for p in s8.pools.values())
                        + sum(w.numel() * w.element_size() for w in s8.weights.values()))
             res["long_context"] = {"batch": 4, "tokens": 32768, "chunk": 8192, "prefill_s": time.perf_counter() - t1,
                                    "logits_shape": list(out.shape), "planned_gib": planned / 2**30,
                                    "allocated_after_load_gib": loaded / 2**30,
-                                   "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
-                                   "peak_above_plan_gib": (torch.cuda.max_memory_allocated() - base - planned) / 2**30}
+                                   "peak_gib": (transients["peak"] - base) / 2**30,
+                                   "peak_above_plan_gib": (transients["peak"] - base - planned) / 2**30,
+                                   "largest_launch_transients_gib": transients["largest"][:12]}
     print(json.dumps(res, indent=1))
 
 
