@@ -1,6 +1,6 @@
 """TVM CPU kernels (k3c.codegen.tvm) against the IR ops' torch references, on every generated group of the lowered
 tiny models: pointwise, rowwise, kda_fused, mla_attention (absorbed and not, dense and DSA top-k), dsa_index_topk,
-attn_res_inter / _merge, moe_route, moe_experts.
+attn_res_inter / _merge, moe_route, moe_experts, and the decode linears (GEMV; the prefill GEMMs stay torch calls).
 
 One library is built for the whole session from the kernel groups of three lowered graphs (k3.1-pro-tiny prefill
 and kimi-linear-tiny prefill in f32, k3-tiny decode in bf16); the reference interpreter runs each graph on random
@@ -26,7 +26,7 @@ from models.config import K3Config
 GRAPHS = [("k3.1-pro-tiny", "prefill", torch.float32), ("kimi-linear-tiny", "prefill", torch.float32),
           ("k3-tiny", "decode", torch.bfloat16)]
 KINDS = {"pointwise", "rowwise", "kda_fused", "mla_attention", "dsa_index_topk", "attn_res_inter",
-         "attn_res_merge", "moe_route", "moe_experts"}
+         "attn_res_merge", "moe_route", "moe_experts", "linear"}
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +38,7 @@ def built(tmp_path_factory):
                              max_seq=64, max_prefill=16).resolve().for_entry(entry)
         g = import_model(build_meta_model(K3Config.from_pretrained(preset)).cast_(dtype), entry)
         g, _ = run_pipeline(g, ctx=ctx, verify="end")
-        graphs.append((g, [gr for gr in kernel_groups(g) if gr.kind in KINDS], dtype, entry))
+        graphs.append((g, [gr for gr in kernel_groups(g) if gr.kind in KINDS and gr.backend == "tvm"], dtype, entry))
     groups = [gr for _, grs, _, _ in graphs for gr in grs]
     for (_, grs, _, _), (preset, entry, _) in zip(graphs, GRAPHS):
         for gr in grs:
@@ -146,3 +146,46 @@ def test_moe_experts_mxfp4(act, tmp_path):
     node = g.nodes[0]
     (want,) = get_op("moe_experts").ref(node.attrs, *tensors)
     assert ((y - want).abs().max() / want.abs().max()).item() <= 1e-5
+
+
+@pytest.mark.parametrize("N, K, bias", [(24, 40, True), (6, 13, False)], ids=["lanes_bias", "serial"])
+def test_linear_gemv(N, K, bias, tmp_path):
+    """The decode GEMV (`k3c.codegen.tvm.linear`) at B rows of x [B, 1, K]: equal to F.linear in fp32, with the
+    bias, at several B from one build. K = 40: 8-lane partial sums, 8 features per task; K = 13, N = 6: the serial
+    sum, 2 features per task."""
+    import torch.nn.functional as F
+
+    from k3c.codegen.tvm.linear import is_gemv
+    from k3c.ir.graph import Graph
+    from k3c.ir.kernels import KernelGroup
+    from k3c.ir.types import TensorType, dim
+
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+    g = Graph()
+    vals = [g.add_input("x", TensorType((dim("B"), 1, K), "f32")), g.add_input("w", TensorType((N, K), "f32"))]
+    vals += [g.add_input("b", TensorType((N,), "f32"))] if bias else []
+    outs = g.add_node("linear", vals)
+    assert is_gemv(g.nodes[0])
+    group = KernelGroup("gemv", "tvm", "linear", [g.nodes[0]], vals, outs)
+    funcs, symbol_of = tvm_codegen.emit_all([group], "cpu")
+    (tmp_path / "gemv.so").write_bytes(build_cpu(funcs)["cpu.so"])
+    fn = TvmLibrary(tmp_path / "gemv.so").function(symbol_of[group.name])
+    for B in (1, 3):
+        x = torch.randn(B, 1, K, generator=gen)
+        y = torch.full((B, 1, N), float("nan"))
+        launch(fn, [x, w] + ([b] if bias else []), [y], {"B": B, "T": 1, "L": 0})
+        want = F.linear(x, w, b if bias else None)
+        assert ((y - want).abs().max() / want.abs().max()).item() <= 1e-6
+
+
+def test_gemm_stays_a_library_call():
+    """A linear whose rows grow with T (prefill) is no GEMV: the TVM backend leaves it to torch."""
+    from k3c.codegen.tvm.linear import is_gemv
+    from k3c.ir.graph import Graph
+    from k3c.ir.types import TensorType, dim
+
+    g = Graph()
+    x = g.add_input("x", TensorType((dim("B"), dim("T"), 16), "f32"))
+    g.add_node("linear", [x, g.add_input("w", TensorType((8, 16), "f32"))])
+    assert not is_gemv(g.nodes[0])

@@ -7,7 +7,8 @@ it can compute (no fp8), and adds to the artifact, by target:
 - a CPU of arch aarch64: `kernels/cpu-aarch64.o` (cross-compiled; not runnable by this runtime) and its TIR;
 - a CUDA GPU (`--backend tvm`): `kernels/cuda.cu` (TVM's CUDA C) and `kernels/cuda.tir.txt`, not launched by
   this runtime (see README: Status).
-GEMMs, embedding and the other library groups stay library calls (torch's GEMMs; BENCHMARKS.md "CPU" says why).
+On the CPU, a linear over a few rows (decode; `k3c.codegen.tvm.linear`) is a TVM GEMV; GEMMs, embedding and the
+other library groups stay library calls (torch's GEMMs; BENCHMARKS.md "CPU" says why).
 A launch record names the launch's PrimFunc (`symbol`): layers that compute the same thing share one, named after
 the first launch (in schedule order) that uses it.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 from k3c.codegen.backend import Backend, Emission, register_backend
 from k3c.codegen.tvm import emit, kinds
 from k3c.codegen.tvm.build import build_cpu, cuda_source
+from k3c.codegen.tvm.linear import is_gemv
 from k3c.errors import UnsupportedError
 from k3c.ir.graph import Node
 from k3c.ir.kernels import KernelGroup
@@ -36,6 +38,8 @@ class TvmBackend(Backend):
         self._symbol: dict[str, str] = {}    # PrimFunc text -> symbol
 
     def claims(self, kind: str, nodes: list[Node]) -> bool:
+        if kind == "linear" and not (self.device == "cpu" and len(nodes) == 1 and is_gemv(nodes[0])):
+            return False  # GEMMs and GPU linears: library calls
         return kind in kinds() and all(v.type.dtype != "f8e4m3" for n in nodes for v in list(n.inputs) + n.outputs)
 
     def _symbol_of(self, group: KernelGroup) -> str:
