@@ -33,6 +33,9 @@ from k3c.ir.types import dim_str, numel
 
 TIR_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "i64": "int64", "i32": "int32",
              "u8": "uint8", "bool": "bool"}
+#: Bytes per element: on the CPU a tensor is only assumed aligned to its element (weights are read in place from
+#: the artifact's safetensors, which align each tensor to its element size), so LLVM emits unaligned vector loads.
+_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "u8": 1, "bool": 1}
 SIZE_ARGS = ("s_B", "s_T", "s_L")
 DEVICES = ("cpu", "cuda")
 #: CUDA threads per block for `Func.parallel` loops.
@@ -140,7 +143,8 @@ class Func:
                       f'    T.func_attr({{"tirx.noalias": {noalias}}})']
         for v, n in zip(values, names):
             shape = "".join(f"{dim_expr(d)}, " for d in v.type.shape)
-            self.lines.append(f'    {n}_nd = T.match_buffer({n}_h, ({shape}), "{TIR_DTYPE[v.type.dtype]}")'
+            align = f", align={_ITEMSIZE[v.type.dtype]}" if device == "cpu" else ""
+            self.lines.append(f'    {n}_nd = T.match_buffer({n}_h, ({shape}), "{TIR_DTYPE[v.type.dtype]}"{align})'
                               f'  # {"in " if v in inputs else "out"} {v.type}')
         for v, n in zip(values, names):
             self.lines.append(f'    {n} = T.decl_buffer(({dim_expr(numel(v.type))},), "{TIR_DTYPE[v.type.dtype]}", '
