@@ -38,7 +38,7 @@ import triton.language as tl
 
 from k3c.codegen.triton import emitter, model_module
 from k3c.codegen.triton.attention import one_node
-from k3c.codegen.triton.moe_act import glu, tanh_f32
+from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile, mx_block_k,
                                          mx_default_config, mx_permute, mx_permuted_col, mxfp4_tile_bf16,
                                          mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
@@ -86,12 +86,10 @@ def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, order_ptr, tile_expert_ptr, tile_row0_p
                   ACT_SITU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     """h[row, i] = act(z W1[e]ᵀ, z W3[e]ᵀ) for the sorted rows of one tile (z [N, D], dense w1/w3 [E, I, D])."""
-    tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile)
+    e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
+                                        BLOCK_M)
     if e < E:
-        offs_m = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < tl.load(tile_row_end_ptr + tile)
-        token = tl.load(order_ptr + offs_m, mask=m_ok, other=0) // K
+        token = slot // K
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         i_ok = offs_i < I
         rows = e.to(tl.int64) * I + offs_i
@@ -116,12 +114,9 @@ def moe_down_kernel(h_ptr, w2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile
                     E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_I: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_N output columns (dense w2 [E, D, I])."""
-    tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile)
+    e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
+                                        BLOCK_M)
     if e < E:
-        offs_m = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < tl.load(tile_row_end_ptr + tile)
-        slot = tl.load(order_ptr + offs_m, mask=m_ok, other=0)           # flat (token · K + slot) index
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < D
         rows = e.to(tl.int64) * D + offs_n
@@ -316,7 +311,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
             "                       situ_linear_beta=SITU_LINEAR_BETA)\n")
     what = f"{'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'}{', MXFP4 weights' if mx else ''}"
     return _module(group, f"grouped expert GEMMs ({what})", consts,
-                   [tanh_f32, glu, moe_up_kernel, moe_down_kernel, moe_sum_kernel, mx_default_config, mx_block_k,
+                   [tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel, mx_default_config, mx_block_k,
                     mx_permute, mx_permuted_col, mxfp4_word_bf16, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile,
                     mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel, moe_schedule_kernel, moe_schedule],
                    launch_moe_experts, body)
