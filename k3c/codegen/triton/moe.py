@@ -187,7 +187,8 @@ def moe_schedule(ids, E, BLOCK_M):
     else in torch (a stable argsort, scatter-add counts, cumsums and a searchsorted: a dozen launches)."""
     rows = ids.numel()
     n_tiles = min(rows, triton.cdiv(rows, BLOCK_M) + E)
-    BLOCK_E, BLOCK_R, BLOCK_T = triton.next_power_of_2(E + 1), triton.next_power_of_2(rows), triton.next_power_of_2(n_tiles)
+    BLOCK_E, BLOCK_R = triton.next_power_of_2(E + 1), triton.next_power_of_2(rows)
+    BLOCK_T = triton.next_power_of_2(n_tiles)
     if BLOCK_E * max(BLOCK_R, BLOCK_T) <= 2 ** 14:
         out = torch.empty(rows + 3 * n_tiles, dtype=torch.int64, device=ids.device)
         order, tile_expert, row0, row_end = out.split([rows, n_tiles, n_tiles, n_tiles])
