@@ -173,6 +173,18 @@ def eager_prefill(model, tokens, chunk: int):
     return model.lm_head(hidden[:, -1:])
 
 
+def load_second(ckpt: Path, art: Path, **bounds):
+    """Compile `ckpt` again for the H200 in bf16 at other `bounds` (CompileOptions fields) and load it, after the
+    memory the caller released is handed back to the device (collected, the allocator's cache emptied)."""
+    import k3c
+    from k3c.compile import CompileOptions, compile_model
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    compile_model(CompileOptions(str(ckpt), art, target="h200", dtype="bf16", **bounds))
+    return k3c.load(art, "cuda")
+
+
 def decode_tokens(B: int, vocab: int) -> torch.Tensor:
     """long [B, 1] on the GPU: distinct random tokens, so the rows of a batch route to different experts (one
     token repeated would route every row alike and read only k of the E experts, below `floor_bytes`)."""
@@ -551,13 +563,9 @@ def main():
     # ---- MXFP4 checkpoint: the same decode with a dequantized (bf16-expert) build, side by side ------------------
     if a.experts == "mxfp4" and "bf16_build" not in skip:
         with phase("bf16_experts_build"):
-            session = weights = graphs = None
-            gc.collect()
-            torch.cuda.empty_cache()
-            art16 = a.work / "art-bf16-experts"
-            compile_model(CompileOptions(str(ckpt), art16, target="h200", max_batch=16, max_seq=4096 + 64,
-                                         max_prefill=a.max_prefill, dtype="bf16", experts_dtype="bf16"))
-            s16 = k3c.load(art16, "cuda")
+            session = weights = graphs = None  # the first session's memory goes back before the second loads
+            s16 = load_second(ckpt, a.work / "art-bf16-experts", max_batch=16, max_seq=4096 + 64,
+                              max_prefill=a.max_prefill, experts_dtype="bf16")
             for B in (1, 16):
                 tok = decode_tokens(B, cfg.vocab_size)
 
@@ -576,14 +584,10 @@ def main():
     # ---- batch 4 x 32K context in 8K prefill chunks: a second artifact, the first session released ------------
     if "long" not in skip:
         with phase("long_context"):
-            session = weights = graphs = None
+            session = weights = graphs = None  # the first session's memory goes back before the second loads
             gc.collect()
-            torch.cuda.empty_cache()
-            art8k = a.work / "art-8k"
-            compile_model(CompileOptions(str(ckpt), art8k, target="h200", max_batch=4, max_seq=32768 + 1024,
-                                         max_prefill=8192, dtype="bf16"))
             base = torch.cuda.memory_allocated()
-            s8 = k3c.load(art8k, "cuda")
+            s8 = load_second(ckpt, a.work / "art-8k", max_batch=4, max_seq=32768 + 1024, max_prefill=8192)
             torch.cuda.synchronize()
             loaded = torch.cuda.memory_allocated() - base
             torch.cuda.reset_peak_memory_stats()

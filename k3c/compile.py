@@ -1,8 +1,8 @@
 """The compile driver: model -> IR -> passes -> kernels, memory plan, schedule, weights -> artifact directory.
 
 For each entry point (prefill: last position's logits; decode; with `all_logits`, prefill_all: every position's)
-the model is imported, the graph gets the compile bounds, and the pipeline
-runs every phase (cleanup, model, kernels: bind_caches + form_kernels, memory: plan_memory). Each Triton kernel
+the model is imported, the graph gets the compile bounds, and the pipeline runs every phase (cleanup, model,
+parallel, kernels: fuse_gemms + bind_caches + form_kernels, memory: plan_memory). Each Triton kernel
 group is emitted as a module under `kernels/` (with `kernels/index.json`, the kernel -> IR node sidecar); the
 launch order with buffer names goes to `schedule.json`, the arena and pools to `plan.json`, per-op FLOPs / bytes and
 roofline times to `report.json`, and the weights (derived ones such as MLA's absorbed matrices materialised;

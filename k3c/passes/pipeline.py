@@ -8,7 +8,7 @@ every module of `k3c.passes` named in `PHASES`, so a new pass only needs its fil
     cleanup   dce, cse, canonicalize              generic cleanup and canonical patterns
     model     pack_experts, fuse_kda, lower_moe, lower_attn_res, absorb_mla, place_dsa, dce
     parallel  shard_tp, shard_experts, split_allreduce   (no-ops at tp = 1; `k3c.parallel` is the layout)
-    kernels   bind_caches, form_kernels
+    kernels   fuse_gemms, bind_caches, form_kernels
     memory    plan_memory
 
 A name that no module registers is an `IRError` naming the registered passes.
@@ -41,7 +41,7 @@ PHASES: dict[str, list[str]] = {
     "cleanup": ["dce", "cse", "canonicalize"],
     "model": ["pack_experts", "fuse_kda", "lower_moe", "lower_attn_res", "absorb_mla", "place_dsa", "dce"],
     "parallel": ["shard_tp", "shard_experts", "split_allreduce"],
-    "kernels": ["bind_caches", "form_kernels"],
+    "kernels": ["fuse_gemms", "bind_caches", "form_kernels"],
     "memory": ["plan_memory"],
 }
 

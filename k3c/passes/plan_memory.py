@@ -3,7 +3,10 @@
 The schedule is the kernel groups of `form_kernels` in order (or one launch per node before kernel formation).
 A value is materialised when it leaves its group (read by a later launch or a graph output); values produced and
 consumed inside one fused kernel never reach memory. A buffer is live from the launch that writes it to its last
-reader; graph outputs live to the end. Views (reshape, expand, unsqueeze, squeeze) share their input's buffer.
+reader; graph outputs live to the end. Views (reshape, expand, unsqueeze, squeeze) share their input's buffer, and so
+do the parts of a `split` where the entry has one token per sequence (T = 1, decode: the column views of a fused
+GEMM, `fuse_gemms`, are contiguous at batch 1, and a kernel that needs a contiguous input at B > 1 gets a copy of a
+few KiB from its launcher); elsewhere (prefill) each part has its own buffer, written by the split's launch.
 Not in the arena: graph inputs and parameters, and the cache values bound to persistent pools (KDA states updated
 in place by `kda_fused`, KV / index-key caches extended by `cache_append`; see `bind_caches`).
 Sizes are evaluated at the compile bounds `ctx.bounds` ({"B", "T", "L"} of the context's entry point; see
@@ -43,13 +46,15 @@ def launch_index(graph: Graph) -> list[int]:
 def liveness(graph: Graph, bindings: dict[str, int]) -> list[Buffer]:
     """One Buffer per arena value: (name, bytes at `bindings`, first launch, last launch)."""
     steps = launch_index(graph)
+    views = VIEW_OPS | {"split"} if bindings.get("T") == 1 else VIEW_OPS
     root: dict[Value, Value] = {}
     outside = set(graph.inputs) | set(graph.params.values()) | pool_values(graph)
     first: dict[Value, int] = {}
     last: dict[Value, int] = {}
     for node, i in zip(graph.nodes, steps):
-        if node.op in VIEW_OPS and node.inputs:
-            root[node.output] = root.get(node.inputs[0], node.inputs[0])
+        if node.op in views and node.inputs:
+            for v in node.outputs:
+                root[v] = root.get(node.inputs[0], node.inputs[0])
         for v in node.inputs:
             r = root.get(v, v)
             if r not in outside and first.get(r, i) < i:  # read by a later launch: materialised

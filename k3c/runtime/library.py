@@ -68,8 +68,33 @@ VIEW_OPS = {
     "cache_append": None,
 }
 OPS = {**LIBRARY_OPS, **VIEW_OPS}
+
+
+def _linear_into(a, out, x, w, b=None):
+    torch.matmul(x, w.t(), out=out)  # F.linear has no out=; the same GEMM (x · wᵀ)
+    if b is not None:
+        out.add_(b)
+
+
+#: ops that can write their one output straight into its planned buffer (`out`, of the result's shape and dtype),
+#: so a large result never exists twice (a temporary, then the copy into the arena): the peak stays the plan's
+INTO_OPS = {
+    "linear": _linear_into,
+    "matmul": lambda a, out, x, y: torch.matmul(x, y, out=out),
+    "cat": lambda a, out, *xs: torch.cat(xs, a.get("dim", 0), out=out),
+}
 #: ops whose result may be a view of their input (no new memory)
 ALIASING = frozenset({"reshape", "unsqueeze", "squeeze", "select", "slice", "expand", "transpose", "permute", "split"})
+
+
+def run_op_into(op: str, attrs: dict, inputs: list[torch.Tensor], out: torch.Tensor) -> bool:
+    """Run `op` writing its single output into `out` where it can (`INTO_OPS`, inputs of out's dtype); returns
+    False (nothing done) otherwise, for `run_op` and a copy."""
+    fn = INTO_OPS.get(op)
+    if fn is None or not out.is_contiguous() or any(x.dtype != out.dtype for x in inputs):
+        return False
+    fn(attrs, out, *inputs)
+    return True
 
 
 def run_op(op: str, attrs: dict, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -7,8 +7,9 @@ moe_route: `moe_route_kernel`, one program per token row: s = sigmoid(logits) in
   (max of s + bias, lowest expert id among the maxima, knock it out) = the reference's stable descending sort;
   weights = s[chosen] / (Σ s[chosen] + 1e-20) · scaling (the bias only chooses).
 moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (no atomics):
-  1. `moe_schedule` (torch, no host sync): the (token, slot) pairs are stably sorted by expert id (slots with id < 0
-     last, never computed) and cut into tiles of BLOCK_M rows of one expert; the grid is the upper bound
+  1. `moe_schedule` (no host sync; one `moe_schedule_kernel` launch for decode's few rows, torch for prefill): the
+     (token, slot) pairs are stably sorted by expert id (slots with id < 0 last, never computed) and cut into
+     tiles of BLOCK_M rows of one expert; the grid is the upper bound
      min(N·k, ⌈N·k / BLOCK_M⌉ + E) tiles, tiles past the schedule exit at once;
   2. `moe_up_kernel` (tile, BLOCK_I columns of the intermediate): h = act(z W1ᵀ, z W3ᵀ) into a scratch
      [N·k, I] in z's dtype (SiTU-GLU or SwiGLU);
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from k3c.codegen.triton import emitter, model_module
 from k3c.codegen.triton.attention import one_node
-from k3c.codegen.triton.moe_act import glu, tanh_f32
+from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile, mx_block_k,
                                          mx_default_config, mx_permute, mx_permuted_col, mxfp4_tile_bf16,
                                          mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
@@ -85,12 +86,10 @@ def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, order_ptr, tile_expert_ptr, tile_row0_p
                   ACT_SITU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     """h[row, i] = act(z W1[e]ᵀ, z W3[e]ᵀ) for the sorted rows of one tile (z [N, D], dense w1/w3 [E, I, D])."""
-    tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile)
+    e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
+                                        BLOCK_M)
     if e < E:
-        offs_m = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < tl.load(tile_row_end_ptr + tile)
-        token = tl.load(order_ptr + offs_m, mask=m_ok, other=0) // K
+        token = slot // K
         offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         i_ok = offs_i < I
         rows = e.to(tl.int64) * I + offs_i
@@ -115,12 +114,9 @@ def moe_down_kernel(h_ptr, w2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile
                     E: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_I: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_N output columns (dense w2 [E, D, I])."""
-    tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile)
+    e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
+                                        BLOCK_M)
     if e < E:
-        offs_m = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < tl.load(tile_row_end_ptr + tile)
-        slot = tl.load(order_ptr + offs_m, mask=m_ok, other=0)           # flat (token · K + slot) index
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < D
         rows = e.to(tl.int64) * D + offs_n
@@ -150,11 +146,55 @@ def moe_sum_kernel(y_slot_ptr, ids_ptr, y_ptr, K: tl.constexpr, D: tl.constexpr,
     tl.store(y_ptr + n * D + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def moe_schedule_kernel(ids_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, R, TILES,
+                        E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_T: tl.constexpr):
+    """`moe_schedule` in one program (few rows: decode): ids int [R] -> order i64 [R], tile_expert / tile_row0 /
+    tile_row_end i64 [TILES]. Counting sort by expert through a one-hot [experts, rows] matrix: a row's place is
+    its expert's start (exclusive prefix sum of the counts) plus its rank among that expert's rows (prefix sum
+    along the rows), which keeps the order stable; a tile's expert is the number of experts whose tiles end at or
+    before it (searchsorted, right)."""
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    ids = tl.load(ids_ptr + r, mask=r_ok, other=-1)
+    key = tl.where(ids >= 0, ids, E).to(tl.int32)                 # unused slots (and padding) under E: last
+    e = tl.arange(0, BLOCK_E)
+    onehot = (key[None, :] == e[:, None]).to(tl.int32)            # [BLOCK_E, BLOCK_R]
+    counts = tl.where(e < E, tl.sum(onehot, axis=1), 0)
+    row_start = tl.cumsum(counts, axis=0) - counts                # e = E: the rows of every expert
+    rank = tl.sum(onehot * tl.cumsum(onehot, axis=1), axis=0) - 1
+    pos = tl.sum(onehot * row_start[:, None], axis=0) + rank
+    tl.store(order_ptr + pos, r.to(tl.int64), mask=r_ok)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, axis=0)
+    t = tl.arange(0, BLOCK_T)
+    t_ok = t < TILES
+    te = tl.sum(((tile_end[None, :] <= t[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
+    sel = (e[None, :] == tl.minimum(te, E - 1)[:, None]).to(tl.int32)  # [BLOCK_T, BLOCK_E]
+    start = tl.sum(sel * row_start[None, :], axis=1)
+    row0 = start + (t - tl.sum(sel * (tile_end - tiles)[None, :], axis=1)) * BLOCK_M
+    tl.store(tile_expert_ptr + t, te.to(tl.int64), mask=t_ok)
+    tl.store(tile_row0_ptr + t, row0.to(tl.int64), mask=t_ok)
+    tl.store(tile_row_end_ptr + t, (start + tl.sum(sel * counts[None, :], axis=1)).to(tl.int64), mask=t_ok)
+
+
 def moe_schedule(ids, E, BLOCK_M):
-    """The tile schedule of `launch_moe_experts` for ids int [N, k] (< 0: unused) over E experts, in torch on ids'
-    device without a host sync: (order: sorted row -> flat token · k + slot index; tile_expert (E: past the
-    schedule), tile_row0, tile_row_end: per tile), each i64 [min(N·k, ⌈N·k / BLOCK_M⌉ + E)] but order [N·k]."""
+    """The tile schedule of `launch_moe_experts` for ids int [N, k] (< 0: unused) over E experts on ids' device,
+    without a host sync: (order: sorted row -> flat token · k + slot index; tile_expert (E: past the schedule),
+    tile_row0, tile_row_end: per tile), each i64 [min(N·k, ⌈N·k / BLOCK_M⌉ + E)] but order [N·k]. Few rows
+    (the one-hot [experts, rows] matrix within 2^14 elements: decode) in one launch of `moe_schedule_kernel`;
+    else in torch (a stable argsort, scatter-add counts, cumsums and a searchsorted: a dozen launches)."""
     rows = ids.numel()
+    n_tiles = min(rows, triton.cdiv(rows, BLOCK_M) + E)
+    BLOCK_E, BLOCK_R = triton.next_power_of_2(E + 1), triton.next_power_of_2(rows)
+    BLOCK_T = triton.next_power_of_2(n_tiles)
+    if BLOCK_E * max(BLOCK_R, BLOCK_T) <= 2 ** 14:
+        out = torch.empty(rows + 3 * n_tiles, dtype=torch.int64, device=ids.device)
+        order, tile_expert, row0, row_end = out.split([rows, n_tiles, n_tiles, n_tiles])
+        moe_schedule_kernel[(1,)](ids.reshape(-1), order, tile_expert, row0, row_end, rows, n_tiles, E=E,
+                                  BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_E=BLOCK_E, BLOCK_T=BLOCK_T, num_warps=4)
+        return order, tile_expert, row0, row_end
     flat = ids.reshape(-1).long()
     key = torch.where(flat >= 0, flat, E)               # unused slots sort last and are never scheduled
     order = torch.argsort(key, stable=True)
@@ -162,7 +202,7 @@ def moe_schedule(ids, E, BLOCK_M):
     row_start = torch.cumsum(counts, 0) - counts
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     tile_end = torch.cumsum(tiles, 0)
-    tile = torch.arange(min(rows, triton.cdiv(rows, BLOCK_M) + E), device=ids.device)
+    tile = torch.arange(n_tiles, device=ids.device)
     tile_expert = torch.searchsorted(tile_end, tile, right=True)
     e = tile_expert.clamp(max=E - 1)
     return order, tile_expert, row_start[e] + (tile - (tile_end - tiles)[e]) * BLOCK_M, row_start[e] + counts[e]
@@ -272,7 +312,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
             "                       situ_linear_beta=SITU_LINEAR_BETA)\n")
     what = f"{'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'}{', MXFP4 weights' if mx else ''}"
     return _module(group, f"grouped expert GEMMs ({what})", consts,
-                   [tanh_f32, glu, moe_up_kernel, moe_down_kernel, moe_sum_kernel, mx_default_config, mx_block_k,
+                   [tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel, mx_default_config, mx_block_k,
                     mx_permute, mx_permuted_col, mxfp4_word_bf16, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile,
-                    mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel, moe_schedule],
+                    mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel, moe_schedule_kernel, moe_schedule],
                    launch_moe_experts, body)

@@ -1,5 +1,6 @@
-"""The gated activations of the MoE expert kernels (K3-SPEC.md "MLP and Stable LatentMoE"; exact semantics:
-`moe_experts_ref` in k3c/ir/ops/model_moe.py), plain `@triton.jit` helpers a generator pastes into its modules."""
+"""What the MoE expert kernels share (dense `moe.py`, MXFP4 `moe_mxfp4.py`): the tile prologue over the sorted
+rows of one expert, and the gated activations (K3-SPEC.md "MLP and Stable LatentMoE"; exact semantics:
+`moe_experts_ref` in k3c/ir/ops/model_moe.py). Plain `@triton.jit` helpers a generator pastes into its modules."""
 
 import triton
 import triton.language as tl
@@ -27,3 +28,15 @@ def glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU: tl.constexpr):
     else:
         h = gate * tl.sigmoid(gate) * up
     return h
+
+
+@triton.jit
+def expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tile, BLOCK_M: tl.constexpr):
+    """The rows of tile `tile` of the `moe_schedule` (tokens sorted by expert, BLOCK_M rows a tile): its expert e
+    (E for an unused tile), the sorted-row offsets [BLOCK_M] and their mask, and each row's flat (token · K + slot)
+    index from `order` (0 where masked)."""
+    e = tl.load(tile_expert_ptr + tile)
+    offs_m = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < tl.load(tile_row_end_ptr + tile)
+    slot = tl.load(order_ptr + offs_m, mask=m_ok, other=0)
+    return e, offs_m, m_ok, slot

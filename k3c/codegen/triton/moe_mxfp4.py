@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3c.codegen.triton.moe_act import glu
+from k3c.codegen.triton.moe_act import expert_tile, glu
 
 
 def mx_default_config(rows: int, E: int) -> tuple:
@@ -185,12 +185,10 @@ def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_exp
     """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one tile of sorted rows and BLOCK_R intermediate columns. zp: z [N, D]
     `mx_permute`d by BLOCK_D; w1/w3 the packed bytes as i32 words [E, I, D/8], scales s1/s3 u8 [E, I, D/32];
     hp [N·k, I] written in `mx_permute` order of BLOCK_K2 (the down kernel's K tile)."""
-    tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile)
+    e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
+                                        BLOCK_M)
     if e < E:
-        offs_m = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < tl.load(tile_row_end_ptr + tile)
-        token = tl.load(order_ptr + offs_m, mask=m_ok, other=0) // K
+        token = slot // K
         offs_i = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         i_ok = offs_i < I
         rows = e.to(tl.int64) * I + offs_i
@@ -215,12 +213,9 @@ def moe_down_mx_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expe
                        BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_R output columns; hp [N·k, I] in
     `mx_permute` order of BLOCK_K2; w2 the packed bytes as i32 words [E, D, I/8], scales s2 u8 [E, D, I/32]."""
-    tile = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + tile)
+    e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
+                                        BLOCK_M)
     if e < E:
-        offs_m = tl.load(tile_row0_ptr + tile) + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < tl.load(tile_row_end_ptr + tile)
-        slot = tl.load(order_ptr + offs_m, mask=m_ok, other=0)           # flat (token · K + slot) index
         offs_n = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         n_ok = offs_n < D
         rows = e.to(tl.int64) * D + offs_n

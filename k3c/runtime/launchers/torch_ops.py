@@ -1,6 +1,7 @@
 """The launcher of the "library" and "view" backends: one op per launch, carried out by torch.
 
-Library ops (GEMMs, einsum, embedding, ...) write their result into the planned buffer; view ops bind a view of
+Library ops (GEMMs, einsum, embedding, ...) write their result into the planned buffer (directly where torch has an
+`out=` form: `library.INTO_OPS`, else through a copy); view ops bind a view of
 their input where they alias it (reshape, slice, ...) and copy only when the plan gave the value its own buffer;
 `cache_append` writes the new rows into the pool in place (`bind_caches`): at the frame's L, or at the device
 positions of a frame with device lengths (`k3c.runtime.frame`).
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from k3c.runtime.dims import evaluate
 from k3c.runtime.launchers import Launcher
-from k3c.runtime.library import ALIASING, run_op
+from k3c.runtime.library import ALIASING, run_op, run_op_into
 
 
 class TorchOpLauncher(Launcher):
@@ -30,7 +31,13 @@ class TorchOpLauncher(Launcher):
         dims = ln["dim_attrs"]
         attrs = {k: (v if k not in dims else [evaluate(x, frame.sizes) for x in v] if isinstance(v, list)
                      else evaluate(v, frame.sizes)) for k, v in ln["attrs"].items()}
-        for n, r in zip(ln["outputs"], run_op(ln["kind"], attrs, ins)):
+        outs = ln["outputs"]
+        if len(outs) == 1 and outs[0] in frame.offsets:
+            dst = frame.out(outs[0])
+            if run_op_into(ln["kind"], attrs, ins, dst):
+                env[outs[0]] = dst
+                return
+        for n, r in zip(outs, run_op(ln["kind"], attrs, ins)):
             dst = frame.out(n)
             if dst is not None and not (ln["kind"] in ALIASING and n not in frame.offsets):
                 dst.copy_(r)
