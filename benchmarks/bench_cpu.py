@@ -225,7 +225,8 @@ def main() -> None:
     floor = {b: need[b]["total"] / gbps / 1e9 for b in (1, 4)}
     result = {"config": f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, {c.num_experts} experts top-"
                         f"{c.num_experts_per_token}, vocab {c.vocab_size}, fp32",
-              "threads": torch.get_num_threads(), "load_average": os.getloadavg(), "tvm_imported": "tvm" in sys.modules, "read_gbps": gbps,
+              "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+              "tvm_imported": "tvm" in sys.modules, "read_gbps": gbps,
               "decode_bytes": {f"b{b}": v for b, v in need.items()},
               "decode_floor_s": {f"b{b}": v for b, v in floor.items()},
               "k3c_compile_s": compile_s, "phase_s": phases, "rows": rows}
