@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench_e2e import timed  # this directory: the script's own sys.path entry
+from e2e_measure import decode_tokens, timed  # this directory: the script's own sys.path entry
 
 FIRST = textwrap.dedent("""
     import cProfile, io, json, pstats, sys, time
@@ -70,7 +70,7 @@ def main():
         s = k3c.load(opts.out, "cuda", cuda_graphs=graphs)
         for B in (1, 8):
             s.reset()
-            tok = torch.zeros(B, 1, dtype=torch.long, device="cuda")
+            tok = decode_tokens(B, s.vocab)
 
             def step():
                 s.length, s.batch = a.context, B

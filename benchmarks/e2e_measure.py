@@ -1,0 +1,265 @@
+"""Measurement parts of `bench_e2e.py` (its module docstring says what each phase measures): the HBM floor and FLOP
+counts of the benchmark model, kernel-time profiles by kind, step timing, the eager baselines, per-launch transient
+memory, per-layer numerics, and the first-logits probe run in a fresh process. GPU only (torch.cuda)."""
+
+from __future__ import annotations
+
+import gc
+import textwrap
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+HBM_BPS = 4.2e12  # the H200's achievable HBM read rate, bytes/s (measured; see BENCHMARKS.md)
+
+
+def floor_bytes(cfg, weights: dict, B: int, L: int) -> int:
+    """Bytes one decode step at batch B and context L must move (module docstring, item 3)."""
+    E, k = cfg.num_experts, cfg.num_experts_per_token
+    touched = 1 - (1 - k / E) ** B  # expected share of the routed experts a batch of B tokens selects
+    total = 0
+    for name, t in weights.items():
+        nbytes = t.numel() * t.element_size()
+        if "embed_tokens" in name:
+            nbytes = B * t.shape[-1] * t.element_size()
+        elif ".experts." in name:
+            nbytes = int(nbytes * touched)
+        total += nbytes
+    H, K = cfg.kda_num_heads, cfg.kda_head_dim
+    for i in range(cfg.num_hidden_layers):
+        if cfg.layer_kind(i) == "kda":
+            total += 2 * B * (H * K * K + 3 * H * K * cfg.conv_kernel_size) * 4  # states read and written, fp32
+        else:
+            rows = min(L, cfg.index_topk) if cfg.layer_kind(i) == "dsa" else L
+            total += B * rows * cfg.mla_cache_width * 2
+            if cfg.layer_kind(i) == "dsa":
+                total += B * L * cfg.index_head_dim * 2
+    return total
+
+
+def matmul_flops_per_token(cfg, weights: dict) -> int:
+    """2 x the matmul weights one token multiplies with: every 2-D projection but the embedding (a gather), and
+    k of the E routed experts."""
+    n = 0
+    for name, t in weights.items():
+        if "embed_tokens" in name or t.dim() < 2 or "conv1d" in name:
+            continue
+        if name.endswith(".weight_scale"):      # MXFP4 experts: E8M0 scales, no multiplies of their own
+            continue
+        per = 2 if name.endswith(".weight_packed") else 1   # MXFP4: two E2M1 weights per byte
+        n += per * t.numel() * (cfg.num_experts_per_token / cfg.num_experts if ".experts." in name else 1)
+    return int(2 * n)
+
+
+def kind_of(kernel: str) -> str:
+    """The kind of a GPU kernel by its name: gemm (cuBLAS / CUTLASS), the k3c Triton kernels by model op, copies."""
+    k = kernel.lower()
+    for kind, keys in (("moe experts (Triton)", ("moe_up", "moe_down")), ("moe (Triton)", ("moe_",)),
+                       ("kda (Triton)", ("kda", "causal_conv", "roll_conv")),
+                       ("attention (Triton)", ("mla_attention", "mla_combine")),
+                       ("dsa indexer", ("dsa_score", "topk", "radix", "sort")), ("attn_res (Triton)", ("attn_res",)),
+                       ("pointwise / rowwise (Triton)", ("pointwise", "rowwise")),
+                       ("gemm (cuBLAS)", ("gemm", "cutlass", "xmma", "cublas", "splitk", "nvjet", "sm90_")),
+                       ("copy / fill", ("copy", "memcpy", "memset", "fill", "cat"))):
+        if any(x in k for x in keys):
+            return kind
+    return "other (torch)"
+
+
+def profile(fn) -> dict:
+    """Kernel time (ms) and launches per kernel kind of one call of `fn` (after a warm-up call), torch.profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    fn()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    out: dict[str, dict] = {}
+    names = []
+    for e in p.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us:
+            row = out.setdefault(kind_of(e.key), {"ms": 0.0, "launches": 0})
+            row["ms"] += us / 1e3
+            row["launches"] += e.count
+            names.append((e.count, round(us / 1e3, 4), e.key[:90]))
+    out = dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+    out["kernels_by_launches"] = sorted(names, reverse=True)[:40]  # (launches, ms, kernel name)
+    return out
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of `reps` calls of `fn`, each synchronised."""
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
+def eager_prefill(model, tokens, chunk: int):
+    """models/k3.py eager prefill of `tokens` [B,T] in chunks of `chunk` tokens (as k3c prefills: its max_prefill),
+    returning the last position's logits as k3c's prefill does (`logits="last"`): the body over every token, the
+    lm_head on the last row only. Whole-prompt eager at batch 16 x 2560 would not fit: its naive attention scores
+    are [16, 96, 2560, 2560] fp32 (37.5 GiB), and every row's logits 12.5 GiB that k3c never computes."""
+    cache = model.new_cache(tokens.shape[0], tokens.device)
+    for t0 in range(0, tokens.shape[1], chunk):
+        part = tokens[:, t0:t0 + chunk]
+        new_cache = {"pos": cache["pos"] + part.shape[1]}
+        hidden = model.model(part, cache, new_cache)
+        cache = new_cache
+    return model.lm_head(hidden[:, -1:])
+
+
+def load_second(ckpt: Path, art: Path, **bounds):
+    """Compile `ckpt` again for the H200 in bf16 at other `bounds` (CompileOptions fields) and load it, after the
+    memory the caller released is handed back to the device (collected, the allocator's cache emptied)."""
+    import k3c
+    from k3c.compile import CompileOptions, compile_model
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    compile_model(CompileOptions(str(ckpt), art, target="h200", dtype="bf16", **bounds))
+    return k3c.load(art, "cuda")
+
+
+def decode_tokens(B: int, vocab: int) -> torch.Tensor:
+    """long [B, 1] on the GPU: distinct random tokens, so the rows of a batch route to different experts (one
+    token repeated would route every row alike and read only k of the E experts, below `floor_bytes`)."""
+    return torch.randint(0, vocab, (B, 1), generator=torch.Generator().manual_seed(B)).cuda()
+
+
+class EagerDecode:
+    """models/k3.py eager at a fixed context: a cache of L zero rows (the values do not change the work)."""
+
+    def __init__(self, model, B: int, L: int):
+        self.model, self.cache = model, model.new_cache(B)
+        for key, v in self.cache.items():
+            if key.endswith((".kv", ".index_k")):
+                self.cache[key] = torch.zeros(B, L, v.shape[-1], dtype=v.dtype, device=v.device)
+        self.cache["pos"] = torch.tensor(L, device=self.cache["pos"].device)
+        self.tokens = decode_tokens(B, model.config.vocab_size)
+
+    @torch.no_grad()
+    def step(self):
+        return self.model(self.tokens, self.cache)[0]
+
+
+@contextmanager
+def launch_transients():
+    """Within the block, each launch's transient memory: the allocator's peak during the launch above what was
+    allocated before it (what the launch allocates beside its planned buffers: temporaries, copies), from the CUDA
+    allocator's counters (no synchronisation). Yields a dict: "peak" (bytes, the block's peak allocation, which
+    max_memory_allocated no longer gives: it is reset per launch) and, when the block ends, "largest" ([GiB, launch
+    name, kind, backend], largest first)."""
+    from k3c.runtime.frame import Frame
+
+    launch, rows, found = Frame.launch, {}, {"peak": torch.cuda.max_memory_allocated(), "largest": []}
+
+    def tracked(frame, ln):
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        launch(frame, ln)
+        peak = torch.cuda.max_memory_allocated()
+        found["peak"] = max(found["peak"], peak)
+        if peak - before > rows.get(ln["name"], (0,))[0]:
+            rows[ln["name"]] = (peak - before, ln["kind"], ln["backend"])
+
+    Frame.launch = tracked
+    try:
+        yield found
+    finally:
+        Frame.launch = launch
+        found["largest"] = [[round(b / 2**30, 3), name, kind, backend] for name, (b, kind, backend) in
+                            sorted(rows.items(), key=lambda kv: -kv[1][0])]
+
+
+def layer_errors(session, models: dict, prompt) -> dict:
+    """Per layer i, over one prefill of `prompt`: max |a−b| / max |b| of the input norm's output ("norm"), the
+    mixer's output after o_proj ("mixer") and the MLP / MoE output ("ffn"), k3c vs eager bf16, eager bf16 vs eager
+    fp32 and k3c vs eager fp32
+    (`models`: {"eager_bf16": model, "eager_fp32": model}); where the k3c error exceeds the eager band first is
+    where it arises. k3c's values are kept as its launches write them (`Frame.launch` wrapped: the values named
+    l<i>.input_layernorm[.n], l<i>.self_attn.o_proj, and the last [B,T,hidden] value of l<i>.mlp* /
+    l<i>.block_sparse_moe*), the eager ones by forward hooks."""
+    import re
+
+    from k3c.runtime.frame import Frame
+
+    acts: dict[str, dict] = {"k3c": {}, **{name: {} for name in models}}
+    pattern = re.compile(r"l(\d+)\.(input_layernorm|self_attn\.o_proj|mlp|block_sparse_moe)(\..+)?$")
+    part_of = {"input_layernorm": "norm", "self_attn.o_proj": "mixer", "mlp": "ffn", "block_sparse_moe": "ffn"}
+    launch = Frame.launch
+
+    def hidden_width(frame) -> int:
+        return frame.env["embed.embed_tokens"].shape[-1]
+
+    def keep(frame, ln):
+        launch(frame, ln)
+        for v in ln["outputs"]:
+            m, t = pattern.match(v), frame.env.get(v)
+            if m and (part_of[m[2]] != "ffn" or (t.dim() == 3 and t.shape[-1] == hidden_width(frame))):
+                acts["k3c"][f"{m[1]}.{part_of[m[2]]}"] = t.float().clone()
+
+    hooks = []
+    for name, model in models.items():
+        for i, layer in enumerate(model.model.layers):
+            ffn = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
+            for part, mod in (("norm", layer.input_layernorm), ("mixer", layer.self_attn), ("ffn", ffn)):
+                hooks.append(mod.register_forward_hook(
+                    lambda m, args, out, key=f"{i}.{part}", d=acts[name]: d.__setitem__(
+                        key, (out[0] if isinstance(out, tuple) else out).float().clone())))
+    Frame.launch = keep
+    try:
+        with torch.no_grad():
+            session.reset()
+            session.prefill(prompt)
+            for model in models.values():
+                model(prompt)
+    finally:
+        Frame.launch = launch
+        for h in hooks:
+            h.remove()
+        session.reset()
+
+    def rel(a, b, key):
+        x, y = acts[a].get(key), acts[b].get(key)
+        return float((x - y).abs().max() / y.abs().max()) if x is not None and y is not None else None
+
+    keys = sorted(set(acts["eager_bf16"]), key=lambda k: (int(k.split(".")[0]), k))
+    return {k: {"k3c_vs_eager_bf16": rel("k3c", "eager_bf16", k), "eager_bf16_vs_eager_fp32": rel(
+        "eager_bf16", "eager_fp32", k), "k3c_vs_eager_fp32": rel("k3c", "eager_fp32", k)} for k in keys}
+
+
+FIRST_LOGITS = textwrap.dedent("""
+    import cProfile, io, json, pathlib, pstats, sys, time
+    t0 = time.perf_counter()
+    import torch, triton, k3c
+    torch.zeros(1, device="cuda"); triton.runtime.driver.active.utils  # CUDA context, Triton's driver helpers
+    t1 = time.perf_counter()
+    s = k3c.load(sys.argv[1], "cuda")
+    torch.cuda.synchronize(); t2 = time.perf_counter()
+    tokens = torch.randint(0, s.vocab, (1, int(sys.argv[3])))
+    prof = cProfile.Profile()
+    prof.enable()
+    logits = s.prefill(tokens)
+    torch.cuda.synchronize(); t3 = time.perf_counter()
+    prof.disable()
+    s.reset(); s.prefill(tokens); torch.cuda.synchronize(); t4 = time.perf_counter()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+    compiled = sorted(str(p.name) for p in pathlib.Path(sys.argv[2]).rglob("*.llir"))
+    print(json.dumps({"process_setup_s": t1 - t0, "load_s": t2 - t1, "load_parts_s": s.load_seconds,
+                      "first_prefill_s": t3 - t2, "second_prefill_s": t4 - t3,
+                      "kernels_compiled": len(compiled), "compiled": compiled[:8],
+                      "kernel_files_installed": s.launchers["triton"].compiled_kernels,
+                      "logits_finite": bool(torch.isfinite(logits).all()),
+                      "first_prefill_profile": text.getvalue().splitlines()[:60]}))
+""")
