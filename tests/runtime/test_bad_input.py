@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import sys
 from unittest import mock
 
@@ -257,20 +258,29 @@ def test_edited_manifest_field_is_named(art, tmp_path, field, value):
     assert rc == 2 and f"manifest.json field {field}" in err
 
 
-def test_weights_of_another_build_are_named(art, bf16_art, tmp_path):
-    """Another build's weights with the manifest's hash updated: every weight is checked against schedule.json."""
+@pytest.mark.parametrize("mix", ["as_is", "shared_names"])
+def test_weights_of_another_build_are_named(art, bf16_art, tmp_path, mix):
+    """Another build's weights with the manifest's hash updated are checked against schedule.json, tensor by tensor:
+    the bf16 build's file as it is (its weights are grouped otherwise: fuse_gemms fuses linears reading one input,
+    and in bf16 the router reads an fp32 copy of the hidden state, so only the f32 build fuses the router with the
+    shared expert: that key is missing), and the f32 build's file with every tensor both builds share taken from the
+    bf16 one (same names, other dtype)."""
     import hashlib
-    import shutil
+
+    from safetensors.torch import load_file, save_file
 
     a = _copy(art / "art", tmp_path / "a")
-    shutil.copyfile(bf16_art / "weights" / "params.safetensors", a / "weights" / "params.safetensors")
-    digest = hashlib.sha256((a / "weights" / "params.safetensors").read_bytes()).hexdigest()
+    path = a / "weights" / "params.safetensors"
+    own, other = load_file(path), load_file(bf16_art / "weights" / "params.safetensors")
+    save_file(other if mix == "as_is" else {k: other.get(k, v) for k, v in own.items()}, path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
     _edit_json(a / "manifest.json", lambda m: m["files"].__setitem__("weights/params.safetensors", digest))
-    with pytest.raises(ArtifactError, match=r"params.safetensors: tensor '.+' is bfloat16 \[.*\], schedule.json "
-                                            r"expects float32"):
+    want = (r"params.safetensors: lacks tensor '.+' that schedule.json reads" if mix == "as_is" else
+            r"params.safetensors: tensor '.+' is bfloat16 \[.*\], schedule.json expects float32")
+    with pytest.raises(ArtifactError, match=want):
         k3c.load(a, "cpu")
     rc, err = k3c_cli("run", a, "--tokens", "1,2")
-    assert rc == 2 and "params.safetensors: tensor" in err and "schedule.json expects float32" in err
+    assert rc == 2 and re.search(want, err), err
 
 
 def test_plan_beyond_every_gpu_count_is_refused_unless_allowed(tmp_path):
