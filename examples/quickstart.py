@@ -61,7 +61,8 @@ def main() -> None:
         worst = max(worst, float((logits - want).abs().max() / want.abs().max()))
         tokens.append(int(logits[0, -1].argmax()))
     print(f"3. ran the artifact: greedy tokens {tokens}; max relative logit error vs models/k3.py {worst:.2e}; "
-          f"decode {sum(step_s) / max(1, len(step_s)) * 1e3:.1f} ms/step (native TVM kernels, decode GEMVs included; prefill GEMMs are torch calls)")
+          f"decode {sum(step_s) / max(1, len(step_s)) * 1e3:.1f} ms/step (native TVM kernels, GEMVs included; "
+          "prefill GEMMs are torch calls)")
 
 
 if __name__ == "__main__":
