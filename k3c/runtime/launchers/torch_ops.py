@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from k3c.runtime.dims import evaluate
 from k3c.runtime.launchers import Launcher
-from k3c.runtime.library import ALIASING, run_op, run_op_into
+from k3c.runtime.library import ALIASING, INTO_OPS, run_op, run_op_into
 
 
 class TorchOpLauncher(Launcher):
@@ -32,7 +32,7 @@ class TorchOpLauncher(Launcher):
         attrs = {k: (v if k not in dims else [evaluate(x, frame.sizes) for x in v] if isinstance(v, list)
                      else evaluate(v, frame.sizes)) for k, v in ln["attrs"].items()}
         outs = ln["outputs"]
-        if len(outs) == 1 and outs[0] in frame.offsets:
+        if ln["kind"] in INTO_OPS and len(outs) == 1 and outs[0] in frame.offsets:
             dst = frame.out(outs[0])
             if run_op_into(ln["kind"], attrs, ins, dst):
                 env[outs[0]] = dst
