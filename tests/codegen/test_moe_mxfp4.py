@@ -68,9 +68,11 @@ def test_scales_per_word(block_k):
     rule of the module docstring) lies in 32-value group (t·CC + cc) // 4 of the tile; masked rows read 127."""
     R, KDIM = 8, 1024
     CC = block_k // 32
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     s = torch.randint(0, 256, (R, KDIM // 32), dtype=torch.uint8)
-    out = torch.empty(KDIM // block_k, R, 4, CC, dtype=torch.uint8)
-    _scales_kernel[(1,)](s, out, R=R, KDIM=KDIM, BLOCK_K=block_k)
+    out = torch.empty(KDIM // block_k, R, 4, CC, dtype=torch.uint8, device=dev)
+    _scales_kernel[(1,)](s.to(dev), out, R=R, KDIM=KDIM, BLOCK_K=block_k)
+    out = out.cpu()
     want = torch.empty_like(out)
     for tile in range(KDIM // block_k):
         for t in range(4):

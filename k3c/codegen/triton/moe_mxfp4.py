@@ -18,9 +18,15 @@ Decoding a word (bf16 activations on the GPU: inline PTX, Hopper has no E2M1 con
 exponent and mantissa bits) moved to bf16 bits 15 (sign) and 8..6 (em) is the bf16 number code · 2^-126 (em < 2
 lands on bf16 subnormals, which `mul.bf16x2` keeps); TWO_MULS (the default): `mul.bf16x2` by 2^126, then by the
 scale, gives code · scale exactly for every E8M0 value; without, one `mul.bf16x2` by 2^(s_E8M0 − 1) = 2^126 · scale
-does, for s_E8M0 ≤ 128 only (2^(s − 1) overflows bf16 above). Two shifts, two masks, an or and two multiplies per
-bf16 pair, about 11 instructions per 8 weights; the assembly is elementwise (one word in, its 8 values out), so it
-does not depend on Triton's register layout. Elsewhere (fp32 activations; Triton's interpreter, which has no
+does, for s_E8M0 ≤ 128 only (2^(s − 1) overflows bf16 above). Per bf16 pair (SASS, sm_90): two shifts, two
+`LOP3` and two `HMUL2` (one without TWO_MULS), about 3 instructions per weight; the assembly is elementwise (one
+word in, its 8 values out), so it does not depend on Triton's register layout.
+
+Scales: a K tile's scale bytes are one contiguous [R, BLOCK_K/32] block per matrix (`mxfp4_scales`), which
+Triton's pipeliner streams through shared memory with the words (cp.async) and reads back in the layout the
+decoder wants; reshaped (no data movement) to one byte per word. A byte gather per word or per thread group is
+too narrow for cp.async: it became a synchronous global load plus a shared-memory layout conversion (two CTA
+barriers per matrix) in every K iteration, 12-16 % of the decode time (BENCHMARKS.md). Elsewhere (fp32 activations; Triton's interpreter, which has no
 inline assembly): `mxfp4_tile_f32` gathers the same tile's bytes and scales per element and decodes in fp32.
 
 Public API: `mx_default_config(rows, E)`, `mx_block_k(K)`, `mx_permute(x, block_k)`, the jit helpers and
