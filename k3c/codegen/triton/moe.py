@@ -314,5 +314,6 @@ def emit_moe_experts(group: KernelGroup) -> str:
     return _module(group, f"grouped expert GEMMs ({what})", consts,
                    [tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel, mx_default_config,
                     mx_block_k, mx_permute, mx_permuted_col, mxfp4_word_bf16, mxfp4_scales, mxfp4_tile_bf16,
-                    mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel, moe_schedule_kernel, moe_schedule],
+                    mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel,
+                    moe_schedule_kernel, moe_schedule],
                    launch_moe_experts, body)

@@ -20,14 +20,15 @@ lands on bf16 subnormals, which `mul.bf16x2` keeps); TWO_MULS (the default): `mu
 scale, gives code · scale exactly for every E8M0 value; without, one `mul.bf16x2` by 2^(s_E8M0 − 1) = 2^126 · scale
 does, for s_E8M0 ≤ 128 only (2^(s − 1) overflows bf16 above). Per bf16 pair (SASS, sm_90): two shifts, two
 `LOP3` and two `HMUL2` (one without TWO_MULS), about 3 instructions per weight; the assembly is elementwise (one
-word in, its 8 values out), so it does not depend on Triton's register layout.
+word in, its 8 values out), so it does not depend on Triton's register layout. Elsewhere (fp32 activations;
+Triton's interpreter, which has no inline assembly): `mxfp4_tile_f32` gathers the same tile's bytes and scales per
+element and decodes in fp32.
 
 Scales: a K tile's scale bytes are one contiguous [R, BLOCK_K/32] block per matrix (`mxfp4_scales`), which
 Triton's pipeliner streams through shared memory with the words (cp.async) and reads back in the layout the
 decoder wants; reshaped (no data movement) to one byte per word. A byte gather per word or per thread group is
 too narrow for cp.async: it became a synchronous global load plus a shared-memory layout conversion (two CTA
-barriers per matrix) in every K iteration, 12-16 % of the decode time (BENCHMARKS.md). Elsewhere (fp32 activations; Triton's interpreter, which has no
-inline assembly): `mxfp4_tile_f32` gathers the same tile's bytes and scales per element and decodes in fp32.
+barriers per matrix) in every K iteration, 7-14 % of the decode time (BENCHMARKS.md).
 
 Public API: `mx_default_config(rows, E)`, `mx_block_k(K)`, `mx_permute(x, block_k)`, the jit helpers and
 `moe_up_mx_kernel`, `moe_down_mx_kernel` (launched by `launch_moe_experts`).
@@ -115,11 +116,11 @@ def mxfp4_word_bf16(w, mult, TWO_MULS: tl.constexpr):
 
 @triton.jit
 def mxfp4_scales(s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr):
-    """The E8M0 scale bytes (u8; masked rows: 127) of the tile `mxfp4_weight_tile` decodes, in the layout its
-    decoder takes them: FAST, one per packed word [R, 4, CC] (word (t, cc) of a row lies in group (t·CC + cc) / 4),
-    the words' own index shape, so no layout conversion sits between the two loads; else one per element
-    [R, BLOCK_K] in the kernels' K order. A separate load so the kernels can issue it one K tile ahead (these
-    byte loads are too narrow for Triton's cp.async pipelining, and their latency would stall every iteration)."""
+    """The E8M0 scale bytes (u8; rows masked off by r_ok: 127) of the tile `mxfp4_weight_tile` decodes (rows i64
+    [R], in-row columns k0 : k0+BLOCK_K of scales u8 [.., KDIM/32]), in the shape its decoder takes them. FAST: one
+    per packed word, [R, 4, CC] (CC = BLOCK_K/32; word (t, cc) of the module docstring lies in 32-value group
+    (t·CC + cc) // 4), loaded as the contiguous [R, CC] block and reshaped, so Triton's pipeliner streams it with
+    the words (module docstring, "Scales"); else one per element, [R, BLOCK_K] in the kernels' K order."""
     CC: tl.constexpr = BLOCK_K // 32
     base = rows * (KDIM // 32) + k0 // 32
     if FAST:
