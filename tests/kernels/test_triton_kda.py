@@ -219,6 +219,46 @@ def test_chunk_state_pass_split_over_v(lengths):
         assert_close(run["conv_state"][b:b + 1], C_ref, f"conv state row {b}")
 
 
+def as_fused_views(acts):
+    """The activations as column views of one [B, T, N] buffer, like `fuse_gemms`' split of one GEMM output: each
+    keeps a row stride of N elements (and N*T between batch rows), none is contiguous."""
+    order = ("q_in", "beta_logits", "k_in", "gate_logits", "v_in", "f")
+    B, T, _ = acts["q_in"].shape
+    buf = torch.cat([acts[k] for k in order] + [torch.full((B, T, 3), float("nan"))], -1)
+    views = dict(zip(order, torch.split(buf, [acts[k].shape[-1] for k in order] + [3], -1)))
+    assert not any(v.is_contiguous() for v in views.values())
+    return views
+
+
+@pytest.mark.parametrize("method", ["decode", "recurrent", "chunk"])
+def test_row_strided_inputs_equal_contiguous(method):
+    # the kernels read row-strided views in place (no copy): same results, bit for bit, as contiguous inputs
+    T = 1 if method == "decode" else 19
+    acts, weights, state = make_inputs(2, T, 2, 60, seed=41)
+    views = as_fused_views(acts)
+    runs = []
+    for a in (acts, views):
+        st = clone(state)
+        if method == "decode":
+            y = kda_decode(**{k: v[:, 0] for k, v in a.items()}, **weights, **st, block_v=32)
+        else:
+            y = kda_prefill(**a, **weights, **st, method=method, block_v=16)
+        runs.append((y, st))
+    (y0, st0), (y1, st1) = runs
+    assert y1.is_contiguous() and torch.equal(y1, y0), "y"
+    assert torch.equal(st1["state"], st0["state"]) and torch.equal(st1["conv_state"], st0["conv_state"])
+
+
+def test_decode_state_prefetch_equals_default():
+    acts, weights, state = make_inputs(2, 1, 2, 60, seed=43)
+    runs = []
+    for prefetch in (False, True):
+        st = clone(state)
+        runs.append((kda_decode(**{k: v[:, 0] for k, v in acts.items()}, **weights, **st, block_v=32,
+                                prefetch_state=prefetch), st))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1]["state"], runs[1][1]["state"])
+
+
 @pytest.mark.parametrize("n_accepted", [0, 1, 5, [0, 3]])
 @pytest.mark.parametrize("method", ["recurrent", "chunk"])
 def test_spec_replay_equals_running_accepted_tokens(n_accepted, method):

@@ -40,6 +40,7 @@ GATE_KINDS = {"lower_bound": 0, "softplus": 1}
 CHUNK = 16            # tokens per chunk of the chunked prefill (one tensor-core tile)
 DECODE_TILE_BYTES = 16384  # state bytes per decode program: block_v = 32 (fp32) / 64 (bf16) at D = 128, the fastest
                            # on an H200 at B = 16 and 64 (BENCHMARKS.md, KDA decode); num_warps = block_v / 16
+DECODE_PREFETCH_MAX_PROGRAMS = 0  # decode grids up to this size load the state before the front end
 CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
 CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| across one chunk for which exp(r - gc) stays finite in fp32
@@ -116,11 +117,14 @@ def _decode_scratch(device, rows, D):
 
 def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
                 o_norm_weight, state, conv_state, *, gate_kind, lower_bound, eps, lengths, state_out,
-                conv_state_out, store_output, num_warps, block_v=None):
+                conv_state_out, store_output, num_warps, block_v=None, prefetch_state=None, y_out=None):
     """Check shapes/devices and launch the `mode` kernels ("decode": T = 1, split over V; "recurrent": token loop
     over the (B, H) grid; "chunk": chunk-parallel prep + state pass split over V + norm epilogue); returns y or None.
     block_v: value columns per program of the decode / chunk state kernels (None: DECODE_TILE_BYTES of state per
-    decode program / CHUNK_BLOCK_V)."""
+    decode program / CHUNK_BLOCK_V). prefetch_state: decode issues the state load before its front end (None:
+    when the grid has at most DECODE_PREFETCH_MAX_PROGRAMS programs). Activations may be row-strided views (any
+    batch / token strides, dense last dim); y is returned contiguous, in y_out when given (a contiguous tensor of
+    q_in's shape and dtype)."""
     if q_in.dim() != 3:
         raise RuntimeInputError(f"KDA: q_in must be [B, T, H*D], got {tuple(q_in.shape)}")
     B, T, HD = q_in.shape
@@ -157,26 +161,40 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
         raise RuntimeInputError(f"KDA decode: one token per row and no lengths, got T={T}")
     if lengths is not None:
         lengths = torch.as_tensor(lengths, device=q_in.device).to(torch.int32).reshape(-1).expand(B).contiguous()
-    y = torch.empty_like(q_in) if store_output else None
+    if y_out is not None and (tuple(y_out.shape) != (B, T, HD) or y_out.dtype != q_in.dtype
+                              or not y_out.is_contiguous()):
+        raise RuntimeInputError(f"KDA: y_out must be contiguous {q_in.dtype} {(B, T, HD)}, got "
+                                f"{y_out.dtype} {tuple(y_out.shape)} strides {y_out.stride()}")
+    if store_output and y_out is None:
+        y_out = torch.empty(q_in.shape, dtype=q_in.dtype, device=q_in.device)
+    y = y_out if store_output else None
     BD = triton.next_power_of_2(D)
     BW = triton.next_power_of_2(W)
-    c = [t.contiguous() for t in (q_in, k_in, v_in, f, gate_logits, beta_logits, conv_w_q, conv_w_k, conv_w_v,
-                                  A_log, dt_bias, o_norm_weight)]
+    # activations keep their row strides (column views of a fused projection output); only the last dim must be
+    # dense. q, k, v, f, gate, beta and their (batch, token) strides:
+    q_in, k_in, v_in, f, gate_logits, beta_logits = acts = [
+        t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+        for t in (q_in, k_in, v_in, f, gate_logits, beta_logits)]
+    st = {name: (t.stride(0), t.stride(1)) for name, t in zip("qkvfgb", acts)}
+    conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias, o_norm_weight = wts = [
+        t.contiguous() for t in (conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias, o_norm_weight)]
     has_len = lengths is not None
-    lens = lengths if has_len else c[0]
+    lens = lengths if has_len else q_in
     gate = dict(GATE_KIND=GATE_KINDS[gate_kind], LOWER_BOUND=float(lower_bound))
     if mode == "decode":
         BV = min(BD, block_v or max(16, DECODE_TILE_BYTES // (BD * state.element_size())))
         NV = triton.cdiv(D, BV)
-        o_part, counters = _decode_scratch(q_in.device, B * H, D) if NV > 1 else (c[0], c[0])
+        o_part, counters = _decode_scratch(q_in.device, B * H, D) if NV > 1 else (q_in, q_in)
+        prefetch = NV * H * B <= DECODE_PREFETCH_MAX_PROGRAMS if prefetch_state is None else prefetch_state
         kda_decode_kernel[(NV, H, B)](
-            *c, state, state_out, conv_state, conv_state_out, y, o_part, counters, H=H, D=D, W=W, BD=BD, BW=BW,
-            BV=BV, NV=NV, EPS=float(eps), SCALE=D ** -0.5, num_warps=num_warps or max(1, BV // 16), **gate)
+            *acts, *wts, state, state_out, conv_state, conv_state_out, y, o_part, counters,
+            *(st[n][0] for n in "qkvfgb"), H=H, D=D, W=W, BD=BD, BW=BW, BV=BV, NV=NV, EPS=float(eps),
+            SCALE=D ** -0.5, PREFETCH_STATE=bool(prefetch), num_warps=num_warps or max(1, BV // 16), **gate)
     elif mode == "recurrent":
         kda_recurrent_kernel[(B, H)](
-            *c, state, state_out, conv_state, conv_state_out, y if store_output else c[0], lens, T, H=H, D=D, W=W,
-            BD=BD, BW=BW, EPS=float(eps), SCALE=D ** -0.5, HAS_LENGTHS=has_len, STORE_Y=store_output,
-            num_warps=num_warps or (4 if BD <= 64 else 8),
+            *acts, *wts, state, state_out, conv_state, conv_state_out, y if store_output else q_in, lens, T,
+            *(s for n in "qkvfgb" for s in st[n]), H=H, D=D, W=W, BD=BD, BW=BW, EPS=float(eps), SCALE=D ** -0.5,
+            HAS_LENGTHS=has_len, STORE_Y=store_output, num_warps=num_warps or (4 if BD <= 64 else 8),
             num_stages=1,  # no software pipelining of the token loop: 3 stages need 476 KB smem at D=128
             **gate)
     else:
@@ -187,22 +205,24 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
         ws_p = torch.empty(B, H, NC, CHUNK, CHUNK, dtype=q_in.dtype, device=q_in.device)
         ws_glast = torch.empty(B, H, NC, D, dtype=torch.float32, device=q_in.device)
         kda_chunk_prep_kernel[(NC, H, B)](
-            *c[:4], c[5], *c[6:11], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, T, NC, H=H, D=D,
-            W=W, BD=BD, SCALE=D ** -0.5, HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1,
-            INV_PRECISION="ieee", DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
+            q_in, k_in, v_in, f, beta_logits, *wts[:5], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p,
+            ws_glast, T, NC, *(s for n in "qkvfb" for s in st[n]), H=H, D=D, W=W, BD=BD, SCALE=D ** -0.5,
+            HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1, INV_PRECISION="ieee",
+            DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
         BV = min(BD, block_v or CHUNK_BLOCK_V)
         fuse = BV == BD
         o_buf = y if fuse or not store_output else torch.empty(B, T, HD, dtype=torch.float32, device=q_in.device)
         kda_chunk_state_kernel[(triton.cdiv(D, BV), H, B)](
-            ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, c[0], c[1], c[2], c[4], c[11], state, state_out, conv_state,
-            conv_state_out, o_buf if store_output else c[0], lens, T, NC, H=H, D=D, W=W, BD=BD, BW=BW, BV=BV,
-            EPS=float(eps), HAS_LENGTHS=has_len, STORE_Y=store_output, FUSE_NORM=fuse, BT=CHUNK,
-            DOT_PRECISION=dot, num_warps=num_warps or 4, num_stages=2)
+            ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, q_in, k_in, v_in, gate_logits, o_norm_weight, state,
+            state_out, conv_state, conv_state_out, o_buf if store_output else q_in, lens, T, NC,
+            *(s for n in "qkvg" for s in st[n]), H=H, D=D, W=W, BD=BD, BW=BW, BV=BV, EPS=float(eps),
+            HAS_LENGTHS=has_len, STORE_Y=store_output, FUSE_NORM=fuse, BT=CHUNK, DOT_PRECISION=dot,
+            num_warps=num_warps or 4, num_stages=2)
         if store_output and not fuse:
             rows = 16
             kda_norm_gate_kernel[(triton.cdiv(T * H, rows), B)](
-                o_buf, c[4], c[11], y, lens, T, H=H, D=D, BD=BD, EPS=float(eps), HAS_LENGTHS=has_len, BR=rows,
-                num_warps=4)
+                o_buf, gate_logits, o_norm_weight, y, lens, T, *st["g"], H=H, D=D, BD=BD, EPS=float(eps),
+                HAS_LENGTHS=has_len, BR=rows, num_warps=4)
     return y
 
 
@@ -247,7 +267,7 @@ def kda_prefill(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_
 
 def kda_decode(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
                o_norm_weight, state, conv_state, *, gate_kind="lower_bound", lower_bound=-5.0, eps=1e-5,
-               num_warps=None, block_v=None):
+               num_warps=None, block_v=None, prefetch_state=None):
     """One fused KDA decode step (one kernel launch): conv-state roll + conv + silu + l2norm + gate + beta +
     recurrence + RMSNorm + sigmoid gate, with state [B, H, D, D] (fp32 or bf16) and conv_state [B, 3*H*D, W]
     updated in place. The value dim is split over cdiv(D, block_v) programs per head (default: DECODE_TILE_BYTES of
@@ -263,7 +283,7 @@ def kda_decode(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k
     y = _launch_kda("decode", q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k,
                     conv_w_v, A_log, dt_bias, o_norm_weight, state, conv_state, gate_kind=gate_kind,
                     lower_bound=lower_bound, eps=eps, lengths=None, state_out=None, conv_state_out=None,
-                    store_output=True, num_warps=num_warps, block_v=block_v)
+                    store_output=True, num_warps=num_warps, block_v=block_v, prefetch_state=prefetch_state)
     return y.reshape(shape)
 
 
@@ -368,6 +388,7 @@ def emit_source(spec):
         f"CONV_SIZE = {W}  # short_conv_kernel_size\nGATE_KIND = {gate_kind!r}\n"
         f"LOWER_BOUND = {lower_bound!r}  # linear_attn_config.gate_lower_bound\nEPS = {eps!r}  # rms_norm_eps\n"
         f"GATE_KINDS = {GATE_KINDS!r}\nCHUNK = {CHUNK}\nDECODE_TILE_BYTES = {DECODE_TILE_BYTES}\n"
+        f"DECODE_PREFETCH_MAX_PROGRAMS = {DECODE_PREFETCH_MAX_PROGRAMS}\n"
         f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n_DECODE_SCRATCH = {{}}\n")
     parts = [header]
     parts += [inspect.getsource(fn.fn) for fn in _common.HELPERS]

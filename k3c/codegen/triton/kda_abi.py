@@ -12,7 +12,10 @@ own `launch(q_in, ...)` is renamed `kda_family_launch`. The ABI `launch` maps th
 
 T == 1 (decode) runs the split-V decode kernel, like `kda.kda_decode`; T > 1 (prefill) runs the chunked
 kernels when the gate is safely bounded and T ≥ 16, else the token loop, like `kda.kda_prefill(method="auto")`.
-The state outputs may be the very tensors of the state inputs (in-place update) or separate ones. Conv weights
+The state outputs may be the very tensors of the state inputs (in-place update) or separate ones. The six
+activations may be row-strided views (any batch / token strides, dense last dim: in decode, the column views of
+the one GEMM output `fuse_gemms` makes of the projections); the module lists their positions in `STRIDED_INPUTS`,
+so that the runtime's Triton launcher passes them without a copy. Conv weights
 [H·K,1,W] are viewed as [H·K,W]; non-fp32 weights or conv state are converted (the kernels take fp32), a converted
 conv state is copied back.
 
@@ -48,11 +51,14 @@ def launch(inputs, outputs, sizes):
     conv_in = conv_state if conv_state.dtype == torch.float32 else conv_state.float()
     conv_dst = conv_out if conv_out.dtype == torch.float32 else conv_in
     mode = "decode" if T == 1 else "chunk" if CHUNKED and T >= CHUNK_MIN_TOKENS else "recurrent"
+    direct = y.is_contiguous() and y.dtype == q.dtype      # the kernels write y in place
     y_new = _launch_kda(mode, q, k, v, f, beta, gate,
                         *conv_w, A_log.reshape(-1).float(), dt_bias.reshape(-1).float(), o_norm.float(), state,
                         conv_in, gate_kind=GATE_KIND, lower_bound=LOWER_BOUND, eps=EPS, lengths=None,
-                        state_out=state_out, conv_state_out=conv_dst, store_output=True, num_warps=None)
-    y.copy_(y_new)
+                        state_out=state_out, conv_state_out=conv_dst, store_output=True, num_warps=None,
+                        y_out=y if direct else None)
+    if not direct:
+        y.copy_(y_new)
     if conv_dst is not conv_out:
         conv_out.copy_(conv_dst)
 '''
@@ -83,6 +89,8 @@ def emit_kda_fused(group: KernelGroup) -> str:
     lines += [f"INPUT_POSITIONS = {ip!r}  # group inputs of (q, k, v, f, beta, gate, q_conv, k_conv, v_conv, "
               "A_log, dt_bias, o_norm, state, conv_state)",
               f"OUTPUT_POSITIONS = {op!r}  # group outputs of (y, state, conv_state)",
+              f"STRIDED_INPUTS = {tuple(sorted(ip[:6]))!r}  # q, k, v, f, beta, gate: passed with their row strides "
+              "(the launcher does not copy them)",
               f"CHUNKED = {chunked!r}  # gate safely bounded: prefill may use the 16-token chunk kernel",
               f"CHUNK_MIN_TOKENS = {CHUNK}  # fewer tokens: token loop (as kda.kda_prefill, method='auto')", ""]
     return "\n".join(lines) + "\n" + text + _ABI_LAUNCH
