@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from k3c.codegen.triton import emitter, module_header
 from k3c.codegen.triton.attention import one_node
-from k3c.codegen.triton.kda import CHUNK, SAFE_LOG_DECAY, emit_source
+from k3c.codegen.triton.kda import CHUNK, chunk_is_safe, emit_source
 from k3c.errors import UnsupportedError
 from k3c.ir.kernels import KernelGroup
 
@@ -73,8 +73,7 @@ def emit_kda_fused(group: KernelGroup) -> str:
     """
     node, ip, op = one_node(group, "kda_fused")
     a = node.attrs
-    # the chunk kernel is exact only while a chunk's cumulative log-decay stays above -SAFE_LOG_DECAY
-    chunked = a["gate"] == "lower_bound" and (CHUNK - 1) * abs(float(a["lower_bound"])) <= SAFE_LOG_DECAY
+    chunked = chunk_is_safe(a["gate"], a["lower_bound"])  # bounded gates only (kda_chunk docstring)
     spec = {"family": "prefill", "heads": a["heads"], "head_dim": a["head_dim"],
             "conv_size": int(node.inputs[6].type.shape[2]), "gate_kind": a["gate"],
             "lower_bound": float(a["lower_bound"]), "eps": float(a["eps"]), "ir_nodes": group.ir_nodes,
@@ -91,6 +90,6 @@ def emit_kda_fused(group: KernelGroup) -> str:
               f"OUTPUT_POSITIONS = {op!r}  # group outputs of (y, state, conv_state)",
               f"STRIDED_INPUTS = {tuple(sorted(ip[:6]))!r}  # q, k, v, f, beta, gate: passed with their row strides "
               "(the launcher does not copy them)",
-              f"CHUNKED = {chunked!r}  # gate safely bounded: prefill may use the 16-token chunk kernel",
+              f"CHUNKED = {chunked!r}  # gate safely bounded: prefill may use the {CHUNK}-token chunk kernel",
               f"CHUNK_MIN_TOKENS = {CHUNK}  # fewer tokens: token loop (as kda.kda_prefill, method='auto')", ""]
     return "\n".join(lines) + "\n" + text + _ABI_LAUNCH

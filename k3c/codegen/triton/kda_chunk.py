@@ -4,7 +4,7 @@ Within a chunk of BT tokens (positions i, j; gc = cumulative log-decay inside th
 "KDA layer", chunk algorithm of Kimi Linear / FLA chunk_kda):
 
     A[i, j] = beta_i * sum_d k_i[d] k_j[d] exp(gc_i[d] - gc_j[d])        (j < i, else 0)
-    Tinv    = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8)           (A nilpotent: A^16 = 0)
+    Tinv    = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(BT/2))   (A nilpotent: A^BT = 0)
     Wm      = Tinv @ (beta * Gamma * K)      U0 = Tinv @ (beta * V)
     P[i, j] = sum_d q_i k_j exp(gc_i - gc_j)  (j <= i)
 and across chunks, with S the state at the chunk start ([D, D], key dim first):
@@ -22,9 +22,11 @@ Kernels (launched in this order by `k3c.codegen.triton.kda._launch_kda`):
                           rolls the conv state (after the prep kernel has read it). With BV = D it also applies
                           the RMSNorm + sigmoid gate and writes y; otherwise O goes to an fp32 buffer and
   kda_norm_gate_kernel    grid (row blocks, B) writes y = RMSNorm_per_head(O) * sigmoid(gate).
-exp(gc_i - gc_j) is split as exp(gc_i - r) * exp(r - gc_j) with r the chunk's first row so that both factors are
-matrix operands; with the K3 lower bound (g > LOWER_BOUND = -5) a 16-token chunk keeps r - gc_j < 15 * 5 = 75, so
-exp stays finite in fp32 (the launcher sends unbounded gates to the recurrent kernel instead).
+exp(gc_i - gc_j) is split as exp(gc_i - r) * exp(r - gc_j) with r the gc of the chunk's middle row REF =
+(BT - 1) // 2, so that both factors are matrix operands; with the K3 lower bound (g > LOWER_BOUND = -5) every
+factor of a needed entry (j <= i) stays below exp(max(REF, BT - 1 - REF) * 5): exp(40) at BT = 16, exp(80) at
+BT = 32, finite in fp32 (the launcher sends unbounded gates to the recurrent kernel instead). Entries j > i with
+i < r < j can overflow; they are masked away.
 """
 
 import triton
@@ -63,6 +65,7 @@ def kda_chunk_prep_kernel(
     h = tl.program_id(1)
     b = tl.program_id(2)
     HD: tl.constexpr = H * D
+    REF: tl.constexpr = (BT - 1) // 2                   # decay reference row r (module docstring)
     n = T
     if HAS_LENGTHS:
         n = tl.load(lengths + b)
@@ -93,16 +96,17 @@ def kda_chunk_prep_kernel(
     beta = tl.where(valid, tl.sigmoid(beta), 0.0)
 
     gc = tl.cumsum(g, 0)                                            # padded rows have g = 0
-    g_ref = tl.sum(tl.where(i_t[:, None] == 0, gc, 0.0), 0)        # r: first row
+    g_ref = tl.sum(tl.where(i_t[:, None] == REF, gc, 0.0), 0)      # r
     g_last = tl.sum(tl.where(i_t[:, None] == BT - 1, gc, 0.0), 0)
-    decay_in = tl.exp(gc - g_ref[None, :])                          # <= 1
-    k_out = k * tl.exp(g_ref[None, :] - gc)                         # <= exp(-(BT-1) * LOWER_BOUND)
+    decay_in = tl.exp(gc - g_ref[None, :])                          # <= exp(REF * |LOWER_BOUND|)
+    k_out = k * tl.exp(g_ref[None, :] - gc)                         # <= exp((BT - 1 - REF) * |LOWER_BOUND|)
+    # entries j > i may overflow to inf / nan (exp(gc_i - r) * exp(r - gc_j) with i < r < j): masked to 0
     A = tl.dot(k * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
     A = tl.where(lower, A * beta[:, None], 0.0)
     P = tl.dot(q * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
     P = tl.where(lower | diag, P, 0.0)
 
-    # (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)(I + A^8): A strictly lower triangular, A^BT = 0.
+    # (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)...: A strictly lower triangular, A^BT = 0.
     power = A
     Tinv = tl.where(diag, 1.0, 0.0) - A
     for _ in tl.static_range(LOG2_BT - 1):

@@ -7,8 +7,9 @@ L2 hits) and its own value slice of v, then the delta-rule step of K3-SPEC.md "K
 
     S' = Diag(exp g) S ;  u = beta (v - S'^T k) ;  S = S' + k u^T ;  o = S^T q
 
-The state tile is read and written once with V-contiguous rows (BV * 4 bytes per row: coalesced 128-byte lines at
-BV = 32), which is the whole HBM traffic that matters. The per-head RMSNorm needs all D values of o, so the slices
+The state tile is read and written once with V-contiguous rows (BV elements per row: 256-byte lines at BV = 64
+fp32), which is the whole HBM traffic that matters. The activations are read through their batch-row strides, so
+the column views of one fused projection output need no copy. The per-head RMSNorm needs all D values of o, so the slices
 meet through a last-arriver reduction: each program stores its o slice (fp32) to `o_part`, then increments the
 head's counter (acq_rel atomic); the program that sees NV - 1 reads the complete o (L1-bypassing loads), writes
 y = RMSNorm(o) * sigmoid(gate) for the head, writes the q/k conv state (every program of the head has read the old
@@ -48,7 +49,6 @@ def kda_decode_kernel(
     BV: tl.constexpr, NV: tl.constexpr,   # value columns per program, programs per head (NV = cdiv(D, BV))
     GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, EPS: tl.constexpr,
     SCALE: tl.constexpr,                  # q scale D^-0.5 (K3-SPEC)
-    PREFETCH_STATE: tl.constexpr,         # issue the state load before the front end (latency-bound grids)
 ):
     pid_v = tl.program_id(0)
     h = tl.program_id(1)
@@ -67,11 +67,6 @@ def kda_decode_kernel(
     conv_k = b.to(tl.int64) * 3 * HD * W + (1 * HD + h * D) * W
     conv_v = b.to(tl.int64) * 3 * HD * W + (2 * HD + h * D) * W
 
-    s_off = bh * D * D + i_k[:, None] * D + i_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :]
-    if PREFETCH_STATE:                                    # in flight while the front end computes
-        S_raw = tl.load(state_in + s_off, mask=m_s, other=0.0)
-
     # Front end (K3-SPEC "KDA layer"): the W-input windows are also the new conv states.
     win_q = conv_window(q_in + b64 * s_q + h * D, conv_in + conv_q, 0, i_k, m_k, HD, W, BW)
     win_k = conv_window(k_in + b64 * s_k + h * D, conv_in + conv_k, 0, i_k, m_k, HD, W, BW)
@@ -87,9 +82,9 @@ def kda_decode_kernel(
     beta = tl.sigmoid(tl.load(beta_in + b64 * s_beta + h).to(tl.float32))
 
     # Delta-rule step on the [D, BV] tile.
-    if not PREFETCH_STATE:
-        S_raw = tl.load(state_in + s_off, mask=m_s, other=0.0)
-    S = S_raw.to(tl.float32) * tl.exp(g)[:, None]
+    s_off = bh * D * D + i_k[:, None] * D + i_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    S = tl.load(state_in + s_off, mask=m_s, other=0.0).to(tl.float32) * tl.exp(g)[:, None]
     u = beta * (v - tl.sum(k[:, None] * S, 0))
     S = S + k[:, None] * u[None, :]
     o = tl.sum(q[:, None] * S, 0)
