@@ -324,8 +324,8 @@ def test_kda_fused(gate, T, tmp_path):
 
 @pytest.mark.parametrize("T", [1, 17])
 def test_kda_fused_row_strided_activations(T, tmp_path):
-    """The six activations as column views of one buffer (decode after `fuse_gemms`): the module lists them in
-    STRIDED_INPUTS and gives the same outputs, bit for bit, as for contiguous copies."""
+    """The six activations as column views of one buffer (decode after `fuse_gemms`): the module takes views
+    (TAKES_VIEWS) and gives the same outputs, bit for bit, as for contiguous copies."""
     gen = torch.Generator().manual_seed(5)
     B, H, K, W = 2, 2, 8, 4
     HK = H * K
@@ -339,7 +339,7 @@ def test_kda_fused_row_strided_activations(T, tmp_path):
         [((H,), "f32"), ((HK,), "f32"), ((K,), "f32"), ((B, H, K, K), "f32"), ((B, 3 * HK, W), "f32")]
     group = one_node_group("kda_fused", types, {"heads": H, "head_dim": K, "gate": "lower_bound"})
     module = load(kda_abi.emit_kda_fused(group), tmp_path / "kda_strided.py", f"gen_kda_strided_{T}")
-    assert module.STRIDED_INPUTS == (0, 1, 2, 3, 4, 5)
+    assert module.TAKES_VIEWS is True
     results = []
     for acts in (views, [v.contiguous() for v in views]):
         st = [t.clone() for t in state]

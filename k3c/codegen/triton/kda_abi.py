@@ -14,8 +14,8 @@ T == 1 (decode) runs the split-V decode kernel, like `kda.kda_decode`; T > 1 (pr
 kernels when the gate is safely bounded and T ≥ 16, else the token loop, like `kda.kda_prefill(method="auto")`.
 The state outputs may be the very tensors of the state inputs (in-place update) or separate ones. The six
 activations may be row-strided views (any batch / token strides, dense last dim: in decode, the column views of
-the one GEMM output `fuse_gemms` makes of the projections); the module lists their positions in `STRIDED_INPUTS`,
-so that the runtime's Triton launcher passes them without a copy. Conv weights
+the one GEMM output `fuse_gemms` makes of the projections): the module declares `TAKES_VIEWS`, so that the runtime's
+Triton launcher passes them without a copy (other inputs are made contiguous here where they are not). Conv weights
 [H·K,1,W] are viewed as [H·K,W]; non-fp32 weights or conv state are converted (the kernels take fp32), a converted
 conv state is copied back.
 
@@ -48,7 +48,8 @@ def launch(inputs, outputs, sizes):
     y, state_out, conv_out = [outputs[i] for i in OUTPUT_POSITIONS]
     T = q.shape[1]
     conv_w = [w.reshape(w.shape[0], w.shape[-1]).float() for w in (q_conv, k_conv, v_conv)]
-    conv_in = conv_state if conv_state.dtype == torch.float32 else conv_state.float()
+    state = state.contiguous()
+    conv_in = conv_state.contiguous() if conv_state.dtype == torch.float32 else conv_state.float().contiguous()
     conv_dst = conv_out if conv_out.dtype == torch.float32 else conv_in
     mode = "decode" if T == 1 else "chunk" if CHUNKED and T >= CHUNK_MIN_TOKENS else "recurrent"
     direct = y.is_contiguous() and y.dtype == q.dtype      # the kernels write y in place
@@ -84,12 +85,11 @@ def emit_kda_fused(group: KernelGroup) -> str:
     text = text.replace(_ERRORS_IMPORT, _LOCAL_ERRORS).replace("\ndef launch(", "\ndef kda_family_launch(")
     if "k3c." in "".join(ln for ln in text.splitlines() if ln.lstrip().startswith(("import ", "from "))):
         raise UnsupportedError(f"{group.name}: the KDA kernel text imports k3c")
-    lines = module_header(group, f"fused KDA mixer ({a['gate']} gate), decode/prefill by T", __name__)
+    lines = module_header(group, f"fused KDA mixer ({a['gate']} gate), decode/prefill by T", __name__,
+                          takes_views=True)
     lines += [f"INPUT_POSITIONS = {ip!r}  # group inputs of (q, k, v, f, beta, gate, q_conv, k_conv, v_conv, "
               "A_log, dt_bias, o_norm, state, conv_state)",
               f"OUTPUT_POSITIONS = {op!r}  # group outputs of (y, state, conv_state)",
-              f"STRIDED_INPUTS = {tuple(sorted(ip[:6]))!r}  # q, k, v, f, beta, gate: passed with their row strides "
-              "(the launcher does not copy them)",
               f"CHUNKED = {chunked!r}  # gate safely bounded: prefill may use the {CHUNK}-token chunk kernel",
               f"CHUNK_MIN_TOKENS = {CHUNK}  # fewer tokens: token loop (as kda.kda_prefill, method='auto')", ""]
     return "\n".join(lines) + "\n" + text + _ABI_LAUNCH

@@ -6,9 +6,7 @@ Triton reads a kernel's source from its file, and a .k3c archive has none. On a 
 artifact ships for the running Triton and GPU (`k3c finalize`) are installed into Triton's cache first
 (`k3c.runtime.kernel_cache`), so no kernel is compiled at load; `compiled_kernels` counts the files installed.
 On a CPU device the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set before Triton is imported).
-Inputs are passed contiguous (a copy where the value is a strided view), except the positions a module lists in
-its `STRIDED_INPUTS` (kernels that take row strides, e.g. `kda_fused` reading the column views of a fused
-projection output in decode), which are passed as they are.
+Inputs reach a module as they are when it declares `TAKES_VIEWS` (it indexes strided views itself), else contiguous.
 """
 
 from __future__ import annotations
@@ -33,15 +31,16 @@ class TritonLauncher(Launcher):
             kernel_cache.warm_cache_key()
         self.kernels = {ln["name"]: _import_kernel(art, ln["module"], ln["name"], workdir)
                         for ln in sorted(launches, key=lambda ln: ln["name"])}
-        self.strided = {name: frozenset(getattr(mod, "STRIDED_INPUTS", ())) for name, mod in self.kernels.items()}
+        self.takes_views = {name for name, mod in self.kernels.items() if getattr(mod, "TAKES_VIEWS", False)}
 
     def launch(self, frame, ln: dict) -> None:
         outs = [frame.out(n) for n in ln["outputs"]]
         for n, o in zip(ln["outputs"], outs):
             if o is None:
                 raise ArtifactError(f"kernel {ln['name']} output {n} has no buffer in plan.json")
-        keep = self.strided[ln["name"]]
-        ins = [frame.env[n] if i in keep else frame.env[n].contiguous() for i, n in enumerate(ln["inputs"])]
+        ins = [frame.env[n] for n in ln["inputs"]]
+        if ln["name"] not in self.takes_views:
+            ins = [t.contiguous() for t in ins]
         self.kernels[ln["name"]].launch(ins, outs, frame.sizes)
         frame.env.update(zip(ln["outputs"], outs))
 
