@@ -20,6 +20,8 @@ Public API:
 Kernels: `kda_decode.kda_decode_kernel`, `kda_recurrent.kda_recurrent_kernel`, `kda_chunk.kda_chunk_prep_kernel`
 / `kda_chunk_state_kernel` / `kda_norm_gate_kernel`; helpers in `_common`.
 All launchers also run on CPU tensors under TRITON_INTERPRET=1 (fp32; the interpreter has no bf16 arithmetic).
+The activations may be row-strided views (the column views of one fused projection output): the kernels take
+their batch / token strides, so they are read in place.
 """
 
 import inspect
@@ -125,9 +127,8 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
     """Check shapes/devices and launch the `mode` kernels ("decode": T = 1, split over V; "recurrent": token loop
     over the (B, H) grid; "chunk": chunk-parallel prep + state pass split over V + norm epilogue); returns y or None.
     block_v: value columns per program of the decode / chunk state kernels (None: `decode_split` / CHUNK_BLOCK_V).
-    Activations may be row-strided views (any
-    batch / token strides, dense last dim); y is returned contiguous, in y_out when given (a contiguous tensor of
-    q_in's shape and dtype)."""
+    Activations may be row-strided views (any batch / token strides, dense last dim; others are copied); y is
+    returned contiguous, in y_out when given (a contiguous tensor of q_in's shape and dtype)."""
     if q_in.dim() != 3:
         raise RuntimeInputError(f"KDA: q_in must be [B, T, H*D], got {tuple(q_in.shape)}")
     B, T, HD = q_in.shape
