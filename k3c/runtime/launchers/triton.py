@@ -6,6 +6,8 @@ Triton reads a kernel's source from its file, and a .k3c archive has none. On a 
 artifact ships for the running Triton and GPU (`k3c finalize`) are installed into Triton's cache first
 (`k3c.runtime.kernel_cache`), so no kernel is compiled at load; `compiled_kernels` counts the files installed.
 On a CPU device the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set before Triton is imported).
+A launch with planned scratch (schedule.json "scratch": name -> arena buffer, `k3c.passes.plan_memory`) gets the
+arena views as `launch(inputs, outputs, sizes, scratch=...)`, so the kernel allocates nothing of its own.
 """
 
 from __future__ import annotations
@@ -36,8 +38,23 @@ class TritonLauncher(Launcher):
         for n, o in zip(ln["outputs"], outs):
             if o is None:
                 raise ArtifactError(f"kernel {ln['name']} output {n} has no buffer in plan.json")
-        self.kernels[ln["name"]].launch([frame.env[n].contiguous() for n in ln["inputs"]], outs, frame.sizes)
+        ins = [frame.env[n].contiguous() for n in ln["inputs"]]
+        if "scratch" not in ln:
+            self.kernels[ln["name"]].launch(ins, outs, frame.sizes)
+        else:
+            self.kernels[ln["name"]].launch(ins, outs, frame.sizes, scratch=_scratch(frame, ln))
         frame.env.update(zip(ln["outputs"], outs))
+
+
+def _scratch(frame, ln: dict) -> dict:
+    """The launch's planned scratch buffers (schedule.json "scratch": name -> arena buffer) as arena views at the
+    frame's sizes; raises ArtifactError for one plan.json does not place."""
+    out = {}
+    for key, buf in ln["scratch"].items():
+        out[key] = frame.out(buf)
+        if out[key] is None:
+            raise ArtifactError(f"kernel {ln['name']} scratch {buf} has no buffer in plan.json")
+    return out
 
 
 def _import_kernel(art, rel: str, name: str, workdir: Path):
