@@ -13,10 +13,10 @@ mla_attention (flash-style online softmax over key blocks, fp32 accumulation, ba
   - split-K (flash decoding): when B·T·head-blocks programs cannot fill the GPU, the keys are split over a third grid
     axis; the splits write (o, log2-sum-exp) partials to a scratch tensor allocated in `launch` and
     `mla_combine_kernel` merges them.
-dsa_index_topk: `dsa_score_kernel` writes one int64 sort key per (b, t, s) into a scratch tensor allocated in
-`launch` (high word: the score's order-preserving int32 bits, INT32_MIN when s is not visible; low word:
-2³² − 1 − s, so equal scores order by lowest position, as the reference's stable sort); `torch.topk` over these
-unique keys (inside `launch`: O(L) selection, sorted, deterministic) gives the ref's order exactly.
+dsa_index_topk: `dsa_score_kernel` writes one int64 sort key per (b, t, s) into a scratch tensor, planned in the
+arena (`dsa_index_topk_scratch`); high word: the score's order-preserving int32 bits, INT32_MIN when s is not
+visible; low word: 2³² − 1 − s, so equal scores order by lowest position, as the reference's stable sort. `torch.topk`
+over these unique keys (inside `launch`: O(L) selection, sorted, deterministic) gives the ref's order exactly.
 Decode (T = 1) with L ≥ RADIX_MIN_KEYS keys instead runs the radix select of `dsa_decode` (scan + four 8-bit digit
 passes + exact tie fill, then a sort of the topk picks): same result, no O(L) int64 scratch or sort.
 Device lengths (`lengths` i32 [B], the kernel ABI's `sizes["lengths"]`): the key tensors are the bound, row b holds
@@ -33,14 +33,17 @@ from __future__ import annotations
 
 import inspect
 
+import sympy
 import torch
 import triton
 import triton.language as tl
 
-from k3c.codegen.triton import dsa_decode, emitter, model_module
+from k3c.codegen.backend import ScratchSpec
+from k3c.codegen.triton import dsa_decode, emitter, model_module, scratch, take_scratch
 from k3c.codegen.triton.dsa_decode import radix_topk
 from k3c.errors import UnsupportedError
 from k3c.ir.kernels import KernelGroup
+from k3c.ir.types import TensorType
 
 
 # Launch policy (copied into every emitted module, where the runtime may retune it).
@@ -281,15 +284,16 @@ def dsa_score_kernel(q_ptr, w_ptr, k_ptr, key_ptr, len_ptr, T, L, t0, n_rows,
     tl.store(key_ptr + (pid.to(tl.int64) * L + offs_s), key, mask=s_ok)
 
 
-def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, lengths=None):
+def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, lengths=None, scratch=None):
     """Run `dsa_index_topk`: q_i [B,T,J,D], w [B,T,J], k_i [B,L,D] -> out i64 [B,T,topk] (−1 padding).
 
     lengths: None, or i32 [B] on the device, the context of each row before these T tokens: row b then holds
     lengths[b] + T keys and L is only the bound (the launches do not depend on the lengths: a CUDA graph replays
     them at any context; the result is the same as for k_i cut to the row's keys).
-    Scratch: i64 sort keys [B, rows, L] allocated here, rows ≤ T chosen so that it stays ≤ SCRATCH_BYTES. Decode
-    (T = 1) with L ≥ RADIX_MIN_KEYS runs the radix select of `dsa_decode` instead (same result, exact ties).
-    Raises ValueError on mismatched shapes.
+    Scratch: i64 sort keys [B, rows, L], rows = max(1, min(T, SCRATCH_BYTES // (8·B·L))) so that it stays ≤
+    SCRATCH_BYTES: `scratch["keys"]` (the planned buffer, `dsa_index_topk_scratch`), else allocated here. Decode
+    (T = 1) with L ≥ RADIX_MIN_KEYS runs the radix select of `dsa_decode` instead (same result, exact ties; its
+    O(B·L) i32 scratch is allocated there). Raises ValueError on mismatched shapes.
     """
     B, T, J, D = q_i.shape
     L = k_i.shape[1]
@@ -306,7 +310,7 @@ def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, lengths=None):
     if kk < topk:
         out[..., kk:] = -1
     rows = max(1, min(T, SCRATCH_BYTES // (8 * B * L)))
-    keys = torch.empty((B, rows, L), dtype=torch.int64, device=q_i.device)
+    keys = take_scratch(scratch, "keys", (B, rows, L), torch.int64, q_i.device)
     BLOCK_S = 64
     precision = "ieee" if q_i.dtype == torch.float32 else "tf32"
     for t0 in range(0, T, rows):
@@ -393,11 +397,23 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("RERANK_EXTRA", dsa_decode.RERANK_EXTRA, "fp8 keys + exact keys: extra candidates re-ranked"),
               ("RERANK_BLOCK", dsa_decode.RERANK_BLOCK, "candidates per re-scoring program")]
     body = (
-        "def launch(inputs, outputs, sizes):\n"
-        '    """ABI entry: inputs (q_i, w, k_i), outputs [idx i64 [B,T,TOPK]]."""\n'
+        "def launch(inputs, outputs, sizes, scratch=None):\n"
+        '    """ABI entry: inputs (q_i, w, k_i), outputs [idx i64 [B,T,TOPK]], scratch: the planned sort keys."""\n'
         f"    launch_dsa_index_topk(inputs[{ip[0]}], inputs[{ip[1]}], inputs[{ip[2]}], outputs[{op[0]}], topk=TOPK,\n"
-        '                          lengths=sizes.get("lengths"))\n')
+        '                          lengths=sizes.get("lengths"), scratch=scratch)\n')
     body = inspect.getsource(radix_topk) + "\n\n" + body
     return _module(group, "dsa_index_topk (score kernel + torch.topk on packed int64 keys; decode at long context: "
-                   "radix select)", consts, [dsa_score_kernel, *dsa_decode.KERNELS], launch_dsa_index_topk, body)
+                   "radix select)", consts, [take_scratch, dsa_score_kernel, *dsa_decode.KERNELS],
+                   launch_dsa_index_topk, body)
+
+
+@scratch("dsa_index_topk")
+def dsa_index_topk_scratch(group: KernelGroup) -> list[ScratchSpec]:
+    """The scratch of one `dsa_index_topk` launch (`launch_dsa_index_topk`): the i64 sort keys [B, rows, L] for
+    q_i [B, T, ·, ·] and k_i [B, L, ·], rows = max(1, min(T, SCRATCH_BYTES // (8·B·L))). Raises UnsupportedError for
+    a group that is not a single dsa_index_topk node."""
+    node, _, _ = one_node(group, "dsa_index_topk")
+    (B, T), L = node.inputs[0].type.shape[:2], node.inputs[2].type.shape[1]
+    rows = sympy.Max(1, sympy.Min(T, sympy.floor(sympy.Integer(SCRATCH_BYTES) / (8 * B * L))))
+    return [ScratchSpec("keys", TensorType((B, rows, L), "i64"))]
 

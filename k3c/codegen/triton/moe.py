@@ -304,7 +304,8 @@ def moe_experts_scratch(group: KernelGroup) -> list[ScratchSpec]:
     node, _, _ = one_node(group, "moe_experts")
     z, ids, w1 = node.inputs[0].type, node.inputs[2].type, node.inputs[3].type
     (N, D), rows = z.shape, z.shape[0] * ids.shape[1]
-    out = [ScratchSpec("h", TensorType((rows, w1.shape[1]), z.dtype)), ScratchSpec("y_slot", TensorType((rows, D), "f32"))]
+    out = [ScratchSpec("h", TensorType((rows, w1.shape[1]), z.dtype)),
+           ScratchSpec("y_slot", TensorType((rows, D), "f32"))]
     if node.attrs["weight_format"] == "mxfp4":
         out.append(ScratchSpec("z_perm", TensorType((N, D), z.dtype)))
     return out
