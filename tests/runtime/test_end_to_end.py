@@ -65,7 +65,8 @@ def test_prefill_then_decode_matches_eager(sessions, preset, backend, batch, mon
     assert got.shape == (batch, 1, model.config.vocab_size)
     assert _rel(got, want[:, -1:]) <= 1e-4
     # the 24-token call runs every scratch path (KDA's chunked prefill, the MoE GEMMs, the DSA indexer's sort keys)
-    assert set(handed) == {ln["kind"] for ln in s.schedule["prefill"]["launches"] if "scratch" in ln}
+    # but attention's split-K, which needs more than MIN_KEYS_PER_SPLIT = 64 keys (tests/kernels/test_triton_scratch.py)
+    assert set(handed) == {ln["kind"] for ln in s.schedule["prefill"]["launches"] if "scratch" in ln} - {"mla_attention"}
     if "prefill_all" in s.schedule:
         s.reset()
         got = s.prefill(tokens, logits="all")

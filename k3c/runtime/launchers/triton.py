@@ -32,6 +32,10 @@ class TritonLauncher(Launcher):
             kernel_cache.warm_cache_key()
         self.kernels = {ln["name"]: _import_kernel(art, ln["module"], ln["name"], workdir)
                         for ln in sorted(launches, key=lambda ln: ln["name"])}
+        #: planned bytes of each scratch buffer (plan.json): a call's view must fit them
+        mine = {buf for ln in launches for buf in ln.get("scratch", {}).values()}
+        self.scratch_bytes = {buf: b["bytes"] for a in art.plan["arena"].values() for buf, b in a["buffers"].items()
+                              if buf in mine}
 
     def launch(self, frame, ln: dict) -> None:
         outs = [frame.out(n) for n in ln["outputs"]]
@@ -42,19 +46,21 @@ class TritonLauncher(Launcher):
         if "scratch" not in ln:
             self.kernels[ln["name"]].launch(ins, outs, frame.sizes)
         else:
-            self.kernels[ln["name"]].launch(ins, outs, frame.sizes, scratch=_scratch(frame, ln))
+            self.kernels[ln["name"]].launch(ins, outs, frame.sizes, scratch=self.scratch(frame, ln))
         frame.env.update(zip(ln["outputs"], outs))
 
-
-def _scratch(frame, ln: dict) -> dict:
-    """The launch's planned scratch buffers (schedule.json "scratch": name -> arena buffer) as arena views at the
-    frame's sizes; raises ArtifactError for one plan.json does not place."""
-    out = {}
-    for key, buf in ln["scratch"].items():
-        out[key] = frame.out(buf)
-        if out[key] is None:
-            raise ArtifactError(f"kernel {ln['name']} scratch {buf} has no buffer in plan.json")
-    return out
+    def scratch(self, frame, ln: dict) -> dict:
+        """The launch's planned scratch buffers (schedule.json "scratch": name -> arena buffer) as arena views at the
+        frame's sizes; raises ArtifactError for one plan.json does not place or one larger at these sizes than at
+        the bounds it was planned at (a declaration that is not monotone in B, T, L: it would overlap others)."""
+        out = {}
+        for key, buf in ln["scratch"].items():
+            t = out[key] = frame.out(buf)
+            if t is None or t.numel() * t.element_size() > self.scratch_bytes[buf]:
+                raise ArtifactError(f"kernel {ln['name']} scratch {buf}: " + (
+                    "no buffer in plan.json" if t is None else
+                    f"{t.numel() * t.element_size()} bytes at {frame.sizes}, planned {self.scratch_bytes[buf]}"))
+        return out
 
 
 def _import_kernel(art, rel: str, name: str, workdir: Path):
