@@ -17,8 +17,11 @@ A `KernelGroup` is one launch:
 
 Kernel ABI of generated kernels (every backend's launcher implements it):
     launch(inputs: list[Tensor], outputs: list[Tensor], sizes: dict[str, int]) -> None
-`inputs` / `outputs` are contiguous tensors with exactly the IR types of the group's values at the call's sizes
-(symbols B, T, L bound in `sizes`); outputs are preallocated (arena or pool views) and must be fully written. An
+`inputs` / `outputs` are tensors with exactly the IR types of the group's values at the call's sizes (symbols B,
+T, L bound in `sizes`); outputs are contiguous, preallocated (arena or pool views) and must be fully written.
+Inputs are contiguous too, unless the module declares `TAKES_VIEWS = True`: its `launch` then takes any strides and
+indexes views it can (a decode GEMM's column slices: rows of one stride, unit-stride last dim) in place, copying
+only what its kernels cannot index. An
 output may be the same tensor as an input when the IR value is a persistent state updated in place.
 `sizes` may also hold "lengths": an i32 [B] tensor on the device, the context of each sequence before the call's T
 tokens (whole-step decode graphs, `k3c.runtime.graphs`); L is then the bound and the context-dependent kernels

@@ -281,6 +281,38 @@ def test_rowwise_epilogues(tmp_path):
     run_group(one_group(g2, "rowwise"), tmp_path)
 
 
+# ---- strided inputs (TAKES_VIEWS): column slices are read in place, other layouts through a copy ----------------
+def column_slice(shape, extra=5, seed=0) -> torch.Tensor:
+    """A [..., n] view of columns 2..2+n of a random [..., n + extra] buffer: rows `n + extra` elements apart."""
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(*shape[:-1], shape[-1] + extra, generator=g)
+    return wide[..., 2:2 + shape[-1]]
+
+
+def test_pointwise_reads_views(tmp_path):
+    g, (x, y, w) = graph(x=(("B", "T", 7), "f32"), y=(("B", "T", 7), "f32"), w=((7,), "f32"))
+    g.set_output("c", g.add("mul", g.add("add", x, y), w))
+    group = one_group(g, "pointwise")
+    B, T = BINDS["B"], BINDS["T"]
+    xs, ws = column_slice((B, T, 7)), torch.randn(14)[::2]   # a row-strided view; a strided broadcast input
+    assert not xs.is_contiguous() and not ws.is_contiguous()
+    src = run_group(group, tmp_path, inputs={x: xs, w: ws})
+    assert "TAKES_VIEWS = True" in src and "x, x_rs = _row_view(x)" in src
+    yt = torch.randn(T, B, 7).transpose(0, 1)                 # rows do not collapse to one stride: copied
+    run_group(group, tmp_path, inputs={x: xs, y: yt, w: ws})
+    mod = load(src, tmp_path / "again.py")
+    assert mod._row_view(xs)[1] == 12 and mod._row_view(yt)[0].is_contiguous()
+
+
+def test_rowwise_reads_views(tmp_path):
+    g, (x, w, r) = graph(x=(("B", "T", 20), "f32"), w=((20,), "f32"), r=(("B", "T", 20), "f32"))
+    g.set_output("c", g.add("add", g.add("rms_norm", x, w, eps=1e-6), r))
+    B, T = BINDS["B"], BINDS["T"]
+    src = run_group(one_group(g, "rowwise"), tmp_path,
+                    inputs={x: column_slice((B, T, 20)), r: column_slice((B, T, 20), extra=3, seed=1)})
+    assert "row * x_rs + cols" in src and "r, r_rs = _row_view(r)" in src
+
+
 # ---- errors -------------------------------------------------------------------------------------------------------
 def test_errors():
     g, (x, w) = graph(x=(("B", 4), "f32"), w=((4, 4), "f32"))

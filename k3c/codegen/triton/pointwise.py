@@ -11,8 +11,10 @@ Values are computed in fp32 (float dtypes; a `cast` to bf16/f16 rounds through t
 (integers, so that ids stay exact) or as int1 (bool). Intermediate values are not rounded to their IR dtype, only
 stored outputs are converted to it (fusion computes more precisely than the node-by-node reference). An input
 whose shape differs from the iteration shape (numpy broadcasting) is read through per-dim element strides that
-`launch` computes from the actual tensor shapes (0 along broadcast dims), from the lane's multi-index.
-Limits: iteration rank <= 5 and no fp8 values (`UnsupportedError` otherwise).
+`launch` computes from the actual tensor shapes and strides (0 along broadcast dims), from the lane's multi-index.
+An input of the iteration shape is read at the flat offset, or, when it is a view whose rows (last dim) lie a
+stride apart (a decode GEMM's column slice), at row * stride + column (`ROWS`, decided by `launch` per call), so
+views reach the kernel without a copy (`TAKES_VIEWS`). Limits: iteration rank <= 5 and no fp8 values (`UnsupportedError` otherwise).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ TL_DTYPE = {"f32": "tl.float32", "bf16": "tl.bfloat16", "f16": "tl.float16", "i6
 #: Names the generated kernels and launchers use for themselves; IR values never get them.
 RESERVED = frozenset({"tl", "triton", "torch", "math", "offs", "mask", "rem", "row", "cols", "numel", "shape",
                       "grid", "inputs", "outputs", "sizes", "D", "BLOCK", "BLOCK_D", "BLOCK_SIZE", "n_rows",
-                      "num_warps", "tanh", "softplus", "inv_rms", "mean", "var", "xc", "row_max", "e", "denom",
+                      "num_warps", "tanh", "softplus", "ROWS", "_row_addr", "_row_view", "inv_rms", "mean", "var", "xc", "row_max", "e", "denom",
                       "NAME", "IR_NODES", "launch", "float", "int", "range", "len", "tuple"}
                      | {f"i{j}" for j in range(MAX_RANK)} | {f"size{j}" for j in range(MAX_RANK)})
 
@@ -48,7 +50,7 @@ class Names:
     `<name>_ptr`, or `RESERVED`) appends `_1`, `_2`, ...
     """
 
-    _DERIVED = ("", "_ptr", "_offs") + tuple(f"_stride{j}" for j in range(MAX_RANK))
+    _DERIVED = ("", "_ptr", "_offs", "_rs") + tuple(f"_stride{j}" for j in range(MAX_RANK))
 
     def __init__(self):
         self._of: dict[Value, str] = {}
@@ -242,18 +244,40 @@ def softplus(x, beta, threshold):
 }
 
 BROADCAST_STRIDES = '''def _broadcast_strides(t: torch.Tensor, shape: tuple) -> list[int]:
-    """Element strides of contiguous `t` at every dim of `shape` under numpy broadcasting (0 where `t` has size
+    """Element strides of `t` (any layout) at every dim of `shape` under numpy broadcasting (0 where `t` has size
     1 or lacks the dim). Raises ValueError if `t` does not broadcast to `shape`."""
-    strides, step = [0] * len(shape), 1
+    strides = [0] * len(shape)
     if t.dim() > len(shape):
         raise ValueError(f"{NAME}: input of shape {list(t.shape)} does not broadcast to {list(shape)}")
     for j in range(1, t.dim() + 1):
         if t.shape[-j] != 1:
             if t.shape[-j] != shape[-j]:
                 raise ValueError(f"{NAME}: input of shape {list(t.shape)} does not broadcast to {list(shape)}")
-            strides[-j] = step
-        step *= t.shape[-j]
+            strides[-j] = t.stride(-j)
     return strides
+'''
+
+ROW_VIEW = '''def _row_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`t` and the element stride between its rows (runs of its last dim), when its last dim is unit-stride and
+    its other dims collapse into rows one stride apart (e.g. a column slice of a wider [B, N] buffer); otherwise
+    a contiguous copy of `t` and its row length."""
+    n = t.shape[-1] if t.dim() else 1
+    if t.is_contiguous():
+        return t, n
+    lead = [d for d in range(t.dim() - 1) if t.shape[d] != 1]
+    if (n == 1 or t.stride(-1) == 1) and all(t.stride(a) == t.stride(b) * t.shape[b] for a, b in zip(lead, lead[1:])):
+        return t, (t.stride(lead[-1]) if lead else n)
+    return t.contiguous(), n
+'''
+
+ROW_ADDR = '''@triton.jit
+def _row_addr(offs, rs, D, ROWS: tl.constexpr):
+    """Element offset of flat index `offs` (rows of D elements) in a view whose rows lie `rs` apart (ROWS), else
+    `offs` itself."""
+    if ROWS:
+        return offs // D * rs + offs % D
+    else:
+        return offs
 '''
 
 
@@ -262,13 +286,15 @@ class Body:
     """Kernel statements for a run of elementwise nodes, and the extra kernel parameters they need.
 
     `params`: kernel parameter lines (with comments) after the pointers; `launch_args`: the launcher's
-    expressions for them, in order (starred lists); `helpers`: helper functions to paste into the module.
+    expressions for them, in order (starred lists); `helpers`: helper functions to paste into the module;
+    `row_views`: inputs read as row-strided views (their launcher variable `<name>_rs` holds the row stride).
     """
 
     lines: list[str] = field(default_factory=list)
     params: list[str] = field(default_factory=list)
     launch_args: list[str] = field(default_factory=list)
     helpers: set[str] = field(default_factory=set)
+    row_views: list[str] = field(default_factory=list)
 
 
 def same_shape(a: tuple, b: tuple) -> bool:
@@ -280,12 +306,14 @@ def shape_str(shape: tuple) -> str:
 
 
 def elementwise_body(nodes: list[Node], loads: list[Value], stores: list[Value], shape: tuple, names: Names,
-                     env: dict[Value, str], mask: str | None) -> Body:
+                     env: dict[Value, str], mask: str | None, rows: str | None = None) -> Body:
     """Statements computing `nodes` at the lanes' flat offsets `offs` into iteration shape `shape`.
 
     `loads`: values read from memory unless already in `env` (value -> variable holding its compute value);
     `stores`: values written at `offs` (each must have `shape`); `mask`: the lane mask variable, or None when
-    `offs` is a scalar. Inputs of another shape are read through broadcast strides. Updates `env`.
+    `offs` is a scalar. Inputs of another shape are read through broadcast strides. Inputs of `shape` are read at
+    `offs`, or, with `rows` (an element-offset expression of their row stride `{rs}`), as row-strided views.
+    Updates `env`.
     Raises `UnsupportedError` for rank > 5 broadcasting, fp8 values or ops without a lowering.
     """
     body = Body()
@@ -296,7 +324,12 @@ def elementwise_body(nodes: list[Node], loads: list[Value], stores: list[Value],
             continue
         n, kind = names(v), compute_kind(v.type.dtype)
         conv = ".to(tl.float32)" if kind == "float" else ""
-        if same_shape(v.type.shape, shape):
+        if same_shape(v.type.shape, shape) and rows is not None:
+            body.params.append(f"{n}_rs,  # elements between the rows of %{v.name}")
+            body.launch_args.append(f"{n}_rs")
+            body.row_views.append(n)
+            body.lines.append(f"{n} = tl.load({n}_ptr + {rows.format(rs=f'{n}_rs')}{m}){conv}")
+        elif same_shape(v.type.shape, shape):
             body.lines.append(f"{n} = tl.load({n}_ptr + offs{m}){conv}")
         else:
             if rank > MAX_RANK:
@@ -351,6 +384,20 @@ def check_elementwise(node: Node, group: KernelGroup) -> None:
         raise UnsupportedError(f"{group.name}: {node.op} (%{node.outputs[0].name}) is not an elementwise op")
 
 
+def layout_lines(ins: list[str], body: Body, flat: tuple[str, ...] = ()) -> list[str]:
+    """The launcher's lines giving each input the layout its kernel indexes (the module takes views,
+    `TAKES_VIEWS`): row-strided views keep their strides (`<name>_rs`), broadcast inputs are read through their
+    strides, the inputs read at flat offsets (also `flat`) are made contiguous."""
+    strided = {a[len("*_broadcast_strides("):].split(",")[0] for a in body.launch_args if "_broadcast_strides" in a}
+    out = []
+    for n in ins:
+        if n in body.row_views:
+            out.append(f"    {n}, {n}_rs = _row_view({n})")
+        elif n not in strided or n in flat:
+            out.append(f"    {n} = {n}.contiguous()")
+    return out
+
+
 def helper_lines(body: Body) -> list[str]:
     """Source of the helper functions `body` uses, in a fixed order."""
     out = []
@@ -368,8 +415,9 @@ def emit_pointwise(group: KernelGroup) -> str:
     """Source of the kernel module for a "pointwise" group: elementwise nodes whose group outputs all have the
     iteration shape (the broadcast of every node's output shape); inputs may broadcast to it.
 
-    The launcher takes contiguous tensors (group inputs and outputs in order) and raises ValueError for wrong
-    counts or shapes that do not broadcast. Raises `UnsupportedError` for non-elementwise nodes, a group without
+    The launcher takes the group inputs (any strides: `TAKES_VIEWS`) and contiguous outputs in order, and raises
+    ValueError for wrong counts or shapes that do not broadcast. Inputs of the iteration shape that are
+    row-strided views switch the kernel to row addressing (`ROWS`) for that call. Raises `UnsupportedError` for non-elementwise nodes, a group without
     outputs, outputs of another shape, rank > 5 broadcasting, fp8, or an op/dtype without a lowering.
     """
     for node in group.nodes:
@@ -378,15 +426,19 @@ def emit_pointwise(group: KernelGroup) -> str:
         raise UnsupportedError(f"{group.name}: a pointwise group without outputs computes nothing")
     shape = tuple(broadcast_shapes(group.name, *[n.outputs[0].type.shape for n in group.nodes]))
     names = Names()
-    body = elementwise_body(group.nodes, group.inputs, group.outputs, shape, names, {}, "mask")
+    rows = "_row_addr(offs, {rs}, D, ROWS)" if shape else None
+    body = elementwise_body(group.nodes, group.inputs, group.outputs, shape, names, {}, "mask", rows)
     ins, outs = [names(v) for v in group.inputs], [names(v) for v in group.outputs]
     k = f"{group.name}_kernel"
     src = module_header(group, f"{len(group.nodes)} elementwise IR nodes over {shape_str(shape)}",
-                        __name__)
-    src += helper_lines(body)
+                        __name__, takes_views=True)
+    src += helper_lines(body) + ([ROW_ADDR, ""] if body.row_views else [])
     src += ["@triton.jit", f"def {k}("]
     src += [f"    {n}_ptr,  # %{v.name} : {v.type}" for n, v in zip(ins + outs, group.inputs + group.outputs)]
     src += ["    numel,  # elements in the iteration space"] + [f"    {p}" for p in body.params]
+    if body.row_views:
+        src += [f"    D,  # the iteration shape's last dim {dim_str(shape[-1])}",
+                "    ROWS: tl.constexpr,  # some input is a row-strided view: address rows and columns"]
     src += ["    BLOCK: tl.constexpr,", "):",
             "    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)",
             "    mask = offs < numel"]
@@ -394,10 +446,17 @@ def emit_pointwise(group: KernelGroup) -> str:
     src += ["", "", BLOCK_COMMENT, "BLOCK_SIZE = 1024", ""]
     if any("_broadcast_strides" in a for a in body.launch_args):
         src += ["", BROADCAST_STRIDES]
-    src += [""] + launch_head(group, ins, outs, f"Run {group.name} on contiguous tensors; every output has the "
-                              f"iteration shape {shape_str(shape)}.", f"tuple({outs[0]}.shape)",
+    if body.row_views:
+        src += ["", ROW_VIEW]
+    src += [""] + launch_head(group, ins, outs, f"Run {group.name}; every output has the iteration shape "
+                              f"{shape_str(shape)}.", f"tuple({outs[0]}.shape)",
                               f"the iteration space {shape_str(shape)}", skip_first_check=True)
+    src += layout_lines(ins, body)
     src += [f"    numel = {outs[0]}.numel()", "    if numel == 0:", "        return",
-            "    grid = (triton.cdiv(numel, BLOCK_SIZE),)",
-            f"    {k}[grid]({', '.join(ins + outs + ['numel'] + body.launch_args)}, BLOCK=BLOCK_SIZE)", ""]
+            "    grid = (triton.cdiv(numel, BLOCK_SIZE),)"]
+    args = ins + outs + ["numel"] + body.launch_args
+    if body.row_views:
+        src += ["    D = shape[-1]", f"    rows = {' or '.join(f'{n}_rs != D' for n in body.row_views)}"]
+        args += ["D", "ROWS=rows"]
+    src += [f"    {k}[grid]({', '.join(args)}, BLOCK=BLOCK_SIZE)", ""]
     return "\n".join(src)

@@ -6,6 +6,7 @@ Triton reads a kernel's source from its file, and a .k3c archive has none. On a 
 artifact ships for the running Triton and GPU (`k3c finalize`) are installed into Triton's cache first
 (`k3c.runtime.kernel_cache`), so no kernel is compiled at load; `compiled_kernels` counts the files installed.
 On a CPU device the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set before Triton is imported).
+Inputs reach a module as they are when it declares `TAKES_VIEWS` (it indexes strided views itself), else contiguous.
 A launch with planned scratch (schedule.json "scratch": name -> arena buffer, `k3c.passes.plan_memory`) gets the
 arena views as `launch(inputs, outputs, sizes, scratch=...)`, so the kernel allocates nothing of its own.
 """
@@ -32,6 +33,7 @@ class TritonLauncher(Launcher):
             kernel_cache.warm_cache_key()
         self.kernels = {ln["name"]: _import_kernel(art, ln["module"], ln["name"], workdir)
                         for ln in sorted(launches, key=lambda ln: ln["name"])}
+        self.takes_views = {name for name, mod in self.kernels.items() if getattr(mod, "TAKES_VIEWS", False)}
         #: planned bytes of each scratch buffer (plan.json): a call's view must fit them
         mine = {buf for ln in launches for buf in ln.get("scratch", {}).values()}
         self.scratch_bytes = {buf: b["bytes"] for a in art.plan["arena"].values() for buf, b in a["buffers"].items()
@@ -42,7 +44,9 @@ class TritonLauncher(Launcher):
         for n, o in zip(ln["outputs"], outs):
             if o is None:
                 raise ArtifactError(f"kernel {ln['name']} output {n} has no buffer in plan.json")
-        ins = [frame.env[n].contiguous() for n in ln["inputs"]]
+        ins = [frame.env[n] for n in ln["inputs"]]
+        if ln["name"] not in self.takes_views:
+            ins = [t.contiguous() for t in ins]
         if "scratch" not in ln:
             self.kernels[ln["name"]].launch(ins, outs, frame.sizes)
         else:
