@@ -1,7 +1,7 @@
 """Pass `plan_memory` with the launches' scratch (`Backend.scratch`): k3-tiny prefill compiled for the h200 (Triton)
-places every moe_experts / kda_fused launch's scratch in the arena at the sizes the launch functions allocate at the
-bounds (formulas from the config, not from the declarations), live for that launch only, and the arena grows by at
-most the largest launch's scratch; schedule.json names the buffers."""
+places every moe_experts / kda_fused / mla_attention launch's scratch in the arena at the sizes the launch functions
+allocate at the bounds (formulas from the config, not from the declarations), live for that launch only, and the
+arena grows by at most the largest launch's scratch; schedule.json names the buffers."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from k3c.passes.plan_memory import plan_graph
 from models.config import K3Config
 
 PRESET, B, T = "k3-tiny", 3, 24
+KINDS = ("moe_experts", "kda_fused", "mla_attention")  # k3-tiny's launch kinds with scratch (no DSA layer)
 CTX = CompileContext(max_batch=B, max_seq=64, max_prefill=T).resolve().for_entry("prefill")
 
 
@@ -27,10 +28,17 @@ def planned():
     return g
 
 
-def expected_scratch(kind: str, itemsize: int) -> dict[str, int]:
+def expected_scratch(kind: str, itemsize: int, absorbed: bool = False) -> dict[str, int]:
     """Bytes of each scratch buffer one launch of `kind` allocates at (B, T), activations of `itemsize` bytes, from
-    the config: launch_moe_experts (k3c/codegen/triton/moe.py) and the chunked path of kda._launch_kda."""
+    the config: launch_moe_experts (k3c/codegen/triton/moe.py), the chunked path of kda._launch_kda, and the split-K
+    partials of attention.launch_mla at their bound (split_rows: < 2·264 rows absorbed, < 2·32·264 / H else, and at
+    most 64 splits per query row)."""
     c = K3Config.from_pretrained(PRESET)
+    if kind == "mla_attention":
+        H = c.num_attention_heads
+        rows = min(B * T * 64, 2 * 264 if absorbed else math.ceil(64 * 264 / H))
+        DV = c.kv_lora_rank if absorbed else c.v_head_dim
+        return {"o_part": rows * H * DV * 4, "lse": rows * H * 4}
     if kind == "moe_experts":
         rows = B * T * c.num_experts_per_token
         return {"h": rows * c.moe_intermediate_size * itemsize, "y_slot": rows * c.routed_expert_hidden_size * 4}
@@ -46,17 +54,19 @@ def test_scratch_of_moe_and_kda_launches_is_planned_at_the_bounds():
     g = planned()
     plan = g.memory_plan
     sizes = {b.name: b for b in plan.buffers}
-    seen = {"moe_experts": 0, "kda_fused": 0}
+    seen = {"moe_experts": 0, "kda_fused": 0, "mla_attention": 0}
     for i, group in enumerate(kernel_groups(g)):
         mine = {n.split(".scratch.")[1]: b for n, b in sizes.items() if n.startswith(f"{group.name}.scratch.")}
         if group.kind in seen:
             seen[group.kind] += 1
-            assert {k: b.nbytes for k, b in mine.items()} == expected_scratch(group.kind, 4), group.name
+            want = expected_scratch(group.kind, 4, group.nodes[0].attrs.get("absorbed", False))
+            assert {k: b.nbytes for k, b in mine.items()} == want, group.name
             assert all((b.first, b.last) == (i, i) for b in mine.values())  # live at its launch only
         else:
             assert not mine, group.name
     c = K3Config.from_pretrained(PRESET)
-    assert seen == {"moe_experts": c.num_hidden_layers - c.first_k_dense_replace, "kda_fused": len(c.kda_layers)}
+    assert seen == {"moe_experts": c.num_hidden_layers - c.first_k_dense_replace, "kda_fused": len(c.kda_layers),
+                    "mla_attention": c.num_hidden_layers - len(c.kda_layers)}
     validate_plan(plan)
 
 
@@ -73,9 +83,9 @@ def test_arena_grows_by_at_most_the_largest_launch_scratch():
 
 
 def test_schedule_names_the_planned_scratch():
-    """schedule.json's launches (`k3c.compile._schedule`): a moe_experts / kda_fused launch's "scratch" maps each
-    name its launch function takes to a planned buffer whose type (in "values") sizes it at the bounds as planned;
-    other launches have no such field."""
+    """schedule.json's launches (`k3c.compile._schedule`): a moe_experts / kda_fused / mla_attention launch's
+    "scratch" maps each name its launch function takes to a planned buffer whose type (in "values") sizes it at the
+    bounds as planned; other launches have no such field."""
     from k3c.compile import _schedule
     from k3c.ir.types import TensorType, nbytes
 
@@ -83,7 +93,7 @@ def test_schedule_names_the_planned_scratch():
     sched, sizes = _schedule(g, kernel_groups(g), CTX), {b.name: b.nbytes for b in g.memory_plan.buffers}
     named = 0
     for ln in sched["launches"]:
-        if ln["kind"] not in ("moe_experts", "kda_fused"):
+        if ln["kind"] not in KINDS:
             assert "scratch" not in ln
             continue
         named += 1
@@ -91,4 +101,4 @@ def test_schedule_names_the_planned_scratch():
         for buf in ln["scratch"].values():
             t = sched["values"][buf]
             assert nbytes(TensorType(tuple(t["shape"]), t["dtype"]), CTX.bounds) == sizes[buf]
-    assert named == sum(g.kind in ("moe_experts", "kda_fused") for g in kernel_groups(g))
+    assert named == sum(g.kind in KINDS for g in kernel_groups(g))
