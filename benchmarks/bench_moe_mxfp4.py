@@ -92,9 +92,8 @@ def dequantized(w, s, chunk=32):
 
 # mx_config sweeps (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg); None: the
 # launcher's default (k3c.codegen.triton.moe_mxfp4.mx_default_config)
-MX_SWEEP = {"decode": [None, (16, 64, 256, 4, 3, False, None), (16, 64, 256, 4, 3, False, 168),
-                       (16, 64, 256, 4, 2, False, 128), (16, 128, 256, 8, 3, False, None),
-                       (16, 64, 512, 4, 2, False, None), (16, 64, 128, 4, 4, False, None)],
+MX_SWEEP = {"decode": [None, (16, 64, 256, 4, 3, False, None), (16, 64, 256, 4, 4, True, None),
+                       (16, 64, 256, 4, 3, True, 168), (16, 128, 256, 8, 3, True, None)],
             "prefill": [None, (128, 128, 128, 8, 3, False, None), (64, 128, 128, 4, 3, False, None)]}
 
 

@@ -22,6 +22,7 @@ import torch
 
 from k3c.errors import CheckpointError, IRError
 from k3c.ir.graph import Graph, Value
+from k3c.ir.ops import get_op
 from k3c.ir.types import TensorType, torch_dtype
 
 
@@ -59,6 +60,13 @@ def _local_index(attrs: dict, w: torch.Tensor) -> torch.Tensor:
     return torch.where((i >= 0) & (i < per), i, torch.full_like(i, missing)).reshape(n, 1)
 
 
+def _ir_op(attrs: dict, *ws: torch.Tensor) -> torch.Tensor:
+    """One IR op (`attrs["op"]` with its attributes `attrs["attrs"]`) applied to weights: its reference
+    implementation, so the result is exactly what the node computes (`fold_params`)."""
+    opdef = get_op(attrs["op"])
+    return opdef.ref(opdef.concrete_attrs(attrs["attrs"], {}), *ws)[0].contiguous()
+
+
 #: op name -> fn(attrs, *source tensors) -> derived tensor. `attrs` also carries the "rank" being materialised.
 DERIVATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "mla_w_uk": _mla_w_uk,
@@ -67,6 +75,7 @@ DERIVATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "shard": _shard,
     "vocab_shard": _vocab_shard,
     "local_index": _local_index,
+    "ir": _ir_op,
 }
 #: derivations whose result depends on the rank (tensor-parallel shards; `k3c.parallel`)
 RANKED = frozenset({"shard", "vocab_shard", "local_index"})

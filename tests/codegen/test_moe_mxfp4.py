@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from k3c.codegen.triton import moe
-from k3c.codegen.triton.moe_mxfp4 import mx_block_k, mx_permute, mx_permuted_col, mxfp4_weight_tile
+from k3c.codegen.triton.moe_mxfp4 import mx_block_k, mx_permute, mx_permuted_col, mxfp4_scales, mxfp4_weight_tile
 from k3c.ir.formats import mxfp4_dequantize
 from k3c.ir.ops import get_op
 
@@ -53,12 +53,43 @@ def test_mx_permuted_col_inverts_permute():
 
 
 @triton.jit
+def _scales_kernel(s_ptr, out_ptr, R: tl.constexpr, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.arange(0, R).to(tl.int64)
+    CC: tl.constexpr = BLOCK_K // 32
+    idx = (rows[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]) * CC + tl.arange(0, CC)[None, None, :]
+    for k0 in range(0, KDIM, BLOCK_K):
+        s = mxfp4_scales(s_ptr, rows, rows < R - 1, k0, KDIM, BLOCK_K, True)
+        tl.store(out_ptr + (k0 // BLOCK_K) * R * 4 * CC + idx, s)
+
+
+@pytest.mark.parametrize("block_k", [32, 64, 128, 256, 512])
+def test_scales_per_word(block_k):
+    """The bf16 decoder's scale per packed word: word (t, cc) of a row's K tile (the thread-t-reads-words-t·CC..
+    rule of the module docstring) lies in 32-value group (t·CC + cc) // 4 of the tile; masked rows read 127."""
+    R, KDIM = 8, 1024
+    CC = block_k // 32
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    s = torch.randint(0, 256, (R, KDIM // 32), dtype=torch.uint8)
+    out = torch.empty(KDIM // block_k, R, 4, CC, dtype=torch.uint8, device=dev)
+    _scales_kernel[(1,)](s.to(dev), out, R=R, KDIM=KDIM, BLOCK_K=block_k)
+    out = out.cpu()
+    want = torch.empty_like(out)
+    for tile in range(KDIM // block_k):
+        for t in range(4):
+            for cc in range(CC):
+                want[tile, :, t, cc] = s[:, tile * CC + (t * CC + cc) // 4]
+    want[:, R - 1] = 127
+    assert torch.equal(out, want)
+
+
+@triton.jit
 def _decode_kernel(w_ptr, s_ptr, out_ptr, R: tl.constexpr, KDIM: tl.constexpr, BLOCK_K: tl.constexpr,
                    FAST: tl.constexpr, TWO_MULS: tl.constexpr):
     rows = tl.arange(0, R).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     for k0 in range(0, KDIM, BLOCK_K):
-        w = mxfp4_weight_tile(w_ptr, s_ptr, rows, rows < R, k0, KDIM, BLOCK_K, FAST, TWO_MULS)
+        s = mxfp4_scales(s_ptr, rows, rows < R, k0, KDIM, BLOCK_K, FAST)
+        w = mxfp4_weight_tile(w_ptr, s, rows, rows < R, k0, KDIM, BLOCK_K, FAST, TWO_MULS)
         tl.store(out_ptr + rows[:, None] * KDIM + k0 + offs[None, :], w.to(out_ptr.dtype.element_ty))
 
 

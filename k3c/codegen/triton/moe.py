@@ -41,8 +41,8 @@ from k3c.codegen.triton import emitter, model_module, scratch, take_scratch
 from k3c.codegen.triton.attention import one_node
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile, mx_block_k,
-                                         mx_default_config, mx_permute, mx_permuted_col, mxfp4_tile_bf16,
-                                         mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
+                                         mx_default_config, mx_permute, mx_permuted_col, mxfp4_scales,
+                                         mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 
@@ -330,7 +330,8 @@ def emit_moe_experts(group: KernelGroup) -> str:
             "                       situ_linear_beta=SITU_LINEAR_BETA, scratch=scratch)\n")
     what = f"{'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'}{', MXFP4 weights' if mx else ''}"
     return _module(group, f"grouped expert GEMMs ({what})", consts,
-                   [take_scratch, tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel, mx_default_config, mx_block_k,
-                    mx_permute, mx_permuted_col, mxfp4_word_bf16, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile,
-                    mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel, moe_schedule_kernel, moe_schedule],
+                   [take_scratch, tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
+                    mx_default_config, mx_block_k, mx_permute, mx_permuted_col, mxfp4_word_bf16, mxfp4_scales,
+                    mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel,
+                    moe_down_mx_kernel, moe_schedule_kernel, moe_schedule],
                    launch_moe_experts, body)

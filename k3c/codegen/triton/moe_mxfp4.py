@@ -18,10 +18,17 @@ Decoding a word (bf16 activations on the GPU: inline PTX, Hopper has no E2M1 con
 exponent and mantissa bits) moved to bf16 bits 15 (sign) and 8..6 (em) is the bf16 number code · 2^-126 (em < 2
 lands on bf16 subnormals, which `mul.bf16x2` keeps); TWO_MULS (the default): `mul.bf16x2` by 2^126, then by the
 scale, gives code · scale exactly for every E8M0 value; without, one `mul.bf16x2` by 2^(s_E8M0 − 1) = 2^126 · scale
-does, for s_E8M0 ≤ 128 only (2^(s − 1) overflows bf16 above). Two shifts, two masks, an or and two multiplies per
-bf16 pair, about 11 instructions per 8 weights; the assembly is elementwise (one word in, its 8 values out), so it
-does not depend on Triton's register layout. Elsewhere (fp32 activations; Triton's interpreter, which has no
-inline assembly): `mxfp4_tile_f32` gathers the same tile's bytes and scales per element and decodes in fp32.
+does, for s_E8M0 ≤ 128 only (2^(s − 1) overflows bf16 above). Per bf16 pair (SASS, sm_90): two shifts, two
+`LOP3` and two `HMUL2` (one without TWO_MULS), about 3 instructions per weight; the assembly is elementwise (one
+word in, its 8 values out), so it does not depend on Triton's register layout. Elsewhere (fp32 activations;
+Triton's interpreter, which has no inline assembly): `mxfp4_tile_f32` gathers the same tile's bytes and scales per
+element and decodes in fp32.
+
+Scales: a K tile's scale bytes are one contiguous [R, BLOCK_K/32] block per matrix (`mxfp4_scales`), which
+Triton's pipeliner streams through shared memory with the words (cp.async) and reads back in the layout the
+decoder wants; reshaped (no data movement) to one byte per word. A byte gather per word or per thread group is
+too narrow for cp.async: it became a synchronous global load plus a shared-memory layout conversion (two CTA
+barriers per matrix) in every K iteration, 7-14 % of the decode time (BENCHMARKS.md).
 
 Public API: `mx_default_config(rows, E)`, `mx_block_k(K)`, `mx_permute(x, block_k)`, the jit helpers and
 `moe_up_mx_kernel`, `moe_down_mx_kernel` (launched by `launch_moe_experts`).
@@ -113,31 +120,45 @@ def mxfp4_word_bf16(w, mult, TWO_MULS: tl.constexpr):
 
 
 @triton.jit
-def mxfp4_tile_bf16(w_ptr, s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr,
-                    TWO_MULS: tl.constexpr):
+def mxfp4_scales(s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr):
+    """The E8M0 scale bytes (u8; rows masked off by r_ok: 127) of the tile `mxfp4_weight_tile` decodes (rows i64
+    [R], in-row columns k0 : k0+BLOCK_K of scales u8 [.., KDIM/32]), in the shape its decoder takes them. FAST: one
+    per packed word, [R, 4, CC] (CC = BLOCK_K/32; word (t, cc) of the module docstring lies in 32-value group
+    (t·CC + cc) // 4), loaded as the contiguous [R, CC] block and reshaped, so Triton's pipeliner streams it with
+    the words (module docstring, "Scales"); else one per element, [R, BLOCK_K] in the kernels' K order."""
+    CC: tl.constexpr = BLOCK_K // 32
+    base = rows * (KDIM // 32) + k0 // 32
+    if FAST:
+        R: tl.constexpr = rows.shape[0]
+        s = tl.load(s_ptr + base[:, None] + tl.arange(0, CC)[None, :], mask=r_ok[:, None], other=127)
+        if CC >= 4:     # thread t's words lie in its CC / 4 groups t·CC/4 + cc // 4
+            s = tl.reshape(tl.broadcast_to(tl.reshape(s, [R, 4, CC // 4, 1]), [R, 4, CC // 4, 4]), [R, 4, CC])
+        else:           # 4 / CC threads t = g·4/CC + j share group g
+            s = tl.reshape(tl.broadcast_to(tl.reshape(s, [R, CC, 1, 1]), [R, CC, 4 // CC, CC]), [R, 4, CC])
+    else:
+        col = tl.arange(0, BLOCK_K)
+        g = (((col // 2) % 4) * CC + col // 32) // 4
+        s = tl.load(s_ptr + base[:, None] + g[None, :], mask=r_ok[:, None], other=127)
+    return s
+
+
+@triton.jit
+def mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, TWO_MULS: tl.constexpr):
     """The bf16 tile [R, BLOCK_K] (module docstring's column order) of rows `rows` (i64 [R], masked by r_ok: 0),
-    in-row columns k0 : k0+BLOCK_K of an MXFP4 matrix (packed bytes read as i32 words [.., KDIM/8], scales u8
-    [.., KDIM/32]), from 16-byte loads and `mxfp4_word_bf16`. Scale E8M0 0 is 2^-127, 255 NaN (TWO_MULS; else
-    s ≤ 128 assumed)."""
+    in-row columns k0 : k0+BLOCK_K of an MXFP4 matrix (packed bytes read as i32 words [.., KDIM/8]) with its
+    scale bytes s (`mxfp4_scales`, FAST), from 16-byte loads and `mxfp4_word_bf16`. Scale E8M0 0 is 2^-127, 255
+    NaN (TWO_MULS; else s ≤ 128 assumed)."""
     CC: tl.constexpr = BLOCK_K // 32
     R: tl.constexpr = rows.shape[0]
-    t = tl.arange(0, 4)
-    cc = tl.arange(0, CC)
-    word = (rows * (KDIM // 8) + k0 // 8)[:, None, None] + (t * CC)[None, :, None] + cc[None, None, :]
+    word = (rows * (KDIM // 8) + k0 // 8)[:, None, None] + (tl.arange(0, 4) * CC)[None, :, None] + \
+        tl.arange(0, CC)[None, None, :]
     w = tl.load(w_ptr + word, mask=r_ok[:, None, None], other=0)
-    G: tl.constexpr = (CC + 3) // 4                         # groups a thread's CC words span (CC < 4: a part of one)
-    g = (t * CC)[None, :, None] // 4 + tl.arange(0, G)[None, None, :]
-    s = tl.load(s_ptr + (rows * (KDIM // 32) + k0 // 32)[:, None, None] + g, mask=r_ok[:, None, None],
-                other=127).to(tl.int32)
+    s = s.to(tl.int32)
     if TWO_MULS:
         bits = tl.where(s == 0, 0x40, tl.where(s == 255, 0x7FC0, s << 7))
     else:
         bits = (s + 126) << 7
     mult = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    if CC >= 4:      # word cc of the thread's CC is in its group cc // 4
-        mult = tl.reshape(tl.broadcast_to(mult[:, :, :, None], [R, 4, G, 4]), [R, 4, CC])
-    else:
-        mult = tl.broadcast_to(mult, [R, 4, CC])
     v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(w, mult, TWO_MULS)
     # [R, t, cc, e, p, cl] with code s = 2·cl + p, pair element e: code s + 4e
     v = tl.join(tl.join(tl.join(v0, v4), tl.join(v1, v5)), tl.join(tl.join(v2, v6), tl.join(v3, v7)))
@@ -145,15 +166,15 @@ def mxfp4_tile_bf16(w_ptr, s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: t
 
 
 @triton.jit
-def mxfp4_tile_f32(w_ptr, s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`mxfp4_tile_bf16`'s tile in fp32, decoded per element from gathered words and scales (portable: fp32
-    activations, Triton's interpreter). A code (s, em) becomes the fp16 pattern s·2^15 | em·2^9 = code · 2^-14
-    (em < 2: fp16 subnormals, which the fp16 -> fp32 conversion keeps), times 2^14 (exact), times the scale."""
+def mxfp4_tile_f32(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`mxfp4_tile_bf16`'s tile in fp32 with the scale bytes s [R, BLOCK_K] (`mxfp4_scales`, not FAST), decoded
+    per element from gathered words (portable: fp32 activations, Triton's interpreter). A code (s, em) becomes the
+    fp16 pattern s·2^15 | em·2^9 = code · 2^-14 (em < 2: fp16 subnormals, which the fp16 -> fp32 conversion
+    keeps), times 2^14 (exact), times the scale."""
     col = tl.arange(0, BLOCK_K)
     CC: tl.constexpr = BLOCK_K // 32
     k = k0 + 8 * (((col // 2) % 4) * CC + col // 32) + 4 * (col % 2) + 2 * ((col // 16) % 2) + (col // 8) % 2
     word = tl.load(w_ptr + rows[:, None] * (KDIM // 8) + (k // 8)[None, :], mask=r_ok[:, None], other=0)
-    s = tl.load(s_ptr + rows[:, None] * (KDIM // 32) + (k // 32)[None, :], mask=r_ok[:, None], other=127)
     code = ((word >> (4 * (k % 8))[None, :]) & 15).to(tl.uint16)
     v = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     s = s.to(tl.int32)
@@ -162,13 +183,14 @@ def mxfp4_tile_f32(w_ptr, s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def mxfp4_weight_tile(w_ptr, s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr,
-               TWO_MULS: tl.constexpr):
-    """The decoded weight tile [R, BLOCK_K]: bf16 `mxfp4_tile_bf16` with FAST, else fp32 `mxfp4_tile_f32`."""
+def mxfp4_weight_tile(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr,
+                      TWO_MULS: tl.constexpr):
+    """The decoded weight tile [R, BLOCK_K] with its scale bytes s (`mxfp4_scales`, same FAST): bf16
+    `mxfp4_tile_bf16` with FAST, else fp32 `mxfp4_tile_f32`."""
     if FAST:
-        tile = mxfp4_tile_bf16(w_ptr, s_ptr, rows, r_ok, k0, KDIM, BLOCK_K, TWO_MULS)
+        tile = mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM, BLOCK_K, TWO_MULS)
     else:
-        tile = mxfp4_tile_f32(w_ptr, s_ptr, rows, r_ok, k0, KDIM, BLOCK_K)
+        tile = mxfp4_tile_f32(w_ptr, s, rows, r_ok, k0, KDIM, BLOCK_K)
     return tile
 
 
@@ -200,10 +222,12 @@ def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_exp
         gate = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
         up = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
         for d0 in range(0, D, BLOCK_D):
+            s1 = mxfp4_scales(s1_ptr, rows, i_ok, d0, D, BLOCK_D, FAST)
+            s3 = mxfp4_scales(s3_ptr, rows, i_ok, d0, D, BLOCK_D, FAST)
             z = mx_act_tile(zp_ptr, token, m_ok, d0, D, BLOCK_D)
-            w = mxfp4_weight_tile(w1_ptr, s1_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS)
+            w = mxfp4_weight_tile(w1_ptr, s1, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS)
             gate = tl.dot(w.to(z.dtype), z, gate, input_precision=DOT_PRECISION)
-            w = mxfp4_weight_tile(w3_ptr, s3_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS)
+            w = mxfp4_weight_tile(w3_ptr, s3, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS)
             up = tl.dot(w.to(z.dtype), z, up, input_precision=DOT_PRECISION)
         h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
         col = mx_permuted_col(offs_i, BLOCK_K2)
@@ -226,8 +250,9 @@ def moe_down_mx_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expe
         rows = e.to(tl.int64) * D + offs_n
         acc = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
         for i0 in range(0, I, BLOCK_K2):
+            s2 = mxfp4_scales(s2_ptr, rows, n_ok, i0, I, BLOCK_K2, FAST)
             h = mx_act_tile(hp_ptr, offs_m, m_ok, i0, I, BLOCK_K2)
-            w = mxfp4_weight_tile(w2_ptr, s2_ptr, rows, n_ok, i0, I, BLOCK_K2, FAST, TWO_MULS)
+            w = mxfp4_weight_tile(w2_ptr, s2, rows, n_ok, i0, I, BLOCK_K2, FAST, TWO_MULS)
             acc = tl.dot(w.to(h.dtype), h, acc, input_precision=DOT_PRECISION)
         weight = tl.load(weights_ptr + slot, mask=m_ok, other=0.0)
         tl.store(y_slot_ptr + slot[None, :] * D + offs_n[:, None], acc * weight[None, :],
