@@ -322,6 +322,35 @@ def test_kda_fused(gate, T, tmp_path):
               emitter=kda_abi.emit_kda_fused)
 
 
+@pytest.mark.parametrize("T", [1, 17])
+def test_kda_fused_row_strided_activations(T, tmp_path):
+    """The six activations as column views of one buffer (decode after `fuse_gemms`): the module takes views
+    (TAKES_VIEWS) and gives the same outputs, bit for bit, as for contiguous copies."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, K, W = 2, 2, 8, 4
+    HK = H * K
+    widths = [HK, HK, HK, HK, H, HK]                                        # q, k, v, f, beta, gate
+    fused = rand(B, T, sum(widths) + 5, gen=gen)
+    views = list(torch.split(fused, widths + [5], -1))[:6]
+    rest = [rand(HK, 1, W, s=0.5, gen=gen) for _ in range(3)] + [rand(H, s=0.5, gen=gen), rand(HK, s=0.3, gen=gen),
+                                                                  1 + 0.1 * rand(K, gen=gen)]
+    state = [rand(B, H, K, K, s=0.1, gen=gen), rand(B, 3 * HK, W, gen=gen)]
+    types = [((B, T, w if w == H else HK), "f32") for w in widths] + [((HK, 1, W), "f32")] * 3 + \
+        [((H,), "f32"), ((HK,), "f32"), ((K,), "f32"), ((B, H, K, K), "f32"), ((B, 3 * HK, W), "f32")]
+    group = one_node_group("kda_fused", types, {"heads": H, "head_dim": K, "gate": "lower_bound"})
+    module = load(kda_abi.emit_kda_fused(group), tmp_path / "kda_strided.py", f"gen_kda_strided_{T}")
+    assert module.TAKES_VIEWS is True
+    results = []
+    for acts in (views, [v.contiguous() for v in views]):
+        st = [t.clone() for t in state]
+        y = torch.empty(B, T, HK)
+        module.launch(acts + rest + st, [y, st[0], st[1]], {})
+        results.append([y, *st])
+    assert not any(v.is_contiguous() for v in views)
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 # ---- every model-op node of the tiny models --------------------------------------------------------------------
 @pytest.mark.parametrize("model", ["k3.1-pro-tiny", "kimi-linear-tiny"])
 @pytest.mark.parametrize("mode", ["decode", "prefill"])

@@ -12,8 +12,10 @@ own `launch(q_in, ...)` is renamed `kda_family_launch`. The ABI `launch` maps th
 
 T == 1 (decode) runs the split-V decode kernel, like `kda.kda_decode`; T > 1 (prefill) runs the chunked
 kernels when the gate is safely bounded and T ≥ 16, else the token loop, like `kda.kda_prefill(method="auto")`.
-y is written in place. The state outputs may be the very tensors of the state inputs (in-place update) or separate
-ones. Conv weights
+The state outputs may be the very tensors of the state inputs (in-place update) or separate ones. The six
+activations may be row-strided views (any batch / token strides, dense last dim: in decode, the column views of
+the one GEMM output `fuse_gemms` makes of the projections): the module declares `TAKES_VIEWS`, so that the runtime's
+Triton launcher passes them without a copy (other inputs are made contiguous here where they are not). Conv weights
 [H·K,1,W] are viewed as [H·K,W]; non-fp32 weights or conv state are converted (the kernels take fp32), a converted
 conv state is copied back.
 
@@ -34,7 +36,7 @@ import triton
 from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import emitter, module_header, scratch
 from k3c.codegen.triton.attention import one_node
-from k3c.codegen.triton.kda import CHUNK, CHUNK_BLOCK_V, SAFE_LOG_DECAY, emit_source
+from k3c.codegen.triton.kda import CHUNK, CHUNK_BLOCK_V, chunk_is_safe, emit_source
 from k3c.errors import UnsupportedError
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
@@ -57,23 +59,22 @@ def launch(inputs, outputs, sizes, scratch=None):
     y, state_out, conv_out = [outputs[i] for i in OUTPUT_POSITIONS]
     T = q.shape[1]
     conv_w = [w.reshape(w.shape[0], w.shape[-1]).float() for w in (q_conv, k_conv, v_conv)]
-    conv_in = conv_state if conv_state.dtype == torch.float32 else conv_state.float()
+    state = state.contiguous()
+    conv_in = conv_state.contiguous() if conv_state.dtype == torch.float32 else conv_state.float().contiguous()
     conv_dst = conv_out if conv_out.dtype == torch.float32 else conv_in
     mode = "decode" if T == 1 else "chunk" if CHUNKED and T >= CHUNK_MIN_TOKENS else "recurrent"
-    _launch_kda(mode, q, k, v, f, beta, gate,
-                *conv_w, A_log.reshape(-1).float(), dt_bias.reshape(-1).float(), o_norm.float(), state,
-                conv_in, gate_kind=GATE_KIND, lower_bound=LOWER_BOUND, eps=EPS, lengths=None,
-                state_out=state_out, conv_state_out=conv_dst, store_output=True, num_warps=None,
-                scratch=scratch if mode == "chunk" else None, out=y)
+    direct = y.is_contiguous() and y.dtype == q.dtype      # the kernels write y in place
+    y_new = _launch_kda(mode, q, k, v, f, beta, gate,
+                        *conv_w, A_log.reshape(-1).float(), dt_bias.reshape(-1).float(), o_norm.float(), state,
+                        conv_in, gate_kind=GATE_KIND, lower_bound=LOWER_BOUND, eps=EPS, lengths=None,
+                        state_out=state_out, conv_state_out=conv_dst, store_output=True, num_warps=None,
+                        y_out=y if direct else None,
+                        scratch=scratch if mode == "chunk" else None)
+    if not direct:
+        y.copy_(y_new)
     if conv_dst is not conv_out:
         conv_out.copy_(conv_dst)
 '''
-
-
-def _chunked(attrs: dict) -> bool:
-    """Whether the chunk kernel may run: exact only while a chunk's cumulative log-decay stays above
-    -SAFE_LOG_DECAY (bounded gate)."""
-    return attrs["gate"] == "lower_bound" and (CHUNK - 1) * abs(float(attrs["lower_bound"])) <= SAFE_LOG_DECAY
 
 
 @scratch("kda_fused")
@@ -85,7 +86,7 @@ def kda_fused_scratch(group: KernelGroup) -> list[ScratchSpec]:
     a = node.attrs
     q = node.inputs[0].type
     B, T, HD = q.shape
-    if not _chunked(a) or T == 1:
+    if not chunk_is_safe(a["gate"], a["lower_bound"]) or T == 1:
         return []
     H, D = a["heads"], a["head_dim"]
     NC = sympy.ceiling(sympy.sympify(T) / CHUNK)
@@ -106,7 +107,7 @@ def emit_kda_fused(group: KernelGroup) -> str:
     """
     node, ip, op = one_node(group, "kda_fused")
     a = node.attrs
-    chunked = _chunked(a)
+    chunked = chunk_is_safe(a["gate"], a["lower_bound"])  # bounded gates only (kda_chunk docstring)
     spec = {"family": "prefill", "heads": a["heads"], "head_dim": a["head_dim"],
             "conv_size": int(node.inputs[6].type.shape[2]), "gate_kind": a["gate"],
             "lower_bound": float(a["lower_bound"]), "eps": float(a["eps"]), "ir_nodes": group.ir_nodes,
@@ -117,10 +118,11 @@ def emit_kda_fused(group: KernelGroup) -> str:
     text = text.replace(_ERRORS_IMPORT, _LOCAL_ERRORS).replace("\ndef launch(", "\ndef kda_family_launch(")
     if "k3c." in "".join(ln for ln in text.splitlines() if ln.lstrip().startswith(("import ", "from "))):
         raise UnsupportedError(f"{group.name}: the KDA kernel text imports k3c")
-    lines = module_header(group, f"fused KDA mixer ({a['gate']} gate), decode/prefill by T", __name__)
+    lines = module_header(group, f"fused KDA mixer ({a['gate']} gate), decode/prefill by T", __name__,
+                          takes_views=True)
     lines += [f"INPUT_POSITIONS = {ip!r}  # group inputs of (q, k, v, f, beta, gate, q_conv, k_conv, v_conv, "
               "A_log, dt_bias, o_norm, state, conv_state)",
               f"OUTPUT_POSITIONS = {op!r}  # group outputs of (y, state, conv_state)",
-              f"CHUNKED = {chunked!r}  # gate safely bounded: prefill may use the 16-token chunk kernel",
+              f"CHUNKED = {chunked!r}  # gate safely bounded: prefill may use the {CHUNK}-token chunk kernel",
               f"CHUNK_MIN_TOKENS = {CHUNK}  # fewer tokens: token loop (as kda.kda_prefill, method='auto')", ""]
     return "\n".join(lines) + "\n" + text + _ABI_LAUNCH
