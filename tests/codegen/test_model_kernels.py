@@ -278,11 +278,12 @@ def test_moe_experts_large_tiles(tmp_path):
                       rand(E, I, D, gen=gen), rand(E, D, I, gen=gen)], {}, tmp_path)
 
 
-@pytest.mark.parametrize("act,N", [("situ", 5), ("silu", 5), ("situ", 32)])
+@pytest.mark.parametrize("act,N", [("situ", 5), ("silu", 5), ("situ", 32), ("situ", 128)])
 def test_moe_experts_mxfp4(act, N, tmp_path):
     """MXFP4 experts (every byte value, scales 2^-3 .. 2^2) decoded in the kernels: equal to the reference's
     dequantize-then-GEMM in fp32; several 32-value groups per row in both GEMMs, masked I tail (I = 96, 32-wide
-    K tiles); N = 5: the decode tiles, N = 32 (16 rows per expert): the prefill tiles."""
+    K tiles); N = 5: the decode tiles, N = 32 (16 rows per expert): the large-batch decode tiles (32 rows), N = 128
+    (64 per expert): the prefill tiles (`mx_default_config`)."""
     gen = torch.Generator().manual_seed(5)
     k, E, D, I = 2, 4, 64, 96
     ids = torch.tensor([[0, 1], [1, 3], [3, 0], [1, -1], [0, 3]])       # expert 2 gets no token; one unused slot
