@@ -1,7 +1,8 @@
 """Compile a random checkpoint of each tiny preset with each CPU backend, run the artifact on CPU (Triton kernels
 interpreted), and compare the logits with `models/k3.py` eager: a prompt prefilled in two calls (a partial KDA
 chunk, then the token-loop form; the last position's logits, and every position's through `prefill_all` for the
-first preset), then decode steps, batch 1 and 3 (sizes and why: runtime_sizes.py).
+first preset), then decode steps, batch 1 and 3 (sizes and why: runtime_sizes.py). Every launch with planned
+scratch runs on the arena's buffers and allocates none of its own (scratch_guard.py).
 
 k3.1-pro-tiny's checkpoint stores its routed experts as MXFP4, like the published K3 checkpoints (conftest.py,
 MXFP4_PRESET): its artifact keeps them 4-bit (the checkpoint's bytes) and its kernels dequantize them in registers,
@@ -21,6 +22,7 @@ import k3c  # noqa: E402
 from k3c.compile import CompileOptions, compile_model  # noqa: E402
 from models.config import TINY_PRESETS  # noqa: E402
 from runtime_sizes import BACKENDS, MAX_PREFILL, MXFP4_PRESET, PROMPT, STEPS  # noqa: E402
+from scratch_guard import guard_scratch  # noqa: E402
 
 pytestmark = pytest.mark.slow  # compiles artifacts and interprets them: `make test`, not `make test-quick`
 
@@ -50,9 +52,10 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("preset,backend,batch", CASES, ids=[f"{p}-{b}-{n}" for p, b, n in CASES])
-def test_prefill_then_decode_matches_eager(sessions, preset, backend, batch):
+def test_prefill_then_decode_matches_eager(sessions, preset, backend, batch, monkeypatch):
     model, s = sessions(preset, backend)
     s.reset()
+    handed = guard_scratch(s, monkeypatch)
     gen = torch.Generator().manual_seed(batch)
     tokens = torch.randint(0, model.config.vocab_size, (batch, PROMPT), generator=gen)
     with torch.no_grad():
@@ -61,6 +64,9 @@ def test_prefill_then_decode_matches_eager(sessions, preset, backend, batch):
     assert PROMPT > MAX_PREFILL and s.length == PROMPT
     assert got.shape == (batch, 1, model.config.vocab_size)
     assert _rel(got, want[:, -1:]) <= 1e-4
+    # the 24-token call runs every scratch path (KDA's chunked prefill, the MoE GEMMs, the DSA indexer's sort keys)
+    # but attention's split-K, which needs more than MIN_KEYS_PER_SPLIT = 64 keys (tests/kernels/test_triton_scratch.py)
+    assert set(handed) == {ln["kind"] for ln in s.schedule["prefill"]["launches"] if "scratch" in ln} - {"mla_attention"}
     if "prefill_all" in s.schedule:
         s.reset()
         got = s.prefill(tokens, logits="all")

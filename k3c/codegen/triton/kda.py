@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from k3c.codegen.triton import _common
+from k3c.codegen.triton import _common, take_scratch
 from k3c.codegen.triton.kda_chunk import kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel
 from k3c.codegen.triton.kda_decode import kda_decode_kernel
 from k3c.codegen.triton.kda_recurrent import kda_recurrent_kernel
@@ -123,12 +123,13 @@ def _decode_scratch(device, rows, D):
 
 def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
                 o_norm_weight, state, conv_state, *, gate_kind, lower_bound, eps, lengths, state_out,
-                conv_state_out, store_output, num_warps, block_v=None, y_out=None):
+                conv_state_out, store_output, num_warps, block_v=None, y_out=None, scratch=None):
     """Check shapes/devices and launch the `mode` kernels ("decode": T = 1, split over V; "recurrent": token loop
     over the (B, H) grid; "chunk": chunk-parallel prep + state pass split over V + norm epilogue); returns y or None.
     block_v: value columns per program of the decode / chunk state kernels (None: `decode_split` / CHUNK_BLOCK_V).
     Activations may be row-strided views (any batch / token strides, dense last dim; others are copied); y is
-    returned contiguous, in y_out when given (a contiguous tensor of q_in's shape and dtype)."""
+    returned contiguous, in y_out when given (a contiguous tensor of q_in's shape and dtype). scratch: the chunk
+    path's planned buffers by name (ws, ws_p, ws_glast, o_buf; `kda_abi.kda_fused_scratch`), None: allocated here."""
     if q_in.dim() != 3:
         raise RuntimeInputError(f"KDA: q_in must be [B, T, H*D], got {tuple(q_in.shape)}")
     B, T, HD = q_in.shape
@@ -204,9 +205,9 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
         # TF32 (10-bit mantissa) is below the storage precision of a bf16/fp16 model; an fp32 model gets fp32 dots
         dot = "tf32" if q_in.device.type == "cuda" and q_in.dtype != torch.float32 else "ieee"
         NC = triton.cdiv(T, CHUNK)
-        ws = torch.empty(4, B, H, NC, CHUNK, D, dtype=q_in.dtype, device=q_in.device)
-        ws_p = torch.empty(B, H, NC, CHUNK, CHUNK, dtype=q_in.dtype, device=q_in.device)
-        ws_glast = torch.empty(B, H, NC, D, dtype=torch.float32, device=q_in.device)
+        ws = take_scratch(scratch, "ws", (4, B, H, NC, CHUNK, D), q_in.dtype, q_in.device)
+        ws_p = take_scratch(scratch, "ws_p", (B, H, NC, CHUNK, CHUNK), q_in.dtype, q_in.device)
+        ws_glast = take_scratch(scratch, "ws_glast", (B, H, NC, D), torch.float32, q_in.device)
         kda_chunk_prep_kernel[(NC, H, B)](
             q_in, k_in, v_in, f, beta_logits, *wts[:5], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p,
             ws_glast, T, NC, *(s for n in "qkvfb" for s in st[n]), H=H, D=D, W=W, BD=BD, SCALE=D ** -0.5,
@@ -214,7 +215,8 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
             DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
         BV = min(BD, block_v or CHUNK_BLOCK_V)
         fuse = BV == BD
-        o_buf = y if fuse or not store_output else torch.empty(B, T, HD, dtype=torch.float32, device=q_in.device)
+        o_buf = y if fuse or not store_output else take_scratch(scratch, "o_buf", (B, T, HD), torch.float32,
+                                                                q_in.device)
         kda_chunk_state_kernel[(triton.cdiv(D, BV), H, B)](
             ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, q_in, k_in, v_in, gate_logits, o_norm_weight, state,
             state_out, conv_state, conv_state_out, o_buf if store_output else q_in, lens, T, NC,
@@ -412,6 +414,7 @@ def emit_source(spec):
     parts = [header]
     parts += [inspect.getsource(fn.fn) for fn in _common.HELPERS]
     parts += [inspect.getsource(kernel.fn) for kernel in kernels]
-    parts += [inspect.getsource(_decode_scratch), inspect.getsource(decode_split), inspect.getsource(_launch_kda)]
+    parts += [inspect.getsource(take_scratch), inspect.getsource(_decode_scratch), inspect.getsource(decode_split),
+              inspect.getsource(_launch_kda)]
     parts.append(_LAUNCH_TEMPLATE.format(doc=doc, mode=mode))
     return "\n\n".join(parts)

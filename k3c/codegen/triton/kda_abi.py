@@ -19,17 +19,27 @@ Triton launcher passes them without a copy (other inputs are made contiguous her
 [H·K,1,W] are viewed as [H·K,W]; non-fp32 weights or conv state are converted (the kernels take fp32), a converted
 conv state is copied back.
 
+Scratch (`kda_fused_scratch`, planned in the arena; the decode kernel's few KiB stay cached in the module): the
+chunked prefill's workspace ws [4, B, H, NC, 16, K] and ws_p [B, H, NC, 16, 16] in q's dtype, ws_glast f32
+[B, H, NC, K] (NC = ⌈T/16⌉ chunks) and, when the state pass does not fuse the norm epilogue (CHUNK_BLOCK_V < K),
+o_buf f32 [B, T, H·K].
+
 Public API: `emit_kda_fused(group)` -> module text (registered with `k3c.codegen.triton.emitter` for the kind
-"kda_fused").
+"kda_fused"), `kda_fused_scratch(group)` (registered with `k3c.codegen.triton.scratch`).
 """
 
 from __future__ import annotations
 
-from k3c.codegen.triton import emitter, module_header
+import sympy
+import triton
+
+from k3c.codegen.backend import ScratchSpec
+from k3c.codegen.triton import emitter, module_header, scratch
 from k3c.codegen.triton.attention import one_node
-from k3c.codegen.triton.kda import CHUNK, chunk_is_safe, emit_source
+from k3c.codegen.triton.kda import CHUNK, CHUNK_BLOCK_V, chunk_is_safe, emit_source
 from k3c.errors import UnsupportedError
 from k3c.ir.kernels import KernelGroup
+from k3c.ir.types import TensorType
 
 _ERRORS_IMPORT = "from k3c.errors import RuntimeInputError, UnsupportedError"
 _LOCAL_ERRORS = '''class RuntimeInputError(ValueError):
@@ -41,8 +51,9 @@ class UnsupportedError(ValueError):
 
 _ABI_LAUNCH = '''
 
-def launch(inputs, outputs, sizes):
-    """ABI entry (see the header): decode kernel when T == 1, prefill (chunked or token loop) otherwise."""
+def launch(inputs, outputs, sizes, scratch=None):
+    """ABI entry (see the header): decode kernel when T == 1, prefill (chunked or token loop) otherwise; scratch:
+    the chunked prefill's planned buffers (kda_fused_scratch; None: allocated)."""
     (q, k, v, f, beta, gate, q_conv, k_conv, v_conv, A_log, dt_bias, o_norm, state,
      conv_state) = [inputs[i] for i in INPUT_POSITIONS]
     y, state_out, conv_out = [outputs[i] for i in OUTPUT_POSITIONS]
@@ -57,12 +68,34 @@ def launch(inputs, outputs, sizes):
                         *conv_w, A_log.reshape(-1).float(), dt_bias.reshape(-1).float(), o_norm.float(), state,
                         conv_in, gate_kind=GATE_KIND, lower_bound=LOWER_BOUND, eps=EPS, lengths=None,
                         state_out=state_out, conv_state_out=conv_dst, store_output=True, num_warps=None,
-                        y_out=y if direct else None)
+                        y_out=y if direct else None,
+                        scratch=scratch if mode == "chunk" else None)
     if not direct:
         y.copy_(y_new)
     if conv_dst is not conv_out:
         conv_out.copy_(conv_dst)
 '''
+
+
+@scratch("kda_fused")
+def kda_fused_scratch(group: KernelGroup) -> list[ScratchSpec]:
+    """The chunked prefill's scratch of one `kda_fused` launch (module docstring; `kda._launch_kda` "chunk"): none
+    when the gate forbids the chunk kernel or the entry has one token per row (decode). Raises UnsupportedError for
+    a group that is not a single kda_fused node."""
+    node, _, _ = one_node(group, "kda_fused")
+    a = node.attrs
+    q = node.inputs[0].type
+    B, T, HD = q.shape
+    if not chunk_is_safe(a["gate"], a["lower_bound"]) or T == 1:
+        return []
+    H, D = a["heads"], a["head_dim"]
+    NC = sympy.ceiling(sympy.sympify(T) / CHUNK)
+    out = [ScratchSpec("ws", TensorType((4, B, H, NC, CHUNK, D), q.dtype)),
+           ScratchSpec("ws_p", TensorType((B, H, NC, CHUNK, CHUNK), q.dtype)),
+           ScratchSpec("ws_glast", TensorType((B, H, NC, D), "f32"))]
+    if min(triton.next_power_of_2(D), CHUNK_BLOCK_V) != triton.next_power_of_2(D):   # norm epilogue not fused
+        out.append(ScratchSpec("o_buf", TensorType((B, T, HD), "f32")))
+    return out
 
 
 @emitter("kda_fused")

@@ -65,11 +65,16 @@ def mx_block_k(K: int, most: int = 256) -> int:
     return b
 
 
-def mx_permute(x: torch.Tensor, block_k: int) -> torch.Tensor:
+def mx_permute(x: torch.Tensor, block_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, K] -> the same values [N, K] in the MXFP4 kernels' K order (module docstring): per tile of block_k,
-    column 32·cc + 16·cl + 8p + 2t + e holds k = 8·(t·CC + cc) + 4e + 2·cl + p. A contiguous copy."""
+    column 32·cc + 16·cl + 8p + 2t + e holds k = 8·(t·CC + cc) + 4e + 2·cl + p. A contiguous copy (into `out`, a
+    contiguous [N, K] of x's dtype, when given)."""
     N, K = x.shape
-    return x.reshape(N, K // block_k, 4, block_k // 32, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4).reshape(N, K)
+    src = x.reshape(N, K // block_k, 4, block_k // 32, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4)
+    if out is None:
+        return src.reshape(N, K)
+    out.view(src.shape).copy_(src)
+    return out
 
 
 @triton.jit
