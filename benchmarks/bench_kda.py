@@ -24,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
+from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton import kda as kda_module  # noqa: E402
@@ -123,28 +124,30 @@ def check(results, name, y, y_ref, st, S_ref, C_ref, tol):
     print("CHECK", r, flush=True)
 
 
-def check_gpu(dev, results, decode_bvs, chunk_bvs):
+def check_gpu(dev, results, decode_cfgs, chunk_cfgs):
     """bf16-input correctness of every timed k3c variant vs the fp32 reference (relative L2 error)."""
     acts, weights, state = small_heads(*make(2, 300, dev, seed=1), 8)
     y_ref, S_ref, C_ref = kda_fused_reference(**acts, **weights, **state)
     st = {k: v.clone() for k, v in state.items()}
     y = kda_prefill(**acts, **weights, **st, method="recurrent")
     check(results, "prefill recurrent T=300 H=8", y, y_ref, st, S_ref, C_ref, 1e-3)
-    for bv in chunk_bvs:
-        for lens in (None, [300, 173]):
-            st = {k: v.clone() for k, v in state.items()}
-            y = kda_prefill(**acts, **weights, **st, method="chunk", block_v=bv, lengths=lens)
-            if lens is None:
-                check(results, f"prefill chunk block_v={bv} T=300 H=8", y, y_ref, st, S_ref, C_ref, 1e-2)
-            else:       # row 1 stops at 173 tokens
-                r1 = kda_fused_reference(**{k: v[1:, :173] for k, v in acts.items()}, **weights,
-                                         **{k: v[1:] for k, v in state.items()})
-                check(results, f"prefill chunk block_v={bv} lengths (300, 173), row 1", y[1:, :173], r1[0],
-                      {k: v[1:] for k, v in st.items()}, r1[1], r1[2], 1e-2)
-    for bv in decode_bvs:
-        for sdt in (torch.float32, torch.bfloat16):
-            if sdt == torch.bfloat16 and bv not in (0, 32, 64):
-                continue
+    for bv, _, pw, chunk in sorted(set(chunk_cfgs)):
+        with prep_config(pw, chunk):
+            name = f"chunk {chunk} block_v={bv}"
+            runs = fits(lambda: kda_prefill(**acts, **weights, **{k: v.clone() for k, v in state.items()},
+                                            method="chunk", block_v=bv, store_output=False))
+            for lens in (None, [300, 173]) if runs else ():
+                st = {k: v.clone() for k, v in state.items()}
+                y = kda_prefill(**acts, **weights, **st, method="chunk", block_v=bv, lengths=lens)
+                if lens is None:
+                    check(results, f"prefill {name} T=300 H=8", y, y_ref, st, S_ref, C_ref, 1e-2)
+                else:       # row 1 stops at 173 tokens
+                    r1 = kda_fused_reference(**{k: v[1:, :173] for k, v in acts.items()}, **weights,
+                                             **{k: v[1:] for k, v in state.items()})
+                    check(results, f"prefill {name} lengths (300, 173), row 1", y[1:, :173], r1[0],
+                          {k: v[1:] for k, v in st.items()}, r1[1], r1[2], 1e-2)
+    for sdt, cfgs in decode_cfgs.items():
+        for bv in sorted({bv for bv, _ in cfgs}):
             st = {k: v.clone() for k, v in state.items()}
             kda_prefill(**{k: v[:, :296] for k, v in acts.items()}, **weights, **st, method="recurrent")
             st["state"] = st["state"].to(sdt)
@@ -153,6 +156,52 @@ def check_gpu(dev, results, decode_bvs, chunk_bvs):
             st["state"] = st["state"].float()
             check(results, f"decode x4 block_v={bv or 'default'} state {str(sdt)[6:]} after prefill",
                   torch.stack(ys, 1), y_ref[:, 296:], st, S_ref, C_ref, 1e-2 if sdt == torch.bfloat16 else 1e-3)
+    # row-strided activations (the column views of one fused projection output) give the contiguous results
+    views = fused_views({k: v[:, 296:297] for k, v in acts.items()})
+    outs = []
+    for a in (views, {k: v.contiguous() for k, v in views.items()}):
+        st = {k: v.clone() for k, v in state.items()}
+        outs.append((kda_decode(**{k: v[:, 0] for k, v in a.items()}, **weights, **st), st))
+    r = dict(check="decode, row-strided activations vs contiguous (bitwise)", y_rel=rel_err(outs[0][0], outs[1][0]),
+             state_rel=rel_err(outs[0][1]["state"], outs[1][1]["state"]),
+             conv_rel=rel_err(outs[0][1]["conv_state"], outs[1][1]["conv_state"]))
+    r["ok"] = r["y_rel"] == r["state_rel"] == r["conv_rel"] == 0.0
+    results.append(r)
+    print("CHECK", r, flush=True)
+
+
+def fits(fn):
+    """Whether fn runs (False, printed, when Triton finds the configuration out of resources)."""
+    try:
+        fn()
+        return True
+    except OutOfResources as e:
+        print(f"# skipped: {e}", flush=True)
+        return False
+
+
+def fused_views(acts):
+    """The activations as column views of one [B, T, N] buffer (`fuse_gemms`' split of one GEMM output)."""
+    order = ("q_in", "k_in", "v_in", "f", "beta_logits", "gate_logits")
+    buf = torch.cat([acts[k] for k in order], -1)
+    return dict(zip(order, torch.split(buf, [acts[k].shape[-1] for k in order], -1)))
+
+
+class prep_config:
+    """Context manager: the chunked prefill's module constants (prep warps, chunk size)."""
+    names = ("CHUNK_PREP_WARPS", "CHUNK")
+
+    def __init__(self, *values):
+        self.values = values
+
+    def __enter__(self):
+        self.saved = [getattr(kda_module, n) for n in self.names]
+        for n, v in zip(self.names, self.values):
+            setattr(kda_module, n, v)
+
+    def __exit__(self, *exc):
+        for n, v in zip(self.names, self.saved):
+            setattr(kda_module, n, v)
 
 
 def bf16_state_drift(dev, results, steps=4096):
@@ -199,7 +248,7 @@ def profile_kernels(label, fn):
 
 
 def cfg_name(bv, nw):
-    return f"block_v={bv}, num_warps={nw}" if bv else "default: 16 KB of state per program, num_warps = block_v/16"
+    return f"block_v={bv}, num_warps={nw}" if bv else "default split (kda.decode_split)"
 
 
 def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile):
@@ -215,16 +264,21 @@ def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile):
                              roofline=nbytes / ms / 1e-3 / HBM_BYTES_PER_S))
             print("ROW", rows[-1], flush=True)
 
-        for bv, nw in decode_cfgs:
+        for bv, nw in decode_cfgs[torch.float32]:
             ms, how = bench(lambda i, bv=bv, nw=nw: kda_decode(**step[i][0], **step[i][1], **step[i][2],
                                                                block_v=bv or None, num_warps=nw or None), n_sets)
             add(f"k3c fused decode, split V ({cfg_name(bv, nw)})", ms, how)
+        strided = [fused_views({k: v[:, None] for k, v in a.items()}) for a, _, _ in step]
+        ms, how = bench(lambda i: kda_decode(**{k: v[:, 0] for k, v in strided[i].items()}, **step[i][1],
+                                             **step[i][2]), n_sets)
+        add("k3c fused decode, default, row-strided activations (fused GEMM views)", ms, how)
+        del strided
         ms, how = bench(lambda i: kda_prefill(**{k: v[:, None] for k, v in step[i][0].items()}, **step[i][1],
                                               **step[i][2], method="recurrent"), n_sets)
         add("k3c token-loop kernel (the previous decode path)", ms, how)
         s16 = [dict(state=s["state"].to(torch.bfloat16), conv_state=s["conv_state"]) for _, _, s in step]
         b16 = state_bytes // 2 + B * 3 * HD * W * 4 + io_bytes
-        for bv, nw in decode_cfgs[:3]:
+        for bv, nw in decode_cfgs[torch.bfloat16]:
             ms, how = bench(lambda i, bv=bv, nw=nw: kda_decode(**step[i][0], **step[i][1], **s16[i],
                                                                block_v=bv or None, num_warps=nw or None), n_sets)
             add(f"k3c fused decode, bf16 state ({cfg_name(bv, nw)})", ms, how, b16)
@@ -268,7 +322,6 @@ def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile):
 
 
 def prefill_rows(dev, have_fla, rows, Ts, chunk_cfgs, fla_Ts):
-    default_prep_warps = kda_module.CHUNK_PREP_WARPS
     for T in Ts:
         B = 1
         acts, weights, state = make(B, T, dev, seed=4)
@@ -280,17 +333,16 @@ def prefill_rows(dev, have_fla, rows, Ts, chunk_cfgs, fla_Ts):
                              TFLOPs=flop / ms / 1e9, frac_790=flop / ms / 1e-3 / BF16_FLOP_PER_S))
             print("ROW", rows[-1], flush=True)
 
-        for bv, nw, pw in chunk_cfgs:
-            kda_module.CHUNK_PREP_WARPS = pw
-            ms, how = bench(lambda i, bv=bv, nw=nw: kda_prefill(**acts, **weights, **state, method="chunk",
-                                                                block_v=bv, num_warps=nw), 1)
-            add(f"k3c chunked prefill, chunk 16 (state pass block_v={bv}, num_warps={nw}; prep {pw} warps)", ms,
-                how)
-            if T == 8192:
-                profile_kernels(f"prefill T={T} block_v={bv} nw={nw} pw={pw}",
-                                lambda: kda_prefill(**acts, **weights, **state, method="chunk", block_v=bv,
-                                                    num_warps=nw))
-        kda_module.CHUNK_PREP_WARPS = default_prep_warps
+        for bv, nw, pw, chunk in chunk_cfgs:
+            with prep_config(pw, chunk):
+                ms, how = bench(lambda i, bv=bv, nw=nw: kda_prefill(**acts, **weights, **state, method="chunk",
+                                                                    block_v=bv, num_warps=nw), 1)
+                add(f"k3c chunked prefill, chunk {chunk} (state pass block_v={bv}, num_warps={nw}; prep {pw} warps)",
+                    ms, how)
+                if T == 8192:
+                    profile_kernels(f"prefill T={T} chunk={chunk} block_v={bv} nw={nw} pw={pw}",
+                                    lambda: kda_prefill(**acts, **weights, **state, method="chunk", block_v=bv,
+                                                        num_warps=nw))
         if have_fla and T in fla_Ts:
             from fla.modules.causal_conv1d import causal_conv1d
             from fla.modules.norm.fused_norm_gate import rms_norm_gated
@@ -373,8 +425,14 @@ def write_table(rows, checks, out):
                            torch=torch.__version__, triton=triton.__version__), fh, indent=1)
 
 
-def parse_pairs(text):
-    return [tuple(int(x) for x in p.split(":")) for p in text.split(",") if p]
+def parse_tuples(text, defaults):
+    """'a:b:c,...' -> int tuples, missing trailing fields taken from `defaults`."""
+    out = []
+    for p in text.split(","):
+        if p:
+            vals = [int(x) for x in p.split(":")]
+            out.append(tuple(vals + list(defaults[len(vals):])))
+    return out
 
 
 def main():
@@ -382,10 +440,11 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     ap.add_argument("--prefill-T", default="1024,8192,32768")
-    ap.add_argument("--decode", default="0:0,16:4,64:4,128:8,32:4,32:8",
-                    help="block_v:num_warps,... (0:0 = the launcher's default)")
+    ap.add_argument("--decode", default="0:0,16:1,32:2,64:4,128:8",
+                    help="fp32 state: block_v:num_warps,... (0:0 = the launcher's default)")
+    ap.add_argument("--decode-bf16", default="0:0,16:1,32:2,64:2,64:4", help="bf16 state: as --decode")
     ap.add_argument("--chunk", default="64:4:4,32:4:4,128:8:4",
-                    help="block_v:num_warps:prep_warps,... of the chunk state pass and the intra-chunk kernel")
+                    help="block_v:num_warps:prep_warps[:chunk],... of the chunk state pass and the intra-chunk kernel")
     ap.add_argument("--fla-prefill-T", default="8192", help="prefill lengths with an FLA row")
     ap.add_argument("--stages", default="check,drift,decode,prefill,spec")
     args = ap.parse_args()
@@ -394,9 +453,10 @@ def main():
     have_fla = fla_available()
     rows, checks = [], []
     torch.backends.cuda.matmul.allow_tf32 = False
-    decode_cfgs, chunk_cfgs = parse_pairs(args.decode), parse_pairs(args.chunk)
-    stages = {"check": lambda: check_gpu(dev, checks, sorted({bv for bv, _ in decode_cfgs}),
-                                         sorted({c[0] for c in chunk_cfgs})),
+    decode_cfgs = {torch.float32: parse_tuples(args.decode, (0, 0)),
+                   torch.bfloat16: parse_tuples(args.decode_bf16, (0, 0))}
+    chunk_cfgs = parse_tuples(args.chunk, (kda_module.CHUNK_BLOCK_V, 4, kda_module.CHUNK_PREP_WARPS, kda_module.CHUNK))
+    stages = {"check": lambda: check_gpu(dev, checks, decode_cfgs, chunk_cfgs),
               "drift": lambda: bf16_state_drift(dev, checks),
               "decode": lambda: decode_rows(dev, have_fla, rows, decode_cfgs, not args.no_compile),
               "prefill": lambda: prefill_rows(dev, have_fla, rows, [int(t) for t in args.prefill_T.split(",")],

@@ -94,7 +94,11 @@ def dequantized(w, s, chunk=32):
 # launcher's default (k3c.codegen.triton.moe_mxfp4.mx_default_config)
 MX_SWEEP = {"decode": [None, (16, 64, 256, 4, 3, False, None), (16, 64, 256, 4, 4, True, None),
                        (16, 64, 256, 4, 3, True, 168), (16, 128, 256, 8, 3, True, None)],
-            "prefill": [None, (128, 128, 128, 8, 3, False, None), (64, 128, 128, 4, 3, False, None)]}
+            "prefill": [None, (128, 128, 128, 8, 3, False, None), (64, 128, 128, 4, 3, False, None)],
+            # decode at 16+ rows per expert (batch 64 of 32 experts: the prefill tiles are 3/4 empty there)
+            "decode_mid": [None, (16, 64, 256, 4, 3, True, None), (32, 64, 256, 4, 3, True, None),
+                           (64, 64, 256, 4, 3, True, None), (64, 128, 128, 4, 3, True, None),
+                           (64, 128, 128, 8, 3, True, None)]}
 
 
 def run_case(results, out_path, phase, N, E, dense, mx, bytes_per_expert, quick, gen, dev):
@@ -104,7 +108,8 @@ def run_case(results, out_path, phase, N, E, dense, mx, bytes_per_expert, quick,
     touched = int(torch.unique(ids).numel())
     y_bf = torch.empty_like(z)
     launch_moe_experts(z, wt, ids, *dense, y=y_bf, **ACT)
-    sweep = MX_SWEEP[phase][:1 if quick else None]
+    mid = phase == "decode" and N * K >= 16 * E
+    sweep = MX_SWEEP["decode_mid" if mid else phase][:1 if quick else None]
     variants = [("bf16", dense, {})] + [("mxfp4", mx, {"mx_config": c}) for c in sweep]
     for fmt, ws, kw in variants:
         cfg = kw.get("mx_config")
@@ -146,6 +151,7 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true", help="the default configuration only")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--decode-batches", default="1,16", help="comma-separated decode token counts")
     ap.add_argument("--prefill-tokens", type=int, default=16 * 2048)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (times meaningless)")
     args = ap.parse_args()
@@ -158,7 +164,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     out_path = os.path.join(args.out, "moe_mxfp4_bench.json")
     experts = [int(e) for e in args.experts.split(",")]
-    cases = [(E, "decode", n) for E in experts for n in (1, 16)]
+    cases = [(E, "decode", int(n)) for E in experts for n in args.decode_batches.split(",")]
     cases += [] if args.no_prefill else [(experts[0], "prefill", args.prefill_tokens)]
     loaded = None
     for E, phase, N in cases:

@@ -155,10 +155,11 @@ class EagerDecode:
 @contextmanager
 def launch_transients():
     """Within the block, each launch's transient memory: the allocator's peak during the launch above what was
-    allocated before it (what the launch allocates beside its planned buffers: temporaries, copies), from the CUDA
-    allocator's counters (no synchronisation). Yields a dict: "peak" (bytes, the block's peak allocation, which
-    max_memory_allocated no longer gives: it is reset per launch) and, when the block ends, "largest" ([GiB, launch
-    name, kind, backend], largest first)."""
+    allocated before it (what the launch allocates beside its planned buffers, arena and pools: temporaries, copies,
+    scratch the plan does not hold), from the CUDA allocator's counters (no synchronisation). Yields a dict: "peak"
+    (bytes, the block's peak allocation, which max_memory_allocated no longer gives: it is reset per launch) and,
+    when the block ends, "largest" ([GiB above the plan, launch name, kind, backend, GiB of planned scratch the
+    launch was handed (schedule.json "scratch", in the arena)], largest first)."""
     from k3c.runtime.frame import Frame
 
     launch, rows, found = Frame.launch, {}, {"peak": torch.cuda.max_memory_allocated(), "largest": []}
@@ -170,15 +171,16 @@ def launch_transients():
         peak = torch.cuda.max_memory_allocated()
         found["peak"] = max(found["peak"], peak)
         if peak - before > rows.get(ln["name"], (0,))[0]:
-            rows[ln["name"]] = (peak - before, ln["kind"], ln["backend"])
+            planned = sum(t.numel() * t.element_size() for t in map(frame.out, ln.get("scratch", {}).values()))
+            rows[ln["name"]] = (peak - before, ln["kind"], ln["backend"], planned)
 
     Frame.launch = tracked
     try:
         yield found
     finally:
         Frame.launch = launch
-        found["largest"] = [[round(b / 2**30, 3), name, kind, backend] for name, (b, kind, backend) in
-                            sorted(rows.items(), key=lambda kv: -kv[1][0])]
+        found["largest"] = [[round(b / 2**30, 3), name, kind, backend, round(planned / 2**30, 3)]
+                            for name, (b, kind, backend, planned) in sorted(rows.items(), key=lambda kv: -kv[1][0])]
 
 
 def layer_errors(session, models: dict, prompt) -> dict:

@@ -223,17 +223,23 @@ def _observer(entry: str, tick, log: PassLog | None):
 
 def _schedule(g: Graph, groups: list[KernelGroup], ctx: CompileContext) -> dict:
     """schedule.json's entry for `g`: its inputs, outputs, the types of the values the launches touch, and the
-    launches in order (common fields + the owning backend's `launch_record`)."""
+    launches in order (common fields, the planned scratch buffers of `Backend.scratch`, and the owning backend's
+    `launch_record`); the scratch buffers' types are among the values."""
     backends = {b.name: b for b in ctx.backends}
-    launches, used = [], set()
+    launches, used, scratch = [], set(), {}
     for group in groups:
         ln = {"name": group.name, "backend": group.backend, "kind": group.kind,
               "inputs": [v.name for v in group.inputs], "outputs": [v.name for v in group.outputs]}
         ln.update(backends[group.backend].launch_record(group))
+        specs = backends[group.backend].scratch(group, ctx)
+        if specs:  # the planned scratch buffers (plan_memory), by the name the launch function takes each under
+            ln["scratch"] = {s.name: s.buffer(group.name) for s in specs}
+            scratch.update((s.buffer(group.name), s.type) for s in specs)
         used.update(ln["inputs"], ln["outputs"])
         launches.append(ln)
-    values = {v.name: {"shape": [d if isinstance(d, int) else str(d) for d in v.type.shape], "dtype": v.type.dtype}
-              for v in g.values() if v.name in used or v in g.inputs or v in g.outputs.values()}
+    types = {v.name: v.type for v in g.values() if v.name in used or v in g.inputs or v in g.outputs.values()}
+    values = {name: {"shape": [d if isinstance(d, int) else str(d) for d in t.shape], "dtype": t.dtype}
+              for name, t in {**types, **scratch}.items()}
     return {"inputs": [v.name for v in g.inputs], "outputs": {k: v.name for k, v in g.outputs.items()},
             "values": dict(sorted(values.items())), "launches": launches}
 

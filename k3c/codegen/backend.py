@@ -10,8 +10,13 @@ backend
 - `emit(groups, ctx)`: the artifact files for all its groups of the artifact at once (`kernels/<name>.py` per
   Triton kernel; one shared library for TVM) and a sidecar row per group;
 - `launch_record(group)`: what `schedule.json` stores for one of its launches beyond the common fields (name,
-  backend, kind, inputs, outputs), read by the runtime launcher named `backend.name`
-  (`k3c.runtime.launchers`).
+  backend, kind, inputs, outputs, scratch), read by the runtime launcher named `backend.name`
+  (`k3c.runtime.launchers`);
+- `scratch(group, ctx)`: the scratch buffers one launch of the group needs for its duration (`ScratchSpec`s, shapes
+  symbolic in the bounds B, T, L), known before `plan_memory` runs: the pass places them in the arena, live for that
+  launch only, so the static plan counts them and the runtime hands them to the launcher instead of the kernel
+  allocating at run time. Scratch belongs to an implementation (Triton's grouped MoE GEMMs need h and per-slot
+  outputs, a library op none), hence to the backend.
 
 The claim order comes from the target (`Target.backends`, by kind: GPUs generate Triton, CPUs TVM) with the
 `--backend` preference moved to the front. Adding a backend: one package under `k3c/codegen/` registering a
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 from k3c.errors import ConfigError, UnsupportedError
 from k3c.ir.graph import Node
 from k3c.ir.kernels import KernelGroup
+from k3c.ir.types import TensorType
 
 #: Claim order per target kind when a target names none (`Target.backends` overrides).
 DEFAULT_ORDER = {"cuda": ("triton", "library", "view"), "rocm": ("triton", "library", "view"),
@@ -47,9 +53,24 @@ class Emission:
     index: dict[str, dict] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ScratchSpec:
+    """One scratch buffer of a launch: `name` (unique within the launch; the key the launch function receives it
+    under) and `type` (shape in the graph's dims, symbolic in B, T, L; dtype). Sized at the compile bounds by
+    `plan_memory`, at the call's sizes by the runtime (`k3c.runtime.frame`)."""
+
+    name: str
+    type: TensorType
+
+    def buffer(self, launch: str) -> str:
+        """Its arena buffer's name (plan.json, schedule.json) for launch `launch`: `<launch>.scratch.<name>`, which no
+        IR value has (launch names are `k<index>_<kind>`, `k3c.ir.kernels.group_name`)."""
+        return f"{launch}.scratch.{self.name}"
+
+
 class Backend(ABC):
     """Base class of backends (see the module docstring). Subclasses set `name`, `generates` and implement
-    `claims`; code generators also `emit`; `launch_record` defaults to no extra fields."""
+    `claims`; code generators also `emit`; `launch_record` defaults to no extra fields, `scratch` to none."""
 
     name: str = ""
     generates: bool = False  # writes kernels into the artifact
@@ -67,6 +88,10 @@ class Backend(ABC):
 
     def launch_record(self, group: KernelGroup) -> dict:
         return {}
+
+    def scratch(self, group: KernelGroup, ctx) -> list[ScratchSpec]:
+        """The scratch buffers one launch of `group` needs (module docstring); `ctx`: the entry's CompileContext."""
+        return []
 
     def __repr__(self) -> str:
         return f"<backend {self.name}>"

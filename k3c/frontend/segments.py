@@ -141,11 +141,13 @@ _CACHE: dict[tuple, dict[str, Segment]] = {}
 def export_segments(model: K3ForCausalLM) -> dict[str, Segment]:
     """Export every distinct piece of `model` (see the module docstring); returns them by name.
 
-    The exported structure depends only on the config and dtype (parameters are bound by name at import), so
-    results are memoised per process under that key. Raises UnsupportedError when torch.export fails, naming the
+    The exported structure depends only on the config and the parameters' dtypes (parameters are bound by name at
+    import; a checkpoint may keep some in f32 beside bf16 ones), so results are memoised per process under that
+    key. Raises UnsupportedError when torch.export fails, naming the
     segment and the model line it stopped at.
     """
-    key = (json.dumps(model.config.raw, sort_keys=True), model.config.name, str(model.dtype))
+    key = (json.dumps(model.config.raw, sort_keys=True), model.config.name,
+           tuple((n, str(p.dtype)) for n, p in model.named_parameters()))
     if key not in _CACHE:
         _CACHE[key] = _export_all(model)
     return _CACHE[key]

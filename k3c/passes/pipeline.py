@@ -6,7 +6,8 @@ only through the context (`k3c/context.py`). Pass modules register themselves on
 every module of `k3c.passes` named in `PHASES`, so a new pass only needs its file plus its name below.
 
     cleanup   dce, cse, canonicalize              generic cleanup and canonical patterns
-    model     pack_experts, fuse_kda, lower_moe, lower_attn_res, absorb_mla, place_dsa, fold_params, dce
+    model     pack_experts, fuse_kda, lower_moe, lower_attn_res, absorb_mla, place_dsa, fold_params,
+              canonicalize, dce           (canonicalize again: the lowerings leave cast round trips behind)
     parallel  shard_tp, shard_experts, split_allreduce   (no-ops at tp = 1; `k3c.parallel` is the layout)
     kernels   fuse_gemms, bind_caches, form_kernels
     memory    plan_memory
@@ -40,7 +41,7 @@ Pass = Callable[[Graph, CompileContext], Graph]
 PHASES: dict[str, list[str]] = {
     "cleanup": ["dce", "cse", "canonicalize"],
     "model": ["pack_experts", "fuse_kda", "lower_moe", "lower_attn_res", "absorb_mla", "place_dsa", "fold_params",
-              "dce"],
+              "canonicalize", "dce"],
     "parallel": ["shard_tp", "shard_experts", "split_allreduce"],
     "kernels": ["fuse_gemms", "bind_caches", "form_kernels"],
     "memory": ["plan_memory"],

@@ -9,6 +9,9 @@ GEMM, `fuse_gemms`, are contiguous at batch 1, and a kernel that needs a contigu
 few KiB from its launcher); elsewhere (prefill) each part has its own buffer, written by the split's launch.
 Not in the arena: graph inputs and parameters, and the cache values bound to persistent pools (KDA states updated
 in place by `kda_fused`, KV / index-key caches extended by `cache_append`; see `bind_caches`).
+Scratch: each launch's scratch buffers, as its backend declares them (`Backend.scratch`, e.g. the grouped MoE
+GEMMs' h and per-slot outputs), are arena buffers live for that launch only (`ScratchSpec.buffer` names them), so
+they share bytes with other launches' scratch and with dead values, never with the launch's own inputs and outputs.
 Sizes are evaluated at the compile bounds `ctx.bounds` ({"B", "T", "L"} of the context's entry point; see
 `k3c.context.bounds_bindings`). Packing: `k3c.memory.planner.plan_arena` (greedy by size, 256-byte alignment),
 validated.
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 from k3c.context import CompileContext
 from k3c.ir.graph import Graph, Value
-from k3c.ir.kernels import check_spans
+from k3c.ir.kernels import check_spans, kernel_groups
 from k3c.ir.types import nbytes
 from k3c.memory.planner import Buffer, MemoryPlan, plan_arena, validate_plan
 from k3c.passes.pipeline import register_pass
@@ -70,9 +73,22 @@ def liveness(graph: Graph, bindings: dict[str, int]) -> list[Buffer]:
     return [Buffer(v.name, nbytes(v.type, bindings), first[v], last[v]) for v in first if v in last]
 
 
-def plan_graph(graph: Graph, bindings: dict[str, int], alignment: int = 256) -> MemoryPlan:
-    """The arena plan of `graph` at `bindings`, validated (no two simultaneously live buffers overlap)."""
-    plan = plan_arena(liveness(graph, bindings), alignment=alignment)
+def scratch_buffers(graph: Graph, ctx: CompileContext, bindings: dict[str, int]) -> list[Buffer]:
+    """One Buffer per scratch buffer the context's backends declare for the launches of `graph` (module docstring),
+    live at its launch only, sized at `bindings`; none for a graph without a kernel schedule."""
+    if getattr(graph, "kernels", None) is None:
+        return []
+    backends = {b.name: b for b in ctx.backends}
+    return [Buffer(spec.buffer(group.name), nbytes(spec.type, bindings), i, i)
+            for i, group in enumerate(kernel_groups(graph)) if group.backend in backends
+            for spec in backends[group.backend].scratch(group, ctx)]
+
+
+def plan_graph(graph: Graph, bindings: dict[str, int], alignment: int = 256,
+               scratch: list[Buffer] = ()) -> MemoryPlan:
+    """The arena plan of `graph` at `bindings` with the launches' `scratch` buffers, validated (no two
+    simultaneously live buffers overlap)."""
+    plan = plan_arena(liveness(graph, bindings) + list(scratch), alignment=alignment)
     validate_plan(plan)
     return plan
 
@@ -80,5 +96,5 @@ def plan_graph(graph: Graph, bindings: dict[str, int], alignment: int = 256) -> 
 @register_pass("plan_memory")
 def plan_memory(graph: Graph, ctx: CompileContext) -> Graph:
     """Pass `plan_memory` (module docstring): `graph.memory_plan` at `ctx.bounds`; the nodes are unchanged."""
-    graph.memory_plan = plan_graph(graph, ctx.bounds)
+    graph.memory_plan = plan_graph(graph, ctx.bounds, scratch=scratch_buffers(graph, ctx, ctx.bounds))
     return graph

@@ -9,6 +9,8 @@ compiler. Raises ArtifactError for an op it does not know (an artifact from a ne
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -76,25 +78,67 @@ def _linear_into(a, out, x, w, b=None):
         out.add_(b)
 
 
+def _einsum_into(a, out, *xs) -> bool:
+    """A two-operand einsum as one batched GEMM (`torch.bmm`) written into `out`: the letters of both operands and
+    the result are the batch, those of one operand and the result its rows (first operand) or columns (second), those
+    of both operands only the contraction; e.g. MLA's absorbed "bthd,hdr->bthr" is a GEMM per head h whose result
+    rows are strided views of `out` (no copy where cuBLAS takes the strides). Returns False, writing nothing, for
+    other equations (one or three operands, a repeated letter, a letter summed within one operand) and for an `out`
+    whose batch x rows x columns grouping is not a view."""
+    ins, res = a["equation"].replace(" ", "").split("->")
+    terms = ins.split(",")
+    if len(terms) != 2 or any(len(set(t)) != len(t) for t in (*terms, res)):
+        return False
+    (p, q), (x, y) = terms, xs
+    batch = [c for c in res if c in p and c in q]
+    rows, cols = [c for c in res if c in p and c not in q], [c for c in res if c in q and c not in p]
+    inner = [c for c in p if c in q and c not in res]
+    if sorted(p) != sorted(batch + rows + inner) or sorted(q) != sorted(batch + inner + cols):
+        return False
+    size = {**dict(zip(p, x.shape)), **dict(zip(q, y.shape))}
+
+    def n(cs):
+        return math.prod(size[c] for c in cs)
+
+    try:
+        o = out.permute([res.index(c) for c in batch + rows + cols]).view(n(batch), n(rows), n(cols))
+    except RuntimeError:  # the grouping needs a copy of out: decline
+        return False
+    xm = x.permute([p.index(c) for c in batch + rows + inner]).reshape(n(batch), n(rows), n(inner))
+    ym = y.permute([q.index(c) for c in batch + inner + cols]).reshape(n(batch), n(inner), n(cols))
+    torch.bmm(xm, ym, out=o)
+    return True
+
+
+def _embedding_into(a, out, w, ids):
+    torch.index_select(w, 0, ids.reshape(-1).long(), out=out.view(-1, w.shape[1]))  # F.embedding has no out=
+
+
 #: ops that can write their one output straight into its planned buffer (`out`, of the result's shape and dtype),
-#: so a large result never exists twice (a temporary, then the copy into the arena): the peak stays the plan's
+#: so a large result never exists twice (a temporary, then the copy into the arena): the peak stays the plan's. An
+#: entry returns False to decline (nothing written).
 INTO_OPS = {
     "linear": _linear_into,
     "matmul": lambda a, out, x, y: torch.matmul(x, y, out=out),
     "cat": lambda a, out, *xs: torch.cat(xs, a.get("dim", 0), out=out),
+    "einsum": _einsum_into,
+    "embedding": _embedding_into,
 }
+#: integer operands of INTO_OPS (index tensors), not required to have out's dtype: op -> their positions
+INDEX_OPERANDS = {"embedding": (1,)}
 #: ops whose result may be a view of their input (no new memory)
 ALIASING = frozenset({"reshape", "unsqueeze", "squeeze", "select", "slice", "expand", "transpose", "permute", "split"})
 
 
 def run_op_into(op: str, attrs: dict, inputs: list[torch.Tensor], out: torch.Tensor) -> bool:
-    """Run `op` writing its single output into `out` where it can (`INTO_OPS`, inputs of out's dtype); returns
-    False (nothing done) otherwise, for `run_op` and a copy."""
+    """Run `op` writing its single output into `out` where it can (`INTO_OPS`, inputs of out's dtype but the
+    `INDEX_OPERANDS`); returns False (nothing done) otherwise, for `run_op` and a copy."""
     fn = INTO_OPS.get(op)
-    if fn is None or not out.is_contiguous() or any(x.dtype != out.dtype for x in inputs):
+    index = INDEX_OPERANDS.get(op, ())
+    if fn is None or not out.is_contiguous() or any(x.dtype != out.dtype for i, x in enumerate(inputs)
+                                                     if i not in index):
         return False
-    fn(attrs, out, *inputs)
-    return True
+    return fn(attrs, out, *inputs) is not False
 
 
 def run_op(op: str, attrs: dict, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

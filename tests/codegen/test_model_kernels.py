@@ -278,11 +278,12 @@ def test_moe_experts_large_tiles(tmp_path):
                       rand(E, I, D, gen=gen), rand(E, D, I, gen=gen)], {}, tmp_path)
 
 
-@pytest.mark.parametrize("act,N", [("situ", 5), ("silu", 5), ("situ", 32)])
+@pytest.mark.parametrize("act,N", [("situ", 5), ("silu", 5), ("situ", 32), ("situ", 128)])
 def test_moe_experts_mxfp4(act, N, tmp_path):
     """MXFP4 experts (every byte value, scales 2^-3 .. 2^2) decoded in the kernels: equal to the reference's
     dequantize-then-GEMM in fp32; several 32-value groups per row in both GEMMs, masked I tail (I = 96, 32-wide
-    K tiles); N = 5: the decode tiles, N = 32 (16 rows per expert): the prefill tiles."""
+    K tiles); N = 5: the decode tiles, N = 32 (16 rows per expert): the large-batch decode tiles (32 rows), N = 128
+    (64 per expert): the prefill tiles (`mx_default_config`)."""
     gen = torch.Generator().manual_seed(5)
     k, E, D, I = 2, 4, 64, 96
     ids = torch.tensor([[0, 1], [1, 3], [3, 0], [1, -1], [0, 3]])       # expert 2 gets no token; one unused slot
@@ -320,6 +321,35 @@ def test_kda_fused(gate, T, tmp_path):
     group = one_node_group("kda_fused", types, {"heads": H, "head_dim": K, "gate": gate})
     run_group(group, acts + weights + state, {}, tmp_path, inplace=[(1, 12), (2, 13)],
               emitter=kda_abi.emit_kda_fused)
+
+
+@pytest.mark.parametrize("T", [1, 17])
+def test_kda_fused_row_strided_activations(T, tmp_path):
+    """The six activations as column views of one buffer (decode after `fuse_gemms`): the module takes views
+    (TAKES_VIEWS) and gives the same outputs, bit for bit, as for contiguous copies."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, K, W = 2, 2, 8, 4
+    HK = H * K
+    widths = [HK, HK, HK, HK, H, HK]                                        # q, k, v, f, beta, gate
+    fused = rand(B, T, sum(widths) + 5, gen=gen)
+    views = list(torch.split(fused, widths + [5], -1))[:6]
+    rest = [rand(HK, 1, W, s=0.5, gen=gen) for _ in range(3)] + [rand(H, s=0.5, gen=gen), rand(HK, s=0.3, gen=gen),
+                                                                  1 + 0.1 * rand(K, gen=gen)]
+    state = [rand(B, H, K, K, s=0.1, gen=gen), rand(B, 3 * HK, W, gen=gen)]
+    types = [((B, T, w if w == H else HK), "f32") for w in widths] + [((HK, 1, W), "f32")] * 3 + \
+        [((H,), "f32"), ((HK,), "f32"), ((K,), "f32"), ((B, H, K, K), "f32"), ((B, 3 * HK, W), "f32")]
+    group = one_node_group("kda_fused", types, {"heads": H, "head_dim": K, "gate": "lower_bound"})
+    module = load(kda_abi.emit_kda_fused(group), tmp_path / "kda_strided.py", f"gen_kda_strided_{T}")
+    assert module.TAKES_VIEWS is True
+    results = []
+    for acts in (views, [v.contiguous() for v in views]):
+        st = [t.clone() for t in state]
+        y = torch.empty(B, T, HK)
+        module.launch(acts + rest + st, [y, st[0], st[1]], {})
+        results.append([y, *st])
+    assert not any(v.is_contiguous() for v in views)
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
 
 
 # ---- every model-op node of the tiny models --------------------------------------------------------------------

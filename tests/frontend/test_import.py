@@ -82,6 +82,19 @@ def test_each_distinct_sublayer_is_exported_once(preset, pieces):
     assert sorted(export_segments(build_meta_model(preset))) == pieces
 
 
+def test_segments_are_memoised_per_parameter_dtypes():
+    """A checkpoint keeps some weights in f32 beside bf16 ones (the meta model of a preset does): an all-bf16
+    model with the same config and lm_head dtype must not lend it its exports (types checked at import)."""
+    mixed = build_meta_model("kimi-linear-tiny").cast_(torch.bfloat16)   # what `k3c compile --plan-only` imports
+    dtypes = {p.dtype for p in mixed.parameters()}
+    assert dtypes == {torch.bfloat16, torch.float32}, dtypes
+    uniform = K3ForCausalLM(K3Config.from_pretrained("kimi-linear-tiny")).to(torch.bfloat16)
+    assert uniform.dtype == mixed.dtype
+    import_model(uniform, "decode")
+    g = import_model(mixed, "decode")
+    assert {v.type.dtype for v in g.params.values()} == {"bf16", "f32"}
+
+
 def test_unsupported_op_names_the_op_and_model_line(monkeypatch):
     model = K3ForCausalLM(K3Config.from_pretrained("kimi-linear-tiny"))
     import_model(model, "prefill")  # exports once (memoised)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from k3c.codegen.triton import kda as kda_module
 from k3c.codegen.triton.kda import (
     emit_source,
     kda_decode,
@@ -128,6 +129,22 @@ def test_gates_at_lower_bound(method):
     assert_close(st["state"], S_ref, "state")
 
 
+@pytest.mark.parametrize("f_shift", [0.0, 40.0])
+def test_chunk_32(monkeypatch, f_shift):
+    # 32-token chunks (the middle reference row keeps every needed factor below exp(16 * 5)), random gates and gates
+    # at the bound -5, ragged lengths
+    monkeypatch.setattr(kda_module, "CHUNK", 32)
+    acts, weights, state = make_inputs(2, 70, 2, 60, seed=47, f_shift=f_shift)
+    run = clone(state)
+    y = kda_prefill(**acts, **weights, **run, method="chunk", lengths=[70, 45])
+    for b, n in enumerate((70, 45)):
+        y_ref, S_ref, C_ref = kda_fused_reference(**{k: v[b:b + 1, :n] for k, v in acts.items()}, **weights,
+                                                  **{k: v[b:b + 1] for k, v in state.items()})
+        assert_close(y[b:b + 1, :n], y_ref, f"y row {b}")
+        assert_close(run["state"][b:b + 1], S_ref, f"state row {b}")
+        assert_close(run["conv_state"][b:b + 1], C_ref, f"conv state row {b}")
+
+
 def test_kimi_linear_gate_minus_eight():
     # A_log = log 8 and f + dt_bias = log(e - 1) give g = -8 * softplus(...) ~ -8 (random +-0.3 around it).
     acts, weights, state = make_inputs(1, 21, 2, 60, seed=5, f_shift=0.5413, A_log_value=2.0794415)
@@ -217,6 +234,36 @@ def test_chunk_state_pass_split_over_v(lengths):
         assert_close(y[b:b + 1, :n[b]], y_ref, f"y row {b}")
         assert_close(run["state"][b:b + 1], S_ref, f"state row {b}")
         assert_close(run["conv_state"][b:b + 1], C_ref, f"conv state row {b}")
+
+
+def as_fused_views(acts):
+    """The activations as column views of one [B, T, N] buffer, like `fuse_gemms`' split of one GEMM output: each
+    keeps a row stride of N elements (and N*T between batch rows), none is contiguous."""
+    order = ("q_in", "beta_logits", "k_in", "gate_logits", "v_in", "f")
+    B, T, _ = acts["q_in"].shape
+    buf = torch.cat([acts[k] for k in order] + [torch.full((B, T, 3), float("nan"))], -1)
+    views = dict(zip(order, torch.split(buf, [acts[k].shape[-1] for k in order] + [3], -1)))
+    assert not any(v.is_contiguous() for v in views.values())
+    return views
+
+
+@pytest.mark.parametrize("method", ["decode", "recurrent", "chunk"])
+def test_row_strided_inputs_equal_contiguous(method):
+    # the kernels read row-strided views in place (no copy): same results, bit for bit, as contiguous inputs
+    T = 1 if method == "decode" else 19
+    acts, weights, state = make_inputs(2, T, 2, 60, seed=41)
+    views = as_fused_views(acts)
+    runs = []
+    for a in (acts, views):
+        st = clone(state)
+        if method == "decode":
+            y = kda_decode(**{k: v[:, 0] for k, v in a.items()}, **weights, **st, block_v=32)
+        else:
+            y = kda_prefill(**a, **weights, **st, method=method, block_v=16)
+        runs.append((y, st))
+    (y0, st0), (y1, st1) = runs
+    assert y1.is_contiguous() and torch.equal(y1, y0), "y"
+    assert torch.equal(st1["state"], st0["state"]) and torch.equal(st1["conv_state"], st0["conv_state"])
 
 
 @pytest.mark.parametrize("n_accepted", [0, 1, 5, [0, 3]])

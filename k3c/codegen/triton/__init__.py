@@ -11,6 +11,12 @@ kind:
 for any other kind, `emit` first imports the package's other public modules (e.g. the model-op kernels), which
 register theirs. Emitters must be deterministic: the same group always gives the same text.
 
+Scratch: a kind whose launch function needs scratch memory registers its declaration the same way,
+`@scratch("moe_experts") def moe_scratch(group) -> list[ScratchSpec]`; `scratch_for(group)` answers the backend's
+`scratch` (`k3c.codegen.backend`), so `plan_memory` places the buffers in the arena. The launch function takes them
+as `scratch` (name -> tensor) through `take_scratch`, which allocates as before when called without (tests and
+benchmarks call launch functions directly).
+
 Shared pieces of generated modules: `module_header` (comment with the IR lines, imports, NAME, IR_NODES) and
 `launch_head` (the launcher's signature, argument checks and unpacking).
 """
@@ -21,12 +27,16 @@ import importlib
 import pkgutil
 from typing import Callable
 
+import torch
+
 from k3c.errors import UnsupportedError
 from k3c.ir.kernels import KernelGroup
 
 Emitter = Callable[[KernelGroup], str]
+ScratchFn = Callable[[KernelGroup], list]
 
 _EMITTERS: dict[str, Emitter] = {}
+_SCRATCH: dict[str, ScratchFn] = {}
 _SEARCHED = False  # whether `_load_all` has imported the package's other modules
 
 
@@ -41,6 +51,42 @@ def emitter(kind: str) -> Callable[[Emitter], Emitter]:
         return fn
 
     return deco
+
+
+def scratch(kind: str) -> Callable[[ScratchFn], ScratchFn]:
+    """Decorator registering `fn(group) -> list[ScratchSpec]` as the scratch declaration of triton groups of
+    `kind` (module docstring); raises `UnsupportedError` if a different function already holds the kind."""
+    def deco(fn: ScratchFn) -> ScratchFn:
+        prev = _SCRATCH.get(kind)
+        if prev is not None and (prev.__module__, prev.__qualname__) != (fn.__module__, fn.__qualname__):
+            raise UnsupportedError(f"triton kind {kind!r} has two scratch declarations ({prev.__module__}, "
+                                   f"{fn.__module__})")
+        _SCRATCH[kind] = fn
+        return fn
+
+    return deco
+
+
+def scratch_for(group: KernelGroup) -> list:
+    """The scratch buffers (`k3c.codegen.backend.ScratchSpec`) one launch of triton group `group` needs; none for a
+    kind without a declaration."""
+    _load_all()
+    fn = _SCRATCH.get(group.kind)
+    return fn(group) if fn is not None else []
+
+
+def take_scratch(scratch, name, shape, dtype, device):
+    """Scratch tensor `name` of a launch function: the planned buffer `scratch[name]` (`scratch`: name -> tensor,
+    the arena views the runtime hands over), or a new torch.empty(shape, dtype, device) when `scratch` is None (a
+    stand-alone call). Raises ValueError when a planned buffer is missing or its shape or dtype is not
+    (shape, dtype): the compiler's declaration and the launch function disagree. Copied into kernel modules."""
+    if scratch is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    t = scratch.get(name)
+    if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        got = "missing" if t is None else f"{t.dtype}{list(t.shape)}"
+        raise ValueError(f"planned scratch {name!r}: {got}, the launch needs {dtype}{list(shape)}")
+    return t
 
 
 def _load_all() -> None:

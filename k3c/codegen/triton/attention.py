@@ -11,12 +11,12 @@ mla_attention (flash-style online softmax over key blocks, fp32 accumulation, ba
     never loaded); then a program holds one token. dense_max_keys guard: when S ≤ dense_max_keys the launcher
     runs the dense causal path and idx is not read;
   - split-K (flash decoding): when B·T·head-blocks programs cannot fill the GPU, the keys are split over a third grid
-    axis; the splits write (o, log2-sum-exp) partials to a scratch tensor allocated in `launch` and
+    axis; the splits write (o, log2-sum-exp) partials to scratch planned in the arena (`mla_attention_scratch`) and
     `mla_combine_kernel` merges them.
-dsa_index_topk: `dsa_score_kernel` writes one int64 sort key per (b, t, s) into a scratch tensor allocated in
-`launch` (high word: the score's order-preserving int32 bits, INT32_MIN when s is not visible; low word:
-2³² − 1 − s, so equal scores order by lowest position, as the reference's stable sort); `torch.topk` over these
-unique keys (inside `launch`: O(L) selection, sorted, deterministic) gives the ref's order exactly.
+dsa_index_topk: `dsa_score_kernel` writes one int64 sort key per (b, t, s) into a scratch tensor, planned in the
+arena (`dsa_index_topk_scratch`); high word: the score's order-preserving int32 bits, INT32_MIN when s is not
+visible; low word: 2³² − 1 − s, so equal scores order by lowest position, as the reference's stable sort. `torch.topk`
+over these unique keys (inside `launch`: O(L) selection, sorted, deterministic) gives the ref's order exactly.
 Decode (T = 1) with L ≥ RADIX_MIN_KEYS keys instead runs the radix select of `dsa_decode` (scan + four 8-bit digit
 passes + exact tie fill, then a sort of the topk picks): same result, no O(L) int64 scratch or sort.
 Device lengths (`lengths` i32 [B], the kernel ABI's `sizes["lengths"]`): the key tensors are the bound, row b holds
@@ -33,14 +33,17 @@ from __future__ import annotations
 
 import inspect
 
+import sympy
 import torch
 import triton
 import triton.language as tl
 
-from k3c.codegen.triton import dsa_decode, emitter, model_module
+from k3c.codegen.backend import ScratchSpec
+from k3c.codegen.triton import dsa_decode, emitter, model_module, scratch, take_scratch
 from k3c.codegen.triton.dsa_decode import radix_topk
 from k3c.errors import UnsupportedError
 from k3c.ir.kernels import KernelGroup
+from k3c.ir.types import TensorType
 
 
 # Launch policy (copied into every emitted module, where the runtime may retune it).
@@ -177,7 +180,15 @@ def mla_combine_kernel(part_ptr, lse_ptr, o_ptr, H: tl.constexpr, DV: tl.constex
     tl.store(o_ptr + (bt * H + h) * DV + offs_dv, out.to(o_ptr.dtype.element_ty), mask=offs_dv < DV)
 
 
-def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_keys, lengths=None):
+def split_rows(tokens, H, absorbed):
+    """A bound of the split-K partial rows B·T·splits of `launch_mla` for `tokens` = B·T query rows of H heads,
+    non-decreasing in `tokens`: split-K runs only while programs < TARGET_PROGRAMS, with splits ≤ min(MAX_SPLITS,
+    ⌈TARGET_PROGRAMS / programs⌉); absorbed, programs ≥ B·T, so B·T·splits < 2·TARGET_PROGRAMS; else programs ≥
+    B·T·H / ROWS (ROWS ≤ 32 tokens per program), so B·T·splits < 2·32·TARGET_PROGRAMS / H."""
+    return min(tokens * MAX_SPLITS, 2 * TARGET_PROGRAMS if absorbed else -(-64 * TARGET_PROGRAMS // H))
+
+
+def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_keys, lengths=None, scratch=None):
     """Run `mla_attention` (see the module docstring of the emitted module for the semantics).
 
     q [B,T,H,D]; absorbed: k = kv [B,S,D] (v ignored), values kv[..., :v_dim]; else k [B,S,H,D], v [B,S,H,Dv].
@@ -185,7 +196,9 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
     the context of each row before these T tokens: then row b has lengths[b] + T keys, S is only the bound of the
     key tensors, the grid and the split-K count are fixed by that bound and the DSA guard is taken per row on the
     device (nothing here depends on the lengths: a CUDA graph replays it at any context). Scratch: with split-K,
-    f32 partials [B·T, splits, H, Dv] and [B·T, splits, H] allocated here. Raises ValueError on mismatched shapes.
+    f32 partials [B·T, splits, H, Dv] and [B·T, splits, H], the fronts of `scratch["o_part"]` / `scratch["lse"]`
+    (the planned buffers of `split_rows(B·T, H, absorbed)` rows, `mla_attention_scratch`), else allocated here.
+    Raises ValueError on mismatched shapes.
     """
     B, T, H, D = q.shape
     S = k.shape[1]
@@ -223,8 +236,12 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
     keys_per_split = triton.cdiv(triton.cdiv(n_keys, splits), BLOCK_S) * BLOCK_S
     splits = triton.cdiv(n_keys, keys_per_split)
     if splits > 1:
-        o_dst = torch.empty((B * T, splits, H, DV), dtype=torch.float32, device=q.device)
-        lse = torch.empty((B * T, splits, H), dtype=torch.float32, device=q.device)
+        rows = split_rows(B * T, H, absorbed)
+        if B * T * splits > rows:
+            raise ValueError(f"mla_attention: {B * T} x {splits} split-K rows exceed the bound {rows} (split_rows)")
+        o_dst = take_scratch(scratch, "o_part", (rows * H * DV,), torch.float32, q.device)
+        lse = take_scratch(scratch, "lse", (rows * H,), torch.float32, q.device)
+        o_dst, lse = o_dst[:B * T * splits * H * DV].view(B * T, splits, H, DV), lse[:B * T * splits * H]
     else:
         o_dst, lse = out, out
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -281,15 +298,17 @@ def dsa_score_kernel(q_ptr, w_ptr, k_ptr, key_ptr, len_ptr, T, L, t0, n_rows,
     tl.store(key_ptr + (pid.to(tl.int64) * L + offs_s), key, mask=s_ok)
 
 
-def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, lengths=None):
+def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, lengths=None, scratch=None):
     """Run `dsa_index_topk`: q_i [B,T,J,D], w [B,T,J], k_i [B,L,D] -> out i64 [B,T,topk] (−1 padding).
 
     lengths: None, or i32 [B] on the device, the context of each row before these T tokens: row b then holds
     lengths[b] + T keys and L is only the bound (the launches do not depend on the lengths: a CUDA graph replays
     them at any context; the result is the same as for k_i cut to the row's keys).
-    Scratch: i64 sort keys [B, rows, L] allocated here, rows ≤ T chosen so that it stays ≤ SCRATCH_BYTES. Decode
-    (T = 1) with L ≥ RADIX_MIN_KEYS runs the radix select of `dsa_decode` instead (same result, exact ties).
-    Raises ValueError on mismatched shapes.
+    Scratch: i64 sort keys for rows = max(1, min(T, SCRATCH_BYTES // (8·B·L))) of T per pass, [B, rows, L] in the
+    flat keys [max(B·L, min(SCRATCH_BYTES // 8, B·T·L))] (≤ SCRATCH_BYTES unless one row needs more):
+    `scratch["keys"]` (the planned buffer, `dsa_index_topk_scratch`), else allocated here. Decode
+    (T = 1) with L ≥ RADIX_MIN_KEYS runs the radix select of `dsa_decode` instead (same result, exact ties; its
+    O(B·L) i32 scratch is allocated there). Raises ValueError on mismatched shapes.
     """
     B, T, J, D = q_i.shape
     L = k_i.shape[1]
@@ -305,8 +324,8 @@ def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, lengths=None):
     kk = min(topk, L)
     if kk < topk:
         out[..., kk:] = -1
-    rows = max(1, min(T, SCRATCH_BYTES // (8 * B * L)))
-    keys = torch.empty((B, rows, L), dtype=torch.int64, device=q_i.device)
+    keys = take_scratch(scratch, "keys", (max(B * L, min(SCRATCH_BYTES // 8, B * T * L)),), torch.int64, q_i.device)
+    rows = max(1, min(T, keys.numel() // (B * L)))
     BLOCK_S = 64
     precision = "ieee" if q_i.dtype == torch.float32 else "tf32"
     for t0 in range(0, T, rows):
@@ -367,13 +386,29 @@ def emit_mla_attention(group: KernelGroup) -> str:
     v_arg = f"inputs[{ip[2]}]" if has_v else "None"
     idx_arg = f"inputs[{ip[-1]}]" if has_idx else "None"
     body = (
-        "def launch(inputs, outputs, sizes):\n"
-        '    """ABI entry: inputs (q, k[, v][, idx]) and outputs [o] are the group\'s tensors at `sizes`."""\n'
+        "def launch(inputs, outputs, sizes, scratch=None):\n"
+        '    """ABI entry: inputs (q, k[, v][, idx]) and outputs [o] are the group\'s tensors at `sizes`; scratch: the '
+        'planned split-K partials."""\n'
         f"    launch_mla(inputs[{ip[0]}], inputs[{ip[1]}], {v_arg}, {idx_arg}, outputs[{op[0]}], absorbed=ABSORBED,\n"
         "               causal=CAUSAL, scale=SCALE, v_dim=V_DIM, dense_max_keys=DENSE_MAX_KEYS,\n"
-        '               lengths=sizes.get("lengths"))\n')
+        '               lengths=sizes.get("lengths"), scratch=scratch)\n')
     title = f"mla_attention ({'absorbed' if a['absorbed'] else 'unabsorbed'}{', DSA idx' if has_idx else ''})"
-    return _module(group, title, consts, [mla_attention_kernel, mla_combine_kernel], launch_mla, body)
+    return _module(group, title, consts, [take_scratch, split_rows, mla_attention_kernel, mla_combine_kernel],
+                   launch_mla, body)
+
+
+@scratch("mla_attention")
+def mla_attention_scratch(group: KernelGroup) -> list[ScratchSpec]:
+    """The split-K partials of one `mla_attention` launch (`launch_mla`): o_part f32 [R·H·Dv] and lse f32 [R·H]
+    for R = split_rows(B·T, H, absorbed) rows (q [B, T, H, ·], Dv = v_dim absorbed, else v's last dim), non-decreasing
+    in B and T. Raises UnsupportedError for a group that is not a single mla_attention node."""
+    node, _, _ = one_node(group, "mla_attention")
+    a = node.attrs
+    B, T, H = node.inputs[0].type.shape[:3]
+    DV = a["v_dim"] if a["absorbed"] else node.inputs[2].type.shape[3]
+    rows = sympy.Min(B * T * MAX_SPLITS, 2 * TARGET_PROGRAMS if a["absorbed"] else -(-64 * TARGET_PROGRAMS // H))
+    return [ScratchSpec("o_part", TensorType((rows * H * DV,), "f32")),
+            ScratchSpec("lse", TensorType((rows * H,), "f32"))]
 
 
 @emitter("dsa_index_topk")
@@ -393,11 +428,23 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("RERANK_EXTRA", dsa_decode.RERANK_EXTRA, "fp8 keys + exact keys: extra candidates re-ranked"),
               ("RERANK_BLOCK", dsa_decode.RERANK_BLOCK, "candidates per re-scoring program")]
     body = (
-        "def launch(inputs, outputs, sizes):\n"
-        '    """ABI entry: inputs (q_i, w, k_i), outputs [idx i64 [B,T,TOPK]]."""\n'
+        "def launch(inputs, outputs, sizes, scratch=None):\n"
+        '    """ABI entry: inputs (q_i, w, k_i), outputs [idx i64 [B,T,TOPK]], scratch: the planned sort keys."""\n'
         f"    launch_dsa_index_topk(inputs[{ip[0]}], inputs[{ip[1]}], inputs[{ip[2]}], outputs[{op[0]}], topk=TOPK,\n"
-        '                          lengths=sizes.get("lengths"))\n')
+        '                          lengths=sizes.get("lengths"), scratch=scratch)\n')
     body = inspect.getsource(radix_topk) + "\n\n" + body
     return _module(group, "dsa_index_topk (score kernel + torch.topk on packed int64 keys; decode at long context: "
-                   "radix select)", consts, [dsa_score_kernel, *dsa_decode.KERNELS], launch_dsa_index_topk, body)
+                   "radix select)", consts, [take_scratch, dsa_score_kernel, *dsa_decode.KERNELS],
+                   launch_dsa_index_topk, body)
+
+
+@scratch("dsa_index_topk")
+def dsa_index_topk_scratch(group: KernelGroup) -> list[ScratchSpec]:
+    """The scratch of one `dsa_index_topk` launch (`launch_dsa_index_topk`): the flat i64 sort keys
+    [max(B·L, min(SCRATCH_BYTES // 8, B·T·L))] for q_i [B, T, ·, ·] and k_i [B, L, ·], non-decreasing in B, T and L
+    (so the plan at the bounds holds every call). Raises UnsupportedError for a group that is not a single
+    dsa_index_topk node."""
+    node, _, _ = one_node(group, "dsa_index_topk")
+    (B, T), L = node.inputs[0].type.shape[:2], node.inputs[2].type.shape[1]
+    return [ScratchSpec("keys", TensorType((sympy.Max(B * L, sympy.Min(SCRATCH_BYTES // 8, B * T * L)),), "i64"))]
 

@@ -3,13 +3,14 @@
 Claims every group kind that has a Triton emitter (`registered_kinds`: pointwise, rowwise and the model ops). On a
 CUDA target the kernels run compiled; on a CPU the runtime runs them in Triton's interpreter (fp32 only), which is a
 test vehicle for these kernels, not a deployment path (CPU targets prefer TVM). The runtime's `triton` launcher
-(`k3c.runtime.launchers.triton`) imports each module and calls its `launch` (the kernel ABI, `k3c.ir.kernels`).
+(`k3c.runtime.launchers.triton`) imports each module and calls its `launch` (the kernel ABI, `k3c.ir.kernels`), with
+the launch's planned scratch buffers where its kind declares some (`k3c.codegen.triton.scratch`).
 """
 
 from __future__ import annotations
 
-from k3c.codegen.backend import Backend, Emission, register_backend
-from k3c.codegen.triton import emit, registered_kinds
+from k3c.codegen.backend import Backend, Emission, ScratchSpec, register_backend
+from k3c.codegen.triton import emit, registered_kinds, scratch_for
 from k3c.ir.graph import Node
 from k3c.ir.kernels import KernelGroup
 
@@ -31,6 +32,9 @@ class TritonBackend(Backend):
 
     def launch_record(self, group: KernelGroup) -> dict:
         return {"module": self.module(group)}
+
+    def scratch(self, group: KernelGroup, ctx) -> list[ScratchSpec]:
+        return scratch_for(group)
 
     @staticmethod
     def module(group: KernelGroup) -> str:

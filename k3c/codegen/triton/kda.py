@@ -20,6 +20,8 @@ Public API:
 Kernels: `kda_decode.kda_decode_kernel`, `kda_recurrent.kda_recurrent_kernel`, `kda_chunk.kda_chunk_prep_kernel`
 / `kda_chunk_state_kernel` / `kda_norm_gate_kernel`; helpers in `_common`.
 All launchers also run on CPU tensors under TRITON_INTERPRET=1 (fp32; the interpreter has no bf16 arithmetic).
+The activations may be row-strided views (the column views of one fused projection output): the kernels take
+their batch / token strides, so they are read in place.
 """
 
 import inspect
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from k3c.codegen.triton import _common
+from k3c.codegen.triton import _common, take_scratch
 from k3c.codegen.triton.kda_chunk import kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel
 from k3c.codegen.triton.kda_decode import kda_decode_kernel
 from k3c.codegen.triton.kda_recurrent import kda_recurrent_kernel
@@ -37,12 +39,17 @@ from k3c.errors import RuntimeInputError, UnsupportedError
 
 # Decay-gate kinds (K3-SPEC "KDA layer"): kernel constexpr GATE_KIND.
 GATE_KINDS = {"lower_bound": 0, "softplus": 1}
-CHUNK = 16            # tokens per chunk of the chunked prefill (one tensor-core tile)
-DECODE_TILE_BYTES = 16384  # state bytes per decode program: block_v = 32 (fp32) / 64 (bf16) at D = 128, the fastest
-                           # on an H200 at B = 16 and 64 (BENCHMARKS.md, KDA decode); num_warps = block_v / 16
+CHUNK = 16            # tokens per chunk of the chunked prefill (one tensor-core tile; 32 is supported, slower)
+# Decode split (H200, D = 128, BENCHMARKS.md "KDA decode"): block_v = 64 is the fastest at B = 16 and 64 for fp32
+# and bf16 states; grids of at most DECODE_SMALL_GRID programs at block_v = 16 (B = 1: 768) take block_v = 16.
+# num_warps = one per DECODE_WARP_BYTES of state tile (fp32: 4 at block_v 64, 1 at 16; bf16: 2 and 1).
+DECODE_BLOCK_V = 64
+DECODE_SMALL_BLOCK_V = 16
+DECODE_SMALL_GRID = 1024
+DECODE_WARP_BYTES = 8192
 CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
 CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
-SAFE_LOG_DECAY = 80.0  # largest |log-decay| across one chunk for which exp(r - gc) stays finite in fp32
+SAFE_LOG_DECAY = 80.0  # largest |log-decay| between a chunk's reference row and any row (exp stays finite in fp32)
 
 
 def kda_fused_reference(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
@@ -116,11 +123,13 @@ def _decode_scratch(device, rows, D):
 
 def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
                 o_norm_weight, state, conv_state, *, gate_kind, lower_bound, eps, lengths, state_out,
-                conv_state_out, store_output, num_warps, block_v=None):
+                conv_state_out, store_output, num_warps, block_v=None, y_out=None, scratch=None):
     """Check shapes/devices and launch the `mode` kernels ("decode": T = 1, split over V; "recurrent": token loop
     over the (B, H) grid; "chunk": chunk-parallel prep + state pass split over V + norm epilogue); returns y or None.
-    block_v: value columns per program of the decode / chunk state kernels (None: DECODE_TILE_BYTES of state per
-    decode program / CHUNK_BLOCK_V)."""
+    block_v: value columns per program of the decode / chunk state kernels (None: `decode_split` / CHUNK_BLOCK_V).
+    Activations may be row-strided views (any batch / token strides, dense last dim; others are copied); y is
+    returned contiguous, in y_out when given (a contiguous tensor of q_in's shape and dtype). scratch: the chunk
+    path's planned buffers by name (ws, ws_p, ws_glast, o_buf; `kda_abi.kda_fused_scratch`), None: allocated here."""
     if q_in.dim() != 3:
         raise RuntimeInputError(f"KDA: q_in must be [B, T, H*D], got {tuple(q_in.shape)}")
     B, T, HD = q_in.shape
@@ -157,58 +166,88 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
         raise RuntimeInputError(f"KDA decode: one token per row and no lengths, got T={T}")
     if lengths is not None:
         lengths = torch.as_tensor(lengths, device=q_in.device).to(torch.int32).reshape(-1).expand(B).contiguous()
-    y = torch.empty_like(q_in) if store_output else None
+    if y_out is not None and (tuple(y_out.shape) != (B, T, HD) or y_out.dtype != q_in.dtype
+                              or not y_out.is_contiguous()):
+        raise RuntimeInputError(f"KDA: y_out must be contiguous {q_in.dtype} {(B, T, HD)}, got "
+                                f"{y_out.dtype} {tuple(y_out.shape)} strides {y_out.stride()}")
+    if store_output and y_out is None:
+        y_out = torch.empty(q_in.shape, dtype=q_in.dtype, device=q_in.device)
+    y = y_out if store_output else None
     BD = triton.next_power_of_2(D)
     BW = triton.next_power_of_2(W)
-    c = [t.contiguous() for t in (q_in, k_in, v_in, f, gate_logits, beta_logits, conv_w_q, conv_w_k, conv_w_v,
-                                  A_log, dt_bias, o_norm_weight)]
+    # activations keep their row strides (column views of a fused projection output); only the last dim must be
+    # dense. q, k, v, f, gate, beta and their (batch, token) strides:
+    q_in, k_in, v_in, f, gate_logits, beta_logits = acts = [
+        t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+        for t in (q_in, k_in, v_in, f, gate_logits, beta_logits)]
+    st = {name: (t.stride(0), t.stride(1)) for name, t in zip("qkvfgb", acts)}
+    conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias, o_norm_weight = wts = [
+        t.contiguous() for t in (conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias, o_norm_weight)]
     has_len = lengths is not None
-    lens = lengths if has_len else c[0]
+    lens = lengths if has_len else q_in
     gate = dict(GATE_KIND=GATE_KINDS[gate_kind], LOWER_BOUND=float(lower_bound))
     if mode == "decode":
-        BV = min(BD, block_v or max(16, DECODE_TILE_BYTES // (BD * state.element_size())))
+        BV, warps = decode_split(B, H, D, state.element_size(), block_v)
         NV = triton.cdiv(D, BV)
-        o_part, counters = _decode_scratch(q_in.device, B * H, D) if NV > 1 else (c[0], c[0])
+        o_part, counters = _decode_scratch(q_in.device, B * H, D) if NV > 1 else (q_in, q_in)
         kda_decode_kernel[(NV, H, B)](
-            *c, state, state_out, conv_state, conv_state_out, y, o_part, counters, H=H, D=D, W=W, BD=BD, BW=BW,
-            BV=BV, NV=NV, EPS=float(eps), SCALE=D ** -0.5, num_warps=num_warps or max(1, BV // 16), **gate)
+            *acts, *wts, state, state_out, conv_state, conv_state_out, y, o_part, counters,
+            *(st[n][0] for n in "qkvfgb"), H=H, D=D, W=W, BD=BD, BW=BW, BV=BV, NV=NV, EPS=float(eps),
+            SCALE=D ** -0.5, num_warps=num_warps or warps, **gate)
     elif mode == "recurrent":
         kda_recurrent_kernel[(B, H)](
-            *c, state, state_out, conv_state, conv_state_out, y if store_output else c[0], lens, T, H=H, D=D, W=W,
-            BD=BD, BW=BW, EPS=float(eps), SCALE=D ** -0.5, HAS_LENGTHS=has_len, STORE_Y=store_output,
-            num_warps=num_warps or (4 if BD <= 64 else 8),
+            *acts, *wts, state, state_out, conv_state, conv_state_out, y if store_output else q_in, lens, T,
+            *(s for n in "qkvfgb" for s in st[n]), H=H, D=D, W=W, BD=BD, BW=BW, EPS=float(eps), SCALE=D ** -0.5,
+            HAS_LENGTHS=has_len, STORE_Y=store_output, num_warps=num_warps or (4 if BD <= 64 else 8),
             num_stages=1,  # no software pipelining of the token loop: 3 stages need 476 KB smem at D=128
             **gate)
     else:
         # TF32 (10-bit mantissa) is below the storage precision of a bf16/fp16 model; an fp32 model gets fp32 dots
         dot = "tf32" if q_in.device.type == "cuda" and q_in.dtype != torch.float32 else "ieee"
         NC = triton.cdiv(T, CHUNK)
-        ws = torch.empty(4, B, H, NC, CHUNK, D, dtype=q_in.dtype, device=q_in.device)
-        ws_p = torch.empty(B, H, NC, CHUNK, CHUNK, dtype=q_in.dtype, device=q_in.device)
-        ws_glast = torch.empty(B, H, NC, D, dtype=torch.float32, device=q_in.device)
+        ws = take_scratch(scratch, "ws", (4, B, H, NC, CHUNK, D), q_in.dtype, q_in.device)
+        ws_p = take_scratch(scratch, "ws_p", (B, H, NC, CHUNK, CHUNK), q_in.dtype, q_in.device)
+        ws_glast = take_scratch(scratch, "ws_glast", (B, H, NC, D), torch.float32, q_in.device)
         kda_chunk_prep_kernel[(NC, H, B)](
-            *c[:4], c[5], *c[6:11], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, T, NC, H=H, D=D,
-            W=W, BD=BD, SCALE=D ** -0.5, HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1,
-            INV_PRECISION="ieee", DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
+            q_in, k_in, v_in, f, beta_logits, *wts[:5], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p,
+            ws_glast, T, NC, *(s for n in "qkvfb" for s in st[n]), H=H, D=D, W=W, BD=BD, SCALE=D ** -0.5,
+            HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1, INV_PRECISION="ieee",
+            DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
         BV = min(BD, block_v or CHUNK_BLOCK_V)
         fuse = BV == BD
-        o_buf = y if fuse or not store_output else torch.empty(B, T, HD, dtype=torch.float32, device=q_in.device)
+        o_buf = y if fuse or not store_output else take_scratch(scratch, "o_buf", (B, T, HD), torch.float32,
+                                                                q_in.device)
         kda_chunk_state_kernel[(triton.cdiv(D, BV), H, B)](
-            ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, c[0], c[1], c[2], c[4], c[11], state, state_out, conv_state,
-            conv_state_out, o_buf if store_output else c[0], lens, T, NC, H=H, D=D, W=W, BD=BD, BW=BW, BV=BV,
-            EPS=float(eps), HAS_LENGTHS=has_len, STORE_Y=store_output, FUSE_NORM=fuse, BT=CHUNK,
-            DOT_PRECISION=dot, num_warps=num_warps or 4, num_stages=2)
+            ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, q_in, k_in, v_in, gate_logits, o_norm_weight, state,
+            state_out, conv_state, conv_state_out, o_buf if store_output else q_in, lens, T, NC,
+            *(s for n in "qkvg" for s in st[n]), H=H, D=D, W=W, BD=BD, BW=BW, BV=BV, EPS=float(eps),
+            HAS_LENGTHS=has_len, STORE_Y=store_output, FUSE_NORM=fuse, BT=CHUNK, DOT_PRECISION=dot,
+            num_warps=num_warps or 4, num_stages=2)
         if store_output and not fuse:
             rows = 16
             kda_norm_gate_kernel[(triton.cdiv(T * H, rows), B)](
-                o_buf, c[4], c[11], y, lens, T, H=H, D=D, BD=BD, EPS=float(eps), HAS_LENGTHS=has_len, BR=rows,
-                num_warps=4)
+                o_buf, gate_logits, o_norm_weight, y, lens, T, *st["g"], H=H, D=D, BD=BD, EPS=float(eps),
+                HAS_LENGTHS=has_len, BR=rows, num_warps=4)
     return y
 
 
-def _chunk_is_safe(gate_kind, lower_bound):
-    """Chunked kernel is exact only for bounded gates: (CHUNK-1) * |lower_bound| <= SAFE_LOG_DECAY."""
-    return gate_kind == "lower_bound" and (CHUNK - 1) * abs(float(lower_bound)) <= SAFE_LOG_DECAY
+def decode_split(B, H, D, state_bytes, block_v=None):
+    """(block_v, num_warps) of the decode kernel for B rows of H heads of dim D, state elements of `state_bytes`
+    bytes (4: fp32, 2: bf16); block_v given: that split (capped at D's power of two), else the DECODE_* rule above."""
+    BD = triton.next_power_of_2(D)
+    if block_v is None:
+        small = B * H * triton.cdiv(D, DECODE_SMALL_BLOCK_V) <= DECODE_SMALL_GRID
+        block_v = DECODE_SMALL_BLOCK_V if small else DECODE_BLOCK_V
+    BV = min(BD, block_v)
+    return BV, max(1, BD * BV * state_bytes // DECODE_WARP_BYTES)
+
+
+def chunk_is_safe(gate_kind, lower_bound, chunk=None):
+    """Whether the chunked kernels are exact for this gate at `chunk` tokens per chunk (None: CHUNK): bounded
+    gates only, with (chunk - 1 - (chunk - 1) // 2) * |lower_bound| <= SAFE_LOG_DECAY (the farthest row from the
+    chunk's middle reference row; `kda_chunk` docstring)."""
+    bt = chunk or CHUNK
+    return gate_kind == "lower_bound" and (bt - 1 - (bt - 1) // 2) * abs(float(lower_bound)) <= SAFE_LOG_DECAY
 
 
 def kda_prefill(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
@@ -224,7 +263,7 @@ def kda_prefill(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_
     linear_attn_config.gate_lower_bound) or "softplus" (Kimi Linear); eps: o_norm's rms_norm_eps.
     lengths: None or int / [B] ints <= T (only the first lengths[b] tokens of row b are used; y past them is left
     unwritten). State and conv state are updated in place unless state_out / conv_state_out (same shapes) are given.
-    method: "chunk" (16-token WY/UT tensor-core kernels, chunk-parallel; bounded gate with 15*|lower_bound| <= 80
+    method: "chunk" (CHUNK-token WY/UT tensor-core kernels, chunk-parallel; bounded gate, `chunk_is_safe`
     only; a workspace of about 4*T*H*D activation-dtype elements per row, plus T*H*D fp32 when block_v < D),
     "recurrent" (token loop, any gate), or "auto" (chunk when safe and T >= 16). block_v: state columns per program
     of the chunk state pass (default CHUNK_BLOCK_V; D fuses the norm epilogue into it).
@@ -233,9 +272,10 @@ def kda_prefill(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_
     """
     if method not in ("auto", "chunk", "recurrent"):
         raise UnsupportedError(f"KDA prefill method {method!r}")
-    safe = _chunk_is_safe(gate_kind, lower_bound)
+    safe = chunk_is_safe(gate_kind, lower_bound)
     if method == "chunk" and not safe:
-        raise UnsupportedError(f"KDA chunked prefill needs a lower-bounded gate with 15*|bound| <= 80, "
+        raise UnsupportedError(f"KDA chunked prefill (chunk {CHUNK}) needs a lower-bounded gate with "
+                               f"{CHUNK - 1 - (CHUNK - 1) // 2}*|bound| <= {SAFE_LOG_DECAY}, "
                                f"got gate {gate_kind!r}, bound {lower_bound}")
     chunked = method == "chunk" or (method == "auto" and safe and q_in.shape[1] >= CHUNK)
     return _launch_kda("chunk" if chunked else "recurrent", q_in, k_in, v_in, f, beta_logits, gate_logits,
@@ -250,10 +290,10 @@ def kda_decode(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k
                num_warps=None, block_v=None):
     """One fused KDA decode step (one kernel launch): conv-state roll + conv + silu + l2norm + gate + beta +
     recurrence + RMSNorm + sigmoid gate, with state [B, H, D, D] (fp32 or bf16) and conv_state [B, 3*H*D, W]
-    updated in place. The value dim is split over cdiv(D, block_v) programs per head (default: DECODE_TILE_BYTES of
-    state per program).
+    updated in place. The value dim is split over cdiv(D, block_v) programs per head (default: `decode_split`).
 
-    Activations are [B, H*D] (or [B, 1, H*D]), beta_logits [B, H] (or [B, 1, H]); other shapes, dtypes and errors
+    Activations are [B, H*D] (or [B, 1, H*D]), beta_logits [B, H] (or [B, 1, H]), contiguous or row-strided views
+    with a dense last dim; other shapes, dtypes and errors
     as `kda_prefill`. Returns y with q_in's shape and dtype.
     """
     shape = q_in.shape
@@ -325,7 +365,7 @@ def emit_source(spec):
     spec keys: "family" ("decode" | "prefill" | "spec_replay"), "heads" (H), "head_dim" (D), "conv_size" (W,
     default 4), "gate_kind" ("lower_bound" | "softplus"), "lower_bound" (default -5.0), "eps" (default 1e-5),
     optional "ir_nodes" (names of the IR nodes implemented, for the header) and "chunked" (prefill/spec_replay:
-    use the chunk-parallel 16-token tensor-core kernels; default: when the gate is safely bounded).
+    use the chunk-parallel CHUNK-token tensor-core kernels; default: when the gate is safely bounded).
     The module imports torch, triton and k3c.errors only; it holds a header naming the IR nodes and the
     specialization constants, the `@triton.jit` helper and kernel sources, `_launch_kda`, and
     `launch(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
@@ -346,7 +386,7 @@ def emit_source(spec):
     eps = float(spec.get("eps", 1e-5))
     if gate_kind not in GATE_KINDS:
         raise UnsupportedError(f"KDA gate kind {gate_kind!r}")
-    safe = _chunk_is_safe(gate_kind, lower_bound)
+    safe = chunk_is_safe(gate_kind, lower_bound)
     chunked = family != "decode" and bool(spec.get("chunked", safe))
     if chunked and not safe:
         raise UnsupportedError("KDA emit_source: chunked kernel requested for an unbounded or too-low gate")
@@ -367,11 +407,14 @@ def emit_source(spec):
         f"HEADS = {H}  # linear_attn_config.num_heads\nHEAD_DIM = {D}  # linear_attn_config.head_dim\n"
         f"CONV_SIZE = {W}  # short_conv_kernel_size\nGATE_KIND = {gate_kind!r}\n"
         f"LOWER_BOUND = {lower_bound!r}  # linear_attn_config.gate_lower_bound\nEPS = {eps!r}  # rms_norm_eps\n"
-        f"GATE_KINDS = {GATE_KINDS!r}\nCHUNK = {CHUNK}\nDECODE_TILE_BYTES = {DECODE_TILE_BYTES}\n"
+        f"GATE_KINDS = {GATE_KINDS!r}\nCHUNK = {CHUNK}\nDECODE_BLOCK_V = {DECODE_BLOCK_V}\n"
+        f"DECODE_SMALL_BLOCK_V = {DECODE_SMALL_BLOCK_V}\nDECODE_SMALL_GRID = {DECODE_SMALL_GRID}\n"
+        f"DECODE_WARP_BYTES = {DECODE_WARP_BYTES}\n"
         f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n_DECODE_SCRATCH = {{}}\n")
     parts = [header]
     parts += [inspect.getsource(fn.fn) for fn in _common.HELPERS]
     parts += [inspect.getsource(kernel.fn) for kernel in kernels]
-    parts += [inspect.getsource(_decode_scratch), inspect.getsource(_launch_kda)]
+    parts += [inspect.getsource(take_scratch), inspect.getsource(_decode_scratch), inspect.getsource(decode_split),
+              inspect.getsource(_launch_kda)]
     parts.append(_LAUNCH_TEMPLATE.format(doc=doc, mode=mode))
     return "\n\n".join(parts)

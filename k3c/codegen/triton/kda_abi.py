@@ -12,21 +12,34 @@ own `launch(q_in, ...)` is renamed `kda_family_launch`. The ABI `launch` maps th
 
 T == 1 (decode) runs the split-V decode kernel, like `kda.kda_decode`; T > 1 (prefill) runs the chunked
 kernels when the gate is safely bounded and T ≥ 16, else the token loop, like `kda.kda_prefill(method="auto")`.
-The state outputs may be the very tensors of the state inputs (in-place update) or separate ones. Conv weights
+The state outputs may be the very tensors of the state inputs (in-place update) or separate ones. The six
+activations may be row-strided views (any batch / token strides, dense last dim: in decode, the column views of
+the one GEMM output `fuse_gemms` makes of the projections): the module declares `TAKES_VIEWS`, so that the runtime's
+Triton launcher passes them without a copy (other inputs are made contiguous here where they are not). Conv weights
 [H·K,1,W] are viewed as [H·K,W]; non-fp32 weights or conv state are converted (the kernels take fp32), a converted
 conv state is copied back.
 
+Scratch (`kda_fused_scratch`, planned in the arena; the decode kernel's few KiB stay cached in the module): the
+chunked prefill's workspace ws [4, B, H, NC, 16, K] and ws_p [B, H, NC, 16, 16] in q's dtype, ws_glast f32
+[B, H, NC, K] (NC = ⌈T/16⌉ chunks) and, when the state pass does not fuse the norm epilogue (CHUNK_BLOCK_V < K),
+o_buf f32 [B, T, H·K].
+
 Public API: `emit_kda_fused(group)` -> module text (registered with `k3c.codegen.triton.emitter` for the kind
-"kda_fused").
+"kda_fused"), `kda_fused_scratch(group)` (registered with `k3c.codegen.triton.scratch`).
 """
 
 from __future__ import annotations
 
-from k3c.codegen.triton import emitter, module_header
+import sympy
+import triton
+
+from k3c.codegen.backend import ScratchSpec
+from k3c.codegen.triton import emitter, module_header, scratch
 from k3c.codegen.triton.attention import one_node
-from k3c.codegen.triton.kda import CHUNK, SAFE_LOG_DECAY, emit_source
+from k3c.codegen.triton.kda import CHUNK, CHUNK_BLOCK_V, chunk_is_safe, emit_source
 from k3c.errors import UnsupportedError
 from k3c.ir.kernels import KernelGroup
+from k3c.ir.types import TensorType
 
 _ERRORS_IMPORT = "from k3c.errors import RuntimeInputError, UnsupportedError"
 _LOCAL_ERRORS = '''class RuntimeInputError(ValueError):
@@ -38,24 +51,51 @@ class UnsupportedError(ValueError):
 
 _ABI_LAUNCH = '''
 
-def launch(inputs, outputs, sizes):
-    """ABI entry (see the header): decode kernel when T == 1, prefill (chunked or token loop) otherwise."""
+def launch(inputs, outputs, sizes, scratch=None):
+    """ABI entry (see the header): decode kernel when T == 1, prefill (chunked or token loop) otherwise; scratch:
+    the chunked prefill's planned buffers (kda_fused_scratch; None: allocated)."""
     (q, k, v, f, beta, gate, q_conv, k_conv, v_conv, A_log, dt_bias, o_norm, state,
      conv_state) = [inputs[i] for i in INPUT_POSITIONS]
     y, state_out, conv_out = [outputs[i] for i in OUTPUT_POSITIONS]
     T = q.shape[1]
     conv_w = [w.reshape(w.shape[0], w.shape[-1]).float() for w in (q_conv, k_conv, v_conv)]
-    conv_in = conv_state if conv_state.dtype == torch.float32 else conv_state.float()
+    state = state.contiguous()
+    conv_in = conv_state.contiguous() if conv_state.dtype == torch.float32 else conv_state.float().contiguous()
     conv_dst = conv_out if conv_out.dtype == torch.float32 else conv_in
     mode = "decode" if T == 1 else "chunk" if CHUNKED and T >= CHUNK_MIN_TOKENS else "recurrent"
+    direct = y.is_contiguous() and y.dtype == q.dtype      # the kernels write y in place
     y_new = _launch_kda(mode, q, k, v, f, beta, gate,
                         *conv_w, A_log.reshape(-1).float(), dt_bias.reshape(-1).float(), o_norm.float(), state,
                         conv_in, gate_kind=GATE_KIND, lower_bound=LOWER_BOUND, eps=EPS, lengths=None,
-                        state_out=state_out, conv_state_out=conv_dst, store_output=True, num_warps=None)
-    y.copy_(y_new)
+                        state_out=state_out, conv_state_out=conv_dst, store_output=True, num_warps=None,
+                        y_out=y if direct else None,
+                        scratch=scratch if mode == "chunk" else None)
+    if not direct:
+        y.copy_(y_new)
     if conv_dst is not conv_out:
         conv_out.copy_(conv_dst)
 '''
+
+
+@scratch("kda_fused")
+def kda_fused_scratch(group: KernelGroup) -> list[ScratchSpec]:
+    """The chunked prefill's scratch of one `kda_fused` launch (module docstring; `kda._launch_kda` "chunk"): none
+    when the gate forbids the chunk kernel or the entry has one token per row (decode). Raises UnsupportedError for
+    a group that is not a single kda_fused node."""
+    node, _, _ = one_node(group, "kda_fused")
+    a = node.attrs
+    q = node.inputs[0].type
+    B, T, HD = q.shape
+    if not chunk_is_safe(a["gate"], a["lower_bound"]) or T == 1:
+        return []
+    H, D = a["heads"], a["head_dim"]
+    NC = sympy.ceiling(sympy.sympify(T) / CHUNK)
+    out = [ScratchSpec("ws", TensorType((4, B, H, NC, CHUNK, D), q.dtype)),
+           ScratchSpec("ws_p", TensorType((B, H, NC, CHUNK, CHUNK), q.dtype)),
+           ScratchSpec("ws_glast", TensorType((B, H, NC, D), "f32"))]
+    if min(triton.next_power_of_2(D), CHUNK_BLOCK_V) != triton.next_power_of_2(D):   # norm epilogue not fused
+        out.append(ScratchSpec("o_buf", TensorType((B, T, HD), "f32")))
+    return out
 
 
 @emitter("kda_fused")
@@ -67,8 +107,7 @@ def emit_kda_fused(group: KernelGroup) -> str:
     """
     node, ip, op = one_node(group, "kda_fused")
     a = node.attrs
-    # the chunk kernel is exact only while a chunk's cumulative log-decay stays above -SAFE_LOG_DECAY
-    chunked = a["gate"] == "lower_bound" and (CHUNK - 1) * abs(float(a["lower_bound"])) <= SAFE_LOG_DECAY
+    chunked = chunk_is_safe(a["gate"], a["lower_bound"])  # bounded gates only (kda_chunk docstring)
     spec = {"family": "prefill", "heads": a["heads"], "head_dim": a["head_dim"],
             "conv_size": int(node.inputs[6].type.shape[2]), "gate_kind": a["gate"],
             "lower_bound": float(a["lower_bound"]), "eps": float(a["eps"]), "ir_nodes": group.ir_nodes,
@@ -79,10 +118,11 @@ def emit_kda_fused(group: KernelGroup) -> str:
     text = text.replace(_ERRORS_IMPORT, _LOCAL_ERRORS).replace("\ndef launch(", "\ndef kda_family_launch(")
     if "k3c." in "".join(ln for ln in text.splitlines() if ln.lstrip().startswith(("import ", "from "))):
         raise UnsupportedError(f"{group.name}: the KDA kernel text imports k3c")
-    lines = module_header(group, f"fused KDA mixer ({a['gate']} gate), decode/prefill by T", __name__)
+    lines = module_header(group, f"fused KDA mixer ({a['gate']} gate), decode/prefill by T", __name__,
+                          takes_views=True)
     lines += [f"INPUT_POSITIONS = {ip!r}  # group inputs of (q, k, v, f, beta, gate, q_conv, k_conv, v_conv, "
               "A_log, dt_bias, o_norm, state, conv_state)",
               f"OUTPUT_POSITIONS = {op!r}  # group outputs of (y, state, conv_state)",
-              f"CHUNKED = {chunked!r}  # gate safely bounded: prefill may use the 16-token chunk kernel",
+              f"CHUNKED = {chunked!r}  # gate safely bounded: prefill may use the {CHUNK}-token chunk kernel",
               f"CHUNK_MIN_TOKENS = {CHUNK}  # fewer tokens: token loop (as kda.kda_prefill, method='auto')", ""]
     return "\n".join(lines) + "\n" + text + _ABI_LAUNCH

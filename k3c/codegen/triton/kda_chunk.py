@@ -4,7 +4,7 @@ Within a chunk of BT tokens (positions i, j; gc = cumulative log-decay inside th
 "KDA layer", chunk algorithm of Kimi Linear / FLA chunk_kda):
 
     A[i, j] = beta_i * sum_d k_i[d] k_j[d] exp(gc_i[d] - gc_j[d])        (j < i, else 0)
-    Tinv    = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)(I + A^8)           (A nilpotent: A^16 = 0)
+    Tinv    = (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...(I + A^(BT/2))   (A nilpotent: A^BT = 0)
     Wm      = Tinv @ (beta * Gamma * K)      U0 = Tinv @ (beta * V)
     P[i, j] = sum_d q_i k_j exp(gc_i - gc_j)  (j <= i)
 and across chunks, with S the state at the chunk start ([D, D], key dim first):
@@ -22,9 +22,11 @@ Kernels (launched in this order by `k3c.codegen.triton.kda._launch_kda`):
                           rolls the conv state (after the prep kernel has read it). With BV = D it also applies
                           the RMSNorm + sigmoid gate and writes y; otherwise O goes to an fp32 buffer and
   kda_norm_gate_kernel    grid (row blocks, B) writes y = RMSNorm_per_head(O) * sigmoid(gate).
-exp(gc_i - gc_j) is split as exp(gc_i - r) * exp(r - gc_j) with r the chunk's first row so that both factors are
-matrix operands; with the K3 lower bound (g > LOWER_BOUND = -5) a 16-token chunk keeps r - gc_j < 15 * 5 = 75, so
-exp stays finite in fp32 (the launcher sends unbounded gates to the recurrent kernel instead).
+exp(gc_i - gc_j) is split as exp(gc_i - r) * exp(r - gc_j) with r the gc of the chunk's middle row REF =
+(BT - 1) // 2, so that both factors are matrix operands; with the K3 lower bound (g > LOWER_BOUND = -5) every
+factor of a needed entry (j <= i) stays below exp(max(REF, BT - 1 - REF) * 5): exp(40) at BT = 16, exp(80) at
+BT = 32, finite in fp32 (the launcher sends unbounded gates to the recurrent kernel instead). Entries j > i with
+i < r < j can overflow; they are masked away.
 """
 
 import triton
@@ -51,6 +53,8 @@ def kda_chunk_prep_kernel(
     ws_p,                                 # [B, H, NC, BT, BT] workspace
     ws_glast,                             # [B, H, NC, D] fp32 workspace
     T, NC,                                # tokens stored per row, chunks per row (cdiv(T, BT))
+    s_qb, s_qt, s_kb, s_kt, s_vb, s_vt,   # (batch, token) strides (elements) of the activations; last dim dense
+    s_fb, s_ft, s_bb, s_bt,               # (f, beta)
     H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr,
     GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr, HAS_LENGTHS: tl.constexpr,
     BT: tl.constexpr, LOG2_BT: tl.constexpr,
@@ -61,6 +65,7 @@ def kda_chunk_prep_kernel(
     h = tl.program_id(1)
     b = tl.program_id(2)
     HD: tl.constexpr = H * D
+    REF: tl.constexpr = (BT - 1) // 2                   # decay reference row r (module docstring)
     n = T
     if HAS_LENGTHS:
         n = tl.load(lengths + b)
@@ -74,33 +79,34 @@ def kda_chunk_prep_kernel(
     lower = i_t[:, None] > i_t[None, :]
     diag = i_t[:, None] == i_t[None, :]
 
-    x_off = b.to(tl.int64) * T * HD + h * D
-    conv_b = b.to(tl.int64) * 3 * HD * W + h * D * W
-    q = causal_conv_silu(q_in + x_off, conv_in + conv_b, conv_w_q + h * D * W, pos[:, None], i_k[None, :], m_tk,
-                         HD, W)
-    k = causal_conv_silu(k_in + x_off, conv_in + conv_b + HD * W, conv_w_k + h * D * W, pos[:, None],
-                         i_k[None, :], m_tk, HD, W)
-    v = causal_conv_silu(v_in + x_off, conv_in + conv_b + 2 * HD * W, conv_w_v + h * D * W, pos[:, None],
-                         i_k[None, :], m_tk, HD, W)
+    b64 = b.to(tl.int64)
+    conv_b = b64 * 3 * HD * W + h * D * W
+    q = causal_conv_silu(q_in + b64 * s_qb + h * D, conv_in + conv_b, conv_w_q + h * D * W, pos[:, None],
+                         i_k[None, :], m_tk, s_qt, W)
+    k = causal_conv_silu(k_in + b64 * s_kb + h * D, conv_in + conv_b + HD * W, conv_w_k + h * D * W, pos[:, None],
+                         i_k[None, :], m_tk, s_kt, W)
+    v = causal_conv_silu(v_in + b64 * s_vb + h * D, conv_in + conv_b + 2 * HD * W, conv_w_v + h * D * W,
+                         pos[:, None], i_k[None, :], m_tk, s_vt, W)
     q = l2_normalize(q, 1) * SCALE
     k = l2_normalize(k, 1)
-    f = tl.load(f_in + x_off + pos[:, None] * HD + i_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    f = tl.load(f_in + b64 * s_fb + h * D + pos[:, None] * s_ft + i_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     dtb = tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0)
     g = tl.where(m_tk, kda_decay_gate(f + dtb[None, :], tl.exp(tl.load(A_log + h)), GATE_KIND, LOWER_BOUND), 0.0)
-    beta = tl.load(beta_in + (b.to(tl.int64) * T + pos) * H + h, mask=valid, other=0.0).to(tl.float32)
+    beta = tl.load(beta_in + b64 * s_bb + pos * s_bt + h, mask=valid, other=0.0).to(tl.float32)
     beta = tl.where(valid, tl.sigmoid(beta), 0.0)
 
     gc = tl.cumsum(g, 0)                                            # padded rows have g = 0
-    g_ref = tl.sum(tl.where(i_t[:, None] == 0, gc, 0.0), 0)        # r: first row
+    g_ref = tl.sum(tl.where(i_t[:, None] == REF, gc, 0.0), 0)      # r
     g_last = tl.sum(tl.where(i_t[:, None] == BT - 1, gc, 0.0), 0)
-    decay_in = tl.exp(gc - g_ref[None, :])                          # <= 1
-    k_out = k * tl.exp(g_ref[None, :] - gc)                         # <= exp(-(BT-1) * LOWER_BOUND)
+    decay_in = tl.exp(gc - g_ref[None, :])                          # <= exp(REF * |LOWER_BOUND|)
+    k_out = k * tl.exp(g_ref[None, :] - gc)                         # <= exp((BT - 1 - REF) * |LOWER_BOUND|)
+    # entries j > i may overflow to inf / nan (exp(gc_i - r) * exp(r - gc_j) with i < r < j): masked to 0
     A = tl.dot(k * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
     A = tl.where(lower, A * beta[:, None], 0.0)
     P = tl.dot(q * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
     P = tl.where(lower | diag, P, 0.0)
 
-    # (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)(I + A^8): A strictly lower triangular, A^BT = 0.
+    # (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)...: A strictly lower triangular, A^BT = 0.
     power = A
     Tinv = tl.where(diag, 1.0, 0.0) - A
     for _ in tl.static_range(LOG2_BT - 1):
@@ -132,6 +138,8 @@ def kda_chunk_state_kernel(
     conv_in, conv_out,                    # [B, 3*H*D, W] fp32
     y,                                    # [B, T, H*D] output (FUSE_NORM) or fp32 O buffer (not FUSE_NORM)
     lengths, T, NC,
+    s_qb, s_qt, s_kb, s_kt, s_vb, s_vt,   # (batch, token) strides (elements) of q/k/v/gate; last dim dense
+    s_gb, s_gt,
     H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
     BV: tl.constexpr,                     # state columns per program (BD: one program per head)
     EPS: tl.constexpr, HAS_LENGTHS: tl.constexpr, STORE_Y: tl.constexpr,
@@ -155,7 +163,8 @@ def kda_chunk_state_kernel(
     s_off = bh * D * D + i_k[:, None] * D + i_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
     S = tl.load(state_in + s_off, mask=m_s, other=0.0).to(tl.float32)
-    x_off = b.to(tl.int64) * T * HD + h * D
+    b64 = b.to(tl.int64)
+    y_row = b64 * T * HD + h * D                          # y / O buffer: contiguous [B, T, H*D]
     dt = ws_w.dtype.element_ty
     if FUSE_NORM:
         norm_w = tl.load(o_norm_w + i_v, mask=m_v, other=0.0)
@@ -178,9 +187,10 @@ def kda_chunk_state_kernel(
             O = tl.dot(qg, S_op, input_precision=DOT_PRECISION) + tl.dot(P, U_op, input_precision=DOT_PRECISION)
             pos = c * BT + i_t
             m_o = (pos < n)[:, None] & m_v[None, :]
-            o_off = x_off + pos[:, None] * HD + i_v[None, :]
+            o_off = y_row + pos[:, None] * HD + i_v[None, :]
             if FUSE_NORM:
-                gl = tl.load(gate_in + o_off, mask=m_o, other=0.0).to(tl.float32)
+                gl = tl.load(gate_in + b64 * s_gb + h * D + pos[:, None] * s_gt + i_v[None, :], mask=m_o,
+                             other=0.0).to(tl.float32)
                 O = rms_norm_sigmoid_gate(O, norm_w[None, :], gl, D, EPS, 1)
             tl.store(y + o_off, O.to(y.dtype.element_ty), mask=m_o)
         kend = tl.load(ws_kend + tile_k, mask=m_tk, other=0.0)
@@ -188,12 +198,13 @@ def kda_chunk_state_kernel(
         S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kend), U_op, input_precision=DOT_PRECISION)
 
     tl.store(state_out + s_off, S.to(state_out.dtype.element_ty), mask=m_s)
-    conv_b = b.to(tl.int64) * 3 * HD * W + h * D * W
-    roll_conv_state(v_in + x_off, conv_in + conv_b + 2 * HD * W, conv_out + conv_b + 2 * HD * W, n, HD, i_v, m_v,
-                    W, BW)
+    conv_b = b64 * 3 * HD * W + h * D * W
+    roll_conv_state(v_in + b64 * s_vb + h * D, conv_in + conv_b + 2 * HD * W, conv_out + conv_b + 2 * HD * W, n,
+                    s_vt, i_v, m_v, W, BW)
     if pid_v == 0:
-        roll_conv_state(q_in + x_off, conv_in + conv_b, conv_out + conv_b, n, HD, i_k, m_k, W, BW)
-        roll_conv_state(k_in + x_off, conv_in + conv_b + HD * W, conv_out + conv_b + HD * W, n, HD, i_k, m_k, W, BW)
+        roll_conv_state(q_in + b64 * s_qb + h * D, conv_in + conv_b, conv_out + conv_b, n, s_qt, i_k, m_k, W, BW)
+        roll_conv_state(k_in + b64 * s_kb + h * D, conv_in + conv_b + HD * W, conv_out + conv_b + HD * W, n, s_kt,
+                        i_k, m_k, W, BW)
 
 
 @triton.jit
@@ -203,6 +214,7 @@ def kda_norm_gate_kernel(
     o_norm_w,                             # [D] fp32
     y,                                    # [B, T, H*D] output (dtype of the activations)
     lengths, T,
+    s_gb, s_gt,                           # (batch, token) strides (elements) of gate_in; last dim dense
     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr, HAS_LENGTHS: tl.constexpr,
     BR: tl.constexpr,                     # (token, head) rows per program
 ):
@@ -215,6 +227,7 @@ def kda_norm_gate_kernel(
     m = (r < n * H)[:, None] & (i_k < D)[None, :]
     off = b.to(tl.int64) * T * H * D + r[:, None] * D + i_k[None, :]
     o = tl.load(o_buf + off, mask=m, other=0.0)
-    gl = tl.load(gate_in + off, mask=m, other=0.0).to(tl.float32)
+    g_off = b.to(tl.int64) * s_gb + (r // H)[:, None] * s_gt + (r % H)[:, None] * D + i_k[None, :]
+    gl = tl.load(gate_in + g_off, mask=m, other=0.0).to(tl.float32)
     norm_w = tl.load(o_norm_w + i_k, mask=i_k < D, other=0.0)
     tl.store(y + off, rms_norm_sigmoid_gate(o, norm_w[None, :], gl, D, EPS, 1).to(y.dtype.element_ty), mask=m)

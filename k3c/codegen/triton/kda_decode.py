@@ -7,8 +7,9 @@ L2 hits) and its own value slice of v, then the delta-rule step of K3-SPEC.md "K
 
     S' = Diag(exp g) S ;  u = beta (v - S'^T k) ;  S = S' + k u^T ;  o = S^T q
 
-The state tile is read and written once with V-contiguous rows (BV * 4 bytes per row: coalesced 128-byte lines at
-BV = 32), which is the whole HBM traffic that matters. The per-head RMSNorm needs all D values of o, so the slices
+The state tile is read and written once with V-contiguous rows (BV elements per row: 256-byte lines at BV = 64
+fp32), which is the whole HBM traffic that matters. The activations are read through their batch-row strides, so
+the column views of one fused projection output need no copy. The per-head RMSNorm needs all D values of o, so the slices
 meet through a last-arriver reduction: each program stores its o slice (fp32) to `o_part`, then increments the
 head's counter (acq_rel atomic); the program that sees NV - 1 reads the complete o (L1-bypassing loads), writes
 y = RMSNorm(o) * sigmoid(gate) for the head, writes the q/k conv state (every program of the head has read the old
@@ -32,8 +33,9 @@ from k3c.codegen.triton._common import (
 
 @triton.jit
 def kda_decode_kernel(
-    q_in, k_in, v_in, f_in, gate_in,      # [B, H*D] projected activations of the step (any float dtype)
-    beta_in,                              # [B, H] beta logits
+    q_in, k_in, v_in, f_in, gate_in,      # [B, H*D] projected activations of the step (any float dtype; rows
+                                          # may be strided, e.g. column views of one fused projection output)
+    beta_in,                              # [B, H] beta logits (rows may be strided)
     conv_w_q, conv_w_k, conv_w_v,         # [H*D, W] fp32 depthwise conv weights
     A_log, dt_bias, o_norm_w,             # [>=H], [H*D], [D] fp32
     state_in, state_out,                  # [B, H, D, D] fp32 or bf16 (key dim, value dim)
@@ -41,6 +43,7 @@ def kda_decode_kernel(
     y,                                    # [B, H*D] output (dtype of q_in)
     o_part,                               # [B, H, D] fp32 scratch: o before the norm (NV > 1)
     counters,                             # [B, H] int32, zero between launches (NV > 1)
+    s_q, s_k, s_v, s_f, s_g, s_beta,      # batch-row strides (elements) of q/k/v/f/gate/beta; last dim dense
     H: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
     BD: tl.constexpr, BW: tl.constexpr,   # next powers of two of D and W
     BV: tl.constexpr, NV: tl.constexpr,   # value columns per program, programs per head (NV = cdiv(D, BV))
@@ -58,24 +61,25 @@ def kda_decode_kernel(
     i_v = pid_v * BV + tl.arange(0, BV)                   # this program's value columns
     m_v = i_v < D
 
-    x_off = b.to(tl.int64) * HD + h * D
+    b64 = b.to(tl.int64)
+    y_off = b64 * HD + h * D                              # y is contiguous [B, H*D]
     conv_q = b.to(tl.int64) * 3 * HD * W + (0 * HD + h * D) * W
     conv_k = b.to(tl.int64) * 3 * HD * W + (1 * HD + h * D) * W
     conv_v = b.to(tl.int64) * 3 * HD * W + (2 * HD + h * D) * W
 
     # Front end (K3-SPEC "KDA layer"): the W-input windows are also the new conv states.
-    win_q = conv_window(q_in + x_off, conv_in + conv_q, 0, i_k, m_k, HD, W, BW)
-    win_k = conv_window(k_in + x_off, conv_in + conv_k, 0, i_k, m_k, HD, W, BW)
-    win_v = conv_window(v_in + x_off, conv_in + conv_v, 0, i_v, m_v, HD, W, BW)
+    win_q = conv_window(q_in + b64 * s_q + h * D, conv_in + conv_q, 0, i_k, m_k, HD, W, BW)
+    win_k = conv_window(k_in + b64 * s_k + h * D, conv_in + conv_k, 0, i_k, m_k, HD, W, BW)
+    win_v = conv_window(v_in + b64 * s_v + h * D, conv_in + conv_v, 0, i_v, m_v, HD, W, BW)
     q = silu(tl.sum(win_q * load_conv_weight(conv_w_q + h * D * W, i_k, m_k, W, BW), 1))
     k = silu(tl.sum(win_k * load_conv_weight(conv_w_k + h * D * W, i_k, m_k, W, BW), 1))
     v = silu(tl.sum(win_v * load_conv_weight(conv_w_v + h * D * W, i_v, m_v, W, BW), 1))
     q = l2_normalize(q, 0) * SCALE
     k = l2_normalize(k, 0)
-    f = tl.load(f_in + x_off + i_k, mask=m_k, other=0.0).to(tl.float32)
+    f = tl.load(f_in + b64 * s_f + h * D + i_k, mask=m_k, other=0.0).to(tl.float32)
     g = kda_decay_gate(f + tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0), tl.exp(tl.load(A_log + h)),
                        GATE_KIND, LOWER_BOUND)
-    beta = tl.sigmoid(tl.load(beta_in + bh).to(tl.float32))
+    beta = tl.sigmoid(tl.load(beta_in + b64 * s_beta + h).to(tl.float32))
 
     # Delta-rule step on the [D, BV] tile.
     s_off = bh * D * D + i_k[:, None] * D + i_v[None, :]
@@ -92,10 +96,10 @@ def kda_decode_kernel(
     tl.store(conv_out + conv_v + i_v[:, None] * W + j[None, :], win_v, mask=m_v[:, None] & m_w)
 
     if NV == 1:
-        gl = tl.load(gate_in + x_off + i_k, mask=m_k, other=0.0).to(tl.float32)
+        gl = tl.load(gate_in + b64 * s_g + h * D + i_k, mask=m_k, other=0.0).to(tl.float32)
         norm_w = tl.load(o_norm_w + i_k, mask=m_k, other=0.0)
         out = rms_norm_sigmoid_gate(o, norm_w, gl, D, EPS, 0)
-        tl.store(y + x_off + i_k, out.to(y.dtype.element_ty), mask=m_k)
+        tl.store(y + y_off + i_k, out.to(y.dtype.element_ty), mask=m_k)
         tl.store(conv_out + conv_q + i_k[:, None] * W + j[None, :], win_q, mask=m_k[:, None] & m_w)
         tl.store(conv_out + conv_k + i_k[:, None] * W + j[None, :], win_k, mask=m_k[:, None] & m_w)
     else:
@@ -105,9 +109,9 @@ def kda_decode_kernel(
         if arrived == NV - 1:                             # last program of the head: the epilogue
             tl.atomic_xchg(counters + bh, 0, sem="relaxed", scope="gpu")
             o_all = tl.load(o_part + bh * D + i_k, mask=m_k, other=0.0, cache_modifier=".cg")
-            gl = tl.load(gate_in + x_off + i_k, mask=m_k, other=0.0).to(tl.float32)
+            gl = tl.load(gate_in + b64 * s_g + h * D + i_k, mask=m_k, other=0.0).to(tl.float32)
             norm_w = tl.load(o_norm_w + i_k, mask=m_k, other=0.0)
             out = rms_norm_sigmoid_gate(o_all, norm_w, gl, D, EPS, 0)
-            tl.store(y + x_off + i_k, out.to(y.dtype.element_ty), mask=m_k)
+            tl.store(y + y_off + i_k, out.to(y.dtype.element_ty), mask=m_k)
             tl.store(conv_out + conv_q + i_k[:, None] * W + j[None, :], win_q, mask=m_k[:, None] & m_w)
             tl.store(conv_out + conv_k + i_k[:, None] * W + j[None, :], win_k, mask=m_k[:, None] & m_w)

@@ -32,6 +32,8 @@ def kda_recurrent_kernel(
     y,                                    # [B, T, H*D] output (dtype of q_in)
     lengths,                              # [B] int32 tokens to process per row (HAS_LENGTHS) else unused
     T,                                    # tokens stored per row
+    s_qb, s_qt, s_kb, s_kt, s_vb, s_vt,   # (batch, token) strides (elements) of the activations; last dim dense
+    s_fb, s_ft, s_gb, s_gt, s_bb, s_bt,   # (f, gate, beta)
     H: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
     BD: tl.constexpr, BW: tl.constexpr,   # next powers of two of D and W
     GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, EPS: tl.constexpr,
@@ -56,7 +58,11 @@ def kda_recurrent_kernel(
     norm_w = tl.load(o_norm_w + i_v, mask=m_v, other=0.0)
 
     # Row bases: input (b, t=0, head h), conv state rows of the head's q/k/v channels, state S[b, h].
-    x_off = b.to(tl.int64) * T * HD + h * D
+    b64 = b.to(tl.int64)
+    q_row = q_in + b64 * s_qb + h * D                     # (b, t = 0, head h) of each activation
+    k_row = k_in + b64 * s_kb + h * D
+    v_row = v_in + b64 * s_vb + h * D
+    y_off = b64 * T * HD + h * D                          # y is contiguous [B, T, H*D]
     conv_q = b.to(tl.int64) * 3 * HD * W + (0 * HD + h * D) * W
     conv_k = b.to(tl.int64) * 3 * HD * W + (1 * HD + h * D) * W
     conv_v = b.to(tl.int64) * 3 * HD * W + (2 * HD + h * D) * W
@@ -69,15 +75,15 @@ def kda_recurrent_kernel(
     w_v = load_conv_weight(conv_w_v + h * D * W, i_v, m_v, W, BW)
 
     for t in range(0, n):
-        q = causal_conv_silu_token(q_in + x_off, conv_in + conv_q, w_q, t, i_k, m_k, HD, W, BW)
-        k = causal_conv_silu_token(k_in + x_off, conv_in + conv_k, w_k, t, i_k, m_k, HD, W, BW)
-        v = causal_conv_silu_token(v_in + x_off, conv_in + conv_v, w_v, t, i_v, m_v, HD, W, BW)
+        q = causal_conv_silu_token(q_row, conv_in + conv_q, w_q, t, i_k, m_k, s_qt, W, BW)
+        k = causal_conv_silu_token(k_row, conv_in + conv_k, w_k, t, i_k, m_k, s_kt, W, BW)
+        v = causal_conv_silu_token(v_row, conv_in + conv_v, w_v, t, i_v, m_v, s_vt, W, BW)
         q = l2_normalize(q, 0) * SCALE
         k = l2_normalize(k, 0)
 
-        f = tl.load(f_in + x_off + t * HD + i_k, mask=m_k, other=0.0).to(tl.float32)
+        f = tl.load(f_in + b64 * s_fb + t * s_ft + h * D + i_k, mask=m_k, other=0.0).to(tl.float32)
         g = kda_decay_gate(f + dtb, a, GATE_KIND, LOWER_BOUND)                     # log-decay, [BD]
-        beta = tl.sigmoid(tl.load(beta_in + (b.to(tl.int64) * T + t) * H + h).to(tl.float32))
+        beta = tl.sigmoid(tl.load(beta_in + b64 * s_bb + t * s_bt + h).to(tl.float32))
 
         # S_t = (I - beta k k^T) Diag(exp g) S_{t-1} + beta k v^T, written as a rank-1 correction.
         S = S * tl.exp(g)[:, None]
@@ -86,11 +92,11 @@ def kda_recurrent_kernel(
         o = tl.sum(q[:, None] * S, 0)                                              # o_t = S_t^T q_t
 
         if STORE_Y:
-            gl = tl.load(gate_in + x_off + t * HD + i_v, mask=m_v, other=0.0).to(tl.float32)
+            gl = tl.load(gate_in + b64 * s_gb + t * s_gt + h * D + i_v, mask=m_v, other=0.0).to(tl.float32)
             out = rms_norm_sigmoid_gate(o, norm_w, gl, D, EPS, 0)
-            tl.store(y + x_off + t * HD + i_v, out.to(y.dtype.element_ty), mask=m_v)
+            tl.store(y + y_off + t * HD + i_v, out.to(y.dtype.element_ty), mask=m_v)
 
     tl.store(state_out + s_off, S, mask=m_s)
-    roll_conv_state(q_in + x_off, conv_in + conv_q, conv_out + conv_q, n, HD, i_k, m_k, W, BW)
-    roll_conv_state(k_in + x_off, conv_in + conv_k, conv_out + conv_k, n, HD, i_k, m_k, W, BW)
-    roll_conv_state(v_in + x_off, conv_in + conv_v, conv_out + conv_v, n, HD, i_v, m_v, W, BW)
+    roll_conv_state(q_row, conv_in + conv_q, conv_out + conv_q, n, s_qt, i_k, m_k, W, BW)
+    roll_conv_state(k_row, conv_in + conv_k, conv_out + conv_k, n, s_kt, i_k, m_k, W, BW)
+    roll_conv_state(v_row, conv_in + conv_v, conv_out + conv_v, n, s_vt, i_v, m_v, W, BW)

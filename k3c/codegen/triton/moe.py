@@ -36,13 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
-from k3c.codegen.triton import emitter, model_module
+from k3c.codegen.backend import ScratchSpec
+from k3c.codegen.triton import emitter, model_module, scratch, take_scratch
 from k3c.codegen.triton.attention import one_node
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile, mx_block_k,
                                          mx_default_config, mx_permute, mx_permuted_col, mxfp4_scales,
                                          mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
 from k3c.ir.kernels import KernelGroup
+from k3c.ir.types import TensorType
 
 
 @triton.jit
@@ -209,15 +211,16 @@ def moe_schedule(ids, E, BLOCK_M):
 
 
 def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, situ_linear_beta,
-                       blocks=None, schedule=None, mx_config=None):
+                       blocks=None, schedule=None, mx_config=None, scratch=None):
     """z [N, D], weights f32 [N, k], ids int [N, k] (< 0: unused), w1/w3 [E, I, D], w2 [E, D, I] -> y [N, D].
 
     MXFP4 weights (k3c.ir.formats): w1/w3 u8 [E, I, D/2], w2 u8 [E, D, I/2] and `scales` (w1, w3, w2 scales:
     u8 [E, I, D/32], [E, I, D/32], [E, D, I/32]), decoded in registers by `moe_up_mx_kernel` /
     `moe_down_mx_kernel` (k3c.codegen.triton.moe_mxfp4: bf16 z on the GPU, 8 codes per 32-bit word in inline PTX;
-    f32 z anywhere), dots in z's dtype with fp32 accumulation. Scratch allocated here: the sort permutation and
-    tile schedule (i64, O(N·k + E)), h [N·k, I] in z's dtype, y_slot f32 [N·k, D] and, MXFP4, z in the kernels'
-    K order. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config` (MXFP4:
+    f32 z anywhere), dots in z's dtype with fp32 accumulation. Scratch: h [N·k, I] in z's dtype, y_slot f32
+    [N·k, D] and, MXFP4, z_perm [N, D] (z in the kernels' K order): the planned buffers of `scratch` (name ->
+    tensor, `moe_experts_scratch`), else allocated here; the sort permutation and tile schedule (i64, O(N·k + E))
+    are allocated here. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config` (MXFP4:
     BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg) and a precomputed `schedule`
     (`moe_schedule(ids, E, BLOCK_M)`). Raises ValueError on mismatched shapes.
     """
@@ -237,17 +240,18 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         return
     rows = N * K
     precision = "ieee" if z.dtype == torch.float32 else "tf32"
-    y_slot = torch.empty((rows, D), dtype=torch.float32, device=z.device)
+    y_slot = take_scratch(scratch, "y_slot", (rows, D), torch.float32, z.device)
+    h = take_scratch(scratch, "h", (rows, I), z.dtype, z.device)
     if mx:
         BLOCK_M, BLOCK_R, most_k, warps, stages, two_muls, maxnreg = mx_config or mx_default_config(rows, E)
         BK1, BK2 = mx_block_k(D, most_k), mx_block_k(I, most_k)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
         max_tiles = schedule[1].shape[0]
         fast = z.dtype == torch.bfloat16
-        h = torch.empty((rows, I), dtype=z.dtype, device=z.device)
+        zp = mx_permute(z, BK1, out=take_scratch(scratch, "z_perm", (N, D), z.dtype, z.device))
         opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
         moe_up_mx_kernel[(max_tiles, triton.cdiv(I, BLOCK_R))](
-            mx_permute(z, BK1), w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
+            zp, w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
             float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ", FAST=fast,
             TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2,
             DOT_PRECISION=precision, **opts)
@@ -258,7 +262,6 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N = blocks or (16 if rows < 16 * E else 64, 64, 64, 64)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
         max_tiles = schedule[1].shape[0]
-        h = torch.empty((rows, I), dtype=z.dtype, device=z.device)
         moe_up_kernel[(max_tiles, triton.cdiv(I, BLOCK_I))](
             z, w1, w3, *schedule, h, float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I,
             ACT_SITU=act == "situ", BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_D=BLOCK_D, DOT_PRECISION=precision)
@@ -293,6 +296,21 @@ def emit_moe_route(group: KernelGroup) -> str:
                    launch_moe_route, body)
 
 
+@scratch("moe_experts")
+def moe_experts_scratch(group: KernelGroup) -> list[ScratchSpec]:
+    """The scratch of one `moe_experts` launch (`launch_moe_experts`): h [N·k, I] in z's dtype and y_slot f32
+    [N·k, D] for N tokens z [N, D] choosing k experts of inner width I (w1 [E, I, ·]); MXFP4 weights also z_perm
+    [N, D] in z's dtype. Raises UnsupportedError for a group that is not a single moe_experts node."""
+    node, _, _ = one_node(group, "moe_experts")
+    z, ids, w1 = node.inputs[0].type, node.inputs[2].type, node.inputs[3].type
+    (N, D), rows = z.shape, z.shape[0] * ids.shape[1]
+    out = [ScratchSpec("h", TensorType((rows, w1.shape[1]), z.dtype)),
+           ScratchSpec("y_slot", TensorType((rows, D), "f32"))]
+    if node.attrs["weight_format"] == "mxfp4":
+        out.append(ScratchSpec("z_perm", TensorType((N, D), z.dtype)))
+    return out
+
+
 @emitter("moe_experts")
 def emit_moe_experts(group: KernelGroup) -> str:
     """Module text for one `moe_experts` node: inputs (z, weights, ids, w1, w3, w2[, w1/w3/w2 scales]), outputs
@@ -305,15 +323,15 @@ def emit_moe_experts(group: KernelGroup) -> str:
               ("SITU_LINEAR_BETA", float(a["situ_linear_beta"]), "activation_situ_linear_beta")]
     args = ", ".join(f"inputs[{i}]" for i in ip)
     mx = a["weight_format"] == "mxfp4"
-    body = ("def launch(inputs, outputs, sizes):\n"
+    body = ("def launch(inputs, outputs, sizes, scratch=None):\n"
             f'    """ABI entry: inputs (z, weights, ids, w1, w3, w2{", w1_scale, w3_scale, w2_scale" if mx else ""}), '
-            'outputs [y [N,D]]."""\n'
+            'outputs [y [N,D]], scratch: the planned buffers of moe_experts_scratch (None: allocate)."""\n'
             f"    launch_moe_experts({args}, y=outputs[{op[0]}], act=ACT, situ_beta=SITU_BETA,\n"
-            "                       situ_linear_beta=SITU_LINEAR_BETA)\n")
+            "                       situ_linear_beta=SITU_LINEAR_BETA, scratch=scratch)\n")
     what = f"{'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'}{', MXFP4 weights' if mx else ''}"
     return _module(group, f"grouped expert GEMMs ({what})", consts,
-                   [tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel, mx_default_config,
-                    mx_block_k, mx_permute, mx_permuted_col, mxfp4_word_bf16, mxfp4_scales, mxfp4_tile_bf16,
-                    mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel,
-                    moe_schedule_kernel, moe_schedule],
+                   [take_scratch, tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
+                    mx_default_config, mx_block_k, mx_permute, mx_permuted_col, mxfp4_word_bf16, mxfp4_scales,
+                    mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel,
+                    moe_down_mx_kernel, moe_schedule_kernel, moe_schedule],
                    launch_moe_experts, body)

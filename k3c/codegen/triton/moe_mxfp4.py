@@ -47,9 +47,13 @@ def mx_default_config(rows: int, E: int) -> tuple:
     """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages,
     two_muls, maxnreg) for `rows` (token, slot) pairs over E experts: the best measured on the H200
     (BENCHMARKS.md, benchmarks/bench_moe_mxfp4.py). Decode (< 16 rows per expert on average): 16-row tiles, the
-    weights streamed; prefill: 128 × 128 tiles. two_muls: exact for every E8M0 scale (the one-multiply decoding,
-    5 % faster at decode, overflows for scales above 2: a checkpoint property nothing checks yet)."""
-    return (16, 64, 256, 4, 3, True, None) if rows < 16 * E else (128, 128, 128, 8, 3, True, None)
+    weights streamed; large decode batches (< 64 rows per expert: measured at 32, batch 64 of 32 experts, where
+    32-row tiles take 476 us against 1040 us for the prefill tiles, 3/4 empty there); prefill: 128 × 128 tiles.
+    two_muls: exact for every E8M0 scale (the one-multiply decoding, 5 % faster at decode, overflows for scales
+    above 2: a checkpoint property nothing checks yet)."""
+    if rows < 16 * E:
+        return (16, 64, 256, 4, 3, True, None)
+    return (32, 64, 256, 4, 3, True, None) if rows < 64 * E else (128, 128, 128, 8, 3, True, None)
 
 
 def mx_block_k(K: int, most: int = 256) -> int:
@@ -61,11 +65,16 @@ def mx_block_k(K: int, most: int = 256) -> int:
     return b
 
 
-def mx_permute(x: torch.Tensor, block_k: int) -> torch.Tensor:
+def mx_permute(x: torch.Tensor, block_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, K] -> the same values [N, K] in the MXFP4 kernels' K order (module docstring): per tile of block_k,
-    column 32·cc + 16·cl + 8p + 2t + e holds k = 8·(t·CC + cc) + 4e + 2·cl + p. A contiguous copy."""
+    column 32·cc + 16·cl + 8p + 2t + e holds k = 8·(t·CC + cc) + 4e + 2·cl + p. A contiguous copy (into `out`, a
+    contiguous [N, K] of x's dtype, when given)."""
     N, K = x.shape
-    return x.reshape(N, K // block_k, 4, block_k // 32, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4).reshape(N, K)
+    src = x.reshape(N, K // block_k, 4, block_k // 32, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4)
+    if out is None:
+        return src.reshape(N, K)
+    out.view(src.shape).copy_(src)
+    return out
 
 
 @triton.jit

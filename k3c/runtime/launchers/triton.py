@@ -7,6 +7,8 @@ artifact ships for the running Triton and GPU (`k3c finalize`) are installed int
 (`k3c.runtime.kernel_cache`), so no kernel is compiled at load; `compiled_kernels` counts the files installed.
 On a CPU device the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set before Triton is imported).
 Inputs reach a module as they are when it declares `TAKES_VIEWS` (it indexes strided views itself), else contiguous.
+A launch with planned scratch (schedule.json "scratch": name -> arena buffer, `k3c.passes.plan_memory`) gets the
+arena views as `launch(inputs, outputs, sizes, scratch=...)`, so the kernel allocates nothing of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class TritonLauncher(Launcher):
         self.kernels = {ln["name"]: _import_kernel(art, ln["module"], ln["name"], workdir)
                         for ln in sorted(launches, key=lambda ln: ln["name"])}
         self.takes_views = {name for name, mod in self.kernels.items() if getattr(mod, "TAKES_VIEWS", False)}
+        #: planned bytes of each scratch buffer (plan.json): a call's view must fit them
+        mine = {buf for ln in launches for buf in ln.get("scratch", {}).values()}
+        self.scratch_bytes = {buf: b["bytes"] for a in art.plan["arena"].values() for buf, b in a["buffers"].items()
+                              if buf in mine}
 
     def launch(self, frame, ln: dict) -> None:
         outs = [frame.out(n) for n in ln["outputs"]]
@@ -41,8 +47,24 @@ class TritonLauncher(Launcher):
         ins = [frame.env[n] for n in ln["inputs"]]
         if ln["name"] not in self.takes_views:
             ins = [t.contiguous() for t in ins]
-        self.kernels[ln["name"]].launch(ins, outs, frame.sizes)
+        if "scratch" not in ln:
+            self.kernels[ln["name"]].launch(ins, outs, frame.sizes)
+        else:
+            self.kernels[ln["name"]].launch(ins, outs, frame.sizes, scratch=self.scratch(frame, ln))
         frame.env.update(zip(ln["outputs"], outs))
+
+    def scratch(self, frame, ln: dict) -> dict:
+        """The launch's planned scratch buffers (schedule.json "scratch": name -> arena buffer) as arena views at the
+        frame's sizes; raises ArtifactError for one plan.json does not place or one larger at these sizes than at
+        the bounds it was planned at (a declaration that is not monotone in B, T, L: it would overlap others)."""
+        out = {}
+        for key, buf in ln["scratch"].items():
+            t = out[key] = frame.out(buf)
+            if t is None or t.numel() * t.element_size() > self.scratch_bytes[buf]:
+                raise ArtifactError(f"kernel {ln['name']} scratch {buf}: " + (
+                    "no buffer in plan.json" if t is None else
+                    f"{t.numel() * t.element_size()} bytes at {frame.sizes}, planned {self.scratch_bytes[buf]}"))
+        return out
 
 
 def _import_kernel(art, rel: str, name: str, workdir: Path):

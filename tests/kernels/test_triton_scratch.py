@@ -1,0 +1,96 @@
+"""Launch functions on planned scratch (`take_scratch`, k3c/codegen/triton/__init__.py), under the Triton
+interpreter, fp32, small shapes: handed NaN-filled buffers of the declared shapes (inside a larger "arena"), each
+launch writes them and gives what its allocating form gives; a buffer of another shape is refused. The declarations
+(`*_scratch`) are checked against the launch functions' shapes through these same calls: a mismatch raises.
+
+MLA split-K: 3 programs over 200 keys (> MIN_KEYS_PER_SPLIT) split the keys; DSA: the key scratch capped below
+B·T·L (SCRATCH_BYTES lowered) takes several passes over T; MoE: dense experts, every (token, slot) row.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors need the interpreter; set before triton.jit runs
+
+import pytest
+import torch
+
+from k3c.codegen.triton import attention, moe, take_scratch
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tests run the kernels under TRITON_INTERPRET=1")
+
+
+def rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def planned(shapes: dict[str, tuple], dtype=torch.float32) -> tuple[dict, torch.Tensor]:
+    """NaN-filled buffers of `shapes` cut from one arena (with a NaN gap after each), and the arena."""
+    sizes = [torch.Size(s).numel() for s in shapes.values()]
+    arena = torch.full((sum(sizes) + 8 * len(sizes),), float("nan"), dtype=dtype)
+    out, at = {}, 0
+    for (name, shape), n in zip(shapes.items(), sizes):
+        out[name] = arena[at:at + n].view(shape)
+        at += n + 8
+    return out, arena
+
+
+def written(buf: torch.Tensor) -> bool:
+    return bool((~torch.isnan(buf.float())).any())
+
+
+def test_take_scratch_refuses_a_buffer_of_another_shape_or_dtype():
+    buf = torch.empty(4, 3)
+    assert take_scratch({"x": buf}, "x", (4, 3), torch.float32, "cpu") is buf
+    assert take_scratch(None, "x", (2, 5), torch.float32, "cpu").shape == (2, 5)
+    for scratch, shape, dtype in (({"x": buf}, (3, 4), torch.float32), ({"x": buf}, (4, 3), torch.float64),
+                                  ({}, (4, 3), torch.float32)):
+        with pytest.raises(ValueError, match="planned scratch 'x'"):
+            take_scratch(scratch, "x", shape, dtype, "cpu")
+
+
+def test_mla_split_k_partials_in_planned_scratch():
+    B, S, H, DL, DV = 3, 200, 4, 24, 16
+    q, kv = rand(B, 1, H, DL, seed=1), rand(B, S, DL, seed=2)
+    args = dict(absorbed=True, causal=True, scale=DL ** -0.5, v_dim=DV, dense_max_keys=None)
+    want = torch.empty(B, 1, H, DV)
+    attention.launch_mla(q, kv, None, None, want, **args)
+    rows = attention.split_rows(B, H, True)
+    scratch, arena = planned({"o_part": (rows * H * DV,), "lse": (rows * H,)})
+    got = torch.empty(B, 1, H, DV)
+    attention.launch_mla(q, kv, None, None, got, scratch=scratch, **args)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert written(scratch["o_part"]) and written(scratch["lse"])
+    with pytest.raises(ValueError, match="planned scratch 'lse'"):
+        attention.launch_mla(q, kv, None, None, got, scratch={**scratch, "lse": scratch["lse"][:-1]}, **args)
+
+
+def test_dsa_keys_in_planned_scratch_over_several_passes(monkeypatch):
+    B, T, L, J, D, topk = 2, 5, 40, 4, 16, 8
+    monkeypatch.setattr(attention, "SCRATCH_BYTES", 8 * B * 2 * L)  # two rows of T per pass: passes of 2, 2, 1
+    q_i, w, k_i = rand(B, T, J, D, seed=3), rand(B, T, J, seed=4), rand(B, L, D, seed=5)
+    want = torch.empty(B, T, topk, dtype=torch.int64)
+    attention.launch_dsa_index_topk(q_i, w, k_i, want, topk=topk)
+    scratch, _ = planned({"keys": (max(B * L, min(attention.SCRATCH_BYTES // 8, B * T * L)),)}, torch.float64)
+    scratch = {"keys": scratch["keys"].view(torch.int64)}
+    got = torch.empty(B, T, topk, dtype=torch.int64)
+    attention.launch_dsa_index_topk(q_i, w, k_i, got, topk=topk, scratch=scratch)
+    assert torch.equal(got, want)
+    assert scratch["keys"].numel() == B * 2 * L
+
+
+def test_moe_experts_h_and_slot_outputs_in_planned_scratch():
+    N, k, E, D, I = 5, 2, 4, 32, 48
+    z = rand(N, D, seed=6)
+    ids = torch.rand(N, E, generator=torch.Generator().manual_seed(7)).argsort(-1)[:, :k].contiguous()
+    ids[1, 1] = -1  # an unused slot
+    wt = torch.rand(N, k, generator=torch.Generator().manual_seed(8))
+    w1, w3, w2 = rand(E, I, D, seed=9) * 0.2, rand(E, I, D, seed=10) * 0.2, rand(E, D, I, seed=11) * 0.2
+    attrs = {"act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
+    want = torch.empty(N, D)
+    moe.launch_moe_experts(z, wt, ids, w1, w3, w2, y=want, **attrs)
+    scratch, _ = planned({"h": (N * k, I), "y_slot": (N * k, D)})
+    got = torch.empty(N, D)
+    moe.launch_moe_experts(z, wt, ids, w1, w3, w2, y=got, scratch=scratch, **attrs)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert written(scratch["h"]) and written(scratch["y_slot"])
