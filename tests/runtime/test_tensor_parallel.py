@@ -24,7 +24,7 @@ from k3c.errors import ArtifactError, ConfigError, RuntimeInputError
 from k3c.ir.ops.collective import simulate_collective
 from k3c.runtime.distributed import spawn
 from models.config import TINY_PRESETS
-from runtime_sizes import MXFP4_PRESET, TP_MAX_PREFILL, TP_PROMPT, TP_STEPS
+from runtime_sizes import MAX_PREFILL, MXFP4_PRESET, PROMPT, TP_STEPS
 from tp_ranks import BATCHES, CASES, collective_inputs, logits, rank_main
 
 pytestmark = pytest.mark.slow  # compiles six artifacts and spawns six processes: `make test`, not `make test-quick`
@@ -46,8 +46,8 @@ def tp_artifacts(tvm_compiled, tmp_path_factory) -> dict[int, dict[str, tuple]]:
     for tp in WORLDS:
         for preset in TINY_PRESETS:
             opts = CompileOptions(str(tvm_compiled(preset)[1]), root / f"{preset}-tp{tp}", target=TARGET, tp=tp,
-                                  ep=_ep(preset, tp), max_batch=max(BATCHES), max_seq=TP_PROMPT + TP_STEPS,
-                                  max_prefill=TP_MAX_PREFILL, dtype="f32", backend="tvm")
+                                  ep=_ep(preset, tp), max_batch=max(BATCHES), max_seq=PROMPT + TP_STEPS,
+                                  max_prefill=MAX_PREFILL, dtype="f32", backend="tvm")
             arts.setdefault(tp, {})[preset] = opts.out, compile_model(opts)
     return arts
 

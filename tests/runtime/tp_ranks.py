@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import k3c
 from k3c.runtime.launchers.collective import run_collective
-from runtime_sizes import TP_MAX_PREFILL, TP_PROMPT, TP_STEPS
+from runtime_sizes import MAX_PREFILL, PROMPT, TP_STEPS
 
 BATCHES = (1, 3)
 #: collective -> (attrs, this rank's input shape): the launcher's cases, compared with the simulated collectives
@@ -25,20 +25,20 @@ def collective_inputs(rank: int, world: int) -> dict[str, torch.Tensor]:
 
 
 def tokens(batch: int, vocab: int) -> torch.Tensor:
-    """int64 [batch, TP_PROMPT + TP_STEPS]: the prompt, then the token fed to each decode step (fixed rather than
+    """int64 [batch, PROMPT + TP_STEPS]: the prompt, then the token fed to each decode step (fixed rather than
     greedy, so that a near tie between two logits cannot send the runs being compared down different paths)."""
-    return torch.randint(0, vocab, (batch, TP_PROMPT + TP_STEPS), generator=torch.Generator().manual_seed(batch))
+    return torch.randint(0, vocab, (batch, PROMPT + TP_STEPS), generator=torch.Generator().manual_seed(batch))
 
 
 def logits(session, batch: int) -> torch.Tensor:
     """f32 [batch, 1 + TP_STEPS, vocab] of `session` (reset first): the prompt's last position (prefilled in calls of
-    TP_MAX_PREFILL tokens, as the multi-rank artifacts, compiled with that max_prefill, split it), then each decode
+    MAX_PREFILL tokens, as the multi-rank artifacts, compiled with that max_prefill, split it), then each decode
     step's."""
     session.reset()
     ids = tokens(batch, session.vocab)
-    for chunk in ids[:, :TP_PROMPT].split(TP_MAX_PREFILL, 1):
+    for chunk in ids[:, :PROMPT].split(MAX_PREFILL, 1):
         last = session.prefill(chunk)
-    return torch.cat([last] + [session.decode(ids[:, t:t + 1]) for t in range(TP_PROMPT, TP_PROMPT + TP_STEPS)], 1)
+    return torch.cat([last] + [session.decode(ids[:, t:t + 1]) for t in range(PROMPT, PROMPT + TP_STEPS)], 1)
 
 
 def rank_main(rank: int, world: int, arts: dict[str, str], out: str) -> None:
