@@ -31,7 +31,7 @@ import re
 
 from k3c.context import CompileContext
 from k3c.ir.graph import Graph, Node, Value
-from k3c.ir.rewrite import Match, P, Rule, X, apply_rules, match
+from k3c.ir.rewrite import Match, P, Rule, X, apply_rules
 from k3c.ir.types import dims_equal
 from k3c.passes.common import L2_CHAINS, RMS_CHAINS
 from k3c.passes.pipeline import register_pass

@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3c.context import CompileContext
-from k3c.errors import IRError
 from k3c.ir.graph import Graph, Node, Value
 from k3c.ir.rewrite import dce_in_place
 from k3c.passes.common import reorder, skip_cast

@@ -120,6 +120,28 @@ def test_mla_absorbed(T, L, tmp_path):
               emitter=attention.emit_mla_attention)
 
 
+@pytest.mark.parametrize("absorbed", [True, False])
+def test_mla_reads_cache_views(absorbed, tmp_path):
+    """k / v as views of a longer cache pool (a prefix of its positions: rows a pool length apart) give the same
+    output as contiguous copies, without the launcher copying them (`TAKES_VIEWS`)."""
+    gen = torch.Generator().manual_seed(11)
+    B, T, H, D, DV, S, POOL = 2, 3, 4, 24, 16, 9, 20
+    kv = [((B, S, D), "f32")] if absorbed else [((B, S, H, D), "f32"), ((B, S, H, DV), "f32")]
+    group = one_node_group("mla_attention", [((B, T, H, D), "f32")] + kv,
+                           {"absorbed": absorbed, "scale": D ** -0.5, "v_dim": DV, "causal": True})
+    mod = run_group(group, [rand(B, T, H, D, gen=gen)] + [rand(*shape, gen=gen) for shape, _ in kv], {}, tmp_path,
+                    emitter=attention.emit_mla_attention)
+    assert mod.TAKES_VIEWS
+    q = rand(B, T, H, D, gen=gen)
+    pools = [rand(B, POOL, *shape[2:], gen=gen) for shape, _ in kv]
+    views = [p[:, :S] for p in pools]
+    assert not any(v.is_contiguous() for v in views)
+    got, want = torch.full((B, T, H, DV), float("nan")), torch.full((B, T, H, DV), float("nan"))
+    mod.launch([q] + views, [got], {})
+    mod.launch([q] + [v.contiguous() for v in views], [want], {})
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("T,L", [(5, 0), (5, 7), (1, 3)])
 def test_mla_unabsorbed(T, L, tmp_path):
     gen = torch.Generator().manual_seed(T + L)

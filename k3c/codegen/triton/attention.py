@@ -359,17 +359,18 @@ def one_node(group: KernelGroup, op: str):
 SEMANTICS = "the op's `ref` in k3c/ir/ops/model_attn.py (K3-SPEC.md 'Gated MLA', 'Gated DSA')."
 
 
-def _module(group, summary, consts, kernels, launcher, body):
-    return model_module(group, summary, __name__, SEMANTICS, consts, kernels, launcher, body)
+def _module(group, summary, consts, kernels, launcher, body, takes_views=False):
+    return model_module(group, summary, __name__, SEMANTICS, consts, kernels, launcher, body, takes_views)
 
 
 @emitter("mla_attention")
 def emit_mla_attention(group: KernelGroup) -> str:
     """Module text for one `mla_attention` node (absorbed or not, with or without idx / dense guard).
 
-    launch(inputs, outputs, sizes): inputs in the group's order (q, k[, v][, idx]), outputs [o]. The module
-    constants TARGET_PROGRAMS / MIN_KEYS_PER_SPLIT / MAX_SPLITS steer split-K. Raises UnsupportedError for a group
-    that is not a single mla_attention node.
+    launch(inputs, outputs, sizes): inputs in the group's order (q, k[, v][, idx]), outputs [o]; k and v (cache
+    pool views, a prefix of their positions) are read through their strides (`TAKES_VIEWS`), q and idx made
+    contiguous. The module constants TARGET_PROGRAMS / MIN_KEYS_PER_SPLIT / MAX_SPLITS steer split-K. Raises
+    UnsupportedError for a group that is not a single mla_attention node.
     """
     node, ip, op = one_node(group, "mla_attention")
     a = node.attrs
@@ -383,18 +384,22 @@ def emit_mla_attention(group: KernelGroup) -> str:
               ("MIN_KEYS_PER_SPLIT", MIN_KEYS_PER_SPLIT, "no key split shorter than this"),
               ("MAX_SPLITS", MAX_SPLITS, ""),
               ("HEAD_BLOCK_WIDE", HEAD_BLOCK_WIDE, "heads per program when v_dim >= 256")]
-    v_arg = f"inputs[{ip[2]}]" if has_v else "None"
-    idx_arg = f"inputs[{ip[-1]}]" if has_idx else "None"
+    v_arg = f"_unit_last(inputs[{ip[2]}])" if has_v else "None"
+    idx_arg = f"inputs[{ip[-1]}].contiguous()" if has_idx else "None"
     body = (
+        "def _unit_last(t):\n"
+        '    """`t` when its last dim is unit-stride (the kernel takes the other strides), else a contiguous copy."""\n'
+        "    return t if t.stride(-1) == 1 else t.contiguous()\n\n\n"
         "def launch(inputs, outputs, sizes, scratch=None):\n"
         '    """ABI entry: inputs (q, k[, v][, idx]) and outputs [o] are the group\'s tensors at `sizes`; scratch: the '
         'planned split-K partials."""\n'
-        f"    launch_mla(inputs[{ip[0]}], inputs[{ip[1]}], {v_arg}, {idx_arg}, outputs[{op[0]}], absorbed=ABSORBED,\n"
+        f"    launch_mla(inputs[{ip[0]}].contiguous(), _unit_last(inputs[{ip[1]}]), {v_arg}, {idx_arg}, "
+        f"outputs[{op[0]}],\n               absorbed=ABSORBED,\n"
         "               causal=CAUSAL, scale=SCALE, v_dim=V_DIM, dense_max_keys=DENSE_MAX_KEYS,\n"
         '               lengths=sizes.get("lengths"), scratch=scratch)\n')
     title = f"mla_attention ({'absorbed' if a['absorbed'] else 'unabsorbed'}{', DSA idx' if has_idx else ''})"
     return _module(group, title, consts, [take_scratch, split_rows, mla_attention_kernel, mla_combine_kernel],
-                   launch_mla, body)
+                   launch_mla, body, takes_views=True)
 
 
 @scratch("mla_attention")
