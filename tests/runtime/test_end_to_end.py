@@ -1,8 +1,8 @@
 """Compile a random checkpoint of each tiny preset with each CPU backend, run the artifact on CPU (Triton kernels
-interpreted), and compare the logits with `models/k3.py` eager: a prompt prefilled in two calls (a partial KDA
-chunk, then the token-loop form; the last position's logits, and every position's through `prefill_all` for the
-first preset), then decode steps, batch 1 and 3 (sizes and why: runtime_sizes.py). Every launch with planned
-scratch runs on the arena's buffers and allocates none of its own (scratch_guard.py).
+interpreted), and compare the logits with `models/k3.py` eager: a prompt prefilled in two calls (a full and a
+partial KDA chunk, then the token-loop form; the last position's logits, and for the first preset every position's
+of the first call through `prefill_all`), then decode steps, batch 1 and 3 (sizes and why: runtime_sizes.py).
+Every launch with planned scratch runs on the arena's buffers and allocates none of its own (scratch_guard.py).
 
 k3.1-pro-tiny's checkpoint stores its routed experts as MXFP4, like the published K3 checkpoints (conftest.py,
 MXFP4_PRESET): its artifact keeps them 4-bit (the checkpoint's bytes) and its kernels dequantize them in registers,
@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import k3c  # noqa: E402
+from k3c.codegen.triton.kda import CHUNK  # noqa: E402
 from k3c.compile import CompileOptions, compile_model  # noqa: E402
 from models.config import TINY_PRESETS  # noqa: E402
 from runtime_sizes import BACKENDS, MAX_PREFILL, MXFP4_PRESET, PROMPT, STEPS  # noqa: E402
@@ -53,25 +54,37 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("preset,backend,batch", CASES, ids=[f"{p}-{b}-{n}" for p, b, n in CASES])
 def test_prefill_then_decode_matches_eager(sessions, preset, backend, batch, monkeypatch):
+    """With a `prefill_all` entry (the first preset), the first call goes through it (every position's logits) and
+    the second through `prefill` on the same cache: their kernels differ only in the head (the layer kernels of both
+    entries are the same generated text), so each form of each layer kernel runs once, and the prompt is
+    interpreted once rather than once per entry."""
     model, s = sessions(preset, backend)
+    cfg = model.config
+    # the sizes cross every boundary runtime_sizes.py names: a full and a partial KDA chunk in the first call, the
+    # token loop (2..CHUNK-1 tokens) in the second, keys past DSA's top-k and past the f32 key block of 32
+    assert CHUNK < MAX_PREFILL < 2 * CHUNK and 1 < PROMPT - MAX_PREFILL < CHUNK
+    assert PROMPT + STEPS > max(32, cfg.index_topk)
     s.reset()
     handed = guard_scratch(s, monkeypatch)
     gen = torch.Generator().manual_seed(batch)
-    tokens = torch.randint(0, model.config.vocab_size, (batch, PROMPT), generator=gen)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, PROMPT), generator=gen)
     with torch.no_grad():
         want, cache = model(tokens)
-    got = s.prefill(tokens)  # calls of MAX_PREFILL and PROMPT - MAX_PREFILL tokens; the last position's logits
-    assert PROMPT > MAX_PREFILL and s.length == PROMPT
-    assert got.shape == (batch, 1, model.config.vocab_size)
+    first = "prefill_all" if "prefill_all" in s.schedule else "prefill"
+    if first == "prefill_all":
+        got = s.prefill(tokens[:, :MAX_PREFILL], logits="all")
+        assert got.shape == (batch, MAX_PREFILL, cfg.vocab_size)
+        assert _rel(got, want[:, :MAX_PREFILL]) <= 1e-4
+        got = s.prefill(tokens[:, MAX_PREFILL:])
+    else:
+        got = s.prefill(tokens)  # calls of MAX_PREFILL and PROMPT - MAX_PREFILL tokens; the last position's logits
+    assert s.length == PROMPT
+    assert got.shape == (batch, 1, cfg.vocab_size)
     assert _rel(got, want[:, -1:]) <= 1e-4
-    # the 24-token call runs every scratch path (KDA's chunked prefill, the MoE GEMMs, the DSA indexer's sort keys)
-    # but attention's split-K, which needs more than MIN_KEYS_PER_SPLIT = 64 keys (tests/kernels/test_triton_scratch.py)
-    assert set(handed) == {ln["kind"] for ln in s.schedule["prefill"]["launches"] if "scratch" in ln} - {"mla_attention"}
-    if "prefill_all" in s.schedule:
-        s.reset()
-        got = s.prefill(tokens, logits="all")
-        assert got.shape == (batch, PROMPT, model.config.vocab_size)
-        assert _rel(got, want) <= 1e-4
+    # the MAX_PREFILL-token call runs every scratch path (KDA's chunked prefill, the MoE GEMMs, the DSA indexer's sort
+    # keys) but attention's split-K, which needs more than MIN_KEYS_PER_SPLIT = 64 keys
+    # (tests/kernels/test_triton_scratch.py)
+    assert set(handed) == {ln["kind"] for ln in s.schedule[first]["launches"] if "scratch" in ln} - {"mla_attention"}
     nxt = want[:, -1:].argmax(-1)
     for _ in range(STEPS):
         with torch.no_grad():
