@@ -24,32 +24,19 @@ from k3c.errors import ArtifactError, ConfigError, RuntimeInputError
 from k3c.ir.ops.collective import simulate_collective
 from k3c.runtime.distributed import spawn
 from models.config import TINY_PRESETS
-from runtime_sizes import MAX_PREFILL, MXFP4_PRESET, PROMPT, TP_STEPS
+from runtime_sizes import MXFP4_PRESET, TP_STEPS, TP_WORLDS, tp_ep
 from tp_ranks import BATCHES, CASES, collective_inputs, logits, rank_main
 
 pytestmark = pytest.mark.slow  # compiles six artifacts and spawns six processes: `make test`, not `make test-quick`
 TARGET = "cpu-x86-64"
-WORLDS = (2, 4)
-
-
-def _ep(preset: str, tp: int) -> int:
-    """The MXFP4 preset's experts are partitioned (a width split would cut its 32-value scale groups); the dense
-    presets' are split over their width."""
-    return tp if preset == MXFP4_PRESET else 1
+WORLDS = TP_WORLDS
 
 
 @pytest.fixture(scope="module")
-def tp_artifacts(tvm_compiled, tmp_path_factory) -> dict[int, dict[str, tuple]]:
-    """world -> preset -> (artifact dir, compile summary), compiled from the TVM end-to-end test's checkpoints."""
-    root = tmp_path_factory.mktemp("tp")
-    arts = {}
-    for tp in WORLDS:
-        for preset in TINY_PRESETS:
-            opts = CompileOptions(str(tvm_compiled(preset)[1]), root / f"{preset}-tp{tp}", target=TARGET, tp=tp,
-                                  ep=_ep(preset, tp), max_batch=max(BATCHES), max_seq=PROMPT + TP_STEPS,
-                                  max_prefill=MAX_PREFILL, dtype="f32", backend="tvm")
-            arts.setdefault(tp, {})[preset] = opts.out, compile_model(opts)
-    return arts
+def tp_artifacts(tp_compiled) -> dict[int, dict[str, tuple]]:
+    """world -> preset -> (artifact dir, compile summary), compiled from the TVM end-to-end test's checkpoints
+    (conftest.py `tp_compiled`)."""
+    return {tp: {preset: tp_compiled(preset, tp) for preset in TINY_PRESETS} for tp in WORLDS}
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +88,7 @@ def test_ranks_give_the_tp1_logits(tp_artifacts, ranks, tp1_logits, world, prese
         want = tp1_logits[preset, b]
         assert got[0].shape == want.shape == (b, 1 + TP_STEPS, want.shape[-1])
         rel = float((got[0] - want).abs().max() / want.abs().max())
-        print(f"{preset} TP={world} ep={_ep(preset, world)} batch {b}: max relative {rel:.2e} vs TP=1")
+        print(f"{preset} TP={world} ep={tp_ep(preset, world)} batch {b}: max relative {rel:.2e} vs TP=1")
         assert rel <= 1e-5
 
 
