@@ -67,11 +67,12 @@ class _Builds:
 
 @pytest.fixture(scope="session")
 def compile_pool():
-    """Two spawned processes that run `compile_model` (the module docstring says why); queued jobs are dropped at
-    the end of the session."""
+    """Two spawned processes that run `compile_model` (the module docstring says why). At the end of the session
+    queued jobs are dropped and the workers exit without the session waiting (a process that imported torch and
+    tvm takes seconds to exit; Python joins them when it exits itself)."""
     pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
     yield pool
-    pool.shutdown(wait=True, cancel_futures=True)
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 @pytest.fixture(scope="session")
