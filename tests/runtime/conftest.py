@@ -27,17 +27,19 @@ from models.config import TINY_PRESETS, K3Config  # noqa: E402
 from models.k3 import save_random_checkpoint  # noqa: E402
 from runtime_sizes import (MAX_BATCH, MAX_PREFILL, MAX_SEQ, MXFP4_PRESET, PROMPT, TP_STEPS, TP_WORLDS,  # noqa: E402
                            TVM_PROMPT, TVM_STEPS, tp_ep)
+from tp_ranks import compile_and_run  # noqa: E402
 
 
 class _Builds:
-    """Artifacts by key, each compiled once per session: in the pool when submitted ahead (`submit`), else (or when
-    its job had not started) in this process (`get`). Seed-1 f32 checkpoints, one per (preset, root name)."""
+    """Jobs by key (an artifact's compile, or a tensor-parallel world's compiles and run), each run once per
+    session: in the pool when submitted ahead (`submit`), else (or when its job had not started) in this process
+    (`get`). Seed-1 f32 checkpoints, one per (preset, root name)."""
 
     def __init__(self, pool: ProcessPoolExecutor, tmp_path_factory):
         self.pool, self.tmp = pool, tmp_path_factory
         self.roots: dict[str, tuple] = {}
-        self.jobs: dict[tuple, tuple[CompileOptions, Future | None]] = {}
-        self.done: dict[tuple, dict] = {}
+        self.jobs: dict[tuple, Future | None] = {}
+        self.done: dict[tuple, object] = {}
 
     def checkpoint(self, preset: str, name: str):
         """(root dir, eager fp32 model) of `preset`'s checkpoint under root/ckpt, saved once per `name`; MXFP4 routed
@@ -50,19 +52,23 @@ class _Builds:
             self.roots[name] = root, model.eval()
         return self.roots[name]
 
-    def submit(self, key: tuple, options) -> None:
-        """Queue `options()` (-> CompileOptions) in the pool under `key`, unless known already."""
+    def submit(self, key: tuple, job) -> None:
+        """Queue `fn(*args)` in the pool under `key`, (fn, args) = job(), unless known already."""
         if key not in self.jobs:
-            opts = options()
-            self.jobs[key] = opts, self.pool.submit(compile_model, opts)
+            fn, args = job()
+            self.jobs[key] = self.pool.submit(fn, *args)
 
-    def get(self, key: tuple, options) -> tuple:
-        """(artifact dir, compile summary) of `key`, compiling `options()` here if nobody started it."""
+    def get(self, key: tuple, job):
+        """The result of `key`'s job: the pool's, or `fn(*args)` here, (fn, args) = job(), if nobody started it."""
         if key not in self.done:
-            opts, job = self.jobs.get(key) or (options(), None)
-            self.done[key] = job.result() if job is not None and not job.cancel() else compile_model(opts)
-            self.jobs[key] = opts, None
-        return self.jobs[key][0].out, self.done[key]
+            queued = self.jobs.get(key)
+            if queued is not None and not queued.cancel():
+                self.done[key] = queued.result()
+            else:
+                fn, args = job()
+                self.done[key] = fn(*args)
+            self.jobs[key] = None
+        return self.done[key]
 
 
 @pytest.fixture(scope="session")
@@ -80,24 +86,39 @@ def _builds(compile_pool, tmp_path_factory) -> _Builds:
     return _Builds(compile_pool, tmp_path_factory)
 
 
-def _triton_options(builds: _Builds, preset: str, backend: str):
+def _triton_options(builds: _Builds, preset: str, backend: str) -> CompileOptions:
     root, _ = builds.checkpoint(preset, f"{preset}-{backend}")
-    return lambda: CompileOptions(str(root / "ckpt"), root / "art", target="cpu-x86-64", max_batch=MAX_BATCH,
-                                  max_seq=MAX_SEQ, max_prefill=MAX_PREFILL, dtype="f32", backend=backend,
-                                  all_logits=preset == TINY_PRESETS[0])
+    return CompileOptions(str(root / "ckpt"), root / "art", target="cpu-x86-64", max_batch=MAX_BATCH, max_seq=MAX_SEQ,
+                          max_prefill=MAX_PREFILL, dtype="f32", backend=backend, all_logits=preset == TINY_PRESETS[0])
 
 
-def _tvm_options(builds: _Builds, preset: str, dtype: str):
+def _tvm_options(builds: _Builds, preset: str, dtype: str) -> CompileOptions:
     root, _ = builds.checkpoint(preset, f"{preset}-tvm")
-    return lambda: CompileOptions(str(root / "ckpt"), root / f"art_{dtype}", target="cpu-x86-64", max_batch=3,
-                                  max_seq=TVM_PROMPT + TVM_STEPS, max_prefill=TVM_PROMPT, dtype=dtype, backend="tvm")
+    return CompileOptions(str(root / "ckpt"), root / f"art_{dtype}", target="cpu-x86-64", max_batch=3,
+                          max_seq=TVM_PROMPT + TVM_STEPS, max_prefill=TVM_PROMPT, dtype=dtype, backend="tvm")
 
 
-def _tp_options(builds: _Builds, preset: str, tp: int):
+def _tp_options(builds: _Builds, preset: str, tp: int) -> CompileOptions:
     root, _ = builds.checkpoint(preset, f"{preset}-tvm")
-    return lambda: CompileOptions(str(root / "ckpt"), root / f"tp{tp}", target="cpu-x86-64", tp=tp,
-                                  ep=tp_ep(preset, tp), max_batch=3, max_seq=PROMPT + TP_STEPS,
-                                  max_prefill=MAX_PREFILL, dtype="f32", backend="tvm")
+    return CompileOptions(str(root / "ckpt"), root / f"tp{tp}", target="cpu-x86-64", tp=tp, ep=tp_ep(preset, tp),
+                          max_batch=3, max_seq=PROMPT + TP_STEPS, max_prefill=MAX_PREFILL, dtype="f32", backend="tvm")
+
+
+def _compile_job(options):
+    return lambda: (compile_model, (options(),))
+
+
+def _world_job(builds: _Builds, world: int):
+    """(fn, args) of the TP = `world` world: `tp_ranks.compile_and_run` of every tiny preset's `_tp_options`."""
+    def job():
+        _world_dir(builds, world).mkdir(exist_ok=True)
+        return compile_and_run, (world, {p: _tp_options(builds, p, world) for p in TINY_PRESETS},
+                                 str(_world_dir(builds, world)))
+    return job
+
+
+def _world_dir(builds: _Builds, world: int):
+    return builds.tmp.getbasetemp() / f"world{world}"
 
 
 @pytest.fixture(scope="session")
@@ -107,9 +128,10 @@ def compiled(_builds):
     first preset), once per session and shared by every test that asks (copy the artifact before changing it)."""
 
     def get(preset: str, backend: str = "triton"):
-        out, _ = _builds.get(("triton", preset, backend), _triton_options(_builds, preset, backend))
+        opts = _triton_options(_builds, preset, backend)
+        _builds.get(("triton", preset, backend), _compile_job(lambda: opts))
         root, model = _builds.checkpoint(preset, f"{preset}-{backend}")
-        return root / "ckpt", out, model
+        return root / "ckpt", opts.out, model
 
     return get
 
@@ -123,18 +145,31 @@ def tvm_compiled(_builds):
 
     def get(preset: str):
         root, model = _builds.checkpoint(preset, f"{preset}-tvm")
-        return model, root / "ckpt", lambda dtype: _builds.get(("tvm", preset, dtype),
-                                                                _tvm_options(_builds, preset, dtype))[0]
+
+        def arts(dtype: str):
+            opts = _tvm_options(_builds, preset, dtype)
+            _builds.get(("tvm", preset, dtype), _compile_job(lambda: opts))
+            return opts.out
+
+        return model, root / "ckpt", arts
 
     return get
 
 
 @pytest.fixture(scope="session")
-def tp_compiled(_builds):
-    """tp_compiled(preset, tp) -> (artifact dir, compile summary): `tvm_compiled(preset)`'s checkpoint compiled for
-    `cpu-x86-64` (TVM kernels) at `tp` ranks with `--ep tp_ep(preset, tp)`, max_batch 3, max_seq PROMPT + TP_STEPS,
-    max_prefill MAX_PREFILL (so the prompt is prefilled in calls of MAX_PREFILL and PROMPT - MAX_PREFILL tokens)."""
-    return lambda preset, tp: _builds.get(("tp", preset, tp), _tp_options(_builds, preset, tp))
+def tp_world(_builds):
+    """tp_world(world) -> ({preset: (artifact dir, compile summary)}, [what each rank saved]): every tiny preset's
+    `tvm_compiled` checkpoint compiled for `cpu-x86-64` (TVM kernels) at tp = `world` ranks with `--ep
+    tp_ep(preset, world)`, max_batch 3, max_seq PROMPT + TP_STEPS, max_prefill MAX_PREFILL (the prompt is prefilled
+    in calls of MAX_PREFILL and PROMPT - MAX_PREFILL tokens), then run by a spawned gloo world of `world` processes
+    (`tp_ranks.compile_and_run`; in the pool when prefetched, so the world runs beside the interpreted tests)."""
+
+    def get(world: int):
+        summaries = _builds.get(("world", world), _world_job(_builds, world))
+        ranks = [torch.load(_world_dir(_builds, world) / f"rank{r}.pt") for r in range(world)]
+        return {p: (_tp_options(_builds, p, world).out, summaries[p]) for p in TINY_PRESETS}, ranks
+
+    return get
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -146,12 +181,12 @@ def _prefetch(request, _builds):
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "compiled" in names and "preset" in params and "backend" in params:
             preset, backend = params["preset"], params["backend"]
-            _builds.submit(("triton", preset, backend), _triton_options(_builds, preset, backend))
+            _builds.submit(("triton", preset, backend), _compile_job(lambda: _triton_options(_builds, preset, backend)))
         if "tvm_compiled" in names and params.get("compiled") in TINY_PRESETS:  # test_tvm_end_to_end's presets
-            _builds.submit(("tvm", params["compiled"], "f32"), _tvm_options(_builds, params["compiled"], "f32"))
-        if "tp_artifacts" in names:  # every world runs every preset against its TP = 1 artifact
+            preset = params["compiled"]
+            _builds.submit(("tvm", preset, "f32"), _compile_job(lambda: _tvm_options(_builds, preset, "f32")))
+        if "tp_world" in names:  # every world runs every preset, compared with its TP = 1 artifact
             for preset in TINY_PRESETS:
-                _builds.submit(("tvm", preset, "f32"), _tvm_options(_builds, preset, "f32"))
-            for tp in TP_WORLDS:
-                for preset in TINY_PRESETS:
-                    _builds.submit(("tp", preset, tp), _tp_options(_builds, preset, tp))
+                _builds.submit(("tvm", preset, "f32"), _compile_job(lambda: _tvm_options(_builds, preset, "f32")))
+            for world in TP_WORLDS:
+                _builds.submit(("world", world), _world_job(_builds, world))

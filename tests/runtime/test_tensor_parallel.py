@@ -9,6 +9,8 @@ compile writes nothing.
 
 Cost: one world of 2 and one of 4 processes per session, each rank loading its world's three artifacts; the TP = 1
 artifacts and checkpoints are the TVM end-to-end test's (conftest.py `tvm_compiled`), fed the same prefill calls.
+Each world's compiles and run are one job of the runtime tests' compiler pool (conftest.py `tp_world`), queued
+before the first runtime test, so on CI's two cores they run beside the interpreted end-to-end tests.
 """
 
 from __future__ import annotations
@@ -22,10 +24,9 @@ import k3c
 from k3c.compile import CompileOptions, compile_model
 from k3c.errors import ArtifactError, ConfigError, RuntimeInputError
 from k3c.ir.ops.collective import simulate_collective
-from k3c.runtime.distributed import spawn
 from models.config import TINY_PRESETS
 from runtime_sizes import MXFP4_PRESET, TP_STEPS, TP_WORLDS, tp_ep
-from tp_ranks import BATCHES, CASES, collective_inputs, logits, rank_main
+from tp_ranks import BATCHES, CASES, collective_inputs, logits
 
 pytestmark = pytest.mark.slow  # compiles six artifacts and spawns six processes: `make test`, not `make test-quick`
 TARGET = "cpu-x86-64"
@@ -33,21 +34,22 @@ WORLDS = TP_WORLDS
 
 
 @pytest.fixture(scope="module")
-def tp_artifacts(tp_compiled) -> dict[int, dict[str, tuple]]:
-    """world -> preset -> (artifact dir, compile summary), compiled from the TVM end-to-end test's checkpoints
-    (conftest.py `tp_compiled`)."""
-    return {tp: {preset: tp_compiled(preset, tp) for preset in TINY_PRESETS} for tp in WORLDS}
+def worlds(tp_world) -> dict[int, tuple[dict, list[dict]]]:
+    """world -> ({preset: (artifact dir, compile summary)}, what each rank saved (`tp_ranks.rank_main`)), compiled
+    from the TVM end-to-end test's checkpoints (conftest.py `tp_world`)."""
+    return {world: tp_world(world) for world in WORLDS}
 
 
 @pytest.fixture(scope="module")
-def ranks(tp_artifacts, tmp_path_factory) -> dict[int, list[dict]]:
-    """world -> what each of its ranks saved (`tp_ranks.rank_main`)."""
-    out = {}
-    for world in WORLDS:
-        d = tmp_path_factory.mktemp(f"world{world}")
-        spawn(rank_main, world, (world, {p: str(a) for p, (a, _) in tp_artifacts[world].items()}, str(d)))
-        out[world] = [torch.load(d / f"rank{r}.pt") for r in range(world)]
-    return out
+def tp_artifacts(worlds) -> dict[int, dict[str, tuple]]:
+    """world -> preset -> (artifact dir, compile summary)."""
+    return {world: arts for world, (arts, _) in worlds.items()}
+
+
+@pytest.fixture(scope="module")
+def ranks(worlds) -> dict[int, list[dict]]:
+    """world -> what each of its ranks saved."""
+    return {world: saved for world, (_, saved) in worlds.items()}
 
 
 @pytest.fixture(scope="module")

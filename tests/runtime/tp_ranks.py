@@ -1,6 +1,7 @@
-"""What the tensor-parallel test (test_tensor_parallel.py) runs in each spawned rank, and the run it compares
-them with. A module of its own so that a rank imports the runtime alone (torch, k3c.runtime), not the compiler
-that the test module imports: the six rank processes start faster."""
+"""What the tensor-parallel test (test_tensor_parallel.py) runs in each spawned rank, the run it compares them with,
+and the job that compiles and runs one world (conftest.py `tp_world`). A module of its own so that a rank imports
+the runtime alone (torch, k3c.runtime), not the compiler that the test module imports: the six rank processes
+start faster (`compile_and_run` imports the compiler when called)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,18 @@ def rank_main(rank: int, world: int, arts: dict[str, str], out: str) -> None:
     result["collectives"] = {op: run_collective(op, {"group": world, **a}, xs[op], rank)
                              for op, (a, _) in CASES.items()}
     torch.save(result, f"{out}/rank{rank}.pt")
+
+
+def compile_and_run(world: int, options: dict, out: str) -> dict[str, dict]:
+    """Compile each preset's `options[preset]` (CompileOptions with tp = `world`), then run them all in a spawned
+    gloo world of `world` ranks (`rank_main`, saving to `out`). Returns {preset: compile summary}; a failed rank
+    raises RuntimeError with its traceback (torch's own exception does not cross a process pool)."""
+    from k3c.compile import compile_model
+    from k3c.runtime.distributed import spawn
+
+    summaries = {preset: compile_model(opts) for preset, opts in options.items()}
+    try:
+        spawn(rank_main, world, (world, {preset: str(opts.out) for preset, opts in options.items()}, out))
+    except Exception as e:  # noqa: BLE001 - re-raised as one picklable exception
+        raise RuntimeError(f"tensor-parallel world of {world} ranks: {type(e).__name__}: {e}") from None
+    return summaries
