@@ -62,6 +62,8 @@ RADIX_MIN_KEYS = 16384      # decode (T = 1) with at least this many keys: radix
 SPARSE_DECODE = True        # absorbed DSA decode (idx, T = 1, rope dims): `mla_sparse_decode_kernel` (rows read once)
 SPARSE_HEAD_BLOCK = 32      # its heads per program
 SPARSE_STAGES = 2           # its software-pipeline depth
+SPARSE_BLOCK_S = 64         # its keys per step (bf16 / fp16; fp32: 16)
+SPARSE_WARPS = 8            # its warps per program
 
 
 @triton.jit
@@ -237,6 +239,7 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
     sparse_decode = SPARSE_DECODE and absorbed and use_idx and T == 1 and D > DV
     if sparse_decode:                               # q and every gathered row loaded once (`dsa_attention`)
         BLOCK_M = max(16, min(triton.next_power_of_2(H), SPARSE_HEAD_BLOCK))
+        BLOCK_S = SPARSE_BLOCK_S if q.dtype != torch.float32 else 16
         n_hb = triton.cdiv(H, BLOCK_M)
     n_keys = (max(topk, min(S, dense_max)) if from_ptr else topk) if use_idx else S   # at most, per row
     programs = B * n_tb * n_hb
@@ -260,7 +263,7 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
             q, k, idx, o_dst, lse, lengths if from_ptr else q, S, keys_per_split, dense_max, k.stride(0),
             k.stride(1), scale * 1.4426950408889634, H=H, DV=DV, DR=D - DV, TOPK=topk, SPLITS=splits,
             LEN_FROM_PTR=from_ptr, BLOCK_M=BLOCK_M, BLOCK_S=BLOCK_S, BLOCK_DV=BLOCK_DV,
-            BLOCK_DR=max(16, triton.next_power_of_2(D - DV)), DOT_PRECISION=precision, num_warps=8,
+            BLOCK_DR=max(16, triton.next_power_of_2(D - DV)), DOT_PRECISION=precision, num_warps=SPARSE_WARPS,
             num_stages=SPARSE_STAGES)
     else:
         mla_attention_kernel[(B * n_tb, n_hb, splits)](
@@ -404,7 +407,9 @@ def emit_mla_attention(group: KernelGroup) -> str:
               ("HEAD_BLOCK_WIDE", HEAD_BLOCK_WIDE, "heads per program when v_dim >= 256"),
               ("SPARSE_DECODE", SPARSE_DECODE, "DSA decode (absorbed, idx, T = 1): mla_sparse_decode_kernel"),
               ("SPARSE_HEAD_BLOCK", SPARSE_HEAD_BLOCK, "its heads per program"),
-              ("SPARSE_STAGES", SPARSE_STAGES, "its software-pipeline depth")]
+              ("SPARSE_STAGES", SPARSE_STAGES, "its software-pipeline depth"),
+              ("SPARSE_BLOCK_S", SPARSE_BLOCK_S, "its keys per step (bf16 / fp16)"),
+              ("SPARSE_WARPS", SPARSE_WARPS, "its warps per program")]
     v_arg = f"_unit_last(inputs[{ip[2]}])" if has_v else "None"
     idx_arg = f"inputs[{ip[-1]}].contiguous()" if has_idx else "None"
     body = (
@@ -446,6 +451,7 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("SCRATCH_BYTES", SCRATCH_BYTES, "cap of the i64 sort-key scratch (rows of T per pass)"),
               ("RADIX_MIN_KEYS", RADIX_MIN_KEYS, "decode with at least this many keys: radix select"),
               ("SCAN_BLOCK", dsa_decode.SCAN_BLOCK, "radix select: keys per scan step"),
+              ("SCAN_WARPS", dsa_decode.SCAN_WARPS, "radix select: warps per scan program"),
               ("SELECT_BLOCK", dsa_decode.SELECT_BLOCK, "radix select: keys per refine / gather step"),
               ("SCAN_PROGRAMS", dsa_decode.SCAN_PROGRAMS, "radix select: programs per launch"),
               ("MAX_PROGRAMS", dsa_decode.MAX_PROGRAMS, "radix select: bound of programs per row"),
@@ -453,7 +459,7 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("FP8_QUERY", dsa_decode.FP8_QUERY, "fp8 index keys: fp8 q in the scan"),
               ("RERANK_EXTRA", dsa_decode.RERANK_EXTRA, "fp8 keys + exact keys: extra candidates re-ranked"),
               ("RERANK_BLOCK", dsa_decode.RERANK_BLOCK, "candidates per re-scoring program"),
-              ("SORT_WARPS", dsa_decode.SORT_WARPS, "warps of the candidates' sort")]
+              ("RANK_BLOCK", dsa_decode.RANK_BLOCK, "candidates per ranking program")]
     body = (
         "def launch(inputs, outputs, sizes, scratch=None):\n"
         '    """ABI entry: inputs (q_i, w, k_i), outputs [idx i64 [B,T,TOPK]], scratch: the planned sort keys."""\n'

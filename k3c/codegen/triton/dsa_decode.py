@@ -28,8 +28,9 @@ so with the exact keys at hand (`k_exact`, bf16) the selection re-ranks: the fp8
 candidates, then
   dsa_rerank_kernel   grid (candidate blocks, B): exact scores of the candidates from the gathered exact keys, as
                       unique 64-bit keys (order key << 32 | ~position: ties by lowest position)
-  dsa_rerank_sort_kernel  grid (B,): one program sorts the row's candidate keys (tl.sort, bitonic) and keeps the
-                      first topk, so the result comes in the reference's order
+  dsa_rerank_rank_kernel  grid (candidate blocks of RANK_BLOCK, B): each candidate's rank = the number of larger
+                      keys (all pairs, counted in an int32 tile and reduced once); rank < topk is its slot, so the
+                      result comes in the reference's order
 which equals the exact selection unless a key of the exact top-k ranks below topk + RERANK_EXTRA in fp8 order
 (Gaussian keys, L = 1M, CPU simulation: worst rank 2.9K with fp8 q, so 2048 extra; 1 MB of exact keys per row).
 
@@ -48,6 +49,7 @@ import triton.language as tl
 from k3c.errors import RuntimeInputError
 
 SCAN_BLOCK = 128       # keys per scan step (one [SCAN_BLOCK, D] x [D, J] tensor-core product)
+SCAN_WARPS = 4         # warps per scan program
 SELECT_BLOCK = 1024    # keys per step of the refine / tie-count / gather passes
 SCAN_PROGRAMS = 1056   # scan / refine programs per launch: about 8 per H200 SM
 MAX_PROGRAMS = 2048    # bound of the programs per row of the refine / gather grid (<= SCAN_PROGRAMS + 1)
@@ -57,7 +59,7 @@ FP8_MAX = 448.0        # largest float8_e4m3fn value
 FP8_QUERY = True       # fp8 keys: quantize q per head in the scan too (fp8 x fp8 tensor-core product)
 RERANK_EXTRA = 2048    # fp8 keys + exact keys: candidates beyond topk that the exact re-scoring sees
 RERANK_BLOCK = 128     # candidates per re-scoring program
-SORT_WARPS = 8         # warps of the one program per row that sorts the re-scored candidates
+RANK_BLOCK = 32        # candidates per ranking program (each compares them with all the row's candidates)
 
 
 @triton.jit
@@ -204,7 +206,7 @@ def dsa_refine_kernel(keys_ptr, hist_ptr, len_ptr, L, K, LEVEL: tl.constexpr, BL
 def dsa_tie_count_kernel(keys_ptr, hist_ptr, ties_ptr, len_ptr, L, K, BLOCK_R: tl.constexpr, BINS: tl.constexpr,
                          MAX_P: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
     """ties [B, MAX_P] int32: how many keys of program pid's range equal tau (0 when every key is taken). Nothing is
-    counted (nor read by `dsa_gather_kernel`) when all the row's ties fit (`_ties_fit`)."""
+    counted (the counts stay 0) when all the row's ties fit (`_ties_fit`)."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n_valid, n_blocks = _row_range(len_ptr, b, L, BLOCK_R, LEN_FROM_PTR)
@@ -235,8 +237,7 @@ def dsa_gather_kernel(keys_ptr, hist_ptr, ties_ptr, count_ptr, idx_ptr, len_ptr,
     take_all = everything.to(tl.int32)
     fit = _ties_fit(hist_ptr + b * 4 * BINS, tau, above, K, BINS).to(tl.int32)
     p = tl.arange(0, MAX_P)
-    rank0 = tl.sum(tl.load(ties_ptr + b * MAX_P + p, mask=(p < pid) & (p * 0 + fit + take_all == 0),
-                           other=0), 0)
+    rank0 = tl.sum(tl.load(ties_ptr + b * MAX_P + p, mask=p < pid, other=0), 0)     # 0s when the ties fit
     for i in range(n_blocks):
         offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = offs < n_valid
@@ -278,16 +279,25 @@ def dsa_rerank_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, ck_ptr, L, K1,
 
 
 @triton.jit
-def dsa_rerank_sort_kernel(ck_ptr, idx_ptr, K1, K, BLOCK: tl.constexpr):
-    """grid (B,): the K1 <= BLOCK candidate keys of row b (ck [B, K1] from `dsa_rerank_kernel`) sorted descending
-    in one program (tl.sort: a bitonic network over BLOCK keys, padded with INT64_MIN); the first K positions go to
-    idx [B, K] int64 (-1 for no candidate). The keys are unique, so idx comes out in the reference's order (score
-    descending, ties by lowest position)."""
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    key = tl.sort(tl.load(ck_ptr + b * K1 + offs, mask=offs < K1, other=-9223372036854775808), descending=True)
+def dsa_rerank_rank_kernel(ck_ptr, idx_ptr, K1, K, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr):
+    """grid (cdiv(K1, BLOCK_C), B): the rank of candidates [pid*BLOCK_C, ...) of row b among all K1 (ck [B, K1]
+    from `dsa_rerank_kernel`) = the number of larger keys, counted in a [BLOCK_C, BLOCK_O] int32 tile over the row
+    and reduced once; rank < K is the candidate's slot in idx [B, K] int64 (pre-filled with -1). The keys are
+    unique, so the slots are too, and idx comes out in the reference's order (score descending, ties by lowest
+    position)."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    key = tl.load(ck_ptr + b * K1 + offs_c, mask=offs_c < K1, other=-9223372036854775808)
+    count = tl.zeros([BLOCK_C, BLOCK_O], tl.int32)
+    for o in range(0, K1, BLOCK_O):
+        offs_o = o + tl.arange(0, BLOCK_O)
+        other = tl.load(ck_ptr + b * K1 + offs_o, mask=offs_o < K1, other=-9223372036854775808)
+        count += (other[None, :] > key[:, None]).to(tl.int32)
+    rank = tl.sum(count, 1)
     pos = 4294967295 - (key & 4294967295)
-    tl.store(idx_ptr + b * K + offs, tl.where(key != -9223372036854775808, pos, -1), mask=offs < K)
+    tl.store(idx_ptr + b * K + rank, pos, mask=(key != -9223372036854775808) & (rank < K))
+
 
 def quantize_index_keys(k_i):
     """FP8 index keys: k_i [B, L, D] -> (k8 float8_e4m3fn [B, L, D], scale fp32 [B, L]), k ~= scale * k8.
@@ -354,7 +364,7 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
         q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, n_len, L, J=J, D=D,
         BLOCK_J=block_j, BLOCK_S=SCAN_BLOCK, FP8=fp8, QUERY_FP8=fp8 and FP8_QUERY,
         KEYS_FIRST=not scan_fp32,       # tensor-core products; fp32 (IEEE) keeps q x k^T
-        BINS=BINS, BITS=BITS, DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=4)
+        BINS=BINS, BITS=BITS, DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=SCAN_WARPS)
     grid = (triton.cdiv(n_ref, per_ref), B)
     for level in (2, 3, 4):
         dsa_refine_kernel[grid](keys, hist, n_len, L, n_sel, LEVEL=level, BLOCK_R=SELECT_BLOCK, BINS=BINS,
@@ -368,9 +378,9 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
         dsa_rerank_kernel[(triton.cdiv(n_sel, RERANK_BLOCK), B)](
             q_i.contiguous(), w.contiguous(), k_exact.contiguous(), idx, ck, L, n_sel, J=J, D=D, BLOCK_J=block_j,
             BLOCK_C=RERANK_BLOCK, DOT_PRECISION=precision, num_warps=4)
-        idx = torch.empty((B, 1, topk), dtype=torch.int64, device=dev)
-        dsa_rerank_sort_kernel[(B,)](ck, idx, n_sel, topk, BLOCK=triton.next_power_of_2(n_sel),
-                                     num_warps=SORT_WARPS)
+        idx = torch.full((B, 1, topk), -1, dtype=torch.int64, device=dev)
+        dsa_rerank_rank_kernel[(triton.cdiv(n_sel, RANK_BLOCK), B)](ck, idx, n_sel, topk, BLOCK_C=RANK_BLOCK,
+                                                                   BLOCK_O=128, num_warps=4)
         return idx                  # in the reference's order already
     if ordered:     # the reference's order: score descending, ties by lowest position
         pos = idx[:, 0]
@@ -383,4 +393,4 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
 
 # Source order for code generation (helpers first).
 KERNELS = (_order_key, _to_e4m3, _pick_bin, _chosen_prefix, _ties_fit, _row_range, dsa_scan_kernel, dsa_refine_kernel,
-           dsa_tie_count_kernel, dsa_gather_kernel, dsa_rerank_kernel, dsa_rerank_sort_kernel)
+           dsa_tie_count_kernel, dsa_gather_kernel, dsa_rerank_kernel, dsa_rerank_rank_kernel)
