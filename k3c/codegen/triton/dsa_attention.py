@@ -6,10 +6,10 @@ DSA"): for the heads h of the new token of row b,
 kv rows are [DV latent values | DR rope dims] (K3: 512 + 64). `attention.mla_attention_kernel` computes this too but
 reads every gathered row twice (scores in 64-column chunks, then the values) and re-loads q for every key block;
 `mla_sparse_decode_kernel` loads its heads' q once ([BLOCK_M, DV] and [BLOCK_M, DR], kept in registers) and every
-gathered row once, as a [BLOCK_S, DV] tile (scores and values) and a [BLOCK_S, DR] tile (scores); the next key
-block's idx slots load one step ahead. One program per
+gathered row once, as a [BLOCK_S, DV] tile (scores and values) and a [BLOCK_S, DR] tile (scores). One program per
 (b, block of BLOCK_M heads, key split); the splits write (o, log2-sum-exp) partials that
-`attention.mla_combine_kernel` merges, in the layout of `attention.launch_mla`, which picks this kernel.
+`attention.mla_combine_kernel` merges, in the layout of `attention.launch_mla`, which picks this kernel. (Loading
+the next block's idx slots one step ahead, as a loop-carried tensor, fails Triton 3.6's layout pass on the H200.)
 
 Device lengths (LEN_FROM_PTR, i32 [B]): row b has lengths[b] + 1 keys and the dense guard is taken per row on the
 device (S <= dense_max: keys 0..S-1 instead of idx), as in `mla_attention_kernel`.
@@ -55,14 +55,11 @@ def mla_sparse_decode_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)           # finite start: a fully masked block gives p = 0
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    offs_j = start + tl.arange(0, BLOCK_S)
-    slots = tl.load(idx_ptr + b * TOPK + offs_j, mask=(offs_j < end) & sparse, other=-1)
     for j0 in range(start, end, BLOCK_S):
         offs_j = j0 + tl.arange(0, BLOCK_S)
         j_ok = offs_j < end
-        pos = tl.where(sparse, slots, offs_j.to(tl.int64))
-        offs_n = offs_j + BLOCK_S                           # the next block's slots, loaded one step ahead
-        slots = tl.load(idx_ptr + b * TOPK + offs_n, mask=(offs_n < end) & sparse, other=-1)
+        pos = tl.load(idx_ptr + b * TOPK + offs_j, mask=j_ok & sparse, other=-1)
+        pos = tl.where(sparse, pos, offs_j.to(tl.int64))
         key_ok = j_ok & (pos >= 0) & (pos < S)              # T = 1: every key s < S is visible (causal)
         rows = b * stride_kb + tl.where(key_ok, pos, 0) * stride_ks
         kv = tl.load(kv_ptr + rows[:, None] + offs_v[None, :], mask=key_ok[:, None] & v_ok[None, :], other=0.0)
