@@ -27,7 +27,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton import attention, dsa_decode as dd  # noqa: E402
-from k3c.codegen.triton.attention import launch_dsa_index_topk, launch_mla  # noqa: E402
+from k3c.codegen.triton.attention import launch_mla  # noqa: E402
 from k3c.codegen.triton.dsa_decode import dsa_decode_topk, quantize_index_keys  # noqa: E402
 
 HBM_BYTES_PER_S = 4.2e12
