@@ -148,54 +148,75 @@ def moe_sum_kernel(y_slot_ptr, ids_ptr, y_ptr, K: tl.constexpr, D: tl.constexpr,
     tl.store(y_ptr + n * D + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
+#: `moe_schedule` runs `moe_schedule_kernel` (one launch) up to this many (token, slot) rows; beyond, torch.
+SCHEDULE_KERNEL_MAX_ROWS = 2048
+
+
 @triton.jit
-def moe_schedule_kernel(ids_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, R, TILES,
-                        E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_T: tl.constexpr):
-    """`moe_schedule` in one program (few rows: decode): ids int [R] -> order i64 [R], tile_expert / tile_row0 /
-    tile_row_end i64 [TILES]. Counting sort by expert through a one-hot [experts, rows] matrix: a row's place is
-    its expert's start (exclusive prefix sum of the counts) plus its rank among that expert's rows (prefix sum
-    along the rows), which keeps the order stable; a tile's expert is the number of experts whose tiles end at or
-    before it (searchsorted, right)."""
+def _schedule_key(ids, E: tl.constexpr):
+    """Sort key of a slot: its expert id, E for an unused slot (id < 0: sorted last, never computed)."""
+    return tl.where(ids >= 0, ids, E).to(tl.int32)
+
+
+@triton.jit
+def moe_schedule_kernel(ids_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, rank_ptr, R, TILES,
+                        E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
+    """`moe_schedule` in one program (decode's few rows): ids int [R] -> order i64 [R], tile_expert / tile_row0 /
+    tile_row_end i64 [TILES]; rank_ptr: i64 [R] scratch.
+
+    A stable counting sort by comparison, O(R^2 / CHUNK) steps and independent of the expert count E: row r's
+    sorted place is the number of rows j ordered before it by (key_j, j), i.e. the rows of lower experts plus its
+    `rank` among its own expert's rows. Its expert's rows end at the number of rows with key_j <= key_r. A row
+    whose rank is a multiple of BLOCK_M starts a tile, and that tile's index is the number of tile starts of lower
+    experts plus rank // BLOCK_M; so a second sweep over the ranks (through `rank_ptr`, after a barrier) places
+    every tile. Tiles past the schedule keep expert E (their row bounds are not written; the expert kernels exit
+    on E)."""
     r = tl.arange(0, BLOCK_R)
     r_ok = r < R
-    ids = tl.load(ids_ptr + r, mask=r_ok, other=-1)
-    key = tl.where(ids >= 0, ids, E).to(tl.int32)                 # unused slots (and padding) under E: last
-    e = tl.arange(0, BLOCK_E)
-    onehot = (key[None, :] == e[:, None]).to(tl.int32)            # [BLOCK_E, BLOCK_R]
-    counts = tl.where(e < E, tl.sum(onehot, axis=1), 0)
-    row_start = tl.cumsum(counts, axis=0) - counts                # e = E: the rows of every expert
-    rank = tl.sum(onehot * tl.cumsum(onehot, axis=1), axis=0) - 1
-    pos = tl.sum(onehot * row_start[:, None], axis=0) + rank
-    tl.store(order_ptr + pos, r.to(tl.int64), mask=r_ok)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(tiles, axis=0)
-    t = tl.arange(0, BLOCK_T)
-    t_ok = t < TILES
-    te = tl.sum(((tile_end[None, :] <= t[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
-    sel = (e[None, :] == tl.minimum(te, E - 1)[:, None]).to(tl.int32)  # [BLOCK_T, BLOCK_E]
-    start = tl.sum(sel * row_start[None, :], axis=1)
-    row0 = start + (t - tl.sum(sel * (tile_end - tiles)[None, :], axis=1)) * BLOCK_M
-    tl.store(tile_expert_ptr + t, te.to(tl.int64), mask=t_ok)
-    tl.store(tile_row0_ptr + t, row0.to(tl.int64), mask=t_ok)
-    tl.store(tile_row_end_ptr + t, (start + tl.sum(sel * counts[None, :], axis=1)).to(tl.int64), mask=t_ok)
+    key = _schedule_key(tl.load(ids_ptr + r, mask=r_ok, other=-1), E)
+    before = tl.zeros([BLOCK_R], tl.int32)             # rows of lower experts
+    rank = tl.zeros([BLOCK_R], tl.int32)               # earlier rows of the same expert
+    for j0 in range(0, R, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        j_ok = (j < R)[None, :]
+        kj = _schedule_key(tl.load(ids_ptr + j, mask=j < R, other=-1), E)[None, :]
+        before += tl.sum(((kj < key[:, None]) & j_ok).to(tl.int32), 1)
+        rank += tl.sum(((kj == key[:, None]) & (j[None, :] < r[:, None]) & j_ok).to(tl.int32), 1)
+    tl.store(order_ptr + before + rank, r.to(tl.int64), mask=r_ok)
+    tl.store(rank_ptr + r, rank.to(tl.int64), mask=r_ok)
+    tl.store(tile_expert_ptr + r, E + 0 * r.to(tl.int64), mask=r < TILES)
+    tl.debug_barrier()                                  # ranks and the E fill visible to every thread
+    starts_below = tl.zeros([BLOCK_R], tl.int32)        # tiles of lower experts
+    end = tl.zeros([BLOCK_R], tl.int32)                 # rows with key <= key_r: r's expert ends there
+    for j0 in range(0, R, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        j_ok = (j < R)[None, :]
+        kj = _schedule_key(tl.load(ids_ptr + j, mask=j < R, other=-1), E)[None, :]
+        start_j = (tl.load(rank_ptr + j, mask=j < R, other=1) % BLOCK_M == 0)[None, :]
+        starts_below += tl.sum(((kj < key[:, None]) & start_j & j_ok).to(tl.int32), 1)
+        end += tl.sum(((kj <= key[:, None]) & j_ok).to(tl.int32), 1)
+    tile = starts_below + rank // BLOCK_M
+    starts = r_ok & (key < E) & (rank % BLOCK_M == 0)
+    tl.store(tile_expert_ptr + tile, key.to(tl.int64), mask=starts)
+    tl.store(tile_row0_ptr + tile, (before + rank).to(tl.int64), mask=starts)
+    tl.store(tile_row_end_ptr + tile, end.to(tl.int64), mask=starts)
 
 
 def moe_schedule(ids, E, BLOCK_M):
     """The tile schedule of `launch_moe_experts` for ids int [N, k] (< 0: unused) over E experts on ids' device,
     without a host sync: (order: sorted row -> flat token · k + slot index; tile_expert (E: past the schedule),
-    tile_row0, tile_row_end: per tile), each i64 [min(N·k, ⌈N·k / BLOCK_M⌉ + E)] but order [N·k]. Few rows
-    (the one-hot [experts, rows] matrix within 2^14 elements: decode) in one launch of `moe_schedule_kernel`;
-    else in torch (a stable argsort, scatter-add counts, cumsums and a searchsorted: a dozen launches)."""
+    tile_row0, tile_row_end: per tile), each i64 [min(N·k, ⌈N·k / BLOCK_M⌉ + E)] but order [N·k]. Up to
+    SCHEDULE_KERNEL_MAX_ROWS rows (decode) in one launch of `moe_schedule_kernel`, whatever E; else in torch (a
+    stable argsort, scatter-add counts, cumsums and a searchsorted: a dozen launches)."""
     rows = ids.numel()
     n_tiles = min(rows, triton.cdiv(rows, BLOCK_M) + E)
-    BLOCK_E, BLOCK_R = triton.next_power_of_2(E + 1), triton.next_power_of_2(rows)
-    BLOCK_T = triton.next_power_of_2(n_tiles)
-    if BLOCK_E * max(BLOCK_R, BLOCK_T) <= 2 ** 14:
-        out = torch.empty(rows + 3 * n_tiles, dtype=torch.int64, device=ids.device)
-        order, tile_expert, row0, row_end = out.split([rows, n_tiles, n_tiles, n_tiles])
-        moe_schedule_kernel[(1,)](ids.reshape(-1), order, tile_expert, row0, row_end, rows, n_tiles, E=E,
-                                  BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_E=BLOCK_E, BLOCK_T=BLOCK_T, num_warps=4)
+    if rows <= SCHEDULE_KERNEL_MAX_ROWS:
+        out = torch.empty(2 * rows + 3 * n_tiles, dtype=torch.int64, device=ids.device)
+        order, tile_expert, row0, row_end, rank = out.split([rows, n_tiles, n_tiles, n_tiles, rows])
+        BLOCK_R = triton.next_power_of_2(rows)
+        moe_schedule_kernel[(1,)](ids.reshape(-1), order, tile_expert, row0, row_end, rank, rows, n_tiles, E=E,
+                                  BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, CHUNK=max(1, min(64, 8192 // BLOCK_R)),
+                                  num_warps=4 if BLOCK_R <= 256 else 8)
         return order, tile_expert, row0, row_end
     flat = ids.reshape(-1).long()
     key = torch.where(flat >= 0, flat, E)               # unused slots sort last and are never scheduled
@@ -320,7 +341,8 @@ def emit_moe_experts(group: KernelGroup) -> str:
     a = node.attrs
     consts = [("ACT", a["act"], "'situ': SiTU-GLU, 'silu': SwiGLU"),
               ("SITU_BETA", float(a["situ_beta"]), "activation_situ_beta"),
-              ("SITU_LINEAR_BETA", float(a["situ_linear_beta"]), "activation_situ_linear_beta")]
+              ("SITU_LINEAR_BETA", float(a["situ_linear_beta"]), "activation_situ_linear_beta"),
+              ("SCHEDULE_KERNEL_MAX_ROWS", SCHEDULE_KERNEL_MAX_ROWS, "one-launch tile schedule up to these rows")]
     args = ", ".join(f"inputs[{i}]" for i in ip)
     mx = a["weight_format"] == "mxfp4"
     body = ("def launch(inputs, outputs, sizes, scratch=None):\n"
@@ -333,5 +355,5 @@ def emit_moe_experts(group: KernelGroup) -> str:
                    [take_scratch, tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
                     mx_default_config, mx_block_k, mx_permute, mx_permuted_col, mxfp4_word_bf16, mxfp4_scales,
                     mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel,
-                    moe_down_mx_kernel, moe_schedule_kernel, moe_schedule],
+                    moe_down_mx_kernel, _schedule_key, moe_schedule_kernel, moe_schedule],
                    launch_moe_experts, body)
