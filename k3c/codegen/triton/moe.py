@@ -148,74 +148,73 @@ def moe_sum_kernel(y_slot_ptr, ids_ptr, y_ptr, K: tl.constexpr, D: tl.constexpr,
     tl.store(y_ptr + n * D + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-#: `moe_schedule` runs `moe_schedule_kernel` (one launch) up to this many (token, slot) rows; beyond, torch.
-SCHEDULE_KERNEL_MAX_ROWS = 2048
+#: `moe_schedule` runs `moe_schedule_kernel` (one launch) on a GPU up to this many (token, slot) rows (decode at
+#: batch 64 with top-16); beyond, and on CPU (where Triton's interpreter sorts slowly), torch.
+SCHEDULE_KERNEL_MAX_ROWS = 1024
 
 
 @triton.jit
-def _schedule_key(ids, E: tl.constexpr):
-    """Sort key of a slot: its expert id, E for an unused slot (id < 0: sorted last, never computed)."""
-    return tl.where(ids >= 0, ids, E).to(tl.int32)
+def _max_i32(a, b):
+    return tl.maximum(a, b)
 
 
 @triton.jit
-def moe_schedule_kernel(ids_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, rank_ptr, R, TILES,
-                        E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr):
+def moe_schedule_kernel(ids_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, skey_ptr, count_ptr, R,
+                        TILES, E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
     """`moe_schedule` in one program (decode's few rows): ids int [R] -> order i64 [R], tile_expert / tile_row0 /
-    tile_row_end i64 [TILES]; rank_ptr: i64 [R] scratch.
+    tile_row_end i64 [TILES]; skey_ptr i64 [BLOCK_R] and count_ptr i64 [BLOCK_E] are scratch.
 
-    A stable counting sort by comparison, O(R^2 / CHUNK) steps and independent of the expert count E: row r's
-    sorted place is the number of rows j ordered before it by (key_j, j), i.e. the rows of lower experts plus its
-    `rank` among its own expert's rows. Its expert's rows end at the number of rows with key_j <= key_r. A row
-    whose rank is a multiple of BLOCK_M starts a tile, and that tile's index is the number of tile starts of lower
-    experts plus rank // BLOCK_M; so a second sweep over the ranks (through `rank_ptr`, after a barrier) places
-    every tile. Tiles past the schedule keep expert E (their row bounds are not written; the expert kernels exit
-    on E)."""
+    Rows are sorted by the unique int32 key expert · BLOCK_R + row (unused slots under expert E, padding lanes
+    under E + 1, so both sort last; the row in the low bits keeps the sort stable) with one bitonic `tl.sort` of
+    BLOCK_R lanes, O(BLOCK_R log² BLOCK_R) whatever E. In sorted order, an expert's rows are a segment: its start
+    is the running maximum of the segment boundaries (the sorted keys go through `skey_ptr` to compare each lane
+    with its neighbour), its length the expert's count (`tl.histogram`, through `count_ptr`). A row whose place in
+    its segment is a multiple of BLOCK_M starts a tile; tiles are numbered by a prefix sum of the starts. Tiles
+    past the schedule keep expert E and the empty row range [0, 0) (`expert_tile` reads the rows before the
+    expert kernels test e)."""
     r = tl.arange(0, BLOCK_R)
     r_ok = r < R
-    key = _schedule_key(tl.load(ids_ptr + r, mask=r_ok, other=-1), E)
-    before = tl.zeros([BLOCK_R], tl.int32)             # rows of lower experts
-    rank = tl.zeros([BLOCK_R], tl.int32)               # earlier rows of the same expert
-    for j0 in range(0, R, CHUNK):
-        j = j0 + tl.arange(0, CHUNK)
-        j_ok = (j < R)[None, :]
-        kj = _schedule_key(tl.load(ids_ptr + j, mask=j < R, other=-1), E)[None, :]
-        before += tl.sum(((kj < key[:, None]) & j_ok).to(tl.int32), 1)
-        rank += tl.sum(((kj == key[:, None]) & (j[None, :] < r[:, None]) & j_ok).to(tl.int32), 1)
-    tl.store(order_ptr + before + rank, r.to(tl.int64), mask=r_ok)
-    tl.store(rank_ptr + r, rank.to(tl.int64), mask=r_ok)
-    tl.store(tile_expert_ptr + r, E + 0 * r.to(tl.int64), mask=r < TILES)
-    tl.debug_barrier()                                  # ranks and the E fill visible to every thread
-    starts_below = tl.zeros([BLOCK_R], tl.int32)        # tiles of lower experts
-    end = tl.zeros([BLOCK_R], tl.int32)                 # rows with key <= key_r: r's expert ends there
-    for j0 in range(0, R, CHUNK):
-        j = j0 + tl.arange(0, CHUNK)
-        j_ok = (j < R)[None, :]
-        kj = _schedule_key(tl.load(ids_ptr + j, mask=j < R, other=-1), E)[None, :]
-        start_j = (tl.load(rank_ptr + j, mask=j < R, other=1) % BLOCK_M == 0)[None, :]
-        starts_below += tl.sum(((kj < key[:, None]) & start_j & j_ok).to(tl.int32), 1)
-        end += tl.sum(((kj <= key[:, None]) & j_ok).to(tl.int32), 1)
-    tile = starts_below + rank // BLOCK_M
-    starts = r_ok & (key < E) & (rank % BLOCK_M == 0)
-    tl.store(tile_expert_ptr + tile, key.to(tl.int64), mask=starts)
-    tl.store(tile_row0_ptr + tile, (before + rank).to(tl.int64), mask=starts)
-    tl.store(tile_row_end_ptr + tile, end.to(tl.int64), mask=starts)
+    ids = tl.load(ids_ptr + r, mask=r_ok, other=-1)
+    key = tl.where(r_ok, tl.where(ids >= 0, ids, E), E + 1).to(tl.int32)
+    srt = tl.sort(key * BLOCK_R + r)                         # position i holds the i-th row in expert order
+    skey = srt // BLOCK_R
+    tl.store(order_ptr + r, (srt % BLOCK_R).to(tl.int64), mask=r_ok)
+    tl.store(skey_ptr + r, skey.to(tl.int64))
+    tl.store(count_ptr + tl.arange(0, BLOCK_E), tl.histogram(key, BLOCK_E).to(tl.int64))
+    unused = r < TILES                                       # until a tile start claims it: expert E, no rows
+    tl.store(tile_expert_ptr + r, E + 0 * r.to(tl.int64), mask=unused)
+    tl.store(tile_row0_ptr + r, 0 * r.to(tl.int64), mask=unused)
+    tl.store(tile_row_end_ptr + r, 0 * r.to(tl.int64), mask=unused)
+    tl.debug_barrier()                                       # sorted keys, counts and the fills visible
+    prev = tl.load(skey_ptr + r - 1, mask=r > 0, other=-1).to(tl.int32)
+    seg_start = tl.associative_scan(tl.where(skey != prev, r, 0), 0, _max_i32)
+    rank = r - seg_start
+    starts = (skey < E) & (rank % BLOCK_M == 0)
+    tile = tl.cumsum(starts.to(tl.int32), 0) - 1
+    seg_end = seg_start + tl.load(count_ptr + skey).to(tl.int32)
+    tl.store(tile_expert_ptr + tile, skey.to(tl.int64), mask=starts)
+    tl.store(tile_row0_ptr + tile, r.to(tl.int64), mask=starts)
+    tl.store(tile_row_end_ptr + tile, seg_end.to(tl.int64), mask=starts)
 
 
-def moe_schedule(ids, E, BLOCK_M):
+def moe_schedule(ids, E, BLOCK_M, use_kernel=None):
     """The tile schedule of `launch_moe_experts` for ids int [N, k] (< 0: unused) over E experts on ids' device,
     without a host sync: (order: sorted row -> flat token · k + slot index; tile_expert (E: past the schedule),
-    tile_row0, tile_row_end: per tile), each i64 [min(N·k, ⌈N·k / BLOCK_M⌉ + E)] but order [N·k]. Up to
-    SCHEDULE_KERNEL_MAX_ROWS rows (decode) in one launch of `moe_schedule_kernel`, whatever E; else in torch (a
-    stable argsort, scatter-add counts, cumsums and a searchsorted: a dozen launches)."""
+    tile_row0, tile_row_end: per tile), each i64 [min(N·k, ⌈N·k / BLOCK_M⌉ + E)] but order [N·k].
+    use_kernel: None chooses one launch of `moe_schedule_kernel` (one bitonic sort, whatever E) for ids on a GPU
+    with at most SCHEDULE_KERNEL_MAX_ROWS rows (decode), else torch (a stable argsort, scatter-add counts, cumsums
+    and a searchsorted: a dozen launches); True / False force either (tests; the two give equal schedules)."""
     rows = ids.numel()
     n_tiles = min(rows, triton.cdiv(rows, BLOCK_M) + E)
-    if rows <= SCHEDULE_KERNEL_MAX_ROWS:
-        out = torch.empty(2 * rows + 3 * n_tiles, dtype=torch.int64, device=ids.device)
-        order, tile_expert, row0, row_end, rank = out.split([rows, n_tiles, n_tiles, n_tiles, rows])
-        BLOCK_R = triton.next_power_of_2(rows)
-        moe_schedule_kernel[(1,)](ids.reshape(-1), order, tile_expert, row0, row_end, rank, rows, n_tiles, E=E,
-                                  BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, CHUNK=max(1, min(64, 8192 // BLOCK_R)),
+    if use_kernel is None:
+        use_kernel = ids.is_cuda and rows <= SCHEDULE_KERNEL_MAX_ROWS
+    if use_kernel:
+        BLOCK_R, BLOCK_E = max(16, triton.next_power_of_2(rows)), triton.next_power_of_2(E + 2)
+        out = torch.empty(rows + 3 * n_tiles + BLOCK_R + BLOCK_E, dtype=torch.int64, device=ids.device)
+        order, tile_expert, row0, row_end, skey, count = out.split([rows, n_tiles, n_tiles, n_tiles, BLOCK_R,
+                                                                    BLOCK_E])
+        moe_schedule_kernel[(1,)](ids.reshape(-1), order, tile_expert, row0, row_end, skey, count, rows, n_tiles,
+                                  E=E, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_E=BLOCK_E,
                                   num_warps=4 if BLOCK_R <= 256 else 8)
         return order, tile_expert, row0, row_end
     flat = ids.reshape(-1).long()
@@ -355,5 +354,5 @@ def emit_moe_experts(group: KernelGroup) -> str:
                    [take_scratch, tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
                     mx_default_config, mx_block_k, mx_permute, mx_permuted_col, mxfp4_word_bf16, mxfp4_scales,
                     mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel,
-                    moe_down_mx_kernel, _schedule_key, moe_schedule_kernel, moe_schedule],
+                    moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule],
                    launch_moe_experts, body)
