@@ -4,7 +4,8 @@ One small K3-structured checkpoint (one KDA layer, 2 heads of 16, AttnRes, MoE; 
 module for the h200 target (Triton kernels, interpreted on CPU) with `dtype="f32", kda_state_dtype="bf16"`, so the
 state's rounding is the only bf16 in the artifact. Checked against independent computations:
 - structure: the cache input, the pool (B·H·K·V·2 bytes from the config, half of f32's 4), the manifest, the KDA
-  launch reading the pool directly (the import's casts folded into `kda_fused`), a second compile byte-identical;
+  launch reading the pool directly (the import's casts folded into `kda_fused`), a second compile byte-identical,
+  the pool split over heads at --tp 2;
 - the reference interpreter (the artifact's own graphs, `kda_fused_ref`) against `models/k3.py` eager started
   from the same bf16 state in f32, its new state rounded to bf16 (round to nearest even) once per call;
 - the compiled artifact: prefill (16 tokens: the chunked KDA kernel) then decode steps (the decode kernel), each
@@ -104,6 +105,11 @@ def test_state_is_bf16_from_import_to_pool(art):
     compile_model(again)
     for rel in ("plan.json", "schedule.json", "graph/prefill.json", "graph/decode.json"):
         assert (again.out / rel).read_bytes() == (path / rel).read_bytes(), rel
+    # tensor parallel: each of 2 ranks holds half the heads of the state, still bf16
+    tp2 = _opts(root, "tp2", plan_only=True, tp=2)
+    compile_model(tp2)
+    pool = json.loads((tp2.out / "plan.json").read_text())["pools"][STATE]
+    assert pool == {"shape": [B, H // 2, K, K], "dtype": "bf16", "bytes": B * H // 2 * K * K * 2}
 
 
 def test_interpreter_rounds_the_state_once_per_call(art):
