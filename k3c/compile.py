@@ -7,9 +7,10 @@ group is emitted as a module under `kernels/` (with `kernels/index.json`, the ke
 launch order with buffer names goes to `schedule.json`, the arena and pools to `plan.json`, per-op FLOPs / bytes and
 roofline times to `report.json`, and the weights (derived ones such as MLA's absorbed matrices materialised;
 routed experts as the checkpoint stores them, MXFP4 bits included, unless `experts_dtype` asks for a dequantized
-build) to `weights/params.safetensors`; `kda_state_dtype` ("f32" | "bf16") is the KDA state's storage from the import
-on (its pool, in plan.json, is half the bytes in bf16), recorded in the manifest (byte counts: plan.json's "weights"); `--report` adds what the HTML report shows (`k3c.report.collect`: the IR after every
-pass, per-kernel costs) under `report/`. With `--tp N` the `parallel` phase splits the model (`k3c.parallel`);
+build) to `weights/params.safetensors` (byte counts: plan.json's "weights"); `--report` adds what the HTML report
+shows (`k3c.report.collect`: the IR after every pass, per-kernel costs) under `report/`. `kda_state_dtype` ("f32" |
+"bf16") is the KDA recurrent state's storage from the import on (its pool is half the bytes in bf16), recorded in
+the manifest. With `--tp N` the `parallel` phase splits the model (`k3c.parallel`);
 one graph, schedule and plan serve every rank (the same shapes: only weights and the collectives' values differ by
 rank), and rank r's weights go to `weights/rank{r}.safetensors`; the summary adds the bytes each rank communicates
 per decode step (`communication`). `--plan-only` skips kernels' weights (a config or preset without a checkpoint can

@@ -10,8 +10,8 @@ and a roofline estimate of one decode step. Assumptions, each stated where it is
   fp32 for the published fp32 parameters, bf16 for the rest;
 - a decode step reads every non-expert weight once, and the experts that the batch touches: with uniform routing,
   the expected number of distinct experts of E chosen by B tokens taking k each is E·(1 − (1 − k/E)^B);
-- caches: KDA state read + written (in `kda_state_dtype`: f32 by default, bf16 half the bytes), MLA latent read for every visible token (DSA: the top-k only, plus the
-  index keys of every token), per `k3c.memory.pools`;
+- caches: KDA state read + written (in `kda_state_dtype`: f32 by default, bf16 half the bytes), MLA latent read
+  for every visible token (DSA: the top-k only, plus the index keys of every token), per `k3c.memory.pools`;
 - FLOPs: 2 per active parameter per token, plus attention (latent scores and outputs, indexer scores);
 - tensor parallelism adds, per layer, two reduce-scatter + all-gather pairs over tokens of [B, D] bf16 (the
   `split_allreduce` form: each rank holds ceil(B/tp) rows), ring cost 2 · 2·(tp−1)·ceil(B/tp)·D·2 bytes / link

@@ -1,7 +1,8 @@
 """Fused KDA token-by-token kernel: decode step (T = 1), recurrent prefill (any T) and speculative replay.
 
 One program per (batch row b, head h) walks the row's tokens in order with the state S[h] ([D, D], key dim
-first) in fp32 registers (stored as fp32 or bf16: loaded and widened once, rounded once when written back). Per token, everything of K3-SPEC.md "KDA layer" between the projections and o_proj:
+first) in fp32 registers (stored as fp32 or bf16: loaded and widened once, rounded once when written back). Per
+token, everything of K3-SPEC.md "KDA layer" between the projections and o_proj:
 conv (from the raw projected inputs and the conv state) -> silu -> l2norm (q scaled by D^-0.5) -> decay gate ->
 beta -> delta-rule update -> o = S^T q -> per-head RMSNorm -> * sigmoid(output gate). At the end the state and the
 conv state are written (in place when the output pointers alias the inputs).
