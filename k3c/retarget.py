@@ -141,11 +141,11 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     B, L = max_batch, context
     touched = E * (1 - (1 - k / E) ** B) if E else 0
     w_read = (weight_bytes - expert_bytes - cfg.vocab_size * cfg.hidden_size * 2) + touched * per_expert * moe_layers
-    kda_state = pools["kda_state"].nbytes // max_batch * B if n_kda else 0
+    kda_state = pools["kda_state"].nbytes // max_batch * B if n_kda else 0  # one rank's heads (pools are per rank)
     lat = cfg.mla_cache_width * 2
     attn_tokens = min(L, cfg.index_topk) if n_dsa else L
     kv_read = B * ((n_global - n_dsa) * L * lat + n_dsa * (attn_tokens * lat + L * cfg.index_head_dim))
-    bytes_gpu = (w_read + 2 * kda_state + kv_read) / tp
+    bytes_gpu = (w_read + kv_read) / tp + 2 * kda_state
     H = cfg.num_attention_heads
     attn_flops = B * n_global * 2 * H * attn_tokens * (cfg.mla_cache_width + cfg.kv_lora_rank)
     attn_flops += B * n_dsa * 2 * cfg.index_num_heads * cfg.index_head_dim * L
