@@ -6,8 +6,10 @@ that directly follow its row op, a pointwise group the next elementwise nodes. A
 ...) is a launch of its own (the view backend: no kernel, an alias) and separates what it stands between. Two
 moves, both exact:
 
-1. A one-input elementwise op of a reshape becomes the reshape of that op: u(reshape(x)) -> reshape(u(x)), so u
-   reads x's producer directly (elementwise ops do not see shapes).
+1. An elementwise op n reading a reshape of z, where z comes from an elementwise or row op with only views between
+   it and n, becomes the reshape of n computed in z's shape: n(a, reshape(z)) -> reshape(n(reshape(a), z)), its
+   other operands (of n's own shape, made before z) viewed in z's shape just before z's producer. n then follows
+   z's producer directly and joins its kernel (elementwise ops do not see shapes).
 2. A pure view moves below the nodes right after it that read its input but not the view ("siblings": they
    depend on what the view depends on, and the view's users come later still). A view only moves where it
    separates a producer from a reader that could join its kernel; views elsewhere stay, so no chain is cut.
@@ -26,9 +28,10 @@ graph outputs and unused views stay. O(nodes).
 from __future__ import annotations
 
 from k3c.context import CompileContext
-from k3c.ir.graph import Graph, Node
+from k3c.ir.graph import Graph
 from k3c.ir.ops import get_op
 from k3c.ir.rewrite import dce_in_place
+from k3c.passes.common import is_row_op, same_shape
 from k3c.passes.pipeline import register_pass
 
 PASS = "sink_views"
@@ -36,20 +39,38 @@ PASS = "sink_views"
 VIEWS = frozenset({"reshape", "unsqueeze", "squeeze", "select", "slice", "expand", "transpose", "permute"})
 
 
-def _unary_elementwise(n: Node) -> bool:
-    return len(n.inputs) == 1 and len(n.outputs) == 1 and get_op(n.op).kind == "elementwise"
+def _shape_attr(v) -> list:
+    return [d if isinstance(d, int) else str(d) for d in v.type.shape]
 
 
 def _elementwise_before_reshape(graph: Graph) -> int:
     """Move 1 (module docstring); returns the number of rewrites."""
+    nodes = list(graph.nodes)
+    pos = {id(n): i for i, n in enumerate(nodes)}
     count = 0
-    for n in list(graph.nodes):
-        view = graph.producer(n.inputs[0]) if _unary_elementwise(n) else None
-        if view is None or view.op != "reshape" or graph.is_output(n.outputs[0]):
+    for i, n in enumerate(nodes):
+        if get_op(n.op).kind != "elementwise" or len(n.outputs) != 1 or graph.is_output(n.outputs[0]):
             continue
+        views = [v for v in n.inputs if graph.producer(v) is not None and graph.producer(v).op == "reshape"]
+        if len(views) != 1:
+            continue
+        view = graph.producer(views[0])
+        z = view.inputs[0]
+        zp = graph.producer(z)
+        if zp is None or id(zp) not in pos or not (get_op(zp.op).kind == "elementwise" or is_row_op(zp)):
+            continue
+        if any(m.op not in VIEWS for m in nodes[pos[id(zp)] + 1:i]):
+            continue                                    # n could not join z's kernel anyway
+        others = [v for v in n.inputs if v is not views[0]]
+        if not all(same_shape(v.type.shape, n.outputs[0].type.shape) for v in others) or \
+                any(graph.producer(v) is not None and pos.get(id(graph.producer(v)), i) > pos[id(zp)] for v in others):
+            continue                                    # broadcast, or made between z and n
         meta = {k: n.meta[k] for k in ("source", "layer") if k in n.meta} | {"pass": PASS}
-        y = graph.add_node(n.op, [view.inputs[0]], dict(n.attrs), name_hint=n.outputs[0].name, meta=dict(meta),
-                           before=n)[0]
+        # the other operands are viewed in z's shape before z is made, so z's kernel and n stay adjacent
+        inputs = [z if v is views[0] else
+                  graph.add_node("reshape", [v], {"shape": _shape_attr(z)}, name_hint=v.name, meta=dict(meta),
+                                 before=zp)[0] for v in n.inputs]
+        y = graph.add_node(n.op, inputs, dict(n.attrs), name_hint=n.outputs[0].name, meta=dict(meta), before=n)[0]
         out = graph.add_node("reshape", [y], dict(view.attrs), name_hint=n.outputs[0].name, meta=dict(meta),
                              before=n)[0]
         graph.replace_all_uses(n.outputs[0], out)

@@ -1,7 +1,8 @@
-"""sink_views: a one-input elementwise op of a reshape reads the reshape's input instead, and views move below the
-siblings that read their input, so `form_kernels` fuses the router's f32 cast into the MoE input's rms_norm. On a
-bf16 k3.1-pro-tiny (the cast is real there) the graph before and after interprets to the same outputs, bit for
-bit; afterwards no such op reads a reshape, and each MoE layer's cast is the epilogue of a rowwise launch."""
+"""sink_views: an elementwise op reading a reshape of a fusible producer's value is computed in that value's shape,
+and views move below the siblings that read their input, so `form_kernels` fuses the router's f32 cast into the MoE
+input's rms_norm and the MoE output's two adds (routed + shared, then the residual) into one launch. On a bf16
+k3.1-pro-tiny (the cast is real there) the graph before and after interprets to the same outputs, bit for bit;
+afterwards each MoE layer has its cast in a rowwise launch and both adds in one pointwise launch."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def test_router_cast_joins_the_norm():
     assert not reads_reshape(after)
     formed, _ = run_pipeline(after, {"kernels": ["form_kernels"]}, ctx=CTX.for_entry("decode"))
     layers = sum(n.op == "moe_route" for n in formed.nodes)
-    fused = [g for g in kernel_groups(formed) if g.kind == "rowwise" and g.nodes[0].op == "rms_norm"
+    groups = kernel_groups(formed)
+    fused = [g for g in groups if g.kind == "rowwise" and g.nodes[0].op == "rms_norm"
              and any(n.op == "cast" and n.attrs["to"] == "f32" for n in g.nodes[1:])]
     assert layers and len(fused) == layers
+    tails = [g for g in groups if g.kind == "pointwise" and [n.op for n in g.nodes] == ["add", "add"]
+             and any("shared_experts" in v.name for v in g.inputs)]
+    assert len(tails) == layers
