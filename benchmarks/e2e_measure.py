@@ -59,8 +59,8 @@ def kind_of(kernel: str) -> str:
     k = kernel.lower()
     for kind, keys in (("moe experts (Triton)", ("moe_up", "moe_down")), ("moe (Triton)", ("moe_",)),
                        ("kda (Triton)", ("kda", "causal_conv", "roll_conv")),
-                       ("attention (Triton)", ("mla_attention", "mla_combine")),
-                       ("dsa indexer", ("dsa_score", "topk", "radix", "sort")), ("attn_res (Triton)", ("attn_res",)),
+                       ("attention (Triton)", ("mla_attention", "mla_combine", "mla_sparse_decode")),
+                       ("dsa indexer", ("dsa_", "topk", "radix", "sort")), ("attn_res (Triton)", ("attn_res",)),
                        ("pointwise / rowwise (Triton)", ("pointwise", "rowwise")),
                        ("gemm (cuBLAS)", ("gemm", "cutlass", "xmma", "cublas", "splitk", "nvjet", "sm90_")),
                        ("copy / fill", ("copy", "memcpy", "memset", "fill", "cat"))):
