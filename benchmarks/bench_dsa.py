@@ -2,14 +2,17 @@
 J = 32 heads x D = 128, top-2048, absorbed latent attention over H = 96 heads x 576 (values: the first 512).
 
 Run on a CUDA machine:
-    python benchmarks/bench_dsa.py [--out DIR] [--cases 1x131072,1x1048576,16x131072]
-Per case (B x L), before timing: the top-k set against torch's fp32 scores + torch.topk (overlap), FP8 index keys
-(e4m3 + one fp32 scale per key; q bf16 or fp8 in the scan; alone or with the bf16 re-ranking of topk +
-RERANK_EXTRA candidates) against bf16 keys (top-k overlap, attention-output error), and the attention output
-against a torch gather + softmax. Variants swept in the same run: fp8 q in the fp8-key scan (FP8_QUERY, --variants)
-and the attention's split-K granularity (attention.MIN_KEYS_PER_SPLIT, --min-keys). Timing:
-triton.testing.do_bench_cudagraph median, rotating buffer sets past 3x the 60 MB L2. Floor = bytes / 4.2 TB/s,
-bytes = index keys (+ scales, + the re-ranked candidates' bf16 keys) + the 2048 latent rows read by the attention.
+    python benchmarks/bench_dsa.py [--out DIR] [--cases 1x1048576,16x131072,1x131072]
+Per case (B x L), before timing: the top-k set against torch's fp32 scores + torch.topk (overlap; the same set in
+every selection variant), FP8 index keys (e4m3 + one fp32 scale per key, fp8 q; alone or with the bf16 re-ranking
+of topk + RERANK_EXTRA candidates, whose order must equal torch's sort) against bf16 keys (top-k overlap,
+attention-output error), and every attention variant's output against a torch gather + softmax. Variants swept in
+the same run: the refine / gather block (dsa_decode.SELECT_BLOCK, --select-blocks), the scan's block and warps
+(--scans), the candidates per re-rank ranking program (dsa_decode.RANK_BLOCK, --rank-blocks) and the sparse
+attention (the previous generic kernel, head block, pipeline depth, split-K granularity: ATTN_VARIANTS,
+--attention). Timing: triton.testing.do_bench_cudagraph median, rotating buffer sets past 3x the 60 MB L2. Floor =
+bytes / 4.2 TB/s, bytes = index keys (+ scales, + the re-ranked candidates' bf16 keys) + the 2048 latent rows read
+by the attention.
 Writes dsa_bench.json / dsa_bench.md under --out; per-kernel times as PROFILE lines (torch.profiler).
 """
 
@@ -24,7 +27,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton import attention, dsa_decode as dd  # noqa: E402
-from k3c.codegen.triton.attention import launch_dsa_index_topk, launch_mla  # noqa: E402
+from k3c.codegen.triton.attention import launch_mla  # noqa: E402
 from k3c.codegen.triton.dsa_decode import dsa_decode_topk, quantize_index_keys  # noqa: E402
 
 HBM_BYTES_PER_S = 4.2e12
@@ -33,7 +36,11 @@ J, DI, TOPK, H, DL, DV = 32, 128, 2048, 96, 576, 512
 SCALE = (128 + 64) ** -0.5
 
 
-def make(B, L, seed, dev="cuda"):
+DEV = "cuda"
+
+
+def make(B, L, seed, dev=None):
+    dev = dev or DEV
     g = torch.Generator(device=dev).manual_seed(seed)
     bf = torch.bfloat16
     k_i = torch.randn(B, L, DI, generator=g, device=dev).to(bf)
@@ -99,16 +106,33 @@ def profile(label, fn):
             print(f"PROFILE {label} | {ev.key[:50]} | {us:.1f} us", flush=True)
 
 
-VARIANTS = {"bf16 q": False, "fp8 q": True}     # FP8_QUERY of the fp8-key scan
+ATTN_VARIANTS = {     # name -> attention.(SPARSE_DECODE, SPARSE_HEAD_BLOCK, SPARSE_STAGES, MIN_KEYS_PER_SPLIT,
+                     #                   SPARSE_BLOCK_S, SPARSE_WARPS)
+    "generic kernel (previous)": (False, 32, 2, 64, 64, 8), "sparse hb32 s2": (True, 32, 2, 64, 64, 8),
+    "sparse hb32 s3": (True, 32, 3, 64, 64, 8), "sparse hb32 s1": (True, 32, 1, 64, 64, 8),
+    "sparse hb16 s2": (True, 16, 2, 64, 64, 8), "sparse hb64 s2": (True, 64, 2, 64, 64, 8),
+    "sparse hb32 s2 mk128": (True, 32, 2, 128, 64, 8), "sparse hb32 s2 bs32": (True, 32, 2, 64, 32, 8),
+    "sparse hb64 s2 bs32": (True, 64, 2, 64, 32, 8), "sparse hb64 s2 w16": (True, 64, 2, 64, 64, 16)}
+ATTN_KNOBS = ("SPARSE_DECODE", "SPARSE_HEAD_BLOCK", "SPARSE_STAGES", "MIN_KEYS_PER_SPLIT", "SPARSE_BLOCK_S",
+              "SPARSE_WARPS")
 
 
-def set_variant(name):
-    dd.FP8_QUERY = VARIANTS[name]
+def set_attention(values):
+    for k, v in zip(ATTN_KNOBS, values):
+        setattr(attention, k, v)
 
 
-def run_case(B, L, rows, checks, variants, min_keys_list):
+def run_case(B, L, rows, checks, attn_variants, select_blocks, rank_blocks, scans):
     x = make(B, L, seed=B + L)
-    default = dd.FP8_QUERY
+    defaults = (dict(SELECT_BLOCK=dd.SELECT_BLOCK, RANK_BLOCK=dd.RANK_BLOCK, SCAN_BLOCK=dd.SCAN_BLOCK,
+                     SCAN_WARPS=dd.SCAN_WARPS),
+                tuple(getattr(attention, k) for k in ATTN_KNOBS))
+
+    def restore():
+        for k, v in defaults[0].items():
+            setattr(dd, k, v)
+        set_attention(defaults[1])
+
     idx = dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK)
     want = ref_topk(x, x["k_i"].float())
     o = dsa_decode(x["q_i"], x["w"], x["k_i"], x["q"], x["kv"])
@@ -116,23 +140,49 @@ def run_case(B, L, rows, checks, variants, min_keys_list):
     c = dict(case=f"B={B} L={L}", topk_overlap_bf16_vs_fp32_torch=overlap(idx, want),
              attn_rel_bf16_vs_torch=rel(o, o_ref),
              valid=bool(((idx >= 0).sum(-1) == TOPK).all()) and bool((idx.max() < L).item()))
-    c["ordered == torch fp32 sort (positions, fp8 + rerank)"] = bool(torch.equal(
-        dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"])[:, 0], want))
-    for name in variants:
-        set_variant(name)
-        for rr in (False, True):
-            k_exact = x["k_i"] if rr else None
-            tag = f"fp8 keys{' + rerank' if rr else ''} [{name}]"
-            try:
-                idx8 = dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=k_exact)
-                o8 = dsa_decode(x["q_i"], x["w"], x["k8"], x["q"], x["kv"], k_scale=x["ks"], k_exact=k_exact)
-            except Exception as e:  # noqa: BLE001  keep the other variants
-                print(f"# {tag} failed: {e!r}", flush=True)
-                continue
-            c[f"overlap {tag} vs bf16"] = overlap(idx8, idx)
-            c[f"overlap {tag} vs fp32 torch"] = overlap(idx8, want)
-            c[f"attn rel {tag} vs bf16"] = rel(o8, o)
-    dd.FP8_QUERY = default
+    def check(name, fn):
+        try:
+            c[name] = fn()
+        except Exception as e:  # noqa: BLE001  keep the other checks
+            c[name] = f"failed: {e!r}"[:300]
+
+    for sb in select_blocks:
+        dd.SELECT_BLOCK = sb
+        check(f"same set, SELECT_BLOCK {sb}",
+              lambda: overlap(dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK), idx) == 1.0)
+    restore()
+    for sb, sw in scans[1:]:
+        dd.SCAN_BLOCK, dd.SCAN_WARPS = sb, sw
+        check(f"same set, scan {sb} keys / {sw} warps",
+              lambda: overlap(dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK), idx) == 1.0)
+    restore()
+    def rerank_order():
+        idx8 = dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"])
+        return bool(torch.equal(idx8[:, 0], want))
+
+    for rb in rank_blocks:
+        dd.RANK_BLOCK = rb
+        check(f"ordered == torch fp32 sort (positions, fp8 + rerank, rank block {rb})", rerank_order)
+    restore()
+    check("overlap fp8 keys (no rerank) vs bf16",
+          lambda: overlap(dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"]), idx))
+    check("overlap fp8 keys + rerank vs bf16", lambda: overlap(dsa_decode_topk(
+        x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"]), idx))
+    check("overlap fp8 keys + rerank vs fp32 torch", lambda: overlap(dsa_decode_topk(
+        x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"]), want))
+    check("attn rel fp8 keys + rerank vs bf16", lambda: rel(dsa_decode(
+        x["q_i"], x["w"], x["k8"], x["q"], x["kv"], k_scale=x["ks"], k_exact=x["k_i"]), o))
+
+    def attn_rel():
+        oo = torch.empty(B, 1, H, DV, dtype=torch.bfloat16, device=DEV)
+        launch_mla(x["q"], x["kv"], None, want[:, None], oo, absorbed=True, causal=True, scale=SCALE, v_dim=DV,
+                   dense_max_keys=None)
+        return rel(oo, o_ref)
+
+    for name in attn_variants:
+        set_attention(ATTN_VARIANTS[name])
+        check(f"attn rel [{name}] vs torch", attn_rel)
+    restore()
     checks.append(c)
     print("CHECK", c, flush=True)
 
@@ -176,18 +226,7 @@ def run_case(B, L, rows, checks, variants, min_keys_list):
         s = sets[i]
         return dsa_decode(s["q_i"], s["w"], s["k8"], s["q"], s["kv"], k_scale=s["ks"], k_exact=s["k_i"])
 
-    idx_prev = [torch.empty(B, 1, TOPK, dtype=torch.int64, device="cuda") for _ in sets]
-
-    def topk_previous(i):           # the current k3c dsa_index_topk: score kernel + torch.topk on int64 sort keys
-        s = sets[i]
-        launch_dsa_index_topk(s["q_i"][:, None], s["w"][:, None], s["k_i"], idx_prev[i], topk=TOPK)
-
-    def topk_torch(i):              # torch eager: fp32 scores + torch.topk
-        s = sets[i]
-        sc = torch.einsum("bj,bjs->bs", s["w"], torch.einsum("bjd,bsd->bjs", s["q_i"], s["k_i"]).float().relu())
-        return torch.topk(sc, TOPK, dim=-1).indices
-
-    out_attn = [torch.empty(B, 1, H, DV, dtype=torch.bfloat16, device="cuda") for _ in sets]
+    out_attn = [torch.empty(B, 1, H, DV, dtype=torch.bfloat16, device=DEV) for _ in sets]
     idx_all = [topk_bf16(i) for i in range(n_sets)]
 
     def attn_only(i):
@@ -195,22 +234,29 @@ def run_case(B, L, rows, checks, variants, min_keys_list):
         launch_mla(s["q"], s["kv"], None, idx_all[i], out_attn[i], absorbed=True, causal=True, scale=SCALE,
                    v_dim=DV, dense_max_keys=None)
 
-    timed("k3c index scan + radix top-k, bf16 keys", topk_bf16, idx_bytes)
-    for name in variants:
-        set_variant(name)
-        timed(f"k3c index scan + radix top-k, fp8 keys [{name}]", topk_fp8, idx8_bytes)
-        timed(f"k3c index scan + radix top-k, fp8 keys + rerank [{name}]", topk_fp8_rerank, idx8_bytes + rerank_bytes)
-    dd.FP8_QUERY = default
-    min_keys = attention.MIN_KEYS_PER_SPLIT
-    for mk in min_keys_list:
-        attention.MIN_KEYS_PER_SPLIT = mk
-        timed(f"k3c sparse latent attention (2048 rows), MIN_KEYS_PER_SPLIT {mk}", attn_only, attn_bytes)
-    attention.MIN_KEYS_PER_SPLIT = min_keys
+    for sb in select_blocks:
+        dd.SELECT_BLOCK = sb
+        timed(f"k3c index scan + radix top-k, bf16 keys, SELECT_BLOCK {sb}", topk_bf16, idx_bytes)
+    restore()
+    for sb, sw in scans:
+        dd.SCAN_BLOCK, dd.SCAN_WARPS = sb, sw
+        if (sb, sw) != scans[0]:
+            timed(f"k3c index scan + radix top-k, bf16 keys, scan {sb} keys / {sw} warps", topk_bf16, idx_bytes)
+        timed(f"k3c index scan + radix top-k, fp8 keys [fp8 q], no rerank, scan {sb} keys / {sw} warps", topk_fp8,
+              idx8_bytes)
+    restore()
+    for rb in rank_blocks:
+        dd.RANK_BLOCK = rb
+        timed(f"k3c index scan + radix top-k, fp8 keys + rerank (rank block {rb})", topk_fp8_rerank,
+              idx8_bytes + rerank_bytes)
+    restore()
+    for name in attn_variants:
+        set_attention(ATTN_VARIANTS[name])
+        timed(f"k3c sparse latent attention (2048 rows) [{name}]", attn_only, attn_bytes)
+    restore()
     for name, fn, nbytes in (("k3c DSA decode: top-k + attention, bf16 keys", full_bf16, idx_bytes + attn_bytes),
                              ("k3c DSA decode: top-k + attention, fp8 keys + rerank", full_fp8_rerank,
-                              idx8_bytes + rerank_bytes + attn_bytes),
-                             ("previous k3c dsa_index_topk (score kernel + torch.topk)", topk_previous, idx_bytes),
-                             ("torch eager scores + torch.topk", topk_torch, idx_bytes)):
+                              idx8_bytes + rerank_bytes + attn_bytes)):
         timed(name, fn, nbytes)
     profile(f"B={B} L={L} bf16", lambda: full_bf16(0))
     profile(f"B={B} L={L} fp8 + rerank", lambda: full_fp8_rerank(0))
@@ -219,17 +265,24 @@ def run_case(B, L, rows, checks, variants, min_keys_list):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
-    ap.add_argument("--cases", default="1x131072,1x1048576,16x131072")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="fp8-key scan variants (FP8_QUERY) to time")
-    ap.add_argument("--min-keys", default="256,128,64,32", help="attention.MIN_KEYS_PER_SPLIT values to time")
+    ap.add_argument("--cases", default="1x1048576,16x131072,1x131072")
+    ap.add_argument("--attention", default="sparse hb32 s2,sparse hb64 s2,sparse hb32 s2 bs32,sparse hb64 s2 w16,"
+                    "sparse hb64 s2 bs32",
+                    help="attention variants to time (ATTN_VARIANTS; all: --attention all)")
+    ap.add_argument("--select-blocks", default="1024", help="dsa_decode.SELECT_BLOCK values to time, the default first")
+    ap.add_argument("--scans", default="128:4",
+                    help="dsa_decode (SCAN_BLOCK:SCAN_WARPS) to time, the default first")
+    ap.add_argument("--rank-blocks", default="32,64", help="dsa_decode.RANK_BLOCK values to time, the default first")
     args = ap.parse_args()
-    variants = [v for v in args.variants.split(",") if v]
-    min_keys_list = [int(v) for v in args.min_keys.split(",") if v]
+    attn_variants = list(ATTN_VARIANTS) if args.attention == "all" else [v for v in args.attention.split(",") if v]
+    select_blocks = [int(v) for v in args.select_blocks.split(",") if v]
+    rank_blocks = [int(v) for v in args.rank_blocks.split(",") if v]
+    scans = [tuple(int(p) for p in v.split(":")) for v in args.scans.split(",") if v]
     rows, checks = [], []
     for case in args.cases.split(","):
         B, L = (int(v) for v in case.split("x"))
         try:
-            run_case(B, L, rows, checks, variants, min_keys_list)
+            run_case(B, L, rows, checks, attn_variants, select_blocks, rank_blocks, scans)
         except Exception as e:  # noqa: BLE001  keep the other cases
             import traceback
             traceback.print_exc()

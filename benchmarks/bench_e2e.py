@@ -82,6 +82,8 @@ def main():
                          "in the artifact); mxfp4 writes OUT/bench_e2e_mxfp4.json")
     ap.add_argument("--skip", default="", help="comma-separated phases to skip: finalize, first_logits, long, "
                                                "eager, torch_compile, numerics, bf16_build (mxfp4 only)")
+    ap.add_argument("--kda-state", choices=("f32", "bf16"), default="f32",
+                    help="storage of the KDA recurrent state (k3c compile --kda-state; the HBM floor counts it)")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     out_name = "bench_e2e.json" if a.experts == "dense" else "bench_e2e_mxfp4.json"
@@ -138,12 +140,13 @@ def main():
                 torch.cuda.empty_cache()
     with phase("compile"):
         opts = CompileOptions(str(ckpt), art, target="h200", max_batch=64, max_seq=a.max_seq,
-                              max_prefill=a.max_prefill, dtype="bf16")
+                              max_prefill=a.max_prefill, dtype="bf16", kda_state_dtype=a.kda_state)
         summary = compile_model(opts)
         res["compile"] = {"seconds": summary["seconds"], "kernels": summary["kernels"],
                           "arena_gib": {e: b / 2**30 for e, b in summary["arena"].items()},
                           "pools_gib": sum(summary["pools"].values()) / 2**30,
-                          "bounds": {"max_batch": 64, "max_seq": a.max_seq, "max_prefill": a.max_prefill}}
+                          "bounds": {"max_batch": 64, "max_seq": a.max_seq, "max_prefill": a.max_prefill},
+                          "kda_state": a.kda_state}
     with phase("load_and_finalize"):
         # finalize: compile the kernels on a warm-up and add them to the artifact
         session = k3c.load(art, "cuda", finalize="finalize" not in skip)
@@ -185,7 +188,7 @@ def main():
                     for _ in range(300):
                         step()
                     torch.cuda.synchronize()
-                fb = floor_bytes(cfg, weights, B, L)
+                fb = floor_bytes(cfg, weights, B, L, 2 if a.kda_state == "bf16" else 4)
                 decode[f"B{B}_L{L}"] = {"k3c_ms": timed(step, 20) * 1e3, "floor_ms": fb / HBM_BPS * 1e3,
                                         "floor_gb": fb / 1e9}
                 d = decode[f"B{B}_L{L}"]

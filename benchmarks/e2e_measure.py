@@ -15,8 +15,9 @@ import torch
 HBM_BPS = 4.2e12  # the H200's achievable HBM read rate, bytes/s (measured; see BENCHMARKS.md)
 
 
-def floor_bytes(cfg, weights: dict, B: int, L: int) -> int:
-    """Bytes one decode step at batch B and context L must move (module docstring, item 3)."""
+def floor_bytes(cfg, weights: dict, B: int, L: int, state_bytes: int = 4) -> int:
+    """Bytes one decode step at batch B and context L must move (module docstring, item 3); the KDA recurrent
+    state at `state_bytes` per element (4: fp32, 2: `--kda-state bf16`), the conv state fp32."""
     E, k = cfg.num_experts, cfg.num_experts_per_token
     touched = 1 - (1 - k / E) ** B  # expected share of the routed experts a batch of B tokens selects
     total = 0
@@ -30,7 +31,7 @@ def floor_bytes(cfg, weights: dict, B: int, L: int) -> int:
     H, K = cfg.kda_num_heads, cfg.kda_head_dim
     for i in range(cfg.num_hidden_layers):
         if cfg.layer_kind(i) == "kda":
-            total += 2 * B * (H * K * K + 3 * H * K * cfg.conv_kernel_size) * 4  # states read and written, fp32
+            total += 2 * B * (H * K * K * state_bytes + 3 * H * K * cfg.conv_kernel_size * 4)  # read and written
         else:
             rows = min(L, cfg.index_topk) if cfg.layer_kind(i) == "dsa" else L
             total += B * rows * cfg.mla_cache_width * 2
@@ -58,8 +59,8 @@ def kind_of(kernel: str) -> str:
     k = kernel.lower()
     for kind, keys in (("moe experts (Triton)", ("moe_up", "moe_down")), ("moe (Triton)", ("moe_",)),
                        ("kda (Triton)", ("kda", "causal_conv", "roll_conv")),
-                       ("attention (Triton)", ("mla_attention", "mla_combine")),
-                       ("dsa indexer", ("dsa_score", "topk", "radix", "sort")), ("attn_res (Triton)", ("attn_res",)),
+                       ("attention (Triton)", ("mla_attention", "mla_combine", "mla_sparse_decode")),
+                       ("dsa indexer", ("dsa_", "topk", "radix", "sort")), ("attn_res (Triton)", ("attn_res",)),
                        ("pointwise / rowwise (Triton)", ("pointwise", "rowwise")),
                        ("gemm (cuBLAS)", ("gemm", "cutlass", "xmma", "cublas", "splitk", "nvjet", "sm90_")),
                        ("copy / fill", ("copy", "memcpy", "memset", "fill", "cat"))):

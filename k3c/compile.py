@@ -7,8 +7,10 @@ group is emitted as a module under `kernels/` (with `kernels/index.json`, the ke
 launch order with buffer names goes to `schedule.json`, the arena and pools to `plan.json`, per-op FLOPs / bytes and
 roofline times to `report.json`, and the weights (derived ones such as MLA's absorbed matrices materialised;
 routed experts as the checkpoint stores them, MXFP4 bits included, unless `experts_dtype` asks for a dequantized
-build) to `weights/params.safetensors` (byte counts: plan.json's "weights"); `--report` adds what the HTML report shows (`k3c.report.collect`: the IR after every
-pass, per-kernel costs) under `report/`. With `--tp N` the `parallel` phase splits the model (`k3c.parallel`);
+build) to `weights/params.safetensors` (byte counts: plan.json's "weights"); `--report` adds what the HTML report
+shows (`k3c.report.collect`: the IR after every pass, per-kernel costs) under `report/`. `kda_state_dtype` ("f32" |
+"bf16") is the KDA recurrent state's storage from the import on (its pool is half the bytes in bf16), recorded in
+the manifest. With `--tp N` the `parallel` phase splits the model (`k3c.parallel`);
 one graph, schedule and plan serve every rank (the same shapes: only weights and the collectives' values differ by
 rank), and rank r's weights go to `weights/rank{r}.safetensors`; the summary adds the bytes each rank communicates
 per decode step (`communication`). `--plan-only` skips kernels' weights (a config or preset without a checkpoint can
@@ -72,6 +74,7 @@ class CompileOptions:
     allow_oversize: bool = False
     experts_dtype: str | None = None  # routed experts: "mxfp4" or "bf16" (dense, in `dtype`); None: as the checkpoint
     all_logits: bool = False  # also compile `prefill_all` (prefill returning every position's logits)
+    kda_state_dtype: str = "f32"  # the KDA recurrent state's storage: "f32" or "bf16" (CompileContext)
 
 
 def compile_model(opts: CompileOptions, progress=None) -> dict:
@@ -111,7 +114,7 @@ def _compile(opts: CompileOptions, progress) -> dict:
     check_layout(cfg, opts.tp, opts.ep, fmt)
     ctx = CompileContext(target=load_target(opts.target), dtype=opts.dtype, max_batch=opts.max_batch,
                          max_seq=opts.max_seq, max_prefill=opts.max_prefill, tp=opts.tp, ep=opts.ep,
-                         backend=opts.backend, experts_dtype=fmt).resolve()
+                         backend=opts.backend, experts_dtype=fmt, kda_state_dtype=opts.kda_state_dtype).resolve()
     if cfg.max_position_embeddings and opts.max_seq > cfg.max_position_embeddings:
         raise ConfigError(f"--max-seq {opts.max_seq} exceeds the model's context of {cfg.max_position_embeddings} "
                           f"tokens (config: max_position_embeddings)")
@@ -133,7 +136,7 @@ def _compile(opts: CompileOptions, progress) -> dict:
             bindings[entry] = ectx.bounds
             g = import_model(model, "decode" if entry == "decode" else "prefill",
                              progress=lambda d, t, e=entry: tick(f"import {e}", d, t),
-                             logits="last" if entry == "prefill" else "all")
+                             logits="last" if entry == "prefill" else "all", kda_state=ctx.kda_state_dtype)
             # verify the result only; a --dump build (debugging) verifies after every pass, naming the pass at fault
             graphs[entry], report = run_pipeline(g, ctx=ectx, verify="each" if opts.dump else "end",
                                                  dump_dir=opts.dump / entry if opts.dump else None,
@@ -167,7 +170,8 @@ def _compile(opts: CompileOptions, progress) -> dict:
         if log is not None:
             made = {b.name for b in ctx.backends if b.generates}
             rows = {e: kernel_rows(groups[e], bindings[e], ctx.target, opts.dtype, made) for e in graphs}
-            options = {"model": cfg.name, "target": ctx.target.name, "dtype": opts.dtype, "tp": opts.tp,
+            options = {"model": cfg.name, "target": ctx.target.name, "dtype": opts.dtype,
+                       "kda_state_dtype": ctx.kda_state_dtype, "tp": opts.tp,
                        "max_batch": opts.max_batch, "max_seq": opts.max_seq, "max_prefill": opts.max_prefill,
                        "plan_only": opts.plan_only, "backends": [b.name for b in ctx.backends], "passes": passes}
             for path, data in report_files(log, rows, options).items():
@@ -191,7 +195,7 @@ def _compile(opts: CompileOptions, progress) -> dict:
         writer.commit(config=cfg.raw, target=ctx.target.to_dict(), tp=opts.tp, bounds=ctx.bounds_json,
                       entry_points={e: {"graph": f"graph/{e}.json"} for e in graphs},
                       extra={"k3c_version": __version__, "plan_only": opts.plan_only, "dtype": opts.dtype,
-                             "experts_dtype": ctx.experts_dtype,
+                             "experts_dtype": ctx.experts_dtype, "kda_state_dtype": ctx.kda_state_dtype,
                              "vocab_size": cfg.vocab_size, "ep": opts.ep})
     summary.update(arena={e: g.memory_plan.arena_bytes for e, g in graphs.items()},
                    lower_bound={e: g.memory_plan.lower_bound for e, g in graphs.items()},

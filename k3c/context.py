@@ -22,6 +22,8 @@ from k3c.errors import ConfigError
 #: entry points: `prefill` returns the last position's logits, `prefill_all` every position's (compiled on request)
 ENTRIES = ("prefill", "prefill_all", "decode")
 DTYPES = ("bf16", "f32")
+#: storage of the KDA recurrent state (`kda_state_dtype`): the kernels load it, compute in f32 and round it on store
+KDA_STATE_DTYPES = ("f32", "bf16")
 
 
 def bounds_bindings(entry: str, max_batch: int, max_seq: int, max_prefill: int) -> dict[str, int]:
@@ -39,6 +41,13 @@ def bounds_bindings(entry: str, max_batch: int, max_seq: int, max_prefill: int) 
     return {"B": max_batch, "T": T, "L": max_seq - T}
 
 
+def check_kda_state(dtype: str) -> str:
+    """`dtype` if it is one of KDA_STATE_DTYPES; else ConfigError naming the flag, the option and the choices."""
+    if dtype not in KDA_STATE_DTYPES:
+        raise ConfigError(f"--kda-state {dtype} (kda_state_dtype): expected one of {', '.join(KDA_STATE_DTYPES)}")
+    return dtype
+
+
 @dataclass(frozen=True)
 class CompileContext:
     """Options of one compile (see the module docstring).
@@ -49,7 +58,9 @@ class CompileContext:
     rank: this rank's index in [0, tp). backend: the preferred code-generating backend ("triton", "tvm"), None for
     the target's own order. backends: resolved backend objects in claim order (filled by `resolve`).
     experts_dtype: storage of routed experts ("bf16" keeps them dense; "mxfp4" keeps a 4-bit checkpoint 4-bit;
-    None: as the checkpoint stores them).
+    None: as the checkpoint stores them). kda_state_dtype: storage of the KDA recurrent state S [B,H,K,V] in its
+    pool ("f32" | "bf16": half the bytes; every update still computes in f32 and rounds the new state once per
+    call, `kda_fused_ref`); independent of `dtype` (an f32 model with a bf16 state keeps everything else f32).
     """
 
     target: Any = None
@@ -63,11 +74,13 @@ class CompileContext:
     rank: int = 0
     backend: str | None = None
     experts_dtype: str | None = None
+    kda_state_dtype: str = "f32"
     backends: tuple = field(default=(), compare=False)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype}: expected one of {', '.join(DTYPES)}")
+        check_kda_state(self.kda_state_dtype)
         for flag, v in (("--tp", self.tp), ("--ep", self.ep)):
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{flag} {v}: expected an integer >= 1")

@@ -10,8 +10,8 @@ and a roofline estimate of one decode step. Assumptions, each stated where it is
   fp32 for the published fp32 parameters, bf16 for the rest;
 - a decode step reads every non-expert weight once, and the experts that the batch touches: with uniform routing,
   the expected number of distinct experts of E chosen by B tokens taking k each is E·(1 − (1 − k/E)^B);
-- caches: KDA state read + written (fp32), MLA latent read for every visible token (DSA: the top-k only, plus the
-  index keys of every token), per `k3c.memory.pools`;
+- caches: KDA state read + written (in `kda_state_dtype`: f32 by default, bf16 half the bytes), MLA latent read
+  for every visible token (DSA: the top-k only, plus the index keys of every token), per `k3c.memory.pools`;
 - FLOPs: 2 per active parameter per token, plus attention (latent scores and outputs, indexer scores);
 - tensor parallelism adds, per layer, two reduce-scatter + all-gather pairs over tokens of [B, D] bf16 (the
   `split_allreduce` form: each rank holds ceil(B/tp) rows), ring cost 2 · 2·(tp−1)·ceil(B/tp)·D·2 bytes / link
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from k3c.context import check_kda_state
 from k3c.errors import ConfigError
 from k3c.ir.formats import MXFP4_BITS
 from k3c.memory.pools import cache_pools, pools_total_bytes
@@ -102,13 +103,16 @@ def weights(cfg: K3Config, tp: int = 1, experts_dtype: str | None = None) -> Wei
 
 
 def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 1, max_seq: int = 1 << 20,
-             context: int | None = None, dtype: str = "bfloat16", experts_dtype: str | None = None) -> Estimate:
+             context: int | None = None, dtype: str = "bfloat16", experts_dtype: str | None = None,
+             kda_state_dtype: str = "f32") -> Estimate:
     """Memory per GPU and a decode-step roofline for `cfg` on `tp` GPUs of `target` (see the module docstring).
 
     max_batch / max_seq bound the caches; the decode step is estimated at batch `max_batch` and `context` cached
-    tokens (default max_seq); routed experts sized as `experts_dtype` (see `weights`). Raises ConfigError for
-    tp < 1, bounds < 1, max_seq beyond the model's context, a context outside [0, max_seq] or a bad experts dtype.
+    tokens (default max_seq); routed experts sized as `experts_dtype` (see `weights`); the KDA state stored as
+    `kda_state_dtype` ("f32" | "bf16", `k3c compile --kda-state`). Raises ConfigError for tp < 1, bounds < 1,
+    max_seq beyond the model's context, a context outside [0, max_seq], a bad experts or KDA state dtype.
     """
+    check_kda_state(kda_state_dtype)
     target = load_target(target)
     if tp < 1 or max_batch < 1 or max_seq < 1:
         raise ConfigError(f"tp ({tp}), max_batch ({max_batch}) and max_seq ({max_seq}) must be >= 1")
@@ -130,18 +134,18 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     pools = cache_pools(max_batch=max_batch, max_seq=max_seq, kda_layers=n_kda, kda_heads=-(-cfg.kda_num_heads // tp),
                         kda_head_dim=cfg.kda_head_dim, kda_conv_kernel=cfg.conv_kernel_size, global_layers=n_global,
                         kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim, dsa_layers=n_dsa,
-                        index_head_dim=cfg.index_head_dim)
+                        index_head_dim=cfg.index_head_dim, state_dtype=kda_state_dtype)
     pool_bytes = pools_total_bytes(pools)
     weight_gpu = w.bytes_per_rank
     # decode step, per GPU
     B, L = max_batch, context
     touched = E * (1 - (1 - k / E) ** B) if E else 0
     w_read = (weight_bytes - expert_bytes - cfg.vocab_size * cfg.hidden_size * 2) + touched * per_expert * moe_layers
-    kda_state = pools["kda_state"].nbytes // max_batch * B if n_kda else 0
+    kda_state = pools["kda_state"].nbytes // max_batch * B if n_kda else 0  # one rank's heads (pools are per rank)
     lat = cfg.mla_cache_width * 2
     attn_tokens = min(L, cfg.index_topk) if n_dsa else L
     kv_read = B * ((n_global - n_dsa) * L * lat + n_dsa * (attn_tokens * lat + L * cfg.index_head_dim))
-    bytes_gpu = (w_read + 2 * kda_state + kv_read) / tp
+    bytes_gpu = (w_read + kv_read) / tp + 2 * kda_state
     H = cfg.num_attention_heads
     attn_flops = B * n_global * 2 * H * attn_tokens * (cfg.mla_cache_width + cfg.kv_lora_rank)
     attn_flops += B * n_dsa * 2 * cfg.index_num_heads * cfg.index_head_dim * L

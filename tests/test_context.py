@@ -21,7 +21,9 @@ def test_bounds_per_entry():
 
 @pytest.mark.parametrize("kw,field", [({"dtype": "f16"}, "--dtype"), ({"tp": 0}, "--tp"), ({"ep": -1}, "--ep"),
                                       ({"max_prefill": 9, "max_seq": 8}, "--max-prefill"),
-                                      ({"max_batch": 0}, "--max-batch"), ({"tp": 2, "rank": 2}, "rank")])
+                                      ({"max_batch": 0}, "--max-batch"), ({"tp": 2, "rank": 2}, "rank"),
+                                      ({"kda_state_dtype": "fp8"},
+                                       r"^--kda-state fp8 \(kda_state_dtype\): expected one of f32, bf16$")])
 def test_bad_options_name_the_flag(kw, field):
     with pytest.raises(ConfigError, match=field):
         CompileContext(**kw)

@@ -87,3 +87,19 @@ def test_experts_dtype_before_and_after():
     assert (estimate(cfg, "h200").min_gpus, estimate(cfg, "h200", experts_dtype="bf16").min_gpus) == (14, 48)
     with pytest.raises(ConfigError, match="expected mxfp4 or bf16"):
         weights(cfg, experts_dtype="fp8")
+
+
+def test_plan_counts_a_bf16_state_at_half_the_bytes():
+    """`k3c plan --kda-state bf16`: the state pool at 2 bytes per element instead of 4 (K3-SPEC "Sizes": K3.1 Pro's
+    69 x 96 x 128 x 128 x 2 B = 207 MiB per sequence), and a decode step, which reads and writes the whole state,
+    moves 2 x 2 bytes less per element."""
+    cfg = K3Config.from_pretrained("k3.1-pro-tiny")
+    for tp in (1, 2):  # each GPU holds, reads and writes the state of its own 1/tp of the heads
+        f32, bf16 = (estimate(cfg, "h200", tp, max_batch=16, max_seq=4096, kda_state_dtype=d) for d in ("f32", "bf16"))
+        n = 16 * sum(cfg.layer_kind(i) == "kda" for i in range(cfg.num_hidden_layers)) * cfg.kda_num_heads // tp * \
+            cfg.kda_head_dim ** 2
+        assert (f32.pools["kda_state"]["bytes"], bf16.pools["kda_state"]["bytes"]) == (4 * n, 2 * n)
+        assert f32.pool_bytes_per_gpu - bf16.pool_bytes_per_gpu == 2 * n
+        assert f32.decode_bytes_per_gpu - bf16.decode_bytes_per_gpu == pytest.approx(2 * 2 * n)
+    with pytest.raises(ConfigError, match=r"^--kda-state fp8 \(kda_state_dtype\): expected one of f32, bf16$"):
+        estimate(cfg, "h200", kda_state_dtype="fp8")

@@ -87,14 +87,19 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                                                   help="routed experts: mxfp4 (the checkpoint's 4-bit bits) or bf16 "
                                                        "(dequantized, stored in --dtype) [default: as the checkpoint]"),
                 all_logits: bool = typer.Option(False, "--all-logits", help="also compile prefill returning every "
-                                                "position's logits (prefill(tokens, logits='all'))")):
+                                                "position's logits (prefill(tokens, logits='all'))"),
+                kda_state: str = typer.Option("f32", "--kda-state", help="storage of the KDA recurrent state: f32 or "
+                                              "bf16 (half the pool bytes; computed in f32, rounded once per call; "
+                                              "Triton backend only)")):
     """Compile MODEL into an artifact: kernels, memory plan, schedule, weights, cost report."""
+    from k3c.context import check_kda_state
     from k3c.targets import load_target
     from models.config import K3Config
 
     # the cheap checks first: a wrong argument is reported before torch is imported
     K3Config.from_pretrained(model)
     load_target(target)
+    check_kda_state(kda_state)
     if dtype not in ("auto", "bf16", "f32"):
         raise K3CError(f"--dtype {dtype}: expected auto, bf16 or f32")
     if dtype == "auto":
@@ -114,7 +119,7 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
     max_prefill = min(1024, max_seq) if max_prefill is None else max_prefill
     opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype,
                           backend, report=report is not None, ep=ep, allow_oversize=allow_oversize,
-                          experts_dtype=experts_dtype, all_logits=all_logits)
+                          experts_dtype=experts_dtype, all_logits=all_logits, kda_state_dtype=kda_state)
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     with progress_bars() as progress:
         s = compile_model(opts, progress=progress)

@@ -13,12 +13,16 @@ parameters bound to the layer's own keys and the AttnRes block count N bound to 
 point; `import_model` joins the pieces as `K3DecoderLayer.forward` does (AttnRes read -> mixer -> residual add or
 seal -> AttnRes read -> MLP -> residual add; Kimi Linear: mixer and MLP on a plain residual stream).
 The result is one graph with:
-- inputs: `tokens` i64 [B,T] (T is 1 for decode), then the cache: per layer `layers.i.kda_state` f32 [B,H,K,K],
-  `layers.i.conv_state` f32 [B,3HK,W], `layers.i.kv` [B,L,kv_lora_rank+rope], `layers.i.index_k` [B,L,Dk];
+- inputs: `tokens` i64 [B,T] (T is 1 for decode), then the cache: per layer `layers.i.kda_state` [B,H,K,K] in
+  the storage dtype `kda_state` (f32 by default), `layers.i.conv_state` f32 [B,3HK,W], `layers.i.kv`
+  [B,L,kv_lora_rank+rope], `layers.i.index_k` [B,L,Dk];
 - params: keyed by the reference model's parameter names (the checkpoint key without `language_model.`;
   routed experts stacked as `...experts.w1` [E,I,D]);
 - outputs: `logits` [B,T,vocab] ([B,1,vocab] with `logits="last"`) and the new cache entries under the same names
   as the inputs.
+With `kda_state="bf16"` the state is stored in bf16 and computed in f32, as the model computes it: each KDA
+layer reads `cast(state, f32)` and its new state is `cast(new_state, bf16)`, rounded once per call (`fuse_kda`
+folds both casts into `kda_fused`).
 The cache's token count `pos` is kept by the runtime (the K3 family is NoPE: no op reads positions).
 Imported graphs are memoised on disk (`cache.py`, keyed by the config, parameter types and the importing code):
 torch.export runs only for a model this code has not imported before.
@@ -31,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from k3c.context import check_kda_state
 from k3c.errors import IRError, UnsupportedError
 from k3c.frontend import cache as memo
 from k3c.ir.graph import Graph, Value
@@ -51,16 +56,18 @@ def build_meta_model(cfg: K3Config | str) -> K3ForCausalLM:
 
 def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
                  progress: Callable[[int, int], None] | None = None, stats: dict | None = None,
-                 logits: str = "all") -> Graph:
+                 logits: str = "all", kda_state: str = "f32") -> Graph:
     """Import `model` (a module, a config or a preset/config path) into a k3c graph for `entry`.
 
     logits: "all" (every position's, as the model returns them) or "last" (the last position's: the head runs on
-    that row only; the same for decode, where T = 1). progress(done, total) is called per layer; stats (if given)
-    receives timings in seconds and node counts.
+    that row only; the same for decode, where T = 1). kda_state: the KDA state's storage dtype ("f32" | "bf16";
+    `CompileContext.kda_state_dtype`, see the module docstring). progress(done, total) is called per layer; stats
+    (if given) receives timings in seconds and node counts.
     The graph is memoised on disk (`k3c.frontend.cache`): a model imported before by the same code is read back
     (stats["cached"] is True then, and progress is called once).
-    Raises ConfigError (bad config), UnsupportedError (an op without a lowering, naming the model line).
+    Raises ConfigError (bad config or kda_state), UnsupportedError (an op without a lowering, naming the model line).
     """
+    check_kda_state(kda_state)
     if entry not in ENTRIES:
         raise UnsupportedError(f"entry point must be one of {', '.join(ENTRIES)}, found {entry!r}")
     if logits not in ("all", "last"):
@@ -70,13 +77,13 @@ def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
     else:
         cfg, params = model if isinstance(model, K3Config) else K3Config.from_pretrained(model), "meta"
     if entry == "decode":  # decode is prefill at T = 1: one export serves both entry points
-        build = lambda: specialize(import_model(model, "prefill", progress, stats), {"T": 1},  # noqa: E731
-                                   pass_name="import(decode)")
+        build = lambda: specialize(import_model(model, "prefill", progress, stats,  # noqa: E731
+                                                kda_state=kda_state), {"T": 1}, pass_name="import(decode)")
     else:
         build = lambda: _import_prefill(model if params != "meta" else build_meta_model(cfg),  # noqa: E731
-                                        progress, stats, logits)
+                                        progress, stats, logits, kda_state)
     t0 = time.perf_counter()
-    graph, hit = memo.memoized(memo.key(cfg.raw, cfg.name, params, entry, logits), build)
+    graph, hit = memo.memoized(memo.key(cfg.raw, cfg.name, params, entry, logits, kda_state), build)
     if hit:
         if progress:
             progress(cfg.num_hidden_layers, cfg.num_hidden_layers)
@@ -86,7 +93,7 @@ def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
     return graph
 
 
-def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: str) -> Graph:
+def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: str, kda_state: str) -> Graph:
     """The prefill graph of `import_model`, not memoised: export the pieces (`segments.py`), import them
     (`fx_import.py`) and join them."""
     from k3c.frontend.fx_import import FxImporter  # torch.export: only when the graph is not memoised
@@ -110,7 +117,7 @@ def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: 
     for i in range(cfg.num_hidden_layers):
         for k in layer_cache_keys(model, i):
             name = f"layers.{i}.{k}"
-            cache_in[name] = g.add_input(name, _cache_type(model, i, k))
+            cache_in[name] = g.add_input(name, _cache_type(model, i, k, kda_state))
     im = FxImporter(g)
     subs_memo: dict[tuple, dict] = {}
 
@@ -142,7 +149,8 @@ def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: 
             param(prefix + key)
         layer_param = lambda fqn, prefix=prefix: param(prefix + fqn[len("layer."):])  # noqa: E731
         keys = layer_cache_keys(model, i)
-        caches = [cache_in[f"layers.{i}.{k}"] for k in keys]
+        caches = [_state_cast(g, cache_in[f"layers.{i}.{k}"], "f32", i) if k == "kda_state" else
+                  cache_in[f"layers.{i}.{k}"] for k in keys]
         if attn_res:  # K3DecoderLayer.forward: AttnRes read, mixer, seal or add, AttnRes read, MLP, add
             x, sources = attn_res_read(i, "self_attention", blocks, h, n_blocks)
             out, *new = run(mixer_segment(model, i), [x] + caches, layer_param, i, f"l{i}")
@@ -159,7 +167,7 @@ def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: 
             (y,) = run(ffn_segment(model, i), [h], layer_param, i, f"l{i}")
             h = residual_add(h, y, i)
         for k, v in zip(keys, new):
-            g.set_output(f"layers.{i}.{k}", v)
+            g.set_output(f"layers.{i}.{k}", _state_cast(g, v, kda_state, i) if k == "kda_state" else v)
         if progress:
             progress(i + 1, cfg.num_hidden_layers)
     head_param = lambda fqn: param(fqn if fqn.startswith("lm_head") else "model." + fqn)  # noqa: E731
@@ -173,6 +181,15 @@ def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: 
         stats.update(export_s=t1 - t0, import_s=time.perf_counter() - t1, nodes=len(g.nodes), segments=len(segs),
                      cached=False)
     return g
+
+
+def _state_cast(g: Graph, state: Value, to: str, layer: int) -> Value:
+    """`state` as `to`: a `cast` node of `g` where the storage dtype differs (--kda-state bf16), else itself."""
+    if state.type.dtype == to:
+        return state
+    meta = {"source": f"k3c.frontend (KDA state stored as {state.type.dtype if to == 'f32' else to}, computed "
+                      f"in f32)", "layer": layer, "pass": "import"}
+    return g.add_node("cast", [state], {"to": to}, name_hint=f"l{layer}.kda_state", meta=meta)[0]
 
 
 def _last_row(g: Graph, x: Value, axis: int) -> Value:
@@ -203,11 +220,11 @@ _ROLE_AXES = {"tokens": ("B", "T"), "h": ("B", "T", None), "partial": ("B", "T",
               "cache.kda_state": ("B", None, None, None), "cache.conv_state": ("B", None, None)}
 
 
-def _cache_type(model: K3ForCausalLM, i: int, key: str) -> TensorType:
+def _cache_type(model: K3ForCausalLM, i: int, key: str, kda_state: str) -> TensorType:
     cfg = model.config
     H, K, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size
     dt = dtype_of(model.dtype)
-    return {"kda_state": TensorType(("B", H, K, K), "f32"), "conv_state": TensorType(("B", 3 * H * K, W), "f32"),
+    return {"kda_state": TensorType(("B", H, K, K), kda_state), "conv_state": TensorType(("B", 3 * H * K, W), "f32"),
             "kv": TensorType(("B", "L", cfg.mla_cache_width), dt),
             "index_k": TensorType(("B", "L", cfg.index_head_dim), dt)}[key]
 

@@ -59,10 +59,11 @@ def code_digest() -> str:
     return h.hexdigest()
 
 
-def key(config_raw: dict, name: str, params: list | str, entry: str, logits: str) -> str:
-    """The memo key of one import: `params` is [(name, dtype, shape)] of the model's parameters, or "meta"."""
+def key(config_raw: dict, name: str, params: list | str, entry: str, logits: str, kda_state: str = "f32") -> str:
+    """The memo key of one import: `params` is [(name, dtype, shape)] of the model's parameters, or "meta";
+    `kda_state` the KDA state's storage dtype."""
     doc = json.dumps({"config": config_raw, "name": name, "params": params, "entry": entry, "logits": logits,
-                      "code": code_digest()}, sort_keys=True, default=str)
+                      "kda_state": kda_state, "code": code_digest()}, sort_keys=True, default=str)
     return hashlib.sha256(doc.encode()).hexdigest()[:32]
 
 

@@ -6,7 +6,8 @@ parallelism pass the per-rank head counts (KDA heads are sharded; the MLA latent
 shared by all heads, so they are replicated per rank).
 
 Pools (shapes; B = max_batch, S = max_seq):
-- kda_state       [L_kda, B, H, K, V]   recurrent state S of the delta rule (K3-SPEC "KDA layer"; fp32 by default)
+- kda_state       [L_kda, B, H, K, V]   recurrent state S of the delta rule (K3-SPEC "KDA layer"; fp32 by default,
+                                        bf16 with `k3c compile --kda-state bf16`)
 - kda_conv        [L_kda, B, 3·H·K, W]  last W inputs of the q, k and v short convolutions (kernel W = 4)
 - mla_latent_kv   [L_global, B, S, kv_lora_rank + qk_rope_head_dim]   576 values per token (K3-SPEC "Gated MLA")
 - dsa_index_keys  [L_dsa, B, S, index_head_dim]   the indexer's key per token (K3-SPEC "Gated DSA"; FP8 default)
@@ -26,8 +27,8 @@ DTYPE_BYTES = {
     "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1, "int32": 4, "int64": 8,
 }
-_ALIASES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
-            "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+_ALIASES = {"fp64": "float64", "fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16",
+            "half": "float16", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def dtype_name(dtype: str) -> str:

@@ -1,4 +1,5 @@
-"""Helpers shared by several passes: recognisers of normalisation chains, node-order surgery, and the
+"""Helpers shared by several passes: recognisers of normalisation chains, the kernel former's classes of nodes
+(elementwise, row ops: `form_kernels`, `sink_views`), node-order surgery, and the
 tensor-parallel rewrites that shard_tp and shard_experts share (parameter shards, collectives behind a value,
 per-rank id maps).
 
@@ -8,7 +9,7 @@ Passes do not import each other; what two of them need lives here (or, for gener
 
 from __future__ import annotations
 
-from k3c.errors import ConfigError, IRError
+from k3c.errors import ConfigError, IRError, UnsupportedError
 from k3c.ir.graph import Graph, Node, Value
 from k3c.ir.rewrite import P, X, match
 from k3c.ir.types import TensorType, dims_equal
@@ -149,3 +150,53 @@ def local_rows(graph: Graph, key: str, ids: Value, before: Node, pass_name: str,
         local = graph.add("embedding", rmap, ids, name_hint=f"{ids.name}.local", meta=meta)
         return graph.add("reshape", local, shape=[d if isinstance(d, int) else str(d) for d in ids.type.shape],
                          name_hint=f"{ids.name}.local", meta=meta)
+
+
+# ---- node classes of the kernel former (form_kernels, sink_views) ----------------------------------------------
+#: Row ops always over the last dim / with a `dim` attr / with a `dims` attr.
+NORM_ROW_OPS = frozenset({"rms_norm", "layer_norm"})
+DIM_ROW_OPS = frozenset({"l2norm", "softmax"})
+REDUCE_ROW_OPS = frozenset({"sum", "mean", "amax", "amin"})
+ROW_DTYPES = frozenset({"f32", "bf16", "f16"})
+#: The generated pointwise kernels index through per-dim broadcast strides for at most this many dims.
+MAX_POINTWISE_RANK = 5
+
+
+def _op_kind(op: str) -> str:
+    from k3c.ir.ops import get_op
+
+    try:
+        return get_op(op).kind
+    except UnsupportedError:
+        return "other"
+
+
+def is_elementwise(node: Node) -> bool:
+    """True when `node` can be computed by a generated pointwise kernel: a registry elementwise op other than
+    `copy` (a view-backend copy), one output of rank <= 5, no fp8 value."""
+    if node.op == "copy" or _op_kind(node.op) != "elementwise" or len(node.outputs) != 1:
+        return False
+    vals = list(node.inputs) + node.outputs
+    return all(v.type.dtype != "f8e4m3" for v in vals) and node.outputs[0].type.rank <= MAX_POINTWISE_RANK
+
+
+def is_row_op(node: Node) -> bool:
+    """True when `node` is a norm / softmax / reduction over the last dim of a tensor of rank >= 1, with only
+    f32/bf16/f16 inputs and outputs."""
+    x = node.inputs[0].type if node.inputs else None
+    if x is None or x.rank < 1 or any(v.type.dtype not in ROW_DTYPES for v in node.inputs + node.outputs):
+        return False
+    if node.op in NORM_ROW_OPS:
+        return True
+    if node.op in DIM_ROW_OPS:
+        return node.attrs["dim"] % x.rank == x.rank - 1
+    if node.op in REDUCE_ROW_OPS:
+        dims = node.attrs["dims"]
+        dims = list(range(x.rank)) if dims is None else [d % x.rank for d in dims]
+        return dims == [x.rank - 1]
+    return False
+
+
+def same_shape(a: tuple, b: tuple) -> bool:
+    """Provably equal symbolic shapes (same rank, every dim equal)."""
+    return len(a) == len(b) and all(dims_equal(x, y) for x, y in zip(a, b))

@@ -14,11 +14,15 @@ prefill and decode share the stored tensor and artifacts stay byte-identical; pa
 are dropped (`prune_unused_params`), so a cast weight is stored once, in its folded dtype. A node is not folded
 when its result would be more than twice the bytes of its inputs (a broadcast product of weights is cheaper to
 recompute than to store). Runs before `shard_tp`, so a folded weight shards like the weight it came from.
-O(nodes).
+A `cat` or `stack` of parameters copies at every call; it is folded too (Block AttnRes stacks one query row per
+sublayer into `attn_res.queries`), when every source is replicated over tensor-parallel ranks (the stacked key
+has no split of its own). A key longer than MAX_KEY characters keeps its first source and op and ends in a
+hash of the full spelling (the recipe in `graph.derived_params` lists every source). O(nodes).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -27,12 +31,17 @@ from k3c.ir.graph import Graph, Node, Value
 from k3c.ir.ops import get_op
 from k3c.ir.rewrite import dce_in_place
 from k3c.ir.types import nbytes
+from k3c.parallel import REPLICATED, param_split
 from k3c.passes.derived import add_derived_param, prune_unused_params
 from k3c.passes.pipeline import register_pass
 
 PASS = "fold_params"
 #: a folded result may be at most this many times its inputs' bytes (a bf16 -> f32 cast is 2)
 MAX_GROWTH = 2
+#: shape ops that copy their inputs at run time (the others are views)
+COPYING = frozenset({"cat", "stack"})
+#: longest spelled key; longer ones end in a hash
+MAX_KEY = 200
 
 
 def _nbytes(v: Value) -> int:
@@ -44,10 +53,14 @@ def _key(n: Node, sources: list[str]) -> str:
     other sources (`<src0>.<op>[-<attr values>][.<src1>...]`, in the characters value names allow)."""
     vals = "-".join(re.sub(r"[^\w.\-]", "", json.dumps(n.attrs[k], sort_keys=True)) for k in sorted(n.attrs)
                     if n.attrs[k] is not None and n.attrs[k] is not False)
-    return ".".join([sources[0], n.op + (f"-{vals}" if vals else "")] + sources[1:])
+    key = ".".join([sources[0], n.op + (f"-{vals}" if vals else "")] + sources[1:])
+    if len(key) <= MAX_KEY:
+        return key
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return f"{sources[0]}.{n.op}{f'-{vals}' if vals else ''}.{len(sources) - 1}-more-{digest}"
 
 
-def _foldable(graph: Graph, n: Node, key_of: dict[Value, str]) -> bool:
+def _foldable(graph: Graph, n: Node, key_of: dict[Value, str], ctx: CompileContext) -> bool:
     if len(n.outputs) != 1 or not n.inputs or any(v not in key_of for v in n.inputs):
         return False
     y = n.outputs[0]
@@ -56,9 +69,13 @@ def _foldable(graph: Graph, n: Node, key_of: dict[Value, str]) -> bool:
     kind = get_op(n.op).kind
     if kind == "elementwise":
         return True
-    # a view of weights is folded only into the elementwise computation that reads it: a weight a GEMM reads
-    # through a reshape stays the checkpoint's tensor
-    return kind == "shape" and all(get_op(u.op).kind == "elementwise" for u in graph.users(y))
+    if kind != "shape":
+        return False
+    if n.op in COPYING:
+        return all(param_split(key_of[v], ctx.ep) == REPLICATED for v in n.inputs)
+    # a view of weights is folded only into a computation or copy that reads it: a weight a GEMM reads through a
+    # reshape stays the checkpoint's tensor
+    return all(get_op(u.op).kind == "elementwise" or u.op in COPYING for u in graph.users(y))
 
 
 @register_pass(PASS)
@@ -66,7 +83,7 @@ def fold_params(graph: Graph, ctx: CompileContext) -> Graph:
     key_of = {v: k for k, v in graph.params.items()}
     folded = []
     for n in list(graph.nodes):                 # topological: a folded node's users come after it
-        if not _foldable(graph, n, key_of):
+        if not _foldable(graph, n, key_of, ctx):
             continue
         sources = [key_of[v] for v in n.inputs]
         key = _key(n, sources)

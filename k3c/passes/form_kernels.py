@@ -26,57 +26,13 @@ from k3c.context import CompileContext
 from k3c.errors import UnsupportedError
 from k3c.ir.graph import Graph, Node, Value, describe
 from k3c.ir.kernels import KernelSpan
-from k3c.ir.types import dims_equal
+from k3c.passes.common import is_elementwise, is_row_op, same_shape
 from k3c.passes.pipeline import register_pass
 
 MODEL_OPS = frozenset({"kda_fused", "mla_attention", "dsa_index_topk", "attn_res_inter", "attn_res_merge",
                        "moe_route", "moe_experts"})
 VIEW_OPS = frozenset({"reshape", "unsqueeze", "squeeze", "select", "slice", "expand", "transpose", "permute",
                       "split", "cat", "stack", "pad", "copy", "cache_write", "cache_append"})
-#: Row ops always over the last dim / with a `dim` attr / with a `dims` attr.
-NORM_ROW_OPS = frozenset({"rms_norm", "layer_norm"})
-DIM_ROW_OPS = frozenset({"l2norm", "softmax"})
-REDUCE_ROW_OPS = frozenset({"sum", "mean", "amax", "amin"})
-ROW_DTYPES = frozenset({"f32", "bf16", "f16"})
-#: The generated pointwise kernels index through per-dim broadcast strides for at most this many dims.
-MAX_POINTWISE_RANK = 5
-
-
-def _op_kind(op: str) -> str:
-    from k3c.ir.ops import get_op
-
-    try:
-        return get_op(op).kind
-    except UnsupportedError:
-        return "other"
-
-
-def is_elementwise(node: Node) -> bool:
-    """True when `node` can be computed by a generated pointwise kernel: a registry elementwise op other than
-    `copy` (a view-backend copy), one output of rank <= 5, no fp8 value."""
-    if node.op == "copy" or _op_kind(node.op) != "elementwise" or len(node.outputs) != 1:
-        return False
-    vals = list(node.inputs) + node.outputs
-    return all(v.type.dtype != "f8e4m3" for v in vals) and node.outputs[0].type.rank <= MAX_POINTWISE_RANK
-
-
-def is_row_op(node: Node) -> bool:
-    """True when `node` is a norm / softmax / reduction over the last dim of a tensor of rank >= 1, with only
-    f32/bf16/f16 inputs and outputs."""
-    x = node.inputs[0].type if node.inputs else None
-    if x is None or x.rank < 1 or any(v.type.dtype not in ROW_DTYPES for v in node.inputs + node.outputs):
-        return False
-    if node.op in NORM_ROW_OPS:
-        return True
-    if node.op in DIM_ROW_OPS:
-        return node.attrs["dim"] % x.rank == x.rank - 1
-    if node.op in REDUCE_ROW_OPS:
-        dims = node.attrs["dims"]
-        dims = list(range(x.rank)) if dims is None else [d % x.rank for d in dims]
-        return dims == [x.rank - 1]
-    return False
-
-
 def fusion_kind(node: Node) -> str:
     """The kind of group `node` starts or joins (module docstring): a model op's name, "rowwise", "pointwise", or
     the op's own name (a single-node launch: view, library)."""
@@ -87,11 +43,6 @@ def fusion_kind(node: Node) -> str:
     if is_elementwise(node):
         return "pointwise"
     return node.op
-
-
-def same_shape(a: tuple, b: tuple) -> bool:
-    """Provably equal symbolic shapes (same rank, every dim equal)."""
-    return len(a) == len(b) and all(dims_equal(x, y) for x, y in zip(a, b))
 
 
 def group_name(index: int, kind: str, entry: str | None = None) -> str:

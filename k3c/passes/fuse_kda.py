@@ -16,11 +16,13 @@ appear when the projections are bf16; norms may be the canonical ops or their de
     g  = mul(sigmoid(mul(a, f4)), lower_bound)                              K3 (gate="lower_bound")
     g  = mul(neg(a), softplus(f4))                                          Kimi Linear (gate="softplus")
     beta = sigmoid(cast?(b))                                                b = b_proj output [B,T,H]
-    (o, new_state) = kda_recurrence(q, k, v, g, beta, state) {scale=1}
+    (o, new_state) = kda_recurrence(q, k, v, g, beta, cast?(state, f32)) {scale=1}
     out = cast?(mul(reshape(rms_norm(o, o_norm, eps), [B,T,HK]), sigmoid(cast?(gate))))   -> o_proj's input
+    stored = cast?(new_state, bf16)        where the state is stored in bf16 (a bf16 `state`; `--kda-state bf16`)
 
 becomes `(out, new_state, new_cs) = kda_fused(qp, kp, vp, f, b, gate, wq, wk, wv, A_log, dt_bias, o_norm, state,
-conv_state) {heads=H, head_dim=K, gate, lower_bound, eps}`, placed just before the node that produced `out`; the
+conv_state) {heads=H, head_dim=K, gate, lower_bound, eps}` (state and new_state in the storage dtype: the
+casts of a bf16 state fold in, `kda_fused_ref`), placed just before the node that produced `out`; the
 matched nodes die. Every piece is checked (ops, attrs, shapes, the q/k/v channel order shared by the projections,
 the conv weights, the conv state and the split); a KDA layer that differs, or whose intermediate values are used
 outside the layer, raises `IRError` naming its `kda_recurrence` node and the piece. Nothing is skipped silently.
@@ -103,9 +105,8 @@ class _KDAMatch:
             raise self.fail(f"heads and head_dim must be static, q is {q4.type}")
         HK = H * K
         self.need_shape(v4, (B, T, H, K), "v (value head_dim must equal head_dim)")
+        state, new_state = self.stored_state(state, rec.outputs[1])
         self.need_shape(state, (B, H, K, K), "the recurrent state")
-        if state.type.dtype != "f32":
-            raise self.fail(f"the recurrent state is {state.type}, expected f32")
 
         # q = l2norm(q4) * K^-0.5 ; k = l2norm(k4)
         qs = self.take(q4, "mul", "q scaling (mul by K^-0.5)", 1)
@@ -230,7 +231,21 @@ class _KDAMatch:
         if lower_bound is not None:
             attrs["lower_bound"] = float(lower_bound)
         return {"inputs": [qp, kp, vp, f, b, gate, *wcat.inputs, a_log, dt_bias, o_norm, state, conv_state],
-                "attrs": attrs, "exits": [out, rec.outputs[1], new_cs]}
+                "attrs": attrs, "exits": [out, new_state, new_cs]}
+
+    def stored_state(self, state: Value, new: Value) -> tuple[Value, Value]:
+        """(state, new state) as stored: f32 ones as they are; a bf16 store, `cast(S_bf16, f32)` in and
+        `cast(new, bf16)` as the only reader of the new state, with both casts folded in."""
+        stored = self.uncast(state)
+        if stored.type.dtype == "f32" and stored is state:
+            return state, new
+        users = self.g.users(new)
+        if stored.type.dtype != "bf16" or len(users) != 1 or users[0].op != "cast" \
+                or users[0].attrs["to"] != "bf16" or self.g.is_output(new):
+            raise self.fail(f"the recurrent state must be f32, or bf16 read through cast(state, f32) with the new "
+                            f"state's only reader a cast to bf16; it is {stored.type}", state)
+        self.interior[id(users[0])] = users[0]
+        return stored, users[0].outputs[0]
 
     def l2(self, v: Value, name: str) -> Value:
         parts = l2_parts(self.g, v)

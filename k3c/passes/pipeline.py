@@ -9,7 +9,7 @@ every module of `k3c.passes` named in `PHASES`, so a new pass only needs its fil
     model     pack_experts, fuse_kda, lower_moe, lower_attn_res, absorb_mla, place_dsa, fold_params,
               canonicalize, dce           (canonicalize again: the lowerings leave cast round trips behind)
     parallel  shard_tp, shard_experts, split_allreduce   (no-ops at tp = 1; `k3c.parallel` is the layout)
-    kernels   fuse_gemms, bind_caches, form_kernels
+    kernels   fuse_gemms, bind_caches, sink_views, form_kernels
     memory    plan_memory
 
 A name that no module registers is an `IRError` naming the registered passes.
@@ -43,7 +43,7 @@ PHASES: dict[str, list[str]] = {
     "model": ["pack_experts", "fuse_kda", "lower_moe", "lower_attn_res", "absorb_mla", "place_dsa", "fold_params",
               "canonicalize", "dce"],
     "parallel": ["shard_tp", "shard_experts", "split_allreduce"],
-    "kernels": ["fuse_gemms", "bind_caches", "form_kernels"],
+    "kernels": ["fuse_gemms", "bind_caches", "sink_views", "form_kernels"],
     "memory": ["plan_memory"],
 }
 

@@ -32,7 +32,8 @@ class Facts:
     max_batch / max_seq / max_prefill: bounds in sequences and tokens. vocab: logits width. weights: name ->
     (torch dtype, shape) of every value the launches read that no launch or input provides. pools: name ->
     (torch dtype, shape at the bounds). arena_bytes: the largest entry's arena. triton_dtypes: dtype names of
-    the values Triton launches touch (the CPU bf16 guard)."""
+    the values Triton launches touch (the CPU bf16 guard), but the KDA states (`--kda-state bf16`: the kernels
+    widen the state to fp32 on load and round it on store; no bf16 tl.dot)."""
 
     max_batch: int
     max_seq: int
@@ -90,6 +91,8 @@ def derive(art) -> Facts:
         for entry, e in sched.items():
             types = e["values"]
             made = set(e["inputs"]) | {o for ln in e["launches"] for o in ln["outputs"]}
+            states = {n for n in e["inputs"] if n.endswith(".kda_state")} | \
+                {v for k, v in e["outputs"].items() if k.endswith(".kda_state")}
             for ln in e["launches"]:
                 for name in ln["inputs"]:
                     if name not in made and name not in weights:
@@ -98,7 +101,7 @@ def derive(art) -> Facts:
                             raise ArtifactError(f"schedule.json: weight {name!r} has a symbolic shape {t['shape']}")
                         weights[name] = (_dtype(t["dtype"], f"schedule.json: {entry} value {name!r}"), tuple(t["shape"]))
                 if ln["backend"] == "triton":
-                    triton.update(types[n]["dtype"] for n in ln["inputs"] + ln["outputs"])
+                    triton.update(types[n]["dtype"] for n in ln["inputs"] + ln["outputs"] if n not in states)
         full = {"B": max_batch, "L": max_seq, "T": 1}
         pools = {}
         for name in dec["inputs"]:

@@ -20,7 +20,8 @@ from k3c.frontend import import_model
 from k3c.ir import Graph, TensorType
 from k3c.ir.interp import interpret
 from k3c.ir.kernels import KernelSpan, kernel_groups
-from k3c.passes.form_kernels import MODEL_OPS, VIEW_OPS, form_kernels, is_elementwise, is_row_op, same_shape
+from k3c.passes.common import is_elementwise, is_row_op, same_shape
+from k3c.passes.form_kernels import MODEL_OPS, VIEW_OPS, form_kernels
 from k3c.passes.pipeline import random_inputs, run_pipeline
 
 PRESETS = [("k3-tiny", "decode"), ("k3-tiny", "prefill"), ("kimi-linear-tiny", "decode"),

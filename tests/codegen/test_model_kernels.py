@@ -260,6 +260,17 @@ def test_attn_res_inter_split_d(tmp_path):
               setup=lambda m: setattr(m, "TARGET_PROGRAMS", 64))
 
 
+def test_attn_res_merge_split_d(tmp_path):
+    """D = 200 in blocks of 64: each of 2 rows cut into 4 column ranges, each recomputing the row's logit."""
+    gen = torch.Generator().manual_seed(6)
+    Q, B, T, D = 2, 2, 1, 200
+    o, lse = rand(Q, B, T, D, gen=gen), rand(Q, B, T, gen=gen)
+    group = one_node_group("attn_res_merge", [((Q, B, T, D), "f32"), ((Q, B, T), "f32"), ((B, T, D), "f32"),
+                                              ((Q, D), "f32")], {"index": 1, "eps": 1e-5})
+    run_group(group, [o, lse, rand(B, T, D, gen=gen), rand(Q, D, s=0.1, gen=gen)], {}, tmp_path,
+              setup=lambda m: (setattr(m, "TARGET_PROGRAMS", 8), setattr(m, "MERGE_BLOCK_D", 64)))
+
+
 # ---- moe -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("renormalize,scaling", [(True, 2.5), (False, 1.0)])
 def test_moe_route_ties(renormalize, scaling, tmp_path):

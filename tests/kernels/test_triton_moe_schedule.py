@@ -14,7 +14,7 @@ DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRE
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from k3c.codegen.triton.moe import moe_schedule  # noqa: E402
+from k3c.codegen.triton import moe  # noqa: E402
 
 
 def reference(ids: torch.Tensor, E: int, BLOCK_M: int):
@@ -32,16 +32,24 @@ def reference(ids: torch.Tensor, E: int, BLOCK_M: int):
     return order, tiles
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("N,k,E,BLOCK_M,unused", [(1, 2, 8, 16, 0), (3, 2, 8, 16, 1), (16, 16, 32, 16, 0),
-                                                  (5, 4, 6, 2, 3), (64, 16, 32, 16, 0)])
-def test_schedule_matches_a_plain_construction(N, k, E, BLOCK_M, unused):
+                                                  (5, 4, 6, 2, 3), (4, 16, 896, 16, 5),
+                                                  (9, 3, 4, 2, 4)])
+def test_schedule_matches_a_plain_construction(N, k, E, BLOCK_M, unused, path):
+    """Both paths, including K3's 896 experts (the kernel's cost does not depend on E) and rows not a power of 2."""
+
     g = torch.Generator().manual_seed(N * 100 + k)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])  # distinct experts per token
     ids.view(-1)[torch.randperm(N * k, generator=g)[:unused]] = -1
-    order, tile_expert, row0, row_end = (t.cpu() for t in moe_schedule(ids.to(DEVICE), E, BLOCK_M))
+    order, tile_expert, row0, row_end = (t.cpu() for t in moe.moe_schedule(ids.to(DEVICE), E, BLOCK_M,
+                                                                                   use_kernel=path == "kernel"))
     want_order, want_tiles = reference(ids, E, BLOCK_M)
     assert order.tolist() == want_order
     assert tile_expert.tolist() == [t[0] for t in want_tiles]
     live = [i for i, t in enumerate(want_tiles) if t[0] < E]
     assert [row0[i].item() for i in live] == [want_tiles[i][1] for i in live]
     assert [row_end[i].item() for i in live] == [want_tiles[i][2] for i in live]
+    # `expert_tile` reads an unused tile's rows before its expert: the range must be empty (the GPU faulted on
+    # uninitialised bounds)
+    assert all(row0[i] >= row_end[i] for i in range(len(want_tiles)) if i not in live)

@@ -63,11 +63,16 @@ def test_weight_only_nodes_are_folded():
     assert gates and all(k[:-len(".cast-f32")] not in after.params for k in gates)  # stored once, as f32
     for k in gates:
         assert torch.equal(folded[k], w[k[:-len(".cast-f32")]].float())
-    i = 1
-    key = (f"model.layers.{i}.mlp_res_norm.weight.cast-f32.mul.model.layers.{i}.mlp_res_proj.weight.select-0-0"
-           ".cast-f32")
-    want = w[f"model.layers.{i}.mlp_res_norm.weight"].float() * w[f"model.layers.{i}.mlp_res_proj.weight"][0].float()
-    assert torch.equal(folded[key], want)
+    # Block AttnRes: the per-sublayer query rows (norm weight x projection row, models/layers.py) are stacked into
+    # one folded [Q, D] weight per block: every sublayer after the first, then the output, in order
+    n_layers = model.config.num_hidden_layers
+    names = [f"model.layers.{i}.{s}" for i in range(n_layers) for s in ("self_attention_res", "mlp_res")][1:]
+    want = torch.stack([w[f"{s}_norm.weight"].float() * w[f"{s}_proj.weight"][0].float()
+                        for s in names + ["model.output_attn_res"]])
+    queries = [n.inputs[0] for n in after.nodes if n.op == "attn_res_inter"]
+    assert queries and all(q in params for q in queries)
+    keys = list(dict.fromkeys(q.name for q in queries))
+    assert torch.equal(torch.cat([folded[k] for k in keys]), want)
 
 
 def test_prefill_and_decode_share_the_folded_keys():

@@ -10,6 +10,8 @@ mla_attention (flash-style online softmax over key blocks, fp32 accumulation, ba
   - idx [B, T, topk] (DSA): the program walks the topk slots of its token and gathers those latent rows (slot −1 is
     never loaded); then a program holds one token. dense_max_keys guard: when S ≤ dense_max_keys the launcher
     runs the dense causal path and idx is not read;
+  - DSA decode (absorbed, idx, T = 1, kv rows with rope dims): `dsa_attention.mla_sparse_decode_kernel` instead,
+    which loads q and every gathered row once (SPARSE_DECODE);
   - split-K (flash decoding): when B·T·head-blocks programs cannot fill the GPU, the keys are split over a third grid
     axis; the splits write (o, log2-sum-exp) partials to scratch planned in the arena (`mla_attention_scratch`) and
     `mla_combine_kernel` merges them.
@@ -40,6 +42,7 @@ import triton.language as tl
 
 from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import dsa_decode, emitter, model_module, scratch, take_scratch
+from k3c.codegen.triton.dsa_attention import mla_sparse_decode_kernel
 from k3c.codegen.triton.dsa_decode import radix_topk
 from k3c.errors import UnsupportedError
 from k3c.ir.kernels import KernelGroup
@@ -56,6 +59,11 @@ HEAD_BLOCK_WIDE = 32        # absorbed form, v_dim >= 256: heads per program (ea
 SCRATCH_BYTES = 1 << 28     # cap of dsa_index_topk's i64 sort-key scratch; T is processed in row chunks under it
 RADIX_MIN_KEYS = 16384      # decode (T = 1) with at least this many keys: radix select (`dsa_decode.radix_topk`);
                             # H200, B = 1: 38.6 us vs 140.2 us at 131072 keys (BENCHMARKS.md); crossover not measured
+SPARSE_DECODE = True        # absorbed DSA decode (idx, T = 1, rope dims): `mla_sparse_decode_kernel` (rows read once)
+SPARSE_HEAD_BLOCK = 32      # its heads per program
+SPARSE_STAGES = 2           # its software-pipeline depth
+SPARSE_BLOCK_S = 64         # its keys per step (bf16 / fp16; fp32: 16)
+SPARSE_WARPS = 8            # its warps per program
 
 
 @triton.jit
@@ -228,6 +236,11 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
         BLOCK_M = 16 if use_idx or wide else 32
         rows_t = 1 if use_idx else BLOCK_M
         n_tb, n_hb = triton.cdiv(T, rows_t), H
+    sparse_decode = SPARSE_DECODE and absorbed and use_idx and T == 1 and D > DV
+    if sparse_decode:                               # q and every gathered row loaded once (`dsa_attention`)
+        BLOCK_M = max(16, min(triton.next_power_of_2(H), SPARSE_HEAD_BLOCK))
+        BLOCK_S = SPARSE_BLOCK_S if q.dtype != torch.float32 else 16
+        n_hb = triton.cdiv(H, BLOCK_M)
     n_keys = (max(topk, min(S, dense_max)) if from_ptr else topk) if use_idx else S   # at most, per row
     programs = B * n_tb * n_hb
     splits = 1
@@ -245,13 +258,21 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
     else:
         o_dst, lse = out, out
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    mla_attention_kernel[(B * n_tb, n_hb, splits)](
-        q, k, v, idx if use_idx else q, o_dst, lse, lengths if from_ptr else q, T, S, n_tb, keys_per_split,
-        dense_max, *sk, *sv,
-        scale * 1.4426950408889634,  # log2(e): exp(x) = exp2(x · log2 e)
-        H=H, D=D, DV=DV, TOPK=topk, HEADS_LAYOUT=absorbed, ROWS_T=rows_t, USE_IDX=use_idx, CAUSAL=causal,
-        SPLITS=splits, LEN_FROM_PTR=from_ptr, BLOCK_M=BLOCK_M, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-        DOT_PRECISION=precision, num_warps=8 if wide else 4, num_stages=2)
+    if sparse_decode:
+        mla_sparse_decode_kernel[(B, n_hb, splits)](
+            q, k, idx, o_dst, lse, lengths if from_ptr else q, S, keys_per_split, dense_max, k.stride(0),
+            k.stride(1), scale * 1.4426950408889634, H=H, DV=DV, DR=D - DV, TOPK=topk, SPLITS=splits,
+            LEN_FROM_PTR=from_ptr, BLOCK_M=BLOCK_M, BLOCK_S=BLOCK_S, BLOCK_DV=BLOCK_DV,
+            BLOCK_DR=max(16, triton.next_power_of_2(D - DV)), DOT_PRECISION=precision, num_warps=SPARSE_WARPS,
+            num_stages=SPARSE_STAGES)
+    else:
+        mla_attention_kernel[(B * n_tb, n_hb, splits)](
+            q, k, v, idx if use_idx else q, o_dst, lse, lengths if from_ptr else q, T, S, n_tb, keys_per_split,
+            dense_max, *sk, *sv,
+            scale * 1.4426950408889634,  # log2(e): exp(x) = exp2(x · log2 e)
+            H=H, D=D, DV=DV, TOPK=topk, HEADS_LAYOUT=absorbed, ROWS_T=rows_t, USE_IDX=use_idx, CAUSAL=causal,
+            SPLITS=splits, LEN_FROM_PTR=from_ptr, BLOCK_M=BLOCK_M, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D,
+            BLOCK_DV=BLOCK_DV, DOT_PRECISION=precision, num_warps=8 if wide else 4, num_stages=2)
     if splits > 1:
         mla_combine_kernel[(B * T, H)](o_dst, lse, out, H=H, DV=DV, SPLITS=splits,
                                        BLOCK_SPLITS=triton.next_power_of_2(splits), BLOCK_DV=BLOCK_DV)
@@ -383,7 +404,12 @@ def emit_mla_attention(group: KernelGroup) -> str:
               ("TARGET_PROGRAMS", TARGET_PROGRAMS, "split-K until about this many programs (2 per H200 SM)"),
               ("MIN_KEYS_PER_SPLIT", MIN_KEYS_PER_SPLIT, "no key split shorter than this"),
               ("MAX_SPLITS", MAX_SPLITS, ""),
-              ("HEAD_BLOCK_WIDE", HEAD_BLOCK_WIDE, "heads per program when v_dim >= 256")]
+              ("HEAD_BLOCK_WIDE", HEAD_BLOCK_WIDE, "heads per program when v_dim >= 256"),
+              ("SPARSE_DECODE", SPARSE_DECODE, "DSA decode (absorbed, idx, T = 1): mla_sparse_decode_kernel"),
+              ("SPARSE_HEAD_BLOCK", SPARSE_HEAD_BLOCK, "its heads per program"),
+              ("SPARSE_STAGES", SPARSE_STAGES, "its software-pipeline depth"),
+              ("SPARSE_BLOCK_S", SPARSE_BLOCK_S, "its keys per step (bf16 / fp16)"),
+              ("SPARSE_WARPS", SPARSE_WARPS, "its warps per program")]
     v_arg = f"_unit_last(inputs[{ip[2]}])" if has_v else "None"
     idx_arg = f"inputs[{ip[-1]}].contiguous()" if has_idx else "None"
     body = (
@@ -398,8 +424,8 @@ def emit_mla_attention(group: KernelGroup) -> str:
         "               causal=CAUSAL, scale=SCALE, v_dim=V_DIM, dense_max_keys=DENSE_MAX_KEYS,\n"
         '               lengths=sizes.get("lengths"), scratch=scratch)\n')
     title = f"mla_attention ({'absorbed' if a['absorbed'] else 'unabsorbed'}{', DSA idx' if has_idx else ''})"
-    return _module(group, title, consts, [take_scratch, split_rows, mla_attention_kernel, mla_combine_kernel],
-                   launch_mla, body, takes_views=True)
+    return _module(group, title, consts, [take_scratch, split_rows, mla_attention_kernel, mla_sparse_decode_kernel,
+                                          mla_combine_kernel], launch_mla, body, takes_views=True)
 
 
 @scratch("mla_attention")
@@ -425,13 +451,15 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("SCRATCH_BYTES", SCRATCH_BYTES, "cap of the i64 sort-key scratch (rows of T per pass)"),
               ("RADIX_MIN_KEYS", RADIX_MIN_KEYS, "decode with at least this many keys: radix select"),
               ("SCAN_BLOCK", dsa_decode.SCAN_BLOCK, "radix select: keys per scan step"),
+              ("SCAN_WARPS", dsa_decode.SCAN_WARPS, "radix select: warps per scan program"),
               ("SELECT_BLOCK", dsa_decode.SELECT_BLOCK, "radix select: keys per refine / gather step"),
               ("SCAN_PROGRAMS", dsa_decode.SCAN_PROGRAMS, "radix select: programs per launch"),
               ("MAX_PROGRAMS", dsa_decode.MAX_PROGRAMS, "radix select: bound of programs per row"),
               ("BITS", dsa_decode.BITS, "radix digit width"), ("BINS", dsa_decode.BINS, "bins per digit"),
               ("FP8_QUERY", dsa_decode.FP8_QUERY, "fp8 index keys: fp8 q in the scan"),
               ("RERANK_EXTRA", dsa_decode.RERANK_EXTRA, "fp8 keys + exact keys: extra candidates re-ranked"),
-              ("RERANK_BLOCK", dsa_decode.RERANK_BLOCK, "candidates per re-scoring program")]
+              ("RERANK_BLOCK", dsa_decode.RERANK_BLOCK, "candidates per re-scoring program"),
+              ("RANK_BLOCK", dsa_decode.RANK_BLOCK, "candidates per ranking program")]
     body = (
         "def launch(inputs, outputs, sizes, scratch=None):\n"
         '    """ABI entry: inputs (q_i, w, k_i), outputs [idx i64 [B,T,TOPK]], scratch: the planned sort keys."""\n'

@@ -14,7 +14,7 @@ attn_res_inter (phase 1: all Q pseudo-queries of a block over the N sealed block
   The N block tensors are separate arena values: the kernels address them as `base + offsets[n]` with
   offsets[n] = (b_n.data_ptr() − b_0.data_ptr()) / itemsize (a small i64 tensor built in `launch` and cached per
   set of addresses; all blocks have one dtype), so one compiled kernel serves every N.
-attn_res_merge (phase 2), `attn_res_merge_kernel`, one program per row: l_p = K(partial)·queries[index],
+attn_res_merge (phase 2), `attn_res_merge_kernel`, one program per (row, range of D): l_p = K(partial)·queries[index],
   m = logaddexp(lse[index], l_p), h = e^(lse − m) · o[index] + e^(l_p − m) · partial, in partial's dtype.
 
 Public API: `emit_attn_res_inter(group)`, `emit_attn_res_merge(group)` -> module text (registered with
@@ -36,7 +36,8 @@ from k3c.ir.kernels import KernelGroup
 
 # (device, data_ptr of each block) -> i64 [N] element offsets from block 0 (copied into the emitted module)
 BLOCK_OFFSETS: dict = {}
-TARGET_PROGRAMS = 264   # attn_res_inter cuts D into ranges until about this many programs (2 per H200 SM)
+MERGE_BLOCK_D = 1024    # attn_res_merge's column block
+TARGET_PROGRAMS = 264   # attn_res_inter / attn_res_merge cut D into ranges until about this many programs (2 per H200 SM)
 
 
 @triton.jit
@@ -159,10 +160,13 @@ def launch_attn_res_inter(queries, blocks, o, lse, *, eps):
 
 
 @triton.jit
-def attn_res_merge_kernel(o_ptr, lse_ptr, x_ptr, queries_ptr, h_ptr, R, index, EPS, D: tl.constexpr,
+def attn_res_merge_kernel(o_ptr, lse_ptr, x_ptr, queries_ptr, h_ptr, R, index, EPS, d_per_split, D: tl.constexpr,
                           BLOCK_D: tl.constexpr):
-    """One row r: h = e^(lse − m) · o[index, r] + e^(l_p − m) · x with m = logaddexp(lse[index, r], l_p)."""
+    """Row r, columns [split · d_per_split, (split + 1) · d_per_split): h = e^(lse − m) · o[index, r] + e^(l_p − m) · x
+    with m = logaddexp(lse[index, r], l_p). Every split of a row computes the row's l_p (x and queries[index] are
+    re-read from L2), so decode's few rows still fill the GPU."""
     r = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
     dot = tl.zeros([BLOCK_D], tl.float32)
     sumsq = tl.zeros([BLOCK_D], tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -178,9 +182,10 @@ def attn_res_merge_kernel(o_ptr, lse_ptr, x_ptr, queries_ptr, h_ptr, R, index, E
     m = m + tl.log(tl.exp(l_o - m) + tl.exp(l_p - m))     # logaddexp
     w_o = tl.exp(l_o - m)
     w_p = tl.exp(l_p - m)
-    for d0 in range(0, D, BLOCK_D):
+    d_end = tl.minimum(D, (split + 1) * d_per_split)
+    for d0 in range(split * d_per_split, d_end, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
+        d_ok = offs_d < d_end
         x = tl.load(x_ptr + r * D + offs_d, mask=d_ok, other=0.0).to(tl.float32)
         o = tl.load(o_ptr + (index * R + r) * D + offs_d, mask=d_ok, other=0.0)
         tl.store(h_ptr + r * D + offs_d, (w_o * o + w_p * x).to(h_ptr.dtype.element_ty), mask=d_ok)
@@ -189,7 +194,8 @@ def attn_res_merge_kernel(o_ptr, lse_ptr, x_ptr, queries_ptr, h_ptr, R, index, E
 def launch_attn_res_merge(o, lse, partial, queries, h, *, index, eps):
     """o f32 [Q, B, T, D], lse f32 [Q, B, T], partial [B, T, D], queries [Q, D] -> h [B, T, D] (partial's dtype).
 
-    Raises ValueError on mismatched shapes or an index outside [0, Q).
+    Grid (rows, splits of D): D is cut into ranges of whole BLOCK_D blocks until about TARGET_PROGRAMS programs
+    run (decode: a few rows). Raises ValueError on mismatched shapes or an index outside [0, Q).
     """
     Q, D = queries.shape
     R = partial.numel() // D
@@ -197,8 +203,11 @@ def launch_attn_res_merge(o, lse, partial, queries, h, *, index, eps):
             not 0 <= index < Q:
         raise ValueError(f"attn_res_merge: o {tuple(o.shape)}, partial {tuple(partial.shape)}, queries "
                          f"{tuple(queries.shape)}, index {index} mismatch")
-    attn_res_merge_kernel[(R,)](o, lse, partial, queries, h, R, index, float(eps), D=D,
-                                BLOCK_D=min(1024, triton.next_power_of_2(D)))
+    BLOCK_D = min(MERGE_BLOCK_D, triton.next_power_of_2(D))
+    blocks = triton.cdiv(D, BLOCK_D)
+    d_per_split = triton.cdiv(blocks, max(1, min(blocks, TARGET_PROGRAMS // max(R, 1)))) * BLOCK_D
+    attn_res_merge_kernel[(R, triton.cdiv(D, d_per_split))](o, lse, partial, queries, h, R, index, float(eps),
+                                                            d_per_split, D=D, BLOCK_D=BLOCK_D)
 
 
 # ---- emitters --------------------------------------------------------------------------------------------------
@@ -233,7 +242,9 @@ def emit_attn_res_merge(group: KernelGroup) -> str:
     Raises UnsupportedError for a group that is not a single attn_res_merge node."""
     node, ip, op = one_node(group, "attn_res_merge")
     consts = [("INDEX", int(node.attrs["index"]), "this sublayer's pseudo-query row"),
-              ("EPS", float(node.attrs["eps"]), "RMSNorm eps of the keys")]
+              ("EPS", float(node.attrs["eps"]), "RMSNorm eps of the keys"),
+              ("TARGET_PROGRAMS", TARGET_PROGRAMS, "split D until about this many programs (decode: few rows)"),
+              ("MERGE_BLOCK_D", MERGE_BLOCK_D, "column block")]
     args = ", ".join(f"inputs[{i}]" for i in ip)
     body = ("def launch(inputs, outputs, sizes):\n"
             '    """ABI entry: inputs (o, lse, partial, queries), outputs [h [B,T,D]]."""\n'

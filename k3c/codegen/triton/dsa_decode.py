@@ -13,9 +13,11 @@ histograms (BINS int32 per digit and row):
   dsa_refine_kernel   LEVEL 2..4: every program derives the digits chosen so far from the histograms (a suffix sum
                       over BINS), re-reads the keys (L2-resident: 4 bytes per key), and histograms the next digit
                       of the keys that match the prefix
-  dsa_tie_count_kernel  the threshold key tau (all four digits); per program, the keys equal to tau
-  dsa_gather_kernel   keys > tau take slots from a per-row counter (atomics); keys == tau fill the remaining slots
-                      by position (a prefix over the programs' tie counts), as the reference's stable sort
+  dsa_tie_count_kernel  the threshold key tau (all four digits); per program, the keys equal to tau (nothing to
+                      count when all of them are selected: digit 4's histogram holds their number)
+  dsa_gather_kernel   keys > tau (and keys == tau when all are selected) take slots from a per-row counter (one
+                      atomic per block); else keys == tau fill the remaining slots by position (a prefix over the
+                      programs' tie counts), as the reference's stable sort
 The output is the reference's top-k SET (positions, int64 [B, 1, topk], -1 past min(L, topk)), in no particular
 order (the attention is order-free), or in the reference's order with `ordered=True`.
 FP8 index keys (optional): k_I as float8_e4m3fn with one fp32 scale per key (k = scale * k8; `quantize_index_keys`)
@@ -26,8 +28,9 @@ so with the exact keys at hand (`k_exact`, bf16) the selection re-ranks: the fp8
 candidates, then
   dsa_rerank_kernel   grid (candidate blocks, B): exact scores of the candidates from the gathered exact keys, as
                       unique 64-bit keys (order key << 32 | ~position: ties by lowest position)
-  dsa_rerank_rank_kernel  same grid: each candidate's rank = the number of larger keys (all pairs: 4096^2 per row);
-                      rank < topk is its slot, so the result comes in the reference's order
+  dsa_rerank_rank_kernel  grid (candidate blocks of RANK_BLOCK, B): each candidate's rank = the number of larger
+                      keys (all pairs, counted in an int32 tile and reduced once); rank < topk is its slot, so the
+                      result comes in the reference's order
 which equals the exact selection unless a key of the exact top-k ranks below topk + RERANK_EXTRA in fp8 order
 (Gaussian keys, L = 1M, CPU simulation: worst rank 2.9K with fp8 q, so 2048 extra; 1 MB of exact keys per row).
 
@@ -46,6 +49,7 @@ import triton.language as tl
 from k3c.errors import RuntimeInputError
 
 SCAN_BLOCK = 128       # keys per scan step (one [SCAN_BLOCK, D] x [D, J] tensor-core product)
+SCAN_WARPS = 4         # warps per scan program
 SELECT_BLOCK = 1024    # keys per step of the refine / tie-count / gather passes
 SCAN_PROGRAMS = 1056   # scan / refine programs per launch: about 8 per H200 SM
 MAX_PROGRAMS = 2048    # bound of the programs per row of the refine / gather grid (<= SCAN_PROGRAMS + 1)
@@ -55,6 +59,7 @@ FP8_MAX = 448.0        # largest float8_e4m3fn value
 FP8_QUERY = True       # fp8 keys: quantize q per head in the scan too (fp8 x fp8 tensor-core product)
 RERANK_EXTRA = 2048    # fp8 keys + exact keys: candidates beyond topk that the exact re-scoring sees
 RERANK_BLOCK = 128     # candidates per re-scoring program
+RANK_BLOCK = 32        # candidates per ranking program (each compares them with all the row's candidates)
 
 
 @triton.jit
@@ -108,6 +113,14 @@ def _chosen_prefix(hist_row, K, DIGITS: tl.constexpr, BINS: tl.constexpr):
         prefix = prefix * BINS + tl.maximum(d, 0)
         above = above + a
     return prefix, above, first < 0
+
+
+@triton.jit
+def _ties_fit(hist_row, tau, above, K, BINS: tl.constexpr):
+    """Whether every key equal to tau is selected: their count (digit 4's histogram at tau's last digit, all 32
+    bits equal) is at most the K - above slots left below the keys above tau."""
+    n_tau = tl.load(hist_row + 3 * BINS + (tau & (BINS - 1)).to(tl.int32))
+    return n_tau <= K - above
 
 
 @triton.jit
@@ -192,11 +205,13 @@ def dsa_refine_kernel(keys_ptr, hist_ptr, len_ptr, L, K, LEVEL: tl.constexpr, BL
 @triton.jit
 def dsa_tie_count_kernel(keys_ptr, hist_ptr, ties_ptr, len_ptr, L, K, BLOCK_R: tl.constexpr, BINS: tl.constexpr,
                          MAX_P: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
-    """ties [B, MAX_P] int32: how many keys of program pid's range equal tau (0 when every key is taken)."""
+    """ties [B, MAX_P] int32: how many keys of program pid's range equal tau (0 when every key is taken). Nothing is
+    counted (the counts stay 0) when all the row's ties fit (`_ties_fit`)."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n_valid, n_blocks = _row_range(len_ptr, b, L, BLOCK_R, LEN_FROM_PTR)
     tau, above, everything = _chosen_prefix(hist_ptr + b * 4 * BINS, K, 4, BINS)
+    n_blocks = tl.where(_ties_fit(hist_ptr + b * 4 * BINS, tau, above, K, BINS) | everything, 0, n_blocks)
     n = 0
     for i in range(n_blocks):
         offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -210,25 +225,30 @@ def dsa_gather_kernel(keys_ptr, hist_ptr, ties_ptr, count_ptr, idx_ptr, len_ptr,
                       BINS: tl.constexpr, MAX_P: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
     """Positions of the top-K keys of row b into idx [B, K] int64 (pre-filled with -1).
 
-    Keys above tau take slots [0, above) from the row's counter (count [B] int32, zeroed; arrival order); keys equal
-    to tau take slots above + rank, rank = their order by position among the row's ties (ties of the programs
-    before pid, from `dsa_tie_count_kernel`, then in-block order), while rank < K - above: the lowest positions,
-    as the reference's stable sort."""
+    Keys above tau (and the keys equal to tau when they all fit, `_ties_fit`) take slots from the row's counter
+    (count [B] int32, zeroed; one atomic per block of BLOCK_R keys, arrival order); otherwise keys equal to tau take
+    slots above + rank, rank = their order by position among the row's ties (ties of the programs before pid, from
+    `dsa_tie_count_kernel`, then in-block order), while rank < K - above: the lowest positions, as the reference's
+    stable sort."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n_valid, n_blocks = _row_range(len_ptr, b, L, BLOCK_R, LEN_FROM_PTR)
     tau, above, everything = _chosen_prefix(hist_ptr + b * 4 * BINS, K, 4, BINS)
     take_all = everything.to(tl.int32)
+    fit = _ties_fit(hist_ptr + b * 4 * BINS, tau, above, K, BINS).to(tl.int32)
     p = tl.arange(0, MAX_P)
-    rank0 = tl.sum(tl.load(ties_ptr + b * MAX_P + p, mask=p < pid, other=0), 0)
+    rank0 = tl.sum(tl.load(ties_ptr + b * MAX_P + p, mask=p < pid, other=0), 0)     # 0s when the ties fit
     for i in range(n_blocks):
         offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = offs < n_valid
         u = tl.load(keys_ptr + b * L + offs, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
-        gt = ok & (((u > tau).to(tl.int32) | take_all) != 0)
-        tie = (ok & (((u == tau).to(tl.int32) & (1 - take_all)) != 0)).to(tl.int32)
-        slot = tl.atomic_add(count_ptr + b + tl.zeros([BLOCK_R], tl.int32), 1, mask=gt, sem="relaxed")
-        tl.store(idx_ptr + b * K + slot, offs.to(tl.int64), mask=gt)
+        eq = (u == tau).to(tl.int32)
+        gt = (ok & (((u > tau).to(tl.int32) | take_all | (eq & fit)) != 0)).to(tl.int32)
+        tie = (ok & ((eq & (1 - take_all) & (1 - fit)) != 0)).to(tl.int32)
+        n_gt = tl.sum(gt, 0)
+        base = tl.atomic_add(count_ptr + b, n_gt, mask=n_gt > 0, sem="relaxed")
+        slot = base + tl.cumsum(gt, 0) - 1
+        tl.store(idx_ptr + b * K + slot, offs.to(tl.int64), mask=gt != 0)
         rank = rank0 + tl.cumsum(tie, 0) - 1
         tl.store(idx_ptr + b * K + above + rank, offs.to(tl.int64), mask=(tie != 0) & (rank < K - above))
         rank0 += tl.sum(tie, 0)
@@ -239,8 +259,8 @@ def dsa_rerank_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, ck_ptr, L, K1,
                       J: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
     """Exact scores of candidates [pid*BLOCK_C, ...) of row b: cand [B, K1] int64 positions (-1: none), k [B, L, D]
-    exact keys (q's dtype) -> ck [B, K1] int64 holding the u64 key (order key of the score << 32) | (2^32-1 - s):
-    unique, larger = better, ties by lowest position; 0 for no candidate."""
+    exact keys (q's dtype) -> ck [B, K1] int64 key (signed order key of the score << 32) + (2^32-1 - s): unique,
+    larger = better, ties by lowest position; INT64_MIN for no candidate."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_j = tl.arange(0, BLOCK_J)
@@ -253,27 +273,31 @@ def dsa_rerank_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, ck_ptr, L, K1,
     k = tl.load(k_ptr + (b * L + tl.maximum(pos, 0))[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
     dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)        # [BLOCK_J, BLOCK_C]
     score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
-    low = (4294967295 - pos).to(tl.uint64)
-    key = tl.where(ok, (_order_key(score).to(tl.uint64) << 32) | low, 0)
-    tl.store(ck_ptr + b * K1 + offs_c, key.to(tl.int64, bitcast=True), mask=offs_c < K1)
+    signed = (_order_key(score).to(tl.int32, bitcast=True) ^ -2147483648).to(tl.int64)   # signed order: float's
+    key = tl.where(ok, (signed << 32) + (4294967295 - pos), -9223372036854775808)
+    tl.store(ck_ptr + b * K1 + offs_c, key, mask=offs_c < K1)
 
 
 @triton.jit
 def dsa_rerank_rank_kernel(ck_ptr, idx_ptr, K1, K, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr):
-    """Rank of candidates [pid*BLOCK_C, ...) of row b among all K1 (ck [B, K1] from `dsa_rerank_kernel`): the
-    number of larger keys; rank < K goes to idx [B, K] int64 (pre-filled with -1) at slot rank. The keys are
-    unique, so the slots are too, and idx comes out in the reference's order (score descending, ties by position)."""
+    """grid (cdiv(K1, BLOCK_C), B): the rank of candidates [pid*BLOCK_C, ...) of row b among all K1 (ck [B, K1]
+    from `dsa_rerank_kernel`) = the number of larger keys, counted in a [BLOCK_C, BLOCK_O] int32 tile over the row
+    and reduced once; rank < K is the candidate's slot in idx [B, K] int64 (pre-filled with -1). The keys are
+    unique, so the slots are too, and idx comes out in the reference's order (score descending, ties by lowest
+    position)."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
-    key = tl.load(ck_ptr + b * K1 + offs_c, mask=offs_c < K1, other=0).to(tl.uint64, bitcast=True)
-    rank = tl.zeros([BLOCK_C], tl.int32)
+    key = tl.load(ck_ptr + b * K1 + offs_c, mask=offs_c < K1, other=-9223372036854775808)
+    count = tl.zeros([BLOCK_C, BLOCK_O], tl.int32)
     for o in range(0, K1, BLOCK_O):
         offs_o = o + tl.arange(0, BLOCK_O)
-        other = tl.load(ck_ptr + b * K1 + offs_o, mask=offs_o < K1, other=0).to(tl.uint64, bitcast=True)
-        rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), 1)
-    pos = (4294967295 - (key & 4294967295)).to(tl.int64)
-    tl.store(idx_ptr + b * K + rank, pos, mask=(key != 0) & (rank < K))
+        other = tl.load(ck_ptr + b * K1 + offs_o, mask=offs_o < K1, other=-9223372036854775808)
+        count += (other[None, :] > key[:, None]).to(tl.int32)
+    rank = tl.sum(count, 1)
+    pos = 4294967295 - (key & 4294967295)
+    tl.store(idx_ptr + b * K + rank, pos, mask=(key != -9223372036854775808) & (rank < K))
+
 
 def quantize_index_keys(k_i):
     """FP8 index keys: k_i [B, L, D] -> (k8 float8_e4m3fn [B, L, D], scale fp32 [B, L]), k ~= scale * k8.
@@ -340,7 +364,7 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
         q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, n_len, L, J=J, D=D,
         BLOCK_J=block_j, BLOCK_S=SCAN_BLOCK, FP8=fp8, QUERY_FP8=fp8 and FP8_QUERY,
         KEYS_FIRST=not scan_fp32,       # tensor-core products; fp32 (IEEE) keeps q x k^T
-        BINS=BINS, BITS=BITS, DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=4)
+        BINS=BINS, BITS=BITS, DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=SCAN_WARPS)
     grid = (triton.cdiv(n_ref, per_ref), B)
     for level in (2, 3, 4):
         dsa_refine_kernel[grid](keys, hist, n_len, L, n_sel, LEVEL=level, BLOCK_R=SELECT_BLOCK, BINS=BINS,
@@ -355,8 +379,8 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
             q_i.contiguous(), w.contiguous(), k_exact.contiguous(), idx, ck, L, n_sel, J=J, D=D, BLOCK_J=block_j,
             BLOCK_C=RERANK_BLOCK, DOT_PRECISION=precision, num_warps=4)
         idx = torch.full((B, 1, topk), -1, dtype=torch.int64, device=dev)
-        dsa_rerank_rank_kernel[(triton.cdiv(n_sel, RERANK_BLOCK), B)](ck, idx, n_sel, topk, BLOCK_C=RERANK_BLOCK,
-                                                                      BLOCK_O=RERANK_BLOCK, num_warps=4)
+        dsa_rerank_rank_kernel[(triton.cdiv(n_sel, RANK_BLOCK), B)](ck, idx, n_sel, topk, BLOCK_C=RANK_BLOCK,
+                                                                   BLOCK_O=128, num_warps=4)
         return idx                  # in the reference's order already
     if ordered:     # the reference's order: score descending, ties by lowest position
         pos = idx[:, 0]
@@ -368,5 +392,5 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
 
 
 # Source order for code generation (helpers first).
-KERNELS = (_order_key, _to_e4m3, _pick_bin, _chosen_prefix, _row_range, dsa_scan_kernel, dsa_refine_kernel, dsa_tie_count_kernel,
-           dsa_gather_kernel, dsa_rerank_kernel, dsa_rerank_rank_kernel)
+KERNELS = (_order_key, _to_e4m3, _pick_bin, _chosen_prefix, _ties_fit, _row_range, dsa_scan_kernel, dsa_refine_kernel,
+           dsa_tie_count_kernel, dsa_gather_kernel, dsa_rerank_kernel, dsa_rerank_rank_kernel)

@@ -8,7 +8,7 @@ name free: its `from k3c.errors import ...` becomes two local exception classes 
 own `launch(q_in, ...)` is renamed `kda_family_launch`. The ABI `launch` maps the IR operands onto `_launch_kda`:
 
     inputs  (q, k, v, f, beta, gate, q_conv, k_conv, v_conv, A_log, dt_bias, o_norm, state, conv_state)
-    outputs (y [B,T,H·K], new state [B,H,K,K] f32, new conv state [B,3·H·K,W])
+    outputs (y [B,T,H·K], new state [B,H,K,K] in the state's dtype (f32 or bf16), new conv state [B,3·H·K,W])
 
 T == 1 (decode) runs the split-V decode kernel, like `kda.kda_decode`; T > 1 (prefill) runs the chunked
 kernels when the gate is safely bounded and T ≥ 16, else the token loop, like `kda.kda_prefill(method="auto")`.
@@ -17,7 +17,8 @@ activations may be row-strided views (any batch / token strides, dense last dim:
 the one GEMM output `fuse_gemms` makes of the projections): the module declares `TAKES_VIEWS`, so that the runtime's
 Triton launcher passes them without a copy (other inputs are made contiguous here where they are not). Conv weights
 [H·K,1,W] are viewed as [H·K,W]; non-fp32 weights or conv state are converted (the kernels take fp32), a converted
-conv state is copied back.
+conv state is copied back. The recurrent state goes to the kernels as it is stored, f32 or bf16 (`--kda-state`):
+they load it, compute in f32 and round the new state once per call.
 
 Scratch (`kda_fused_scratch`, planned in the arena; the decode kernel's few KiB stay cached in the module): the
 chunked prefill's workspace ws [4, B, H, NC, 16, K] and ws_p [B, H, NC, 16, 16] in q's dtype, ws_glast f32

@@ -1,7 +1,8 @@
 """Fused KDA token-by-token kernel: decode step (T = 1), recurrent prefill (any T) and speculative replay.
 
-One program per (batch row b, head h) walks the row's tokens in order with the fp32 state S[h] ([D, D], key dim
-first) in registers. Per token, everything of K3-SPEC.md "KDA layer" between the projections and o_proj:
+One program per (batch row b, head h) walks the row's tokens in order with the state S[h] ([D, D], key dim
+first) in fp32 registers (stored as fp32 or bf16: loaded and widened once, rounded once when written back). Per
+token, everything of K3-SPEC.md "KDA layer" between the projections and o_proj:
 conv (from the raw projected inputs and the conv state) -> silu -> l2norm (q scaled by D^-0.5) -> decay gate ->
 beta -> delta-rule update -> o = S^T q -> per-head RMSNorm -> * sigmoid(output gate). At the end the state and the
 conv state are written (in place when the output pointers alias the inputs).
@@ -27,7 +28,7 @@ def kda_recurrent_kernel(
     beta_in,                              # [B, T, H] beta logits
     conv_w_q, conv_w_k, conv_w_v,         # [H*D, W] fp32 depthwise conv weights
     A_log, dt_bias, o_norm_w,             # [>=H], [H*D], [D] fp32
-    state_in, state_out,                  # [B, H, D, D] fp32 (key dim, value dim)
+    state_in, state_out,                  # [B, H, D, D] fp32 or bf16 (key dim, value dim)
     conv_in, conv_out,                    # [B, 3*H*D, W] fp32: q, k, v channels
     y,                                    # [B, T, H*D] output (dtype of q_in)
     lengths,                              # [B] int32 tokens to process per row (HAS_LENGTHS) else unused
@@ -68,7 +69,7 @@ def kda_recurrent_kernel(
     conv_v = b.to(tl.int64) * 3 * HD * W + (2 * HD + h * D) * W
     s_off = (b.to(tl.int64) * H + h) * D * D + i_k[:, None] * D + i_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
-    S = tl.load(state_in + s_off, mask=m_s, other=0.0)
+    S = tl.load(state_in + s_off, mask=m_s, other=0.0).to(tl.float32)   # fp32 or bf16 storage, fp32 in the loop
 
     w_q = load_conv_weight(conv_w_q + h * D * W, i_k, m_k, W, BW)
     w_k = load_conv_weight(conv_w_k + h * D * W, i_k, m_k, W, BW)
@@ -96,7 +97,7 @@ def kda_recurrent_kernel(
             out = rms_norm_sigmoid_gate(o, norm_w, gl, D, EPS, 0)
             tl.store(y + y_off + t * HD + i_v, out.to(y.dtype.element_ty), mask=m_v)
 
-    tl.store(state_out + s_off, S, mask=m_s)
+    tl.store(state_out + s_off, S.to(state_out.dtype.element_ty), mask=m_s)
     roll_conv_state(q_row, conv_in + conv_q, conv_out + conv_q, n, s_qt, i_k, m_k, W, BW)
     roll_conv_state(k_row, conv_in + conv_k, conv_out + conv_k, n, s_kt, i_k, m_k, W, BW)
     roll_conv_state(v_row, conv_in + conv_v, conv_out + conv_v, n, s_vt, i_v, m_v, W, BW)

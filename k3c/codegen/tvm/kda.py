@@ -12,7 +12,9 @@ be the same tensor as the `state` input) and its 3·K conv-state channels [W]; i
     y_t = rms_norm(o; o_norm, eps) ⊙ sigmoid(gate_t)
 
 The recurrence is sequential in T (this kernel does not use the chunked WY form); its cost is 4·K·V FLOPs per token
-and head, read and written from the state in cache.
+and head, read and written from the state in cache. A bf16 state (`--kda-state bf16`) raises UnsupportedError at
+compile time: the CPU loop works in the state output itself, which would round it after every token instead of once
+per call (`kda_fused_ref`).
 
 CUDA schedule: one thread block per (b, h) of K threads. Thread j owns column j of S, held in registers over the
 T tokens (kᵀS and Sᵀq are per-thread sums over the rows; S is read and written once, coalesced), and channel j of
@@ -25,6 +27,7 @@ from __future__ import annotations
 from k3c.codegen.tvm import generator
 from k3c.codegen.tvm.script import Func, single_node, dim_expr, f32, load, store_value
 from k3c.errors import UnsupportedError
+from k3c.ir.ops.model_kda import KDA_FUSED_INPUTS
 
 _NAMES = ["q", "k", "v", "f", "beta", "gate", "q_conv", "k_conv", "v_conv", "A_log", "dt_bias", "o_norm",
           "state_in", "conv_in", "y", "state", "conv"]
@@ -33,6 +36,10 @@ _NAMES = ["q", "k", "v", "f", "beta", "gate", "q_conv", "k_conv", "v_conv", "A_l
 @generator("kda_fused")
 def gen_kda_fused(name: str, group, device: str) -> str:
     node = single_node(group)
+    state = node.inputs[KDA_FUSED_INPUTS.index("state")].type.dtype
+    if state != "f32":
+        raise UnsupportedError(f"--kda-state {state} (kda_state_dtype): the tvm backend keeps the KDA state in f32 "
+                               f"only; compile with --kda-state f32, or --backend triton on a GPU target")
     a = node.attrs
     H, K = a["heads"], a["head_dim"]
     W = node.inputs[6].type.shape[2]

@@ -17,6 +17,8 @@ from k3c.ir.ops.registry import Attr, need_dtype, need_eq, need_rank, op, per_el
 from k3c.ir.types import FLOAT_DTYPES, dim, numel
 
 _F = {"f32", "bf16", "f16"}
+#: storage dtypes of the recurrent state `kda_fused` reads and writes (`CompileContext.kda_state_dtype`)
+STATE_DTYPES = {"f32", "bf16"}
 
 
 # ---- norms ------------------------------------------------------------------------------------------------------
@@ -132,7 +134,9 @@ def _check_qkvg(name, q, k, v, g, beta, state):
 def _kda_recurrence(attrs, q, k, v, g, beta, state):
     """kda_recurrence(q, k, v, g, beta, state) {scale=1} -> (o [B,T,H,V] v.dtype, new_state [B,H,K,V] f32).
 
-    Matches `k3::kda_recurrence` of models/ops.py (q already l2-normalised and scaled there: scale stays 1).
+    Matches `k3::kda_recurrence` of models/ops.py (q already l2-normalised and scaled there: scale stays 1), whose
+    state is f32; a state stored in bf16 (`kda_state="bf16"` at import) reaches it through casts, which `fuse_kda`
+    folds into `kda_fused`, the op that carries the storage dtype.
     """
     _check_qkvg("kda_recurrence", q, k, v, g, beta, state)
     return [v, state]
@@ -154,6 +158,10 @@ def kda_fused_ref(attrs, q, k, v, f, beta, gate, q_conv, k_conv, v_conv, A_log, 
         g = −a · softplus(f')                       (gate="softplus", Kimi Linear)
         o, S = kda_recurrence(q, k, v, g, sigmoid(beta), state)
         y = rms_norm_per_head(o; o_norm, eps) ⊙ sigmoid(gate)       -> [B, T, H·V]
+
+    The state is read in its storage dtype (f32 or bf16), widened to f32, carried in f32 over the T tokens and
+    rounded to the storage dtype once at the end (round to nearest even), as the Triton kernels store it
+    (`k3c/codegen/triton/kda_*.py`: load, `.to(float32)`, ..., `.to(state_out.dtype)` on store).
     """
     H, K = attrs["heads"], attrs["head_dim"]
     B, T, HK = q.shape
@@ -185,9 +193,9 @@ def kda_fused_ref(attrs, q, k, v, f, beta, gate, q_conv, k_conv, v_conv, A_log, 
     flops=lambda a, ins, outs: numel(ins[2]) * (a["head_dim"] * 8 + 3 * 2 * ins[6].shape[2] + 30))
 def _kda_fused(attrs, q, k, v, f, beta, gate, q_conv, k_conv, v_conv, A_log, dt_bias, o_norm, state, conv_state):
     """kda_fused(q, k, v, f [B,T,H·K], beta [B,T,H], gate [B,T,H·K], q_conv, k_conv, v_conv [H·K,1,W],
-    A_log [>=H elements], dt_bias [H·K], o_norm [K], state [B,H,K,K] f32, conv_state [B,3·H·K,W])
-    {heads, head_dim, gate="lower_bound"|"softplus", lower_bound=-5, eps (o_norm)}
-    -> (y [B,T,H·K] q.dtype (pre-o_proj), new state, new conv state). See `kda_fused_ref`.
+    A_log [>=H elements], dt_bias [H·K], o_norm [K], state [B,H,K,K] f32 or bf16 (its storage dtype),
+    conv_state [B,3·H·K,W]) {heads, head_dim, gate="lower_bound"|"softplus", lower_bound=-5, eps (o_norm)}
+    -> (y [B,T,H·K] q.dtype (pre-o_proj), new state (state's type), new conv state). See `kda_fused_ref`.
     """
     n = "kda_fused"
     H, K = attrs["heads"], attrs["head_dim"]
@@ -214,7 +222,7 @@ def _kda_fused(attrs, q, k, v, f, beta, gate, q_conv, k_conv, v_conv, A_log, dt_
     need_eq(n, numel(dt_bias), HK, "dt_bias size")
     need_rank(n, o_norm, 1, "o_norm")
     need_eq(n, o_norm.shape[0], K, "o_norm size")
-    need_dtype(n, state, {"f32"}, "state")
+    need_dtype(n, state, STATE_DTYPES, "state")
     if tuple(state.shape) != (B, H, K, K) and any(dim(a - b) != 0 for a, b in zip(state.shape, (B, H, K, K))):
         raise IRError(f"{n}: state {state} is not [B,{H},{K},{K}]")
     need_rank(n, conv_state, 3, "conv_state")
