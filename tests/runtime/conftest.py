@@ -2,10 +2,11 @@
 artifacts (shared by the TVM end-to-end and the tensor-parallel tests) and its TP = 2 / 4 ones; the sizes and the
 reasons for them are in runtime_sizes.py.
 
-Compiles run in two spawned compiler processes (`compile_pool`), and every artifact that the selected tests ask for
+Compiles run in a spawned compiler process (`compile_pool`), and every artifact that the selected tests ask for
 is submitted before the first runtime test runs (`_prefetch`): the test process interprets Triton kernels on one
 core for minutes while CI's second core would idle, and a TVM build takes tens of seconds of one core, so the
-builds overlap the interpreted tests instead of following them. The artifacts are the ones a compile in the test
+builds overlap the interpreted tests instead of following them (one process: a second would take CPU from the
+interpreted tests, the longest path, and its work fits beside them). The artifacts are the ones a compile in the test
 process writes (`compile_model` with the same options; builds are deterministic). An artifact asked for before its
 compile started is compiled in the test process instead (its queued job cancelled)."""
 
@@ -73,10 +74,10 @@ class _Builds:
 
 @pytest.fixture(scope="session")
 def compile_pool():
-    """Two spawned processes that run `compile_model` (the module docstring says why). At the end of the session
-    queued jobs are dropped and the workers exit without the session waiting (a process that imported torch and
-    tvm takes seconds to exit; Python joins them when it exits itself)."""
-    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+    """One spawned process that runs the compiles and worlds (the module docstring says why). At the end of the session
+    queued jobs are dropped and the worker exits without the session waiting (a process that imported torch and
+    tvm takes seconds to exit; Python joins it when it exits itself)."""
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     yield pool
     pool.shutdown(wait=False, cancel_futures=True)
 
