@@ -6,14 +6,11 @@ afterwards each MoE layer has its cast in a rowwise launch and both adds in one 
 
 from __future__ import annotations
 
-import torch
-
-from k3c.ir.interp import interpret
 from k3c.ir.kernels import kernel_groups
 from k3c.ir.ops import get_op
-from k3c.passes.derived import copy_derived, materialize_params
-from k3c.passes.pipeline import random_inputs, run_pipeline
-from test_fold_params import BINDINGS, CTX, graphs, weights
+from k3c.passes.derived import copy_derived
+from k3c.passes.pipeline import run_pipeline
+from test_fold_params import CTX, assert_same_outputs, graphs
 
 
 def _sunk():
@@ -25,13 +22,7 @@ def _sunk():
 
 def test_outputs_are_unchanged():
     model, before, after = _sunk()
-    b = BINDINGS["decode"]
-    inputs, _ = random_inputs(before, b, seed=2)
-    want = interpret(before, inputs, materialize_params(before, weights(model)), bindings=b)
-    got = interpret(after, inputs, materialize_params(after, weights(model)), bindings=b)
-    assert set(got) == set(want)
-    for k, t in want.items():
-        assert torch.equal(got[k], t), k
+    assert_same_outputs(model, before, after, "decode", seed=2)
 
 
 def test_router_cast_joins_the_norm():
