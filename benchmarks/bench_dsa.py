@@ -14,7 +14,8 @@ softmax (ATTN_VARIANTS, --attention). Then each is timed, the baseline as a set 
 (ordered + out.copy_). Timing: triton.testing.do_bench_cudagraph median, rotating buffer sets past 3x the 60 MB L2.
 Floor = bytes / 4.2 TB/s, bytes = index keys (+ scales, + the re-ranked candidates' bf16 keys) + the 2048 latent
 rows read by the attention.
-Writes dsa_bench.json / dsa_bench.md under --out; per-kernel times as PROFILE lines (torch.profiler).
+Writes dsa_bench.json / dsa_bench.md under --out after every case; per-kernel times (torch.profiler) as PROFILE
+lines and in the json.
 """
 
 import argparse
@@ -93,6 +94,9 @@ def bench(fn, n_sets):
         return triton.testing.do_bench(run_all, warmup=10, rep=200, return_mode="median") / n_sets, "launch"
 
 
+PROFILE = []     # per-kernel device times (torch.profiler), written with the rows
+
+
 def profile(label, fn):
     from torch.profiler import ProfilerActivity, profile as prof_ctx
     fn()
@@ -104,6 +108,7 @@ def profile(label, fn):
         us = getattr(ev, "self_device_time_total", None)
         us = ev.self_cuda_time_total if us is None else us
         if us > 0:
+            PROFILE.append(dict(case=label, kernel=ev.key[:80], us=us))
             print(f"PROFILE {label} | {ev.key[:50]} | {us:.1f} us", flush=True)
 
 
@@ -124,7 +129,7 @@ def set_attention(values):
 
 
 SELECT_VARIANTS = {   # name -> dsa_decode attributes (the default first)
-    "11-bit first digit, 256-bin window": {}, "2048-bin first digit": dict(BINS=2048, BASE=0),
+    "11-bit first digit in a 256-bin window": {}, "2048-bin first digit": dict(BINS=2048, BASE=0),
     "collect block 2048": dict(SELECT_BLOCK=2048), "finish 4 warps": dict(FINISH_WARPS=4),
     "finish 16 warps": dict(FINISH_WARPS=16), "finish chunk 2048": dict(FINISH_CHUNK=2048)}
 SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "SCAN_BLOCK", "SCAN_WARPS",
@@ -333,6 +338,10 @@ def main():
             traceback.print_exc()
             print(f"# case {case} failed: {e!r}", flush=True)
         torch.cuda.empty_cache()
+        write(args.out, rows, checks)      # after every case: a run cut short keeps what it measured
+
+
+def write(out, rows, checks):
     lines = ["| B | L | implementation | time (us) | floor (us) | % of floor | timing |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['B']} | {r['L']} | {r['impl']} | {r['ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} | "
@@ -341,14 +350,13 @@ def main():
         lines += ["", f"Checks {c['case']}:"] + [f"- {k}: {v:.4f}" if isinstance(v, float) else f"- {k}: {v}"
                                                 for k, v in c.items() if k != "case"]
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "dsa_bench.md"), "w") as fh:
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "dsa_bench.md"), "w") as fh:
             fh.write(text + "\n")
-        with open(os.path.join(args.out, "dsa_bench.json"), "w") as fh:
-            json.dump(dict(rows=rows, checks=checks, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           triton=triton.__version__), fh, indent=1)
+        with open(os.path.join(out, "dsa_bench.json"), "w") as fh:
+            json.dump(dict(rows=rows, checks=checks, profile=PROFILE, device=torch.cuda.get_device_name(),
+                           torch=torch.__version__, triton=triton.__version__), fh, indent=1)
 
 
 if __name__ == "__main__":
