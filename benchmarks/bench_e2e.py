@@ -52,7 +52,8 @@ from pathlib import Path
 import torch
 
 from e2e_measure import (FIRST_LOGITS, HBM_BPS, EagerDecode, decode_tokens, eager_prefill, floor_bytes,  # noqa: E402
-                         launch_transients, layer_errors, load_second, matmul_flops_per_token, profile, timed)
+                         launch_transients, layer_errors, load_second, matmul_flops_per_token, profile,
+                         route_disagreement, timed)
 
 PROMPT = 2560
 NUMERICS_STEPS = 64  # teacher-forced decode steps compared (numerics phase)
@@ -315,6 +316,8 @@ def main():
                 same = [bool((p.argmax(-1) == q.argmax(-1)).all()) for p, q in zip(outs[x], outs["eager_fp32"])]
                 res["numerics_max_rel"][f"greedy_agreement_{x}_vs_fp32"] = sum(same) / len(same)
             res["numerics_per_layer"] = layer_errors(session, {"eager_bf16": model, "eager_fp32": model32}, prompt)
+            res["route_disagreement"] = route_disagreement(session, {"eager_bf16": model, "eager_fp32": model32},
+                                                           prompt)
             del model32, outs, c32, c16
             torch.cuda.empty_cache()
 
