@@ -462,7 +462,7 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("RADIX_MIN_KEYS", RADIX_MIN_KEYS, "decode with at least this many keys: radix select"),
               ("SCAN_BLOCK", dsa_decode.SCAN_BLOCK, "radix select: keys per scan step"),
               ("SCAN_WARPS", dsa_decode.SCAN_WARPS, "radix select: warps per scan program"),
-              ("SELECT_BLOCK", dsa_decode.SELECT_BLOCK, "radix select: keys per refine / gather step"),
+              ("SELECT_BLOCK", dsa_decode.SELECT_BLOCK, "radix select: keys per collect step"),
               ("SCAN_PROGRAMS", dsa_decode.SCAN_PROGRAMS, "radix select: scan / collect programs per launch"),
               ("SHIFT", dsa_decode.SHIFT, "radix select: first digit = order key >> SHIFT"),
               ("BINS", dsa_decode.BINS, "radix select: first-digit histogram bins (a window of its values)"),

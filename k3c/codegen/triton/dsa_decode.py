@@ -16,8 +16,8 @@ no scratch that must arrive zeroed:
                       bins), added once per program with atomics
   dsa_collect_kernel  the threshold bin t (the K-th largest key's): keys above it go straight to the output, keys in
                       it to a candidate list (slots from per-row counters, one atomic per block and kind)
-  dsa_finish_kernel   grid (B,): the remaining K - above among the candidates (about 2-3K at L = 128K-1M, H200
-                      bench scores) by a radix select of 8-bit digits on unique 64-bit keys (u << 32 | 2^32 - 1 -
+  dsa_finish_kernel   grid (B,): the remaining K - above among the candidates (1.0K-6.4K per row in the H200
+                      bench at L = 128K-1M: BENCHMARKS.md) by a radix select of 8-bit digits on unique 64-bit keys (u << 32 | 2^32 - 1 -
                       position: ties by lowest position, as the reference's stable sort), one pass over the
                       candidates per digit from the first bit they can differ in, stopping when the threshold bin
                       fits whole; then -1 past the row's keys. Exact for any input: a large candidate list (tied or
@@ -59,7 +59,8 @@ SCAN_WARPS = 4         # warps per scan program
 SELECT_BLOCK = 1024    # keys per step of the collect pass
 SCAN_PROGRAMS = 1056   # scan / collect programs per launch: about 8 per H200 SM
 SHIFT = 21             # first digit: the top 11 bits of the order key (u >> 21: sign, exponent, 2 mantissa bits)
-BINS = 256             # its histogram: a window of 256 of the 2048 values (tl.histogram's cost grows with the bins)
+BINS = 256             # its histogram: a window of 256 of the 2048 values (tl.histogram's cost grows with the
+                       # bins: all 2048 made the top-k 2.4-4.4x slower on the H200, BENCHMARKS.md)
 BASE = 1404            # the window's first value: positive scores in [2^-32, 2^32) (1024 + 4 x (127 - 32)); below
                        # it bin 0, above it bin 255 (u >> 21 of a positive float = 1024 + 4 x exponent + 2 bits)
 HIST_STRIDE = 2050     # int32 words per row of histogram + counters (2048 bins at most, then 2 counters)
