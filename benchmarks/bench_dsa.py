@@ -113,14 +113,18 @@ def profile(label, fn):
 
 
 ATTN_VARIANTS = {     # name -> attention.(SPARSE_DECODE, SPARSE_HEAD_BLOCK, SPARSE_STAGES, MIN_KEYS_PER_SPLIT,
-                     #                   SPARSE_BLOCK_S, SPARSE_WARPS)
-    "generic kernel (previous)": (False, 32, 2, 64, 64, 8), "sparse hb32 s2": (True, 32, 2, 64, 64, 8),
-    "sparse hb32 s3": (True, 32, 3, 64, 64, 8), "sparse hb32 s1": (True, 32, 1, 64, 64, 8),
-    "sparse hb16 s2": (True, 16, 2, 64, 64, 8), "sparse hb64 s2": (True, 64, 2, 64, 64, 8),
-    "sparse hb32 s2 mk128": (True, 32, 2, 128, 64, 8), "sparse hb32 s2 bs32": (True, 32, 2, 64, 32, 8),
-    "sparse hb64 s2 bs32": (True, 64, 2, 64, 32, 8), "sparse hb64 s2 w16": (True, 64, 2, 64, 64, 16)}
+                     #                   SPARSE_BLOCK_S, SPARSE_WARPS, SPARSE_TARGET_PROGRAMS); B = 16 x 96 heads:
+                     # key splits 6 / 11 / 16 / 32 at target 264 / 528 / 1056 / 2112 (head block 32)
+    "generic kernel (previous)": (False, 32, 2, 64, 64, 8, 264), "sparse hb32 s2": (True, 32, 2, 64, 64, 8, 264),
+    "sparse hb32 s3": (True, 32, 3, 64, 64, 8, 264), "sparse hb32 s1": (True, 32, 1, 64, 64, 8, 264),
+    "sparse hb16 s2": (True, 16, 2, 64, 64, 8, 264), "sparse hb64 s2": (True, 64, 2, 64, 64, 8, 264),
+    "sparse hb32 s2 mk128": (True, 32, 2, 128, 64, 8, 264), "sparse hb32 s2 bs32": (True, 32, 2, 64, 32, 8, 264),
+    "sparse hb64 s2 bs32": (True, 64, 2, 64, 32, 8, 264), "sparse hb64 s2 w16": (True, 64, 2, 64, 64, 16, 264),
+    "sparse hb32 s2 tp528": (True, 32, 2, 64, 64, 8, 528), "sparse hb32 s2 tp1056": (True, 32, 2, 64, 64, 8, 1056),
+    "sparse hb32 s2 tp2112": (True, 32, 2, 64, 64, 8, 2112), "sparse hb64 s2 tp1056": (True, 64, 2, 64, 64, 8, 1056),
+    "sparse hb32 s3 tp1056": (True, 32, 3, 64, 64, 8, 1056), "sparse hb32 s2 mk32": (True, 32, 2, 32, 32, 8, 264)}
 ATTN_KNOBS = ("SPARSE_DECODE", "SPARSE_HEAD_BLOCK", "SPARSE_STAGES", "MIN_KEYS_PER_SPLIT", "SPARSE_BLOCK_S",
-              "SPARSE_WARPS")
+              "SPARSE_WARPS", "SPARSE_TARGET_PROGRAMS")
 
 
 def set_attention(values):
@@ -131,9 +135,10 @@ def set_attention(values):
 SELECT_VARIANTS = {   # name -> dsa_decode attributes (the default first)
     "11-bit first digit in a 256-bin window": {}, "2048-bin first digit": dict(BINS=2048, BASE=0),
     "collect block 2048": dict(SELECT_BLOCK=2048), "finish 4 warps": dict(FINISH_WARPS=4),
-    "finish 16 warps": dict(FINISH_WARPS=16), "finish chunk 2048": dict(FINISH_CHUNK=2048)}
+    "finish 16 warps": dict(FINISH_WARPS=16), "finish chunk 2048": dict(FINISH_CHUNK=2048),
+    "finish without the collect's next digit": dict(NEXT_DIGIT=False)}
 SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "SCAN_BLOCK", "SCAN_WARPS",
-                "RANK_BLOCK")
+                "RANK_BLOCK", "NEXT_DIGIT")
 
 
 def load_baseline(path):

@@ -67,6 +67,7 @@ SPARSE_HEAD_BLOCK = 32      # its heads per program
 SPARSE_STAGES = 2           # its software-pipeline depth
 SPARSE_BLOCK_S = 64         # its keys per step (bf16 / fp16; fp32: 16)
 SPARSE_WARPS = 8            # its warps per program
+SPARSE_TARGET_PROGRAMS = 264  # its split-K target (programs); B = 1 is capped by MIN_KEYS_PER_SPLIT instead
 
 
 @triton.jit
@@ -193,10 +194,12 @@ def mla_combine_kernel(part_ptr, lse_ptr, o_ptr, H: tl.constexpr, DV: tl.constex
 
 def split_rows(tokens, H, absorbed):
     """A bound of the split-K partial rows B·T·splits of `launch_mla` for `tokens` = B·T query rows of H heads,
-    non-decreasing in `tokens`: split-K runs only while programs < TARGET_PROGRAMS, with splits ≤ min(MAX_SPLITS,
-    ⌈TARGET_PROGRAMS / programs⌉); absorbed, programs ≥ B·T, so B·T·splits < 2·TARGET_PROGRAMS; else programs ≥
-    B·T·H / ROWS (ROWS ≤ 32 tokens per program), so B·T·splits < 2·32·TARGET_PROGRAMS / H."""
-    return min(tokens * MAX_SPLITS, 2 * TARGET_PROGRAMS if absorbed else -(-64 * TARGET_PROGRAMS // H))
+    non-decreasing in `tokens`: split-K runs only while programs < target (TARGET_PROGRAMS; the sparse decode
+    kernel: SPARSE_TARGET_PROGRAMS), with splits ≤ min(MAX_SPLITS, ⌈target / programs⌉); absorbed, programs ≥ B·T,
+    so B·T·splits < 2·target; else programs ≥ B·T·H / ROWS (ROWS ≤ 32 tokens per program), so
+    B·T·splits < 2·32·TARGET_PROGRAMS / H."""
+    target = max(TARGET_PROGRAMS, SPARSE_TARGET_PROGRAMS) if absorbed else TARGET_PROGRAMS
+    return min(tokens * MAX_SPLITS, 2 * target if absorbed else -(-64 * target // H))
 
 
 def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_keys, lengths=None, scratch=None):
@@ -246,9 +249,10 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
         n_hb = triton.cdiv(H, BLOCK_M)
     n_keys = (max(topk, min(S, dense_max)) if from_ptr else topk) if use_idx else S   # at most, per row
     programs = B * n_tb * n_hb
+    target = SPARSE_TARGET_PROGRAMS if sparse_decode else TARGET_PROGRAMS
     splits = 1
-    if programs < TARGET_PROGRAMS and n_keys > MIN_KEYS_PER_SPLIT:
-        splits = min(triton.cdiv(TARGET_PROGRAMS, programs), triton.cdiv(n_keys, MIN_KEYS_PER_SPLIT), MAX_SPLITS)
+    if programs < target and n_keys > MIN_KEYS_PER_SPLIT:
+        splits = min(triton.cdiv(target, programs), triton.cdiv(n_keys, MIN_KEYS_PER_SPLIT), MAX_SPLITS)
     keys_per_split = triton.cdiv(triton.cdiv(n_keys, splits), BLOCK_S) * BLOCK_S
     splits = triton.cdiv(n_keys, keys_per_split)
     if splits > 1:
@@ -419,7 +423,8 @@ def emit_mla_attention(group: KernelGroup) -> str:
               ("SPARSE_HEAD_BLOCK", SPARSE_HEAD_BLOCK, "its heads per program"),
               ("SPARSE_STAGES", SPARSE_STAGES, "its software-pipeline depth"),
               ("SPARSE_BLOCK_S", SPARSE_BLOCK_S, "its keys per step (bf16 / fp16)"),
-              ("SPARSE_WARPS", SPARSE_WARPS, "its warps per program")]
+              ("SPARSE_WARPS", SPARSE_WARPS, "its warps per program"),
+              ("SPARSE_TARGET_PROGRAMS", SPARSE_TARGET_PROGRAMS, "its split-K target (programs)")]
     v_arg = f"_unit_last(inputs[{ip[2]}])" if has_v else "None"
     idx_arg = f"inputs[{ip[-1]}].contiguous()" if has_idx else "None"
     body = (
@@ -447,7 +452,8 @@ def mla_attention_scratch(group: KernelGroup) -> list[ScratchSpec]:
     a = node.attrs
     B, T, H = node.inputs[0].type.shape[:3]
     DV = a["v_dim"] if a["absorbed"] else node.inputs[2].type.shape[3]
-    rows = sympy.Min(B * T * MAX_SPLITS, 2 * TARGET_PROGRAMS if a["absorbed"] else -(-64 * TARGET_PROGRAMS // H))
+    target = max(TARGET_PROGRAMS, SPARSE_TARGET_PROGRAMS)                # `split_rows`, symbolic
+    rows = sympy.Min(B * T * MAX_SPLITS, 2 * target if a["absorbed"] else -(-64 * TARGET_PROGRAMS // H))
     return [ScratchSpec("o_part", TensorType((rows * H * DV,), "f32")),
             ScratchSpec("lse", TensorType((rows * H,), "f32"))]
 
@@ -471,6 +477,7 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("RADIX_ROW_PAD", RADIX_ROW_PAD, "radix select: i64 scratch words per row beyond the keys"),
               ("FINISH_CHUNK", dsa_decode.FINISH_CHUNK, "radix select: candidates per finishing step"),
               ("FINISH_WARPS", dsa_decode.FINISH_WARPS, "radix select: warps of the finishing program"),
+              ("NEXT_DIGIT", dsa_decode.NEXT_DIGIT, "radix select: the collect pass histograms the next digit"),
               ("FP8_QUERY", dsa_decode.FP8_QUERY, "fp8 index keys: fp8 q in the scan"),
               ("RERANK_EXTRA", dsa_decode.RERANK_EXTRA, "fp8 keys + exact keys: extra candidates re-ranked"),
               ("RERANK_BLOCK", dsa_decode.RERANK_BLOCK, "candidates per re-scoring program"),
