@@ -135,10 +135,9 @@ def set_attention(values):
 SELECT_VARIANTS = {   # name -> dsa_decode attributes (the default first)
     "11-bit first digit in a 256-bin window": {}, "2048-bin first digit": dict(BINS=2048, BASE=0),
     "collect block 2048": dict(SELECT_BLOCK=2048), "finish 4 warps": dict(FINISH_WARPS=4),
-    "finish 16 warps": dict(FINISH_WARPS=16), "finish chunk 2048": dict(FINISH_CHUNK=2048),
-    "finish without the collect's next digit": dict(NEXT_DIGIT=False)}
+    "finish 16 warps": dict(FINISH_WARPS=16), "finish chunk 2048": dict(FINISH_CHUNK=2048)}
 SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "SCAN_BLOCK", "SCAN_WARPS",
-                "RANK_BLOCK", "NEXT_DIGIT")
+                "RANK_BLOCK")
 
 
 def load_baseline(path):

@@ -67,7 +67,8 @@ SPARSE_HEAD_BLOCK = 32      # its heads per program
 SPARSE_STAGES = 2           # its software-pipeline depth
 SPARSE_BLOCK_S = 64         # its keys per step (bf16 / fp16; fp32: 16)
 SPARSE_WARPS = 8            # its warps per program
-SPARSE_TARGET_PROGRAMS = 264  # its split-K target (programs); B = 1 is capped by MIN_KEYS_PER_SPLIT instead
+SPARSE_TARGET_PROGRAMS = 264  # its split-K target (programs; B = 1 is capped by MIN_KEYS_PER_SPLIT instead): H200,
+                              # B = 16: 6 key splits 77 us, 11 / 16 / 32 splits 90 / 104 / 144 us (BENCHMARKS.md)
 
 
 @triton.jit
@@ -477,7 +478,6 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("RADIX_ROW_PAD", RADIX_ROW_PAD, "radix select: i64 scratch words per row beyond the keys"),
               ("FINISH_CHUNK", dsa_decode.FINISH_CHUNK, "radix select: candidates per finishing step"),
               ("FINISH_WARPS", dsa_decode.FINISH_WARPS, "radix select: warps of the finishing program"),
-              ("NEXT_DIGIT", dsa_decode.NEXT_DIGIT, "radix select: the collect pass histograms the next digit"),
               ("FP8_QUERY", dsa_decode.FP8_QUERY, "fp8 index keys: fp8 q in the scan"),
               ("RERANK_EXTRA", dsa_decode.RERANK_EXTRA, "fp8 keys + exact keys: extra candidates re-ranked"),
               ("RERANK_BLOCK", dsa_decode.RERANK_BLOCK, "candidates per re-scoring program"),

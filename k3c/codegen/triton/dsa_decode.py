@@ -15,15 +15,14 @@ no scratch that must arrive zeroed:
                       BINS values (`_first_digit`: positive scores in [2^-32, 2^32); the rest clamp into the edge
                       bins), added once per program with atomics
   dsa_collect_kernel  the threshold bin t (the K-th largest key's): keys above it go straight to the output, keys in
-                      it to a candidate list (slots from per-row counters, one atomic per block and kind), and
-                      the histogram of the candidates' next 8 bits (the finishing select's first level)
+                      it to a candidate list (slots from per-row counters, one atomic per block and kind)
   dsa_finish_kernel   grid (B,): the remaining K - above among the candidates (1.0K-6.4K per row in the H200
                       bench at L = 128K-1M: BENCHMARKS.md) by a radix select of 8-bit digits on unique 64-bit
                       keys (u << 32 | 2^32 - 1 - position: ties by lowest position, as the reference's stable
-                      sort) from the first bit they can differ in, level after level (the first from the collect
-                      pass's histogram, the first FINISH_CHUNK candidates kept in registers) until the threshold
-                      bin fits whole; then -1 past the row's keys. Exact for any input: a large candidate list
-                      (tied or clamped scores) only costs more passes.
+                      sort) from the first bit they can differ in, level after level (the first FINISH_CHUNK
+                      candidates kept in registers across them) until the threshold bin fits whole; then -1 past
+                      the row's keys. Exact for any input: a large candidate list (tied or clamped scores) only
+                      costs more passes.
 The output is the reference's top-k SET (positions, int64 [B, 1, topk], -1 past min(L, topk)) in no particular
 order (the op's contract; the attention is order-free), or in the reference's order with `ordered=True` (a torch
 sort: tests and the fp8 logits script).
@@ -65,9 +64,7 @@ BINS = 256             # its histogram: a window of 256 of the 2048 values (tl.h
                        # bins: all 2048 made the top-k 2.4-4.4x slower on the H200, BENCHMARKS.md)
 BASE = 1404            # the window's first value: positive scores in [2^-32, 2^32) (1024 + 4 x (127 - 32)); below
                        # it bin 0, above it bin 255 (u >> 21 of a positive float = 1024 + 4 x exponent + 2 bits)
-HIST_STRIDE = 2306     # int32 words per row: the first digit's histogram (2048 bins at most), the candidates'
-                       # next-digit histogram (256 bins, NEXT_DIGIT), then 2 counters
-NEXT_DIGIT = True      # the collect pass also histograms the candidates' next 8 bits (the finish's first level)
+HIST_STRIDE = 2050     # int32 words per row of histogram + counters (2048 bins at most, then 2 counters)
 FINISH_CHUNK = 4096    # candidates per step of the finishing select (one program per row)
 FINISH_WARPS = 8       # its warps
 FP8_MAX = 448.0        # largest float8_e4m3fn value
@@ -131,11 +128,9 @@ def _row_range(len_ptr, b, L, BLOCK: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
 @triton.jit
 def dsa_init_kernel(hist_ptr, HIST_STRIDE: tl.constexpr, BINS: tl.constexpr):
     """grid (B,): zeroes row b's first-digit histogram and its two counters (hist [B, HIST_STRIDE] int32: BINS bins,
-    the candidates' next-digit histogram at HIST_STRIDE - 258 (256 bins), then the counters at HIST_STRIDE - 2
-    and - 1), the only scratch the later kernels accumulate into."""
+    then the counters at HIST_STRIDE - 2 and - 1), the only scratch the later kernels accumulate into."""
     b = tl.program_id(0).to(tl.int64)
     tl.store(hist_ptr + b * HIST_STRIDE + tl.arange(0, BINS), tl.zeros([BINS], tl.int32))
-    tl.store(hist_ptr + b * HIST_STRIDE + HIST_STRIDE - 258 + tl.arange(0, 256), tl.zeros([256], tl.int32))
     tl.store(hist_ptr + b * HIST_STRIDE + HIST_STRIDE - 2 + tl.arange(0, 2), tl.zeros([2], tl.int32))
 
 
@@ -185,41 +180,18 @@ def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, len_ptr, L,
 
 
 @triton.jit
-def _next_digit(u, interior, SHIFT: tl.constexpr):
-    """The finishing select's first 8-bit digit of candidates u (uint32, all in the threshold bin): the 8 bits below
-    the first digit in an interior bin (one value of u >> SHIFT), else (a clamped edge bin) the top 8 bits."""
-    return tl.where(interior, (u >> (SHIFT - 8)) & 255, u >> 24).to(tl.int32)
-
-
-@triton.jit
-def _threshold(row, K, BINS: tl.constexpr, EXACT_BINS: tl.constexpr):
-    """(threshold bin t, whether it is one value of u >> SHIFT): EXACT_BINS (no clamping) any bin, else not an
-    edge bin of the window."""
-    t, _ = _pick_bin(row, K, BINS)
-    if EXACT_BINS:
-        interior = t >= 0
-    else:
-        interior = (t > 0) & (t < BINS - 1)
-    return t, interior
-
-
-@triton.jit
 def dsa_collect_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, BLOCK_R: tl.constexpr,
                        BINS: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr, HIST_STRIDE: tl.constexpr,
-                       LEN_FROM_PTR: tl.constexpr, EXACT_BINS: tl.constexpr, NEXT_DIGIT: tl.constexpr):
+                       LEN_FROM_PTR: tl.constexpr):
     """The threshold bin t of the first digit (the K-th largest key's, from the scan's histogram): keys above it are
     selected (their positions to idx [B, K] int64, slots from the row's counter hist[b, HIST_STRIDE - 2]), keys in
     it are candidates (positions to cand [B, L] int32, slots from hist[b, HIST_STRIDE - 1]); one atomic per block of
-    BLOCK_R keys and kind, arrival order. A row of at most K keys (no bin reaches K) is selected whole. NEXT_DIGIT:
-    the candidates' first finishing digit (`_next_digit`) is histogrammed too, into hist[b, HIST_STRIDE - 258 + d]
-    (added once per program), which saves the finishing select its first pass."""
+    BLOCK_R keys and kind, arrival order. A row of at most K keys (no bin reaches K) is selected whole."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n_valid, n_blocks = _row_range(len_ptr, b, L, BLOCK_R, LEN_FROM_PTR)
     row = hist_ptr + b * HIST_STRIDE
-    t, interior = _threshold(row, K, BINS, EXACT_BINS)
-    nxt = tl.zeros([256], tl.int32)
-    n_other = 0
+    t, _ = _pick_bin(row, K, BINS)
     for i in range(n_blocks):
         offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = offs < n_valid
@@ -233,13 +205,6 @@ def dsa_collect_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, BLO
         n_eq = tl.sum(eq, 0)
         base = tl.atomic_add(row + HIST_STRIDE - 1, n_eq, mask=n_eq > 0, sem="relaxed")
         tl.store(cand_ptr + b * L + base + tl.cumsum(eq, 0) - 1, offs, mask=eq != 0)
-        if NEXT_DIGIT:
-            nxt += tl.histogram(tl.where(eq != 0, _next_digit(u, interior, SHIFT), 0), 256)
-            n_other += BLOCK_R - n_eq
-    if NEXT_DIGIT:
-        bins = tl.arange(0, 256)
-        nxt = tl.where(bins == 0, nxt - n_other, nxt)          # the other keys were counted in bin 0
-        tl.atomic_add(row + HIST_STRIDE - 258 + bins, nxt, mask=nxt > 0)
 
 
 @triton.jit
@@ -261,41 +226,39 @@ def _digit_hist(c, match, ds, width):
 
 @triton.jit
 def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, L, K, CHUNK: tl.constexpr, SHIFT: tl.constexpr,
-                      BASE: tl.constexpr, BINS: tl.constexpr, HIST_STRIDE: tl.constexpr, EXACT_BINS: tl.constexpr,
-                      NEXT_DIGIT: tl.constexpr):
+                      BASE: tl.constexpr, BINS: tl.constexpr, HIST_STRIDE: tl.constexpr, EXACT_BINS: tl.constexpr):
     """grid (B,): the K - above best of row b's candidates (`dsa_collect_kernel`; above = the keys it selected) by
     their unique 64-bit keys c = (u << 32) | (2^32 - 1 - position) (larger u first, then the lower position: the
     reference's ties): a radix select of 8-bit digits from the candidates' first bit that can differ (bit 32 + SHIFT
     when the threshold bin t is one value of u >> SHIFT, bit 64 for a clamped edge bin; EXACT_BINS: no clamping),
     level after level until the bin of the remaining keys fits whole (at most 8: the keys are unique). The first
-    CHUNK candidates stay in registers across the levels, the rest are re-read per level in CHUNKs; NEXT_DIGIT: the
-    first level's histogram is the collect pass's. Then their positions to idx [B, K] after the collected ones, -1
-    in the slots past the row's keys."""
+    CHUNK candidates stay in registers across the levels, the rest are re-read per level in CHUNKs. Then their
+    positions to idx [B, K] after the collected ones, -1 in the slots past the row's keys."""
     b = tl.program_id(0).to(tl.int64)
     row = hist_ptr + b * HIST_STRIDE
     n_cand = tl.load(row + HIST_STRIDE - 1)
     above = tl.load(row + HIST_STRIDE - 2)
     need = K - above
-    t, interior = _threshold(row, K, BINS, EXACT_BINS)
+    t, _ = _pick_bin(row, K, BINS)
+    if EXACT_BINS:                                          # no clamping: every bin is one value of u >> SHIFT
+        interior = t >= 0
+    else:
+        interior = (t > 0) & (t < BINS - 1)
     pshift = tl.where(interior, 32 + SHIFT, 64)            # candidates share the bits above pshift: prefix
     prefix = tl.where(interior, t + BASE, 0).to(tl.uint64)
     n_chunks = (n_cand + CHUNK - 1) // CHUNK
     ok0, pos0, c_0 = _cand_keys(keys_ptr, cand_ptr, b, L, tl.arange(0, CHUNK), n_cand)
     bins = tl.arange(0, 256)
     done = n_cand <= need                                   # all candidates fit (none, or a row of <= K keys)
-    level = 0
     while not done:
         ds = tl.maximum(pshift - 8, 0)
         width = pshift - ds
-        if (level == 0) & NEXT_DIGIT:
-            hist = tl.load(row + HIST_STRIDE - 258 + bins)
-        else:
-            wide = pshift >= 64
-            shift = tl.minimum(pshift, 63).to(tl.uint64)
-            hist = _digit_hist(c_0, ok0 & (wide | ((c_0 >> shift) == prefix)), ds, width)
-            for c0 in range(1, n_chunks):
-                ok, pos, c = _cand_keys(keys_ptr, cand_ptr, b, L, c0 * CHUNK + tl.arange(0, CHUNK), n_cand)
-                hist += _digit_hist(c, ok & (wide | ((c >> shift) == prefix)), ds, width)
+        wide = pshift >= 64
+        shift = tl.minimum(pshift, 63).to(tl.uint64)
+        hist = _digit_hist(c_0, ok0 & (wide | ((c_0 >> shift) == prefix)), ds, width)
+        for c0 in range(1, n_chunks):
+            ok, pos, c = _cand_keys(keys_ptr, cand_ptr, b, L, c0 * CHUNK + tl.arange(0, CHUNK), n_cand)
+            hist += _digit_hist(c, ok & (wide | ((c >> shift) == prefix)), ds, width)
         suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
         d = tl.max(tl.where(suffix >= need, bins, -1), 0)
         a = tl.sum(tl.where(bins > d, hist, 0), 0)
@@ -304,7 +267,6 @@ def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, L, K, CHUNK: tl.con
         pshift = ds
         done = h_d == need - a                              # bin d fits whole: every key >= the prefix is taken
         need = need - a
-        level += 1
     take_all = n_cand <= K - above
     shift = tl.minimum(pshift, 63).to(tl.uint64)
     sel = (ok0 & (take_all | ((c_0 >> shift) >= prefix))).to(tl.int32)
@@ -438,7 +400,6 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
     scan_fp32 = q.dtype == torch.float32
     block_j = max(16, triton.next_power_of_2(J))
     digit = dict(BINS=BINS, SHIFT=SHIFT, BASE=BASE, HIST_STRIDE=HIST_STRIDE)
-    exact = BASE == 0 and BINS << SHIFT == 1 << 32          # the first digit's bins are not clamped
     dsa_init_kernel[(B,)](hist, HIST_STRIDE=HIST_STRIDE, BINS=BINS, num_warps=1)
     dsa_scan_kernel[(triton.cdiv(n_scan, per_scan), B)](
         q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, n_len, L, J=J, D=D,
@@ -447,9 +408,9 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
         DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=SCAN_WARPS, **digit)
     dsa_collect_kernel[(triton.cdiv(n_ref, per_ref), B)](keys, hist, cand, idx, n_len, L, n_sel,
                                                          BLOCK_R=SELECT_BLOCK, LEN_FROM_PTR=from_ptr, num_warps=4,
-                                                         EXACT_BINS=exact, NEXT_DIGIT=NEXT_DIGIT, **digit)
-    dsa_finish_kernel[(B,)](keys, hist, cand, idx, L, n_sel, CHUNK=FINISH_CHUNK, EXACT_BINS=exact,
-                            NEXT_DIGIT=NEXT_DIGIT, num_warps=FINISH_WARPS, **digit)
+                                                         **digit)
+    dsa_finish_kernel[(B,)](keys, hist, cand, idx, L, n_sel, CHUNK=FINISH_CHUNK,
+                            EXACT_BINS=BASE == 0 and BINS << SHIFT == 1 << 32, num_warps=FINISH_WARPS, **digit)
     if k_exact is not None:         # exact scores of the candidates: unique u64 keys, larger = better
         ck = torch.empty((B, n_sel), dtype=torch.int64, device=dev)
         dsa_rerank_kernel[(triton.cdiv(n_sel, RERANK_BLOCK), B)](
@@ -470,5 +431,5 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
 
 # Source order for code generation (helpers first).
 KERNELS = (_order_key, _to_e4m3, _pick_bin, _first_digit, _row_range, dsa_init_kernel, dsa_scan_kernel,
-           _next_digit, _threshold, dsa_collect_kernel, _cand_keys, _digit_hist, dsa_finish_kernel, dsa_rerank_kernel, dsa_rerank_rank_kernel,
-           radix_scratch_words)
+           dsa_collect_kernel, _cand_keys, _digit_hist, dsa_finish_kernel, dsa_rerank_kernel,
+           dsa_rerank_rank_kernel, radix_scratch_words)
