@@ -99,6 +99,27 @@ def conv_window(x_ptr, conv_ptr, t, chan, chan_mask, stride_t, W: tl.constexpr, 
 
 
 @triton.jit
+def conv_step_silu(x_ptr, conv_in_ptr, conv_out_ptr, w_ptr, chan, chan_mask, W: tl.constexpr):
+    """One decode step of the depthwise causal conv for [BD] channels: silu(sum_j w[c, j] * window[c, j]).
+
+    The window is the conv state's columns 1..W-1 (oldest first) and the new input x; it is also the new conv
+    state, written to conv_out_ptr column by column. Every tensor here is a [BD] vector of one layout, so the
+    lane that reads a state column is the lane that overwrites it: conv_out_ptr may alias conv_in_ptr with no
+    barrier (which would stop the software pipelining of a loop around this).
+    x_ptr: the group's channel 0 (raw projected input, any float dtype); conv_in_ptr / conv_out_ptr / w_ptr:
+    the group's channel 0 of [C, W] fp32 rows.
+    """
+    x = tl.load(x_ptr + chan, mask=chan_mask, other=0.0).to(tl.float32)
+    acc = x * tl.load(w_ptr + chan * W + (W - 1), mask=chan_mask, other=0.0)
+    for j in tl.static_range(W - 1):
+        old = tl.load(conv_in_ptr + chan * W + (j + 1), mask=chan_mask, other=0.0)
+        acc += old * tl.load(w_ptr + chan * W + j, mask=chan_mask, other=0.0)
+        tl.store(conv_out_ptr + chan * W + j, old, mask=chan_mask)
+    tl.store(conv_out_ptr + chan * W + (W - 1), x, mask=chan_mask)
+    return silu(acc)
+
+
+@triton.jit
 def causal_conv_silu_token(x_ptr, conv_ptr, w_tile, t, chan, chan_mask, stride_t, W: tl.constexpr,
                            BW: tl.constexpr):
     """`causal_conv_silu` for one position t and [BD] channels, as one [BD, BW] window load and a row sum.
@@ -140,4 +161,4 @@ def rms_norm_sigmoid_gate(o, norm_w, gate_logits, D: tl.constexpr, EPS: tl.const
 
 # Source order for code generation (each helper's dependencies come first).
 HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, load_conv_weight, conv_window,
-           causal_conv_silu_token, roll_conv_state, rms_norm_sigmoid_gate)
+           conv_step_silu, causal_conv_silu_token, roll_conv_state, rms_norm_sigmoid_gate)

@@ -60,6 +60,7 @@ def kda_chunk_prep_kernel(
     BT: tl.constexpr, LOG2_BT: tl.constexpr,
     INV_PRECISION: tl.constexpr,          # tl.dot precision inside (I + A)^-1 ("ieee": fp32 FMA)
     DOT_PRECISION: tl.constexpr,          # tl.dot input precision for fp32 operands ("tf32" or "ieee")
+    LOWP_DOTS: tl.constexpr,              # A, P, Wm, U0 from operands in the workspace dtype (bf16 tensor cores)
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -107,7 +108,11 @@ def kda_chunk_prep_kernel(
     k_out = k * tl.exp(g_ref[None, :] - gc)                         # <= exp((BT - 1 - REF) * |LOWER_BOUND|)
     tl.store(ws_kend + tile, (k * tl.exp(g_last[None, :] - gc)).to(dt), mask=m_tile)    # <= 1
     # entries j > i may overflow to inf / nan (exp(gc_i - r) * exp(r - gc_j) with i < r < j): masked to 0
-    A = tl.dot(k * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
+    k_in_op = k * decay_in
+    if LOWP_DOTS:
+        k_in_op = k_in_op.to(dt)
+        k_out = k_out.to(dt)
+    A = tl.dot(k_in_op, tl.trans(k_out), input_precision=DOT_PRECISION)
     A = tl.where(lower, A * beta[:, None], 0.0)
     k_beta = (beta[:, None] * tl.exp(gc)) * k                       # beta * Gamma * K
 
@@ -115,7 +120,10 @@ def kda_chunk_prep_kernel(
                          valid[:, None], i_k[None, :], m_k[None, :], s_qt, W)
     q = l2_normalize(q, 1) * SCALE
     tl.store(ws_qg + tile, (q * tl.exp(gc)).to(dt), mask=m_tile)
-    P = tl.dot(q * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
+    q_in_op = q * decay_in
+    if LOWP_DOTS:
+        q_in_op = q_in_op.to(dt)
+    P = tl.dot(q_in_op, tl.trans(k_out), input_precision=DOT_PRECISION)
     P = tl.where(lower | diag, P, 0.0)
     tl.store(ws_p + chunk * BT * BT + i_t[:, None] * BT + i_t[None, :], P.to(dt))
 
@@ -125,12 +133,17 @@ def kda_chunk_prep_kernel(
     for _ in tl.static_range(LOG2_BT - 1):
         power = tl.dot(power, power, input_precision=INV_PRECISION)
         Tinv = Tinv + tl.dot(Tinv, power, input_precision=INV_PRECISION)
+    if LOWP_DOTS:
+        Tinv = Tinv.to(dt)
+        k_beta = k_beta.to(dt)
     tl.store(ws_w + tile, tl.dot(Tinv, k_beta, input_precision=DOT_PRECISION).to(dt), mask=m_tile)
 
     v = causal_conv_silu(v_in + b64 * s_vb + h * D, conv_in + conv_b + 2 * HD * W, conv_w_v + h * D * W, first,
                          pos[:, None], valid[:, None], i_k[None, :], m_k[None, :], s_vt, W)
-    tl.store(ws_u + tile, tl.dot(Tinv, beta[:, None] * v, input_precision=DOT_PRECISION).to(dt), mask=m_tile)
-
+    v_beta = beta[:, None] * v
+    if LOWP_DOTS:
+        v_beta = v_beta.to(dt)
+    tl.store(ws_u + tile, tl.dot(Tinv, v_beta, input_precision=DOT_PRECISION).to(dt), mask=m_tile)
 
 @triton.jit
 def kda_chunk_state_kernel(
