@@ -124,16 +124,16 @@ def check(results, name, y, y_ref, st, S_ref, C_ref, tol):
     print("CHECK", r, flush=True)
 
 
-def check_gpu(dev, results, decode_cfgs, chunk_cfgs, persistent_cfgs=()):
+def check_gpu(dev, results, decode_cfgs, chunk_cfgs):
     """bf16-input correctness of every timed k3c variant vs the fp32 reference (relative L2 error)."""
     acts, weights, state = small_heads(*make(2, 300, dev, seed=1), 8)
     y_ref, S_ref, C_ref = kda_fused_reference(**acts, **weights, **state)
     st = {k: v.clone() for k, v in state.items()}
     y = kda_prefill(**acts, **weights, **st, method="recurrent")
     check(results, "prefill recurrent T=300 H=8", y, y_ref, st, S_ref, C_ref, 1e-3)
-    for bv, _, pw, chunk, lowp in sorted(set(chunk_cfgs)):
-        with prep_config(pw, chunk, bool(lowp)):
-            name = f"chunk {chunk} block_v={bv} prep {pw} warps{', bf16 products' if lowp else ''}"
+    for bv, _, pw, chunk in sorted(set(chunk_cfgs)):
+        with prep_config(pw, chunk):
+            name = f"chunk {chunk} block_v={bv} prep {pw} warps"
             runs = fits(lambda: kda_prefill(**acts, **weights, **{k: v.clone() for k, v in state.items()},
                                             method="chunk", block_v=bv, store_output=False))
             for lens in (None, [300, 173]) if runs else ():
@@ -147,19 +147,14 @@ def check_gpu(dev, results, decode_cfgs, chunk_cfgs, persistent_cfgs=()):
                     check(results, f"prefill {name} lengths (300, 173), row 1", y[1:, :173], r1[0],
                           {k: v[1:] for k, v in st.items()}, r1[1], r1[2], 1e-2)
     for sdt, cfgs in decode_cfgs.items():
-        splits = [dict(block_v=bv or None, persistent=False if bv else None) for bv in sorted({c[0] for c in cfgs})]
-        for kw in splits + [dict(persistent=p) for p in persistent_cfgs]:
+        for bv in sorted({bv for bv, _ in cfgs}):
             st = {k: v.clone() for k, v in state.items()}
             kda_prefill(**{k: v[:, :296] for k, v in acts.items()}, **weights, **st, method="recurrent")
             st["state"] = st["state"].to(sdt)
-            scratch = {k: v.clone() for k, v in st.items()}
-            if not fits(lambda: kda_decode(**{k: v[:, 296] for k, v in acts.items()}, **weights, **scratch, **kw)):
-                continue
-            ys = [kda_decode(**{k: v[:, t] for k, v in acts.items()}, **weights, **st, **kw)
+            ys = [kda_decode(**{k: v[:, t] for k, v in acts.items()}, **weights, **st, block_v=bv or None)
                   for t in range(296, 300)]
             st["state"] = st["state"].float()
-            what = f"persistent {kw['persistent']}" if kw["persistent"] else f"block_v={kw['block_v'] or 'default'}"
-            check(results, f"decode x4 {what} state {str(sdt)[6:]} after prefill",
+            check(results, f"decode x4 block_v={bv or 'default'} state {str(sdt)[6:]} after prefill",
                   torch.stack(ys, 1), y_ref[:, 296:], st, S_ref, C_ref, 1e-2 if sdt == torch.bfloat16 else 1e-3)
     # row-strided activations (the column views of one fused projection output) give the contiguous results
     views = fused_views({k: v[:, 296:297] for k, v in acts.items()})
@@ -194,7 +189,7 @@ def fused_views(acts):
 
 class prep_config:
     """Context manager: the chunked prefill's module constants (prep warps, chunk size)."""
-    names = ("CHUNK_PREP_WARPS", "CHUNK", "CHUNK_PREP_LOWP")
+    names = ("CHUNK_PREP_WARPS", "CHUNK")
 
     def __init__(self, *values):
         self.values = values
@@ -256,9 +251,9 @@ def cfg_name(bv, nw):
     return f"block_v={bv}, num_warps={nw}" if bv else "default split (kda.decode_split)"
 
 
-def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile, batches=(1, 16, 64), persistent_cfgs=(), lean=False):
-    """Decode rows at each batch: the split configurations (decode_cfgs), the persistent ones (per SM, stages,
-    warps), and unless `lean` the strided-input, token-loop, torch eager / compile and FLA rows."""
+def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile, batches=(1, 16, 64), lean=False):
+    """Decode rows at each batch: the split configurations (decode_cfgs) and, unless `lean`, the strided-input,
+    token-loop, torch eager / compile and FLA rows."""
     for B in batches:
         state_bytes = B * H * D * D * 4 * 2 + B * 3 * HD * W * 4 * 2
         io_bytes = B * (5 * HD + H) * 2 + B * HD * 2 + (3 * HD * W + HD + D + H) * 4
@@ -277,17 +272,8 @@ def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile, batches=(1, 16, 64
                                            ("bf16 state, ", s16, b16, torch.bfloat16)):
             for bv, nw in decode_cfgs[sdt]:
                 ms, how = bench(lambda i, bv=bv, nw=nw, states=states: kda_decode(
-                    **step[i][0], **step[i][1], **states[i], block_v=bv or None, num_warps=nw or None,
-                    persistent=False if bv else None), n_sets)
+                    **step[i][0], **step[i][1], **states[i], block_v=bv or None, num_warps=nw or None), n_sets)
                 add(f"k3c fused decode, {label}split V ({cfg_name(bv, nw)})", ms, how, nbytes)
-            for per_sm, stages, nw in persistent_cfgs:
-                if not fits(lambda p=(per_sm, stages, nw), states=states: kda_decode(
-                        **step[0][0], **step[0][1], **{k: v.clone() for k, v in states[0].items()}, persistent=p)):
-                    continue
-                ms, how = bench(lambda i, p=(per_sm, stages, nw), states=states: kda_decode(
-                    **step[i][0], **step[i][1], **states[i], persistent=p), n_sets)
-                add(f"k3c fused decode, {label}persistent ({per_sm}/SM, {stages} stages, {nw} warps)", ms, how,
-                    nbytes)
         del s16
         if lean:
             del sets, step
@@ -350,14 +336,14 @@ def prefill_rows(dev, have_fla, rows, Ts, chunk_cfgs, fla_Ts):
                              TFLOPs=flop / ms / 1e9, frac_790=flop / ms / 1e-3 / BF16_FLOP_PER_S))
             print("ROW", rows[-1], flush=True)
 
-        for bv, nw, pw, chunk, lowp in chunk_cfgs:
-            with prep_config(pw, chunk, bool(lowp)):
+        for bv, nw, pw, chunk in chunk_cfgs:
+            with prep_config(pw, chunk):
                 ms, how = bench(lambda i, bv=bv, nw=nw: kda_prefill(**acts, **weights, **state, method="chunk",
                                                                     block_v=bv, num_warps=nw), 1)
-                add(f"k3c chunked prefill, chunk {chunk} (state pass block_v={bv}, num_warps={nw}; prep {pw} warps"
-                    f"{', bf16 products' if lowp else ''})", ms, how)
+                add(f"k3c chunked prefill, chunk {chunk} (state pass block_v={bv}, num_warps={nw}; prep {pw} warps)",
+                    ms, how)
                 if T == 8192:
-                    profile_kernels(f"prefill T={T} chunk={chunk} block_v={bv} nw={nw} pw={pw} lowp={lowp}",
+                    profile_kernels(f"prefill T={T} chunk={chunk} block_v={bv} nw={nw} pw={pw}",
                                     lambda: kda_prefill(**acts, **weights, **state, method="chunk", block_v=bv,
                                                         num_warps=nw))
         if have_fla and T in fla_Ts:
@@ -461,12 +447,9 @@ def main():
                     help="fp32 state: block_v:num_warps,... (0:0 = the launcher's default)")
     ap.add_argument("--decode-bf16", default="0:0,16:1,32:2,64:2,64:4", help="bf16 state: as --decode")
     ap.add_argument("--chunk", default="64:4:4,32:4:4,128:8:4",
-                    help="block_v:num_warps:prep_warps[:chunk[:bf16 products]],... of the chunk state pass and the "
-                         "intra-chunk kernel")
-    ap.add_argument("--decode-persistent", default="",
-                    help="persistent decode configurations per_sm:stages:num_warps,... (both state dtypes)")
+                    help="block_v:num_warps:prep_warps[:chunk],... of the chunk state pass and the intra-chunk kernel")
     ap.add_argument("--decode-B", default="1,16,64", help="decode batch sizes")
-    ap.add_argument("--lean", action="store_true", help="decode: only the k3c split / persistent rows")
+    ap.add_argument("--lean", action="store_true", help="decode: only the k3c split rows")
     ap.add_argument("--fla-prefill-T", default="8192", help="prefill lengths with an FLA row")
     ap.add_argument("--stages", default="check,drift,decode,prefill,spec")
     args = ap.parse_args()
@@ -477,13 +460,11 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     decode_cfgs = {torch.float32: parse_tuples(args.decode, (0, 0)),
                    torch.bfloat16: parse_tuples(args.decode_bf16, (0, 0))}
-    persistent_cfgs = parse_tuples(args.decode_persistent, (2, 2, 8))
-    chunk_cfgs = parse_tuples(args.chunk, (kda_module.CHUNK_BLOCK_V, 4, kda_module.CHUNK_PREP_WARPS, kda_module.CHUNK,
-                                           int(kda_module.CHUNK_PREP_LOWP)))
-    stages = {"check": lambda: check_gpu(dev, checks, decode_cfgs, chunk_cfgs, persistent_cfgs),
+    chunk_cfgs = parse_tuples(args.chunk, (kda_module.CHUNK_BLOCK_V, 4, kda_module.CHUNK_PREP_WARPS, kda_module.CHUNK))
+    stages = {"check": lambda: check_gpu(dev, checks, decode_cfgs, chunk_cfgs),
               "drift": lambda: bf16_state_drift(dev, checks),
               "decode": lambda: decode_rows(dev, have_fla, rows, decode_cfgs, not args.no_compile,
-                                            [int(b) for b in args.decode_B.split(",")], persistent_cfgs, args.lean),
+                                            [int(b) for b in args.decode_B.split(",")], args.lean),
               "prefill": lambda: prefill_rows(dev, have_fla, rows, [int(t) for t in args.prefill_T.split(",")],
                                               chunk_cfgs, [int(t) for t in args.fla_prefill_T.split(",") if t]),
               "spec": lambda: spec_rows(dev, rows, checks)}

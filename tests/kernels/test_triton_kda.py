@@ -202,27 +202,6 @@ def test_decode_split_over_v(block_v):
     assert_close(run["conv_state"], C_ref, "conv state")
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_decode_persistent_grid(state_dtype):
-    # 3 programs (the interpreter counts 4 SMs) loop over B*H = 8 heads of D = 60 (masked lanes), 3 steps; against
-    # the reference (fp32 state) or the split kernel (bf16 state, rounded after every step: within one bf16 ulp)
-    acts, weights, state = make_inputs(2, 3, 4, 60, seed=37)
-    state["state"] = state["state"].to(state_dtype)
-    y_ref, S_ref, C_ref = kda_fused_reference(**acts, **weights, **state)
-    run, split = clone(state), clone(state)
-    for t in range(3):
-        step = {k: v[:, t] for k, v in acts.items()}
-        y_t = kda_decode(**step, **weights, **run, persistent=(3 / 4, 2, 4))
-        y_split = kda_decode(**step, **weights, **split, persistent=False)
-        assert_close(y_t, y_ref[:, t] if state_dtype == torch.float32 else y_split, f"decode y at {t}")
-    if state_dtype == torch.float32:
-        assert_close(run["state"], S_ref, "state")
-    else:
-        err = (run["state"].double() - split["state"].double()).abs()
-        assert (err <= split["state"].double().abs() * 2 ** -7 + TOL).all(), "state beyond one bf16 ulp"
-    assert_close(run["conv_state"], C_ref, "conv state")
-
-
 @pytest.mark.parametrize("method", ["decode", "chunk"])
 def test_bf16_state_is_rounded_fp32_state(method):
     # the kernels keep the state in fp32 and round it once on the way out: y is exact for the bf16 input state,

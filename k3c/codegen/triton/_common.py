@@ -44,35 +44,25 @@ def kda_decay_gate(f_biased, a, GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constex
 
 
 @triton.jit
-def causal_conv_silu(x_ptr, conv_ptr, w_ptr, from_state, pos, row_mask, chan, chan_mask, stride_t, W: tl.constexpr):
-    """silu(causal depthwise conv) of one q/k/v channel group for a [BT, BD] tile of positions x channels.
+def causal_conv_silu(x_ptr, conv_ptr, w_ptr, pos, chan, mask, stride_t, W: tl.constexpr):
+    """silu(causal depthwise conv) of one q/k/v channel group at positions `pos` (relative to this call's start).
 
     out[pos, c] = silu(sum_j w[c, j] * x[pos - (W-1) + j, c]); inputs at negative positions come from the conv
     state, whose column W-1 is position -1 (the last W raw inputs, oldest first).
-    x_ptr:      the group's channel 0 at position 0 of this batch row (raw projected input, any float dtype)
-    conv_ptr:   the group's channel 0 of this batch row's conv state, [C, W] fp32 rows
-    w_ptr:      the group's channel 0 of the conv weight, [C, W] fp32 rows (read as W [1, BD] rows)
-    from_state: scalar, whether the tile reaches before position 0 (only then is the conv state read)
-    pos, row_mask: [BT, 1] positions (relative to this call's start) and rows to compute
-    chan, chan_mask: [1, BD] channels and their mask (keep it a constant when every lane is a channel, so that the
-               row loads vectorize); lanes outside both masks return 0
+    x_ptr:    the group's channel 0 at position 0 of this batch row (raw projected input, any float dtype)
+    conv_ptr: the group's channel 0 of this batch row's conv state, [C, W] fp32 rows
+    w_ptr:    the group's channel 0 of the conv weight, [C, W] fp32 rows
+    pos, chan: broadcastable int tensors (a scalar position and [BD] channels, or [BT, 1] and [1, BD])
+    mask:     lanes to compute (channel < D and position < length); other lanes return 0
     """
-    mask = row_mask & chan_mask
-    acc = tl.zeros_like(pos + chan).to(tl.float32)
+    pos = pos + 0 * chan                                    # broadcast positions to the lanes' shape
+    acc = tl.zeros_like(pos).to(tl.float32)
     for j in tl.static_range(W):
         p = pos - (W - 1) + j
-        w_j = tl.load(w_ptr + chan * W + j, mask=chan_mask, other=0.0)
         x_new = tl.load(x_ptr + p * stride_t + chan, mask=mask & (p >= 0), other=0.0).to(tl.float32)
-        acc += x_new * w_j
-    if from_state:
-        # tap j of row pos reads position pos - (W-1) + j = s - W, conv state column s, when pos = s - 1 - j; the
-        # state is read as [1, BD] columns, so the tile keeps its row-major layout (a [BT, BD] gather of the
-        # state would be contiguous along the rows and turn every tile of the caller column-major)
-        for s in tl.static_range(1, W):
-            old = tl.load(conv_ptr + chan * W + s, mask=chan_mask, other=0.0)
-            for j in tl.static_range(s):
-                w_j = tl.load(w_ptr + chan * W + j, mask=chan_mask, other=0.0)
-                acc += tl.where(row_mask & (pos == s - 1 - j), old * w_j, 0.0)
+        x_old = tl.load(conv_ptr + chan * W + (W + p), mask=mask & (p < 0), other=0.0)
+        w_j = tl.load(w_ptr + chan * W + j, mask=mask, other=0.0)
+        acc += (x_new + x_old) * w_j
     return silu(acc)
 
 
@@ -96,27 +86,6 @@ def conv_window(x_ptr, conv_ptr, t, chan, chan_mask, stride_t, W: tl.constexpr, 
     x_new = tl.load(x_ptr + p * stride_t + chan[:, None], mask=m & (p >= 0), other=0.0).to(tl.float32)
     x_old = tl.load(conv_ptr + chan[:, None] * W + (W + p), mask=m & (p < 0), other=0.0)
     return x_new + x_old
-
-
-@triton.jit
-def conv_step_silu(x_ptr, conv_in_ptr, conv_out_ptr, w_ptr, chan, chan_mask, W: tl.constexpr):
-    """One decode step of the depthwise causal conv for [BD] channels: silu(sum_j w[c, j] * window[c, j]).
-
-    The window is the conv state's columns 1..W-1 (oldest first) and the new input x; it is also the new conv
-    state, written to conv_out_ptr column by column. Every tensor here is a [BD] vector of one layout, so the
-    lane that reads a state column is the lane that overwrites it: conv_out_ptr may alias conv_in_ptr with no
-    barrier (which would stop the software pipelining of a loop around this).
-    x_ptr: the group's channel 0 (raw projected input, any float dtype); conv_in_ptr / conv_out_ptr / w_ptr:
-    the group's channel 0 of [C, W] fp32 rows.
-    """
-    x = tl.load(x_ptr + chan, mask=chan_mask, other=0.0).to(tl.float32)
-    acc = x * tl.load(w_ptr + chan * W + (W - 1), mask=chan_mask, other=0.0)
-    for j in tl.static_range(W - 1):
-        old = tl.load(conv_in_ptr + chan * W + (j + 1), mask=chan_mask, other=0.0)
-        acc += old * tl.load(w_ptr + chan * W + j, mask=chan_mask, other=0.0)
-        tl.store(conv_out_ptr + chan * W + j, old, mask=chan_mask)
-    tl.store(conv_out_ptr + chan * W + (W - 1), x, mask=chan_mask)
-    return silu(acc)
 
 
 @triton.jit
@@ -161,4 +130,4 @@ def rms_norm_sigmoid_gate(o, norm_w, gate_logits, D: tl.constexpr, EPS: tl.const
 
 # Source order for code generation (each helper's dependencies come first).
 HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, load_conv_weight, conv_window,
-           conv_step_silu, causal_conv_silu_token, roll_conv_state, rms_norm_sigmoid_gate)
+           causal_conv_silu_token, roll_conv_state, rms_norm_sigmoid_gate)

@@ -33,7 +33,7 @@ import triton
 
 from k3c.codegen.triton import _common, take_scratch
 from k3c.codegen.triton.kda_chunk import kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel
-from k3c.codegen.triton.kda_decode import kda_decode_kernel, kda_decode_persistent_kernel
+from k3c.codegen.triton.kda_decode import kda_decode_kernel
 from k3c.codegen.triton.kda_recurrent import kda_recurrent_kernel
 from k3c.errors import RuntimeInputError, UnsupportedError
 
@@ -47,13 +47,8 @@ DECODE_BLOCK_V = 64
 DECODE_SMALL_BLOCK_V = 16
 DECODE_SMALL_GRID = 1024
 DECODE_WARP_BYTES = 8192
-# Persistent decode (`kda_decode_persistent_kernel`): (programs per SM, pipelining stages, num_warps) by state
-# bytes per element, used when B*H >= DECODE_PERSISTENT_MIN_HEADS; None: the split kernel above.
-DECODE_PERSISTENT = {4: None, 2: None}
-DECODE_PERSISTENT_MIN_HEADS = 1024
 CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
 CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
-CHUNK_PREP_LOWP = False  # intra-chunk products from operands in the activation dtype (bf16) instead of tf32
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| between a chunk's reference row and any row (exp stays finite in fp32)
 
 
@@ -128,12 +123,10 @@ def _decode_scratch(device, rows, D):
 
 def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
                 o_norm_weight, state, conv_state, *, gate_kind, lower_bound, eps, lengths, state_out,
-                conv_state_out, store_output, num_warps, block_v=None, y_out=None, scratch=None, persistent=None):
+                conv_state_out, store_output, num_warps, block_v=None, y_out=None, scratch=None):
     """Check shapes/devices and launch the `mode` kernels ("decode": T = 1, split over V; "recurrent": token loop
     over the (B, H) grid; "chunk": chunk-parallel prep + state pass split over V + norm epilogue); returns y or None.
     block_v: value columns per program of the decode / chunk state kernels (None: `decode_split` / CHUNK_BLOCK_V).
-    persistent: decode only, (programs per SM, stages, num_warps) of the persistent kernel, False: the split kernel,
-    None: `decode_persistent`'s choice.
     Activations may be row-strided views (any batch / token strides, dense last dim; others are copied); y is
     returned contiguous, in y_out when given (a contiguous tensor of q_in's shape and dtype). scratch: the chunk
     path's planned buffers by name (ws, ws_p, ws_glast, o_buf; `kda_abi.kda_fused_scratch`), None: allocated here."""
@@ -193,15 +186,7 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
     has_len = lengths is not None
     lens = lengths if has_len else q_in
     gate = dict(GATE_KIND=GATE_KINDS[gate_kind], LOWER_BOUND=float(lower_bound))
-    if mode == "decode" and persistent is None and block_v is None:
-        persistent = decode_persistent(B, H, state.element_size())
-    if mode == "decode" and persistent:
-        per_sm, stages, warps = persistent
-        kda_decode_persistent_kernel[(min(B * H, max(1, int(per_sm * _sm_count(q_in.device)))),)](
-            *acts, *wts, state, state_out, conv_state, conv_state_out, y, *(st[n][0] for n in "qkvfgb"), B * H,
-            H=H, D=D, W=W, BD=BD, EPS=float(eps), SCALE=D ** -0.5, STAGES=stages, num_warps=num_warps or warps,
-            **gate)
-    elif mode == "decode":
+    if mode == "decode":
         BV, warps = decode_split(B, H, D, state.element_size(), block_v)
         NV = triton.cdiv(D, BV)
         o_part, counters = _decode_scratch(q_in.device, B * H, D) if NV > 1 else (q_in, q_in)
@@ -227,7 +212,7 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
             q_in, k_in, v_in, f, beta_logits, *wts[:5], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p,
             ws_glast, T, NC, *(s for n in "qkvfb" for s in st[n]), H=H, D=D, W=W, BD=BD, SCALE=D ** -0.5,
             HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1, INV_PRECISION="ieee",
-            DOT_PRECISION=dot, LOWP_DOTS=CHUNK_PREP_LOWP, num_warps=CHUNK_PREP_WARPS, **gate)
+            DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
         BV = min(BD, block_v or CHUNK_BLOCK_V)
         fuse = BV == BD
         o_buf = y if fuse or not store_output else take_scratch(scratch, "o_buf", (B, T, HD), torch.float32,
@@ -255,24 +240,6 @@ def decode_split(B, H, D, state_bytes, block_v=None):
         block_v = DECODE_SMALL_BLOCK_V if small else DECODE_BLOCK_V
     BV = min(BD, block_v)
     return BV, max(1, BD * BV * state_bytes // DECODE_WARP_BYTES)
-
-
-def decode_persistent(B, H, state_bytes):
-    """(programs per SM, stages, num_warps) of the persistent decode kernel for B rows of H heads with state
-    elements of `state_bytes` bytes, or None where the split kernel is faster (DECODE_PERSISTENT rule above)."""
-    return DECODE_PERSISTENT.get(state_bytes) if B * H >= DECODE_PERSISTENT_MIN_HEADS else None
-
-
-_SM_COUNT = {}
-
-
-def _sm_count(device):
-    """Streaming multiprocessors of a CUDA device (4 for the CPU interpreter), cached per device."""
-    key = str(device)
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = (torch.cuda.get_device_properties(device).multi_processor_count
-                          if torch.device(device).type == "cuda" else 4)
-    return _SM_COUNT[key]
 
 
 def chunk_is_safe(gate_kind, lower_bound, chunk=None):
@@ -320,12 +287,10 @@ def kda_prefill(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_
 
 def kda_decode(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
                o_norm_weight, state, conv_state, *, gate_kind="lower_bound", lower_bound=-5.0, eps=1e-5,
-               num_warps=None, block_v=None, persistent=None):
+               num_warps=None, block_v=None):
     """One fused KDA decode step (one kernel launch): conv-state roll + conv + silu + l2norm + gate + beta +
     recurrence + RMSNorm + sigmoid gate, with state [B, H, D, D] (fp32 or bf16) and conv_state [B, 3*H*D, W]
-    updated in place. The value dim is split over cdiv(D, block_v) programs per head (default: `decode_split`), or
-    a persistent grid loops over whole heads (persistent = (programs per SM, stages, num_warps); default:
-    `decode_persistent`; False: never).
+    updated in place. The value dim is split over cdiv(D, block_v) programs per head (default: `decode_split`).
 
     Activations are [B, H*D] (or [B, 1, H*D]), beta_logits [B, H] (or [B, 1, H]), contiguous or row-strided views
     with a dense last dim; other shapes, dtypes and errors
@@ -338,7 +303,7 @@ def kda_decode(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k
     y = _launch_kda("decode", q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k,
                     conv_w_v, A_log, dt_bias, o_norm_weight, state, conv_state, gate_kind=gate_kind,
                     lower_bound=lower_bound, eps=eps, lengths=None, state_out=None, conv_state_out=None,
-                    store_output=True, num_warps=num_warps, block_v=block_v, persistent=persistent)
+                    store_output=True, num_warps=num_warps, block_v=block_v)
     return y.reshape(shape)
 
 
@@ -366,8 +331,8 @@ def kda_spec_replay(q_in, k_in, v_in, f, beta_logits, conv_w_q, conv_w_k, conv_w
 # Code generation: a standalone module per kernel family.
 
 _FAMILIES = {  # family -> (kernels to include, IR node it implements by default)
-    "decode": ((kda_decode_kernel, kda_decode_persistent_kernel), "kda.fused_decode"),
-    "prefill": ((kda_decode_kernel, kda_decode_persistent_kernel, kda_recurrent_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel,
+    "decode": ((kda_decode_kernel,), "kda.fused_decode"),
+    "prefill": ((kda_decode_kernel, kda_recurrent_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel,
                  kda_norm_gate_kernel), "kda.fused_prefill"),
     "spec_replay": ((kda_recurrent_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel), "kda.spec_replay"),
 }
@@ -444,15 +409,12 @@ def emit_source(spec):
         f"LOWER_BOUND = {lower_bound!r}  # linear_attn_config.gate_lower_bound\nEPS = {eps!r}  # rms_norm_eps\n"
         f"GATE_KINDS = {GATE_KINDS!r}\nCHUNK = {CHUNK}\nDECODE_BLOCK_V = {DECODE_BLOCK_V}\n"
         f"DECODE_SMALL_BLOCK_V = {DECODE_SMALL_BLOCK_V}\nDECODE_SMALL_GRID = {DECODE_SMALL_GRID}\n"
-        f"DECODE_WARP_BYTES = {DECODE_WARP_BYTES}\nDECODE_PERSISTENT = {DECODE_PERSISTENT!r}\n"
-        f"DECODE_PERSISTENT_MIN_HEADS = {DECODE_PERSISTENT_MIN_HEADS}\n_SM_COUNT = {{}}\n"
-        f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n"
-        f"CHUNK_PREP_LOWP = {CHUNK_PREP_LOWP}\n_DECODE_SCRATCH = {{}}\n")
+        f"DECODE_WARP_BYTES = {DECODE_WARP_BYTES}\n"
+        f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n_DECODE_SCRATCH = {{}}\n")
     parts = [header]
     parts += [inspect.getsource(fn.fn) for fn in _common.HELPERS]
     parts += [inspect.getsource(kernel.fn) for kernel in kernels]
     parts += [inspect.getsource(take_scratch), inspect.getsource(_decode_scratch), inspect.getsource(decode_split),
-              inspect.getsource(decode_persistent), inspect.getsource(_sm_count),
               inspect.getsource(_launch_kda)]
     parts.append(_LAUNCH_TEMPLATE.format(doc=doc, mode=mode))
     return "\n\n".join(parts)

@@ -60,7 +60,6 @@ def kda_chunk_prep_kernel(
     BT: tl.constexpr, LOG2_BT: tl.constexpr,
     INV_PRECISION: tl.constexpr,          # tl.dot precision inside (I + A)^-1 ("ieee": fp32 FMA)
     DOT_PRECISION: tl.constexpr,          # tl.dot input precision for fp32 operands ("tf32" or "ieee")
-    LOWP_DOTS: tl.constexpr,              # A, P, Wm, U0 from operands in the workspace dtype (bf16 tensor cores)
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -73,10 +72,7 @@ def kda_chunk_prep_kernel(
 
     i_t = tl.arange(0, BT)
     i_k = tl.arange(0, BD)
-    if BD == D:
-        m_k = tl.full([BD], 1, tl.int1)                  # a constant mask: the row loads vectorize
-    else:
-        m_k = i_k < D
+    m_k = i_k < D
     pos = c * BT + i_t
     valid = pos < n
     m_tk = valid[:, None] & m_k[None, :]
@@ -85,47 +81,30 @@ def kda_chunk_prep_kernel(
 
     b64 = b.to(tl.int64)
     conv_b = b64 * 3 * HD * W + h * D * W
-    first = c == 0
-    chunk = (b64 * H + h) * NC + c
-    tile = chunk * BT * D + i_t[:, None] * D + i_k[None, :]
-    m_tile = (i_t[:, None] < BT) & m_k[None, :]
-    dt = ws_qg.dtype.element_ty
-    # Each [BT, D] tile is stored as soon as it is complete and v is convolved last: fewer tiles live at once.
+    q = causal_conv_silu(q_in + b64 * s_qb + h * D, conv_in + conv_b, conv_w_q + h * D * W, pos[:, None],
+                         i_k[None, :], m_tk, s_qt, W)
+    k = causal_conv_silu(k_in + b64 * s_kb + h * D, conv_in + conv_b + HD * W, conv_w_k + h * D * W, pos[:, None],
+                         i_k[None, :], m_tk, s_kt, W)
+    v = causal_conv_silu(v_in + b64 * s_vb + h * D, conv_in + conv_b + 2 * HD * W, conv_w_v + h * D * W,
+                         pos[:, None], i_k[None, :], m_tk, s_vt, W)
+    q = l2_normalize(q, 1) * SCALE
+    k = l2_normalize(k, 1)
     f = tl.load(f_in + b64 * s_fb + h * D + pos[:, None] * s_ft + i_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     dtb = tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0)
     g = tl.where(m_tk, kda_decay_gate(f + dtb[None, :], tl.exp(tl.load(A_log + h)), GATE_KIND, LOWER_BOUND), 0.0)
-    gc = tl.cumsum(g, 0)                                            # padded rows have g = 0
-    g_ref = tl.sum(tl.where(i_t[:, None] == REF, gc, 0.0), 0)      # r
-    g_last = tl.sum(tl.where(i_t[:, None] == BT - 1, gc, 0.0), 0)
-    tl.store(ws_glast + chunk * D + i_k, g_last, mask=m_k)
-    decay_in = tl.exp(gc - g_ref[None, :])                          # <= exp(REF * |LOWER_BOUND|)
     beta = tl.load(beta_in + b64 * s_bb + pos * s_bt + h, mask=valid, other=0.0).to(tl.float32)
     beta = tl.where(valid, tl.sigmoid(beta), 0.0)
 
-    k = causal_conv_silu(k_in + b64 * s_kb + h * D, conv_in + conv_b + HD * W, conv_w_k + h * D * W, first,
-                         pos[:, None], valid[:, None], i_k[None, :], m_k[None, :], s_kt, W)
-    k = l2_normalize(k, 1)
+    gc = tl.cumsum(g, 0)                                            # padded rows have g = 0
+    g_ref = tl.sum(tl.where(i_t[:, None] == REF, gc, 0.0), 0)      # r
+    g_last = tl.sum(tl.where(i_t[:, None] == BT - 1, gc, 0.0), 0)
+    decay_in = tl.exp(gc - g_ref[None, :])                          # <= exp(REF * |LOWER_BOUND|)
     k_out = k * tl.exp(g_ref[None, :] - gc)                         # <= exp((BT - 1 - REF) * |LOWER_BOUND|)
-    tl.store(ws_kend + tile, (k * tl.exp(g_last[None, :] - gc)).to(dt), mask=m_tile)    # <= 1
     # entries j > i may overflow to inf / nan (exp(gc_i - r) * exp(r - gc_j) with i < r < j): masked to 0
-    k_in_op = k * decay_in
-    if LOWP_DOTS:
-        k_in_op = k_in_op.to(dt)
-        k_out = k_out.to(dt)
-    A = tl.dot(k_in_op, tl.trans(k_out), input_precision=DOT_PRECISION)
+    A = tl.dot(k * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
     A = tl.where(lower, A * beta[:, None], 0.0)
-    k_beta = (beta[:, None] * tl.exp(gc)) * k                       # beta * Gamma * K
-
-    q = causal_conv_silu(q_in + b64 * s_qb + h * D, conv_in + conv_b, conv_w_q + h * D * W, first, pos[:, None],
-                         valid[:, None], i_k[None, :], m_k[None, :], s_qt, W)
-    q = l2_normalize(q, 1) * SCALE
-    tl.store(ws_qg + tile, (q * tl.exp(gc)).to(dt), mask=m_tile)
-    q_in_op = q * decay_in
-    if LOWP_DOTS:
-        q_in_op = q_in_op.to(dt)
-    P = tl.dot(q_in_op, tl.trans(k_out), input_precision=DOT_PRECISION)
+    P = tl.dot(q * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
     P = tl.where(lower | diag, P, 0.0)
-    tl.store(ws_p + chunk * BT * BT + i_t[:, None] * BT + i_t[None, :], P.to(dt))
 
     # (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)...: A strictly lower triangular, A^BT = 0.
     power = A
@@ -133,17 +112,22 @@ def kda_chunk_prep_kernel(
     for _ in tl.static_range(LOG2_BT - 1):
         power = tl.dot(power, power, input_precision=INV_PRECISION)
         Tinv = Tinv + tl.dot(Tinv, power, input_precision=INV_PRECISION)
-    if LOWP_DOTS:
-        Tinv = Tinv.to(dt)
-        k_beta = k_beta.to(dt)
-    tl.store(ws_w + tile, tl.dot(Tinv, k_beta, input_precision=DOT_PRECISION).to(dt), mask=m_tile)
 
-    v = causal_conv_silu(v_in + b64 * s_vb + h * D, conv_in + conv_b + 2 * HD * W, conv_w_v + h * D * W, first,
-                         pos[:, None], valid[:, None], i_k[None, :], m_k[None, :], s_vt, W)
-    v_beta = beta[:, None] * v
-    if LOWP_DOTS:
-        v_beta = v_beta.to(dt)
-    tl.store(ws_u + tile, tl.dot(Tinv, v_beta, input_precision=DOT_PRECISION).to(dt), mask=m_tile)
+    gamma = tl.exp(gc)
+    Wm = tl.dot(Tinv, (beta[:, None] * gamma) * k, input_precision=DOT_PRECISION)
+    U0 = tl.dot(Tinv, beta[:, None] * v, input_precision=DOT_PRECISION)
+
+    chunk = (b.to(tl.int64) * H + h) * NC + c
+    tile = chunk * BT * D + i_t[:, None] * D + i_k[None, :]
+    m_tile = (i_t[:, None] < BT) & m_k[None, :]
+    dt = ws_qg.dtype.element_ty
+    tl.store(ws_qg + tile, (q * gamma).to(dt), mask=m_tile)
+    tl.store(ws_kend + tile, (k * tl.exp(g_last[None, :] - gc)).to(dt), mask=m_tile)    # <= 1
+    tl.store(ws_w + tile, Wm.to(dt), mask=m_tile)
+    tl.store(ws_u + tile, U0.to(dt), mask=m_tile)
+    tl.store(ws_p + chunk * BT * BT + i_t[:, None] * BT + i_t[None, :], P.to(dt))
+    tl.store(ws_glast + chunk * D + i_k, g_last, mask=m_k)
+
 
 @triton.jit
 def kda_chunk_state_kernel(

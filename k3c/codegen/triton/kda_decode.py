@@ -22,7 +22,6 @@ import triton
 import triton.language as tl
 
 from k3c.codegen.triton._common import (
-    conv_step_silu,
     conv_window,
     kda_decay_gate,
     l2_normalize,
@@ -116,52 +115,3 @@ def kda_decode_kernel(
             tl.store(y + y_off + i_k, out.to(y.dtype.element_ty), mask=m_k)
             tl.store(conv_out + conv_q + i_k[:, None] * W + j[None, :], win_q, mask=m_k[:, None] & m_w)
             tl.store(conv_out + conv_k + i_k[:, None] * W + j[None, :], win_k, mask=m_k[:, None] & m_w)
-
-
-@triton.jit
-def kda_decode_persistent_kernel(
-    q_in, k_in, v_in, f_in, gate_in, beta_in,     # as kda_decode_kernel
-    conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias, o_norm_w,
-    state_in, state_out, conv_in, conv_out, y,
-    s_q, s_k, s_v, s_f, s_g, s_beta,
-    n_heads,                              # B * H
-    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr,
-    GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, EPS: tl.constexpr, SCALE: tl.constexpr,
-    STAGES: tl.constexpr,                 # software-pipelining depth of the loop over heads
-):
-    """The decode step with a persistent grid: program p handles heads p, p + P, p + 2P, ... of the B*H heads, each
-    whole ([D, D] state tile, no cross-program norm). The loop over heads is software-pipelined (STAGES), so the
-    next head's state tile and inputs are copied to shared memory while this head is computed; the body has no
-    barrier (`conv_step_silu` writes the conv state lane by lane), which the pipeliner requires."""
-    i_k = tl.arange(0, BD)
-    m_k = i_k < D
-    HD: tl.constexpr = H * D
-    for bh in tl.range(tl.program_id(0), n_heads, tl.num_programs(0), num_stages=STAGES):
-        b = bh // H
-        h = bh % H
-        b64 = b.to(tl.int64)
-        conv_q = b64 * 3 * HD * W + h * D * W
-        q = conv_step_silu(q_in + b64 * s_q + h * D, conv_in + conv_q, conv_out + conv_q, conv_w_q + h * D * W,
-                           i_k, m_k, W)
-        k = conv_step_silu(k_in + b64 * s_k + h * D, conv_in + conv_q + HD * W, conv_out + conv_q + HD * W,
-                           conv_w_k + h * D * W, i_k, m_k, W)
-        v = conv_step_silu(v_in + b64 * s_v + h * D, conv_in + conv_q + 2 * HD * W, conv_out + conv_q + 2 * HD * W,
-                           conv_w_v + h * D * W, i_k, m_k, W)
-        q = l2_normalize(q, 0) * SCALE
-        k = l2_normalize(k, 0)
-        f = tl.load(f_in + b64 * s_f + h * D + i_k, mask=m_k, other=0.0).to(tl.float32)
-        g = kda_decay_gate(f + tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0), tl.exp(tl.load(A_log + h)),
-                           GATE_KIND, LOWER_BOUND)
-        beta = tl.sigmoid(tl.load(beta_in + b64 * s_beta + h).to(tl.float32))
-
-        s_off = (b64 * H + h) * D * D + i_k[:, None] * D + i_k[None, :]
-        m_s = m_k[:, None] & m_k[None, :]
-        S = tl.load(state_in + s_off, mask=m_s, other=0.0).to(tl.float32) * tl.exp(g)[:, None]
-        u = beta * (v - tl.sum(k[:, None] * S, 0))
-        S = S + k[:, None] * u[None, :]
-        o = tl.sum(q[:, None] * S, 0)
-        tl.store(state_out + s_off, S.to(state_out.dtype.element_ty), mask=m_s)
-
-        gl = tl.load(gate_in + b64 * s_g + h * D + i_k, mask=m_k, other=0.0).to(tl.float32)
-        out = rms_norm_sigmoid_gate(o, tl.load(o_norm_w + i_k, mask=m_k, other=0.0), gl, D, EPS, 0)
-        tl.store(y + b64 * HD + h * D + i_k, out.to(y.dtype.element_ty), mask=m_k)
