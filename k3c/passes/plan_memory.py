@@ -3,7 +3,8 @@
 The schedule is the kernel groups of `form_kernels` in order (or one launch per node before kernel formation).
 A value is materialised when it leaves its group (read by a later launch or a graph output); values produced and
 consumed inside one fused kernel never reach memory. A buffer is live from the launch that writes it to its last
-reader; graph outputs live to the end. Views (reshape, expand, unsqueeze, squeeze) share their input's buffer, and so
+reader; graph outputs live to the end. Views (reshape, expand, unsqueeze, squeeze) launched on their own share their
+input's buffer (one inside a fused kernel, e.g. `attn_res_row`, is a value the kernel writes), and so
 do the parts of a `split` where the entry has one token per sequence (T = 1, decode: the column views of a fused
 GEMM, `fuse_gemms`, are contiguous at batch 1, and a kernel that needs a contiguous input at B > 1 gets a copy of a
 few KiB from its launcher); elsewhere (prefill) each part has its own buffer, written by the split's launch.
@@ -19,6 +20,8 @@ The pass stores the plan as `graph.memory_plan` and returns the graph unchanged 
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from k3c.context import CompileContext
 from k3c.ir.graph import Graph, Value
@@ -54,8 +57,9 @@ def liveness(graph: Graph, bindings: dict[str, int]) -> list[Buffer]:
     outside = set(graph.inputs) | set(graph.params.values()) | pool_values(graph)
     first: dict[Value, int] = {}
     last: dict[Value, int] = {}
+    size = Counter(steps)
     for node, i in zip(graph.nodes, steps):
-        if node.op in views and node.inputs:
+        if node.op in views and node.inputs and size[i] == 1:   # a view launch; inside a kernel it is computed
             for v in node.outputs:
                 root[v] = root.get(node.inputs[0], node.inputs[0])
         for v in node.inputs:
