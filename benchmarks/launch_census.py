@@ -2,7 +2,9 @@
 
 bench_e2e.py's model (K3.1 Pro, 4 layers: layer 0 dense, KDA 1-3, DSA 4; 32 experts choosing 16) at the
 k3.1-pro-tiny widths, a random f32 checkpoint, compiled for the h200 target (Triton kernels, run in the
-interpreter here), a short prompt prefilled, then one decode step counted. The launch counts depend on the
+interpreter here), a short prompt prefilled, one decode step (the eager one a GPU runs before capturing its
+graph), then one decode step counted. On a CPU the MoE tile schedule runs as torch ops (`moe_schedule`: about 26
+launches per MoE layer) where a GPU runs one `moe_schedule_kernel`. The launch counts depend on the
 schedule and the launchers, not on the widths, so they are those of the full-width model (bf16 adds the router's
 f32 linear: a library launch of its own). Prints the schedule launches that start device work and the totals;
 `--json FILE` writes them.
@@ -62,6 +64,7 @@ def run(art: Path, batch: int, prompt: int = 4):
     session = k3c.load(art, "cpu")
     g = torch.Generator().manual_seed(0)
     session.prefill(torch.randint(0, session.vocab, (batch, prompt), generator=g))
+    session.decode(torch.randint(0, session.vocab, (batch, 1), generator=g))   # the eager step before a capture
     rows = census(session, torch.randint(0, session.vocab, (batch, 1), generator=g))
     return rows, summary(rows)
 
