@@ -19,11 +19,13 @@ the published layout (`save_random_checkpoint`), compiled by k3c for the H200, t
 4. prefill of 2560-token prompts at batch 1 and 16 (tokens/s, TFLOP/s of the model's matmuls) and the GEMM rate of
    the prefill against a plain bf16 matmul measured here; eager prefills in chunks of max_prefill tokens as k3c
    does (measured before k3c loads);
-5. a per-kernel-kind breakdown (torch.profiler) of one decode step and one prefill call;
+5. a per-kernel-kind breakdown (torch.profiler) of one decode step (batch 1 and 16, context 4K and 128K) and one
+   prefill call;
 6. numerics: k3c bf16 vs eager bf16, in the band of eager bf16 vs eager fp32 (same checkpoint), over a prefill and
    64 teacher-forced decode steps (max and the distribution over positions: a random router's near-ties flip a
    top-k choice at some positions of any bf16 run, and which ones differs between runs); and per layer (input
-   norm, mixer output after o_proj, MLP / MoE output) over the prefill, to see where a difference arises;
+   norm, mixer output after o_proj, MLP / MoE output) over the prefill, to see where a difference arises, and
+   per MoE layer the share of tokens whose chosen experts differ from eager fp32's (k3c and eager bf16);
 7. batch 4 x 32K context prefilled in 8K chunks (a second artifact, `--max-batch 4 --max-prefill 8192`, loaded
    after the first session is released), its peak memory against the plan (arena + pools + weights).
 Phases write OUT/bench_e2e.json (`--experts mxfp4`: OUT/bench_e2e_mxfp4.json) as they finish (a run cut short keeps
@@ -52,7 +54,8 @@ from pathlib import Path
 import torch
 
 from e2e_measure import (FIRST_LOGITS, HBM_BPS, EagerDecode, decode_tokens, eager_prefill, floor_bytes,  # noqa: E402
-                         launch_transients, layer_errors, load_second, matmul_flops_per_token, profile, timed)
+                         launch_transients, layer_errors, load_second, matmul_flops_per_token, profile,
+                         route_disagreement, timed)
 
 PROMPT = 2560
 NUMERICS_STEPS = 64  # teacher-forced decode steps compared (numerics phase)
@@ -210,14 +213,18 @@ def main():
         session.reset()
         graphs, session._graphs, session.cuda_graphs = session._graphs, {}, False  # kernels launched one by one
         expert_bytes = sum(w.numel() * w.element_size() for n, w in weights.items() if ".experts." in n)
-        for B in (1, 16):
+        for B, L in ((1, 4096), (16, 4096), (1, 131072), (16, 131072)):
+            if L + 1 > session.max_seq:
+                continue
             tokB = decode_tokens(B, cfg.vocab_size)
 
             def one_step():
-                session.length, session.batch = 4096, B
+                session.length, session.batch = L, B
                 session.decode(tokB)
 
-            br = res["breakdown"][f"decode_B{B}_L4096"] = profile(one_step)
+            br = res["breakdown"][f"decode_B{B}_L{L}"] = profile(one_step)
+            if L != 4096:
+                continue
             touched = 1 - (1 - cfg.num_experts_per_token / cfg.num_experts) ** B  # as `floor_bytes`
             ms = br.get("moe experts (Triton)", {}).get("ms")
             res.setdefault("expert_read_tbps", {})[f"B{B}"] = expert_bytes * touched / ms / 1e9 if ms else None
@@ -315,6 +322,8 @@ def main():
                 same = [bool((p.argmax(-1) == q.argmax(-1)).all()) for p, q in zip(outs[x], outs["eager_fp32"])]
                 res["numerics_max_rel"][f"greedy_agreement_{x}_vs_fp32"] = sum(same) / len(same)
             res["numerics_per_layer"] = layer_errors(session, {"eager_bf16": model, "eager_fp32": model32}, prompt)
+            res["route_disagreement"] = route_disagreement(session, {"eager_bf16": model, "eager_fp32": model32},
+                                                           prompt)
             del model32, outs, c32, c16
             torch.cuda.empty_cache()
 

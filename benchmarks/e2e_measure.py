@@ -241,6 +241,62 @@ def layer_errors(session, models: dict, prompt) -> dict:
         "eager_bf16", "eager_fp32", k), "k3c_vs_eager_fp32": rel("k3c", "eager_fp32", k)} for k in keys}
 
 
+def route_disagreement(session, models: dict, prompt) -> dict:
+    """Per MoE layer i, over one prefill of `prompt`: the share of tokens whose set of chosen experts differs between
+    k3c and eager fp32, eager bf16 and eager fp32, and k3c and eager bf16 (`models`: {"eager_bf16": model,
+    "eager_fp32": model}). k3c's choices are the `moe_route` launches' ids as they are written (`Frame.launch`
+    wrapped), the eager ones the same op on each MoE's input (a forward pre-hook; models/layers.py `MoE.forward`).
+    A random router puts many experts near the top-k threshold, so any bf16 run flips some choices: the shares
+    say whether k3c flips more often than eager bf16 does."""
+    import re
+
+    import torch.nn.functional as F
+
+    from k3c.runtime.frame import Frame
+
+    ids: dict[str, dict[int, list]] = {"k3c": {}, **{name: {} for name in models}}
+    launch = Frame.launch
+
+    def keep(frame, ln):
+        launch(frame, ln)
+        if ln["kind"] == "moe_route":
+            layer = int(re.match(r"l(\d+)\.", ln["outputs"][1])[1])
+            ids["k3c"].setdefault(layer, []).append(frame.env[ln["outputs"][1]].clone())
+
+    def route(moe, x, into):
+        logits = F.linear(x.reshape(-1, x.shape[-1]).float(), moe.gate.weight.float())
+        into.append(torch.ops.k3.moe_route(logits, moe.gate.e_score_correction_bias, moe.top_k, moe.scaling,
+                                           moe.renorm)[1].clone())
+
+    hooks = []
+    for name, model in models.items():
+        for i, layer in enumerate(model.model.layers):
+            if hasattr(layer, "block_sparse_moe"):
+                hooks.append(layer.block_sparse_moe.register_forward_pre_hook(
+                    lambda m, args, i=i, d=ids[name]: route(m, args[0], d.setdefault(i, []))))
+    Frame.launch = keep
+    try:
+        with torch.no_grad():
+            session.reset()
+            session.prefill(prompt)
+            for model in models.values():
+                model(prompt)
+    finally:
+        Frame.launch = launch
+        for h in hooks:
+            h.remove()
+        session.reset()
+
+    def differ(a, b, layer) -> float:
+        x = torch.cat(ids[a][layer]).sort(-1).values
+        y = torch.cat(ids[b][layer]).sort(-1).values.to(x.device)
+        return float((x != y).any(-1).float().mean())
+
+    return {layer: {"k3c_vs_eager_fp32": differ("k3c", "eager_fp32", layer),
+                    "eager_bf16_vs_eager_fp32": differ("eager_bf16", "eager_fp32", layer),
+                    "k3c_vs_eager_bf16": differ("k3c", "eager_bf16", layer)} for layer in sorted(ids["eager_bf16"])}
+
+
 FIRST_LOGITS = textwrap.dedent("""
     import cProfile, io, json, pathlib, pstats, sys, time
     t0 = time.perf_counter()

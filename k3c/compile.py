@@ -127,6 +127,8 @@ def _compile(opts: CompileOptions, progress) -> dict:
     with ArtifactWriter(opts.out, force=opts.force).open() as writer:
         model = load_checkpoint(opts.model, DTYPES[opts.dtype]) if with_weights \
             else build_meta_model(cfg).cast_(DTYPES[opts.dtype])
+        packed = load_mxfp4_experts(opts.model) if with_weights and ctx.experts_dtype == "mxfp4" else {}
+        ctx = ctx.replace(mxfp4_scale_max=scale_max(packed))
         graphs, passes, bindings = {}, [], {}
         log = PassLog() if opts.report else None
         tick = progress or (lambda step, done, total: None)
@@ -189,7 +191,6 @@ def _compile(opts: CompileOptions, progress) -> dict:
                                         "backends": [b.name for b in ctx.backends]})
         if not opts.plan_only:
             tick("weights", 0, None)
-            packed = load_mxfp4_experts(opts.model) if ctx.experts_dtype == "mxfp4" else {}
             for rank in range(opts.tp):
                 writer.add_tensors(weights_file(rank, opts.tp), _weights(model, graphs, rank, packed))
         writer.commit(config=cfg.raw, target=ctx.target.to_dict(), tp=opts.tp, bounds=ctx.bounds_json,
@@ -266,6 +267,13 @@ def experts_dtype(opts: CompileOptions, cfg: K3Config) -> str:
         raise ConfigError(f"--experts-dtype mxfp4: {opts.model} stores dense experts (config.json has no MXFP4 "
                           f"quantization_config); k3c keeps a checkpoint's expert bits and does not quantize")
     return fmt
+
+
+def scale_max(packed: dict[str, torch.Tensor]) -> int | None:
+    """The largest E8M0 scale byte among the MXFP4 expert tensors `packed` (`load_mxfp4_experts`' keys: the
+    ".weight_scale" ones); None when there are none."""
+    scales = [t for k, t in packed.items() if k.endswith(".weight_scale")]
+    return max(int(t.max()) for t in scales) if scales else None
 
 
 def weight_bytes(graphs: dict[str, Graph]) -> dict[str, int]:

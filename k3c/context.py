@@ -61,6 +61,9 @@ class CompileContext:
     None: as the checkpoint stores them). kda_state_dtype: storage of the KDA recurrent state S [B,H,K,V] in its
     pool ("f32" | "bf16": half the bytes; every update still computes in f32 and rounds the new state once per
     call, `kda_fused_ref`); independent of `dtype` (an f32 model with a bf16 state keeps everything else f32).
+    mxfp4_scale_max: the largest E8M0 scale byte of the checkpoint's MXFP4 experts, which the driver reads with
+    them (`k3c.compile`); None: not known (no weights, or dense experts). `pack_experts` records it on the
+    `moe_experts` nodes as `scale_max`, where code generators may use it (it never changes a value).
     """
 
     target: Any = None
@@ -75,12 +78,15 @@ class CompileContext:
     backend: str | None = None
     experts_dtype: str | None = None
     kda_state_dtype: str = "f32"
+    mxfp4_scale_max: int | None = None
     backends: tuple = field(default=(), compare=False)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype}: expected one of {', '.join(DTYPES)}")
         check_kda_state(self.kda_state_dtype)
+        if self.mxfp4_scale_max is not None and not 0 <= self.mxfp4_scale_max <= 255:
+            raise ConfigError(f"mxfp4_scale_max {self.mxfp4_scale_max}: expected an E8M0 byte, 0..255")
         for flag, v in (("--tp", self.tp), ("--ep", self.ep)):
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{flag} {v}: expected an integer >= 1")

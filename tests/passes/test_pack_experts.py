@@ -58,12 +58,31 @@ def test_packed_graph_matches_the_model(quantized):
 
 
 def test_the_pass_follows_the_context(quantized):
-    """In the pipeline the format comes from CompileContext.experts_dtype; None (not resolved) keeps dense experts."""
+    """In the pipeline the format comes from CompileContext.experts_dtype; None (not resolved) keeps dense experts.
+    The scale bound is CompileContext.mxfp4_scale_max (None: 255, nothing known)."""
     g0 = quantized[2]
     packed, _ = run_pipeline(g0, {"model": ["pack_experts"]}, ctx=CompileContext(experts_dtype="mxfp4"))
+    bounded, _ = run_pipeline(g0, {"model": ["pack_experts"]},
+                              ctx=CompileContext(experts_dtype="mxfp4", mxfp4_scale_max=121))
     dense, _ = run_pipeline(g0, {"model": ["pack_experts"]}, ctx=CompileContext())
-    fmts = lambda g: {n.attrs["weight_format"] for n in g.nodes if n.op == "moe_experts"}  # noqa: E731
-    assert fmts(packed) == {"mxfp4"} and fmts(dense) == {"dense"}
+    attr = lambda g, a: {n.attrs[a] for n in g.nodes if n.op == "moe_experts"}  # noqa: E731
+    assert attr(packed, "weight_format") == {"mxfp4"} and attr(dense, "weight_format") == {"dense"}
+    assert attr(packed, "scale_max") == {255} and attr(bounded, "scale_max") == {121}
+
+
+def test_one_multiply_decoding_needs_the_scale_bound():
+    """The MXFP4 decoder multiplies once by 2^(s − 1) only when every scale byte s is ≤ 128 (2^127 is bf16's largest
+    power of two); the configuration follows the bound at every row count, and the context refuses a non-byte."""
+    from k3c.codegen.triton.moe_mxfp4 import mx_default_config
+    from k3c.errors import ConfigError
+
+    assert torch.tensor(2.0 ** 127, dtype=torch.bfloat16).isfinite() and \
+        not torch.tensor(2.0 ** 128, dtype=torch.bfloat16).isfinite()
+    for rows in (1, 16 * 32, 64 * 32):
+        assert mx_default_config(rows, 32, 128)[5] is False
+        assert mx_default_config(rows, 32, 129)[5] is True and mx_default_config(rows, 32)[5] is True
+    with pytest.raises(ConfigError, match="mxfp4_scale_max 256"):
+        CompileContext(mxfp4_scale_max=256)
 
 
 def test_errors(quantized):

@@ -116,12 +116,14 @@ def _checkpoint_experts(ckpt) -> dict[str, torch.Tensor]:
 
 
 def test_mxfp4_artifact_keeps_the_checkpoint_bytes(compiled, tmp_path):
-    """The artifact's routed experts are the checkpoint's packed bytes and scales (no dense copy), and plan.json
-    counts them; `--experts-dtype bf16` of the same checkpoint stores them dequantized, at f32 32/4.25 = 7.5x the
+    """The artifact's routed experts are the checkpoint's packed bytes and scales (no dense copy), the compiler
+    recorded their largest scale byte on the moe_experts nodes and in the kernel modules, and plan.json counts them; `--experts-dtype bf16` of the same checkpoint stores them dequantized, at f32 32/4.25 = 7.5x the
     bytes, as the stacked dense parameters of the eager model."""
     import json
 
     from safetensors.torch import load_file
+
+    from k3c.ir import serialize
 
     ckpt, out, model = compiled(MXFP4_PRESET)
     want = _checkpoint_experts(ckpt)
@@ -130,6 +132,11 @@ def test_mxfp4_artifact_keeps_the_checkpoint_bytes(compiled, tmp_path):
     for k, t in want.items():
         assert art[k].dtype == torch.uint8 and torch.equal(art[k], t), k
     expert_bytes = sum(t.numel() for t in want.values())
+    top = max(int(t.max()) for k, t in want.items() if k.endswith("weight_scale"))   # the scale fact the compiler read
+    for entry in ("decode", "prefill"):
+        g = serialize.loads((out / f"graph/{entry}.json").read_text())
+        assert {n.attrs["scale_max"] for n in g.nodes if n.op == "moe_experts"} == {top}
+    assert any(f"\nSCALE_MAX = {top}  #" in p.read_text() for p in (out / "kernels").rglob("*.py"))
     plan = json.loads((out / "plan.json").read_text())
     assert plan["weights"]["experts"] == expert_bytes
     dense = CompileOptions(str(ckpt), tmp_path / "bf16", target="cpu-x86-64", max_batch=1, max_seq=8, max_prefill=8,

@@ -40,8 +40,8 @@ from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import emitter, model_module, scratch, take_scratch
 from k3c.codegen.triton.attention import one_node
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
-from k3c.codegen.triton.moe_mxfp4 import (moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile, mx_block_k,
-                                         mx_default_config, mx_permute, mx_permuted_col, mxfp4_scales,
+from k3c.codegen.triton.moe_mxfp4 import (ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile,
+                                         mx_block_k, mx_default_config, mx_permute, mx_permuted_col, mxfp4_scales,
                                          mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
@@ -238,7 +238,7 @@ def moe_schedule(ids, E, BLOCK_M, use_kernel=None):
 
 
 def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, situ_linear_beta,
-                       blocks=None, schedule=None, mx_config=None, scratch=None):
+                       blocks=None, schedule=None, mx_config=None, scratch=None, scale_max=255):
     """z [N, D] (unit-stride rows any stride apart: read in place), weights f32 [N, k], ids int [N, k] (< 0: unused),
     w1/w3 [E, I, D], w2 [E, D, I] -> y [N, D].
 
@@ -250,7 +250,9 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     tensor, `moe_experts_scratch`), else allocated here; the sort permutation and tile schedule (i64, O(N·k + E))
     are allocated here. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config` (MXFP4:
     BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg) and a precomputed `schedule`
-    (`moe_schedule(ids, E, BLOCK_M)`). Raises ValueError on mismatched shapes.
+    (`moe_schedule(ids, E, BLOCK_M)`). scale_max: an upper bound on the MXFP4 scale bytes (the node's `scale_max`,
+    read from the checkpoint; 255: unknown), which picks the decoding (`mx_default_config`). Raises ValueError on
+    mismatched shapes.
     """
     N, D = z.shape
     E, I = w1.shape[:2]
@@ -274,7 +276,7 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     y_slot = take_scratch(scratch, "y_slot", (rows, D), torch.float32, z.device)
     h = take_scratch(scratch, "h", (rows, I), z.dtype, z.device)
     if mx:
-        BLOCK_M, BLOCK_R, most_k, warps, stages, two_muls, maxnreg = mx_config or mx_default_config(rows, E)
+        BLOCK_M, BLOCK_R, most_k, warps, stages, two_muls, maxnreg = mx_config or mx_default_config(rows, E, scale_max)
         BK1, BK2 = mx_block_k(D, most_k), mx_block_k(I, most_k)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
         max_tiles = schedule[1].shape[0]
@@ -353,14 +355,16 @@ def emit_moe_experts(group: KernelGroup) -> str:
     consts = [("ACT", a["act"], "'situ': SiTU-GLU, 'silu': SwiGLU"),
               ("SITU_BETA", float(a["situ_beta"]), "activation_situ_beta"),
               ("SITU_LINEAR_BETA", float(a["situ_linear_beta"]), "activation_situ_linear_beta"),
-              ("SCHEDULE_KERNEL_MAX_ROWS", SCHEDULE_KERNEL_MAX_ROWS, "one-launch tile schedule up to these rows")]
+              ("SCHEDULE_KERNEL_MAX_ROWS", SCHEDULE_KERNEL_MAX_ROWS, "one-launch tile schedule up to these rows"),
+              ("SCALE_MAX", int(a["scale_max"]), "largest MXFP4 scale byte of the checkpoint (255: unknown)"),
+              ("ONE_MUL_MAX_SCALE", ONE_MUL_MAX_SCALE, "one-multiply MXFP4 decoding up to this scale byte")]
     args = ", ".join(f"inputs[{i}]" for i in ip)
     mx = a["weight_format"] == "mxfp4"
     body = ("def launch(inputs, outputs, sizes, scratch=None):\n"
             f'    """ABI entry: inputs (z, weights, ids, w1, w3, w2{", w1_scale, w3_scale, w2_scale" if mx else ""}), '
             'outputs [y [N,D]], scratch: the planned buffers of moe_experts_scratch (None: allocate)."""\n'
             f"    launch_moe_experts({args}, y=outputs[{op[0]}], act=ACT, situ_beta=SITU_BETA,\n"
-            "                       situ_linear_beta=SITU_LINEAR_BETA, scratch=scratch)\n")
+            "                       situ_linear_beta=SITU_LINEAR_BETA, scratch=scratch, scale_max=SCALE_MAX)\n")
     what = f"{'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'}{', MXFP4 weights' if mx else ''}"
     return _module(group, f"grouped expert GEMMs ({what})", consts,
                    [take_scratch, tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel,

@@ -30,7 +30,7 @@ decoder wants; reshaped (no data movement) to one byte per word. A byte gather p
 too narrow for cp.async: it became a synchronous global load plus a shared-memory layout conversion (two CTA
 barriers per matrix) in every K iteration, 7-14 % of the decode time (BENCHMARKS.md).
 
-Public API: `mx_default_config(rows, E)`, `mx_block_k(K)`, `mx_permute(x, block_k)`, the jit helpers and
+Public API: `ONE_MUL_MAX_SCALE`, `mx_default_config(rows, E, scale_max)`, `mx_block_k(K)`, `mx_permute(x, block_k)`, the jit helpers and
 `moe_up_mx_kernel`, `moe_down_mx_kernel` (launched by `launch_moe_experts`).
 """
 
@@ -43,17 +43,23 @@ import triton.language as tl
 from k3c.codegen.triton.moe_act import expert_tile, glu
 
 
-def mx_default_config(rows: int, E: int) -> tuple:
+#: the largest E8M0 scale byte the one-multiply decoding takes: 2^(s − 1) is a finite bf16 for s ≤ 128
+ONE_MUL_MAX_SCALE = 128
+
+
+def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages,
-    two_muls, maxnreg) for `rows` (token, slot) pairs over E experts: the best measured on the H200
-    (BENCHMARKS.md, benchmarks/bench_moe_mxfp4.py). Decode (< 16 rows per expert on average): 16-row tiles, the
-    weights streamed; large decode batches (< 64 rows per expert: measured at 32, batch 64 of 32 experts, where
-    32-row tiles take 476 us against 1040 us for the prefill tiles, 3/4 empty there); prefill: 128 × 128 tiles.
-    two_muls: exact for every E8M0 scale (the one-multiply decoding, 5 % faster at decode, overflows for scales
-    above 2: a checkpoint property nothing checks yet)."""
+    two_muls, maxnreg) for `rows` (token, slot) pairs over E experts whose scale bytes are at most `scale_max`
+    (the `moe_experts` node's checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md,
+    benchmarks/bench_moe_mxfp4.py). Decode (< 16 rows per expert on average): 16-row tiles, the weights streamed;
+    large decode batches (< 64 rows per expert: measured at 32, batch 64 of 32 experts, where 32-row tiles take
+    476 us against 1040 us for the prefill tiles, 3/4 empty there); prefill: 128 × 128 tiles. two_muls (exact for
+    every E8M0 scale) unless scale_max ≤ ONE_MUL_MAX_SCALE, where the one-multiply decoding is exact too (5 %
+    faster at decode)."""
+    two = scale_max > ONE_MUL_MAX_SCALE
     if rows < 16 * E:
-        return (16, 64, 256, 4, 3, True, None)
-    return (32, 64, 256, 4, 3, True, None) if rows < 64 * E else (128, 128, 128, 8, 3, True, None)
+        return (16, 64, 256, 4, 3, two, None)
+    return (32, 64, 256, 4, 3, two, None) if rows < 64 * E else (128, 128, 128, 8, 3, two, None)
 
 
 def mx_block_k(K: int, most: int = 256) -> int:

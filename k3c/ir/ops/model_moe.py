@@ -89,16 +89,20 @@ def _isz(t):
 
 @op("moe_experts", inputs=["z", "weights", "ids", "w1", "w3", "w2", "w1_scale?", "w3_scale?", "w2_scale?"],
     attrs={"act": Attr("str", "situ", ("situ", "silu")), "situ_beta": Attr("float", 4.0),
-           "situ_linear_beta": Attr("float", 25.0), "weight_format": Attr("str", "dense", WEIGHT_FORMATS)},
+           "situ_linear_beta": Attr("float", 25.0), "weight_format": Attr("str", "dense", WEIGHT_FORMATS),
+           "scale_max": Attr("int", 255)},
     kind="model", ref=moe_experts_ref,
     flops=lambda a, ins, outs: numel(ins[2]) * ins[3].shape[1] * ins[0].shape[1] * 6,
     bytes=lambda a, ins, outs: _moe_bytes(ins, outs))
 def _moe_experts(attrs, z, weights, ids, w1, w3, w2, *scales):
     """moe_experts(z [N,D], weights f32 [N,k], ids i64 [N,k], w1 [E,I,D], w3 [E,I,D], w2 [E,D,I])
-    {act="situ"|"silu", situ_beta=4, situ_linear_beta=25, weight_format="dense"} -> y [N,D] z.dtype.
+    {act="situ"|"silu", situ_beta=4, situ_linear_beta=25, weight_format="dense", scale_max=255} -> y [N,D] z.dtype.
 
     weight_format "mxfp4" (k3c.ir.formats): w1/w3 u8 [E,I,D/2], w2 u8 [E,D,I/2] packed E2M1 pairs, followed by
-    w1_scale/w3_scale u8 [E,I,D/32] and w2_scale u8 [E,D,I/32] (E8M0). See `moe_experts_ref`."""
+    w1_scale/w3_scale u8 [E,I,D/32] and w2_scale u8 [E,D,I/32] (E8M0). scale_max: an upper bound on those scale
+    bytes, a fact of the weights the driver reads from the checkpoint (255: nothing known); code generators may
+    pick a cheaper exact decoding under it, the value is the same. See `moe_experts_ref`. Raises IRError for
+    mismatched shapes or dtypes, or scale_max outside 0..255."""
     n = "moe_experts"
     need_rank(n, z, 2, "z")
     need_rank(n, weights, 2, "weights")
@@ -108,6 +112,8 @@ def _moe_experts(attrs, z, weights, ids, w1, w3, w2, *scales):
         need_eq(n, weights.shape[i], ids.shape[i], f"weights dim {i} vs ids")
     need_eq(n, ids.shape[0], z.shape[0], "ids tokens vs z")
     mx = attrs["weight_format"] == "mxfp4"
+    if not 0 <= attrs["scale_max"] <= 255:
+        raise IRError(f"{n}: scale_max {attrs['scale_max']} is not an E8M0 byte (0..255)")
     if len(scales) != (3 if mx else 0):
         raise IRError(f"{n}: weight_format {attrs['weight_format']!r} takes {3 if mx else 0} scale inputs, "
                       f"found {len(scales)}")
