@@ -268,7 +268,7 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
                          "(MXFP4: z f32 or bf16)")
     if N == 0:
         return
-    if z.stride(-1) != 1 and D > 1:              # rows of unit stride any stride apart (a fused GEMM's columns): in place
+    if z.stride(-1) != 1 and D > 1:  # unit-stride rows any stride apart (a fused GEMM's columns) are read in place
         z = z.contiguous()
     weights, ids = weights.contiguous(), ids.contiguous()
     rows = N * K

@@ -287,9 +287,10 @@ def emit_attn_res_row(group: KernelGroup) -> str:
                 f'        raise ValueError(f"{{NAME}}: output {n} has shape {{list({n}.shape)}}, not {{n_rows}} rows '
                 'of {D}")']
     src += layout_lines(ins, body, flat=tuple(wargs))
+    args = ins + outs + ["D", "n_rows"] + [f"{n}_rs" for n in row_views] + body.launch_args
     src += ["    if n_rows == 0:", "        return",
             "    BLOCK_D = triton.next_power_of_2(D)",
             "    num_warps = min(max(BLOCK_D // 512, 1), 16)  # a warp per 512 row elements (16 per lane), 1 to 16",
-            f"    {k}[(n_rows,)]({', '.join(ins + outs + ['D', 'n_rows'] + [f'{n}_rs' for n in row_views] + body.launch_args)}, "
+            f"    {k}[(n_rows,)]({', '.join(args)}, "
             "BLOCK_D=BLOCK_D, num_warps=num_warps)", ""]
     return "\n".join(src)
