@@ -2,18 +2,20 @@
 J = 32 heads x D = 128, top-2048, absorbed latent attention over H = 96 heads x 576 (values: the first 512).
 
 Run on a CUDA machine:
-    python benchmarks/bench_dsa.py [--out DIR] [--cases 1x1048576,16x131072,1x131072]
-Per case (B x L), before timing: the top-k set against torch's fp32 scores + torch.topk (overlap; the same set in
-every selection variant), FP8 index keys (e4m3 + one fp32 scale per key, fp8 q; alone or with the bf16 re-ranking
-of topk + RERANK_EXTRA candidates, whose order must equal torch's sort) against bf16 keys (top-k overlap,
-attention-output error), and every attention variant's output against a torch gather + softmax. Variants swept in
-the same run: the refine / gather block (dsa_decode.SELECT_BLOCK, --select-blocks), the scan's block and warps
-(--scans), the candidates per re-rank ranking program (dsa_decode.RANK_BLOCK, --rank-blocks) and the sparse
-attention (the previous generic kernel, head block, pipeline depth, split-K granularity: ATTN_VARIANTS,
---attention). Timing: triton.testing.do_bench_cudagraph median, rotating buffer sets past 3x the 60 MB L2. Floor =
-bytes / 4.2 TB/s, bytes = index keys (+ scales, + the re-ranked candidates' bf16 keys) + the 2048 latent rows read
-by the attention.
-Writes dsa_bench.json / dsa_bench.md under --out; per-kernel times as PROFILE lines (torch.profiler).
+    python benchmarks/bench_dsa.py [--out DIR] [--cases 1x1048576,16x131072,1x131072] [--baseline OLD_dsa_decode.py]
+Per case (B x L), before timing: the top-k set against torch's fp32 scores + torch.topk (overlap), the same set in
+every selection variant (SELECT_VARIANTS, --select: first-digit histogram, collect block, finishing program), through
+the compiled path (`attention.launch_dsa_index_topk` into `out` on planned scratch pre-filled with garbage) and in a
+previous dsa_decode.py (--baseline, e.g. `git show <rev>:k3c/codegen/triton/dsa_decode.py`; its ordered output must
+equal the current one's), the collect pass's candidate counts, FP8 index keys (e4m3 + one fp32 scale per key, fp8
+q; alone or with the bf16 re-ranking of topk + RERANK_EXTRA candidates, whose order must equal torch's sort) against
+bf16 keys (top-k overlap, attention-output error), and every attention variant's output against a torch gather +
+softmax (ATTN_VARIANTS, --attention). Then each is timed, the baseline as a set and as the previous compiled path
+(ordered + out.copy_). Timing: triton.testing.do_bench_cudagraph median, rotating buffer sets past 3x the 60 MB L2.
+Floor = bytes / 4.2 TB/s, bytes = index keys (+ scales, + the re-ranked candidates' bf16 keys) + the 2048 latent
+rows read by the attention.
+Writes dsa_bench.json / dsa_bench.md under --out after every case; per-kernel times (torch.profiler) as PROFILE
+lines and in the json.
 """
 
 import argparse
@@ -92,6 +94,9 @@ def bench(fn, n_sets):
         return triton.testing.do_bench(run_all, warmup=10, rep=200, return_mode="median") / n_sets, "launch"
 
 
+PROFILE = []     # per-kernel device times (torch.profiler), written with the rows
+
+
 def profile(label, fn):
     from torch.profiler import ProfilerActivity, profile as prof_ctx
     fn()
@@ -103,6 +108,7 @@ def profile(label, fn):
         us = getattr(ev, "self_device_time_total", None)
         us = ev.self_cuda_time_total if us is None else us
         if us > 0:
+            PROFILE.append(dict(case=label, kernel=ev.key[:80], us=us))
             print(f"PROFILE {label} | {ev.key[:50]} | {us:.1f} us", flush=True)
 
 
@@ -122,16 +128,48 @@ def set_attention(values):
         setattr(attention, k, v)
 
 
-def run_case(B, L, rows, checks, attn_variants, select_blocks, rank_blocks, scans):
+SELECT_VARIANTS = {   # name -> dsa_decode attributes (the default first)
+    "11-bit first digit in a 256-bin window": {}, "2048-bin first digit": dict(BINS=2048, BASE=0),
+    "collect block 2048": dict(SELECT_BLOCK=2048), "finish 4 warps": dict(FINISH_WARPS=4),
+    "finish 16 warps": dict(FINISH_WARPS=16), "finish chunk 2048": dict(FINISH_CHUNK=2048)}
+SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "SCAN_BLOCK", "SCAN_WARPS",
+                "RANK_BLOCK")
+
+
+def load_baseline(path):
+    """A previous `dsa_decode.py` (e.g. `git show <rev>:k3c/codegen/triton/dsa_decode.py`) as a module, timed in
+    the same run as the current one."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dsa_decode_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def candidate_stats(x):
+    """(keys the collect pass selects, candidates in the threshold bin): min and max over the rows."""
+    B, L = x["k_i"].shape[:2]
+    buf = torch.empty(dd.radix_scratch_words(B, L), dtype=torch.int32, device=DEV)
+    dd.radix_topk(x["q_i"], x["w"], x["k_i"], TOPK, None, False, scratch=buf)
+    hist = buf[2 * B * L:].view(B, dd.HIST_STRIDE)
+    above, cand = hist[:, -2], hist[:, -1]
+    return dict(above_min=int(above.min()), above_max=int(above.max()), cand_min=int(cand.min()),
+                cand_max=int(cand.max()))
+
+
+def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
     x = make(B, L, seed=B + L)
-    defaults = (dict(SELECT_BLOCK=dd.SELECT_BLOCK, RANK_BLOCK=dd.RANK_BLOCK, SCAN_BLOCK=dd.SCAN_BLOCK,
-                     SCAN_WARPS=dd.SCAN_WARPS),
-                tuple(getattr(attention, k) for k in ATTN_KNOBS))
+    defaults = ({k: getattr(dd, k) for k in SELECT_KNOBS}, tuple(getattr(attention, k) for k in ATTN_KNOBS))
 
     def restore():
         for k, v in defaults[0].items():
             setattr(dd, k, v)
         set_attention(defaults[1])
+
+    def select(name):
+        restore()
+        for k, v in SELECT_VARIANTS[name].items():
+            setattr(dd, k, v)
 
     idx = dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK)
     want = ref_topk(x, x["k_i"].float())
@@ -140,34 +178,45 @@ def run_case(B, L, rows, checks, attn_variants, select_blocks, rank_blocks, scan
     c = dict(case=f"B={B} L={L}", topk_overlap_bf16_vs_fp32_torch=overlap(idx, want),
              attn_rel_bf16_vs_torch=rel(o, o_ref),
              valid=bool(((idx >= 0).sum(-1) == TOPK).all()) and bool((idx.max() < L).item()))
+
     def check(name, fn):
         try:
             c[name] = fn()
         except Exception as e:  # noqa: BLE001  keep the other checks
             c[name] = f"failed: {e!r}"[:300]
 
-    for sb in select_blocks:
-        dd.SELECT_BLOCK = sb
-        check(f"same set, SELECT_BLOCK {sb}",
-              lambda: overlap(dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK), idx) == 1.0)
+    check("candidates (collect pass)", lambda: candidate_stats(x))
+    for name in select_variants:
+        select(name)
+        check(f"same set [{name}]", lambda: overlap(dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK), idx) == 1.0)
     restore()
-    for sb, sw in scans[1:]:
-        dd.SCAN_BLOCK, dd.SCAN_WARPS = sb, sw
-        check(f"same set, scan {sb} keys / {sw} warps",
-              lambda: overlap(dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK), idx) == 1.0)
-    restore()
+    check("ordered == ordered baseline" if baseline else "ordered: valid", lambda: bool(torch.equal(
+        dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK, ordered=True),
+        baseline.dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK, ordered=True) if baseline else
+        dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK, ordered=True))))
+    if baseline:
+        check("same set as baseline", lambda: overlap(baseline.dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK),
+                                                      idx) == 1.0)
+
+    def compiled_path(s, out):
+        attention.launch_dsa_index_topk(s["q_i"][:, None], s["w"][:, None], s["k_i"], out, topk=TOPK,
+                                        scratch={"keys": s["scratch"]})
+
+    def compiled_check():
+        out = torch.empty(B, 1, TOPK, dtype=torch.int64, device=DEV)
+        x["scratch"] = torch.full((B * (L + attention.RADIX_ROW_PAD),), -7, dtype=torch.int64, device=DEV)
+        compiled_path(x, out)
+        return overlap(out, idx) == 1.0
+
+    check("compiled path (launch_dsa_index_topk, planned scratch) same set", compiled_check)
+
     def rerank_order():
         idx8 = dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"])
         return bool(torch.equal(idx8[:, 0], want))
 
-    for rb in rank_blocks:
-        dd.RANK_BLOCK = rb
-        check(f"ordered == torch fp32 sort (positions, fp8 + rerank, rank block {rb})", rerank_order)
-    restore()
+    check("ordered == torch fp32 sort (positions, fp8 + rerank)", rerank_order)
     check("overlap fp8 keys (no rerank) vs bf16",
           lambda: overlap(dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"]), idx))
-    check("overlap fp8 keys + rerank vs bf16", lambda: overlap(dsa_decode_topk(
-        x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"]), idx))
     check("overlap fp8 keys + rerank vs fp32 torch", lambda: overlap(dsa_decode_topk(
         x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"]), want))
     check("attn rel fp8 keys + rerank vs bf16", lambda: rel(dsa_decode(
@@ -193,6 +242,9 @@ def run_case(B, L, rows, checks, attn_variants, select_blocks, rank_blocks, scan
     per_set = idx_bytes + idx8_bytes + B * L * DL * 2
     n_sets = max(1, math.ceil(3 * L2_BYTES / per_set))
     sets = [x] + [make(B, L, seed=100 + i) for i in range(n_sets - 1)]
+    for s in sets:
+        s["scratch"] = torch.empty((B * (L + attention.RADIX_ROW_PAD),), dtype=torch.int64, device=DEV)
+    outs = [torch.empty(B, 1, TOPK, dtype=torch.int64, device=DEV) for _ in sets]
 
     def add(name, ms, how, nbytes):
         floor_ms = nbytes / HBM_BYTES_PER_S * 1e3
@@ -234,22 +286,20 @@ def run_case(B, L, rows, checks, attn_variants, select_blocks, rank_blocks, scan
         launch_mla(s["q"], s["kv"], None, idx_all[i], out_attn[i], absorbed=True, causal=True, scale=SCALE,
                    v_dim=DV, dense_max_keys=None)
 
-    for sb in select_blocks:
-        dd.SELECT_BLOCK = sb
-        timed(f"k3c index scan + radix top-k, bf16 keys, SELECT_BLOCK {sb}", topk_bf16, idx_bytes)
+    for name in select_variants:
+        select(name)
+        timed(f"k3c index scan + radix top-k, bf16 keys [{name}]", topk_bf16, idx_bytes)
     restore()
-    for sb, sw in scans:
-        dd.SCAN_BLOCK, dd.SCAN_WARPS = sb, sw
-        if (sb, sw) != scans[0]:
-            timed(f"k3c index scan + radix top-k, bf16 keys, scan {sb} keys / {sw} warps", topk_bf16, idx_bytes)
-        timed(f"k3c index scan + radix top-k, fp8 keys [fp8 q], no rerank, scan {sb} keys / {sw} warps", topk_fp8,
-              idx8_bytes)
-    restore()
-    for rb in rank_blocks:
-        dd.RANK_BLOCK = rb
-        timed(f"k3c index scan + radix top-k, fp8 keys + rerank (rank block {rb})", topk_fp8_rerank,
-              idx8_bytes + rerank_bytes)
-    restore()
+    timed("k3c compiled path: launch_dsa_index_topk into out, planned scratch, bf16 keys",
+          lambda i: compiled_path(sets[i], outs[i]), idx_bytes)
+    if baseline:
+        timed("baseline index scan + radix top-k, bf16 keys (set)",
+              lambda i: baseline.dsa_decode_topk(sets[i]["q_i"], sets[i]["w"], sets[i]["k_i"], TOPK), idx_bytes)
+        timed("baseline compiled path: ordered + out.copy_, bf16 keys",
+              lambda i: outs[i].copy_(baseline.dsa_decode_topk(sets[i]["q_i"], sets[i]["w"], sets[i]["k_i"], TOPK,
+                                                               ordered=True)), idx_bytes)
+    timed("k3c index scan + radix top-k, fp8 keys [fp8 q], no rerank", topk_fp8, idx8_bytes)
+    timed("k3c index scan + radix top-k, fp8 keys + rerank", topk_fp8_rerank, idx8_bytes + rerank_bytes)
     for name in attn_variants:
         set_attention(ATTN_VARIANTS[name])
         timed(f"k3c sparse latent attention (2048 rows) [{name}]", attn_only, attn_bytes)
@@ -260,34 +310,38 @@ def run_case(B, L, rows, checks, attn_variants, select_blocks, rank_blocks, scan
         timed(name, fn, nbytes)
     profile(f"B={B} L={L} bf16", lambda: full_bf16(0))
     profile(f"B={B} L={L} fp8 + rerank", lambda: full_fp8_rerank(0))
+    if baseline:
+        profile(f"B={B} L={L} baseline compiled path", lambda: outs[0].copy_(baseline.dsa_decode_topk(
+            x["q_i"], x["w"], x["k_i"], TOPK, ordered=True)))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--cases", default="1x1048576,16x131072,1x131072")
-    ap.add_argument("--attention", default="sparse hb32 s2,sparse hb64 s2,sparse hb32 s2 bs32,sparse hb64 s2 w16,"
-                    "sparse hb64 s2 bs32",
+    ap.add_argument("--attention", default="sparse hb32 s2,sparse hb64 s2",
                     help="attention variants to time (ATTN_VARIANTS; all: --attention all)")
-    ap.add_argument("--select-blocks", default="1024", help="dsa_decode.SELECT_BLOCK values to time, the default first")
-    ap.add_argument("--scans", default="128:4",
-                    help="dsa_decode (SCAN_BLOCK:SCAN_WARPS) to time, the default first")
-    ap.add_argument("--rank-blocks", default="32,64", help="dsa_decode.RANK_BLOCK values to time, the default first")
+    ap.add_argument("--select", default=",".join(SELECT_VARIANTS),
+                    help="selection variants to check and time (SELECT_VARIANTS), the default first")
+    ap.add_argument("--baseline", default="", help="a previous dsa_decode.py to time in the same run")
     args = ap.parse_args()
     attn_variants = list(ATTN_VARIANTS) if args.attention == "all" else [v for v in args.attention.split(",") if v]
-    select_blocks = [int(v) for v in args.select_blocks.split(",") if v]
-    rank_blocks = [int(v) for v in args.rank_blocks.split(",") if v]
-    scans = [tuple(int(p) for p in v.split(":")) for v in args.scans.split(",") if v]
+    select_variants = [v for v in args.select.split(",") if v]
+    baseline = load_baseline(args.baseline) if args.baseline else None
     rows, checks = [], []
     for case in args.cases.split(","):
         B, L = (int(v) for v in case.split("x"))
         try:
-            run_case(B, L, rows, checks, attn_variants, select_blocks, rank_blocks, scans)
+            run_case(B, L, rows, checks, attn_variants, select_variants, baseline)
         except Exception as e:  # noqa: BLE001  keep the other cases
             import traceback
             traceback.print_exc()
             print(f"# case {case} failed: {e!r}", flush=True)
         torch.cuda.empty_cache()
+        write(args.out, rows, checks)      # after every case: a run cut short keeps what it measured
+
+
+def write(out, rows, checks):
     lines = ["| B | L | implementation | time (us) | floor (us) | % of floor | timing |",
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['B']} | {r['L']} | {r['impl']} | {r['ms'] * 1e3:.1f} | {r['floor_ms'] * 1e3:.1f} | "
@@ -296,14 +350,13 @@ def main():
         lines += ["", f"Checks {c['case']}:"] + [f"- {k}: {v:.4f}" if isinstance(v, float) else f"- {k}: {v}"
                                                 for k, v in c.items() if k != "case"]
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "dsa_bench.md"), "w") as fh:
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "dsa_bench.md"), "w") as fh:
             fh.write(text + "\n")
-        with open(os.path.join(args.out, "dsa_bench.json"), "w") as fh:
-            json.dump(dict(rows=rows, checks=checks, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           triton=triton.__version__), fh, indent=1)
+        with open(os.path.join(out, "dsa_bench.json"), "w") as fh:
+            json.dump(dict(rows=rows, checks=checks, profile=PROFILE, device=torch.cuda.get_device_name(),
+                           torch=torch.__version__, triton=triton.__version__), fh, indent=1)
 
 
 if __name__ == "__main__":

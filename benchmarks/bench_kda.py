@@ -133,7 +133,7 @@ def check_gpu(dev, results, decode_cfgs, chunk_cfgs):
     check(results, "prefill recurrent T=300 H=8", y, y_ref, st, S_ref, C_ref, 1e-3)
     for bv, _, pw, chunk in sorted(set(chunk_cfgs)):
         with prep_config(pw, chunk):
-            name = f"chunk {chunk} block_v={bv}"
+            name = f"chunk {chunk} block_v={bv} prep {pw} warps"
             runs = fits(lambda: kda_prefill(**acts, **weights, **{k: v.clone() for k, v in state.items()},
                                             method="chunk", block_v=bv, store_output=False))
             for lens in (None, [300, 173]) if runs else ():
@@ -251,8 +251,10 @@ def cfg_name(bv, nw):
     return f"block_v={bv}, num_warps={nw}" if bv else "default split (kda.decode_split)"
 
 
-def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile):
-    for B in (1, 16, 64):
+def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile, batches=(1, 16, 64), lean=False):
+    """Decode rows at each batch: the split configurations (decode_cfgs) and, unless `lean`, the strided-input,
+    token-loop, torch eager / compile and FLA rows."""
+    for B in batches:
         state_bytes = B * H * D * D * 4 * 2 + B * 3 * HD * W * 4 * 2
         io_bytes = B * (5 * HD + H) * 2 + B * HD * 2 + (3 * HD * W + HD + D + H) * 4
         n_sets = max(1, math.ceil(3 * L2_BYTES / state_bytes))
@@ -264,10 +266,18 @@ def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile):
                              roofline=nbytes / ms / 1e-3 / HBM_BYTES_PER_S))
             print("ROW", rows[-1], flush=True)
 
-        for bv, nw in decode_cfgs[torch.float32]:
-            ms, how = bench(lambda i, bv=bv, nw=nw: kda_decode(**step[i][0], **step[i][1], **step[i][2],
-                                                               block_v=bv or None, num_warps=nw or None), n_sets)
-            add(f"k3c fused decode, split V ({cfg_name(bv, nw)})", ms, how)
+        s16 = [dict(state=s["state"].to(torch.bfloat16), conv_state=s["conv_state"]) for _, _, s in step]
+        b16 = state_bytes // 2 + B * 3 * HD * W * 4 + io_bytes
+        for label, states, nbytes, sdt in (("", [s for _, _, s in step], state_bytes + io_bytes, torch.float32),
+                                           ("bf16 state, ", s16, b16, torch.bfloat16)):
+            for bv, nw in decode_cfgs[sdt]:
+                ms, how = bench(lambda i, bv=bv, nw=nw, states=states: kda_decode(
+                    **step[i][0], **step[i][1], **states[i], block_v=bv or None, num_warps=nw or None), n_sets)
+                add(f"k3c fused decode, {label}split V ({cfg_name(bv, nw)})", ms, how, nbytes)
+        del s16
+        if lean:
+            del sets, step
+            continue
         strided = [fused_views({k: v[:, None] for k, v in a.items()}) for a, _, _ in step]
         ms, how = bench(lambda i: kda_decode(**{k: v[:, 0] for k, v in strided[i].items()}, **step[i][1],
                                              **step[i][2]), n_sets)
@@ -276,13 +286,6 @@ def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile):
         ms, how = bench(lambda i: kda_prefill(**{k: v[:, None] for k, v in step[i][0].items()}, **step[i][1],
                                               **step[i][2], method="recurrent"), n_sets)
         add("k3c token-loop kernel (the previous decode path)", ms, how)
-        s16 = [dict(state=s["state"].to(torch.bfloat16), conv_state=s["conv_state"]) for _, _, s in step]
-        b16 = state_bytes // 2 + B * 3 * HD * W * 4 + io_bytes
-        for bv, nw in decode_cfgs[torch.bfloat16]:
-            ms, how = bench(lambda i, bv=bv, nw=nw: kda_decode(**step[i][0], **step[i][1], **s16[i],
-                                                               block_v=bv or None, num_warps=nw or None), n_sets)
-            add(f"k3c fused decode, bf16 state ({cfg_name(bv, nw)})", ms, how, b16)
-        del s16
         ms, how = bench(lambda i: eager_decode_step(**step[i][0], **step[i][1], **step[i][2]), n_sets)
         add("torch eager step", ms, how)
         if do_compile:
@@ -445,6 +448,8 @@ def main():
     ap.add_argument("--decode-bf16", default="0:0,16:1,32:2,64:2,64:4", help="bf16 state: as --decode")
     ap.add_argument("--chunk", default="64:4:4,32:4:4,128:8:4",
                     help="block_v:num_warps:prep_warps[:chunk],... of the chunk state pass and the intra-chunk kernel")
+    ap.add_argument("--decode-B", default="1,16,64", help="decode batch sizes")
+    ap.add_argument("--lean", action="store_true", help="decode: only the k3c split rows")
     ap.add_argument("--fla-prefill-T", default="8192", help="prefill lengths with an FLA row")
     ap.add_argument("--stages", default="check,drift,decode,prefill,spec")
     args = ap.parse_args()
@@ -458,7 +463,8 @@ def main():
     chunk_cfgs = parse_tuples(args.chunk, (kda_module.CHUNK_BLOCK_V, 4, kda_module.CHUNK_PREP_WARPS, kda_module.CHUNK))
     stages = {"check": lambda: check_gpu(dev, checks, decode_cfgs, chunk_cfgs),
               "drift": lambda: bf16_state_drift(dev, checks),
-              "decode": lambda: decode_rows(dev, have_fla, rows, decode_cfgs, not args.no_compile),
+              "decode": lambda: decode_rows(dev, have_fla, rows, decode_cfgs, not args.no_compile,
+                                            [int(b) for b in args.decode_B.split(",")], args.lean),
               "prefill": lambda: prefill_rows(dev, have_fla, rows, [int(t) for t in args.prefill_T.split(",")],
                                               chunk_cfgs, [int(t) for t in args.fla_prefill_T.split(",") if t]),
               "spec": lambda: spec_rows(dev, rows, checks)}

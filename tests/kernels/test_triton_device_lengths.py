@@ -75,10 +75,10 @@ def test_radix_select_reads_lengths():
     lengths = torch.tensor([200, 1099, 1499], dtype=torch.int32)
     B = len(lengths)
     q_i, w, k_i = rand(B, J, DI, seed=8), rand(B, J, seed=9), rand(B, bound, DI, seed=10)
-    got = radix_topk(q_i, w, k_i, topk, None, True, lengths=lengths)
+    got = radix_topk(q_i, w, k_i, topk, None, False, lengths=lengths)                  # the set, in no order
     for b, n in enumerate((lengths + 1).tolist()):
         want = dsa_index_topk_ref({"topk": topk}, q_i[b:b + 1, None], w[b:b + 1, None], k_i[b:b + 1, :n])[0]
-        assert torch.equal(got[b:b + 1], want), b
+        assert torch.equal(got[b:b + 1].sort(-1).values, want.sort(-1).values), b
 
 
 def test_lengths_shape_is_checked():

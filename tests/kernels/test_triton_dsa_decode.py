@@ -62,6 +62,29 @@ def test_ties_at_threshold_as_reference(case):
     assert torch.equal(idx, ref)
 
 
+@pytest.mark.parametrize("bins,base,chunk,scale", [
+    (256, dsa_decode.BASE, 8, 1.0),         # the window (11-22 candidates, 2-3 steps of the finishing select)
+    (2048, 0, 4096, 1.0),                   # every 11-bit value a bin (no clamping)
+    (256, dsa_decode.BASE, 64, 2.0 ** 40),  # scores above the window: the threshold in the top edge bin (~300)
+    (256, dsa_decode.BASE, 64, 2.0 ** -40),  # scores below it: the threshold in the bottom edge bin
+])
+def test_first_digit_variants_select_the_reference_set(monkeypatch, bins, base, chunk, scale):
+    # the first digit's histogram window and the finishing select's chunking: the set (and, sorted, the reference's
+    # order) for thresholds inside the window and in its clamped edge bins, with 1/8 of the scores tied 8-fold
+    L, topk = 900, 40
+    q_i, w, k_i = index_inputs(L // 8 * 7, seed=11)
+    k_i = torch.cat([k_i, k_i[:, :L // 8]], 1)                         # tied scores: positions s and s + 7L/8
+    w = w * scale
+    monkeypatch.setattr(dsa_decode, "BINS", bins)
+    monkeypatch.setattr(dsa_decode, "BASE", base)
+    monkeypatch.setattr(dsa_decode, "FINISH_CHUNK", chunk)
+    ref = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0]
+    idx = dsa_decode_topk(q_i, w, k_i, topk)
+    assert as_sets(idx) == as_sets(ref)
+    assert ((idx >= 0).sum(-1) == topk).all()
+    assert torch.equal(dsa_decode_topk(q_i, w, k_i, topk, ordered=True), ref)
+
+
 @pytest.mark.parametrize("H,Dl,dv", [(16, 48, 32), (40, 40, 32)])     # (40, 40, 32): 2 head blocks, 8 rope dims
 def test_sparse_attention_matches_torch(H, Dl, dv):
     L, topk = 500, 200                                                  # 4 key splits + combine

@@ -19,8 +19,10 @@ dsa_index_topk: `dsa_score_kernel` writes one int64 sort key per (b, t, s) into 
 arena (`dsa_index_topk_scratch`); high word: the score's order-preserving int32 bits, INT32_MIN when s is not
 visible; low word: 2³² − 1 − s, so equal scores order by lowest position, as the reference's stable sort. `torch.topk`
 over these unique keys (inside `launch`: O(L) selection, sorted, deterministic) gives the ref's order exactly.
-Decode (T = 1) with L ≥ RADIX_MIN_KEYS keys instead runs the radix select of `dsa_decode` (scan + four 8-bit digit
-passes + exact tie fill, then a sort of the topk picks): same result, no O(L) int64 scratch or sort.
+Decode (T = 1) with L ≥ RADIX_MIN_KEYS keys instead runs the radix select of `dsa_decode` (four launches: zero the
+histogram, scan + first-digit histogram, collect, finishing select): the same set (exact ties by lowest position) in
+no particular order, which the op's contract allows (`dsa_index_topk`: a set; the sparse attention is order-free),
+no O(L) int64 sort keys, no torch op.
 Device lengths (`lengths` i32 [B], the kernel ABI's `sizes["lengths"]`): the key tensors are the bound, row b holds
 lengths[b] + T keys, read in the kernels: grids and split counts follow the bound (a CUDA graph replays them at any
 context), each split covers 1/splits of its row's keys, the DSA guard is taken per row, and the indexer marks the
@@ -59,6 +61,7 @@ HEAD_BLOCK_WIDE = 32        # absorbed form, v_dim >= 256: heads per program (ea
 SCRATCH_BYTES = 1 << 28     # cap of dsa_index_topk's i64 sort-key scratch; T is processed in row chunks under it
 RADIX_MIN_KEYS = 16384      # decode (T = 1) with at least this many keys: radix select (`dsa_decode.radix_topk`);
                             # H200, B = 1: 38.6 us vs 140.2 us at 131072 keys (BENCHMARKS.md); crossover not measured
+RADIX_ROW_PAD = dsa_decode.HIST_STRIDE // 2   # i64 words per row of the radix select's histogram + counters
 SPARSE_DECODE = True        # absorbed DSA decode (idx, T = 1, rope dims): `mla_sparse_decode_kernel` (rows read once)
 SPARSE_HEAD_BLOCK = 32      # its heads per program
 SPARSE_STAGES = 2           # its software-pipeline depth
@@ -325,11 +328,15 @@ def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, lengths=None, scratch=None)
     lengths: None, or i32 [B] on the device, the context of each row before these T tokens: row b then holds
     lengths[b] + T keys and L is only the bound (the launches do not depend on the lengths: a CUDA graph replays
     them at any context; the result is the same as for k_i cut to the row's keys).
-    Scratch: i64 sort keys for rows = max(1, min(T, SCRATCH_BYTES // (8·B·L))) of T per pass, [B, rows, L] in the
-    flat keys [max(B·L, min(SCRATCH_BYTES // 8, B·T·L))] (≤ SCRATCH_BYTES unless one row needs more):
-    `scratch["keys"]` (the planned buffer, `dsa_index_topk_scratch`), else allocated here. Decode
-    (T = 1) with L ≥ RADIX_MIN_KEYS runs the radix select of `dsa_decode` instead (same result, exact ties; its
-    O(B·L) i32 scratch is allocated there). Raises ValueError on mismatched shapes.
+    Result (the op's contract, `dsa_index_topk` in k3c/ir/ops/model_attn.py): row (b, t) holds the set of the topk
+    best visible positions (ties by lowest position) in its first min(visible, topk) slots, then −1; the order within
+    the set is unspecified (the attention over it is order-free). Here: the reference's order, except decode (T = 1)
+    with L ≥ RADIX_MIN_KEYS, which runs the radix select of `dsa_decode` (no order, written into `out`, contiguous).
+    Scratch: `scratch["keys"]` (the planned buffer, `dsa_index_topk_scratch`), else allocated here: flat i64
+    [max(B·(L + RADIX_ROW_PAD), min(SCRATCH_BYTES // 8, B·T·L))]; the sort keys take [B, rows, L] of it for rows =
+    max(1, min(T, its size // (B·L))) of T per pass, the radix select its int32 words
+    (`dsa_decode.radix_scratch_words`).
+    Raises ValueError on mismatched shapes or a non-contiguous `out` for the radix select.
     """
     B, T, J, D = q_i.shape
     L = k_i.shape[1]
@@ -339,13 +346,16 @@ def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, lengths=None, scratch=None)
     from_ptr = lengths is not None
     if from_ptr and tuple(lengths.shape) != (B,):
         raise ValueError(f"dsa_index_topk: lengths {tuple(lengths.shape)}, expected ({B},)")
-    if T == 1 and L >= RADIX_MIN_KEYS:
-        out.copy_(radix_topk(q_i[:, 0], w[:, 0], k_i, topk, None, True, lengths=lengths))
+    keys = take_scratch(scratch, "keys", (max(B * L + B * RADIX_ROW_PAD, min(SCRATCH_BYTES // 8, B * T * L)),),
+                        torch.int64, q_i.device)
+    if T == 1 and L >= RADIX_MIN_KEYS:     # the set, written into out, the scratch from the plan: no torch op
+        if not out.is_contiguous():
+            raise ValueError(f"dsa_index_topk: out {tuple(out.shape)} must be contiguous")
+        radix_topk(q_i[:, 0], w[:, 0], k_i, topk, None, False, lengths=lengths, out=out, scratch=keys.view(torch.int32))
         return
     kk = min(topk, L)
     if kk < topk:
         out[..., kk:] = -1
-    keys = take_scratch(scratch, "keys", (max(B * L, min(SCRATCH_BYTES // 8, B * T * L)),), torch.int64, q_i.device)
     rows = max(1, min(T, keys.numel() // (B * L)))
     BLOCK_S = 64
     precision = "ieee" if q_i.dtype == torch.float32 else "tf32"
@@ -452,10 +462,15 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("RADIX_MIN_KEYS", RADIX_MIN_KEYS, "decode with at least this many keys: radix select"),
               ("SCAN_BLOCK", dsa_decode.SCAN_BLOCK, "radix select: keys per scan step"),
               ("SCAN_WARPS", dsa_decode.SCAN_WARPS, "radix select: warps per scan program"),
-              ("SELECT_BLOCK", dsa_decode.SELECT_BLOCK, "radix select: keys per refine / gather step"),
-              ("SCAN_PROGRAMS", dsa_decode.SCAN_PROGRAMS, "radix select: programs per launch"),
-              ("MAX_PROGRAMS", dsa_decode.MAX_PROGRAMS, "radix select: bound of programs per row"),
-              ("BITS", dsa_decode.BITS, "radix digit width"), ("BINS", dsa_decode.BINS, "bins per digit"),
+              ("SELECT_BLOCK", dsa_decode.SELECT_BLOCK, "radix select: keys per collect step"),
+              ("SCAN_PROGRAMS", dsa_decode.SCAN_PROGRAMS, "radix select: scan / collect programs per launch"),
+              ("SHIFT", dsa_decode.SHIFT, "radix select: first digit = order key >> SHIFT"),
+              ("BINS", dsa_decode.BINS, "radix select: first-digit histogram bins (a window of its values)"),
+              ("BASE", dsa_decode.BASE, "radix select: the window's first value"),
+              ("HIST_STRIDE", dsa_decode.HIST_STRIDE, "radix select: int32 histogram + counter words per row"),
+              ("RADIX_ROW_PAD", RADIX_ROW_PAD, "radix select: i64 scratch words per row beyond the keys"),
+              ("FINISH_CHUNK", dsa_decode.FINISH_CHUNK, "radix select: candidates per finishing step"),
+              ("FINISH_WARPS", dsa_decode.FINISH_WARPS, "radix select: warps of the finishing program"),
               ("FP8_QUERY", dsa_decode.FP8_QUERY, "fp8 index keys: fp8 q in the scan"),
               ("RERANK_EXTRA", dsa_decode.RERANK_EXTRA, "fp8 keys + exact keys: extra candidates re-ranked"),
               ("RERANK_BLOCK", dsa_decode.RERANK_BLOCK, "candidates per re-scoring program"),
@@ -473,11 +488,12 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
 
 @scratch("dsa_index_topk")
 def dsa_index_topk_scratch(group: KernelGroup) -> list[ScratchSpec]:
-    """The scratch of one `dsa_index_topk` launch (`launch_dsa_index_topk`): the flat i64 sort keys
-    [max(B·L, min(SCRATCH_BYTES // 8, B·T·L))] for q_i [B, T, ·, ·] and k_i [B, L, ·], non-decreasing in B, T and L
-    (so the plan at the bounds holds every call). Raises UnsupportedError for a group that is not a single
-    dsa_index_topk node."""
+    """The scratch of one `dsa_index_topk` launch (`launch_dsa_index_topk`): the flat i64 sort keys or radix-select
+    words [max(B·(L + RADIX_ROW_PAD), min(SCRATCH_BYTES // 8, B·T·L))] for q_i [B, T, ·, ·] and k_i [B, L, ·],
+    non-decreasing in B, T and L (so the plan at the bounds holds every call). Raises UnsupportedError for a group
+    that is not a single dsa_index_topk node."""
     node, _, _ = one_node(group, "dsa_index_topk")
     (B, T), L = node.inputs[0].type.shape[:2], node.inputs[2].type.shape[1]
-    return [ScratchSpec("keys", TensorType((sympy.Max(B * L, sympy.Min(SCRATCH_BYTES // 8, B * T * L)),), "i64"))]
+    n = sympy.Max(B * L + B * RADIX_ROW_PAD, sympy.Min(SCRATCH_BYTES // 8, B * T * L))
+    return [ScratchSpec("keys", TensorType((n,), "i64"))]
 

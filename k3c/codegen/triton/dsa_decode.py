@@ -5,21 +5,26 @@ Math: K3-SPEC.md "Gated DSA" (DeepSeek-V3.2 eq. 1): for the one new token of eac
 and the attention reads the top-k keys of I (`mla_attention` with idx, absorbed form, `attention.launch_mla`, which
 also runs this selection for decode at long context: `attention.launch_dsa_index_topk`).
 
-Selection is a four-digit radix select on the scores' order-preserving 32-bit keys (u = float bits with the sign
-flipped for positives and all bits flipped for negatives; unsigned order = float order), 8-bit digits, with global
-histograms (BINS int32 per digit and row):
+Selection is a radix select on the scores' order-preserving 32-bit keys (u = float bits with the sign flipped for
+positives and all bits flipped for negatives; unsigned order = float order) in four launches, with no torch op and
+no scratch that must arrive zeroed:
+  dsa_init_kernel     grid (B,): zeroes the row's first-digit histogram and its two counters
   dsa_scan_kernel     grid (programs, B): scores of n_blocks x BLOCK_S keys per program -> keys [B, L] (u32 bits
-                      in an int32 tensor) and the histogram of digit 1 (bits 31..24), added with masked atomics
-  dsa_refine_kernel   LEVEL 2..4: every program derives the digits chosen so far from the histograms (a suffix sum
-                      over BINS), re-reads the keys (L2-resident: 4 bytes per key), and histograms the next digit
-                      of the keys that match the prefix
-  dsa_tie_count_kernel  the threshold key tau (all four digits); per program, the keys equal to tau (nothing to
-                      count when all of them are selected: digit 4's histogram holds their number)
-  dsa_gather_kernel   keys > tau (and keys == tau when all are selected) take slots from a per-row counter (one
-                      atomic per block); else keys == tau fill the remaining slots by position (a prefix over the
-                      programs' tie counts), as the reference's stable sort
-The output is the reference's top-k SET (positions, int64 [B, 1, topk], -1 past min(L, topk)), in no particular
-order (the attention is order-free), or in the reference's order with `ordered=True`.
+                      in an int32 tensor) and the histogram of the first digit, the top 11 bits u >> 21 (sign,
+                      exponent, 2 mantissa bits: a bin spans a factor 2^(1/4) of positive scores) in a window of
+                      BINS values (`_first_digit`: positive scores in [2^-32, 2^32); the rest clamp into the edge
+                      bins), added once per program with atomics
+  dsa_collect_kernel  the threshold bin t (the K-th largest key's): keys above it go straight to the output, keys in
+                      it to a candidate list (slots from per-row counters, one atomic per block and kind)
+  dsa_finish_kernel   grid (B,): the remaining K - above among the candidates (1.0K-6.4K per row in the H200
+                      bench at L = 128K-1M: BENCHMARKS.md) by a radix select of 8-bit digits on unique 64-bit keys (u << 32 | 2^32 - 1 -
+                      position: ties by lowest position, as the reference's stable sort), one pass over the
+                      candidates per digit from the first bit they can differ in, stopping when the threshold bin
+                      fits whole; then -1 past the row's keys. Exact for any input: a large candidate list (tied or
+                      clamped scores) only costs more passes.
+The output is the reference's top-k SET (positions, int64 [B, 1, topk], -1 past min(L, topk)) in no particular
+order (the op's contract; the attention is order-free), or in the reference's order with `ordered=True` (a torch
+sort: tests and the fp8 logits script).
 FP8 index keys (optional): k_I as float8_e4m3fn with one fp32 scale per key (k = scale * k8; `quantize_index_keys`)
 halve the bytes of the scan; the score is scale * sum_j w_j ReLU(q_j . k8) (scale > 0). With FP8_QUERY the scan also
 quantizes q per head in registers (q_j = sq_j * q8_j, sq_j = max|q_j| / 448, folded into w_j: one fp8 x fp8 product).
@@ -34,12 +39,13 @@ candidates, then
 which equals the exact selection unless a key of the exact top-k ranks below topk + RERANK_EXTRA in fp8 order
 (Gaussian keys, L = 1M, CPU simulation: worst rank 2.9K with fp8 q, so 2048 extra; 1 MB of exact keys per row).
 
-Each kernel splits its row's keys evenly over the programs of grid axis 0 (`_row_range`); with device lengths
-(`radix_topk(..., lengths=)`, i32 [B]: whole-step decode graphs) row b has lengths[b] + 1 keys, read in the
+The scan and collect kernels split a row's keys evenly over the programs of grid axis 0 (`_row_range`); with device
+lengths (`radix_topk(..., lengths=)`, i32 [B]: whole-step decode graphs) row b has lengths[b] + 1 keys, read in the
 kernels, and L is only the bound that sizes the grids and scratch.
 
 Public API: `dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None)` -> idx, `radix_topk`
-(its launches), `quantize_index_keys(k_i)` -> (k8, scale), and the kernels (`KERNELS`, in source order).
+(its launches, into a given `out` and planned scratch), `radix_scratch_words`, `quantize_index_keys(k_i)` -> (k8,
+scale), and the kernels (`KERNELS`, in source order).
 """
 
 import torch
@@ -50,11 +56,16 @@ from k3c.errors import RuntimeInputError
 
 SCAN_BLOCK = 128       # keys per scan step (one [SCAN_BLOCK, D] x [D, J] tensor-core product)
 SCAN_WARPS = 4         # warps per scan program
-SELECT_BLOCK = 1024    # keys per step of the refine / tie-count / gather passes
-SCAN_PROGRAMS = 1056   # scan / refine programs per launch: about 8 per H200 SM
-MAX_PROGRAMS = 2048    # bound of the programs per row of the refine / gather grid (<= SCAN_PROGRAMS + 1)
-BITS = 8               # radix digit width: four digits per 32-bit key
-BINS = 1 << BITS       # histogram bins per digit (tl.histogram's cost grows with the bin count)
+SELECT_BLOCK = 1024    # keys per step of the collect pass
+SCAN_PROGRAMS = 1056   # scan / collect programs per launch: about 8 per H200 SM
+SHIFT = 21             # first digit: the top 11 bits of the order key (u >> 21: sign, exponent, 2 mantissa bits)
+BINS = 256             # its histogram: a window of 256 of the 2048 values (tl.histogram's cost grows with the
+                       # bins: all 2048 made the top-k 2.4-4.4x slower on the H200, BENCHMARKS.md)
+BASE = 1404            # the window's first value: positive scores in [2^-32, 2^32) (1024 + 4 x (127 - 32)); below
+                       # it bin 0, above it bin 255 (u >> 21 of a positive float = 1024 + 4 x exponent + 2 bits)
+HIST_STRIDE = 2050     # int32 words per row of histogram + counters (2048 bins at most, then 2 counters)
+FINISH_CHUNK = 4096    # candidates per step of the finishing select (one program per row)
+FINISH_WARPS = 8       # its warps
 FP8_MAX = 448.0        # largest float8_e4m3fn value
 FP8_QUERY = True       # fp8 keys: quantize q per head in the scan too (fp8 x fp8 tensor-core product)
 RERANK_EXTRA = 2048    # fp8 keys + exact keys: candidates beyond topk that the exact re-scoring sees
@@ -97,30 +108,9 @@ def _pick_bin(hist_row, k_rem, BINS: tl.constexpr):
 
 
 @triton.jit
-def _chosen_prefix(hist_row, K, DIGITS: tl.constexpr, BINS: tl.constexpr):
-    """The first DIGITS digits of the K-th largest key, from the histograms of digits 1..DIGITS.
-
-    Returns (prefix, keys above the prefix, everything): everything = the row has at most K keys (digit 1 found no
-    bin), and then every key is selected.
-    """
-    prefix = tl.zeros([], tl.int64)
-    above = tl.zeros([], tl.int32)
-    first = tl.zeros([], tl.int32)
-    for level in tl.static_range(DIGITS):
-        d, a = _pick_bin(hist_row + level * BINS, K - above, BINS)
-        if level == 0:
-            first = d
-        prefix = prefix * BINS + tl.maximum(d, 0)
-        above = above + a
-    return prefix, above, first < 0
-
-
-@triton.jit
-def _ties_fit(hist_row, tau, above, K, BINS: tl.constexpr):
-    """Whether every key equal to tau is selected: their count (digit 4's histogram at tau's last digit, all 32
-    bits equal) is at most the K - above slots left below the keys above tau."""
-    n_tau = tl.load(hist_row + 3 * BINS + (tau & (BINS - 1)).to(tl.int32))
-    return n_tau <= K - above
+def _first_digit(u, SHIFT: tl.constexpr, BASE: tl.constexpr, BINS: tl.constexpr):
+    """The first-digit bin of order keys u (uint32): (u >> SHIFT) - BASE clamped to [0, BINS) (non-decreasing in u)."""
+    return tl.minimum(tl.maximum((u >> SHIFT).to(tl.int32) - BASE, 0), BINS - 1)
 
 
 @triton.jit
@@ -135,13 +125,24 @@ def _row_range(len_ptr, b, L, BLOCK: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
 
 
 @triton.jit
+def dsa_init_kernel(hist_ptr, HIST_STRIDE: tl.constexpr, BINS: tl.constexpr):
+    """grid (B,): zeroes row b's first-digit histogram and its two counters (hist [B, HIST_STRIDE] int32: BINS bins,
+    then the counters at HIST_STRIDE - 2 and - 1), the only scratch the later kernels accumulate into."""
+    b = tl.program_id(0).to(tl.int64)
+    tl.store(hist_ptr + b * HIST_STRIDE + tl.arange(0, BINS), tl.zeros([BINS], tl.int32))
+    tl.store(hist_ptr + b * HIST_STRIDE + HIST_STRIDE - 2 + tl.arange(0, 2), tl.zeros([2], tl.int32))
+
+
+@triton.jit
 def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, len_ptr, L,
                     J: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
                     FP8: tl.constexpr, QUERY_FP8: tl.constexpr, KEYS_FIRST: tl.constexpr, BINS: tl.constexpr,
-                    BITS: tl.constexpr, DOT_PRECISION: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
+                    SHIFT: tl.constexpr, BASE: tl.constexpr, HIST_STRIDE: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
     """Scores of keys [pid*n_blocks*BLOCK_S, ...) of row b; q [B, J, D], w [B, J], k [B, L, D] (bf16/fp32, or
     fp8 with ks [B, L] fp32 scales; QUERY_FP8: q quantized per head here, its scale folded into w); keys [B, L]
-    int32 (u32 bits); hist [B, 4, BINS] int32 (digit 1 added here). KEYS_FIRST: the product as keys x q^T."""
+    int32 (u32 bits); hist [B, HIST_STRIDE] int32: the first digit's histogram (`_first_digit`), added once per
+    program. KEYS_FIRST: the product as keys x q^T."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n_valid, n_blocks = _row_range(len_ptr, b, L, BLOCK_S, LEN_FROM_PTR)
@@ -170,88 +171,103 @@ def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, len_ptr, L,
             score = score * tl.load(ks_ptr + b * L + offs_s, mask=ok, other=0.0)
         u = _order_key(score)
         tl.store(keys_ptr + b * L + offs_s, u.to(tl.int32, bitcast=True), mask=ok)
-        hist += tl.histogram(tl.where(ok, u >> (32 - BITS), 0).to(tl.int32), BINS)
+        hist += tl.histogram(tl.where(ok, _first_digit(u, SHIFT, BASE, BINS), 0), BINS)
         n_pad += tl.sum((~ok).to(tl.int32), 0)
     bins = tl.arange(0, BINS)
     hist = tl.where(bins == 0, hist - n_pad, hist)                # padding lanes were counted in bin 0
-    tl.atomic_add(hist_ptr + b * 4 * BINS + bins, hist, mask=hist > 0)
+    tl.atomic_add(hist_ptr + b * HIST_STRIDE + bins, hist, mask=hist > 0)
 
 
 @triton.jit
-def dsa_refine_kernel(keys_ptr, hist_ptr, len_ptr, L, K, LEVEL: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BINS: tl.constexpr, BITS: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
-    """Histogram of digit LEVEL (2..4) over the keys matching the LEVEL-1 digits chosen so far."""
+def dsa_collect_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, BLOCK_R: tl.constexpr,
+                       BINS: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr, HIST_STRIDE: tl.constexpr,
+                       LEN_FROM_PTR: tl.constexpr):
+    """The threshold bin t of the first digit (the K-th largest key's, from the scan's histogram): keys above it are
+    selected (their positions to idx [B, K] int64, slots from the row's counter hist[b, HIST_STRIDE - 2]), keys in
+    it are candidates (positions to cand [B, L] int32, slots from hist[b, HIST_STRIDE - 1]); one atomic per block of
+    BLOCK_R keys and kind, arrival order. A row of at most K keys (no bin reaches K) is selected whole."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n_valid, n_blocks = _row_range(len_ptr, b, L, BLOCK_R, LEN_FROM_PTR)
-    row = hist_ptr + b * 4 * BINS
-    prefix, above, everything = _chosen_prefix(row, K, LEVEL - 1, BINS)
-    hist = tl.zeros([BINS], tl.int32)
-    n_other = 0
+    row = hist_ptr + b * HIST_STRIDE
+    t, _ = _pick_bin(row, K, BINS)
     for i in range(n_blocks):
         offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = offs < n_valid
         u = tl.load(keys_ptr + b * L + offs, mask=ok, other=0).to(tl.uint32, bitcast=True)
-        match = ok & ((u >> (32 - BITS * (LEVEL - 1))).to(tl.int64) == prefix)
-        match = match & ((everything.to(tl.int32) + 0 * offs) == 0)
-        digit = ((u >> (32 - BITS * LEVEL)) & (BINS - 1)).to(tl.int32)
-        hist += tl.histogram(tl.where(match, digit, 0), BINS)
-        n_other += tl.sum((~match).to(tl.int32), 0)
-    bins = tl.arange(0, BINS)
-    hist = tl.where(bins == 0, hist - n_other, hist)
-    tl.atomic_add(row + (LEVEL - 1) * BINS + bins, hist, mask=hist > 0)
-
-
-@triton.jit
-def dsa_tie_count_kernel(keys_ptr, hist_ptr, ties_ptr, len_ptr, L, K, BLOCK_R: tl.constexpr, BINS: tl.constexpr,
-                         MAX_P: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
-    """ties [B, MAX_P] int32: how many keys of program pid's range equal tau (0 when every key is taken). Nothing is
-    counted (the counts stay 0) when all the row's ties fit (`_ties_fit`)."""
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    n_valid, n_blocks = _row_range(len_ptr, b, L, BLOCK_R, LEN_FROM_PTR)
-    tau, above, everything = _chosen_prefix(hist_ptr + b * 4 * BINS, K, 4, BINS)
-    n_blocks = tl.where(_ties_fit(hist_ptr + b * 4 * BINS, tau, above, K, BINS) | everything, 0, n_blocks)
-    n = 0
-    for i in range(n_blocks):
-        offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
-        u = tl.load(keys_ptr + b * L + offs, mask=offs < n_valid, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
-        n += tl.sum(((offs < n_valid) & (u == tau)).to(tl.int32), 0)
-    tl.store(ties_ptr + b * MAX_P + pid, tl.where(everything, 0, n))
-
-
-@triton.jit
-def dsa_gather_kernel(keys_ptr, hist_ptr, ties_ptr, count_ptr, idx_ptr, len_ptr, L, K, BLOCK_R: tl.constexpr,
-                      BINS: tl.constexpr, MAX_P: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
-    """Positions of the top-K keys of row b into idx [B, K] int64 (pre-filled with -1).
-
-    Keys above tau (and the keys equal to tau when they all fit, `_ties_fit`) take slots from the row's counter
-    (count [B] int32, zeroed; one atomic per block of BLOCK_R keys, arrival order); otherwise keys equal to tau take
-    slots above + rank, rank = their order by position among the row's ties (ties of the programs before pid, from
-    `dsa_tie_count_kernel`, then in-block order), while rank < K - above: the lowest positions, as the reference's
-    stable sort."""
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    n_valid, n_blocks = _row_range(len_ptr, b, L, BLOCK_R, LEN_FROM_PTR)
-    tau, above, everything = _chosen_prefix(hist_ptr + b * 4 * BINS, K, 4, BINS)
-    take_all = everything.to(tl.int32)
-    fit = _ties_fit(hist_ptr + b * 4 * BINS, tau, above, K, BINS).to(tl.int32)
-    p = tl.arange(0, MAX_P)
-    rank0 = tl.sum(tl.load(ties_ptr + b * MAX_P + p, mask=p < pid, other=0), 0)     # 0s when the ties fit
-    for i in range(n_blocks):
-        offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
-        ok = offs < n_valid
-        u = tl.load(keys_ptr + b * L + offs, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.int64)
-        eq = (u == tau).to(tl.int32)
-        gt = (ok & (((u > tau).to(tl.int32) | take_all | (eq & fit)) != 0)).to(tl.int32)
-        tie = (ok & ((eq & (1 - take_all) & (1 - fit)) != 0)).to(tl.int32)
+        digit = _first_digit(u, SHIFT, BASE, BINS)
+        gt = (ok & (digit > t)).to(tl.int32)
+        eq = (ok & (digit == t)).to(tl.int32)
         n_gt = tl.sum(gt, 0)
-        base = tl.atomic_add(count_ptr + b, n_gt, mask=n_gt > 0, sem="relaxed")
-        slot = base + tl.cumsum(gt, 0) - 1
-        tl.store(idx_ptr + b * K + slot, offs.to(tl.int64), mask=gt != 0)
-        rank = rank0 + tl.cumsum(tie, 0) - 1
-        tl.store(idx_ptr + b * K + above + rank, offs.to(tl.int64), mask=(tie != 0) & (rank < K - above))
-        rank0 += tl.sum(tie, 0)
+        base = tl.atomic_add(row + HIST_STRIDE - 2, n_gt, mask=n_gt > 0, sem="relaxed")
+        tl.store(idx_ptr + b * K + base + tl.cumsum(gt, 0) - 1, offs.to(tl.int64), mask=gt != 0)
+        n_eq = tl.sum(eq, 0)
+        base = tl.atomic_add(row + HIST_STRIDE - 1, n_eq, mask=n_eq > 0, sem="relaxed")
+        tl.store(cand_ptr + b * L + base + tl.cumsum(eq, 0) - 1, offs, mask=eq != 0)
+
+
+@triton.jit
+def _cand_keys(keys_ptr, cand_ptr, b, L, offs, n_cand):
+    """(valid, position, unique uint64 key (u << 32) | (2^32 - 1 - position)) of candidates offs of row b."""
+    ok = offs < n_cand
+    pos = tl.load(cand_ptr + b * L + offs, mask=ok, other=0)
+    u = tl.load(keys_ptr + b * L + pos, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    return ok, pos, (u.to(tl.uint64) << 32) | (4294967295 - pos.to(tl.int64)).to(tl.uint64)
+
+
+@triton.jit
+def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, L, K, CHUNK: tl.constexpr, SHIFT: tl.constexpr,
+                      BASE: tl.constexpr, BINS: tl.constexpr, HIST_STRIDE: tl.constexpr, EXACT_BINS: tl.constexpr):
+    """grid (B,): the K - above best of row b's candidates (`dsa_collect_kernel`; above = the keys it selected) by
+    their unique 64-bit keys c = (u << 32) | (2^32 - 1 - position) (larger u first, then the lower position: the
+    reference's ties): a radix select of 8-bit digits from the candidates' first bit that can differ (bit 32 + SHIFT
+    when the threshold bin t is one value of u >> SHIFT, bit 64 for a clamped edge bin; EXACT_BINS: no clamping),
+    each level one pass over the candidates in CHUNKs, stopping when the threshold bin fits whole; then their
+    positions to idx [B, K] after the collected ones, -1 in the slots past the row's keys."""
+    b = tl.program_id(0).to(tl.int64)
+    row = hist_ptr + b * HIST_STRIDE
+    n_cand = tl.load(row + HIST_STRIDE - 1)
+    above = tl.load(row + HIST_STRIDE - 2)
+    need = K - above
+    t, _ = _pick_bin(row, K, BINS)
+    if EXACT_BINS:                                          # no clamping: every bin is one value of u >> SHIFT
+        interior = t >= 0
+    else:
+        interior = (t > 0) & (t < BINS - 1)
+    pshift = tl.where(interior, 32 + SHIFT, 64)            # candidates share the bits above pshift: prefix
+    prefix = tl.where(interior, t + BASE, 0).to(tl.uint64)
+    done = n_cand <= need                                   # all candidates fit (none, or a row of <= K keys)
+    bins = tl.arange(0, 256)
+    for level in range(8):
+        n_chunks = tl.where(done, 0, (n_cand + CHUNK - 1) // CHUNK)
+        ds = tl.maximum(pshift - 8, 0)
+        width = pshift - ds
+        hist = tl.zeros([256], tl.int32)
+        for c0 in range(n_chunks):
+            ok, pos, c = _cand_keys(keys_ptr, cand_ptr, b, L, c0 * CHUNK + tl.arange(0, CHUNK), n_cand)
+            match = ok & ((pshift >= 64) | ((c >> tl.minimum(pshift, 63).to(tl.uint64)) == prefix))
+            digit = ((c >> ds.to(tl.uint64)) & ((1 << width) - 1).to(tl.uint64)).to(tl.int32)
+            hist += tl.histogram(tl.where(match, digit, 0), 256)
+            hist = tl.where(bins == 0, hist - tl.sum((~match).to(tl.int32), 0), hist)
+        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+        d = tl.max(tl.where(suffix >= need, bins, -1), 0)
+        a = tl.sum(tl.where(bins > d, hist, 0), 0)
+        h_d = tl.sum(tl.where(bins == d, hist, 0), 0)
+        prefix = tl.where(done, prefix, (prefix << width.to(tl.uint64)) | d.to(tl.uint64))
+        pshift = tl.where(done, pshift, ds)
+        fits = h_d == need - a                              # bin d fits whole: every key >= the prefix is taken
+        need = tl.where(done, need, need - a)
+        done = done | fits
+    take_all = n_cand <= K - above
+    written = above
+    for c0 in range(0, (n_cand + CHUNK - 1) // CHUNK):
+        ok, pos, c = _cand_keys(keys_ptr, cand_ptr, b, L, c0 * CHUNK + tl.arange(0, CHUNK), n_cand)
+        sel = (ok & (take_all | ((c >> tl.minimum(pshift, 63).to(tl.uint64)) >= prefix))).to(tl.int32)
+        tl.store(idx_ptr + b * K + written + tl.cumsum(sel, 0) - 1, pos.to(tl.int64), mask=sel != 0)
+        written += tl.sum(sel, 0)
+    for s0 in range(0, K, CHUNK):
+        offs = s0 + tl.arange(0, CHUNK)
+        tl.store(idx_ptr + b * K + offs, tl.full([CHUNK], -1, tl.int64), mask=(offs >= written) & (offs < K))
 
 
 @triton.jit
@@ -334,23 +350,34 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None
     return radix_topk(q_i, w.reshape(B, J), k_i, topk, k_scale, ordered, k_exact, rerank_extra)
 
 
-def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=RERANK_EXTRA, lengths=None):
+def radix_scratch_words(B, L):
+    """int32 words of `radix_topk`'s scratch for B rows of L keys: keys and candidates [B, L] each, then
+    [B, HIST_STRIDE] histogram + counters."""
+    return B * (2 * L + HIST_STRIDE)
+
+
+def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=RERANK_EXTRA, lengths=None,
+               out=None, scratch=None):
     """The launches of `dsa_decode_topk` (q_i [B, J, D], w [B, J]; shapes already checked; copied into generated
-    `dsa_index_topk` modules). lengths: None, or i32 [B] on the device: row b then holds lengths[b] + 1 keys of k_i
-    (the context before the new token, plus it) and L = k_i.shape[1] is only the bound (the launches do not depend
-    on the lengths: a CUDA graph replays them at any context). Scratch: keys [B, L] int32, histograms [B, 4, BINS] and tie counts
-    [B, MAX_PROGRAMS] int32, allocated here (re-ranking: candidate keys [B, topk + rerank_extra] int64)."""
+    `dsa_index_topk` modules): dsa_init_kernel, dsa_scan_kernel, dsa_collect_kernel, dsa_finish_kernel (+ the
+    re-ranking's two with k_exact). Result: int64 [B, 1, topk] (`out`, contiguous, written in place, or new), the
+    selected positions first in no particular order, then -1 (see `dsa_decode_topk`); `ordered` sorts it (torch).
+    lengths: None, or i32 [B] on the device: row b then holds lengths[b] + 1 keys of k_i (the context before the new
+    token, plus it) and L = k_i.shape[1] is only the bound (the launches do not depend on the lengths: a CUDA graph
+    replays them at any context). scratch: None (allocated here) or a contiguous int32 tensor of at least
+    `radix_scratch_words(B, L)` words (the planned buffer); nothing in it needs to be zero."""
     B, J, D = q_i.shape
     L = k_i.shape[1]
     fp8 = k_scale is not None
     from_ptr = lengths is not None
     n_sel = topk if k_exact is None else topk + rerank_extra
     dev = q_i.device
-    keys = torch.empty((B, L), dtype=torch.int32, device=dev)
-    hist = torch.zeros((B, 4, BINS), dtype=torch.int32, device=dev)
-    count = torch.zeros((B,), dtype=torch.int32, device=dev)
-    ties = torch.empty((B, MAX_PROGRAMS), dtype=torch.int32, device=dev)
-    idx = torch.full((B, 1, n_sel), -1, dtype=torch.int64, device=dev)
+    words = radix_scratch_words(B, L)
+    buf = torch.empty((words,), dtype=torch.int32, device=dev) if scratch is None else scratch[:words]
+    keys, cand, hist = buf[:B * L], buf[B * L:2 * B * L], buf[2 * B * L:]
+    if out is None:
+        out = torch.empty((B, 1, topk), dtype=torch.int64, device=dev)
+    idx = out if k_exact is None else torch.empty((B, 1, n_sel), dtype=torch.int64, device=dev)
     q = q_i.contiguous() if not fp8 else q_i.to(torch.bfloat16).contiguous()
     n_len = lengths if from_ptr else keys
     n_scan = triton.cdiv(L, SCAN_BLOCK)
@@ -360,37 +387,37 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
     precision = "ieee" if q_i.dtype == torch.float32 else "tf32"
     scan_fp32 = q.dtype == torch.float32
     block_j = max(16, triton.next_power_of_2(J))
+    digit = dict(BINS=BINS, SHIFT=SHIFT, BASE=BASE, HIST_STRIDE=HIST_STRIDE)
+    dsa_init_kernel[(B,)](hist, HIST_STRIDE=HIST_STRIDE, BINS=BINS, num_warps=1)
     dsa_scan_kernel[(triton.cdiv(n_scan, per_scan), B)](
         q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, n_len, L, J=J, D=D,
         BLOCK_J=block_j, BLOCK_S=SCAN_BLOCK, FP8=fp8, QUERY_FP8=fp8 and FP8_QUERY,
         KEYS_FIRST=not scan_fp32,       # tensor-core products; fp32 (IEEE) keeps q x k^T
-        BINS=BINS, BITS=BITS, DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=SCAN_WARPS)
-    grid = (triton.cdiv(n_ref, per_ref), B)
-    for level in (2, 3, 4):
-        dsa_refine_kernel[grid](keys, hist, n_len, L, n_sel, LEVEL=level, BLOCK_R=SELECT_BLOCK, BINS=BINS,
-                                BITS=BITS, LEN_FROM_PTR=from_ptr, num_warps=4)
-    dsa_tie_count_kernel[grid](keys, hist, ties, n_len, L, n_sel, BLOCK_R=SELECT_BLOCK, BINS=BINS,
-                               MAX_P=MAX_PROGRAMS, LEN_FROM_PTR=from_ptr, num_warps=4)
-    dsa_gather_kernel[grid](keys, hist, ties, count, idx, n_len, L, n_sel, BLOCK_R=SELECT_BLOCK, BINS=BINS,
-                            MAX_P=MAX_PROGRAMS, LEN_FROM_PTR=from_ptr, num_warps=4)
+        DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=SCAN_WARPS, **digit)
+    dsa_collect_kernel[(triton.cdiv(n_ref, per_ref), B)](keys, hist, cand, idx, n_len, L, n_sel,
+                                                         BLOCK_R=SELECT_BLOCK, LEN_FROM_PTR=from_ptr, num_warps=4,
+                                                         **digit)
+    dsa_finish_kernel[(B,)](keys, hist, cand, idx, L, n_sel, CHUNK=FINISH_CHUNK,
+                            EXACT_BINS=BASE == 0 and BINS << SHIFT == 1 << 32, num_warps=FINISH_WARPS, **digit)
     if k_exact is not None:         # exact scores of the candidates: unique u64 keys, larger = better
         ck = torch.empty((B, n_sel), dtype=torch.int64, device=dev)
         dsa_rerank_kernel[(triton.cdiv(n_sel, RERANK_BLOCK), B)](
             q_i.contiguous(), w.contiguous(), k_exact.contiguous(), idx, ck, L, n_sel, J=J, D=D, BLOCK_J=block_j,
             BLOCK_C=RERANK_BLOCK, DOT_PRECISION=precision, num_warps=4)
-        idx = torch.full((B, 1, topk), -1, dtype=torch.int64, device=dev)
-        dsa_rerank_rank_kernel[(triton.cdiv(n_sel, RANK_BLOCK), B)](ck, idx, n_sel, topk, BLOCK_C=RANK_BLOCK,
+        out.fill_(-1)
+        dsa_rerank_rank_kernel[(triton.cdiv(n_sel, RANK_BLOCK), B)](ck, out, n_sel, topk, BLOCK_C=RANK_BLOCK,
                                                                    BLOCK_O=128, num_warps=4)
-        return idx                  # in the reference's order already
+        return out                  # in the reference's order already
     if ordered:     # the reference's order: score descending, ties by lowest position
-        pos = idx[:, 0]
-        u = torch.gather(keys, 1, pos.clamp(min=0)).to(torch.int64) & 0xFFFFFFFF
+        pos = out[:, 0]
+        u = torch.gather(keys.view(B, L), 1, pos.clamp(min=0)).to(torch.int64) & 0xFFFFFFFF
         rank = ((u - 2 ** 31) << 32) + (2 ** 32 - 1 - pos)
         rank = torch.where(pos >= 0, rank, torch.full_like(rank, -2 ** 63))
-        idx = torch.gather(pos, 1, torch.sort(rank, dim=1, descending=True).indices)[:, None]
-    return idx
+        out.copy_(torch.gather(pos, 1, torch.sort(rank, dim=1, descending=True).indices)[:, None])
+    return out
 
 
 # Source order for code generation (helpers first).
-KERNELS = (_order_key, _to_e4m3, _pick_bin, _chosen_prefix, _ties_fit, _row_range, dsa_scan_kernel, dsa_refine_kernel,
-           dsa_tie_count_kernel, dsa_gather_kernel, dsa_rerank_kernel, dsa_rerank_rank_kernel)
+KERNELS = (_order_key, _to_e4m3, _pick_bin, _first_digit, _row_range, dsa_init_kernel, dsa_scan_kernel,
+           dsa_collect_kernel, _cand_keys, dsa_finish_kernel, dsa_rerank_kernel, dsa_rerank_rank_kernel,
+           radix_scratch_words)

@@ -166,7 +166,10 @@ def dsa_index_topk_ref(attrs, q_i, w, k_i):
 def _dsa_index_topk(attrs, q_i, w, k_i):
     """dsa_index_topk(q_I [B,T,J,D], w [B,T,J], k_I [B,L,D]) {topk} -> idx i64 [B,T,topk] (−1 = invalid).
 
-    Matches `k3::dsa_topk` of models/ops.py. See `dsa_index_topk_ref`.
+    Matches `k3::dsa_topk` of models/ops.py. See `dsa_index_topk_ref`. Contract: row (b, t) is a SET — the topk
+    best visible positions (exact ties to the lowest position) in its first min(visible, topk) slots, −1 after —
+    in an order kernels may choose (its consumer, `mla_attention` with idx, is a softmax over the set); the
+    reference returns them by decreasing score.
     """
     n = "dsa_index_topk"
     need_rank(n, q_i, 4, "q_i")
