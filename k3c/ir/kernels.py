@@ -9,7 +9,8 @@ from node metadata.
 A `KernelGroup` is one launch:
 - `backend`: the backend that claimed it ("triton", "tvm", "library", "view"; see `k3c.codegen.backend`);
 - `kind`: what implements it: "pointwise" (a fused chain of elementwise ops), "rowwise" (a norm / softmax /
-  reduction over the last dim with a pointwise epilogue), a model-level op ("kda_fused", "mla_attention",
+  reduction over the last dim with a pointwise epilogue), "attn_res_row" (an elementwise prologue, the AttnRes
+  merge and a rowwise norm group over the same rows), a model-level op ("kda_fused", "mla_attention",
   "dsa_index_topk", "attn_res_inter", "attn_res_merge", "moe_route", "moe_experts"), or, for a single-node
   library / view launch, the op's name;
 - `inputs` / `outputs`: values read from / written to memory, in launch order; values produced and consumed

@@ -11,6 +11,12 @@ Two steps. The fusion proposal walks the nodes in schedule order, first rule win
   broadcast to that shape);
 - anything else (GEMMs, einsum, embedding, gather/scatter, sort/topk, creation ops, collectives, ...): one group
   each, kind = the op name.
+Then each `attn_res_merge` whose output only a following rowwise group's norm reads becomes a row op itself
+(`fuse_attn_res_rows`): the pointwise group that computes its partial (the residual adds) and the reshapes between
+them (views that keep the rows), the merge and the norm group (with its epilogue) form one "attn_res_row" group,
+one program per row instead of three launches (K3: per sublayer). The pointwise outputs read elsewhere (the
+residual stream) stay outputs of the fused group. Only where the backend that would take the merge also takes
+the fused kind (Triton; TVM keeps the three launches).
 Then each proposed group goes to the first backend of `ctx.backends` (the target's claim order, see
 `k3c.codegen.backend`) that claims it; a fused group nobody claims is offered node by node (`assign_backends`).
 
@@ -26,7 +32,8 @@ from k3c.context import CompileContext
 from k3c.errors import UnsupportedError
 from k3c.ir.graph import Graph, Node, Value, describe
 from k3c.ir.kernels import KernelSpan
-from k3c.passes.common import is_elementwise, is_row_op, same_shape
+from k3c.ir.types import dims_equal
+from k3c.passes.common import NORM_ROW_OPS, is_elementwise, is_row_op, same_shape
 from k3c.passes.pipeline import register_pass
 
 MODEL_OPS = frozenset({"kda_fused", "mla_attention", "dsa_index_topk", "attn_res_inter", "attn_res_merge",
@@ -73,6 +80,65 @@ def propose_groups(graph: Graph) -> list[tuple[str, list[Node]]]:
     return groups
 
 
+def _rows(shape: tuple) -> list:
+    """The row dims of a shape (all but the last, size-1 dims dropped): reshapes that keep them keep the rows."""
+    return [d for d in shape[:-1] if not (isinstance(d, int) and d == 1)]
+
+
+def _same_rows(a: Value, b: Value) -> bool:
+    ra, rb = _rows(a.type.shape), _rows(b.type.shape)
+    return (a.type.rank >= 1 and b.type.rank >= 1 and dims_equal(a.type.shape[-1], b.type.shape[-1])
+            and len(ra) == len(rb) and all(dims_equal(x, y) for x, y in zip(ra, rb)))
+
+
+def _merge_row_group(graph: Graph, groups: list[tuple[str, list[Node]]], i: int) -> int | None:
+    """For the attn_res_merge group at `groups[i]`: the index of the first group of its fused row group (module
+    docstring), or None when it does not fuse: groups [first, i + 1] are ([pointwise,] reshape*, merge, rowwise), the
+    reshapes a chain from the pointwise group (or a group input) to the merge's partial, every value of the
+    pointwise group with the merge's rows."""
+    merge = groups[i][1][0]
+    h, partial = merge.outputs[0], merge.inputs[2]
+    if i + 1 >= len(groups) or groups[i + 1][0] != "rowwise":
+        return None
+    norm = groups[i + 1][1][0]
+    if norm.op not in NORM_ROW_OPS or norm.inputs[0] is not h or graph.is_output(h) or \
+            any(u is not norm for u in graph.users(h)) or h in norm.inputs[1:]:
+        return None
+    first, want = i, partial
+    while first > 0 and groups[first - 1][0] == "reshape":
+        (view,) = groups[first - 1][1]
+        if view.outputs[0] is not want or not _same_rows(view.inputs[0], h):
+            break
+        first, want = first - 1, view.inputs[0]
+    if first > 0 and groups[first - 1][0] == "pointwise":
+        nodes = groups[first - 1][1]
+        made = {v for n in nodes for v in n.outputs}
+        if want in made and all(_same_rows(v, h) for n in nodes for v in list(n.inputs) + n.outputs):
+            return first - 1
+    return first
+
+
+def fuse_attn_res_rows(graph: Graph, groups: list[tuple[str, list[Node]]]) -> list[tuple[str, list[Node]]]:
+    """`groups` (the proposal) with every fusable AttnRes merge and its neighbours as one "attn_res_row" group
+    (module docstring)."""
+    spans = {}                                           # first group -> merge group, of each fused run
+    for j, (kind, _) in enumerate(groups):
+        if kind == "attn_res_merge":
+            start = _merge_row_group(graph, groups, j)
+            if start is not None:
+                spans[start] = j
+    out: list[tuple[str, list[Node]]] = []
+    i = 0
+    while i < len(groups):
+        if i in spans:
+            out.append(("attn_res_row", [n for _, nodes in groups[i:spans[i] + 2] for n in nodes]))
+            i = spans[i] + 2
+        else:
+            out.append(groups[i])
+            i += 1
+    return out
+
+
 def assign_backends(proposal: list[tuple[str, list[Node]]], backends) -> list[tuple[str, str, list[Node]]]:
     """(backend, kind, nodes) per launch: each proposed group goes to the first of `backends` that claims it; a
     fused group no backend claims is split into its nodes, each offered as a group of one of the same kind and
@@ -102,8 +168,12 @@ def form_kernels(graph: Graph, ctx: CompileContext) -> Graph:
 
     Deterministic: the same graph and context always give the same launches and names.
     """
+    proposal = propose_groups(graph)
+    merger = next((b for b in ctx.backends if b.claims("attn_res_merge", [])), None)
+    if merger is not None and merger.claims("attn_res_row", []):
+        proposal = fuse_attn_res_rows(graph, proposal)
     spans, at = [], 0
-    for i, (backend, kind, nodes) in enumerate(assign_backends(propose_groups(graph), ctx.backends)):
+    for i, (backend, kind, nodes) in enumerate(assign_backends(proposal, ctx.backends)):
         spans.append(KernelSpan(group_name(i, kind, ctx.entry), backend, kind, at, len(nodes)))
         at += len(nodes)
     graph.kernels = spans

@@ -3,7 +3,10 @@
 The schedule is the kernel groups of `form_kernels` in order (or one launch per node before kernel formation).
 A value is materialised when it leaves its group (read by a later launch or a graph output); values produced and
 consumed inside one fused kernel never reach memory. A buffer is live from the launch that writes it to its last
-reader; graph outputs live to the end. Views (reshape, expand, unsqueeze, squeeze) share their input's buffer, and so
+reader; graph outputs live to the end. Views (reshape, expand, unsqueeze, squeeze) launched on their own share their
+input's buffer (one inside a fused kernel, e.g. `attn_res_row`, is a value the kernel writes), so do slices, selects,
+transposes and permutes that only torch launches (library / view backends, which take any strides) read (MLA's
+absorbed query halves: no copy), and so
 do the parts of a `split` where the entry has one token per sequence (T = 1, decode: the column views of a fused
 GEMM, `fuse_gemms`, are contiguous at batch 1, and a kernel that needs a contiguous input at B > 1 gets a copy of a
 few KiB from its launcher); elsewhere (prefill) each part has its own buffer, written by the split's launch.
@@ -20,6 +23,8 @@ The pass stores the plan as `graph.memory_plan` and returns the graph unchanged 
 
 from __future__ import annotations
 
+from collections import Counter
+
 from k3c.context import CompileContext
 from k3c.ir.graph import Graph, Value
 from k3c.ir.kernels import check_spans, kernel_groups
@@ -28,6 +33,9 @@ from k3c.memory.planner import Buffer, MemoryPlan, plan_arena, validate_plan
 from k3c.passes.pipeline import register_pass
 
 VIEW_OPS = frozenset({"reshape", "expand", "unsqueeze", "squeeze"})
+#: views that are not contiguous in general: aliases only where torch launches read them (TORCH_BACKENDS)
+STRIDED_VIEW_OPS = frozenset({"slice", "select", "transpose", "permute"})
+TORCH_BACKENDS = frozenset({"library", "view"})
 POOL_SUFFIXES = (".kda_state", ".conv_state", ".kv", ".index_k")
 
 
@@ -54,8 +62,18 @@ def liveness(graph: Graph, bindings: dict[str, int]) -> list[Buffer]:
     outside = set(graph.inputs) | set(graph.params.values()) | pool_values(graph)
     first: dict[Value, int] = {}
     last: dict[Value, int] = {}
+    size = Counter(steps)
+    spans = getattr(graph, "kernels", None)
+    torch_read = set()  # values every reader of which is a torch launch (library / view backends: any strides)
+    if spans is not None:
+        backend = [spans[i].backend for i in steps]
+        at = {id(n): b for n, b in zip(graph.nodes, backend)}
+        outs = set(graph.outputs.values())
+        torch_read = {v for n in graph.nodes for v in n.outputs if v not in outs and graph.users(v)
+                      and all(at[id(u)] in TORCH_BACKENDS for u in graph.users(v))}
     for node, i in zip(graph.nodes, steps):
-        if node.op in views and node.inputs:
+        strided = node.op in STRIDED_VIEW_OPS and node.outputs[0] in torch_read
+        if (node.op in views or strided) and node.inputs and size[i] == 1:  # a view launch; in a kernel it is computed
             for v in node.outputs:
                 root[v] = root.get(node.inputs[0], node.inputs[0])
         for v in node.inputs:

@@ -31,8 +31,12 @@ class Frame:
         self.lengths = self.positions = None
         if lengths is not None:  # device lengths (module docstring): L is the bound
             self.sizes["lengths"] = self.lengths = lengths
-            ar = torch.arange(max(B, T), dtype=torch.int64, device=lengths.device)
-            self.rows, self.positions = ar[:B, None], lengths.long()[:, None] + ar[None, :T]  # [B,1], [B,T]
+            n = max(B, T)
+            ar = session.aranges.get(n)
+            if ar is None:  # made once per size by an eager step, so a captured graph launches no arange
+                ar = session.aranges[n] = torch.arange(n, dtype=torch.int64, device=lengths.device)
+            pos = lengths.long()[:, None]
+            self.rows, self.positions = ar[:B, None], (pos if T == 1 else pos + ar[None, :T])  # [B,1], [B,T]
         sched = session.schedule[entry]
         self.types, self.offsets = sched["values"], session.offsets[entry]
         self.pool_of = {v: k for k, v in sched["outputs"].items() if k in session.pools}

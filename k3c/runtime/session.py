@@ -137,6 +137,8 @@ class Session:
         self.finalized: dict | None = None  # what `load(..., finalize=True)` added (k3c.runtime.finalize)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.lengths is not None
         self._graphs: dict[int, DecodeGraph] = {}  # by batch size
+        #: i64 arange(n) on the device by n, for the append positions of frames with device lengths (`Frame`)
+        self.aranges: dict[int, torch.Tensor] = {}
 
     # ---- public -------------------------------------------------------------------------------------------------
     @property

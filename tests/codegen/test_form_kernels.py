@@ -167,18 +167,23 @@ def test_group_counts_k3_tiny_decode():
     groups = kernel_groups(g)
     counts = Counter((k.backend, k.kind) for k in groups)
     ops = Counter(n.op for n in g.nodes)
-    for op in MODEL_OPS:
+    for op in MODEL_OPS - {"attn_res_merge"}:
         assert counts[("triton", op)] == ops[op]
+    # every AttnRes merge is a row launch with its norm (and, in 16 of the 20, the residual add before it)
+    assert counts[("triton", "attn_res_row")] == ops["attn_res_merge"] == 20
+    assert sum(k.nodes[0].op == "add" for k in groups if k.kind == "attn_res_row") == 16
     for (backend, kind), n in counts.items():
         if backend in ("library", "view"):
             assert n == ops[kind], kind
     # k3-tiny has 10 layers, each with 2 decoder norms, plus the q_a / kv_a norms of its 3 MLA layers and the
-    # routed-expert norm of its 9 MoE layers, final norm: 36 rms_norm, none followed by an elementwise node.
-    assert counts[("triton", "rowwise")] == ops["rms_norm"] == 36
+    # routed-expert norm of its 9 MoE layers, final norm: 36 rms_norm, none followed by an elementwise node; the 20
+    # that read an AttnRes merge are in its row launch.
+    assert ops["rms_norm"] == 36 and counts[("triton", "rowwise")] == 36 - 20
     # pointwise, each run kept apart by GEMMs / model ops / views: 10 GLU activations (1 dense + 9 shared-expert
-    # MLPs, 9-node runs), 9 MoE routed + shared adds, 16 residual adds and 3 MLA output gates (sigmoid, mul); the
-    # 20 AttnRes query scales (norm weight x projection, f32[64]) read weights only: fold_params computed them.
-    assert counts[("triton", "pointwise")] == 10 + 9 + 16 + 3
+    # MLPs, 9-node runs), 9 MoE routed + shared adds and 3 MLA output gates (sigmoid, mul); the 16 residual adds
+    # joined their merge's row launch; the 20 AttnRes query scales (norm weight x projection, f32[64]) read weights
+    # only: fold_params computed them.
+    assert counts[("triton", "pointwise")] == 10 + 9 + 3
     assert counts[("library", "linear")] == ops["linear"] == 129
     assert sum(counts.values()) == len(groups)
     assert Counter(len(k.nodes) for k in groups if k.kind == "pointwise")[9] == 10
@@ -206,6 +211,12 @@ def test_group_structure(model, mode):
             assert not (nxt is not None and is_elementwise(nxt) and same_shape(nxt.outputs[0].type.shape, shape))
         elif k.kind == "rowwise":
             assert is_row_op(k.nodes[0]) and all(is_elementwise(n) for n in k.nodes[1:])
+        elif k.kind == "attn_res_row":  # [elementwise / reshape prologue,] merge, norm of the merge, epilogue
+            ops = [n.op for n in k.nodes]
+            at = ops.index("attn_res_merge")
+            assert ops.count("attn_res_merge") == 1 and k.nodes[at + 1].inputs[0] is k.nodes[at].outputs[0]
+            assert is_row_op(k.nodes[at + 1]) and all(is_elementwise(n) for n in k.nodes[at + 2:])
+            assert all(is_elementwise(n) or n.op == "reshape" for n in k.nodes[:at])
         else:
             assert len(k.nodes) == 1 and k.kind == k.nodes[0].op
             assert (k.backend == "view") == (k.kind in VIEW_OPS)

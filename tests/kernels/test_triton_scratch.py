@@ -102,6 +102,27 @@ def test_moe_experts_h_and_slot_outputs_in_planned_scratch():
     assert written(scratch["h"]) and written(scratch["y_slot"])
 
 
+def test_moe_route_and_experts_read_column_views_in_place():
+    # the decode GEMM's output [N, 3 + E + D] split into columns: logits and z are row-strided views
+    N, k, E, D, I = 5, 2, 4, 32, 48
+    wide = rand(N, 3 + E + D, seed=12)
+    logits, z = wide[:, 3:3 + E], wide[:, 3 + E:]
+    assert not logits.is_contiguous() and not z.is_contiguous()
+    bias = rand(E, seed=13)
+    got_w, got_i = torch.empty(N, k), torch.empty(N, k, dtype=torch.int64)
+    want_w, want_i = torch.empty(N, k), torch.empty(N, k, dtype=torch.int64)
+    args = {"top_k": k, "scaling": 1.5, "renormalize": True}
+    moe.launch_moe_route(logits, bias, got_w, got_i, **args)
+    moe.launch_moe_route(logits.contiguous(), bias, want_w, want_i, **args)
+    assert torch.equal(got_w, want_w) and torch.equal(got_i, want_i)
+    w1, w3, w2 = rand(E, I, D, seed=9) * 0.2, rand(E, I, D, seed=10) * 0.2, rand(E, D, I, seed=11) * 0.2
+    attrs = {"act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
+    got, want = torch.empty(N, D), torch.empty(N, D)
+    moe.launch_moe_experts(z, got_w, got_i, w1, w3, w2, y=got, **attrs)
+    moe.launch_moe_experts(z.contiguous(), want_w, want_i, w1, w3, w2, y=want, **attrs)
+    assert torch.equal(got, want)
+
+
 def test_dsa_radix_select_on_planned_scratch_runs_no_torch_op(monkeypatch):
     # decode through the radix select (RADIX_MIN_KEYS lowered): NaN-filled planned scratch (nothing arrives zeroed),
     # the set written into `out` in place: four Triton launches and no aten op that computes (a kernel launch on a

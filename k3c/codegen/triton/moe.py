@@ -48,13 +48,14 @@ from k3c.ir.types import TensorType
 
 
 @triton.jit
-def moe_route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, SCALING, E: tl.constexpr, K: tl.constexpr,
+def moe_route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, SCALING, logits_rs, E: tl.constexpr, K: tl.constexpr,
                      RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One token row: logits f32 [N, E], bias [E] -> weights f32 [N, K], ids i64 [N, K]."""
+    """One token row: logits f32 [N, E] (rows `logits_rs` apart: a column view of a fused GEMM reads in place),
+    bias [E] -> weights f32 [N, K], ids i64 [N, K]."""
     n = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
-    s = tl.sigmoid(tl.load(logits_ptr + n * E + offs_e, mask=e_ok, other=0.0))
+    s = tl.sigmoid(tl.load(logits_ptr + n * logits_rs + offs_e, mask=e_ok, other=0.0))
     choice = tl.where(e_ok, s + tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0).to(tl.float32), float("-inf"))
     offs_k = tl.arange(0, BLOCK_K)
     ids = tl.zeros([BLOCK_K], tl.int32)
@@ -72,22 +73,28 @@ def moe_route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, SCALING, E: tl.conste
 
 
 def launch_moe_route(logits, bias, weights, ids, *, top_k, scaling, renormalize):
-    """logits f32 [N, E], bias [E] -> weights f32 [N, top_k], ids i64 [N, top_k]. Raises ValueError on shapes."""
+    """logits f32 [N, E] (rows of unit stride may lie any stride apart: read in place), bias [E] -> weights f32
+    [N, top_k], ids i64 [N, top_k]. Raises ValueError on shapes."""
     N, E = logits.shape
     if bias.numel() != E or tuple(weights.shape) != (N, top_k) or tuple(ids.shape) != (N, top_k):
         raise ValueError(f"moe_route: logits {tuple(logits.shape)}, bias {tuple(bias.shape)}, outputs "
                          f"{tuple(weights.shape)} / {tuple(ids.shape)} mismatch")
+    if logits.stride(-1) != 1 and E > 1:
+        logits = logits.contiguous()
+    bias = bias.contiguous()
     if N:
-        moe_route_kernel[(N,)](logits, bias, weights, ids, float(scaling), E=E, K=top_k, RENORMALIZE=renormalize,
+        moe_route_kernel[(N,)](logits, bias, weights, ids, float(scaling), logits.stride(0), E=E, K=top_k,
+                               RENORMALIZE=renormalize,
                                BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k))
 
 
 @triton.jit
 def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, h_ptr, SITU_BETA,
-                  SITU_LINEAR_BETA, E: tl.constexpr, K: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                  SITU_LINEAR_BETA, z_rs, E: tl.constexpr, K: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                   ACT_SITU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
-    """h[row, i] = act(z W1[e]ᵀ, z W3[e]ᵀ) for the sorted rows of one tile (z [N, D], dense w1/w3 [E, I, D])."""
+    """h[row, i] = act(z W1[e]ᵀ, z W3[e]ᵀ) for the sorted rows of one tile (z [N, D], rows `z_rs` apart, dense
+    w1/w3 [E, I, D])."""
     e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
                                         BLOCK_M)
     if e < E:
@@ -100,7 +107,7 @@ def moe_up_kernel(z_ptr, w1_ptr, w3_ptr, order_ptr, tile_expert_ptr, tile_row0_p
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             d_ok = offs_d < D
-            z = tl.load(z_ptr + token[:, None] * D + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            z = tl.load(z_ptr + token[:, None] * z_rs + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
             wmask = d_ok[:, None] & i_ok[None, :]
             w1 = tl.load(w1_ptr + rows[None, :] * D + offs_d[:, None], mask=wmask, other=0.0)
             w3 = tl.load(w3_ptr + rows[None, :] * D + offs_d[:, None], mask=wmask, other=0.0)
@@ -232,7 +239,8 @@ def moe_schedule(ids, E, BLOCK_M, use_kernel=None):
 
 def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, situ_linear_beta,
                        blocks=None, schedule=None, mx_config=None, scratch=None, scale_max=255):
-    """z [N, D], weights f32 [N, k], ids int [N, k] (< 0: unused), w1/w3 [E, I, D], w2 [E, D, I] -> y [N, D].
+    """z [N, D] (unit-stride rows any stride apart: read in place), weights f32 [N, k], ids int [N, k] (< 0: unused),
+    w1/w3 [E, I, D], w2 [E, D, I] -> y [N, D].
 
     MXFP4 weights (k3c.ir.formats): w1/w3 u8 [E, I, D/2], w2 u8 [E, D, I/2] and `scales` (w1, w3, w2 scales:
     u8 [E, I, D/32], [E, I, D/32], [E, D, I/32]), decoded in registers by `moe_up_mx_kernel` /
@@ -260,6 +268,9 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
                          "(MXFP4: z f32 or bf16)")
     if N == 0:
         return
+    if z.stride(-1) != 1 and D > 1:  # unit-stride rows any stride apart (a fused GEMM's columns) are read in place
+        z = z.contiguous()
+    weights, ids = weights.contiguous(), ids.contiguous()
     rows = N * K
     precision = "ieee" if z.dtype == torch.float32 else "tf32"
     y_slot = take_scratch(scratch, "y_slot", (rows, D), torch.float32, z.device)
@@ -285,7 +296,7 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
         max_tiles = schedule[1].shape[0]
         moe_up_kernel[(max_tiles, triton.cdiv(I, BLOCK_I))](
-            z, w1, w3, *schedule, h, float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I,
+            z, w1, w3, *schedule, h, float(situ_beta), float(situ_linear_beta), z.stride(0), E=E, K=K, D=D, I=I,
             ACT_SITU=act == "situ", BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, BLOCK_D=BLOCK_D, DOT_PRECISION=precision)
         moe_down_kernel[(max_tiles, triton.cdiv(D, BLOCK_N))](
             h, w2, weights, *schedule, y_slot, E=E, D=D, I=I, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I,
@@ -298,7 +309,8 @@ SEMANTICS = "the op's `ref` in k3c/ir/ops/model_moe.py (K3-SPEC.md 'MLP and Stab
 
 
 def _module(group, summary, consts, kernels, launcher, body):
-    return model_module(group, summary, __name__, SEMANTICS, consts, kernels, launcher, body)
+    """The module text; it takes views (`TAKES_VIEWS`): the router logits and the experts' z are read in place."""
+    return model_module(group, summary, __name__, SEMANTICS, consts, kernels, launcher, body, takes_views=True)
 
 
 @emitter("moe_route")

@@ -39,7 +39,8 @@ TL_DTYPE = {"f32": "tl.float32", "bf16": "tl.bfloat16", "f16": "tl.float16", "i6
 RESERVED = frozenset({"tl", "triton", "torch", "math", "offs", "mask", "rem", "row", "cols", "numel", "shape",
                       "grid", "inputs", "outputs", "sizes", "D", "BLOCK", "BLOCK_D", "BLOCK_SIZE", "n_rows",
                       "num_warps", "tanh", "softplus", "ROWS", "_row_addr", "_row_view", "inv_rms", "mean", "var", "xc", "row_max", "e", "denom",
-                      "NAME", "IR_NODES", "launch", "float", "int", "range", "len", "tuple"}
+                      "NAME", "IR_NODES", "launch", "float", "int", "range", "len", "tuple",
+                      "ar_q", "ar_p", "ar_lp", "ar_lo", "ar_m", "ar_o"}
                      | {f"i{j}" for j in range(MAX_RANK)} | {f"size{j}" for j in range(MAX_RANK)})
 
 

@@ -1,4 +1,6 @@
-"""Code generator for "rowwise" groups: one row op over the last dim, then an optional pointwise epilogue.
+"""Code generators for "rowwise" groups (one row op over the last dim, then an optional pointwise epilogue) and
+"attn_res_row" groups (an elementwise prologue, the AttnRes merge as a row op, then a rowwise norm group:
+`emit_attn_res_row`).
 
 Row ops (x [..., D], one program per row of D elements, fp32 accumulation):
 - `rms_norm(x, weight?) {eps}`      y = x * rsqrt(mean(x^2) + eps) [* weight]           y [..., D]
@@ -16,12 +18,14 @@ row * its row stride + column, without a copy.
 
 from __future__ import annotations
 
-from k3c.codegen.triton import emitter, launch_head, module_header
-from k3c.codegen.triton.pointwise import (BROADCAST_STRIDES, ROW_VIEW, Names, check_elementwise, elementwise_body,
-                                          helper_lines, layout_lines, literal, same_shape, shape_str)
+from k3c.codegen.triton import emitter, launch_head, module_header, unpack
+from k3c.codegen.triton.pointwise import (BROADCAST_STRIDES, ROW_VIEW, TL_DTYPE, Names, check_elementwise,
+                                          compute_kind, elementwise_body, helper_lines, layout_lines, literal,
+                                          node_expr, round_to, same_shape, shape_str)
 from k3c.errors import UnsupportedError
 from k3c.ir.graph import Node
 from k3c.ir.kernels import KernelGroup
+from k3c.ir.types import dims_equal
 
 NORMS = ("rms_norm", "layer_norm", "l2norm", "softmax")
 REDUCTIONS = ("sum", "mean", "amax", "amin")
@@ -148,4 +152,145 @@ def emit_rowwise(group: KernelGroup) -> str:
             "    num_warps = min(max(BLOCK_D // 256, 1), 8)  # a warp per 256 row elements (8 per lane), 1 to 8",
             f"    {k}[(n_rows,)]({', '.join(ins + outs + ['D', f'{xs}_rs'] + body.launch_args)}, BLOCK_D=BLOCK_D, "
             "num_warps=num_warps)", ""]
+    return "\n".join(src)
+
+
+
+def _merge_lines(node: Node, p: str, o: str, lse: str, queries: str, h: str) -> list[str]:
+    """Kernel statements of `attn_res_merge` (`k3c.codegen.triton.attn_res`) on one row: `p` the partial's fp32
+    row (masked lanes 0), `o` / `lse` / `queries` the input pointers' names; writes `h` (fp32, rounded to h's
+    dtype, masked lanes 0). Uses `row`, `cols`, `mask`, `D`, `n_rows` and temporaries `ar_*`."""
+    index, eps = int(node.attrs["index"]), literal(node.attrs["eps"], "float")
+    expr = round_to("tl.exp(ar_lo - ar_m) * ar_o + tl.exp(ar_lp - ar_m) * ar_p", node.outputs[0].type.dtype)
+    return [f"# attn_res_merge index {index}: h = e^(lse - m) o[{index}] + e^(l_p - m) p, m = logaddexp(lse, l_p),",
+            "# l_p = RMSNorm-without-weight(p) . queries[index] (K3-SPEC 'Block Attention Residuals')",
+            f"ar_p = tl.where(mask, {round_to(p, node.inputs[2].type.dtype)}, 0.0)",
+            f"ar_q = tl.load({queries}_ptr + {index} * D + cols, mask=mask, other=0.0).to(tl.float32)",
+            f"ar_lp = tl.sum(ar_p * ar_q, axis=0) * tl.rsqrt(tl.sum(ar_p * ar_p, axis=0) / D + {eps})  # eps attr",
+            f"ar_lo = tl.load({lse}_ptr + {index} * n_rows + row)",
+            "ar_m = tl.maximum(ar_lo, ar_lp)",
+            "ar_m = ar_m + tl.log(tl.exp(ar_lo - ar_m) + tl.exp(ar_lp - ar_m))  # logaddexp",
+            f"ar_o = tl.load({o}_ptr + ({index} * n_rows + row) * D + cols, mask=mask, other=0.0)",
+            f"{h} = tl.where(mask, {expr}, 0.0)"]
+
+
+@emitter("attn_res_row")
+def emit_attn_res_row(group: KernelGroup) -> str:
+    """Source of the kernel module for an "attn_res_row" group (`k3c.passes.form_kernels`): a prologue of
+    elementwise nodes and row-keeping reshapes that computes the partial, `attn_res_merge`, a norm of the merge
+    output (NORMS) and its elementwise epilogue, all over rows of D = the merge's last dim; one program per row.
+
+    Every prologue value has the merge's rows ([..., D], size-1 dims aside) and is read as a row-strided view;
+    prologue values that leave the group are stored at the row's flat offsets. The partial and the merge output are
+    rounded to their dtypes as if stored, so the result equals the three launches it replaces up to fp32 summation
+    order. Raises `UnsupportedError` for another structure (no merge, a merge output read outside the norm, a
+    prologue value of other rows, a norm other than NORMS over the merge output).
+    """
+    at = next((i for i, n in enumerate(group.nodes) if n.op == "attn_res_merge"), None)
+    if at is None or at + 1 >= len(group.nodes):
+        raise UnsupportedError(f"{group.name}: an attn_res_row group is [prologue,] attn_res_merge, norm[, epilogue]")
+    prologue, merge, norm, epilogue = group.nodes[:at], group.nodes[at], group.nodes[at + 1], group.nodes[at + 2:]
+    o, lse, partial, queries = merge.inputs
+    h, y = merge.outputs[0], norm.outputs[0]
+    D = partial.type.shape[-1]
+    if norm.op not in NORMS or norm.inputs[0] is not h or h in norm.inputs[1:]:
+        raise UnsupportedError(f"{group.name}: the merge output must be the x of a norm ({', '.join(NORMS)})")
+    _check_row_op(norm, group)
+    for node in prologue:
+        if node.op != "reshape":
+            check_elementwise(node, group)
+        for v in list(node.inputs) + node.outputs:
+            if v.type.rank < 1 or not dims_equal(v.type.shape[-1], D):
+                raise UnsupportedError(f"{group.name}: prologue value %{v.name} : {v.type} is not a row of {D}")
+    for node in epilogue:
+        check_elementwise(node, group)
+        if not same_shape(node.outputs[0].type.shape, y.type.shape):
+            raise UnsupportedError(f"{group.name}: epilogue %{node.outputs[0].name} : {node.outputs[0].type} "
+                                   f"does not have the norm's shape {shape_str(y.type.shape)}")
+    names = Names()
+    ins, outs = [names(v) for v in group.inputs], [names(v) for v in group.outputs]
+    env: dict = {}
+    lines, row_views, helpers, params = [], [], set(), []
+
+    def row(v):                                        # the fp32 / int row of value v, loaded if a group input
+        if v not in env:
+            n = names(v)
+            conv = ".to(tl.float32)" if compute_kind(v.type.dtype) == "float" else ""
+            lines.append(f"{n} = tl.load({n}_ptr + row * {n}_rs + cols, mask=mask, other=0){conv}")
+            params.append(f"{n}_rs,  # elements between the rows of %{v.name}")
+            row_views.append(n)
+            env[v] = n
+        return env[v]
+
+    def store(v):
+        if v in group.outputs:
+            val = env[v] if compute_kind(v.type.dtype) != "float" or v.type.dtype == "f32" else \
+                f"{env[v]}.to({TL_DTYPE[v.type.dtype]})"
+            lines.append(f"tl.store({names(v)}_ptr + row * D + cols, {val}, mask=mask)")
+
+    for node in prologue:
+        args = [row(v) for v in node.inputs]
+        out = node.outputs[0]
+        env[out] = names(out)
+        lines.append(f"{env[out]} = {args[0] if node.op == 'reshape' else node_expr(node, args, helpers)}"
+                     + ("  # reshape: the same rows" if node.op == "reshape" else ""))
+        store(out)
+    for v in (o, lse, queries):
+        if v in env:
+            raise UnsupportedError(f"{group.name}: merge input %{v.name} must come from outside the group")
+    lines += _merge_lines(merge, row(partial), names(o), names(lse), names(queries), names(h))
+    env[h] = names(h)
+    store(h)
+    wargs = [names(v) for v in norm.inputs[1:]]
+    lines += [f"{a} = tl.load({a}_ptr + cols, mask=mask, other=0.0).to(tl.float32)" for a in wargs]
+    if norm.op in _PAD:
+        lines.append(f"{names(h)} = tl.where(mask, {names(h)}, {_PAD[norm.op]})")
+    lines += row_lines(norm, [names(h)] + wargs, names(y))
+    env[y] = names(y)
+    lines += ["# flat offsets of this row's norm and epilogue outputs", "offs = row * D + cols"]
+    tail = [v for v in group.outputs if v is y or any(v in n.outputs for n in epilogue)]
+    loads = [v for v in group.inputs if any(v in n.inputs for n in epilogue)]
+    body = elementwise_body(epilogue, loads, tail, y.type.shape, names, env, "mask", "row * {rs} + cols")
+    body.helpers |= helpers
+    body.row_views[:0] = row_views
+    body.params[:0] = params
+    lines += body.lines
+    k = f"{group.name}_kernel"
+    what = (f"{len(prologue)} prologue nodes, attn_res_merge, {norm.op} + {len(epilogue)} epilogue nodes over rows "
+            f"of {D}")
+    src = module_header(group, what, __name__, takes_views=True) + helper_lines(body)
+    src += ["@triton.jit", f"def {k}("]
+    src += [f"    {n}_ptr,  # %{v.name} : {v.type}" for n, v in zip(ins + outs, group.inputs + group.outputs)]
+    src += [f"    D,  # row length: the last dim of %{partial.name}", "    n_rows,  # rows of the merge"]
+    src += [f"    {p}" for p in body.params]
+    src += ["    BLOCK_D: tl.constexpr,  # a power of 2 >= D", "):",
+            "    row = tl.program_id(0).to(tl.int64)",
+            "    cols = tl.arange(0, BLOCK_D)",
+            "    mask = cols < D"]
+    src += [f"    {line}" for line in lines] + ["", ""]
+    if any("_broadcast_strides" in a for a in body.launch_args):
+        src += [BROADCAST_STRIDES, ""]
+    src += [ROW_VIEW, ""]
+    no, ni = len(outs), len(ins)
+    src += ["def launch(inputs: list[torch.Tensor], outputs: list[torch.Tensor], sizes: dict[str, int]) -> None:",
+            f'    """Run {group.name}: one program per row of the merge (%{o.name} [Q, *rows, D]); every output '
+            'holds rows x D elements."""',
+            f"    if len(inputs) != {ni} or len(outputs) != {no}:",
+            f'        raise ValueError(f"{{NAME}} takes {ni} inputs and {no} outputs, got {{len(inputs)}} and '
+            '{len(outputs)}")',
+            f"    {unpack('inputs', ins)}", f"    {unpack('outputs', outs)}",
+            f"    shape = tuple({names(o)}.shape[1:])  # the merge's row shape [*rows, D]",
+            "    D = shape[-1]",
+            f"    n_rows = {names(o)}[0].numel() // D if D else 0"]
+    for n in outs:
+        src += [f"    if {n}.numel() != n_rows * D or {n}.shape[-1] != D:",
+                f'        raise ValueError(f"{{NAME}}: output {n} has shape {{list({n}.shape)}}, not {{n_rows}} rows '
+                'of {D}")']
+    src += layout_lines(ins, body, flat=tuple(wargs))
+    args = ins + outs + ["D", "n_rows"] + [f"{n}_rs" for n in row_views] + body.launch_args
+    src += ["    if n_rows == 0:", "        return",
+            "    BLOCK_D = triton.next_power_of_2(D)",
+            "    num_warps = min(max(BLOCK_D // 512, 1), 16)  # a warp per 512 row elements (16 per lane), 1 to 16",
+            f"    {k}[(n_rows,)]({', '.join(args)}, "
+            "BLOCK_D=BLOCK_D, num_warps=num_warps)", ""]
     return "\n".join(src)
