@@ -15,7 +15,8 @@ the published layout (`save_random_checkpoint`), compiled by k3c for the H200, t
    HBM floor: the bytes a step must read (`floor_bytes`: every weight the step touches, routed experts at the
    expected share a batch touches under uniform routing, KDA / conv states read and written, the DSA index keys
    and the selected latent-KV rows) at 4.2 TB/s (the H200's achievable HBM read rate; the copy rate measured here
-   is reported beside it). The cache contents do not change a step's work: contexts are set, not prefilled;
+   is reported beside it). Contexts are set, not prefilled: the attention caches hold random values
+   (`random_caches`; the DSA selection's work depends on the scores: a zeroed cache ties every key);
 4. prefill of 2560-token prompts at batch 1 and 16 (tokens/s, TFLOP/s of the model's matmuls) and the GEMM rate of
    the prefill against a plain bf16 matmul measured here; eager prefills in chunks of max_prefill tokens as k3c
    does (measured before k3c loads);
@@ -72,6 +73,16 @@ def bench_config():
     t["linear_attn_config"].update(kda_layers=[1, 2, 3], full_attn_layers=[4])
     t["dsa_config"]["dsa_layers"] = [4]
     return K3Config.from_dict(raw, source="bench_e2e", name="k3.1-pro-4L-32E")
+
+
+def random_caches(session) -> None:
+    """Fill the attention cache pools (latent KV, DSA index keys) with N(0, 1) values, as a prefilled context holds
+    distinct keys. The DSA radix select's work depends on the scores: a zeroed cache gives every key the same score,
+    its worst case (one candidate list of every key, BENCHMARKS.md "DSA decode"). The KDA states stay zero (their
+    contents do not change a step's work)."""
+    for name, pool in session.pools.items():
+        if name.endswith((".kv", ".index_k")) and pool.is_floating_point():
+            pool.normal_()
 
 
 def main():
@@ -180,6 +191,7 @@ def main():
                 if L + 1 > session.max_seq:
                     continue
                 session.reset()
+                random_caches(session)
                 tok = decode_tokens(B, cfg.vocab_size)
 
                 def step():
@@ -212,6 +224,7 @@ def main():
         res["breakdown"] = {}
         session.reset()
         graphs, session._graphs, session.cuda_graphs = session._graphs, {}, False  # kernels launched one by one
+        random_caches(session)
         expert_bytes = sum(w.numel() * w.element_size() for n, w in weights.items() if ".experts." in n)
         for B, L in ((1, 4096), (16, 4096), (1, 131072), (16, 131072)):
             if L + 1 > session.max_seq:
@@ -333,6 +346,7 @@ def main():
             session = weights = graphs = None  # the first session's memory goes back before the second loads
             s16 = load_second(ckpt, a.work / "art-bf16-experts", max_batch=16, max_seq=4096 + 64,
                               max_prefill=a.max_prefill, experts_dtype="bf16")
+            random_caches(s16)
             for B in (1, 16):
                 tok = decode_tokens(B, cfg.vocab_size)
 
