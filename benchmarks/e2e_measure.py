@@ -184,6 +184,26 @@ def launch_transients():
                             for name, (b, kind, backend, planned) in sorted(rows.items(), key=lambda kv: -kv[1][0])]
 
 
+def _prefill_watched(session, models: dict, prompt, keep, hooks) -> None:
+    """Prefill `prompt` in k3c with `Frame.launch` replaced by `keep(frame, launch_record)` (which calls the original)
+    and in every eager model of `models`; then remove the forward `hooks` and reset the session, also on error."""
+    from k3c.runtime.frame import Frame
+
+    launch = Frame.launch
+    Frame.launch = keep
+    try:
+        with torch.no_grad():
+            session.reset()
+            session.prefill(prompt)
+            for model in models.values():
+                model(prompt)
+    finally:
+        Frame.launch = launch
+        for h in hooks:
+            h.remove()
+        session.reset()
+
+
 def layer_errors(session, models: dict, prompt) -> dict:
     """Per layer i, over one prefill of `prompt`: max |a−b| / max |b| of the input norm's output ("norm"), the
     mixer's output after o_proj ("mixer") and the MLP / MoE output ("ffn"), k3c vs eager bf16, eager bf16 vs eager
@@ -219,18 +239,7 @@ def layer_errors(session, models: dict, prompt) -> dict:
                 hooks.append(mod.register_forward_hook(
                     lambda m, args, out, key=f"{i}.{part}", d=acts[name]: d.__setitem__(
                         key, (out[0] if isinstance(out, tuple) else out).float().clone())))
-    Frame.launch = keep
-    try:
-        with torch.no_grad():
-            session.reset()
-            session.prefill(prompt)
-            for model in models.values():
-                model(prompt)
-    finally:
-        Frame.launch = launch
-        for h in hooks:
-            h.remove()
-        session.reset()
+    _prefill_watched(session, models, prompt, keep, hooks)
 
     def rel(a, b, key):
         x, y = acts[a].get(key), acts[b].get(key)
@@ -274,18 +283,7 @@ def route_disagreement(session, models: dict, prompt) -> dict:
             if hasattr(layer, "block_sparse_moe"):
                 hooks.append(layer.block_sparse_moe.register_forward_pre_hook(
                     lambda m, args, i=i, d=ids[name]: route(m, args[0], d.setdefault(i, []))))
-    Frame.launch = keep
-    try:
-        with torch.no_grad():
-            session.reset()
-            session.prefill(prompt)
-            for model in models.values():
-                model(prompt)
-    finally:
-        Frame.launch = launch
-        for h in hooks:
-            h.remove()
-        session.reset()
+    _prefill_watched(session, models, prompt, keep, hooks)
 
     def differ(a, b, layer) -> float:
         x = torch.cat(ids[a][layer]).sort(-1).values

@@ -81,6 +81,26 @@ def row_lines(node: Node, args: list[str], y: str) -> list[str]:
     return [f"# {node.op} over the last dim", f"{y} = {red}"]
 
 
+def _row_kernel(group: KernelGroup, what: str, k: str, ins: list[str], outs: list[str], body, lines: list[str],
+                scalars: list[str]) -> list[str]:
+    """Module source up to the launcher of a one-program-per-row kernel `k`: header, helpers, the `@triton.jit`
+    signature (a pointer per group input and output, then `scalars`, the body's parameters and BLOCK_D), the row /
+    column / mask prologue, the body `lines`, and the launch-side helpers the body's arguments use."""
+    src = module_header(group, what, __name__, takes_views=True) + helper_lines(body)
+    src += ["@triton.jit", f"def {k}("]
+    src += [f"    {n}_ptr,  # %{v.name} : {v.type}" for n, v in zip(ins + outs, group.inputs + group.outputs)]
+    src += scalars
+    src += [f"    {p}" for p in body.params]
+    src += ["    BLOCK_D: tl.constexpr,  # a power of 2 >= D", "):",
+            "    row = tl.program_id(0).to(tl.int64)",
+            "    cols = tl.arange(0, BLOCK_D)",
+            "    mask = cols < D"]
+    src += [f"    {line}" for line in lines] + ["", ""]
+    if any("_broadcast_strides" in a for a in body.launch_args):
+        src += [BROADCAST_STRIDES, ""]
+    return src + [ROW_VIEW, ""]
+
+
 @emitter("rowwise")
 def emit_rowwise(group: KernelGroup) -> str:
     """Source of the kernel module for a "rowwise" group: `group.nodes[0]` a row op over the last dim of its
@@ -123,19 +143,8 @@ def emit_rowwise(group: KernelGroup) -> str:
     lines += body.lines
     k = f"{group.name}_kernel"
     what = f"{row.op} over the last dim of {x.type}" + (f" + {len(epilogue)} epilogue nodes" if epilogue else "")
-    src = module_header(group, what, __name__, takes_views=True) + helper_lines(body)
-    src += ["@triton.jit", f"def {k}("]
-    src += [f"    {n}_ptr,  # %{v.name} : {v.type}" for n, v in zip(ins + outs, group.inputs + group.outputs)]
-    src += [f"    D,  # row length: the last dim of %{x.name}", f"    {args[0]}_rs,  # elements between x's rows"]
-    src += [f"    {p}" for p in body.params]
-    src += ["    BLOCK_D: tl.constexpr,  # a power of 2 >= D", "):",
-            "    row = tl.program_id(0).to(tl.int64)",
-            "    cols = tl.arange(0, BLOCK_D)",
-            "    mask = cols < D"]
-    src += [f"    {line}" for line in lines] + ["", ""]
-    if any("_broadcast_strides" in a for a in body.launch_args):
-        src += [BROADCAST_STRIDES, ""]
-    src += [ROW_VIEW, ""]
+    src = _row_kernel(group, what, k, ins, outs, body, lines,
+                      [f"    D,  # row length: the last dim of %{x.name}", f"    {args[0]}_rs,  # elements between x's rows"])
     xs = ins[0]
     if not reduce:
         out_shape = f"tuple({xs}.shape)"
@@ -258,19 +267,8 @@ def emit_attn_res_row(group: KernelGroup) -> str:
     k = f"{group.name}_kernel"
     what = (f"{len(prologue)} prologue nodes, attn_res_merge, {norm.op} + {len(epilogue)} epilogue nodes over rows "
             f"of {D}")
-    src = module_header(group, what, __name__, takes_views=True) + helper_lines(body)
-    src += ["@triton.jit", f"def {k}("]
-    src += [f"    {n}_ptr,  # %{v.name} : {v.type}" for n, v in zip(ins + outs, group.inputs + group.outputs)]
-    src += [f"    D,  # row length: the last dim of %{partial.name}", "    n_rows,  # rows of the merge"]
-    src += [f"    {p}" for p in body.params]
-    src += ["    BLOCK_D: tl.constexpr,  # a power of 2 >= D", "):",
-            "    row = tl.program_id(0).to(tl.int64)",
-            "    cols = tl.arange(0, BLOCK_D)",
-            "    mask = cols < D"]
-    src += [f"    {line}" for line in lines] + ["", ""]
-    if any("_broadcast_strides" in a for a in body.launch_args):
-        src += [BROADCAST_STRIDES, ""]
-    src += [ROW_VIEW, ""]
+    src = _row_kernel(group, what, k, ins, outs, body, lines,
+                      [f"    D,  # row length: the last dim of %{partial.name}", "    n_rows,  # rows of the merge"])
     no, ni = len(outs), len(ins)
     src += ["def launch(inputs: list[torch.Tensor], outputs: list[torch.Tensor], sizes: dict[str, int]) -> None:",
             f'    """Run {group.name}: one program per row of the merge (%{o.name} [Q, *rows, D]); every output '
