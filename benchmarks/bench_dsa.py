@@ -5,7 +5,7 @@ Run on a CUDA machine:
     python benchmarks/bench_dsa.py [--out DIR] [--cases 1x1048576,16x131072,1x131072] [--baseline OLD_dsa_decode.py]
 Per case (B x L), before timing: the top-k set against torch's fp32 scores + torch.topk (overlap), the same set in
 every selection variant (SELECT_VARIANTS, --select: first-digit histogram, collect block, finishing program), through
-the compiled path (`attention.launch_dsa_index_topk` into `out` on planned scratch pre-filled with garbage) and in a
+the compiled path (`dsa_index.launch_dsa_index_topk` into `out` on planned scratch pre-filled with garbage) and in a
 previous dsa_decode.py (--baseline, e.g. `git show <rev>:k3c/codegen/triton/dsa_decode.py`; its ordered output must
 equal the current one's), the collect pass's candidate counts, FP8 index keys (e4m3 + one fp32 scale per key, fp8
 q; alone or with the bf16 re-ranking of topk + RERANK_EXTRA candidates, whose order must equal torch's sort) against
@@ -28,7 +28,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from k3c.codegen.triton import attention, dsa_decode as dd  # noqa: E402
+from k3c.codegen.triton import attention, dsa_index, dsa_decode as dd  # noqa: E402
 from k3c.codegen.triton.attention import launch_mla  # noqa: E402
 from k3c.codegen.triton.dsa_decode import dsa_decode_topk, quantize_index_keys  # noqa: E402
 
@@ -203,12 +203,12 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
                                                       idx) == 1.0)
 
     def compiled_path(s, out):
-        attention.launch_dsa_index_topk(s["q_i"][:, None], s["w"][:, None], s["k_i"], out, topk=TOPK,
+        dsa_index.launch_dsa_index_topk(s["q_i"][:, None], s["w"][:, None], s["k_i"], out, topk=TOPK,
                                         scratch={"keys": s["scratch"]})
 
     def compiled_check():
         out = torch.empty(B, 1, TOPK, dtype=torch.int64, device=DEV)
-        x["scratch"] = torch.full((B * (L + attention.RADIX_ROW_PAD),), -7, dtype=torch.int64, device=DEV)
+        x["scratch"] = torch.full((B * (L + dsa_index.RADIX_ROW_PAD),), -7, dtype=torch.int64, device=DEV)
         compiled_path(x, out)
         return overlap(out, idx) == 1.0
 
@@ -247,7 +247,7 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
     n_sets = max(1, math.ceil(3 * L2_BYTES / per_set))
     sets = [x] + [make(B, L, seed=100 + i) for i in range(n_sets - 1)]
     for s in sets:
-        s["scratch"] = torch.empty((B * (L + attention.RADIX_ROW_PAD),), dtype=torch.int64, device=DEV)
+        s["scratch"] = torch.empty((B * (L + dsa_index.RADIX_ROW_PAD),), dtype=torch.int64, device=DEV)
     outs = [torch.empty(B, 1, TOPK, dtype=torch.int64, device=DEV) for _ in sets]
 
     def add(name, ms, how, nbytes):

@@ -16,7 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors need the interpret
 import pytest
 import torch
 
-from k3c.codegen.triton import attention, attn_res, emit, kda_abi, moe
+from k3c.codegen.triton import attention, attn_res, dsa_index, emit, kda_abi, moe
 from k3c.frontend import import_model
 from k3c.ir.graph import Graph
 from k3c.ir.interp import interpret
@@ -211,7 +211,7 @@ def test_dsa_index_topk(T, L, topk, tmp_path):
     w[1, -1] = -w[1, -1].abs()
     group = one_node_group("dsa_index_topk", [((B, T, J, D), "f32"), ((B, T, J), "f32"), ((B, L, D), "f32")],
                            {"topk": topk})
-    run_group(group, [q, w, k], {}, tmp_path, emitter=attention.emit_dsa_index_topk)
+    run_group(group, [q, w, k], {}, tmp_path, emitter=dsa_index.emit_dsa_index_topk)
 
 
 @pytest.mark.parametrize("L,topk", [(12, 5), (3, 5), (2500, 64)])
@@ -226,7 +226,7 @@ def test_dsa_index_topk_radix_decode(L, topk, tmp_path):
         k[:, 4] = k[:, 1]
     group = one_node_group("dsa_index_topk", [((B, 1, J, D), "f32"), ((B, 1, J), "f32"), ((B, L, D), "f32")],
                            {"topk": topk})
-    run_group(group, [q, w, k], {}, tmp_path, emitter=attention.emit_dsa_index_topk,
+    run_group(group, [q, w, k], {}, tmp_path, emitter=dsa_index.emit_dsa_index_topk,
               setup=lambda m: setattr(m, "RADIX_MIN_KEYS", 1), as_set=True)
 
 

@@ -14,7 +14,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors need the interpret
 import pytest
 import torch
 
-from k3c.codegen.triton.attention import launch_dsa_index_topk, launch_mla
+from k3c.codegen.triton.attention import launch_mla
+from k3c.codegen.triton.dsa_index import launch_dsa_index_topk
 from k3c.codegen.triton.dsa_decode import radix_topk
 from k3c.ir.ops.model_attn import dsa_index_topk_ref, mla_attention_ref
 

@@ -14,7 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU tensors need the interpret
 import pytest
 import torch
 
-from k3c.codegen.triton import attention, moe, take_scratch
+from k3c.codegen.triton import attention, dsa_index, moe, take_scratch
 from k3c.ir.ops.model_attn import dsa_index_topk_ref
 
 pytestmark = pytest.mark.skipif(
@@ -72,15 +72,15 @@ def test_mla_split_k_partials_in_planned_scratch():
 
 def test_dsa_keys_in_planned_scratch_over_several_passes(monkeypatch):
     B, T, L, J, D, topk = 2, 5, 1100, 4, 16, 8   # L > RADIX_ROW_PAD: the buffer's radix words fit in 2 rows of T
-    monkeypatch.setattr(attention, "SCRATCH_BYTES", 8 * B * 2 * L)  # two rows of T per pass: passes of 2, 2, 1
+    monkeypatch.setattr(dsa_index, "SCRATCH_BYTES", 8 * B * 2 * L)  # two rows of T per pass: passes of 2, 2, 1
     q_i, w, k_i = rand(B, T, J, D, seed=3), rand(B, T, J, seed=4), rand(B, L, D, seed=5)
     want = torch.empty(B, T, topk, dtype=torch.int64)
-    attention.launch_dsa_index_topk(q_i, w, k_i, want, topk=topk)
-    scratch, _ = planned({"keys": (max(B * (L + attention.RADIX_ROW_PAD), min(attention.SCRATCH_BYTES // 8,
+    dsa_index.launch_dsa_index_topk(q_i, w, k_i, want, topk=topk)
+    scratch, _ = planned({"keys": (max(B * (L + dsa_index.RADIX_ROW_PAD), min(dsa_index.SCRATCH_BYTES // 8,
                                                                               B * T * L)),)}, torch.float64)
     scratch = {"keys": scratch["keys"].view(torch.int64)}
     got = torch.empty(B, T, topk, dtype=torch.int64)
-    attention.launch_dsa_index_topk(q_i, w, k_i, got, topk=topk, scratch=scratch)
+    dsa_index.launch_dsa_index_topk(q_i, w, k_i, got, topk=topk, scratch=scratch)
     assert torch.equal(got, want)
     assert scratch["keys"].numel() == B * 2 * L
 
@@ -140,14 +140,14 @@ def test_dsa_radix_select_on_planned_scratch_runs_no_torch_op(monkeypatch):
     plain_run = InterpretedFunction.run
     monkeypatch.setattr(InterpretedFunction, "run", run)
     B, L, J, D, topk = 2, 700, 4, 16, 32
-    monkeypatch.setattr(attention, "RADIX_MIN_KEYS", 1)
+    monkeypatch.setattr(dsa_index, "RADIX_MIN_KEYS", 1)
     q_i, w, k_i = rand(B, 1, J, D, seed=12), rand(B, 1, J, seed=13), rand(B, L, D, seed=14)
-    scratch, _ = planned({"keys": (max(B * (L + attention.RADIX_ROW_PAD), min(attention.SCRATCH_BYTES // 8,
+    scratch, _ = planned({"keys": (max(B * (L + dsa_index.RADIX_ROW_PAD), min(dsa_index.SCRATCH_BYTES // 8,
                                                                               B * L)),)}, torch.float64)
     scratch = {"keys": scratch["keys"].view(torch.int64)}
     out = torch.full((B, 1, topk), 12345, dtype=torch.int64)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        attention.launch_dsa_index_topk(q_i, w, k_i, out, topk=topk, scratch=scratch)
+        dsa_index.launch_dsa_index_topk(q_i, w, k_i, out, topk=topk, scratch=scratch)
     want = dsa_index_topk_ref({"topk": topk}, q_i, w, k_i)[0]
     assert torch.equal(out.sort(-1).values, want.sort(-1).values)
     top = [ev.name for ev in prof.events() if ev.cpu_parent is None and ev.name.startswith("aten::")]

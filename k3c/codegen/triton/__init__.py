@@ -123,6 +123,20 @@ def emit(group: KernelGroup) -> str:
     return fn(group)
 
 
+def one_node(group: KernelGroup, op: str):
+    """(node, input positions, output positions): the group's single node of `op` and where each of its inputs /
+    outputs sits in the launch lists. Raises UnsupportedError for any other group."""
+    if len(group.nodes) != 1 or group.nodes[0].op != op:
+        raise UnsupportedError(f"{group.name}: the {op} emitter takes one {op} node, got "
+                               f"{[n.op for n in group.nodes]}")
+    node = group.nodes[0]
+    ins, outs = group.inputs or node.inputs, group.outputs or node.outputs
+    try:
+        return node, [ins.index(v) for v in node.inputs], [outs.index(v) for v in node.outputs]
+    except ValueError:
+        raise UnsupportedError(f"{group.name}: group inputs/outputs do not cover the {op} node's values") from None
+
+
 def module_header(group: KernelGroup, summary: str, generator: str, takes_views: bool = False) -> list[str]:
     """The opening lines every generated module shares: a comment naming the group, the IR lines it implements,
     the values it reads and writes, then the imports, `NAME`, `IR_NODES` and, with `takes_views`,

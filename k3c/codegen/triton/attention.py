@@ -1,4 +1,5 @@
-"""Triton kernels and emitters for the global-layer attention ops `mla_attention` and `dsa_index_topk`.
+"""Triton kernels and the emitter of the global-layer attention op `mla_attention` (MLA, and DSA's sparse
+attention over the selected keys; the DSA indexer is `dsa_index`).
 
 Math: K3-SPEC.md "Gated MLA" / "Gated DSA"; exact semantics: `mla_attention_ref` and `dsa_index_topk_ref` of
 k3c/ir/ops/model_attn.py. Query t of T new tokens sits at absolute position S − T + t and sees keys s ≤ S − T + t.
@@ -15,27 +16,16 @@ mla_attention (flash-style online softmax over key blocks, fp32 accumulation, ba
   - split-K (flash decoding): when B·T·head-blocks programs cannot fill the GPU, the keys are split over a third grid
     axis; the splits write (o, log2-sum-exp) partials to scratch planned in the arena (`mla_attention_scratch`) and
     `mla_combine_kernel` merges them.
-dsa_index_topk: `dsa_score_kernel` writes one int64 sort key per (b, t, s) into a scratch tensor, planned in the
-arena (`dsa_index_topk_scratch`); high word: the score's order-preserving int32 bits, INT32_MIN when s is not
-visible; low word: 2³² − 1 − s, so equal scores order by lowest position, as the reference's stable sort. `torch.topk`
-over these unique keys (inside `launch`: O(L) selection, sorted, deterministic) gives the ref's order exactly.
-Decode (T = 1) with L ≥ RADIX_MIN_KEYS keys instead runs the radix select of `dsa_decode` (four launches: zero the
-histogram, scan + first-digit histogram, collect, finishing select): the same set (exact ties by lowest position) in
-no particular order, which the op's contract allows (`dsa_index_topk`: a set; the sparse attention is order-free),
-no O(L) int64 sort keys, no torch op.
 Device lengths (`lengths` i32 [B], the kernel ABI's `sizes["lengths"]`): the key tensors are the bound, row b holds
 lengths[b] + T keys, read in the kernels: grids and split counts follow the bound (a CUDA graph replays them at any
-context), each split covers 1/splits of its row's keys, the DSA guard is taken per row, and the indexer marks the
-keys past the row's as not visible; the results equal those of the tensors cut to each row's keys.
+context), each split covers 1/splits of its row's keys and the DSA guard is taken per row; the results equal those of
+the tensors cut to each row's keys.
 
-Public API: `emit_mla_attention(group)`, `emit_dsa_index_topk(group)` -> module text (registered with
-`k3c.codegen.triton.emitter` for kinds "mla_attention" / "dsa_index_topk"); the launchers `launch_mla`,
-`launch_dsa_index_topk` (copied into the emitted modules) and the kernels.
+Public API: `emit_mla_attention(group)` -> module text (registered with `k3c.codegen.triton.emitter` for the kind
+"mla_attention"); the launcher `launch_mla` (copied into the emitted modules) and the kernels.
 """
 
 from __future__ import annotations
-
-import inspect
 
 import sympy
 import torch
@@ -43,10 +33,8 @@ import triton
 import triton.language as tl
 
 from k3c.codegen.backend import ScratchSpec
-from k3c.codegen.triton import dsa_decode, emitter, model_module, scratch, take_scratch
+from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_scratch
 from k3c.codegen.triton.dsa_attention import mla_sparse_decode_kernel
-from k3c.codegen.triton.dsa_decode import radix_topk
-from k3c.errors import UnsupportedError
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 
@@ -58,10 +46,6 @@ MAX_SPLITS = 64
 HEAD_BLOCK_WIDE = 32        # absorbed form, v_dim >= 256: heads per program (each head block re-reads the latent;
                             # 32 measured fastest on an H200 for 64 heads, bf16, v_dim 512; 64 overflows shared
                             # memory with 64-key tiles)
-SCRATCH_BYTES = 1 << 28     # cap of dsa_index_topk's i64 sort-key scratch; T is processed in row chunks under it
-RADIX_MIN_KEYS = 16384      # decode (T = 1) with at least this many keys: radix select (`dsa_decode.radix_topk`);
-                            # H200, B = 1: 38.6 us vs 140.2 us at 131072 keys (BENCHMARKS.md); crossover not measured
-RADIX_ROW_PAD = dsa_decode.HIST_STRIDE // 2   # i64 words per row of the radix select's histogram + counters
 SPARSE_DECODE = True        # absorbed DSA decode (idx, T = 1, rope dims): `mla_sparse_decode_kernel` (rows read once)
 SPARSE_HEAD_BLOCK = 32      # its heads per program
 SPARSE_STAGES = 2           # its software-pipeline depth
@@ -286,112 +270,7 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
                                        BLOCK_SPLITS=triton.next_power_of_2(splits), BLOCK_DV=BLOCK_DV)
 
 
-@triton.jit
-def dsa_score_kernel(q_ptr, w_ptr, k_ptr, key_ptr, len_ptr, T, L, t0, n_rows,
-                     J: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
-    """Sort keys of I[t,s] = Σ_j w[t,j]·ReLU(q_I[t,j]·k_I[s]) for tokens t0 .. t0+n_rows−1 (see module docstring).
-
-    q [B,T,J,D], w [B,T,J], k [B,L,D]; key_ptr: i64 [B, n_rows, L]. Program: (b·n_rows + t − t0, key block).
-    LEN_FROM_PTR: row b holds len_ptr[b] + T keys (i32 [B]); L is the bound, the keys past the row's are not visible.
-    """
-    pid = tl.program_id(0)
-    b = (pid // n_rows).to(tl.int64)
-    t = t0 + pid % n_rows
-    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-    s_ok = offs_s < L
-    n_keys = L
-    if LEN_FROM_PTR:
-        n_keys = tl.load(len_ptr + b).to(tl.int32) + T
-    offs_j = tl.arange(0, BLOCK_J)
-    j_ok = offs_j < J
-    dots = tl.zeros([BLOCK_J, BLOCK_S], tl.float32)
-    for d0 in tl.static_range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        q = tl.load(q_ptr + ((b * T + t) * J + offs_j)[:, None] * D + offs_d[None, :],
-                    mask=j_ok[:, None] & d_ok[None, :], other=0.0)
-        k = tl.load(k_ptr + (b * L + offs_s)[:, None] * D + offs_d[None, :],
-                    mask=(offs_s < n_keys)[:, None] & d_ok[None, :], other=0.0)
-        dots += tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-    w = tl.load(w_ptr + (b * T + t) * J + offs_j, mask=j_ok, other=0.0).to(tl.float32)
-    score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
-    score = tl.where(score == 0.0, 0.0, score)             # −0.0 -> +0.0: the reference's sort sees them equal
-    bits = score.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)   # signed int32 order == float order
-    visible = s_ok & (offs_s <= n_keys - T + t)
-    int32_min = tl.full([BLOCK_S], -2147483648, tl.int32)  # below every float's key, incl. −inf
-    ordered = tl.where(visible, ordered, int32_min)
-    low = tl.full([BLOCK_S], 4294967295, tl.int64) - offs_s.to(tl.int64)   # 2^32 − 1 − s: lower s sorts first
-    key = (ordered.to(tl.int64) << 32) + low
-    tl.store(key_ptr + (pid.to(tl.int64) * L + offs_s), key, mask=s_ok)
-
-
-def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, lengths=None, scratch=None):
-    """Run `dsa_index_topk`: q_i [B,T,J,D], w [B,T,J], k_i [B,L,D] -> out i64 [B,T,topk] (−1 padding).
-
-    lengths: None, or i32 [B] on the device, the context of each row before these T tokens: row b then holds
-    lengths[b] + T keys and L is only the bound (the launches do not depend on the lengths: a CUDA graph replays
-    them at any context; the result is the same as for k_i cut to the row's keys).
-    Result (the op's contract, `dsa_index_topk` in k3c/ir/ops/model_attn.py): row (b, t) holds the set of the topk
-    best visible positions (ties by lowest position) in its first min(visible, topk) slots, then −1; the order within
-    the set is unspecified (the attention over it is order-free). Here: the reference's order, except decode (T = 1)
-    with L ≥ RADIX_MIN_KEYS, which runs the radix select of `dsa_decode` (no order, written into `out`, contiguous).
-    Scratch: `scratch["keys"]` (the planned buffer, `dsa_index_topk_scratch`), else allocated here: flat i64
-    [max(B·(L + RADIX_ROW_PAD), min(SCRATCH_BYTES // 8, B·T·L))]; the sort keys take [B, rows, L] of it for rows =
-    max(1, min(T, its size // (B·L))) of T per pass, the radix select its int32 words
-    (`dsa_decode.radix_scratch_words`).
-    Raises ValueError on mismatched shapes or a non-contiguous `out` for the radix select.
-    """
-    B, T, J, D = q_i.shape
-    L = k_i.shape[1]
-    if tuple(w.shape) != (B, T, J) or tuple(k_i.shape) != (B, L, D) or tuple(out.shape) != (B, T, topk):
-        raise ValueError(f"dsa_index_topk: q_i {tuple(q_i.shape)}, w {tuple(w.shape)}, k_i {tuple(k_i.shape)}, "
-                         f"out {tuple(out.shape)} mismatch")
-    from_ptr = lengths is not None
-    if from_ptr and tuple(lengths.shape) != (B,):
-        raise ValueError(f"dsa_index_topk: lengths {tuple(lengths.shape)}, expected ({B},)")
-    keys = take_scratch(scratch, "keys", (max(B * L + B * RADIX_ROW_PAD, min(SCRATCH_BYTES // 8, B * T * L)),),
-                        torch.int64, q_i.device)
-    if T == 1 and L >= RADIX_MIN_KEYS:     # the set, written into out, the scratch from the plan: no torch op
-        if not out.is_contiguous():
-            raise ValueError(f"dsa_index_topk: out {tuple(out.shape)} must be contiguous")
-        radix_topk(q_i[:, 0], w[:, 0], k_i, topk, None, False, lengths=lengths, out=out, scratch=keys.view(torch.int32))
-        return
-    kk = min(topk, L)
-    if kk < topk:
-        out[..., kk:] = -1
-    rows = max(1, min(T, keys.numel() // (B * L)))
-    BLOCK_S = 64
-    precision = "ieee" if q_i.dtype == torch.float32 else "tf32"
-    for t0 in range(0, T, rows):
-        n = min(rows, T - t0)
-        dsa_score_kernel[(B * n, triton.cdiv(L, BLOCK_S))](
-            q_i, w, k_i, keys, lengths if from_ptr else q_i, T, L, t0, n, J=J, D=D,
-            BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_D=64 if D > 64 else max(16, triton.next_power_of_2(D)),
-            BLOCK_S=BLOCK_S, DOT_PRECISION=precision, LEN_FROM_PTR=from_ptr)
-        chunk = keys.view(-1)[:B * n * L].view(B, n, L)       # the kernel's [B, n, L] layout
-        top = torch.topk(chunk, kk, dim=-1, sorted=True).values
-        pos = 4294967295 - (top & 4294967295)                  # undo the low word 2^32 − 1 − s
-        visible = (top >> 32) != -2147483648
-        out[:, t0:t0 + n, :kk] = torch.where(visible, pos, torch.full_like(pos, -1))
-
-
-# ---- emitters --------------------------------------------------------------------------------------------------
-def one_node(group: KernelGroup, op: str):
-    """(node, input positions, output positions): the group's single node of `op` and where each of its inputs /
-    outputs sits in the launch lists. Raises UnsupportedError for any other group."""
-    if len(group.nodes) != 1 or group.nodes[0].op != op:
-        raise UnsupportedError(f"{group.name}: the {op} emitter takes one {op} node, got "
-                               f"{[n.op for n in group.nodes]}")
-    node = group.nodes[0]
-    ins, outs = group.inputs or node.inputs, group.outputs or node.outputs
-    try:
-        return node, [ins.index(v) for v in node.inputs], [outs.index(v) for v in node.outputs]
-    except ValueError:
-        raise UnsupportedError(f"{group.name}: group inputs/outputs do not cover the {op} node's values") from None
-
-
+# ---- emitter ---------------------------------------------------------------------------------------------------
 SEMANTICS = "the op's `ref` in k3c/ir/ops/model_attn.py (K3-SPEC.md 'Gated MLA', 'Gated DSA')."
 
 
@@ -457,50 +336,3 @@ def mla_attention_scratch(group: KernelGroup) -> list[ScratchSpec]:
     rows = sympy.Min(B * T * MAX_SPLITS, 2 * target if a["absorbed"] else -(-64 * TARGET_PROGRAMS // H))
     return [ScratchSpec("o_part", TensorType((rows * H * DV,), "f32")),
             ScratchSpec("lse", TensorType((rows * H,), "f32"))]
-
-
-@emitter("dsa_index_topk")
-def emit_dsa_index_topk(group: KernelGroup) -> str:
-    """Module text for one `dsa_index_topk` node: inputs (q_i, w, k_i), outputs [idx]. Raises UnsupportedError
-    for a group that is not a single dsa_index_topk node."""
-    node, ip, op = one_node(group, "dsa_index_topk")
-    consts = [("TOPK", node.attrs["topk"], "index_topk"),
-              ("SCRATCH_BYTES", SCRATCH_BYTES, "cap of the i64 sort-key scratch (rows of T per pass)"),
-              ("RADIX_MIN_KEYS", RADIX_MIN_KEYS, "decode with at least this many keys: radix select"),
-              ("SCAN_BLOCK", dsa_decode.SCAN_BLOCK, "radix select: keys per scan step"),
-              ("SCAN_WARPS", dsa_decode.SCAN_WARPS, "radix select: warps per scan program"),
-              ("SELECT_BLOCK", dsa_decode.SELECT_BLOCK, "radix select: keys per collect step"),
-              ("SCAN_PROGRAMS", dsa_decode.SCAN_PROGRAMS, "radix select: scan / collect programs per launch"),
-              ("SHIFT", dsa_decode.SHIFT, "radix select: first digit = order key >> SHIFT"),
-              ("BINS", dsa_decode.BINS, "radix select: first-digit histogram bins (a window of its values)"),
-              ("BASE", dsa_decode.BASE, "radix select: the window's first value"),
-              ("HIST_STRIDE", dsa_decode.HIST_STRIDE, "radix select: int32 histogram + counter words per row"),
-              ("RADIX_ROW_PAD", RADIX_ROW_PAD, "radix select: i64 scratch words per row beyond the keys"),
-              ("FINISH_CHUNK", dsa_decode.FINISH_CHUNK, "radix select: candidates per finishing step"),
-              ("FINISH_WARPS", dsa_decode.FINISH_WARPS, "radix select: warps of the finishing program"),
-              ("FP8_QUERY", dsa_decode.FP8_QUERY, "fp8 index keys: fp8 q in the scan"),
-              ("RERANK_EXTRA", dsa_decode.RERANK_EXTRA, "fp8 keys + exact keys: extra candidates re-ranked"),
-              ("RERANK_BLOCK", dsa_decode.RERANK_BLOCK, "candidates per re-scoring program"),
-              ("RANK_BLOCK", dsa_decode.RANK_BLOCK, "candidates per ranking program")]
-    body = (
-        "def launch(inputs, outputs, sizes, scratch=None):\n"
-        '    """ABI entry: inputs (q_i, w, k_i), outputs [idx i64 [B,T,TOPK]], scratch: the planned sort keys."""\n'
-        f"    launch_dsa_index_topk(inputs[{ip[0]}], inputs[{ip[1]}], inputs[{ip[2]}], outputs[{op[0]}], topk=TOPK,\n"
-        '                          lengths=sizes.get("lengths"), scratch=scratch)\n')
-    body = inspect.getsource(radix_topk) + "\n\n" + body
-    return _module(group, "dsa_index_topk (score kernel + torch.topk on packed int64 keys; decode at long context: "
-                   "radix select)", consts, [take_scratch, dsa_score_kernel, *dsa_decode.KERNELS],
-                   launch_dsa_index_topk, body)
-
-
-@scratch("dsa_index_topk")
-def dsa_index_topk_scratch(group: KernelGroup) -> list[ScratchSpec]:
-    """The scratch of one `dsa_index_topk` launch (`launch_dsa_index_topk`): the flat i64 sort keys or radix-select
-    words [max(B·(L + RADIX_ROW_PAD), min(SCRATCH_BYTES // 8, B·T·L))] for q_i [B, T, ·, ·] and k_i [B, L, ·],
-    non-decreasing in B, T and L (so the plan at the bounds holds every call). Raises UnsupportedError for a group
-    that is not a single dsa_index_topk node."""
-    node, _, _ = one_node(group, "dsa_index_topk")
-    (B, T), L = node.inputs[0].type.shape[:2], node.inputs[2].type.shape[1]
-    n = sympy.Max(B * L + B * RADIX_ROW_PAD, sympy.Min(SCRATCH_BYTES // 8, B * T * L))
-    return [ScratchSpec("keys", TensorType((n,), "i64"))]
-

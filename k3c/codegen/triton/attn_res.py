@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3c.codegen.triton import emitter, model_module
-from k3c.codegen.triton.attention import one_node
+from k3c.codegen.triton import emitter, model_module, one_node
 from k3c.ir.kernels import KernelGroup
 
 

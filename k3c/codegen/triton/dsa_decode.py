@@ -3,7 +3,7 @@
 Math: K3-SPEC.md "Gated DSA" (DeepSeek-V3.2 eq. 1): for the one new token of each batch row b,
     I[s] = sum_j w[j] * ReLU(q_I[j] . k_I[s])            over the L cached index keys s (all visible at decode)
 and the attention reads the top-k keys of I (`mla_attention` with idx, absorbed form, `attention.launch_mla`, which
-also runs this selection for decode at long context: `attention.launch_dsa_index_topk`).
+also runs this selection for decode at long context: `dsa_index.launch_dsa_index_topk`).
 
 Selection is a radix select on the scores' order-preserving 32-bit keys (u = float bits with the sign flipped for
 positives and all bits flipped for negatives; unsigned order = float order) in four launches, with no torch op and

@@ -35,8 +35,7 @@ import sympy
 import triton
 
 from k3c.codegen.backend import ScratchSpec
-from k3c.codegen.triton import emitter, module_header, scratch
-from k3c.codegen.triton.attention import one_node
+from k3c.codegen.triton import emitter, module_header, one_node, scratch
 from k3c.codegen.triton.kda import CHUNK, CHUNK_BLOCK_V, chunk_is_safe, emit_source
 from k3c.errors import UnsupportedError
 from k3c.ir.kernels import KernelGroup

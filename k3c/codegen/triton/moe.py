@@ -37,8 +37,7 @@ import triton
 import triton.language as tl
 
 from k3c.codegen.backend import ScratchSpec
-from k3c.codegen.triton import emitter, model_module, scratch, take_scratch
-from k3c.codegen.triton.attention import one_node
+from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_scratch
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile,
                                          mx_block_k, mx_default_config, mx_permute, mx_permuted_col, mxfp4_scales,
