@@ -10,7 +10,8 @@ routed experts as the checkpoint stores them, MXFP4 bits included, unless `exper
 build) to `weights/params.safetensors` (byte counts: plan.json's "weights"); `--report` adds what the HTML report
 shows (`k3c.report.collect`: the IR after every pass, per-kernel costs) under `report/`. `kda_state_dtype` ("f32" |
 "bf16") is the KDA recurrent state's storage from the import on (its pool is half the bytes in bf16), recorded in
-the manifest. With `--tp N` the `parallel` phase splits the model (`k3c.parallel`);
+the manifest; so is `dsa_index_keys` ("bf16" | "fp8": e4m3 index keys + f32 scale pools, `k3c.frontend.index_keys`).
+With `--tp N` the `parallel` phase splits the model (`k3c.parallel`);
 one graph, schedule and plan serve every rank (the same shapes: only weights and the collectives' values differ by
 rank), and rank r's weights go to `weights/rank{r}.safetensors`; the summary adds the bytes each rank communicates
 per decode step (`communication`). `--plan-only` skips kernels' weights (a config or preset without a checkpoint can
@@ -75,6 +76,7 @@ class CompileOptions:
     experts_dtype: str | None = None  # routed experts: "mxfp4" or "bf16" (dense, in `dtype`); None: as the checkpoint
     all_logits: bool = False  # also compile `prefill_all` (prefill returning every position's logits)
     kda_state_dtype: str = "f32"  # the KDA recurrent state's storage: "f32" or "bf16" (CompileContext)
+    dsa_index_keys: str = "bf16"  # the DSA index-key cache: "bf16" (the model's dtype) or "fp8" (CompileContext)
 
 
 def compile_model(opts: CompileOptions, progress=None) -> dict:
@@ -114,7 +116,8 @@ def _compile(opts: CompileOptions, progress) -> dict:
     check_layout(cfg, opts.tp, opts.ep, fmt)
     ctx = CompileContext(target=load_target(opts.target), dtype=opts.dtype, max_batch=opts.max_batch,
                          max_seq=opts.max_seq, max_prefill=opts.max_prefill, tp=opts.tp, ep=opts.ep,
-                         backend=opts.backend, experts_dtype=fmt, kda_state_dtype=opts.kda_state_dtype).resolve()
+                         backend=opts.backend, experts_dtype=fmt, kda_state_dtype=opts.kda_state_dtype,
+                         dsa_index_keys=opts.dsa_index_keys).resolve()
     if cfg.max_position_embeddings and opts.max_seq > cfg.max_position_embeddings:
         raise ConfigError(f"--max-seq {opts.max_seq} exceeds the model's context of {cfg.max_position_embeddings} "
                           f"tokens (config: max_position_embeddings)")
@@ -138,7 +141,8 @@ def _compile(opts: CompileOptions, progress) -> dict:
             bindings[entry] = ectx.bounds
             g = import_model(model, "decode" if entry == "decode" else "prefill",
                              progress=lambda d, t, e=entry: tick(f"import {e}", d, t),
-                             logits="last" if entry == "prefill" else "all", kda_state=ctx.kda_state_dtype)
+                             logits="last" if entry == "prefill" else "all", kda_state=ctx.kda_state_dtype,
+                             dsa_index_keys=ctx.dsa_index_keys)
             # verify the result only; a --dump build (debugging) verifies after every pass, naming the pass at fault
             graphs[entry], report = run_pipeline(g, ctx=ectx, verify="each" if opts.dump else "end",
                                                  dump_dir=opts.dump / entry if opts.dump else None,
@@ -173,7 +177,7 @@ def _compile(opts: CompileOptions, progress) -> dict:
             made = {b.name for b in ctx.backends if b.generates}
             rows = {e: kernel_rows(groups[e], bindings[e], ctx.target, opts.dtype, made) for e in graphs}
             options = {"model": cfg.name, "target": ctx.target.name, "dtype": opts.dtype,
-                       "kda_state_dtype": ctx.kda_state_dtype, "tp": opts.tp,
+                       "kda_state_dtype": ctx.kda_state_dtype, "dsa_index_keys": ctx.dsa_index_keys, "tp": opts.tp,
                        "max_batch": opts.max_batch, "max_seq": opts.max_seq, "max_prefill": opts.max_prefill,
                        "plan_only": opts.plan_only, "backends": [b.name for b in ctx.backends], "passes": passes}
             for path, data in report_files(log, rows, options).items():
@@ -197,6 +201,7 @@ def _compile(opts: CompileOptions, progress) -> dict:
                       entry_points={e: {"graph": f"graph/{e}.json"} for e in graphs},
                       extra={"k3c_version": __version__, "plan_only": opts.plan_only, "dtype": opts.dtype,
                              "experts_dtype": ctx.experts_dtype, "kda_state_dtype": ctx.kda_state_dtype,
+                             "dsa_index_keys": ctx.dsa_index_keys,
                              "vocab_size": cfg.vocab_size, "ep": opts.ep})
     summary.update(arena={e: g.memory_plan.arena_bytes for e, g in graphs.items()},
                    lower_bound={e: g.memory_plan.lower_bound for e, g in graphs.items()},

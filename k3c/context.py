@@ -24,6 +24,9 @@ ENTRIES = ("prefill", "prefill_all", "decode")
 DTYPES = ("bf16", "f32")
 #: storage of the KDA recurrent state (`kda_state_dtype`): the kernels load it, compute in f32 and round it on store
 KDA_STATE_DTYPES = ("f32", "bf16")
+#: storage of the DSA indexer's key cache (`dsa_index_keys`): "bf16" = the model's dtype; "fp8" = e4m3 keys with one
+#: f32 scale per key (`fp8_quantize`), scored with e4m3 queries (`dsa_index_topk_ref`)
+DSA_INDEX_KEYS = ("bf16", "fp8")
 
 
 def bounds_bindings(entry: str, max_batch: int, max_seq: int, max_prefill: int) -> dict[str, int]:
@@ -48,6 +51,13 @@ def check_kda_state(dtype: str) -> str:
     return dtype
 
 
+def check_dsa_index_keys(keys: str) -> str:
+    """`keys` if it is one of DSA_INDEX_KEYS; else ConfigError naming the flag, the option and the choices."""
+    if keys not in DSA_INDEX_KEYS:
+        raise ConfigError(f"--dsa-index-keys {keys} (dsa_index_keys): expected one of {', '.join(DSA_INDEX_KEYS)}")
+    return keys
+
+
 @dataclass(frozen=True)
 class CompileContext:
     """Options of one compile (see the module docstring).
@@ -61,6 +71,9 @@ class CompileContext:
     None: as the checkpoint stores them). kda_state_dtype: storage of the KDA recurrent state S [B,H,K,V] in its
     pool ("f32" | "bf16": half the bytes; every update still computes in f32 and rounds the new state once per
     call, `kda_fused_ref`); independent of `dtype` (an f32 model with a bf16 state keeps everything else f32).
+    dsa_index_keys: storage of every DSA layer's index-key cache ("bf16": the model's dtype; "fp8": e4m3 keys
+    [B,L,D] + f32 scales [B,L], 132 instead of 256 bytes per token at D = 128; the import carries it in the cache
+    values' dtypes, `k3c.frontend.index_keys`).
     mxfp4_scale_max: the largest E8M0 scale byte of the checkpoint's MXFP4 experts, which the driver reads with
     them (`k3c.compile`); None: not known (no weights, or dense experts). `pack_experts` records it on the
     `moe_experts` nodes as `scale_max`, where code generators may use it (it never changes a value).
@@ -78,6 +91,7 @@ class CompileContext:
     backend: str | None = None
     experts_dtype: str | None = None
     kda_state_dtype: str = "f32"
+    dsa_index_keys: str = "bf16"
     mxfp4_scale_max: int | None = None
     backends: tuple = field(default=(), compare=False)
 
@@ -85,6 +99,7 @@ class CompileContext:
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype}: expected one of {', '.join(DTYPES)}")
         check_kda_state(self.kda_state_dtype)
+        check_dsa_index_keys(self.dsa_index_keys)
         if self.mxfp4_scale_max is not None and not 0 <= self.mxfp4_scale_max <= 255:
             raise ConfigError(f"mxfp4_scale_max {self.mxfp4_scale_max}: expected an E8M0 byte, 0..255")
         for flag, v in (("--tp", self.tp), ("--ep", self.ep)):

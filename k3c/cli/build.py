@@ -90,9 +90,12 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                                                 "position's logits (prefill(tokens, logits='all'))"),
                 kda_state: str = typer.Option("f32", "--kda-state", help="storage of the KDA recurrent state: f32 or "
                                               "bf16 (half the pool bytes; computed in f32, rounded once per call; "
-                                              "Triton backend only)")):
+                                              "Triton backend only)"),
+                dsa_index_keys: str = typer.Option("bf16", "--dsa-index-keys", help="storage of the DSA indexer's "
+                                                   "key cache: bf16 or fp8 (e4m3 + one f32 scale per key: 132 "
+                                                   "instead of 256 B per token; Triton backend only)")):
     """Compile MODEL into an artifact: kernels, memory plan, schedule, weights, cost report."""
-    from k3c.context import check_kda_state
+    from k3c.context import check_dsa_index_keys, check_kda_state
     from k3c.targets import load_target
     from models.config import K3Config
 
@@ -100,6 +103,7 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
     K3Config.from_pretrained(model)
     load_target(target)
     check_kda_state(kda_state)
+    check_dsa_index_keys(dsa_index_keys)
     if dtype not in ("auto", "bf16", "f32"):
         raise K3CError(f"--dtype {dtype}: expected auto, bf16 or f32")
     if dtype == "auto":
@@ -119,7 +123,8 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
     max_prefill = min(1024, max_seq) if max_prefill is None else max_prefill
     opts = CompileOptions(model, out_dir, target, tp, max_batch, max_seq, max_prefill, plan_only, force, dump, dtype,
                           backend, report=report is not None, ep=ep, allow_oversize=allow_oversize,
-                          experts_dtype=experts_dtype, all_logits=all_logits, kda_state_dtype=kda_state)
+                          experts_dtype=experts_dtype, all_logits=all_logits, kda_state_dtype=kda_state,
+                          dsa_index_keys=dsa_index_keys)
     err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     with progress_bars() as progress:
         s = compile_model(opts, progress=progress)

@@ -181,9 +181,11 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
           experts_dtype: str = typer.Option(None, "--experts-dtype",
                                             help="mxfp4: round the random experts to MXFP4 and check the MXFP4 "
                                                  "graph (pack_experts) [default: as the config]"),
-          kda_state: str = typer.Option("f32", "--kda-state", help="KDA recurrent state stored as f32 or bf16")):
+          kda_state: str = typer.Option("f32", "--kda-state", help="KDA recurrent state stored as f32 or bf16"),
+          dsa_index_keys: str = typer.Option("bf16", "--dsa-index-keys", help="DSA index keys stored as bf16 or "
+                                             "fp8 (e4m3 + one f32 scale per key)")):
     """Per-pass numeric validation: interpret the graph before and after every pass on random inputs."""
-    from k3c.context import CompileContext, check_kda_state
+    from k3c.context import CompileContext, check_dsa_index_keys, check_kda_state
     from k3c.frontend import import_model
     from k3c.passes.pipeline import make_numeric_check, run_pipeline
     from models.checkpoint import quantize_experts_
@@ -193,6 +195,7 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
     if batch < 1 or tokens < 1:
         raise K3CError(f"--batch {batch} --tokens {tokens}: both must be >= 1")
     check_kda_state(kda_state)
+    check_dsa_index_keys(dsa_index_keys)
     cfg = K3Config.from_pretrained(model)
     if cfg.hidden_size > 1024:
         raise K3CError(f"{model}: check interprets the model on random weights; use a tiny preset or small config")
@@ -201,13 +204,14 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
         raise K3CError(f"--experts-dtype {experts_dtype}: expected mxfp4 or bf16")
     net = K3ForCausalLM(cfg).init_random_(seed)
     packed = quantize_experts_(net) if experts_dtype == "mxfp4" else {}   # the model an MXFP4 checkpoint loads
-    graph = import_model(net, entry, kda_state=kda_state)
+    graph = import_model(net, entry, kda_state=kda_state, dsa_index_keys=dsa_index_keys)
     weights = {k: p.detach() for k, p in net.named_parameters()} | packed
     bindings = {"B": batch, "T": tokens if entry == "prefill" else 1, "L": 5}
     t0 = time.perf_counter()
     check = make_numeric_check(bindings, seed, params=weights)
     ctx = CompileContext(max_batch=batch, max_seq=bindings["L"] + bindings["T"], max_prefill=bindings["T"],
-                         experts_dtype=experts_dtype, kda_state_dtype=kda_state).for_entry(entry)
+                         experts_dtype=experts_dtype, kda_state_dtype=kda_state,
+                         dsa_index_keys=dsa_index_keys).for_entry(entry)
     _, report = run_pipeline(graph, ["cleanup", "model"], ctx=ctx, numeric_check=check)
     out.print(report.table())
     out.print(f"[green]every pass preserved the outputs of {cfg.name} ({entry}, {bindings})[/] "

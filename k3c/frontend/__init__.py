@@ -23,6 +23,9 @@ The result is one graph with:
 With `kda_state="bf16"` the state is stored in bf16 and computed in f32, as the model computes it: each KDA
 layer reads `cast(state, f32)` and its new state is `cast(new_state, bf16)`, rounded once per call (`fuse_kda`
 folds both casts into `kda_fused`).
+With `dsa_index_keys="fp8"` every DSA layer's `layers.i.index_k` is f8e4m3 [B,L,Dk] with a second cache
+`layers.i.index_k_scale` f32 [B,L]: the appended keys are quantized once and the indexer scores e4m3 keys
+(`k3c.frontend.index_keys`).
 The cache's token count `pos` is kept by the runtime (the K3 family is NoPE: no op reads positions).
 Imported graphs are memoised on disk (`cache.py`, keyed by the config, parameter types and the importing code):
 torch.export runs only for a model this code has not imported before.
@@ -35,9 +38,10 @@ from typing import Callable
 
 import torch
 
-from k3c.context import check_kda_state
+from k3c.context import check_dsa_index_keys, check_kda_state
 from k3c.errors import IRError, UnsupportedError
 from k3c.frontend import cache as memo
+from k3c.frontend import index_keys
 from k3c.ir.graph import Graph, Value
 from k3c.ir.specialize import specialize
 from k3c.ir.types import TensorType, dtype_of, symbol
@@ -56,18 +60,20 @@ def build_meta_model(cfg: K3Config | str) -> K3ForCausalLM:
 
 def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
                  progress: Callable[[int, int], None] | None = None, stats: dict | None = None,
-                 logits: str = "all", kda_state: str = "f32") -> Graph:
+                 logits: str = "all", kda_state: str = "f32", dsa_index_keys: str = "bf16") -> Graph:
     """Import `model` (a module, a config or a preset/config path) into a k3c graph for `entry`.
 
     logits: "all" (every position's, as the model returns them) or "last" (the last position's: the head runs on
     that row only; the same for decode, where T = 1). kda_state: the KDA state's storage dtype ("f32" | "bf16";
-    `CompileContext.kda_state_dtype`, see the module docstring). progress(done, total) is called per layer; stats
+    `CompileContext.kda_state_dtype`, see the module docstring). dsa_index_keys: the DSA index-key cache's
+    storage ("bf16" | "fp8"; `CompileContext.dsa_index_keys`, see the module docstring). progress(done, total) is called per layer; stats
     (if given) receives timings in seconds and node counts.
     The graph is memoised on disk (`k3c.frontend.cache`): a model imported before by the same code is read back
     (stats["cached"] is True then, and progress is called once).
-    Raises ConfigError (bad config or kda_state), UnsupportedError (an op without a lowering, naming the model line).
+    Raises ConfigError (bad config, kda_state or dsa_index_keys), UnsupportedError (an op without a lowering, naming the model line).
     """
     check_kda_state(kda_state)
+    check_dsa_index_keys(dsa_index_keys)
     if entry not in ENTRIES:
         raise UnsupportedError(f"entry point must be one of {', '.join(ENTRIES)}, found {entry!r}")
     if logits not in ("all", "last"):
@@ -78,12 +84,14 @@ def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
         cfg, params = model if isinstance(model, K3Config) else K3Config.from_pretrained(model), "meta"
     if entry == "decode":  # decode is prefill at T = 1: one export serves both entry points
         build = lambda: specialize(import_model(model, "prefill", progress, stats,  # noqa: E731
-                                                kda_state=kda_state), {"T": 1}, pass_name="import(decode)")
+                                                kda_state=kda_state, dsa_index_keys=dsa_index_keys),
+                                   {"T": 1}, pass_name="import(decode)")
     else:
         build = lambda: _import_prefill(model if params != "meta" else build_meta_model(cfg),  # noqa: E731
-                                        progress, stats, logits, kda_state)
+                                        progress, stats, logits, kda_state, dsa_index_keys)
     t0 = time.perf_counter()
-    graph, hit = memo.memoized(memo.key(cfg.raw, cfg.name, params, entry, logits, kda_state), build)
+    graph, hit = memo.memoized(memo.key(cfg.raw, cfg.name, params, entry, logits, kda_state,
+                                                     dsa_index_keys), build)
     if hit:
         if progress:
             progress(cfg.num_hidden_layers, cfg.num_hidden_layers)
@@ -93,7 +101,8 @@ def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
     return graph
 
 
-def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: str, kda_state: str) -> Graph:
+def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: str, kda_state: str,
+                    index_k: str) -> Graph:
     """The prefill graph of `import_model`, not memoised: export the pieces (`segments.py`), import them
     (`fx_import.py`) and join them."""
     from k3c.frontend.fx_import import FxImporter  # torch.export: only when the graph is not memoised
@@ -117,7 +126,9 @@ def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: 
     for i in range(cfg.num_hidden_layers):
         for k in layer_cache_keys(model, i):
             name = f"layers.{i}.{k}"
-            cache_in[name] = g.add_input(name, _cache_type(model, i, k, kda_state))
+            cache_in[name] = g.add_input(name, _cache_type(model, i, k, kda_state, index_k))
+            if k == "index_k" and index_k == "fp8":
+                cache_in[name + "_scale"] = g.add_input(name + "_scale", index_keys.scale_type(cache_in[name].type))
     im = FxImporter(g)
     subs_memo: dict[tuple, dict] = {}
 
@@ -149,8 +160,10 @@ def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: 
             param(prefix + key)
         layer_param = lambda fqn, prefix=prefix: param(prefix + fqn[len("layer."):])  # noqa: E731
         keys = layer_cache_keys(model, i)
+        fp8_keys = index_k == "fp8" and "index_k" in keys
         caches = [_state_cast(g, cache_in[f"layers.{i}.{k}"], "f32", i) if k == "kda_state" else
-                  cache_in[f"layers.{i}.{k}"] for k in keys]
+                  index_keys.placeholder(g, cache_in[f"layers.{i}.{k}"], dtype_of(model.dtype), i)
+                  if k == "index_k" and fp8_keys else cache_in[f"layers.{i}.{k}"] for k in keys]
         if attn_res:  # K3DecoderLayer.forward: AttnRes read, mixer, seal or add, AttnRes read, MLP, add
             x, sources = attn_res_read(i, "self_attention", blocks, h, n_blocks)
             out, *new = run(mixer_segment(model, i), [x] + caches, layer_param, i, f"l{i}")
@@ -166,8 +179,13 @@ def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: 
             h = residual_add(h, out, i)
             (y,) = run(ffn_segment(model, i), [h], layer_param, i, f"l{i}")
             h = residual_add(h, y, i)
+        if fp8_keys:
+            j, name = keys.index("index_k"), f"layers.{i}.index_k"
+            new[j], scale = index_keys.quantize_appended_keys(g, i, cache_in[name], cache_in[name + "_scale"], new[j])
         for k, v in zip(keys, new):
             g.set_output(f"layers.{i}.{k}", _state_cast(g, v, kda_state, i) if k == "kda_state" else v)
+        if fp8_keys:
+            g.set_output(f"layers.{i}.index_k_scale", scale)
         if progress:
             progress(i + 1, cfg.num_hidden_layers)
     head_param = lambda fqn: param(fqn if fqn.startswith("lm_head") else "model." + fqn)  # noqa: E731
@@ -220,13 +238,13 @@ _ROLE_AXES = {"tokens": ("B", "T"), "h": ("B", "T", None), "partial": ("B", "T",
               "cache.kda_state": ("B", None, None, None), "cache.conv_state": ("B", None, None)}
 
 
-def _cache_type(model: K3ForCausalLM, i: int, key: str, kda_state: str) -> TensorType:
+def _cache_type(model: K3ForCausalLM, i: int, key: str, kda_state: str, index_k: str) -> TensorType:
     cfg = model.config
     H, K, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size
     dt = dtype_of(model.dtype)
     return {"kda_state": TensorType(("B", H, K, K), kda_state), "conv_state": TensorType(("B", 3 * H * K, W), "f32"),
             "kv": TensorType(("B", "L", cfg.mla_cache_width), dt),
-            "index_k": TensorType(("B", "L", cfg.index_head_dim), dt)}[key]
+            "index_k": TensorType(("B", "L", cfg.index_head_dim), "f8e4m3" if index_k == "fp8" else dt)}[key]
 
 
 def graph_params(model: K3ForCausalLM, graph: Graph) -> dict[str, torch.Tensor]:

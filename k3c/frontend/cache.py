@@ -59,11 +59,13 @@ def code_digest() -> str:
     return h.hexdigest()
 
 
-def key(config_raw: dict, name: str, params: list | str, entry: str, logits: str, kda_state: str = "f32") -> str:
+def key(config_raw: dict, name: str, params: list | str, entry: str, logits: str, kda_state: str = "f32",
+        dsa_index_keys: str = "bf16") -> str:
     """The memo key of one import: `params` is [(name, dtype, shape)] of the model's parameters, or "meta";
-    `kda_state` the KDA state's storage dtype."""
+    `kda_state` the KDA state's storage dtype, `dsa_index_keys` the DSA index keys'."""
     doc = json.dumps({"config": config_raw, "name": name, "params": params, "entry": entry, "logits": logits,
-                      "kda_state": kda_state, "code": code_digest()}, sort_keys=True, default=str)
+                      "kda_state": kda_state,
+                      "dsa_index_keys": dsa_index_keys, "code": code_digest()}, sort_keys=True, default=str)
     return hashlib.sha256(doc.encode()).hexdigest()[:32]
 
 

@@ -18,7 +18,7 @@ from k3c.ir.graph import Graph, Node
 from k3c.passes.pipeline import register_pass
 
 STATE_SUFFIXES = (".kda_state", ".conv_state")
-APPEND_SUFFIXES = (".kv", ".index_k")
+APPEND_SUFFIXES = (".kv", ".index_k", ".index_k_scale")   # the last: FP8 index keys' scales
 
 
 @register_pass("bind_caches")

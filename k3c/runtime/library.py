@@ -27,6 +27,15 @@ def _slice(a, x):
     return [x[tuple(idx)]]
 
 
+def _fp8_quantize(x):
+    """x [..., D] -> (e4m3 [..., D], f32 scale [...]), x ~= scale * x8, scale = max|x| / 448 per row (1 for a zero
+    row): `fp8_quantize` (k3c/ir/ops/model_attn.py; FP8 DSA index keys)."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return [(xf / scale[..., None]).to(torch.float8_e4m3fn), scale]
+
+
 def _reduce(fn):
     return lambda a, x: [fn(x, dim=a["dims"], keepdim=a.get("keepdim", False)) if a.get("dims") is not None else fn(x)]
 
@@ -51,6 +60,7 @@ LIBRARY_OPS = {
     "full": lambda a: [torch.full(a["shape"], a["value"], dtype=DTYPES[a["dtype"]])],
     "constant": lambda a: [torch.tensor(a["value"], dtype=DTYPES[a["dtype"]]).reshape(a["shape"])],
     "cast": lambda a, x: [x.to(DTYPES[a["to"]])],
+    "fp8_quantize": lambda a, x: _fp8_quantize(x),
 }
 #: Layout ops; "cache_append" writes the new rows into the pool in place (performed by the view launcher).
 VIEW_OPS = {

@@ -12,13 +12,19 @@ Decode (T = 1) with L ≥ RADIX_MIN_KEYS keys instead runs the radix select of `
 histogram, scan + first-digit histogram, collect, finishing select): the same set (exact ties by lowest position) in
 no particular order, which the op's contract allows (`dsa_index_topk`: a set; the sparse attention is order-free),
 no O(L) int64 sort keys, no torch op.
+FP8 keys (`--dsa-index-keys fp8`: k_i float8_e4m3fn with k_scale f32 [B, L], `k3c.frontend.index_keys`): the
+op's FP8 semantics (`dsa_index_topk_ref`): q rounded to bf16, then e4m3 per head with its scale folded into w
+(`fp8_query` here, in torch, for the score kernel; in registers in the radix scan, FP8_QUERY, whose rounding
+`dsa_decode._to_e4m3` matches torch's cast), score = k_scale[s] · Σ_j w'_j ReLU(q8_j · k8_s). The score kernel
+widens both e4m3 operands to tf32 (exact; Triton's interpreter computes bf16 products wrongly, and an e4m3
+product needs K >= 32, more than the tiny presets' D) for its product; the radix scan multiplies them as e4m3.
 Device lengths (`lengths` i32 [B], the kernel ABI's `sizes["lengths"]`): k_i is the bound, row b holds
 lengths[b] + T keys, read in the kernels (the keys past the row's are not visible); the grids follow the bound, so a
 CUDA graph replays them at any context.
 
 Public API: `emit_dsa_index_topk(group)` -> module text (registered with `k3c.codegen.triton.emitter` for the kind
 "dsa_index_topk"), `dsa_index_topk_scratch(group)`, the launcher `launch_dsa_index_topk` (copied into the emitted
-modules) and `dsa_score_kernel`.
+modules), `fp8_query` and `dsa_score_kernel`.
 """
 
 from __future__ import annotations
@@ -43,12 +49,14 @@ SEMANTICS = "the op's `ref` in k3c/ir/ops/model_attn.py (K3-SPEC.md 'Gated DSA')
 
 
 @triton.jit
-def dsa_score_kernel(q_ptr, w_ptr, k_ptr, key_ptr, len_ptr, T, L, t0, n_rows,
+def dsa_score_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, key_ptr, len_ptr, T, L, t0, n_rows,
                      J: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
+                     BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr, LEN_FROM_PTR: tl.constexpr,
+                     FP8: tl.constexpr):
     """Sort keys of I[t,s] = Σ_j w[t,j]·ReLU(q_I[t,j]·k_I[s]) for tokens t0 .. t0+n_rows−1 (see module docstring).
 
     q [B,T,J,D], w [B,T,J], k [B,L,D]; key_ptr: i64 [B, n_rows, L]. Program: (b·n_rows + t − t0, key block).
+    FP8: q and k e4m3 (q from `fp8_query`, its scales in w), ks [B, L] f32 the keys' scales: I = ks[s]·Σ_j ....
     LEN_FROM_PTR: row b holds len_ptr[b] + T keys (i32 [B]); L is the bound, the keys past the row's are not visible.
     """
     pid = tl.program_id(0)
@@ -69,9 +77,14 @@ def dsa_score_kernel(q_ptr, w_ptr, k_ptr, key_ptr, len_ptr, T, L, t0, n_rows,
                     mask=j_ok[:, None] & d_ok[None, :], other=0.0)
         k = tl.load(k_ptr + (b * L + offs_s)[:, None] * D + offs_d[None, :],
                     mask=(offs_s < n_keys)[:, None] & d_ok[None, :], other=0.0)
-        dots += tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        if FP8:     # e4m3 values are exact in tf32: the products are those of the e4m3 operands
+            dots += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="tf32")
+        else:
+            dots += tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
     w = tl.load(w_ptr + (b * T + t) * J + offs_j, mask=j_ok, other=0.0).to(tl.float32)
     score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
+    if FP8:
+        score = score * tl.load(ks_ptr + b * L + offs_s, mask=offs_s < n_keys, other=0.0)
     score = tl.where(score == 0.0, 0.0, score)             # −0.0 -> +0.0: the reference's sort sees them equal
     bits = score.to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)   # signed int32 order == float order
@@ -83,8 +96,19 @@ def dsa_score_kernel(q_ptr, w_ptr, k_ptr, key_ptr, len_ptr, T, L, t0, n_rows,
     tl.store(key_ptr + (pid.to(tl.int64) * L + offs_s), key, mask=s_ok)
 
 
-def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, lengths=None, scratch=None):
+def fp8_query(q_i, w):
+    """The FP8 scan's query (`dsa_index_topk_ref`): q_i [..., J, D] rounded to bf16, then e4m3 per head (scale =
+    max|q_j| / 448, 1 for a zero head), w [..., J] times those scales. Returns (q8 float8_e4m3fn, w f32)."""
+    qf = q_i.to(torch.bfloat16).float()
+    amax = qf.abs().amax(-1)
+    sq = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (qf / sq[..., None]).to(torch.float8_e4m3fn).contiguous(), (w.float() * sq).contiguous()
+
+
+def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, k_scale=None, lengths=None, scratch=None):
     """Run `dsa_index_topk`: q_i [B,T,J,D], w [B,T,J], k_i [B,L,D] -> out i64 [B,T,topk] (−1 padding).
+
+    k_scale: None, or f32 [B,L] with float8_e4m3fn k_i (FP8 keys; the module docstring gives the scores).
 
     lengths: None, or i32 [B] on the device, the context of each row before these T tokens: row b then holds
     lengths[b] + T keys and L is only the bound (the launches do not depend on the lengths: a CUDA graph replays
@@ -107,12 +131,17 @@ def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, lengths=None, scratch=None)
     from_ptr = lengths is not None
     if from_ptr and tuple(lengths.shape) != (B,):
         raise ValueError(f"dsa_index_topk: lengths {tuple(lengths.shape)}, expected ({B},)")
+    fp8 = k_scale is not None
+    if fp8 != (k_i.dtype == torch.float8_e4m3fn) or (fp8 and tuple(k_scale.shape) != (B, L)):
+        raise ValueError(f"dsa_index_topk: k_scale f32 [B, L] = {(B, L)} goes with float8_e4m3fn k_i and only then "
+                         f"(k_i {k_i.dtype}, k_scale {None if k_scale is None else tuple(k_scale.shape)})")
     keys = take_scratch(scratch, "keys", (max(B * L + B * RADIX_ROW_PAD, min(SCRATCH_BYTES // 8, B * T * L)),),
                         torch.int64, q_i.device)
     if T == 1 and L >= RADIX_MIN_KEYS:     # the set, written into out, the scratch from the plan: no torch op
         if not out.is_contiguous():
             raise ValueError(f"dsa_index_topk: out {tuple(out.shape)} must be contiguous")
-        radix_topk(q_i[:, 0], w[:, 0], k_i, topk, None, False, lengths=lengths, out=out, scratch=keys.view(torch.int32))
+        radix_topk(q_i[:, 0], w[:, 0], k_i, topk, k_scale, False, lengths=lengths, out=out,
+                   scratch=keys.view(torch.int32))
         return
     kk = min(topk, L)
     if kk < topk:
@@ -120,12 +149,14 @@ def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, lengths=None, scratch=None)
     rows = max(1, min(T, keys.numel() // (B * L)))
     BLOCK_S = 64
     precision = "ieee" if q_i.dtype == torch.float32 else "tf32"
+    if fp8:
+        q_i, w = fp8_query(q_i, w)
     for t0 in range(0, T, rows):
         n = min(rows, T - t0)
         dsa_score_kernel[(B * n, triton.cdiv(L, BLOCK_S))](
-            q_i, w, k_i, keys, lengths if from_ptr else q_i, T, L, t0, n, J=J, D=D,
+            q_i, w, k_i, k_scale if fp8 else w, keys, lengths if from_ptr else q_i, T, L, t0, n, J=J, D=D,
             BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_D=64 if D > 64 else max(16, triton.next_power_of_2(D)),
-            BLOCK_S=BLOCK_S, DOT_PRECISION=precision, LEN_FROM_PTR=from_ptr)
+            BLOCK_S=BLOCK_S, DOT_PRECISION=precision, LEN_FROM_PTR=from_ptr, FP8=fp8)
         chunk = keys.view(-1)[:B * n * L].view(B, n, L)       # the kernel's [B, n, L] layout
         top = torch.topk(chunk, kk, dim=-1, sorted=True).values
         pos = 4294967295 - (top & 4294967295)                  # undo the low word 2^32 − 1 − s
@@ -140,8 +171,8 @@ def _module(group, summary, consts, kernels, launcher, body):
 
 @emitter("dsa_index_topk")
 def emit_dsa_index_topk(group: KernelGroup) -> str:
-    """Module text for one `dsa_index_topk` node: inputs (q_i, w, k_i), outputs [idx]. Raises UnsupportedError
-    for a group that is not a single dsa_index_topk node."""
+    """Module text for one `dsa_index_topk` node: inputs (q_i, w, k_i[, k_scale]), outputs [idx]. Raises
+    UnsupportedError for a group that is not a single dsa_index_topk node."""
     node, ip, op = one_node(group, "dsa_index_topk")
     consts = [("TOPK", node.attrs["topk"], "index_topk"),
               ("SCRATCH_BYTES", SCRATCH_BYTES, "cap of the i64 sort-key scratch (rows of T per pass)"),
@@ -157,18 +188,20 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("RADIX_ROW_PAD", RADIX_ROW_PAD, "radix select: i64 scratch words per row beyond the keys"),
               ("FINISH_CHUNK", dsa_decode.FINISH_CHUNK, "radix select: candidates per finishing step"),
               ("FINISH_WARPS", dsa_decode.FINISH_WARPS, "radix select: warps of the finishing program"),
-              ("FP8_QUERY", dsa_decode.FP8_QUERY, "fp8 index keys: fp8 q in the scan"),
+              ("FP8_QUERY", True, "fp8 index keys: e4m3 q in the scan (the op's semantics, dsa_index_topk_ref)"),
               ("RERANK_EXTRA", dsa_decode.RERANK_EXTRA, "fp8 keys + exact keys: extra candidates re-ranked"),
               ("RERANK_BLOCK", dsa_decode.RERANK_BLOCK, "candidates per re-scoring program"),
               ("RANK_BLOCK", dsa_decode.RANK_BLOCK, "candidates per ranking program")]
     body = (
         "def launch(inputs, outputs, sizes, scratch=None):\n"
-        '    """ABI entry: inputs (q_i, w, k_i), outputs [idx i64 [B,T,TOPK]], scratch: the planned sort keys."""\n'
+        '    """ABI entry: inputs (q_i, w, k_i[, k_scale]), outputs [idx i64 [B,T,TOPK]], scratch: the planned sort '
+        'keys."""\n'
         f"    launch_dsa_index_topk(inputs[{ip[0]}], inputs[{ip[1]}], inputs[{ip[2]}], outputs[{op[0]}], topk=TOPK,\n"
-        '                          lengths=sizes.get("lengths"), scratch=scratch)\n')
+        f"                          k_scale={f'inputs[{ip[3]}]' if len(ip) > 3 else None}, "
+        'lengths=sizes.get("lengths"), scratch=scratch)\n')
     body = inspect.getsource(radix_topk) + "\n\n" + body
     return _module(group, "dsa_index_topk (score kernel + torch.topk on packed int64 keys; decode at long context: "
-                   "radix select)", consts, [take_scratch, dsa_score_kernel, *dsa_decode.KERNELS],
+                   "radix select)", consts, [take_scratch, fp8_query, dsa_score_kernel, *dsa_decode.KERNELS],
                    launch_dsa_index_topk, body)
 
 

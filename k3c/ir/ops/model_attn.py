@@ -1,4 +1,4 @@
-"""Model-level ops of the global layers and of Attention Residuals: mla_attention, dsa_index_topk,
+"""Model-level ops of the global layers and of Attention Residuals: mla_attention, dsa_index_topk, fp8_quantize,
 attn_res_inter, attn_res_merge, cache_append.
 
 Formulas: /work/shared/K3-SPEC.md "Gated MLA", "Gated DSA" and "Block Attention Residuals". Positions are
@@ -139,17 +139,42 @@ def _mla_attention(attrs, q, k, v=None, idx=None):
 
 
 # ---- DSA lightning indexer ------------------------------------------------------------------------------------
-def dsa_index_topk_ref(attrs, q_i, w, k_i):
+FP8_MAX = 448.0   # largest float8_e4m3fn value
+
+
+def fp8_quantize_ref(attrs, x):
+    """x [..., D] float -> (x8 f8e4m3 [..., D], scale f32 [...]) with x ~= scale * x8: one scale per row of the last
+    dim, scale = max|x| / 448 (1 for an all-zero row), x8 = e4m3(x / scale), rounded to nearest even (torch's cast).
+    The per-key scaling of DeepSeek-V3.2's FP8 indexer cache (K3-SPEC.md "Gated DSA")."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return [(xf / scale[..., None]).to(torch.float8_e4m3fn), scale]
+
+
+def _fp8_query(q_i, w):
+    """The e4m3 query of the FP8 scan: q rounded to bf16, then e4m3 per head (`fp8_quantize_ref`), its scale folded
+    into w (scale > 0, so w_j ReLU(q_j . k) = (w_j s_j) ReLU(q8_j . k)). Returns (q8 as f32, w f32)."""
+    q8, sq = fp8_quantize_ref({}, q_i.to(torch.bfloat16))
+    return q8.float(), w.float() * sq
+
+
+def dsa_index_topk_ref(attrs, q_i, w, k_i, k_scale=None):
     """I[t,s] = Σ_j w[t,j] · ReLU(q_I[t,j] · k_I[s]) (DeepSeek-V3.2 eq. 1; K3-SPEC.md "Gated DSA"), fp32, causal.
 
+    FP8 keys (k_i f8e4m3 with k_scale f32 [B,L], from `fp8_quantize`): I[t,s] = k_scale[s] · Σ_j w'[t,j] ·
+    ReLU(q8[t,j] · k8[s]) with the e4m3 query of `_fp8_query` (one e4m3 x e4m3 product, as the kernels' scan).
     Returns i64 [B,T,topk]: visible positions by decreasing score, ties to the lowest position (stable sort),
     −1 in the slots beyond the visible count.
     """
     topk = attrs["topk"]
     B, T = q_i.shape[:2]
     L = k_i.shape[1]
-    s = torch.einsum("btjd,bsd->btjs", q_i.float(), k_i.float()).relu()
-    score = torch.einsum("btj,btjs->bts", w.float(), s)
+    q, w = _fp8_query(q_i, w) if k_scale is not None else (q_i.float(), w.float())
+    s = torch.einsum("btjd,bsd->btjs", q, k_i.float()).relu()
+    score = torch.einsum("btj,btjs->bts", w, s)
+    if k_scale is not None:
+        score = score * k_scale.float()[:, None, :]
     vis = causal_visible(T, L).expand(B, T, L)
     score = score.masked_fill(~vis, float("-inf"))
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :topk]
@@ -160,16 +185,18 @@ def dsa_index_topk_ref(attrs, q_i, w, k_i):
     return [idx]
 
 
-@op("dsa_index_topk", inputs=["q_i", "w", "k_i"], attrs={"topk": Attr("int")}, kind="model",
+@op("dsa_index_topk", inputs=["q_i", "w", "k_i", "k_scale?"], attrs={"topk": Attr("int")}, kind="model",
     ref=dsa_index_topk_ref,
     flops=lambda a, ins, outs: numel(ins[0]) * ins[2].shape[1] * 2 + numel(ins[1]) * ins[2].shape[1] * 2)
-def _dsa_index_topk(attrs, q_i, w, k_i):
-    """dsa_index_topk(q_I [B,T,J,D], w [B,T,J], k_I [B,L,D]) {topk} -> idx i64 [B,T,topk] (−1 = invalid).
+def _dsa_index_topk(attrs, q_i, w, k_i, k_scale=None):
+    """dsa_index_topk(q_I [B,T,J,D], w [B,T,J], k_I [B,L,D][, k_scale f32 [B,L]]) {topk} -> idx i64 [B,T,topk]
+    (−1 = invalid).
 
     Matches `k3::dsa_topk` of models/ops.py. See `dsa_index_topk_ref`. Contract: row (b, t) is a SET — the topk
     best visible positions (exact ties to the lowest position) in its first min(visible, topk) slots, −1 after —
     in an order kernels may choose (its consumer, `mla_attention` with idx, is a softmax over the set); the
-    reference returns them by decreasing score.
+    reference returns them by decreasing score. FP8 keys (`--dsa-index-keys fp8`): k_I f8e4m3 with k_scale, and
+    only then.
     """
     n = "dsa_index_topk"
     need_rank(n, q_i, 4, "q_i")
@@ -180,9 +207,29 @@ def _dsa_index_topk(attrs, q_i, w, k_i):
         need_eq(n, w.shape[i], d, f"w dim {i}")
     need_eq(n, k_i.shape[0], B, "k_i batch")
     need_eq(n, k_i.shape[2], D, "k_i width")
+    if (k_i.dtype == "f8e4m3") != (k_scale is not None):
+        raise IRError(f"{n}: k_scale goes with f8e4m3 keys and only then (k_i {k_i.dtype}, k_scale "
+                      f"{'given' if k_scale is not None else 'missing'})")
+    if k_scale is not None:
+        need_dtype(n, k_scale, {"f32"}, "k_scale")
+        need_rank(n, k_scale, 2, "k_scale")
+        need_eq(n, k_scale.shape[0], B, "k_scale batch")
+        need_eq(n, k_scale.shape[1], k_i.shape[1], "k_scale keys")
     if attrs["topk"] < 1:
         raise IRError(f"{n}: topk must be >= 1")
     return [TensorType((B, T, attrs["topk"]), "i64")]
+
+
+@op("fp8_quantize", inputs=["x"], kind="model", ref=fp8_quantize_ref,
+    flops=lambda a, ins, outs: numel(ins[0]) * 3,
+    bytes=lambda a, ins, outs: dim(numel(ins[0]) * (_isz(ins[0]) + 1) + numel(outs[1]) * 4))
+def _fp8_quantize(attrs, x):
+    """fp8_quantize(x [..., D] float) -> (x8 f8e4m3 [..., D], scale f32 [...]): see `fp8_quantize_ref` (the DSA
+    index keys' append with `--dsa-index-keys fp8`)."""
+    need_dtype("fp8_quantize", x, _F, "x")
+    if x.rank < 1:
+        raise IRError("fp8_quantize: x needs a last (quantized) dim")
+    return [x.with_dtype("f8e4m3"), TensorType(tuple(x.shape[:-1]), "f32")]
 
 
 # ---- Block Attention Residuals (two-phase inference form) -------------------------------------------------------

@@ -9,6 +9,8 @@ positions of a frame with device lengths (`k3c.runtime.frame`).
 
 from __future__ import annotations
 
+import torch
+
 from k3c.runtime.dims import evaluate
 from k3c.runtime.launchers import Launcher
 from k3c.runtime.library import ALIASING, INTO_OPS, run_op, run_op_into
@@ -25,7 +27,10 @@ class TorchOpLauncher(Launcher):
                 pool[:, L:L + T].copy_(ins[1])
                 env[ln["outputs"][0]] = pool[:, :L + T]
             else:  # device lengths: row b at positions lengths[b] + t; readers see the whole pool
-                pool.index_put_((frame.rows, frame.positions), ins[1])
+                dst, rows = pool, ins[1]
+                if pool.dtype == torch.float8_e4m3fn:   # index_put_ has no fp8 kernel on every device: the bytes
+                    dst, rows = pool.view(torch.uint8), rows.view(torch.uint8)
+                dst.index_put_((frame.rows, frame.positions), rows)
                 env[ln["outputs"][0]] = pool
             return
         dims = ln["dim_attrs"]
