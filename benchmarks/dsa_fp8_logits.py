@@ -5,15 +5,25 @@ once per FP8 option, with the indexer's selection replaced by the math of `k3c.c
   fp8 keys        k = scale * k8 (e4m3, one fp32 scale per key, `quantize_index_keys`); q exact
   fp8 keys + q    q also e4m3 per head (FP8_QUERY: the scan's fp8 x fp8 product)
   + rerank N      the topk + N best fp8 scores re-ranked by their exact scores (`k_exact`)
+  k3c fp8         `k3c compile --dsa-index-keys fp8`: the IR ops' semantics (`fp8_quantize`, `dsa_index_topk` with
+                  k_scale: q rounded to bf16, then e4m3 per head), no exact keys kept
+  compiled        (--artifact) the compiled artifact itself: k3.1-pro-tiny compiled plan-only with
+                  --dsa-index-keys fp8, its prefill / decode graphs (every pass run) interpreted with the model's weights
 Every decode step's fp8 selection is also run through the Triton kernel (`dsa_decode_topk`, interpreter) and must
 equal this script's torch selection (KERNEL line). Errors per call: max |a - b| / max |b| over the vocabulary
-(worst call), and how often the greedy token agrees. Usage:
+(worst call), how often the greedy token agrees, and the mean overlap of each selection with the exact indexer's
+(rows with more visible keys than topk). --scale L adds the overlap at full size (K3.1 Pro's indexer: 32 heads of
+128, top-2048 of L Gaussian keys, LayerNorm'd; Gaussian queries and head weights), where rounding moves more keys
+across the threshold than in the tiny model. Usage:
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python benchmarks/dsa_fp8_logits.py [--prompt 64] [--steps 32] [--seed 1]
+        [--artifact] [--scale 131072]
 """
 
 import argparse
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -21,6 +31,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton import dsa_decode as dd  # noqa: E402
+from k3c.ir.ops.model_attn import dsa_index_topk_ref, fp8_quantize_ref  # noqa: E402
 from models import layers  # noqa: E402
 from models.k3 import K3Config, K3ForCausalLM  # noqa: E402
 from models.ops import dsa_scores  # noqa: E402
@@ -45,11 +56,20 @@ def select(scores, exact, topk, extra):
     return torch.nn.functional.pad(idx, (0, max(0, topk - L)), value=-1)
 
 
+def overlap(idx, exact):
+    """(sum over rows of |idx ∩ exact| / |exact|, rows) over the rows whose exact set is full (no -1 slot)."""
+    full = (exact >= 0).all(-1)
+    hit = (idx[..., :, None] == exact[..., None, :]).any(-1).sum(-1).float() / exact.shape[-1]
+    return float(hit[full].sum()), int(full.sum())
+
+
 class Fp8Indexer:
-    """Replacement for `layers.Indexer.forward` with the chosen FP8 option; counts kernel agreement at decode."""
+    """Replacement for `layers.Indexer.forward` with the chosen FP8 option ("k3c": the IR ops' semantics); counts
+    kernel agreement at decode and the overlap with the exact selection."""
 
     def __init__(self, query_fp8, extra):
         self.query_fp8, self.extra, self.kernel_steps, self.kernel_equal = query_fp8, extra, 0, 0
+        self.hits, self.rows = 0.0, 0
 
     def __call__(self, mod, x, qr, cache, new_cache, prefix):
         B, T, _ = x.shape
@@ -57,9 +77,15 @@ class Fp8Indexer:
         new_cache[prefix + "index_k"] = keys
         q_idx = mod.wq_b(qr).reshape(B, T, mod.J, mod.Dk)
         w = mod.weights_proj(x) * (mod.J ** -0.5 * mod.Dk ** -0.5)
-        q8 = fp8_per_row(q_idx) if self.query_fp8 else q_idx
-        idx = select(dsa_scores(q8, w, fp8_per_row(keys)), dsa_scores(q_idx, w, keys), mod.topk, self.extra)
-        if T == 1 and self.query_fp8:      # the kernel computes exactly this option (fp8 q, FP8_QUERY)
+        exact = select(dsa_scores(q_idx, w, keys), None, mod.topk, None)
+        if self.query_fp8 == "k3c":
+            (idx,) = dsa_index_topk_ref({"topk": mod.topk}, q_idx, w, *fp8_quantize_ref({}, keys))
+        else:
+            q8 = fp8_per_row(q_idx) if self.query_fp8 else q_idx
+            idx = select(dsa_scores(q8, w, fp8_per_row(keys)), dsa_scores(q_idx, w, keys), mod.topk, self.extra)
+        hits, rows = overlap(idx, exact)
+        self.hits, self.rows = self.hits + hits, self.rows + rows
+        if T == 1 and self.query_fp8 is True:      # the kernel computes exactly this option (fp8 q, FP8_QUERY)
             k8, ks = dd.quantize_index_keys(keys)
             k_exact = keys if self.extra is not None else None
             got = dd.dsa_decode_topk(q_idx[:, 0], w[:, 0], k8, mod.topk, k_scale=ks, ordered=True, k_exact=k_exact,
@@ -79,12 +105,65 @@ def run(model, tokens, prompt):
     return torch.stack(out)
 
 
+def run_artifact(model, tokens, prompt):
+    """`run` on the compiled artifact's graphs: k3.1-pro-tiny compiled plan-only (f32) with --dsa-index-keys fp8,
+    its prefill and decode graphs interpreted with `model`'s weights, the caches carried between calls."""
+    from k3c.compile import CompileOptions, compile_model
+    from k3c.ir import serialize
+    from k3c.ir.interp import interpret
+    from k3c.ir.types import evaluate, torch_dtype
+    from k3c.passes.derived import materialize_params
+
+    B, n = tokens.shape
+    with tempfile.TemporaryDirectory() as tmp:
+        opts = CompileOptions(model.config.name, Path(tmp) / "art", target="h200", dtype="f32", max_batch=B,
+                              max_seq=n, max_prefill=prompt, plan_only=True, dsa_index_keys="fp8")
+        compile_model(opts)
+        graphs = {e: serialize.load(opts.out / "graph" / f"{e}.json") for e in ("prefill", "decode")}
+    named = {k: p.detach() for k, p in model.named_parameters()}
+    params = {e: materialize_params(g, named) for e, g in graphs.items()}
+    caches = {v.name: torch.zeros([evaluate(d, {"B": B, "L": 0}) for d in v.type.shape], dtype=torch_dtype(v.type.dtype))
+              for v in graphs["prefill"].inputs if v.name != "tokens"}
+    out = []
+    for t0, t1 in [(0, prompt)] + [(t, t + 1) for t in range(prompt, n)]:
+        entry = "prefill" if t0 == 0 else "decode"
+        res = interpret(graphs[entry], {"tokens": tokens[:, t0:t1], **caches}, params[entry],
+                        bindings={"B": B, "T": t1 - t0, "L": t0})
+        caches = {k: res[k] for k in caches}
+        out.append(res["logits"][:, -1])
+    return torch.stack(out)
+
+
+def overlap_at_scale(L, rows=4, J=32, D=128, topk=2048, seed=0):
+    """Mean overlap with the exact top-k of: the k3c fp8 semantics, fp8 keys with an exact q, and the k3c fp8
+    selection of topk + 2048 re-ranked exactly (`dsa_decode.RERANK_EXTRA`); `rows` decode queries over L keys."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.nn.functional.layer_norm(torch.randn(1, L, D, generator=gen), (D,))
+    k8, ks = fp8_quantize_ref({}, keys)
+    res = {"k3c fp8 (e4m3 q and keys)": 0.0, "fp8 keys, exact q": 0.0, "k3c fp8 + rerank 2048": 0.0}
+    for _ in range(rows):
+        q = torch.randn(1, 1, J, D, generator=gen)
+        w = torch.randn(1, 1, J, generator=gen) * (J ** -0.5 * D ** -0.5)
+        exact_s = dsa_scores(q, w, keys)
+        exact = select(exact_s, None, topk, None)
+        (fp8,) = dsa_index_topk_ref({"topk": topk}, q, w, k8, ks)
+        fp8_s = dsa_scores(q, w, k8.float() * ks[..., None])
+        res["k3c fp8 (e4m3 q and keys)"] += overlap(fp8, exact)[0] / rows
+        res["fp8 keys, exact q"] += overlap(select(fp8_s, None, topk, None), exact)[0] / rows
+        q8, sq = fp8_quantize_ref({}, q.to(torch.bfloat16))
+        k3c_s = dsa_scores(q8.float(), w * sq, k8.float()) * ks[:, None]
+        res["k3c fp8 + rerank 2048"] += overlap(select(k3c_s, exact_s, topk, dd.RERANK_EXTRA), exact)[0] / rows
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--artifact", action="store_true", help="also run the compiled --dsa-index-keys fp8 artifact")
+    ap.add_argument("--scale", type=int, default=0, help="also the overlap at full size over this many keys")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     model = K3ForCausalLM(K3Config.from_pretrained("k3.1-pro-tiny")).init_random_(args.seed).eval()
@@ -103,7 +182,7 @@ def main():
         original = layers.Indexer.forward
         for name, query_fp8, extra in (("fp8 keys", False, None), ("fp8 keys + fp8 q", True, None),
                                        ("fp8 keys + fp8 q + rerank 4", True, 4),
-                                       ("fp8 keys + fp8 q + rerank 16", True, 16)):
+                                       ("fp8 keys + fp8 q + rerank 16", True, 16), ("k3c fp8", "k3c", None)):
             hook = Fp8Indexer(query_fp8, extra)
             layers.Indexer.forward = lambda mod, *a, hook=hook: hook(mod, *a)
             try:
@@ -112,10 +191,20 @@ def main():
                 layers.Indexer.forward = original
             err = ((got - exact).abs().amax(-1) / exact.abs().amax(-1)).max().item()
             agree = (got.argmax(-1) == exact.argmax(-1)).float().mean().item()
-            print(f"ROW {name}: max rel logits error {err:.3e}, greedy agreement {100 * agree:.1f} %")
+            print(f"ROW {name}: max rel logits error {err:.3e}, greedy agreement {100 * agree:.1f} %, top-k overlap "
+                  f"with the exact indexer {hook.hits / max(hook.rows, 1):.4f} ({hook.rows} rows)")
             if hook.kernel_steps:
                 print(f"KERNEL {name}: dsa_decode_topk == torch selection in {hook.kernel_equal} / "
                       f"{hook.kernel_steps} decode calls")
+        if args.artifact:
+            got = run_artifact(model, tokens, args.prompt)
+            err = ((got - exact).abs().amax(-1) / exact.abs().amax(-1)).max().item()
+            agree = (got.argmax(-1) == exact.argmax(-1)).float().mean().item()
+            print(f"ROW compiled --dsa-index-keys fp8: max rel logits error {err:.3e}, greedy agreement "
+                  f"{100 * agree:.1f} %")
+    if args.scale:
+        for name, v in overlap_at_scale(args.scale).items():
+            print(f"SCALE L={args.scale} top-2048: {name}: overlap with the exact indexer {v:.4f}")
 
 
 if __name__ == "__main__":

@@ -103,3 +103,20 @@ def test_plan_counts_a_bf16_state_at_half_the_bytes():
         assert f32.decode_bytes_per_gpu - bf16.decode_bytes_per_gpu == pytest.approx(2 * 2 * n)
     with pytest.raises(ConfigError, match=r"^--kda-state fp8 \(kda_state_dtype\): expected one of f32, bf16$"):
         estimate(cfg, "h200", kda_state_dtype="fp8")
+
+
+def test_plan_counts_fp8_index_keys_with_their_scales():
+    """`k3c plan --dsa-index-keys`: fp8 (the default, K3-SPEC "Sizes": 128 B per token per DSA layer) adds one f32
+    scale per key, as `k3c compile --dsa-index-keys fp8` stores them; bf16 keys are 2 B per value. A decode step
+    reads every cached key of every DSA layer once."""
+    cfg = K3Config.from_pretrained("k3.1-pro")
+    fp8, bf16 = (estimate(cfg, "h200", 16, max_batch=2, max_seq=1 << 17, dsa_index_keys=d) for d in ("fp8", "bf16"))
+    n = 24 * 2 * (1 << 17)                                  # DSA layers x sequences x tokens
+    assert fp8.pools["dsa_index_keys"] == {"shape": [24, 2, 1 << 17, 128], "dtype": "float8_e4m3fn",
+                                           "bytes": n * 128, "doc": fp8.pools["dsa_index_keys"]["doc"]}
+    assert fp8.pools["dsa_index_scales"]["bytes"] == n * 4 and "dsa_index_scales" not in bf16.pools
+    assert bf16.pools["dsa_index_keys"]["bytes"] == n * 256
+    assert bf16.pool_bytes_per_gpu - fp8.pool_bytes_per_gpu == n * (256 - 132)
+    assert (bf16.decode_bytes_per_gpu - fp8.decode_bytes_per_gpu) * 16 == pytest.approx(n * (256 - 132))
+    with pytest.raises(ConfigError, match=r"^--dsa-index-keys fp16 \(dsa_index_keys\): expected one of bf16, fp8$"):
+        estimate(cfg, "h200", dsa_index_keys="fp16")

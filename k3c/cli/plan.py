@@ -18,6 +18,8 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
          experts_dtype: str = typer.Option(None, "--experts-dtype",
                                            help="routed experts stored as mxfp4 or bf16 [default: as the checkpoint]"),
          kda_state: str = typer.Option("f32", "--kda-state", help="KDA recurrent state stored as f32 or bf16"),
+         dsa_index_keys: str = typer.Option("fp8", "--dsa-index-keys", help="DSA index keys stored as fp8 (e4m3 + "
+                                            "one f32 scale per key, as K3-SPEC sizes them) or bf16"),
          json_out: bool = typer.Option(False, "--json", help="print JSON instead of a table")):
     """What MODEL needs on N GPUs of TARGET: memory per GPU and a decode-step roofline (no hardware needed)."""
     import json
@@ -31,14 +33,14 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
         raise K3CError(f"--tp {tp!r}: expected comma-separated integers such as 8 or 1,2,4,8") from None
     cfg = K3Config.from_pretrained(model)
     rows = [estimate(cfg, target, n, max_batch, max_seq, context, experts_dtype=experts_dtype,
-                     kda_state_dtype=kda_state) for n in tps]
+                     kda_state_dtype=kda_state, dsa_index_keys=dsa_index_keys) for n in tps]
     if json_out:
         out.print_json(json.dumps([r.to_json() for r in rows]))
         return
     e0 = rows[0]
     t = Table(title=f"{cfg.name} on {e0.target}: {e0.params / 1e9:,.1f} billion parameters ({e0.active_params_per_token / 1e9:.1f} "
                     f"billion active); caches for {max_batch} x {max_seq:,} tokens, "
-                    f"KDA state {kda_state}")
+                    f"KDA state {kda_state}, DSA index keys {dsa_index_keys}")
     for col in ("GPUs", "weights/GPU", "caches/GPU", "total/GPU", "fits", "decode step", "bound", "tokens/s"):
         t.add_column(col, justify="right")
     gib = lambda b: f"{b / 2**30:,.1f} GiB"  # noqa: E731

@@ -11,6 +11,7 @@ Pools (shapes; B = max_batch, S = max_seq):
 - kda_conv        [L_kda, B, 3·H·K, W]  last W inputs of the q, k and v short convolutions (kernel W = 4)
 - mla_latent_kv   [L_global, B, S, kv_lora_rank + qk_rope_head_dim]   576 values per token (K3-SPEC "Gated MLA")
 - dsa_index_keys  [L_dsa, B, S, index_head_dim]   the indexer's key per token (K3-SPEC "Gated DSA"; FP8 default)
+- dsa_index_scales [L_dsa, B, S]                  f32 scale per FP8 key (`k3c compile --dsa-index-keys fp8`)
 - attn_res_blocks [sources, T_max, hidden]   Block AttnRes sources (sealed blocks + partial sum) for every token
                                               in flight (T_max = max tokens per call, e.g. B × max_prefill)
 """
@@ -75,13 +76,15 @@ def cache_pools(*, max_batch: int, max_seq: int,
                 dsa_layers: int = 0, index_head_dim: int = 0,
                 attn_res_sources: int = 0, hidden_size: int = 0, max_tokens_in_flight: int = 0,
                 state_dtype: str = "float32", conv_dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
-                index_dtype: str = "float8_e4m3fn", attn_res_dtype: str = "bfloat16") -> dict[str, Pool]:
+                index_dtype: str = "float8_e4m3fn", index_scale_dtype: str | None = None,
+                attn_res_dtype: str = "bfloat16") -> dict[str, Pool]:
     """The persistent pools of one rank, by name, in a fixed order; kinds with zero layers are left out.
 
     Units: counts in elements/tokens/sequences; `max_batch` sequences of up to `max_seq` tokens each.
     Sizes: K3-SPEC.md "Sizes to check a memory plan against" (e.g. K3.1 Pro: kda_state 69×96×128×128×2 B
     ≈ 207 MiB in bf16 per sequence; mla_latent_kv 1152 B per token per global layer; dsa_index_keys 128 B per
-    token per layer in FP8; attn_res_blocks 9×7168×2 B per token in flight).
+    token per layer in FP8; attn_res_blocks 9×7168×2 B per token in flight). index_scale_dtype: None, or the dtype of
+    one scale per index key (f32 with the compiler's FP8 keys: 4 B per token per layer more).
     Raises: ConfigError on a negative count, a missing width for a kind that has layers, or an unknown dtype.
     """
     ints = dict(max_batch=max_batch, max_seq=max_seq, kda_layers=kda_layers, kda_heads=kda_heads,
@@ -118,6 +121,9 @@ def cache_pools(*, max_batch: int, max_seq: int,
         need("dsa_layers", "index_head_dim")
         pools["dsa_index_keys"] = _pool("dsa_index_keys", (dsa_layers, B, S, index_head_dim), index_dtype,
                                         "DSA lightning-indexer keys k_I per token [L_dsa, B, S, D_I]")
+        if index_scale_dtype is not None:
+            pools["dsa_index_scales"] = _pool("dsa_index_scales", (dsa_layers, B, S), index_scale_dtype,
+                                              "one scale per FP8 index key [L_dsa, B, S]")
     if attn_res_sources:
         need("attn_res_sources", "hidden_size", "max_tokens_in_flight")
         pools["attn_res_blocks"] = _pool("attn_res_blocks", (attn_res_sources, max_tokens_in_flight, hidden_size),

@@ -4,7 +4,8 @@ The imported graph extends each KV / index-key cache functionally: `new_cache = 
 `cache_in` a graph input and `new_cache` the graph output of the same name. This pass turns every such `cat` into
 `cache_append(cache_in, rows)`, which the runtime executes by writing only the new rows into the pool that backs
 the cache (K3-SPEC.md "Sizes to check a memory plan against": the latent KV pool is the model's largest buffer, so
-it must never be copied). KDA states need no rewrite: `kda_fused` returns the new state and conv state, which the
+it must never be copied). With FP8 index keys (`--dsa-index-keys fp8`) the keys' scales are a third appended cache,
+`layers.i.index_k_scale` [B, L] (`k3c.frontend.index_keys`). KDA states need no rewrite: `kda_fused` returns the new state and conv state, which the
 runtime binds to the same pool buffers as the inputs (updated in place).
 
 A cache output that is not produced this way raises IRError naming it: the runtime could not keep it in a pool.

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 import k3c  # noqa: E402
 from k3c.codegen.triton import dsa_index  # noqa: E402
+from k3c.codegen.triton.dsa_decode import radix_topk  # noqa: E402
 from k3c.compile import CompileOptions, compile_model  # noqa: E402
 from k3c.context import CompileContext  # noqa: E402
 from k3c.errors import ConfigError, UnsupportedError  # noqa: E402
@@ -160,11 +161,11 @@ def test_interpreted_graphs_match_eager_with_fp8_keys(plan_art):
     assert worst_exact > 1e-3      # FP8 keys select other keys than exact ones here: the checks above can fail
 
 
-def _launch_and_ref(T: int, L: int):
+def _launch_and_ref(T: int, L: int, D: int = 16):
     """(launcher's idx, `dsa_index_topk_ref`'s, the ref's with the exact (unquantized) query), each sorted per row,
-    for random q, w and e4m3 keys of batch 2, 4 heads of 16, top-16."""
+    for random q, w and e4m3 keys of batch 2, 4 heads of D, top-16."""
     gen = torch.Generator().manual_seed(T + L)
-    Bn, J, D, topk = 2, 4, 16, 16
+    Bn, J, topk = 2, 4, 16
     q = torch.randn(Bn, T, J, D, generator=gen)
     w = torch.randn(Bn, T, J, generator=gen)
     k8, scale = _quantize(torch.randn(Bn, L, D, generator=gen))
@@ -177,13 +178,18 @@ def _launch_and_ref(T: int, L: int):
     return out.sort(-1).values, want.sort(-1).values, exact.sort(-1).values
 
 
-@pytest.mark.parametrize("T,L", [(6, 40), (1, 2000), (1, dsa_index.RADIX_MIN_KEYS)],
-                         ids=["prefill", "decode-score-kernel", "decode-radix"])
-def test_launcher_matches_the_reference(T, L):
+@pytest.mark.parametrize("T,L,D,radix", [(6, 40, 16, False), (1, 2000, 16, False),
+                                         (1, dsa_index.RADIX_MIN_KEYS, dsa_index.FP8_RADIX_MIN_D, True),
+                                         (1, dsa_index.RADIX_MIN_KEYS, 16, False)],
+                         ids=["prefill", "decode-score-kernel", "decode-radix", "decode-narrow-keys"])
+def test_launcher_matches_the_reference(T, L, D, radix, monkeypatch):
     """`launch_dsa_index_topk` with e4m3 keys (interpreted Triton) selects the set `dsa_index_topk_ref` selects, on
-    the score kernel (T > 1, or few keys) and on the radix select of long-context decode."""
-    got, want, _ = _launch_and_ref(T, L)
-    assert torch.equal(got, want)
+    the score kernel (T > 1, or few keys, or keys narrower than the radix scan's e4m3 product takes) and on the
+    radix select of long-context decode."""
+    calls = []
+    monkeypatch.setattr(dsa_index, "radix_topk", lambda *a, **k: calls.append(1) or radix_topk(*a, **k))
+    got, want, _ = _launch_and_ref(T, L, D)
+    assert torch.equal(got, want) and bool(calls) == radix
 
 
 def test_the_query_is_e4m3_too():

@@ -45,6 +45,8 @@ from k3c.ir.types import TensorType
 SCRATCH_BYTES = 1 << 28     # cap of dsa_index_topk's i64 sort-key scratch; T is processed in row chunks under it
 RADIX_MIN_KEYS = 16384      # decode (T = 1) with at least this many keys: radix select (`dsa_decode.radix_topk`)
 RADIX_ROW_PAD = dsa_decode.HIST_STRIDE // 2   # i64 words per row of the radix select's histogram + counters
+FP8_RADIX_MIN_D = 32   # the radix scan's e4m3 x e4m3 tl.dot needs K >= 32 (Triton 3.6, H200): narrower fp8 keys
+                       # (the tiny presets' D = 16) take the score kernel at every length
 SEMANTICS = "the op's `ref` in k3c/ir/ops/model_attn.py (K3-SPEC.md 'Gated DSA')."
 
 
@@ -116,7 +118,8 @@ def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, k_scale=None, lengths=None,
     Result (the op's contract, `dsa_index_topk` in k3c/ir/ops/model_attn.py): row (b, t) holds the set of the topk
     best visible positions (ties by lowest position) in its first min(visible, topk) slots, then −1; the order within
     the set is unspecified (the attention over it is order-free). Here: the reference's order, except decode (T = 1)
-    with L ≥ RADIX_MIN_KEYS, which runs the radix select of `dsa_decode` (no order, written into `out`, contiguous).
+    with L ≥ RADIX_MIN_KEYS (and, with fp8 keys, D ≥ FP8_RADIX_MIN_D), which runs the radix select of `dsa_decode`
+    (no order, written into `out`, contiguous).
     Scratch: `scratch["keys"]` (the planned buffer, `dsa_index_topk_scratch`), else allocated here: flat i64
     [max(B·(L + RADIX_ROW_PAD), min(SCRATCH_BYTES // 8, B·T·L))]; the sort keys take [B, rows, L] of it for rows =
     max(1, min(T, its size // (B·L))) of T per pass, the radix select its int32 words
@@ -137,7 +140,7 @@ def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, k_scale=None, lengths=None,
                          f"(k_i {k_i.dtype}, k_scale {None if k_scale is None else tuple(k_scale.shape)})")
     keys = take_scratch(scratch, "keys", (max(B * L + B * RADIX_ROW_PAD, min(SCRATCH_BYTES // 8, B * T * L)),),
                         torch.int64, q_i.device)
-    if T == 1 and L >= RADIX_MIN_KEYS:     # the set, written into out, the scratch from the plan: no torch op
+    if T == 1 and L >= RADIX_MIN_KEYS and (not fp8 or D >= FP8_RADIX_MIN_D):   # the set, into out: no torch op
         if not out.is_contiguous():
             raise ValueError(f"dsa_index_topk: out {tuple(out.shape)} must be contiguous")
         radix_topk(q_i[:, 0], w[:, 0], k_i, topk, k_scale, False, lengths=lengths, out=out,
@@ -177,6 +180,7 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
     consts = [("TOPK", node.attrs["topk"], "index_topk"),
               ("SCRATCH_BYTES", SCRATCH_BYTES, "cap of the i64 sort-key scratch (rows of T per pass)"),
               ("RADIX_MIN_KEYS", RADIX_MIN_KEYS, "decode with at least this many keys: radix select"),
+              ("FP8_RADIX_MIN_D", FP8_RADIX_MIN_D, "radix select of fp8 keys: at least this key width"),
               ("SCAN_BLOCK", dsa_decode.SCAN_BLOCK, "radix select: keys per scan step"),
               ("SCAN_WARPS", dsa_decode.SCAN_WARPS, "radix select: warps per scan program"),
               ("SELECT_BLOCK", dsa_decode.SELECT_BLOCK, "radix select: keys per collect step"),
