@@ -9,8 +9,9 @@ the compiled path (`dsa_index.launch_dsa_index_topk` into `out` on planned scrat
 previous dsa_decode.py (--baseline, e.g. `git show <rev>:k3c/codegen/triton/dsa_decode.py`; its ordered output must
 equal the current one's), the collect pass's candidate counts, FP8 index keys (e4m3 + one fp32 scale per key, fp8
 q; alone or with the bf16 re-ranking of topk + RERANK_EXTRA candidates, whose order must equal torch's sort) against
-bf16 keys (top-k overlap, attention-output error), and every attention variant's output against a torch gather +
-softmax (ATTN_VARIANTS, --attention). Then each is timed, the baseline as a set and as the previous compiled path
+bf16 keys (top-k overlap, attention-output error), every attention variant's output against a torch gather +
+softmax (ATTN_VARIANTS, --attention), and the set for a zeroed index-key cache (every score tied: the lowest
+positions; also timed, with the baseline's). Then each is timed, the baseline as a set and as the previous compiled path
 (ordered + out.copy_). Timing: triton.testing.do_bench_cudagraph median, rotating buffer sets past 3x the 60 MB L2.
 Floor = bytes / 4.2 TB/s, bytes = index keys (+ scales, + the re-ranked candidates' bf16 keys) + the 2048 latent
 rows read by the attention.
@@ -112,9 +113,12 @@ def profile(label, fn):
             print(f"PROFILE {label} | {ev.key[:50]} | {us:.1f} us", flush=True)
 
 
-ATTN_VARIANTS = {     # name -> attention.(SPARSE_DECODE, SPARSE_HEAD_BLOCK, SPARSE_STAGES, MIN_KEYS_PER_SPLIT,
-                     #                   SPARSE_BLOCK_S, SPARSE_WARPS, SPARSE_TARGET_PROGRAMS); B = 16 x 96 heads:
-                     # key splits 6 / 11 / 16 / 32 at target 264 / 528 / 1056 / 2112 (head block 32)
+ATTN_KNOBS = ("SPARSE_DECODE", "SPARSE_HEAD_BLOCK", "SPARSE_STAGES", "MIN_KEYS_PER_SPLIT", "SPARSE_BLOCK_S",
+              "SPARSE_WARPS", "SPARSE_TARGET_PROGRAMS", "SPARSE_BF16_PARTIALS")
+ATTN_DEFAULTS = tuple(getattr(attention, k) for k in ATTN_KNOBS)
+ATTN_VARIANTS = {     # name -> attention knobs (ATTN_KNOBS; the ones left out keep their defaults); B = 16 x 96 heads
+                      # at head block 32: 48 programs per key split, so target 96 / 240 / 264 / 528 / 1056 / 2112 ->
+                      # 2 / 5 / 6 / 11 / 16 / 32 splits; head block 64: 32 per split, target 128 -> 4 splits
     "generic kernel (previous)": (False, 32, 2, 64, 64, 8, 264), "sparse hb32 s2": (True, 32, 2, 64, 64, 8, 264),
     "sparse hb32 s3": (True, 32, 3, 64, 64, 8, 264), "sparse hb32 s1": (True, 32, 1, 64, 64, 8, 264),
     "sparse hb16 s2": (True, 16, 2, 64, 64, 8, 264), "sparse hb64 s2": (True, 64, 2, 64, 64, 8, 264),
@@ -122,13 +126,19 @@ ATTN_VARIANTS = {     # name -> attention.(SPARSE_DECODE, SPARSE_HEAD_BLOCK, SPA
     "sparse hb64 s2 bs32": (True, 64, 2, 64, 32, 8, 264), "sparse hb64 s2 w16": (True, 64, 2, 64, 64, 16, 264),
     "sparse hb32 s2 tp528": (True, 32, 2, 64, 64, 8, 528), "sparse hb32 s2 tp1056": (True, 32, 2, 64, 64, 8, 1056),
     "sparse hb32 s2 tp2112": (True, 32, 2, 64, 64, 8, 2112), "sparse hb64 s2 tp1056": (True, 64, 2, 64, 64, 8, 1056),
-    "sparse hb32 s3 tp1056": (True, 32, 3, 64, 64, 8, 1056), "sparse hb32 s2 mk32": (True, 32, 2, 32, 32, 8, 264)}
-ATTN_KNOBS = ("SPARSE_DECODE", "SPARSE_HEAD_BLOCK", "SPARSE_STAGES", "MIN_KEYS_PER_SPLIT", "SPARSE_BLOCK_S",
-              "SPARSE_WARPS", "SPARSE_TARGET_PROGRAMS")
+    "sparse hb32 s3 tp1056": (True, 32, 3, 64, 64, 8, 1056), "sparse hb32 s2 mk32": (True, 32, 2, 32, 32, 8, 264),
+    # round 5: fewer programs than 3 waves of one program per SM, larger key steps, bf16 partials
+    "sparse hb32 s2 tp96": (True, 32, 2, 64, 64, 8, 96), "sparse hb32 s2 tp240": (True, 32, 2, 64, 64, 8, 240),
+    "sparse hb32 s1 bs128": (True, 32, 1, 128, 128, 8, 264),
+    "sparse hb32 s1 bs128 tp96": (True, 32, 1, 128, 128, 8, 96),
+    "sparse hb32 s2 bs128 tp96": (True, 32, 2, 128, 128, 8, 96), "sparse hb64 s2 tp128": (True, 64, 2, 64, 64, 8, 128),
+    "sparse hb64 s2 w16 tp128": (True, 64, 2, 64, 64, 16, 128),
+    "sparse hb32 s2 bf16p": (True, 32, 2, 64, 64, 8, 264, True),
+    "sparse hb32 s2 tp96 bf16p": (True, 32, 2, 64, 64, 8, 96, True)}
 
 
 def set_attention(values):
-    for k, v in zip(ATTN_KNOBS, values):
+    for k, v in zip(ATTN_KNOBS, tuple(values) + ATTN_DEFAULTS[len(values):]):
         setattr(attention, k, v)
 
 
@@ -213,6 +223,16 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
         return overlap(out, idx) == 1.0
 
     check("compiled path (launch_dsa_index_topk, planned scratch) same set", compiled_check)
+    zeroed = dict(q_i=x["q_i"], w=x["w"], k_i=torch.zeros_like(x["k_i"]))    # every score 0: all tied
+    lowest = [set(range(TOPK))] * B
+
+    def zeroed_sets(mod):
+        got = mod.dsa_decode_topk(zeroed["q_i"], zeroed["w"], zeroed["k_i"], TOPK)
+        return [set(r.tolist()) for r in got.reshape(B, -1)] == lowest
+
+    check("zeroed index keys (all scores tied): the lowest positions", lambda: zeroed_sets(dd))
+    if baseline:
+        check("zeroed index keys: baseline the lowest positions", lambda: zeroed_sets(baseline))
 
     def rerank_order():
         idx8 = dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"])
@@ -255,9 +275,9 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
         rows.append(dict(B=B, L=L, impl=name, ms=ms, how=how, floor_ms=floor_ms, frac_floor=floor_ms / ms))
         print("ROW", rows[-1], flush=True)
 
-    def timed(name, fn, nbytes):
+    def timed(name, fn, nbytes, n=None):
         try:
-            ms, how = bench(fn, n_sets)
+            ms, how = bench(fn, n or n_sets)
             add(name, ms, how, nbytes)
         except Exception as e:  # noqa: BLE001
             print(f"# {name} failed: {e!r}", flush=True)
@@ -296,6 +316,11 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
     restore()
     timed("k3c compiled path: launch_dsa_index_topk into out, planned scratch, bf16 keys",
           lambda i: compiled_path(sets[i], outs[i]), idx_bytes)
+    timed("k3c top-k set, zeroed index keys (all scores tied)",
+          lambda i: dsa_decode_topk(zeroed["q_i"], zeroed["w"], zeroed["k_i"], TOPK), idx_bytes, n=1)
+    if baseline:
+        timed("baseline top-k set, zeroed index keys (all scores tied)",
+              lambda i: baseline.dsa_decode_topk(zeroed["q_i"], zeroed["w"], zeroed["k_i"], TOPK), idx_bytes, n=1)
     if baseline:
         timed("baseline index scan + radix top-k, bf16 keys (set)",
               lambda i: baseline.dsa_decode_topk(sets[i]["q_i"], sets[i]["w"], sets[i]["k_i"], TOPK), idx_bytes)

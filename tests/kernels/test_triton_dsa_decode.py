@@ -135,3 +135,60 @@ def test_errors():
         dsa_decode_topk(q_i, w, k_i, 16, k_exact=k_i)                  # exact keys only with fp8 keys
     with pytest.raises(RuntimeInputError):
         dsa_decode_topk(q_i, w, k8, 16, k_scale=ks, k_exact=k_i[:, :50])
+
+
+@pytest.mark.parametrize("case", ["all tied", "ties among negatives", "lengths over garbage"])
+def test_heavy_ties_take_the_lowest_positions(monkeypatch, case):
+    # more tied candidates than FINISH_CHUNK: the finishing select resolves u, then walks the row's keys in position
+    # order for the ties (TIE_BLOCK per step). all tied: every key zero, so every score 0 (a zeroed index cache);
+    # ties among negatives: 2/3 of the keys zero, the rest random with w of both signs, the threshold among the
+    # zeros and the bin holding them also holds the negative scores (u levels first); lengths: rows shorter than the
+    # bound over scratch pre-filled with the zero score's order key (ties past the row's keys must not be taken)
+    monkeypatch.setattr(dsa_decode, "FINISH_CHUNK", 64)
+    monkeypatch.setattr(dsa_decode, "TIE_BLOCK", 128)
+    L, topk = 1500, 300
+    q_i, w, k_i = index_inputs(L, seed=21)
+    if case == "all tied":
+        k_i = torch.zeros_like(k_i)
+    else:
+        zero = torch.rand(B, L, generator=torch.Generator().manual_seed(22)) < 2 / 3
+        k_i = torch.where(zero[..., None], 0.0, k_i)
+    if case != "lengths over garbage":
+        ref = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0]
+        assert torch.equal(dsa_decode_topk(q_i, w, k_i, topk, ordered=True), ref)
+        idx = dsa_decode_topk(q_i, w, k_i, topk)
+    else:
+        lengths = torch.tensor([700, 1199], dtype=torch.int32)             # rows of 701 and 1200 keys
+        ref = [dsa_index_topk_ref({"topk": topk}, q_i[b:b + 1, None], w[b:b + 1, None], k_i[b:b + 1, :n + 1])[0][0]
+               for b, n in enumerate(lengths.tolist())]
+        scratch = torch.full((dsa_decode.radix_scratch_words(B, L),), -2 ** 31, dtype=torch.int32)
+        idx = dsa_decode.radix_topk(q_i, w, k_i, topk, None, False, lengths=lengths, scratch=scratch)
+        ref = torch.cat(ref)
+    if case == "all tied":
+        assert as_sets(idx) == [set(range(topk))] * B
+    assert as_sets(idx) == as_sets(ref)
+    assert ((idx >= 0).sum(-1) == topk).all()
+
+
+def test_sparse_attention_bf16_partials(monkeypatch):
+    # SPARSE_BF16_PARTIALS: fp16 inputs, the split-K partials rounded to bf16 (8 bits), the combine in f32: the
+    # output within bf16's rounding of the fp32 torch result, and different from the f32-partials run's
+    from k3c.codegen.triton import attention
+    H, Dl, dv, L, topk = 16, 48, 32, 500, 200                           # 4 key splits + combine
+    q_i, w, k_i = index_inputs(L, seed=5)
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(B, 1, H, Dl, generator=gen).half()
+    kv = torch.randn(B, L, Dl, generator=gen).half()
+    idx = dsa_decode_topk(q_i, w, k_i, topk)
+    outs = {}
+    for bf16 in (False, True):
+        monkeypatch.setattr(attention, "SPARSE_BF16_PARTIALS", bf16)
+        outs[bf16] = torch.empty(B, 1, H, dv, dtype=torch.float16)
+        launch_mla(q, kv, None, idx, outs[bf16], absorbed=True, causal=True, scale=Dl ** -0.5, v_dim=dv,
+                   dense_max_keys=None)
+    rows = torch.gather(kv.float(), 1, idx[:, 0, :, None].expand(B, topk, Dl))
+    p = torch.softmax(torch.einsum("bhd,bsd->bhs", q[:, 0].float(), rows) * Dl ** -0.5, -1)
+    want = torch.einsum("bhs,bsd->bhd", p, rows[..., :dv])[:, None]
+    assert (outs[False].float() - want).abs().max().item() <= 2e-3
+    assert 0 < (outs[True].float() - outs[False].float()).abs().max().item()
+    assert (outs[True].float() - want).abs().max().item() <= 2 ** -8 * want.abs().max().item() + 2e-3

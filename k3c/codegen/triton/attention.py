@@ -53,6 +53,7 @@ SPARSE_BLOCK_S = 64         # its keys per step (bf16 / fp16; fp32: 16)
 SPARSE_WARPS = 8            # its warps per program
 SPARSE_TARGET_PROGRAMS = 264  # its split-K target (programs; B = 1 is capped by MIN_KEYS_PER_SPLIT instead): H200,
                               # B = 16: 6 key splits 77 us, 11 / 16 / 32 splits 90 / 104 / 144 us (BENCHMARKS.md)
+SPARSE_BF16_PARTIALS = False  # its split-K partials (o) in bf16 instead of f32 (bf16 / fp16 inputs): half the bytes
 
 
 @triton.jit
@@ -161,7 +162,8 @@ def mla_attention_kernel(
 @triton.jit
 def mla_combine_kernel(part_ptr, lse_ptr, o_ptr, H: tl.constexpr, DV: tl.constexpr, SPLITS: tl.constexpr,
                        BLOCK_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """o[bt, h] = Σ_i 2^(lse_i − M) o_i / Σ_i 2^(lse_i − M) over the key splits i (M = max lse_i)."""
+    """o[bt, h] = Σ_i 2^(lse_i − M) o_i / Σ_i 2^(lse_i − M) over the key splits i (M = max lse_i); the partials o_i
+    f32 or bf16 (`SPARSE_BF16_PARTIALS`), the sums in f32."""
     bt = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_i = tl.arange(0, BLOCK_SPLITS)
@@ -171,7 +173,7 @@ def mla_combine_kernel(part_ptr, lse_ptr, o_ptr, H: tl.constexpr, DV: tl.constex
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     part = tl.load(part_ptr + rows[:, None] * DV + offs_dv[None, :],
-                   mask=(offs_i < SPLITS)[:, None] & (offs_dv < DV)[None, :], other=0.0)
+                   mask=(offs_i < SPLITS)[:, None] & (offs_dv < DV)[None, :], other=0.0).to(tl.float32)
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + (bt * H + h) * DV + offs_dv, out.to(o_ptr.dtype.element_ty), mask=offs_dv < DV)
@@ -246,6 +248,8 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
             raise ValueError(f"mla_attention: {B * T} x {splits} split-K rows exceed the bound {rows} (split_rows)")
         o_dst = take_scratch(scratch, "o_part", (rows * H * DV,), torch.float32, q.device)
         lse = take_scratch(scratch, "lse", (rows * H,), torch.float32, q.device)
+        if sparse_decode and SPARSE_BF16_PARTIALS and q.dtype != torch.float32:
+            o_dst = o_dst.view(torch.bfloat16)      # the same planned bytes, half of them used
         o_dst, lse = o_dst[:B * T * splits * H * DV].view(B * T, splits, H, DV), lse[:B * T * splits * H]
     else:
         o_dst, lse = out, out
@@ -304,7 +308,8 @@ def emit_mla_attention(group: KernelGroup) -> str:
               ("SPARSE_STAGES", SPARSE_STAGES, "its software-pipeline depth"),
               ("SPARSE_BLOCK_S", SPARSE_BLOCK_S, "its keys per step (bf16 / fp16)"),
               ("SPARSE_WARPS", SPARSE_WARPS, "its warps per program"),
-              ("SPARSE_TARGET_PROGRAMS", SPARSE_TARGET_PROGRAMS, "its split-K target (programs)")]
+              ("SPARSE_TARGET_PROGRAMS", SPARSE_TARGET_PROGRAMS, "its split-K target (programs)"),
+              ("SPARSE_BF16_PARTIALS", SPARSE_BF16_PARTIALS, "its split-K partials in bf16 (bf16 / fp16 inputs)")]
     v_arg = f"_unit_last(inputs[{ip[2]}])" if has_v else "None"
     idx_arg = f"inputs[{ip[-1]}].contiguous()" if has_idx else "None"
     body = (

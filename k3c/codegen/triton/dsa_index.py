@@ -157,6 +157,7 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("RADIX_ROW_PAD", RADIX_ROW_PAD, "radix select: i64 scratch words per row beyond the keys"),
               ("FINISH_CHUNK", dsa_decode.FINISH_CHUNK, "radix select: candidates per finishing step"),
               ("FINISH_WARPS", dsa_decode.FINISH_WARPS, "radix select: warps of the finishing program"),
+              ("TIE_BLOCK", dsa_decode.TIE_BLOCK, "radix select: keys per step of the finishing walk over ties"),
               ("FP8_QUERY", dsa_decode.FP8_QUERY, "fp8 index keys: fp8 q in the scan"),
               ("RERANK_EXTRA", dsa_decode.RERANK_EXTRA, "fp8 keys + exact keys: extra candidates re-ranked"),
               ("RERANK_BLOCK", dsa_decode.RERANK_BLOCK, "candidates per re-scoring program"),
