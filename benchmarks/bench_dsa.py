@@ -129,12 +129,11 @@ ATTN_VARIANTS = {     # name -> attention knobs (ATTN_KNOBS; the ones left out k
     "sparse hb32 s3 tp1056": (True, 32, 3, 64, 64, 8, 1056), "sparse hb32 s2 mk32": (True, 32, 2, 32, 32, 8, 264),
     # round 5: fewer programs than 3 waves of one program per SM, larger key steps, bf16 partials
     "sparse hb32 s2 tp96": (True, 32, 2, 64, 64, 8, 96), "sparse hb32 s2 tp240": (True, 32, 2, 64, 64, 8, 240),
-    "sparse hb32 s1 bs128": (True, 32, 1, 128, 128, 8, 264),
-    "sparse hb32 s1 bs128 tp96": (True, 32, 1, 128, 128, 8, 96),
     "sparse hb32 s2 bs128 tp96": (True, 32, 2, 128, 128, 8, 96), "sparse hb64 s2 tp128": (True, 64, 2, 64, 64, 8, 128),
-    "sparse hb64 s2 w16 tp128": (True, 64, 2, 64, 64, 16, 128),
+    "sparse hb64 s2 bs32 tp128": (True, 64, 2, 32, 32, 8, 128),
     "sparse hb32 s2 bf16p": (True, 32, 2, 64, 64, 8, 264, True),
-    "sparse hb32 s2 tp96 bf16p": (True, 32, 2, 64, 64, 8, 96, True)}
+    "sparse hb32 s2 tp96 bf16p": (True, 32, 2, 64, 64, 8, 96, True),
+    "sparse hb64 s2 tp128 bf16p": (True, 64, 2, 64, 64, 8, 128, True)}
 
 
 def set_attention(values):
@@ -145,7 +144,8 @@ def set_attention(values):
 SELECT_VARIANTS = {   # name -> dsa_decode attributes (the default first)
     "11-bit first digit in a 256-bin window": {}, "2048-bin first digit": dict(BINS=2048, BASE=0),
     "collect block 2048": dict(SELECT_BLOCK=2048), "finish 4 warps": dict(FINISH_WARPS=4),
-    "finish 16 warps": dict(FINISH_WARPS=16), "finish chunk 2048": dict(FINISH_CHUNK=2048)}
+    "finish 16 warps": dict(FINISH_WARPS=16), "finish chunk 2048": dict(FINISH_CHUNK=2048),
+    "finish chunk 8192": dict(FINISH_CHUNK=8192), "finish chunk 8192 16 warps": dict(FINISH_CHUNK=8192, FINISH_WARPS=16)}
 SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "SCAN_BLOCK", "SCAN_WARPS",
                 "RANK_BLOCK")
 

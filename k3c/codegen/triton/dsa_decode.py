@@ -15,14 +15,17 @@ no scratch that must arrive zeroed:
                       BINS values (`_first_digit`: positive scores in [2^-32, 2^32); the rest clamp into the edge
                       bins), added once per program with atomics
   dsa_collect_kernel  the threshold bin t (the K-th largest key's): keys above it go straight to the output, keys in
-                      it to a candidate list (slots from per-row counters, one atomic per block and kind)
+                      it to a candidate list (slots from per-row counters, one atomic per block and kind), and the
+                      candidates' smallest and largest u (one atomic min / max per program)
   dsa_finish_kernel   grid (B,): the remaining K - above among the candidates (1.0K-6.4K per row in the H200
                       bench at L = 128K-1M: BENCHMARKS.md) by a radix select of 8-bit digits on unique 64-bit
                       keys (u << 32 | 2^32 - 1 - position: ties by lowest position, as the reference's stable
-                      sort) from the first bit they can differ in, level after level (the first FINISH_CHUNK
-                      candidates kept in registers across them) until the threshold bin fits whole; then -1 past
-                      the row's keys. Exact for any input: a large candidate list (tied or clamped scores) only
-                      costs more passes.
+                      sort) from the first bit the candidates' u differ in, level after level (the first
+                      FINISH_CHUNK candidates kept in registers across them) until the threshold bin fits whole;
+                      more than FINISH_CHUNK candidates tied at the threshold value (a zeroed index cache: every
+                      score equal) are resolved by a walk over the row's keys in position order instead of the
+                      position digits; then -1 past the row's keys. Exact for any input: a large candidate list
+                      of distinct scores (clamped edge bins) only costs more passes.
 The output is the reference's top-k SET (positions, int64 [B, 1, topk], -1 past min(L, topk)) in no particular
 order (the op's contract; the attention is order-free), or in the reference's order with `ordered=True` (a torch
 sort: tests and the fp8 logits script).
@@ -315,16 +318,16 @@ def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, CHUN
     rem = tl.where(tie != 0, need, 0)                       # at least rem keys of the row have u == u*
     s0 = 0
     while (rem > 0) & (s0 < n_valid):
-        offs = s0 + tl.arange(0, TIE_BLOCK)
-        ok = offs < n_valid
-        u = tl.load(keys_ptr + b * L + offs, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-        hit = (ok & (u == prefix)).to(tl.int32)
+        offs_t = s0 + tl.arange(0, TIE_BLOCK)
+        in_row = offs_t < n_valid
+        u_t = tl.load(keys_ptr + b * L + offs_t, mask=in_row, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+        hit = (in_row & (u_t == prefix)).to(tl.int32)
         rank = tl.cumsum(hit, 0)
-        sel = (hit != 0) & (rank <= rem)
-        tl.store(idx_ptr + b * K + written + rank - 1, offs.to(tl.int64), mask=sel)
-        n_sel = tl.sum(sel.to(tl.int32), 0)
-        written += n_sel
-        rem -= n_sel
+        take = (hit != 0) & (rank <= rem)
+        tl.store(idx_ptr + b * K + written + rank - 1, offs_t.to(tl.int64), mask=take)
+        n_take = tl.sum(take.to(tl.int32), 0)
+        written += n_take
+        rem -= n_take
         s0 += TIE_BLOCK
     for s0 in range(0, K, CHUNK):
         offs = s0 + tl.arange(0, CHUNK)
