@@ -113,12 +113,14 @@ def profile(label, fn):
             print(f"PROFILE {label} | {ev.key[:50]} | {us:.1f} us", flush=True)
 
 
-ATTN_KNOBS = ("SPARSE_DECODE", "SPARSE_HEAD_BLOCK", "SPARSE_STAGES", "MIN_KEYS_PER_SPLIT", "SPARSE_BLOCK_S",
-              "SPARSE_WARPS", "SPARSE_TARGET_PROGRAMS", "SPARSE_BF16_PARTIALS")
-ATTN_DEFAULTS = tuple(getattr(attention, k) for k in ATTN_KNOBS)
-ATTN_VARIANTS = {     # name -> attention knobs (ATTN_KNOBS; the ones left out keep their defaults); B = 16 x 96 heads
-                      # at head block 32: 48 programs per key split, so target 96 / 240 / 264 / 528 / 1056 / 2112 ->
-                      # 2 / 5 / 6 / 11 / 16 / 32 splits; head block 64: 32 per split, target 128 -> 4 splits
+ATTN_KNOBS = ("SPARSE_DECODE", ("SPARSE_HEAD_BLOCK", "SPARSE_HEAD_BLOCK_BATCHED"), "SPARSE_STAGES",
+              "MIN_KEYS_PER_SPLIT", "SPARSE_BLOCK_S", "SPARSE_WARPS", "SPARSE_TARGET_PROGRAMS")
+ATTN_DEFAULTS = {k: getattr(attention, k) for knob in ATTN_KNOBS for k in ((knob,) if isinstance(knob, str) else knob)}
+ATTN_VARIANTS = {     # name -> attention knobs (ATTN_KNOBS, in order: a head block sets it for every batch; the ones
+                      # left out keep their defaults; () = the module's policy); B = 16 x 96 heads at head block 32:
+                      # 48 programs per key split, so target 96 / 240 / 264 / 528 / 1056 / 2112 -> 2 / 5 / 6 / 11 / 16 /
+                      # 32 splits; head block 64: 32 per split, target 128 -> 4 splits, 264 -> 9
+    "sparse (default policy)": (),
     "generic kernel (previous)": (False, 32, 2, 64, 64, 8, 264), "sparse hb32 s2": (True, 32, 2, 64, 64, 8, 264),
     "sparse hb32 s3": (True, 32, 3, 64, 64, 8, 264), "sparse hb32 s1": (True, 32, 1, 64, 64, 8, 264),
     "sparse hb16 s2": (True, 16, 2, 64, 64, 8, 264), "sparse hb64 s2": (True, 64, 2, 64, 64, 8, 264),
@@ -127,27 +129,28 @@ ATTN_VARIANTS = {     # name -> attention knobs (ATTN_KNOBS; the ones left out k
     "sparse hb32 s2 tp528": (True, 32, 2, 64, 64, 8, 528), "sparse hb32 s2 tp1056": (True, 32, 2, 64, 64, 8, 1056),
     "sparse hb32 s2 tp2112": (True, 32, 2, 64, 64, 8, 2112), "sparse hb64 s2 tp1056": (True, 64, 2, 64, 64, 8, 1056),
     "sparse hb32 s3 tp1056": (True, 32, 3, 64, 64, 8, 1056), "sparse hb32 s2 mk32": (True, 32, 2, 32, 32, 8, 264),
-    # round 5: fewer programs than 3 waves of one program per SM, larger key steps, bf16 partials
     "sparse hb32 s2 tp96": (True, 32, 2, 64, 64, 8, 96), "sparse hb32 s2 tp240": (True, 32, 2, 64, 64, 8, 240),
     "sparse hb32 s2 bs128 tp96": (True, 32, 2, 128, 128, 8, 96), "sparse hb64 s2 tp128": (True, 64, 2, 64, 64, 8, 128),
-    "sparse hb64 s2 bs32 tp128": (True, 64, 2, 32, 32, 8, 128),
-    "sparse hb32 s2 bf16p": (True, 32, 2, 64, 64, 8, 264, True),
-    "sparse hb32 s2 tp96 bf16p": (True, 32, 2, 64, 64, 8, 96, True),
-    "sparse hb64 s2 tp128 bf16p": (True, 64, 2, 64, 64, 8, 128, True)}
+    "sparse hb64 s2 bs32 tp128": (True, 64, 2, 32, 32, 8, 128)}
 
 
 def set_attention(values):
-    for k, v in zip(ATTN_KNOBS, tuple(values) + ATTN_DEFAULTS[len(values):]):
+    for k, v in ATTN_DEFAULTS.items():
         setattr(attention, k, v)
+    for knob, v in zip(ATTN_KNOBS, values):
+        for k in (knob,) if isinstance(knob, str) else knob:
+            setattr(attention, k, v)
 
 
 SELECT_VARIANTS = {   # name -> dsa_decode attributes (the default first)
     "11-bit first digit in a 256-bin window": {}, "2048-bin first digit": dict(BINS=2048, BASE=0),
     "collect block 2048": dict(SELECT_BLOCK=2048), "finish 4 warps": dict(FINISH_WARPS=4),
     "finish 16 warps": dict(FINISH_WARPS=16), "finish chunk 2048": dict(FINISH_CHUNK=2048),
-    "finish chunk 8192": dict(FINISH_CHUNK=8192), "finish chunk 8192 16 warps": dict(FINISH_CHUNK=8192, FINISH_WARPS=16)}
-SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "SCAN_BLOCK", "SCAN_WARPS",
-                "RANK_BLOCK")
+    "finish chunk 8192": dict(FINISH_CHUNK=8192, FINISH_LONG_KEYS=2 ** 62),
+    "finish chunk 8192 16 warps": dict(FINISH_CHUNK=8192, FINISH_WARPS=16, FINISH_LONG_KEYS=2 ** 62),
+    "finish 4096 x 8 warps at every L": dict(FINISH_LONG_KEYS=2 ** 62)}
+SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "FINISH_LONG_KEYS", "SCAN_BLOCK",
+                "SCAN_WARPS", "RANK_BLOCK")
 
 
 def load_baseline(path):
@@ -173,7 +176,7 @@ def candidate_stats(x):
 
 def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
     x = make(B, L, seed=B + L)
-    defaults = ({k: getattr(dd, k) for k in SELECT_KNOBS}, tuple(getattr(attention, k) for k in ATTN_KNOBS))
+    defaults = ({k: getattr(dd, k) for k in SELECT_KNOBS}, ())
 
     def restore():
         for k, v in defaults[0].items():
@@ -348,7 +351,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--cases", default="1x1048576,16x131072,1x131072")
-    ap.add_argument("--attention", default="sparse hb32 s2,sparse hb64 s2",
+    ap.add_argument("--attention", default="sparse (default policy),sparse hb32 s2,sparse hb64 s2 tp128",
                     help="attention variants to time (ATTN_VARIANTS; all: --attention all)")
     ap.add_argument("--select", default=",".join(SELECT_VARIANTS),
                     help="selection variants to check and time (SELECT_VARIANTS), the default first")

@@ -85,6 +85,18 @@ def test_first_digit_variants_select_the_reference_set(monkeypatch, bins, base, 
     assert torch.equal(dsa_decode_topk(q_i, w, k_i, topk, ordered=True), ref)
 
 
+def test_long_rows_finish_with_their_own_chunk(monkeypatch):
+    # rows of at least FINISH_LONG_KEYS keys: the finishing select's FINISH_CHUNK_LONG candidates per step (here 32,
+    # so several steps per level), the same set as the reference
+    L, topk = 1500, 700
+    monkeypatch.setattr(dsa_decode, "FINISH_LONG_KEYS", L)
+    monkeypatch.setattr(dsa_decode, "FINISH_CHUNK_LONG", 32)
+    monkeypatch.setattr(dsa_decode, "FINISH_CHUNK", 100)       # not a power of 2: the short path would fail to build
+    q_i, w, k_i = index_inputs(L, seed=31)
+    ref = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0]
+    assert torch.equal(dsa_decode_topk(q_i, w, k_i, topk, ordered=True), ref)
+
+
 @pytest.mark.parametrize("H,Dl,dv", [(16, 48, 32), (40, 40, 32)])     # (40, 40, 32): 2 head blocks, 8 rope dims
 def test_sparse_attention_matches_torch(H, Dl, dv):
     L, topk = 500, 200                                                  # 4 key splits + combine
@@ -169,26 +181,3 @@ def test_heavy_ties_take_the_lowest_positions(monkeypatch, case):
     assert as_sets(idx) == as_sets(ref)
     assert ((idx >= 0).sum(-1) == topk).all()
 
-
-def test_sparse_attention_bf16_partials(monkeypatch):
-    # SPARSE_BF16_PARTIALS: fp16 inputs, the split-K partials rounded to bf16 (8 bits), the combine in f32: the
-    # output within bf16's rounding of the fp32 torch result, and different from the f32-partials run's
-    from k3c.codegen.triton import attention
-    H, Dl, dv, L, topk = 16, 48, 32, 500, 200                           # 4 key splits + combine
-    q_i, w, k_i = index_inputs(L, seed=5)
-    gen = torch.Generator().manual_seed(8)
-    q = torch.randn(B, 1, H, Dl, generator=gen).half()
-    kv = torch.randn(B, L, Dl, generator=gen).half()
-    idx = dsa_decode_topk(q_i, w, k_i, topk)
-    outs = {}
-    for bf16 in (False, True):
-        monkeypatch.setattr(attention, "SPARSE_BF16_PARTIALS", bf16)
-        outs[bf16] = torch.empty(B, 1, H, dv, dtype=torch.float16)
-        launch_mla(q, kv, None, idx, outs[bf16], absorbed=True, causal=True, scale=Dl ** -0.5, v_dim=dv,
-                   dense_max_keys=None)
-    rows = torch.gather(kv.float(), 1, idx[:, 0, :, None].expand(B, topk, Dl))
-    p = torch.softmax(torch.einsum("bhd,bsd->bhs", q[:, 0].float(), rows) * Dl ** -0.5, -1)
-    want = torch.einsum("bhs,bsd->bhd", p, rows[..., :dv])[:, None]
-    assert (outs[False].float() - want).abs().max().item() <= 2e-3
-    assert 0 < (outs[True].float() - outs[False].float()).abs().max().item()
-    assert (outs[True].float() - want).abs().max().item() <= 2 ** -8 * want.abs().max().item() + 2e-3

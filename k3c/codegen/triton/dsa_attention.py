@@ -22,7 +22,7 @@ import triton.language as tl
 @triton.jit
 def mla_sparse_decode_kernel(
     q_ptr, kv_ptr, idx_ptr,                 # q [B,1,H,DV+DR]; kv rows (strides below); idx [B,1,TOPK] i64
-    o_ptr,                                  # [B,1,H,DV] output (SPLITS == 1) or [B,SPLITS,H,DV] f32 / bf16 partials
+    o_ptr,                                  # [B,1,H,DV] output (SPLITS == 1) or [B,SPLITS,H,DV] f32 partials
     lse_ptr,                                # [B,SPLITS,H] f32 log2-sum-exp of each split (SPLITS > 1)
     len_ptr,                                # LEN_FROM_PTR: [B] i32 context length per row (keys before this token)
     S, keys_per_split, dense_max,           # keys (LEN_FROM_PTR: the bound), slots per split, dense guard (-1: never)
@@ -81,7 +81,6 @@ def mla_sparse_decode_kernel(
                  mask=row_ok[:, None] & v_ok[None, :])
     else:
         part = (b * SPLITS + split) * H + h
-        tl.store(o_ptr + part[:, None] * DV + offs_v[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & v_ok[None, :])
+        tl.store(o_ptr + part[:, None] * DV + offs_v[None, :], out, mask=row_ok[:, None] & v_ok[None, :])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + part, lse, mask=row_ok)

@@ -70,8 +70,11 @@ BASE = 1404            # the window's first value: positive scores in [2^-32, 2^
 HIST_STRIDE = 2052     # int32 words per row: histogram (2048 bins at most), the candidates' signed order-key min
                        # and max, the two counters
 FINISH_CHUNK = 4096    # candidates per step of the finishing select (one program per row)
-TIE_BLOCK = 8192       # keys per step of its walk over tied keys in position order (more than FINISH_CHUNK tied)
 FINISH_WARPS = 8       # its warps
+FINISH_LONG_KEYS = 1 << 20   # rows (the bound L) of at least this many keys, whose threshold bins hold more candidates
+FINISH_CHUNK_LONG = 8192     # (6.4K at 1M in the H200 bench), instead: all of them in registers, by 16 warps
+FINISH_WARPS_LONG = 16       # (top-k set 111.4 vs 118.2 us; at 128K 1.0-4.4K candidates, where it loses 7 us at B = 1)
+TIE_BLOCK = 8192       # keys per step of its walk over tied keys in position order (more than a chunk tied)
 FP8_MAX = 448.0        # largest float8_e4m3fn value
 FP8_QUERY = True       # fp8 keys: quantize q per head in the scan too (fp8 x fp8 tensor-core product)
 RERANK_EXTRA = 2048    # fp8 keys + exact keys: candidates beyond topk that the exact re-scoring sees
@@ -461,8 +464,11 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
     dsa_collect_kernel[(triton.cdiv(n_ref, per_ref), B)](keys, hist, cand, idx, n_len, L, n_sel,
                                                          BLOCK_R=SELECT_BLOCK, LEN_FROM_PTR=from_ptr, num_warps=4,
                                                          **digit)
-    dsa_finish_kernel[(B,)](keys, hist, cand, idx, n_len, L, n_sel, CHUNK=FINISH_CHUNK, TIE_BLOCK=TIE_BLOCK,
-                            HIST_STRIDE=HIST_STRIDE, LEN_FROM_PTR=from_ptr, num_warps=FINISH_WARPS)
+    long_rows = L >= FINISH_LONG_KEYS
+    dsa_finish_kernel[(B,)](keys, hist, cand, idx, n_len, L, n_sel,
+                            CHUNK=FINISH_CHUNK_LONG if long_rows else FINISH_CHUNK, TIE_BLOCK=TIE_BLOCK,
+                            HIST_STRIDE=HIST_STRIDE, LEN_FROM_PTR=from_ptr,
+                            num_warps=FINISH_WARPS_LONG if long_rows else FINISH_WARPS)
     if k_exact is not None:         # exact scores of the candidates: unique u64 keys, larger = better
         ck = torch.empty((B, n_sel), dtype=torch.int64, device=dev)
         dsa_rerank_kernel[(triton.cdiv(n_sel, RERANK_BLOCK), B)](
