@@ -470,10 +470,10 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     ap.add_argument("--prefill-T", default="1024,8192,32768")
-    ap.add_argument("--decode", default="0:0:1,0:0:2,0:0:3,32:2:2,64:4:2,128:8:2",
+    ap.add_argument("--decode", default="0:0,0:0:1,0:0:2,0:0:3,32:2:2,64:8:2",
                     help="fp32 state: block_v:num_warps[:variant[:front_warps]],... (0 = the launcher's default; "
                          "variant 1 one launch, 2 front + state kernel with PDL, 3 the same without PDL)")
-    ap.add_argument("--decode-bf16", default="0:0:1,0:0:2,0:0:3,32:2:2,64:2:2,64:4:2,128:4:2",
+    ap.add_argument("--decode-bf16", default="0:0,0:0:1,0:0:2,0:0:3,64:2:2,64:4:2",
                     help="bf16 state: as --decode")
     ap.add_argument("--profile-decode", action="store_true", help="per-kernel times of the two-phase decode")
     ap.add_argument("--chunk", default="64:4:4,32:4:4,128:8:4",

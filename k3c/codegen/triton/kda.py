@@ -48,12 +48,15 @@ DECODE_BLOCK_V = 64
 DECODE_SMALL_BLOCK_V = 16
 DECODE_SMALL_GRID = 1024
 DECODE_WARP_BYTES = 8192
-# Two-phase decode (front-end kernel + state kernel, PDL; BENCHMARKS.md "KDA round 5"): used from
-# DECODE_FRONT_MIN_ROWS rows x heads on (B*H), the state kernel then at block_v DECODE_FRONT_BLOCK_V.
+# Two-phase decode (front-end kernel + state kernel, PDL; BENCHMARKS.md "KDA round 5"): faster from B = 16 on
+# (H200, H = 96: fp32 state 65.6 -> 64.1 us at B = 16, 244.3 -> 235.6 at 64; bf16 50.3 -> 46.5, 181.3 -> 159.6),
+# slower at B = 1 (8.7 -> 12.2 us: the front kernel's latency is not hidden), so it is the default from
+# DECODE_FRONT_MIN_ROWS rows x heads (B*H) on. Its state kernel's (block_v, num_warps) by state element bytes
+# (fp32: 4, bf16: 2), the fastest measured.
 DECODE_VARIANTS = ("fused", "front", "front_serial")   # front_serial: two launches without PDL (measurement)
 DECODE_FRONT_MIN_ROWS = 1536
-DECODE_FRONT_BLOCK_V = 64
-DECODE_FRONT_WARPS = 2  # warps per program of the front-end kernel
+DECODE_FRONT_SPLIT = {4: (64, 4), 2: (32, 2)}
+DECODE_FRONT_WARPS = 2  # warps per program of the front-end kernel (1 and 4 measured the same or slower)
 CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
 CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| between a chunk's reference row and any row (exp stays finite in fp32)
@@ -267,17 +270,18 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
 def decode_split(B, H, D, state_bytes, block_v=None, variant=None):
     """(block_v, num_warps, variant) of the decode step for B rows of H heads of dim D, state elements of
     `state_bytes` bytes (4: fp32, 2: bf16). variant (one of DECODE_VARIANTS; None: "front" from
-    DECODE_FRONT_MIN_ROWS rows x heads on, else "fused"); block_v given: that split (capped at D's power of two),
-    else the DECODE_* rule above; num_warps: one per DECODE_WARP_BYTES of state tile.
-    Raises UnsupportedError on an unknown variant."""
+    DECODE_FRONT_MIN_ROWS rows x heads on, else "fused"). block_v given: that split (capped at D's power of two)
+    with one warp per DECODE_WARP_BYTES of state tile; else DECODE_FRONT_SPLIT for the two-phase forms and the
+    DECODE_* rule above for the fused kernel. Raises UnsupportedError on an unknown variant."""
     if variant is None:
         variant = "front" if B * H >= DECODE_FRONT_MIN_ROWS else "fused"
     if variant not in DECODE_VARIANTS:
         raise UnsupportedError(f"KDA decode variant {variant!r} (expected one of {DECODE_VARIANTS})")
     BD = triton.next_power_of_2(D)
-    if block_v is None and variant != "fused":
-        block_v = DECODE_FRONT_BLOCK_V
-    elif block_v is None:
+    if block_v is None and variant != "fused" and state_bytes in DECODE_FRONT_SPLIT:
+        block_v, warps = DECODE_FRONT_SPLIT[state_bytes]
+        return min(BD, block_v), warps, variant
+    if block_v is None:
         small = B * H * triton.cdiv(D, DECODE_SMALL_BLOCK_V) <= DECODE_SMALL_GRID
         block_v = DECODE_SMALL_BLOCK_V if small else DECODE_BLOCK_V
     BV = min(BD, block_v)
@@ -454,7 +458,7 @@ def emit_source(spec):
         f"GATE_KINDS = {GATE_KINDS!r}\nCHUNK = {CHUNK}\nDECODE_BLOCK_V = {DECODE_BLOCK_V}\n"
         f"DECODE_SMALL_BLOCK_V = {DECODE_SMALL_BLOCK_V}\nDECODE_SMALL_GRID = {DECODE_SMALL_GRID}\n"
         f"DECODE_WARP_BYTES = {DECODE_WARP_BYTES}\nDECODE_VARIANTS = {DECODE_VARIANTS!r}\n"
-        f"DECODE_FRONT_MIN_ROWS = {DECODE_FRONT_MIN_ROWS}\nDECODE_FRONT_BLOCK_V = {DECODE_FRONT_BLOCK_V}\n"
+        f"DECODE_FRONT_MIN_ROWS = {DECODE_FRONT_MIN_ROWS}\nDECODE_FRONT_SPLIT = {DECODE_FRONT_SPLIT!r}\n"
         f"DECODE_FRONT_WARPS = {DECODE_FRONT_WARPS}\n"
         f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n"
         f"_DECODE_SCRATCH = {{}}\n_PDL_DEVICES = {{}}\n")
