@@ -18,8 +18,9 @@ Public API:
     kda_prefill          any T >= 1, chunk-parallel tensor-core kernels for bounded gates, recurrent kernel otherwise
     kda_spec_replay      rebuild state + conv state from cached draft inputs, replaying n_accepted tokens
     emit_source          standalone kernel-module text for the code generator
-Kernels: `kda_decode.kda_decode_kernel` / `kda_decode_front_kernel` / `kda_decode_state_kernel`, `kda_recurrent.kda_recurrent_kernel`, `kda_chunk.kda_chunk_prep_kernel`
-/ `kda_chunk_state_kernel` / `kda_norm_gate_kernel`; helpers in `_common`.
+Kernels: `kda_decode.kda_decode_kernel` / `kda_decode_front_kernel` / `kda_decode_state_kernel`,
+`kda_recurrent.kda_recurrent_kernel`, `kda_chunk.kda_chunk_prep_kernel` / `kda_chunk_state_kernel` /
+`kda_norm_gate_kernel`; helpers in `_common`.
 All launchers also run on CPU tensors under TRITON_INTERPRET=1 (fp32; the interpreter has no bf16 arithmetic).
 The activations may be row-strided views (the column views of one fused projection output): the kernels take
 their batch / token strides, so they are read in place.
@@ -380,8 +381,8 @@ def kda_spec_replay(q_in, k_in, v_in, f, beta_logits, conv_w_q, conv_w_k, conv_w
 
 _FAMILIES = {  # family -> (kernels to include, IR node it implements by default)
     "decode": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel), "kda.fused_decode"),
-    "prefill": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel, kda_recurrent_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel,
-                 kda_norm_gate_kernel), "kda.fused_prefill"),
+    "prefill": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel, kda_recurrent_kernel,
+                 kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel), "kda.fused_prefill"),
     "spec_replay": ((kda_recurrent_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel), "kda.spec_replay"),
 }
 

@@ -1,4 +1,5 @@
-"""Fused KDA decode kernel (T = 1), the value dimension split across programs, one launch per step.
+"""KDA decode kernels (T = 1), the value dimension split across programs: one fused launch per step, or the
+two-phase form (front-end kernel + state kernel) below.
 
 Grid (NV, H, B): program (i_v, h, b) owns the state columns [i_v*BV, (i_v+1)*BV) of S[b, h] ([D, D], key dim
 first, fp32 or bf16 in memory, fp32 in registers). Every program computes the whole front end of its head from
