@@ -16,7 +16,10 @@ the published layout (`save_random_checkpoint`), compiled by k3c for the H200, t
    expected share a batch touches under uniform routing, KDA / conv states read and written, the DSA index keys
    and the selected latent-KV rows) at 4.2 TB/s (the H200's achievable HBM read rate; the copy rate measured here
    is reported beside it). Contexts are set, not prefilled: the attention caches hold random values
-   (`random_caches`; the DSA selection's work depends on the scores: a zeroed cache ties every key);
+   (`random_caches`; the DSA selection's work depends on the scores: a zeroed cache ties every key); the
+   timed steps are a decode loop from that context (L .. L + 20), each a `Session.decode` call (the token check,
+   one graph replay, the logits copy) synchronised; beside it the graph alone (`graph_ms`: replays back to back)
+   and the GPU timeline of one step (`timeline`: time in kernels and the gaps between them);
 4. prefill of 2560-token prompts at batch 1 and 16 (tokens/s, TFLOP/s of the model's matmuls) and the GEMM rate of
    the prefill against a plain bf16 matmul measured here; eager prefills in chunks of max_prefill tokens as k3c
    does (measured before k3c loads);
@@ -204,8 +207,9 @@ def main():
                         step()
                     torch.cuda.synchronize()
                 fb = floor_bytes(cfg, weights, B, L, 2 if a.kda_state == "bf16" else 4)
-                decode[f"B{B}_L{L}"] = {"k3c_ms": timed(step, 20) * 1e3, "floor_ms": fb / HBM_BPS * 1e3,
-                                        "floor_gb": fb / 1e9}
+                session.length, session.batch = L, B  # then a decode loop: the context grows by one a step
+                decode[f"B{B}_L{L}"] = {"k3c_ms": timed(lambda: session.decode(tok), 20) * 1e3,
+                                        "floor_ms": fb / HBM_BPS * 1e3, "floor_gb": fb / 1e9}
                 d = decode[f"B{B}_L{L}"]
                 d["k3c_of_floor"] = d["floor_ms"] / d["k3c_ms"]
                 d["whole_step_graph"] = B in session._graphs  # one graph replay per step, nothing launched beside
