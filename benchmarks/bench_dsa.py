@@ -9,8 +9,9 @@ the compiled path (`dsa_index.launch_dsa_index_topk` into `out` on planned scrat
 previous dsa_decode.py (--baseline, e.g. `git show <rev>:k3c/codegen/triton/dsa_decode.py`; its ordered output must
 equal the current one's), the collect pass's candidate counts, FP8 index keys (e4m3 + one fp32 scale per key, fp8
 q; alone or with the bf16 re-ranking of topk + RERANK_EXTRA candidates, whose order must equal torch's sort) against
-bf16 keys (top-k overlap, attention-output error), and every attention variant's output against a torch gather +
-softmax (ATTN_VARIANTS, --attention). Then each is timed, the baseline as a set and as the previous compiled path
+bf16 keys (top-k overlap, attention-output error), every attention variant's output against a torch gather +
+softmax (ATTN_VARIANTS, --attention), and the set for a zeroed index-key cache (every score tied: the lowest
+positions; also timed, with the baseline's). Then each is timed, the baseline as a set and as the previous compiled path
 (ordered + out.copy_). Timing: triton.testing.do_bench_cudagraph median, rotating buffer sets past 3x the 60 MB L2.
 Floor = bytes / 4.2 TB/s, bytes = index keys (+ scales, + the re-ranked candidates' bf16 keys) + the 2048 latent
 rows read by the attention.
@@ -112,9 +113,14 @@ def profile(label, fn):
             print(f"PROFILE {label} | {ev.key[:50]} | {us:.1f} us", flush=True)
 
 
-ATTN_VARIANTS = {     # name -> attention.(SPARSE_DECODE, SPARSE_HEAD_BLOCK, SPARSE_STAGES, MIN_KEYS_PER_SPLIT,
-                     #                   SPARSE_BLOCK_S, SPARSE_WARPS, SPARSE_TARGET_PROGRAMS); B = 16 x 96 heads:
-                     # key splits 6 / 11 / 16 / 32 at target 264 / 528 / 1056 / 2112 (head block 32)
+ATTN_KNOBS = ("SPARSE_DECODE", ("SPARSE_HEAD_BLOCK", "SPARSE_HEAD_BLOCK_BATCHED"), "SPARSE_STAGES",
+              "MIN_KEYS_PER_SPLIT", "SPARSE_BLOCK_S", "SPARSE_WARPS", "SPARSE_TARGET_PROGRAMS")
+ATTN_DEFAULTS = {k: getattr(attention, k) for knob in ATTN_KNOBS for k in ((knob,) if isinstance(knob, str) else knob)}
+ATTN_VARIANTS = {     # name -> attention knobs (ATTN_KNOBS, in order: a head block sets it for every batch; the ones
+                      # left out keep their defaults; () = the module's policy); B = 16 x 96 heads at head block 32:
+                      # 48 programs per key split, so target 96 / 240 / 264 / 528 / 1056 / 2112 -> 2 / 5 / 6 / 11 / 16 /
+                      # 32 splits; head block 64: 32 per split, target 128 -> 4 splits, 264 -> 9
+    "sparse (default policy)": (),
     "generic kernel (previous)": (False, 32, 2, 64, 64, 8, 264), "sparse hb32 s2": (True, 32, 2, 64, 64, 8, 264),
     "sparse hb32 s3": (True, 32, 3, 64, 64, 8, 264), "sparse hb32 s1": (True, 32, 1, 64, 64, 8, 264),
     "sparse hb16 s2": (True, 16, 2, 64, 64, 8, 264), "sparse hb64 s2": (True, 64, 2, 64, 64, 8, 264),
@@ -122,22 +128,29 @@ ATTN_VARIANTS = {     # name -> attention.(SPARSE_DECODE, SPARSE_HEAD_BLOCK, SPA
     "sparse hb64 s2 bs32": (True, 64, 2, 64, 32, 8, 264), "sparse hb64 s2 w16": (True, 64, 2, 64, 64, 16, 264),
     "sparse hb32 s2 tp528": (True, 32, 2, 64, 64, 8, 528), "sparse hb32 s2 tp1056": (True, 32, 2, 64, 64, 8, 1056),
     "sparse hb32 s2 tp2112": (True, 32, 2, 64, 64, 8, 2112), "sparse hb64 s2 tp1056": (True, 64, 2, 64, 64, 8, 1056),
-    "sparse hb32 s3 tp1056": (True, 32, 3, 64, 64, 8, 1056), "sparse hb32 s2 mk32": (True, 32, 2, 32, 32, 8, 264)}
-ATTN_KNOBS = ("SPARSE_DECODE", "SPARSE_HEAD_BLOCK", "SPARSE_STAGES", "MIN_KEYS_PER_SPLIT", "SPARSE_BLOCK_S",
-              "SPARSE_WARPS", "SPARSE_TARGET_PROGRAMS")
+    "sparse hb32 s3 tp1056": (True, 32, 3, 64, 64, 8, 1056), "sparse hb32 s2 mk32": (True, 32, 2, 32, 32, 8, 264),
+    "sparse hb32 s2 tp96": (True, 32, 2, 64, 64, 8, 96), "sparse hb32 s2 tp240": (True, 32, 2, 64, 64, 8, 240),
+    "sparse hb32 s2 bs128 tp96": (True, 32, 2, 128, 128, 8, 96), "sparse hb64 s2 tp128": (True, 64, 2, 64, 64, 8, 128),
+    "sparse hb64 s2 bs32 tp128": (True, 64, 2, 32, 32, 8, 128)}
 
 
 def set_attention(values):
-    for k, v in zip(ATTN_KNOBS, values):
+    for k, v in ATTN_DEFAULTS.items():
         setattr(attention, k, v)
+    for knob, v in zip(ATTN_KNOBS, values):
+        for k in (knob,) if isinstance(knob, str) else knob:
+            setattr(attention, k, v)
 
 
 SELECT_VARIANTS = {   # name -> dsa_decode attributes (the default first)
     "11-bit first digit in a 256-bin window": {}, "2048-bin first digit": dict(BINS=2048, BASE=0),
     "collect block 2048": dict(SELECT_BLOCK=2048), "finish 4 warps": dict(FINISH_WARPS=4),
-    "finish 16 warps": dict(FINISH_WARPS=16), "finish chunk 2048": dict(FINISH_CHUNK=2048)}
-SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "SCAN_BLOCK", "SCAN_WARPS",
-                "RANK_BLOCK")
+    "finish 16 warps": dict(FINISH_WARPS=16), "finish chunk 2048": dict(FINISH_CHUNK=2048),
+    "finish chunk 8192": dict(FINISH_CHUNK=8192, FINISH_LONG_KEYS=2 ** 62),
+    "finish chunk 8192 16 warps": dict(FINISH_CHUNK=8192, FINISH_WARPS=16, FINISH_LONG_KEYS=2 ** 62),
+    "finish 4096 x 8 warps at every L": dict(FINISH_LONG_KEYS=2 ** 62)}
+SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "FINISH_LONG_KEYS", "SCAN_BLOCK",
+                "SCAN_WARPS", "RANK_BLOCK")
 
 
 def load_baseline(path):
@@ -163,7 +176,7 @@ def candidate_stats(x):
 
 def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
     x = make(B, L, seed=B + L)
-    defaults = ({k: getattr(dd, k) for k in SELECT_KNOBS}, tuple(getattr(attention, k) for k in ATTN_KNOBS))
+    defaults = ({k: getattr(dd, k) for k in SELECT_KNOBS}, ())
 
     def restore():
         for k, v in defaults[0].items():
@@ -213,6 +226,16 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
         return overlap(out, idx) == 1.0
 
     check("compiled path (launch_dsa_index_topk, planned scratch) same set", compiled_check)
+    zeroed = dict(q_i=x["q_i"], w=x["w"], k_i=torch.zeros_like(x["k_i"]))    # every score 0: all tied
+    lowest = [set(range(TOPK))] * B
+
+    def zeroed_sets(mod):
+        got = mod.dsa_decode_topk(zeroed["q_i"], zeroed["w"], zeroed["k_i"], TOPK)
+        return [set(r.tolist()) for r in got.reshape(B, -1)] == lowest
+
+    check("zeroed index keys (all scores tied): the lowest positions", lambda: zeroed_sets(dd))
+    if baseline:
+        check("zeroed index keys: baseline the lowest positions", lambda: zeroed_sets(baseline))
 
     def rerank_order():
         idx8 = dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"])
@@ -255,9 +278,9 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
         rows.append(dict(B=B, L=L, impl=name, ms=ms, how=how, floor_ms=floor_ms, frac_floor=floor_ms / ms))
         print("ROW", rows[-1], flush=True)
 
-    def timed(name, fn, nbytes):
+    def timed(name, fn, nbytes, n=None):
         try:
-            ms, how = bench(fn, n_sets)
+            ms, how = bench(fn, n or n_sets)
             add(name, ms, how, nbytes)
         except Exception as e:  # noqa: BLE001
             print(f"# {name} failed: {e!r}", flush=True)
@@ -296,6 +319,11 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
     restore()
     timed("k3c compiled path: launch_dsa_index_topk into out, planned scratch, bf16 keys",
           lambda i: compiled_path(sets[i], outs[i]), idx_bytes)
+    timed("k3c top-k set, zeroed index keys (all scores tied)",
+          lambda i: dsa_decode_topk(zeroed["q_i"], zeroed["w"], zeroed["k_i"], TOPK), idx_bytes, n=1)
+    if baseline:
+        timed("baseline top-k set, zeroed index keys (all scores tied)",
+              lambda i: baseline.dsa_decode_topk(zeroed["q_i"], zeroed["w"], zeroed["k_i"], TOPK), idx_bytes, n=1)
     if baseline:
         timed("baseline index scan + radix top-k, bf16 keys (set)",
               lambda i: baseline.dsa_decode_topk(sets[i]["q_i"], sets[i]["w"], sets[i]["k_i"], TOPK), idx_bytes)
@@ -323,7 +351,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--cases", default="1x1048576,16x131072,1x131072")
-    ap.add_argument("--attention", default="sparse hb32 s2,sparse hb64 s2",
+    ap.add_argument("--attention", default="sparse (default policy),sparse hb32 s2,sparse hb64 s2 tp128",
                     help="attention variants to time (ATTN_VARIANTS; all: --attention all)")
     ap.add_argument("--select", default=",".join(SELECT_VARIANTS),
                     help="selection variants to check and time (SELECT_VARIANTS), the default first")

@@ -16,7 +16,10 @@ the published layout (`save_random_checkpoint`), compiled by k3c for the H200, t
    expected share a batch touches under uniform routing, KDA / conv states read and written, the DSA index keys
    and the selected latent-KV rows) at 4.2 TB/s (the H200's achievable HBM read rate; the copy rate measured here
    is reported beside it). Contexts are set, not prefilled: the attention caches hold random values
-   (`random_caches`; the DSA selection's work depends on the scores: a zeroed cache ties every key);
+   (`random_caches`; the DSA selection's work depends on the scores: a zeroed cache ties every key); the
+   timed steps are a decode loop from that context (L .. L + 20), each a `Session.decode` call (the token check,
+   one graph replay, the logits copy) synchronised; beside it the graph alone (`graph_ms`: replays back to back)
+   and the GPU timeline of one step (`timeline`: time in kernels and the gaps between them);
 4. prefill of 2560-token prompts at batch 1 and 16 (tokens/s, TFLOP/s of the model's matmuls) and the GEMM rate of
    the prefill against a plain bf16 matmul measured here; eager prefills in chunks of max_prefill tokens as k3c
    does (measured before k3c loads);
@@ -55,8 +58,8 @@ from pathlib import Path
 import torch
 
 from e2e_measure import (FIRST_LOGITS, HBM_BPS, EagerDecode, decode_tokens, eager_prefill, floor_bytes,  # noqa: E402
-                         launch_transients, layer_errors, load_second, matmul_flops_per_token, profile,
-                         route_disagreement, timed)
+                         graph_ms, launch_transients, layer_errors, load_second, matmul_flops_per_token,
+                         profile, route_disagreement, route_sets_differ, routes_recorded, timed, timeline)
 
 PROMPT = 2560
 NUMERICS_STEPS = 64  # teacher-forced decode steps compared (numerics phase)
@@ -204,11 +207,17 @@ def main():
                         step()
                     torch.cuda.synchronize()
                 fb = floor_bytes(cfg, weights, B, L, 2 if a.kda_state == "bf16" else 4)
-                decode[f"B{B}_L{L}"] = {"k3c_ms": timed(step, 20) * 1e3, "floor_ms": fb / HBM_BPS * 1e3,
-                                        "floor_gb": fb / 1e9}
+                session.length, session.batch = L, B  # then a decode loop: the context grows by one a step
+                decode[f"B{B}_L{L}"] = {"k3c_ms": timed(lambda: session.decode(tok), 20) * 1e3,
+                                        "floor_ms": fb / HBM_BPS * 1e3, "floor_gb": fb / 1e9}
                 d = decode[f"B{B}_L{L}"]
                 d["k3c_of_floor"] = d["floor_ms"] / d["k3c_ms"]
                 d["whole_step_graph"] = B in session._graphs  # one graph replay per step, nothing launched beside
+                if d["whole_step_graph"] and L == 4096:  # where the step's time goes: GPU in the graph vs host
+                    g = session._graphs[B].graph  # (replays move the lengths on; the next step() sets them)
+                    d["graph_ms"] = graph_ms(g)
+                    d["check_ms"] = timed(lambda: session._check(tok), 20) * 1e3
+                    d["timeline_graph"], d["timeline_step"] = timeline(g.replay), timeline(step)
     with phase("k3c_prefill"):
         prefill = res.setdefault("prefill", {})
         for B in (1, 16):
@@ -304,7 +313,7 @@ def main():
             prompt = torch.randint(0, cfg.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0)).cuda()
             model32 = copy.deepcopy(model).float()  # the same checkpoint in fp32
             outs = {"k3c": [], "eager_bf16": [], "eager_fp32": []}
-            with torch.no_grad():
+            with torch.no_grad(), routes_recorded(session, {"eager_bf16": model, "eager_fp32": model32}) as ids:
                 l32, c32 = model32(prompt)
                 l16, c16 = model(prompt)
                 outs["eager_fp32"].append(l32[:, -1:].float())
@@ -334,6 +343,22 @@ def main():
             for x in ("k3c", "eager_bf16"):
                 same = [bool((p.argmax(-1) == q.argmax(-1)).all()) for p, q in zip(outs[x], outs["eager_fp32"])]
                 res["numerics_max_rel"][f"greedy_agreement_{x}_vs_fp32"] = sum(same) / len(same)
+            # per position: did any MoE layer choose other experts than eager fp32 for the token whose logits are
+            # compared (the prompt's last, then each decode step's)? The error where every layer agrees is the
+            # arithmetic's; where one flipped, it is which near-tied expert won
+            flipped = {x: [any(bool(route_sets_differ(ids[x][i][p][-1:], ids["eager_fp32"][i][p][-1:]))
+                               for i in ids["eager_fp32"]) for p in range(len(outs["k3c"]))]
+                       for x in ("k3c", "eager_bf16")}
+            res["numerics_by_route"] = {}
+            for x in ("k3c", "eager_bf16"):
+                e = errs[f"{x}_vs_eager_fp32"]
+                same = [v for v, f in zip(e, flipped[x]) if not f]
+                flip = [v for v, f in zip(e, flipped[x]) if f]
+                res["numerics_by_route"][x] = {"positions": len(e), "route_flipped": len(flip),
+                                               "max_where_routes_agree": max(same, default=None),
+                                               "p90_where_routes_agree": sorted(same)[int(0.9 * (len(same) - 1))]
+                                               if same else None,
+                                               "max_where_flipped": max(flip, default=None)}
             res["numerics_per_layer"] = layer_errors(session, {"eager_bf16": model, "eager_fp32": model32}, prompt)
             res["route_disagreement"] = route_disagreement(session, {"eager_bf16": model, "eager_fp32": model32},
                                                            prompt)

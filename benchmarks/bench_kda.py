@@ -147,27 +147,29 @@ def check_gpu(dev, results, decode_cfgs, chunk_cfgs):
                     check(results, f"prefill {name} lengths (300, 173), row 1", y[1:, :173], r1[0],
                           {k: v[1:] for k, v in st.items()}, r1[1], r1[2], 1e-2)
     for sdt, cfgs in decode_cfgs.items():
-        for bv in sorted({bv for bv, _ in cfgs}):
+        for bv, variant, fw in sorted({(bv, v, fw) for bv, _, v, fw in cfgs}):
             st = {k: v.clone() for k, v in state.items()}
             kda_prefill(**{k: v[:, :296] for k, v in acts.items()}, **weights, **st, method="recurrent")
             st["state"] = st["state"].to(sdt)
-            ys = [kda_decode(**{k: v[:, t] for k, v in acts.items()}, **weights, **st, block_v=bv or None)
-                  for t in range(296, 300)]
+            with module_consts(DECODE_FRONT_WARPS=fw or kda_module.DECODE_FRONT_WARPS):
+                ys = [kda_decode(**{k: v[:, t] for k, v in acts.items()}, **weights, **st, block_v=bv or None,
+                                 variant=VARIANTS[variant]) for t in range(296, 300)]
             st["state"] = st["state"].float()
-            check(results, f"decode x4 block_v={bv or 'default'} state {str(sdt)[6:]} after prefill",
+            check(results, f"decode x4 {cfg_name(bv, 0, variant, fw)} state {str(sdt)[6:]} after prefill",
                   torch.stack(ys, 1), y_ref[:, 296:], st, S_ref, C_ref, 1e-2 if sdt == torch.bfloat16 else 1e-3)
     # row-strided activations (the column views of one fused projection output) give the contiguous results
     views = fused_views({k: v[:, 296:297] for k, v in acts.items()})
-    outs = []
-    for a in (views, {k: v.contiguous() for k, v in views.items()}):
-        st = {k: v.clone() for k, v in state.items()}
-        outs.append((kda_decode(**{k: v[:, 0] for k, v in a.items()}, **weights, **st), st))
-    r = dict(check="decode, row-strided activations vs contiguous (bitwise)", y_rel=rel_err(outs[0][0], outs[1][0]),
-             state_rel=rel_err(outs[0][1]["state"], outs[1][1]["state"]),
-             conv_rel=rel_err(outs[0][1]["conv_state"], outs[1][1]["conv_state"]))
-    r["ok"] = r["y_rel"] == r["state_rel"] == r["conv_rel"] == 0.0
-    results.append(r)
-    print("CHECK", r, flush=True)
+    for variant in ("fused", "front"):
+        outs = []
+        for a in (views, {k: v.contiguous() for k, v in views.items()}):
+            st = {k: v.clone() for k, v in state.items()}
+            outs.append((kda_decode(**{k: v[:, 0] for k, v in a.items()}, **weights, **st, variant=variant), st))
+        r = dict(check=f"decode {variant}, row-strided activations vs contiguous (bitwise)",
+                 y_rel=rel_err(outs[0][0], outs[1][0]), state_rel=rel_err(outs[0][1]["state"], outs[1][1]["state"]),
+                 conv_rel=rel_err(outs[0][1]["conv_state"], outs[1][1]["conv_state"]))
+        r["ok"] = r["y_rel"] == r["state_rel"] == r["conv_rel"] == 0.0
+        results.append(r)
+        print("CHECK", r, flush=True)
 
 
 def fits(fn):
@@ -187,21 +189,25 @@ def fused_views(acts):
     return dict(zip(order, torch.split(buf, [acts[k].shape[-1] for k in order], -1)))
 
 
-class prep_config:
-    """Context manager: the chunked prefill's module constants (prep warps, chunk size)."""
-    names = ("CHUNK_PREP_WARPS", "CHUNK")
+class module_consts:
+    """Context manager: set module constants of k3c.codegen.triton.kda by name, restored on exit."""
 
-    def __init__(self, *values):
+    def __init__(self, **values):
         self.values = values
 
     def __enter__(self):
-        self.saved = [getattr(kda_module, n) for n in self.names]
-        for n, v in zip(self.names, self.values):
+        self.saved = {n: getattr(kda_module, n) for n in self.values}
+        for n, v in self.values.items():
             setattr(kda_module, n, v)
 
     def __exit__(self, *exc):
-        for n, v in zip(self.names, self.saved):
+        for n, v in self.saved.items():
             setattr(kda_module, n, v)
+
+
+def prep_config(prep_warps, chunk):
+    """The chunked prefill's module constants (prep warps, chunk size) for a block."""
+    return module_consts(CHUNK_PREP_WARPS=prep_warps, CHUNK=chunk)
 
 
 def bf16_state_drift(dev, results, steps=4096):
@@ -247,13 +253,21 @@ def profile_kernels(label, fn):
         print(f"PROFILE {label} | {line}", flush=True)
 
 
-def cfg_name(bv, nw):
-    return f"block_v={bv}, num_warps={nw}" if bv else "default split (kda.decode_split)"
+# decode variant codes of --decode / --decode-bf16 (kda.DECODE_VARIANTS; 0: the launcher's choice)
+VARIANTS = {0: None, 1: "fused", 2: "front", 3: "front_serial"}
 
 
-def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile, batches=(1, 16, 64), lean=False):
-    """Decode rows at each batch: the split configurations (decode_cfgs) and, unless `lean`, the strided-input,
-    token-loop, torch eager / compile and FLA rows."""
+def cfg_name(bv, nw, variant=0, front_warps=0):
+    split = f"block_v={bv}, num_warps={nw}" if bv else "default split (kda.decode_split)"
+    form = {0: "default form", 1: "one launch", 2: "front kernel + state kernel (PDL)",
+            3: "front kernel + state kernel (no PDL)"}[variant]
+    return f"{form}, {split}" + (f", front {front_warps} warps" if front_warps else "")
+
+
+def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile, batches=(1, 16, 64), lean=False, profile=False):
+    """Decode rows at each batch: the split configurations (decode_cfgs: block_v, num_warps, VARIANTS code, front
+    warps) and, unless `lean`, the strided-input, token-loop, torch eager / compile and FLA rows; `profile`: the
+    per-kernel times of the two-phase default."""
     for B in batches:
         state_bytes = B * H * D * D * 4 * 2 + B * 3 * HD * W * 4 * 2
         io_bytes = B * (5 * HD + H) * 2 + B * HD * 2 + (3 * HD * W + HD + D + H) * 4
@@ -270,10 +284,23 @@ def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile, batches=(1, 16, 64
         b16 = state_bytes // 2 + B * 3 * HD * W * 4 + io_bytes
         for label, states, nbytes, sdt in (("", [s for _, _, s in step], state_bytes + io_bytes, torch.float32),
                                            ("bf16 state, ", s16, b16, torch.bfloat16)):
-            for bv, nw in decode_cfgs[sdt]:
-                ms, how = bench(lambda i, bv=bv, nw=nw, states=states: kda_decode(
-                    **step[i][0], **step[i][1], **states[i], block_v=bv or None, num_warps=nw or None), n_sets)
-                add(f"k3c fused decode, {label}split V ({cfg_name(bv, nw)})", ms, how, nbytes)
+            for bv, nw, variant, fw in decode_cfgs[sdt]:
+                def call(i, bv=bv, nw=nw, variant=variant, states=states):
+                    kda_decode(**step[i][0], **step[i][1], **states[i], block_v=bv or None, num_warps=nw or None,
+                               variant=VARIANTS[variant])
+                with module_consts(DECODE_FRONT_WARPS=fw or kda_module.DECODE_FRONT_WARPS):
+                    try:
+                        ms, how = bench(call, n_sets)
+                    except Exception as e:  # noqa: BLE001  keep the other rows
+                        print(f"# decode {label}{cfg_name(bv, nw, variant, fw)} B={B} failed: {e!r}", flush=True)
+                        continue
+                    add(f"k3c decode, {label}split V ({cfg_name(bv, nw, variant, fw)})", ms, how, nbytes)
+                    if variant in (2, 3) and not (bv or nw or fw):   # stream launches: the overlap without graphs
+                        ms = triton.testing.do_bench(lambda: [call(i) for i in range(n_sets)], warmup=25, rep=100,
+                                                     return_mode="median") / n_sets
+                        add(f"k3c decode, {label}split V ({cfg_name(bv, nw, variant, fw)})", ms, "launch", nbytes)
+                    if profile and variant == 2 and not (bv or nw or fw):
+                        profile_kernels(f"decode B={B} {label}front + state", lambda: call(0))
         del s16
         if lean:
             del sets, step
@@ -443,9 +470,12 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     ap.add_argument("--prefill-T", default="1024,8192,32768")
-    ap.add_argument("--decode", default="0:0,16:1,32:2,64:4,128:8",
-                    help="fp32 state: block_v:num_warps,... (0:0 = the launcher's default)")
-    ap.add_argument("--decode-bf16", default="0:0,16:1,32:2,64:2,64:4", help="bf16 state: as --decode")
+    ap.add_argument("--decode", default="0:0,0:0:1,0:0:2,0:0:3,32:2:2,64:8:2",
+                    help="fp32 state: block_v:num_warps[:variant[:front_warps]],... (0 = the launcher's default; "
+                         "variant 1 one launch, 2 front + state kernel with PDL, 3 the same without PDL)")
+    ap.add_argument("--decode-bf16", default="0:0,0:0:1,0:0:2,0:0:3,64:2:2,64:4:2",
+                    help="bf16 state: as --decode")
+    ap.add_argument("--profile-decode", action="store_true", help="per-kernel times of the two-phase decode")
     ap.add_argument("--chunk", default="64:4:4,32:4:4,128:8:4",
                     help="block_v:num_warps:prep_warps[:chunk],... of the chunk state pass and the intra-chunk kernel")
     ap.add_argument("--decode-B", default="1,16,64", help="decode batch sizes")
@@ -458,13 +488,14 @@ def main():
     have_fla = fla_available()
     rows, checks = [], []
     torch.backends.cuda.matmul.allow_tf32 = False
-    decode_cfgs = {torch.float32: parse_tuples(args.decode, (0, 0)),
-                   torch.bfloat16: parse_tuples(args.decode_bf16, (0, 0))}
+    decode_cfgs = {torch.float32: parse_tuples(args.decode, (0, 0, 0, 0)),
+                   torch.bfloat16: parse_tuples(args.decode_bf16, (0, 0, 0, 0))}
     chunk_cfgs = parse_tuples(args.chunk, (kda_module.CHUNK_BLOCK_V, 4, kda_module.CHUNK_PREP_WARPS, kda_module.CHUNK))
     stages = {"check": lambda: check_gpu(dev, checks, decode_cfgs, chunk_cfgs),
               "drift": lambda: bf16_state_drift(dev, checks),
               "decode": lambda: decode_rows(dev, have_fla, rows, decode_cfgs, not args.no_compile,
-                                            [int(b) for b in args.decode_B.split(",")], args.lean),
+                                            [int(b) for b in args.decode_B.split(",")], args.lean,
+                                            args.profile_decode),
               "prefill": lambda: prefill_rows(dev, have_fla, rows, [int(t) for t in args.prefill_T.split(",")],
                                               chunk_cfgs, [int(t) for t in args.fla_prefill_T.split(",") if t]),
               "spec": lambda: spec_rows(dev, rows, checks)}

@@ -93,6 +93,42 @@ def profile(fn) -> dict:
     return out
 
 
+def timeline(fn, top: int = 8) -> dict:
+    """GPU activity of one call of `fn` (after a warm-up call), from torch.profiler's kernel / copy records: the
+    time in kernels, the span from the first one's start to the last one's end, the idle gaps between consecutive
+    records (their sum and how many exceed 2 us) and the `top` largest with the records on either side (us)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    fn()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    ev = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in p.events()
+                if e.device_type == DeviceType.CUDA)
+    if not ev:
+        return {}
+    gaps = [(b[0] - a[1], a[2], b[2]) for a, b in zip(ev, ev[1:])]
+    return {"records": len(ev), "busy_us": sum(e - s for s, e, _ in ev), "span_us": ev[-1][1] - ev[0][0],
+            "gaps_us": sum(max(g, 0) for g, _, _ in gaps), "gaps_over_2us": sum(g > 2 for g, _, _ in gaps),
+            "largest_gaps": [[round(g, 1), x, y] for g, x, y in sorted(gaps, reverse=True)[:top]]}
+
+
+def graph_ms(graph, reps: int = 20) -> float:
+    """Milliseconds per replay of a captured `torch.cuda.CUDAGraph`, `reps` replays back to back between two CUDA
+    events: the GPU's time for the step with no host work between steps."""
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    t0.record()
+    for _ in range(reps):
+        graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) / reps
+
+
 def timed(fn, reps: int) -> float:
     """Median seconds of `reps` calls of `fn`, each synchronised."""
     ts = []
@@ -185,12 +221,12 @@ def launch_transients():
 
 
 def _prefill_watched(session, models: dict, prompt, keep, hooks) -> None:
-    """Prefill `prompt` in k3c with `Frame.launch` replaced by `keep(frame, launch_record)` (which calls the original)
-    and in every eager model of `models`; then remove the forward `hooks` and reset the session, also on error."""
+    """Prefill `prompt` in k3c with `Frame.launch` replaced by `keep(frame, launch_record)` (which calls the original;
+    None: unchanged) and in every eager model of `models`; then remove the forward `hooks` and reset the session, also on error."""
     from k3c.runtime.frame import Frame
 
     launch = Frame.launch
-    Frame.launch = keep
+    Frame.launch = keep or launch
     try:
         with torch.no_grad():
             session.reset()
@@ -250,13 +286,13 @@ def layer_errors(session, models: dict, prompt) -> dict:
         "eager_bf16", "eager_fp32", k), "k3c_vs_eager_fp32": rel("k3c", "eager_fp32", k)} for k in keys}
 
 
-def route_disagreement(session, models: dict, prompt) -> dict:
-    """Per MoE layer i, over one prefill of `prompt`: the share of tokens whose set of chosen experts differs between
-    k3c and eager fp32, eager bf16 and eager fp32, and k3c and eager bf16 (`models`: {"eager_bf16": model,
-    "eager_fp32": model}). k3c's choices are the `moe_route` launches' ids as they are written (`Frame.launch`
-    wrapped), the eager ones the same op on each MoE's input (a forward pre-hook; models/layers.py `MoE.forward`).
-    A random router puts many experts near the top-k threshold, so any bf16 run flips some choices: the shares
-    say whether k3c flips more often than eager bf16 does."""
+@contextmanager
+def routes_recorded(session, models: dict):
+    """Record the experts each MoE layer chooses, per call, while the block runs: yields {"k3c": {layer: [ids]},
+    name: {layer: [ids]} for each eager model of `models`}, one int64 [tokens, k] entry per forward call in call
+    order. k3c's are the `moe_route` launches' ids as they are written (`Frame.launch` wrapped; a CUDA-graph replay
+    launches nothing from Python, so the session runs without graphs inside the block), the eager ones the same op
+    on each MoE's input (a forward pre-hook; models/layers.py `MoE.forward` routes in fp32 in every model)."""
     import re
 
     import torch.nn.functional as F
@@ -283,12 +319,33 @@ def route_disagreement(session, models: dict, prompt) -> dict:
             if hasattr(layer, "block_sparse_moe"):
                 hooks.append(layer.block_sparse_moe.register_forward_pre_hook(
                     lambda m, args, i=i, d=ids[name]: route(m, args[0], d.setdefault(i, []))))
-    _prefill_watched(session, models, prompt, keep, hooks)
+    graphs, with_graphs = session._graphs, session.cuda_graphs
+    session._graphs, session.cuda_graphs = {}, False
+    Frame.launch = keep
+    try:
+        yield ids
+    finally:
+        Frame.launch = launch
+        session._graphs, session.cuda_graphs = graphs, with_graphs
+        for h in hooks:
+            h.remove()
+
+
+def route_sets_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bool [tokens]: whether each token's set of chosen experts differs between ids `a` and `b` ([tokens, k])."""
+    return (a.sort(-1).values != b.sort(-1).values.to(a.device)).any(-1)
+
+
+def route_disagreement(session, models: dict, prompt) -> dict:
+    """Per MoE layer i, over one prefill of `prompt`: the share of tokens whose set of chosen experts differs between
+    k3c and eager fp32, eager bf16 and eager fp32, and k3c and eager bf16 (`models`: {"eager_bf16": model,
+    "eager_fp32": model}; `routes_recorded`). A random router puts many experts near the top-k threshold, so any
+    bf16 run flips some choices: the shares say whether k3c flips more often than eager bf16 does."""
+    with routes_recorded(session, models) as ids:
+        _prefill_watched(session, models, prompt, None, [])
 
     def differ(a, b, layer) -> float:
-        x = torch.cat(ids[a][layer]).sort(-1).values
-        y = torch.cat(ids[b][layer]).sort(-1).values.to(x.device)
-        return float((x != y).any(-1).float().mean())
+        return float(route_sets_differ(torch.cat(ids[a][layer]), torch.cat(ids[b][layer])).float().mean())
 
     return {layer: {"k3c_vs_eager_fp32": differ("k3c", "eager_fp32", layer),
                     "eager_bf16_vs_eager_fp32": differ("eager_bf16", "eager_fp32", layer),

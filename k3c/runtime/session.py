@@ -199,7 +199,8 @@ class Session:
         B, T = tokens.shape
         if T < 1 or B < 1:
             raise RuntimeInputError(f"tokens of shape {list(tokens.shape)}: need at least one sequence and one token")
-        lo, hi = int(tokens.min()), int(tokens.max())
+        host = tokens if tokens.device.type == "cpu" else tokens.cpu()  # one copy from the GPU, no reduce kernels
+        lo, hi = int(host.min()), int(host.max())
         if lo < 0 or hi >= self.vocab:
             raise RuntimeInputError(f"token id {hi if hi >= self.vocab else lo} is outside the vocabulary [0, {self.vocab})")
         if B > self.max_batch:

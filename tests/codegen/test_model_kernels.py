@@ -389,6 +389,32 @@ def test_kda_fused_row_strided_activations(T, tmp_path):
         assert torch.equal(got, want)
 
 
+def test_kda_fused_two_phase_decode(tmp_path):
+    """Decode with the module's two-phase threshold at 0 rows (front-end kernel, then the state kernel; on CPU
+    without programmatic dependent launch) matches the one-launch kernel that `test_kda_fused` checks."""
+    gen = torch.Generator().manual_seed(11)
+    B, H, K, W = 2, 2, 8, 4
+    HK = H * K
+    acts = [rand(B, 1, HK, gen=gen) for _ in range(4)] + [rand(B, 1, H, gen=gen), rand(B, 1, HK, gen=gen)]
+    rest = [rand(HK, 1, W, s=0.5, gen=gen) for _ in range(3)] + [rand(H, s=0.5, gen=gen), rand(HK, s=0.3, gen=gen),
+                                                                  1 + 0.1 * rand(K, gen=gen)]
+    state = [rand(B, H, K, K, s=0.1, gen=gen), rand(B, 3 * HK, W, gen=gen)]
+    types = [((B, 1, HK), "f32")] * 4 + [((B, 1, H), "f32"), ((B, 1, HK), "f32")] + [((HK, 1, W), "f32")] * 3 + \
+        [((H,), "f32"), ((HK,), "f32"), ((K,), "f32"), ((B, H, K, K), "f32"), ((B, 3 * HK, W), "f32")]
+    group = one_node_group("kda_fused", types, {"heads": H, "head_dim": K, "gate": "lower_bound"})
+    module = load(kda_abi.emit_kda_fused(group), tmp_path / "kda_two_phase.py", "gen_kda_two_phase")
+    assert module.DECODE_FRONT_MIN_ROWS > B * H                              # the default here: one launch
+    results = []
+    for min_rows in (module.DECODE_FRONT_MIN_ROWS, 0):
+        module.DECODE_FRONT_MIN_ROWS = min_rows
+        st = [t.clone() for t in state]
+        y = torch.empty(B, 1, HK)
+        module.launch(acts + rest + st, [y, st[0], st[1]], {})
+        results.append([y, *st])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 # ---- every model-op node of the tiny models --------------------------------------------------------------------
 @pytest.mark.parametrize("model", ["k3.1-pro-tiny", "kimi-linear-tiny"])
 @pytest.mark.parametrize("mode", ["decode", "prefill"])

@@ -85,9 +85,25 @@ def test_first_digit_variants_select_the_reference_set(monkeypatch, bins, base, 
     assert torch.equal(dsa_decode_topk(q_i, w, k_i, topk, ordered=True), ref)
 
 
-@pytest.mark.parametrize("H,Dl,dv", [(16, 48, 32), (40, 40, 32)])     # (40, 40, 32): 2 head blocks, 8 rope dims
-def test_sparse_attention_matches_torch(H, Dl, dv):
-    L, topk = 500, 200                                                  # 4 key splits + combine
+def test_long_rows_finish_with_their_own_chunk(monkeypatch):
+    # rows of at least FINISH_LONG_KEYS keys: the finishing select's FINISH_CHUNK_LONG candidates per step (here 32,
+    # so several steps per level), the same set as the reference
+    L, topk = 1500, 700
+    monkeypatch.setattr(dsa_decode, "FINISH_LONG_KEYS", L)
+    monkeypatch.setattr(dsa_decode, "FINISH_CHUNK_LONG", 32)
+    monkeypatch.setattr(dsa_decode, "FINISH_CHUNK", 100)       # not a power of 2: the short path would fail to build
+    q_i, w, k_i = index_inputs(L, seed=31)
+    ref = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0]
+    assert torch.equal(dsa_decode_topk(q_i, w, k_i, topk, ordered=True), ref)
+
+
+@pytest.mark.parametrize("H,Dl,dv,batched", [(16, 48, 32, False), (40, 40, 32, False), (80, 48, 32, True)])
+def test_sparse_attention_matches_torch(monkeypatch, H, Dl, dv, batched):
+    # (40, 40, 32): 2 head blocks, 8 rope dims; batched: B rows reach SPARSE_BATCHED_ROWS, so SPARSE_HEAD_BLOCK_BATCHED
+    # (64) heads per program, the second block of 80 heads partly masked
+    from k3c.codegen.triton import attention
+    monkeypatch.setattr(attention, "SPARSE_BATCHED_ROWS", B if batched else B + 1)
+    L, topk = 500, 200                                                  # key splits + combine
     q_i, w, k_i = index_inputs(L, seed=5)
     gen = torch.Generator().manual_seed(6)
     q = torch.randn(B, 1, H, Dl, generator=gen)
@@ -135,3 +151,37 @@ def test_errors():
         dsa_decode_topk(q_i, w, k_i, 16, k_exact=k_i)                  # exact keys only with fp8 keys
     with pytest.raises(RuntimeInputError):
         dsa_decode_topk(q_i, w, k8, 16, k_scale=ks, k_exact=k_i[:, :50])
+
+
+@pytest.mark.parametrize("case", ["all tied", "ties among negatives", "lengths over garbage"])
+def test_heavy_ties_take_the_lowest_positions(monkeypatch, case):
+    # more tied candidates than FINISH_CHUNK: the finishing select resolves u, then walks the row's keys in position
+    # order for the ties (TIE_BLOCK per step). all tied: every key zero, so every score 0 (a zeroed index cache);
+    # ties among negatives: 2/3 of the keys zero, the rest random with w of both signs, the threshold among the
+    # zeros and the bin holding them also holds the negative scores (u levels first); lengths: rows shorter than the
+    # bound over scratch pre-filled with the zero score's order key (ties past the row's keys must not be taken)
+    monkeypatch.setattr(dsa_decode, "FINISH_CHUNK", 64)
+    monkeypatch.setattr(dsa_decode, "TIE_BLOCK", 128)
+    L, topk = 1500, 300
+    q_i, w, k_i = index_inputs(L, seed=21)
+    if case == "all tied":
+        k_i = torch.zeros_like(k_i)
+    else:
+        zero = torch.rand(B, L, generator=torch.Generator().manual_seed(22)) < 2 / 3
+        k_i = torch.where(zero[..., None], 0.0, k_i)
+    if case != "lengths over garbage":
+        ref = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0]
+        assert torch.equal(dsa_decode_topk(q_i, w, k_i, topk, ordered=True), ref)
+        idx = dsa_decode_topk(q_i, w, k_i, topk)
+    else:
+        lengths = torch.tensor([700, 1199], dtype=torch.int32)             # rows of 701 and 1200 keys
+        ref = [dsa_index_topk_ref({"topk": topk}, q_i[b:b + 1, None], w[b:b + 1, None], k_i[b:b + 1, :n + 1])[0][0]
+               for b, n in enumerate(lengths.tolist())]
+        scratch = torch.full((dsa_decode.radix_scratch_words(B, L),), -2 ** 31, dtype=torch.int32)
+        idx = dsa_decode.radix_topk(q_i, w, k_i, topk, None, False, lengths=lengths, scratch=scratch)
+        ref = torch.cat(ref)
+    if case == "all tied":
+        assert as_sets(idx) == [set(range(topk))] * B
+    assert as_sets(idx) == as_sets(ref)
+    assert ((idx >= 0).sum(-1) == topk).all()
+

@@ -189,30 +189,34 @@ def test_decode_after_prefill_equals_prefill():
     assert_close(run["conv_state"], whole["conv_state"], "conv state")
 
 
+@pytest.mark.parametrize("variant", ["fused", "front"])
 @pytest.mark.parametrize("block_v", [16, 32, 64])
-def test_decode_split_over_v(block_v):
-    # D = 60: 4, 2 or 1 value blocks per head (the last one partly masked); 3 steps reuse the reset counters
+def test_decode_split_over_v(block_v, variant):
+    # D = 60: 4, 2 or 1 value blocks per head (the last one partly masked); 3 steps reuse the reset counters.
+    # "front": the front-end kernel, then the state kernel (on CPU without programmatic dependent launch)
     acts, weights, state = make_inputs(2, 3, 3, 60, seed=29)
     y_ref, S_ref, C_ref = kda_fused_reference(**acts, **weights, **state)
     run = clone(state)
     for t in range(3):
-        y_t = kda_decode(**{k: v[:, t] for k, v in acts.items()}, **weights, **run, block_v=block_v)
+        y_t = kda_decode(**{k: v[:, t] for k, v in acts.items()}, **weights, **run, block_v=block_v,
+                         variant=variant)
         assert_close(y_t, y_ref[:, t], f"decode y at {t}")
     assert_close(run["state"], S_ref, "state")
     assert_close(run["conv_state"], C_ref, "conv state")
 
 
-@pytest.mark.parametrize("method", ["decode", "chunk"])
+@pytest.mark.parametrize("method", ["decode", "decode_front", "chunk"])
 def test_bf16_state_is_rounded_fp32_state(method):
     # the kernels keep the state in fp32 and round it once on the way out: y is exact for the bf16 input state,
     # the new state within one bf16 ulp (2^-7 relative; the interpreter truncates, the GPU rounds to nearest)
-    T = 1 if method == "decode" else 21
+    T = 1 if method.startswith("decode") else 21
     acts, weights, state = make_inputs(1, T, 2, 64, seed=31)
     state["state"] = state["state"].to(torch.bfloat16)
     y_ref, S_ref, _ = kda_fused_reference(**acts, **weights, **state)
     run = clone(state)
-    if method == "decode":
-        y = kda_decode(**{k: v[:, 0] for k, v in acts.items()}, **weights, **run)[:, None]
+    if method.startswith("decode"):
+        variant = "front" if method == "decode_front" else "fused"
+        y = kda_decode(**{k: v[:, 0] for k, v in acts.items()}, **weights, **run, variant=variant)[:, None]
     else:
         y = kda_prefill(**acts, **weights, **run, method="chunk")
     assert run["state"].dtype == torch.bfloat16
@@ -247,17 +251,18 @@ def as_fused_views(acts):
     return views
 
 
-@pytest.mark.parametrize("method", ["decode", "recurrent", "chunk"])
+@pytest.mark.parametrize("method", ["decode", "decode_front", "recurrent", "chunk"])
 def test_row_strided_inputs_equal_contiguous(method):
     # the kernels read row-strided views in place (no copy): same results, bit for bit, as contiguous inputs
-    T = 1 if method == "decode" else 19
+    T = 1 if method.startswith("decode") else 19
     acts, weights, state = make_inputs(2, T, 2, 60, seed=41)
     views = as_fused_views(acts)
     runs = []
     for a in (acts, views):
         st = clone(state)
-        if method == "decode":
-            y = kda_decode(**{k: v[:, 0] for k, v in a.items()}, **weights, **st, block_v=32)
+        if method.startswith("decode"):
+            y = kda_decode(**{k: v[:, 0] for k, v in a.items()}, **weights, **st, block_v=32,
+                           variant="front" if method == "decode_front" else "fused")
         else:
             y = kda_prefill(**a, **weights, **st, method=method, block_v=16)
         runs.append((y, st))
@@ -298,11 +303,14 @@ def test_emitted_module_imports_and_matches(tmp_path, family, gate_kind, T):
     spec.loader.exec_module(module)
     acts, weights, state = make_inputs(1, T, H, D, seed=19)
     y_ref, S_ref, C_ref = kda_fused_reference(**acts, **weights, **state, gate_kind=gate_kind)
-    st = clone(state)
-    y = module.launch(**acts, **weights, **st)
-    assert_close(y, y_ref, "emitted y")
-    assert_close(st["state"], S_ref, "emitted state")
-    assert_close(st["conv_state"], C_ref, "emitted conv state")
+    # decode: the module's own rule picks the one-launch kernel at B*H = 2; from 0 rows on, the two-phase form
+    for min_rows in ([module.DECODE_FRONT_MIN_ROWS, 0] if family == "decode" else [None]):
+        module.DECODE_FRONT_MIN_ROWS = min_rows
+        st = clone(state)
+        y = module.launch(**acts, **weights, **st)
+        assert_close(y, y_ref, f"emitted y ({min_rows})")
+        assert_close(st["state"], S_ref, f"emitted state ({min_rows})")
+        assert_close(st["conv_state"], C_ref, f"emitted conv state ({min_rows})")
     with pytest.raises(RuntimeInputError):
         bad = make_inputs(1, 1, H, 64, seed=0)
         module.launch(**bad[0], **bad[1], **bad[2])
@@ -321,3 +329,5 @@ def test_errors():
                         **{k: v for k, v in weights.items() if k != "o_norm_weight"}, **clone(state), n_accepted=4)
     with pytest.raises(UnsupportedError):
         emit_source({"family": "prefill", "heads": 2, "head_dim": 60, "gate_kind": "softplus", "chunked": True})
+    with pytest.raises(UnsupportedError):
+        kda_decode(**{k: v[:, 0] for k, v in acts.items()}, **weights, **clone(state), variant="persistent")

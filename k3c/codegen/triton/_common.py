@@ -128,6 +128,16 @@ def rms_norm_sigmoid_gate(o, norm_w, gate_logits, D: tl.constexpr, EPS: tl.const
         return o * inv_rms[:, None] * norm_w * tl.sigmoid(gate_logits)
 
 
+@triton.jit
+def store_norm_gate(o, gate_ptr, norm_ptr, y_ptr, chan, chan_mask, D: tl.constexpr, EPS: tl.constexpr):
+    """Store y = `rms_norm_sigmoid_gate`(o) for one head: o [BD] fp32 (masked lanes 0), gate logits and y at
+    gate_ptr / y_ptr + chan (any float dtype; y rounded to its dtype), norm weight [D] fp32 at norm_ptr + chan."""
+    gl = tl.load(gate_ptr + chan, mask=chan_mask, other=0.0).to(tl.float32)
+    norm_w = tl.load(norm_ptr + chan, mask=chan_mask, other=0.0)
+    out = rms_norm_sigmoid_gate(o, norm_w, gl, D, EPS, 0)
+    tl.store(y_ptr + chan, out.to(y_ptr.dtype.element_ty), mask=chan_mask)
+
+
 # Source order for code generation (each helper's dependencies come first).
 HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, load_conv_weight, conv_window,
-           causal_conv_silu_token, roll_conv_state, rms_norm_sigmoid_gate)
+           causal_conv_silu_token, roll_conv_state, rms_norm_sigmoid_gate, store_norm_gate)

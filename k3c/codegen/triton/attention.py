@@ -47,12 +47,16 @@ HEAD_BLOCK_WIDE = 32        # absorbed form, v_dim >= 256: heads per program (ea
                             # 32 measured fastest on an H200 for 64 heads, bf16, v_dim 512; 64 overflows shared
                             # memory with 64-key tiles)
 SPARSE_DECODE = True        # absorbed DSA decode (idx, T = 1, rope dims): `mla_sparse_decode_kernel` (rows read once)
-SPARSE_HEAD_BLOCK = 32      # its heads per program
+SPARSE_HEAD_BLOCK = 32      # its heads per program (B·T < SPARSE_BATCHED_ROWS: more programs for few rows)
+SPARSE_HEAD_BLOCK_BATCHED = 64  # ... with B·T >= SPARSE_BATCHED_ROWS: each gathered row read by fewer head blocks
+SPARSE_BATCHED_ROWS = 8     # H200 (BENCHMARKS.md round 5): B = 16 64 heads 64.7 us vs 32 heads 77.4; B = 1 17.8 vs
+                            # 15.5 (B = 2..15 untimed)
 SPARSE_STAGES = 2           # its software-pipeline depth
 SPARSE_BLOCK_S = 64         # its keys per step (bf16 / fp16; fp32: 16)
 SPARSE_WARPS = 8            # its warps per program
-SPARSE_TARGET_PROGRAMS = 264  # its split-K target (programs; B = 1 is capped by MIN_KEYS_PER_SPLIT instead): H200,
-                              # B = 16: 6 key splits 77 us, 11 / 16 / 32 splits 90 / 104 / 144 us (BENCHMARKS.md)
+SPARSE_TARGET_PROGRAMS = 128  # its split-K target (programs; B = 1 is capped by MIN_KEYS_PER_SPLIT instead): about one
+                              # wave of one program per H200 SM (~200 registers x 8 warps each); B = 16, 64 heads:
+                              # 4 splits 64.7 us, 9 (288 programs, 3 waves) 71.9 (BENCHMARKS.md round 5)
 
 
 @triton.jit
@@ -229,7 +233,8 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
         n_tb, n_hb = triton.cdiv(T, rows_t), H
     sparse_decode = SPARSE_DECODE and absorbed and use_idx and T == 1 and D > DV
     if sparse_decode:                               # q and every gathered row loaded once (`dsa_attention`)
-        BLOCK_M = max(16, min(triton.next_power_of_2(H), SPARSE_HEAD_BLOCK))
+        head_block = SPARSE_HEAD_BLOCK_BATCHED if B * T >= SPARSE_BATCHED_ROWS else SPARSE_HEAD_BLOCK
+        BLOCK_M = max(16, min(triton.next_power_of_2(H), head_block))
         BLOCK_S = SPARSE_BLOCK_S if q.dtype != torch.float32 else 16
         n_hb = triton.cdiv(H, BLOCK_M)
     n_keys = (max(topk, min(S, dense_max)) if from_ptr else topk) if use_idx else S   # at most, per row
@@ -300,7 +305,9 @@ def emit_mla_attention(group: KernelGroup) -> str:
               ("MAX_SPLITS", MAX_SPLITS, ""),
               ("HEAD_BLOCK_WIDE", HEAD_BLOCK_WIDE, "heads per program when v_dim >= 256"),
               ("SPARSE_DECODE", SPARSE_DECODE, "DSA decode (absorbed, idx, T = 1): mla_sparse_decode_kernel"),
-              ("SPARSE_HEAD_BLOCK", SPARSE_HEAD_BLOCK, "its heads per program"),
+              ("SPARSE_HEAD_BLOCK", SPARSE_HEAD_BLOCK, "its heads per program (B·T < SPARSE_BATCHED_ROWS)"),
+              ("SPARSE_HEAD_BLOCK_BATCHED", SPARSE_HEAD_BLOCK_BATCHED, "its heads per program, more rows"),
+              ("SPARSE_BATCHED_ROWS", SPARSE_BATCHED_ROWS, "B·T from which it takes SPARSE_HEAD_BLOCK_BATCHED"),
               ("SPARSE_STAGES", SPARSE_STAGES, "its software-pipeline depth"),
               ("SPARSE_BLOCK_S", SPARSE_BLOCK_S, "its keys per step (bf16 / fp16)"),
               ("SPARSE_WARPS", SPARSE_WARPS, "its warps per program"),

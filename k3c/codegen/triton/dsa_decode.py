@@ -15,14 +15,17 @@ no scratch that must arrive zeroed:
                       BINS values (`_first_digit`: positive scores in [2^-32, 2^32); the rest clamp into the edge
                       bins), added once per program with atomics
   dsa_collect_kernel  the threshold bin t (the K-th largest key's): keys above it go straight to the output, keys in
-                      it to a candidate list (slots from per-row counters, one atomic per block and kind)
+                      it to a candidate list (slots from per-row counters, one atomic per block and kind), and the
+                      candidates' smallest and largest u (one atomic min / max per program)
   dsa_finish_kernel   grid (B,): the remaining K - above among the candidates (1.0K-6.4K per row in the H200
                       bench at L = 128K-1M: BENCHMARKS.md) by a radix select of 8-bit digits on unique 64-bit
                       keys (u << 32 | 2^32 - 1 - position: ties by lowest position, as the reference's stable
-                      sort) from the first bit they can differ in, level after level (the first FINISH_CHUNK
-                      candidates kept in registers across them) until the threshold bin fits whole; then -1 past
-                      the row's keys. Exact for any input: a large candidate list (tied or clamped scores) only
-                      costs more passes.
+                      sort) from the first bit the candidates' u differ in, level after level (the first
+                      FINISH_CHUNK candidates kept in registers across them) until the threshold bin fits whole;
+                      more than FINISH_CHUNK candidates tied at the threshold value (a zeroed index cache: every
+                      score equal) are resolved by a walk over the row's keys in position order instead of the
+                      position digits; then -1 past the row's keys. Exact for any input: a large candidate list
+                      of distinct scores (clamped edge bins) only costs more passes.
 The output is the reference's top-k SET (positions, int64 [B, 1, topk], -1 past min(L, topk)) in no particular
 order (the op's contract; the attention is order-free), or in the reference's order with `ordered=True` (a torch
 sort: tests and the fp8 logits script).
@@ -64,9 +67,14 @@ BINS = 256             # its histogram: a window of 256 of the 2048 values (tl.h
                        # bins: all 2048 made the top-k 2.4-4.4x slower on the H200, BENCHMARKS.md)
 BASE = 1404            # the window's first value: positive scores in [2^-32, 2^32) (1024 + 4 x (127 - 32)); below
                        # it bin 0, above it bin 255 (u >> 21 of a positive float = 1024 + 4 x exponent + 2 bits)
-HIST_STRIDE = 2050     # int32 words per row of histogram + counters (2048 bins at most, then 2 counters)
+HIST_STRIDE = 2052     # int32 words per row: histogram (2048 bins at most), the candidates' signed order-key min
+                       # and max, the two counters
 FINISH_CHUNK = 4096    # candidates per step of the finishing select (one program per row)
 FINISH_WARPS = 8       # its warps
+FINISH_LONG_KEYS = 1 << 20   # rows (the bound L) of at least this many keys, whose threshold bins hold more candidates
+FINISH_CHUNK_LONG = 8192     # (6.4K at 1M in the H200 bench), instead: all of them in registers, by 16 warps
+FINISH_WARPS_LONG = 16       # (top-k set 111.4 vs 118.2 us; at 128K 1.0-4.4K candidates, where it loses 7 us at B = 1)
+TIE_BLOCK = 8192       # keys per step of its walk over tied keys in position order (more than a chunk tied)
 FP8_MAX = 448.0        # largest float8_e4m3fn value
 FP8_QUERY = True       # fp8 keys: quantize q per head in the scan too (fp8 x fp8 tensor-core product)
 RERANK_EXTRA = 2048    # fp8 keys + exact keys: candidates beyond topk that the exact re-scoring sees
@@ -127,11 +135,14 @@ def _row_range(len_ptr, b, L, BLOCK: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
 
 @triton.jit
 def dsa_init_kernel(hist_ptr, HIST_STRIDE: tl.constexpr, BINS: tl.constexpr):
-    """grid (B,): zeroes row b's first-digit histogram and its two counters (hist [B, HIST_STRIDE] int32: BINS bins,
-    then the counters at HIST_STRIDE - 2 and - 1), the only scratch the later kernels accumulate into."""
+    """grid (B,): clears row b's accumulators, the only scratch the later kernels accumulate into (hist
+    [B, HIST_STRIDE] int32): the BINS first-digit bins to 0, the candidates' signed order-key min and max (words
+    HIST_STRIDE - 4, - 3) to INT32_MAX and INT32_MIN, the two counters (- 2, - 1) to 0."""
     b = tl.program_id(0).to(tl.int64)
     tl.store(hist_ptr + b * HIST_STRIDE + tl.arange(0, BINS), tl.zeros([BINS], tl.int32))
-    tl.store(hist_ptr + b * HIST_STRIDE + HIST_STRIDE - 2 + tl.arange(0, 2), tl.zeros([2], tl.int32))
+    tail = tl.arange(0, 4)
+    tl.store(hist_ptr + b * HIST_STRIDE + HIST_STRIDE - 4 + tail,
+             tl.where(tail == 0, 2147483647, tl.where(tail == 1, -2147483648, 0)))
 
 
 @triton.jit
@@ -186,12 +197,16 @@ def dsa_collect_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, BLO
     """The threshold bin t of the first digit (the K-th largest key's, from the scan's histogram): keys above it are
     selected (their positions to idx [B, K] int64, slots from the row's counter hist[b, HIST_STRIDE - 2]), keys in
     it are candidates (positions to cand [B, L] int32, slots from hist[b, HIST_STRIDE - 1]); one atomic per block of
-    BLOCK_R keys and kind, arrival order. A row of at most K keys (no bin reaches K) is selected whole."""
+    BLOCK_R keys and kind, arrival order; the candidates' smallest and largest signed order key (u ^ 2^31) to
+    hist[b, HIST_STRIDE - 4] and [- 3], one atomic each per program. A row of at most K keys (no bin reaches K) is
+    selected whole."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n_valid, n_blocks = _row_range(len_ptr, b, L, BLOCK_R, LEN_FROM_PTR)
     row = hist_ptr + b * HIST_STRIDE
     t, _ = _pick_bin(row, K, BINS)
+    lo = tl.full([BLOCK_R], 2147483647, tl.int32)
+    hi = tl.full([BLOCK_R], -2147483648, tl.int32)
     for i in range(n_blocks):
         offs = (pid * n_blocks + i) * BLOCK_R + tl.arange(0, BLOCK_R)
         ok = offs < n_valid
@@ -205,6 +220,13 @@ def dsa_collect_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, BLO
         n_eq = tl.sum(eq, 0)
         base = tl.atomic_add(row + HIST_STRIDE - 1, n_eq, mask=n_eq > 0, sem="relaxed")
         tl.store(cand_ptr + b * L + base + tl.cumsum(eq, 0) - 1, offs, mask=eq != 0)
+        signed = u.to(tl.int32, bitcast=True) ^ -2147483648          # signed order == u's unsigned order
+        lo = tl.where(eq != 0, tl.minimum(lo, signed), lo)
+        hi = tl.where(eq != 0, tl.maximum(hi, signed), hi)
+    lo_min = tl.min(lo, 0)
+    hi_max = tl.max(hi, 0)
+    tl.atomic_min(row + HIST_STRIDE - 4, lo_min, mask=lo_min < 2147483647, sem="relaxed")
+    tl.atomic_max(row + HIST_STRIDE - 3, hi_max, mask=hi_max > -2147483648, sem="relaxed")
 
 
 @triton.jit
@@ -225,33 +247,46 @@ def _digit_hist(c, match, ds, width):
 
 
 @triton.jit
-def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, L, K, CHUNK: tl.constexpr, SHIFT: tl.constexpr,
-                      BASE: tl.constexpr, BINS: tl.constexpr, HIST_STRIDE: tl.constexpr, EXACT_BINS: tl.constexpr):
+def _bit_length(x):
+    """Bits of x (int64 in [0, 2^32)): 0 for 0, else floor(log2 x) + 1 (the exponent of x as an exact float64)."""
+    e = ((x.to(tl.float64).to(tl.int64, bitcast=True) >> 52) & 2047) - 1022
+    return tl.where(x > 0, e, 0)
+
+
+@triton.jit
+def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, CHUNK: tl.constexpr,
+                      TIE_BLOCK: tl.constexpr, HIST_STRIDE: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
     """grid (B,): the K - above best of row b's candidates (`dsa_collect_kernel`; above = the keys it selected) by
     their unique 64-bit keys c = (u << 32) | (2^32 - 1 - position) (larger u first, then the lower position: the
-    reference's ties): a radix select of 8-bit digits from the candidates' first bit that can differ (bit 32 + SHIFT
-    when the threshold bin t is one value of u >> SHIFT, bit 64 for a clamped edge bin; EXACT_BINS: no clamping),
-    level after level until the bin of the remaining keys fits whole (at most 8: the keys are unique). The first
-    CHUNK candidates stay in registers across the levels, the rest are re-read per level in CHUNKs. Then their
-    positions to idx [B, K] after the collected ones, -1 in the slots past the row's keys."""
+    reference's ties): a radix select of 8-bit digits, level after level until the bin of the remaining keys fits
+    whole. It starts below the bits all candidates share (those of their smallest and largest u, from the collect
+    pass: none to resolve when all are tied), resolves u (digits aligned to end at bit 32), then the positions:
+      - at most CHUNK candidates: the position bits by the same radix, the candidates in registers throughout;
+      - more (heavy ties at the threshold value u*, e.g. every score equal): the keys with u > u* from the list,
+        then the lowest positions with u == u* by a walk over the row's keys in position order (TIE_BLOCK per step,
+        a prefix count, until enough are found: one step when the ties are dense), instead of up to 4 more levels
+        over every candidate.
+    The first CHUNK candidates stay in registers across the levels, the rest are re-read per level in CHUNKs. Then
+    their positions to idx [B, K] after the collected ones, -1 in the slots past the row's keys (lengths as in
+    `_row_range`)."""
     b = tl.program_id(0).to(tl.int64)
     row = hist_ptr + b * HIST_STRIDE
     n_cand = tl.load(row + HIST_STRIDE - 1)
     above = tl.load(row + HIST_STRIDE - 2)
+    lo = (tl.load(row + HIST_STRIDE - 4) ^ -2147483648).to(tl.int64) & 4294967295     # the candidates' u range
+    hi = (tl.load(row + HIST_STRIDE - 3) ^ -2147483648).to(tl.int64) & 4294967295
     need = K - above
-    t, _ = _pick_bin(row, K, BINS)
-    if EXACT_BINS:                                          # no clamping: every bin is one value of u >> SHIFT
-        interior = t >= 0
-    else:
-        interior = (t > 0) & (t < BINS - 1)
-    pshift = tl.where(interior, 32 + SHIFT, 64)            # candidates share the bits above pshift: prefix
-    prefix = tl.where(interior, t + BASE, 0).to(tl.uint64)
+    n_diff = _bit_length(lo ^ hi)                           # the candidates share u's bits from n_diff up
+    pshift = 32 + n_diff                                    # ... so c's bits from pshift up: prefix
+    prefix = (lo >> n_diff).to(tl.uint64)
+    few = n_cand <= CHUNK
     n_chunks = (n_cand + CHUNK - 1) // CHUNK
     ok0, pos0, c_0 = _cand_keys(keys_ptr, cand_ptr, b, L, tl.arange(0, CHUNK), n_cand)
     bins = tl.arange(0, 256)
     done = n_cand <= need                                   # all candidates fit (none, or a row of <= K keys)
-    while not done:
-        ds = tl.maximum(pshift - 8, 0)
+    more = (done == 0) & ((pshift > 32) | few)
+    while more:
+        ds = tl.where(pshift > 32, tl.maximum(pshift - 8, 32), tl.maximum(pshift - 8, 0))
         width = pshift - ds
         wide = pshift >= 64
         shift = tl.minimum(pshift, 63).to(tl.uint64)
@@ -267,16 +302,36 @@ def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, L, K, CHUNK: tl.con
         pshift = ds
         done = h_d == need - a                              # bin d fits whole: every key >= the prefix is taken
         need = need - a
+        more = (done == 0) & ((pshift > 32) | few)
+    tie = tl.where(done, 0, 1).to(tl.uint64)               # pshift = 32, prefix = u*: need keys with u == u*
     take_all = n_cand <= K - above
     shift = tl.minimum(pshift, 63).to(tl.uint64)
-    sel = (ok0 & (take_all | ((c_0 >> shift) >= prefix))).to(tl.int32)
+    sel = (ok0 & (take_all | ((c_0 >> shift) >= prefix + tie))).to(tl.int32)
     tl.store(idx_ptr + b * K + above + tl.cumsum(sel, 0) - 1, pos0.to(tl.int64), mask=sel != 0)
     written = above + tl.sum(sel, 0)
-    for c0 in range(1, n_chunks):
+    n_list = tl.where((tie != 0) & (hi.to(tl.uint64) == prefix), 1, n_chunks)     # none above u*: list done
+    for c0 in range(1, n_list):
         ok, pos, c = _cand_keys(keys_ptr, cand_ptr, b, L, c0 * CHUNK + tl.arange(0, CHUNK), n_cand)
-        sel = (ok & (take_all | ((c >> shift) >= prefix))).to(tl.int32)
+        sel = (ok & (take_all | ((c >> shift) >= prefix + tie))).to(tl.int32)
         tl.store(idx_ptr + b * K + written + tl.cumsum(sel, 0) - 1, pos.to(tl.int64), mask=sel != 0)
         written += tl.sum(sel, 0)
+    n_valid = L
+    if LEN_FROM_PTR:
+        n_valid = tl.load(len_ptr + b).to(tl.int32) + 1
+    rem = tl.where(tie != 0, need, 0)                       # at least rem keys of the row have u == u*
+    s0 = 0
+    while (rem > 0) & (s0 < n_valid):
+        offs_t = s0 + tl.arange(0, TIE_BLOCK)
+        in_row = offs_t < n_valid
+        u_t = tl.load(keys_ptr + b * L + offs_t, mask=in_row, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+        hit = (in_row & (u_t == prefix)).to(tl.int32)
+        rank = tl.cumsum(hit, 0)
+        take = (hit != 0) & (rank <= rem)
+        tl.store(idx_ptr + b * K + written + rank - 1, offs_t.to(tl.int64), mask=take)
+        n_take = tl.sum(take.to(tl.int32), 0)
+        written += n_take
+        rem -= n_take
+        s0 += TIE_BLOCK
     for s0 in range(0, K, CHUNK):
         offs = s0 + tl.arange(0, CHUNK)
         tl.store(idx_ptr + b * K + offs, tl.full([CHUNK], -1, tl.int64), mask=(offs >= written) & (offs < K))
@@ -409,8 +464,11 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
     dsa_collect_kernel[(triton.cdiv(n_ref, per_ref), B)](keys, hist, cand, idx, n_len, L, n_sel,
                                                          BLOCK_R=SELECT_BLOCK, LEN_FROM_PTR=from_ptr, num_warps=4,
                                                          **digit)
-    dsa_finish_kernel[(B,)](keys, hist, cand, idx, L, n_sel, CHUNK=FINISH_CHUNK,
-                            EXACT_BINS=BASE == 0 and BINS << SHIFT == 1 << 32, num_warps=FINISH_WARPS, **digit)
+    long_rows = L >= FINISH_LONG_KEYS
+    dsa_finish_kernel[(B,)](keys, hist, cand, idx, n_len, L, n_sel,
+                            CHUNK=FINISH_CHUNK_LONG if long_rows else FINISH_CHUNK, TIE_BLOCK=TIE_BLOCK,
+                            HIST_STRIDE=HIST_STRIDE, LEN_FROM_PTR=from_ptr,
+                            num_warps=FINISH_WARPS_LONG if long_rows else FINISH_WARPS)
     if k_exact is not None:         # exact scores of the candidates: unique u64 keys, larger = better
         ck = torch.empty((B, n_sel), dtype=torch.int64, device=dev)
         dsa_rerank_kernel[(triton.cdiv(n_sel, RERANK_BLOCK), B)](
@@ -431,5 +489,5 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
 
 # Source order for code generation (helpers first).
 KERNELS = (_order_key, _to_e4m3, _pick_bin, _first_digit, _row_range, dsa_init_kernel, dsa_scan_kernel,
-           dsa_collect_kernel, _cand_keys, _digit_hist, dsa_finish_kernel, dsa_rerank_kernel,
+           dsa_collect_kernel, _cand_keys, _digit_hist, _bit_length, dsa_finish_kernel, dsa_rerank_kernel,
            dsa_rerank_rank_kernel, radix_scratch_words)

@@ -12,13 +12,15 @@ The fused op covers everything of K3-SPEC.md "KDA layer" between the projections
 
 Public API:
     kda_fused_reference  per-token torch loop straight from the spec (tests, interpreter fallback)
-    kda_decode           one fused kernel launch per decode step (T = 1), value dim split over programs, state
-                         (fp32 or bf16) and conv state in place
+    kda_decode           one decode step (T = 1): one fused kernel launch, or the front end and the state kernel
+                         as two launches joined by programmatic dependent launch (`decode_split`); value dim split
+                         over programs, state (fp32 or bf16) and conv state in place
     kda_prefill          any T >= 1, chunk-parallel tensor-core kernels for bounded gates, recurrent kernel otherwise
     kda_spec_replay      rebuild state + conv state from cached draft inputs, replaying n_accepted tokens
     emit_source          standalone kernel-module text for the code generator
-Kernels: `kda_decode.kda_decode_kernel`, `kda_recurrent.kda_recurrent_kernel`, `kda_chunk.kda_chunk_prep_kernel`
-/ `kda_chunk_state_kernel` / `kda_norm_gate_kernel`; helpers in `_common`.
+Kernels: `kda_decode.kda_decode_kernel` / `kda_decode_front_kernel` / `kda_decode_state_kernel`,
+`kda_recurrent.kda_recurrent_kernel`, `kda_chunk.kda_chunk_prep_kernel` / `kda_chunk_state_kernel` /
+`kda_norm_gate_kernel`; helpers in `_common`.
 All launchers also run on CPU tensors under TRITON_INTERPRET=1 (fp32; the interpreter has no bf16 arithmetic).
 The activations may be row-strided views (the column views of one fused projection output): the kernels take
 their batch / token strides, so they are read in place.
@@ -33,7 +35,7 @@ import triton
 
 from k3c.codegen.triton import _common, take_scratch
 from k3c.codegen.triton.kda_chunk import kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel
-from k3c.codegen.triton.kda_decode import kda_decode_kernel
+from k3c.codegen.triton.kda_decode import kda_decode_front_kernel, kda_decode_kernel, kda_decode_state_kernel
 from k3c.codegen.triton.kda_recurrent import kda_recurrent_kernel
 from k3c.errors import RuntimeInputError, UnsupportedError
 
@@ -47,6 +49,15 @@ DECODE_BLOCK_V = 64
 DECODE_SMALL_BLOCK_V = 16
 DECODE_SMALL_GRID = 1024
 DECODE_WARP_BYTES = 8192
+# Two-phase decode (front-end kernel + state kernel, PDL; BENCHMARKS.md "KDA round 5"): faster from B = 16 on
+# (H200, H = 96: fp32 state 65.6 -> 64.1 us at B = 16, 244.3 -> 235.6 at 64; bf16 50.3 -> 46.5, 181.3 -> 159.6),
+# slower at B = 1 (8.7 -> 12.2 us: the front kernel's latency is not hidden), so it is the default from
+# DECODE_FRONT_MIN_ROWS rows x heads (B*H) on. Its state kernel's (block_v, num_warps) by state element bytes
+# (fp32: 4, bf16: 2), the fastest measured.
+DECODE_VARIANTS = ("fused", "front", "front_serial")   # front_serial: two launches without PDL (measurement)
+DECODE_FRONT_MIN_ROWS = 1536
+DECODE_FRONT_SPLIT = {4: (64, 4), 2: (32, 2)}
+DECODE_FRONT_WARPS = 2  # warps per program of the front-end kernel (1 and 4 measured the same or slower)
 CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
 CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| between a chunk's reference row and any row (exp stays finite in fp32)
@@ -105,28 +116,43 @@ def kda_fused_reference(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q,
     return y.reshape(B, T, HD).to(q_in.dtype), S, window
 
 
-_DECODE_SCRATCH = {}  # (device, B*H, D) -> (o_part, counters) of kda_decode_kernel; counters are 0 between launches
+_DECODE_SCRATCH = {}  # (device, B*H, D, front) -> decode scratch tensors; counters are 0 between launches
+_PDL_DEVICES = {}     # CUDA device index -> whether it supports programmatic dependent launch
 
 
-def _decode_scratch(device, rows, D):
-    """The decode kernel's cross-program scratch for `rows` = B*H heads: o_part [rows*D] fp32, counters [rows] int32.
+def _decode_scratch(device, rows, D, front):
+    """The decode kernels' scratch for `rows` = B*H heads: (o_part [rows*D] fp32, counters [rows] int32) and, when
+    `front` (two-phase form), (front [rows*4*D] fp32: q, k, v, exp(g) per head; beta [rows] fp32).
 
-    Allocated once per (device, rows, D) and reused (the kernel leaves the counters at 0), so a captured CUDA graph
-    replays without allocations. Launches sharing it must not run concurrently on different streams.
+    Allocated once per (device, rows, D, front) and reused (the kernels leave the counters at 0), so a captured
+    CUDA graph replays without allocations. Launches sharing it must not run concurrently on different streams.
     """
-    key = (str(device), rows, D)
+    key = (str(device), rows, D, front)
     if key not in _DECODE_SCRATCH:
-        _DECODE_SCRATCH[key] = (torch.empty(rows * D, dtype=torch.float32, device=device),
-                                torch.zeros(rows, dtype=torch.int32, device=device))
+        f32 = dict(dtype=torch.float32, device=device)
+        _DECODE_SCRATCH[key] = (torch.empty(rows * D, **f32), torch.zeros(rows, dtype=torch.int32, device=device))
+        if front:
+            _DECODE_SCRATCH[key] += (torch.empty(rows * 4 * D, **f32), torch.empty(rows, **f32))
     return _DECODE_SCRATCH[key]
+
+
+def _pdl_supported(device):
+    """Whether kernels on `device` may use programmatic dependent launch: CUDA with compute capability >= 9.0."""
+    if device.type != "cuda":
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _PDL_DEVICES:
+        _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _PDL_DEVICES[index]
 
 
 def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
                 o_norm_weight, state, conv_state, *, gate_kind, lower_bound, eps, lengths, state_out,
-                conv_state_out, store_output, num_warps, block_v=None, y_out=None, scratch=None):
+                conv_state_out, store_output, num_warps, block_v=None, y_out=None, scratch=None, variant=None):
     """Check shapes/devices and launch the `mode` kernels ("decode": T = 1, split over V; "recurrent": token loop
     over the (B, H) grid; "chunk": chunk-parallel prep + state pass split over V + norm epilogue); returns y or None.
-    block_v: value columns per program of the decode / chunk state kernels (None: `decode_split` / CHUNK_BLOCK_V).
+    block_v: value columns per program of the decode / chunk state kernels (None: `decode_split` / CHUNK_BLOCK_V);
+    variant: decode form, one of DECODE_VARIANTS (None: `decode_split`'s choice).
     Activations may be row-strided views (any batch / token strides, dense last dim; others are copied); y is
     returned contiguous, in y_out when given (a contiguous tensor of q_in's shape and dtype). scratch: the chunk
     path's planned buffers by name (ws, ws_p, ws_glast, o_buf; `kda_abi.kda_fused_scratch`), None: allocated here."""
@@ -187,13 +213,24 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
     lens = lengths if has_len else q_in
     gate = dict(GATE_KIND=GATE_KINDS[gate_kind], LOWER_BOUND=float(lower_bound))
     if mode == "decode":
-        BV, warps = decode_split(B, H, D, state.element_size(), block_v)
+        BV, warps, variant = decode_split(B, H, D, state.element_size(), block_v, variant)
         NV = triton.cdiv(D, BV)
-        o_part, counters = _decode_scratch(q_in.device, B * H, D) if NV > 1 else (q_in, q_in)
-        kda_decode_kernel[(NV, H, B)](
-            *acts, *wts, state, state_out, conv_state, conv_state_out, y, o_part, counters,
-            *(st[n][0] for n in "qkvfgb"), H=H, D=D, W=W, BD=BD, BW=BW, BV=BV, NV=NV, EPS=float(eps),
-            SCALE=D ** -0.5, num_warps=num_warps or warps, **gate)
+        if variant == "fused":
+            o_part, counters = _decode_scratch(q_in.device, B * H, D, False) if NV > 1 else (q_in, q_in)
+            kda_decode_kernel[(NV, H, B)](
+                *acts, *wts, state, state_out, conv_state, conv_state_out, y, o_part, counters,
+                *(st[n][0] for n in "qkvfgb"), H=H, D=D, W=W, BD=BD, BW=BW, BV=BV, NV=NV, EPS=float(eps),
+                SCALE=D ** -0.5, num_warps=num_warps or warps, **gate)
+        else:
+            pdl = variant == "front" and _pdl_supported(q_in.device)
+            o_part, counters, front, beta = _decode_scratch(q_in.device, B * H, D, True)
+            kda_decode_front_kernel[(H, B)](
+                q_in, k_in, v_in, f, beta_logits, *wts[:5], conv_state, conv_state_out, front, beta,
+                *(st[n][0] for n in "qkvfb"), H=H, D=D, W=W, BD=BD, BW=BW, SCALE=D ** -0.5, PDL=pdl,
+                num_warps=DECODE_FRONT_WARPS, **gate)
+            kda_decode_state_kernel[(NV, H, B)](
+                front, beta, gate_logits, wts[5], state, state_out, y, o_part, counters, st["g"][0], H=H, D=D,
+                BD=BD, BV=BV, NV=NV, EPS=float(eps), PDL=pdl, num_warps=num_warps or warps, launch_pdl=pdl)
     elif mode == "recurrent":
         kda_recurrent_kernel[(B, H)](
             *acts, *wts, state, state_out, conv_state, conv_state_out, y if store_output else q_in, lens, T,
@@ -231,15 +268,25 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
     return y
 
 
-def decode_split(B, H, D, state_bytes, block_v=None):
-    """(block_v, num_warps) of the decode kernel for B rows of H heads of dim D, state elements of `state_bytes`
-    bytes (4: fp32, 2: bf16); block_v given: that split (capped at D's power of two), else the DECODE_* rule above."""
+def decode_split(B, H, D, state_bytes, block_v=None, variant=None):
+    """(block_v, num_warps, variant) of the decode step for B rows of H heads of dim D, state elements of
+    `state_bytes` bytes (4: fp32, 2: bf16). variant (one of DECODE_VARIANTS; None: "front" from
+    DECODE_FRONT_MIN_ROWS rows x heads on, else "fused"). block_v given: that split (capped at D's power of two)
+    with one warp per DECODE_WARP_BYTES of state tile; else DECODE_FRONT_SPLIT for the two-phase forms and the
+    DECODE_* rule above for the fused kernel. Raises UnsupportedError on an unknown variant."""
+    if variant is None:
+        variant = "front" if B * H >= DECODE_FRONT_MIN_ROWS else "fused"
+    if variant not in DECODE_VARIANTS:
+        raise UnsupportedError(f"KDA decode variant {variant!r} (expected one of {DECODE_VARIANTS})")
     BD = triton.next_power_of_2(D)
+    if block_v is None and variant != "fused" and state_bytes in DECODE_FRONT_SPLIT:
+        block_v, warps = DECODE_FRONT_SPLIT[state_bytes]
+        return min(BD, block_v), warps, variant
     if block_v is None:
         small = B * H * triton.cdiv(D, DECODE_SMALL_BLOCK_V) <= DECODE_SMALL_GRID
         block_v = DECODE_SMALL_BLOCK_V if small else DECODE_BLOCK_V
     BV = min(BD, block_v)
-    return BV, max(1, BD * BV * state_bytes // DECODE_WARP_BYTES)
+    return BV, max(1, BD * BV * state_bytes // DECODE_WARP_BYTES), variant
 
 
 def chunk_is_safe(gate_kind, lower_bound, chunk=None):
@@ -287,10 +334,12 @@ def kda_prefill(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_
 
 def kda_decode(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias,
                o_norm_weight, state, conv_state, *, gate_kind="lower_bound", lower_bound=-5.0, eps=1e-5,
-               num_warps=None, block_v=None):
-    """One fused KDA decode step (one kernel launch): conv-state roll + conv + silu + l2norm + gate + beta +
-    recurrence + RMSNorm + sigmoid gate, with state [B, H, D, D] (fp32 or bf16) and conv_state [B, 3*H*D, W]
-    updated in place. The value dim is split over cdiv(D, block_v) programs per head (default: `decode_split`).
+               num_warps=None, block_v=None, variant=None):
+    """One fused KDA decode step: conv-state roll + conv + silu + l2norm + gate + beta + recurrence + RMSNorm +
+    sigmoid gate, with state [B, H, D, D] (fp32 or bf16) and conv_state [B, 3*H*D, W] updated in place. The value
+    dim is split over cdiv(D, block_v) programs per head. variant: "fused" (one launch), "front" (front-end
+    kernel, then the state kernel as its programmatic dependent launch where the GPU has PDL), "front_serial"
+    (the same two launches without PDL); None: `decode_split`'s choice, as are block_v / num_warps when None.
 
     Activations are [B, H*D] (or [B, 1, H*D]), beta_logits [B, H] (or [B, 1, H]), contiguous or row-strided views
     with a dense last dim; other shapes, dtypes and errors
@@ -303,7 +352,7 @@ def kda_decode(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k
     y = _launch_kda("decode", q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k,
                     conv_w_v, A_log, dt_bias, o_norm_weight, state, conv_state, gate_kind=gate_kind,
                     lower_bound=lower_bound, eps=eps, lengths=None, state_out=None, conv_state_out=None,
-                    store_output=True, num_warps=num_warps, block_v=block_v)
+                    store_output=True, num_warps=num_warps, block_v=block_v, variant=variant)
     return y.reshape(shape)
 
 
@@ -331,9 +380,9 @@ def kda_spec_replay(q_in, k_in, v_in, f, beta_logits, conv_w_q, conv_w_k, conv_w
 # Code generation: a standalone module per kernel family.
 
 _FAMILIES = {  # family -> (kernels to include, IR node it implements by default)
-    "decode": ((kda_decode_kernel,), "kda.fused_decode"),
-    "prefill": ((kda_decode_kernel, kda_recurrent_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel,
-                 kda_norm_gate_kernel), "kda.fused_prefill"),
+    "decode": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel), "kda.fused_decode"),
+    "prefill": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel, kda_recurrent_kernel,
+                 kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel), "kda.fused_prefill"),
     "spec_replay": ((kda_recurrent_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel), "kda.spec_replay"),
 }
 
@@ -409,12 +458,16 @@ def emit_source(spec):
         f"LOWER_BOUND = {lower_bound!r}  # linear_attn_config.gate_lower_bound\nEPS = {eps!r}  # rms_norm_eps\n"
         f"GATE_KINDS = {GATE_KINDS!r}\nCHUNK = {CHUNK}\nDECODE_BLOCK_V = {DECODE_BLOCK_V}\n"
         f"DECODE_SMALL_BLOCK_V = {DECODE_SMALL_BLOCK_V}\nDECODE_SMALL_GRID = {DECODE_SMALL_GRID}\n"
-        f"DECODE_WARP_BYTES = {DECODE_WARP_BYTES}\n"
-        f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n_DECODE_SCRATCH = {{}}\n")
+        f"DECODE_WARP_BYTES = {DECODE_WARP_BYTES}\nDECODE_VARIANTS = {DECODE_VARIANTS!r}\n"
+        f"DECODE_FRONT_MIN_ROWS = {DECODE_FRONT_MIN_ROWS}\nDECODE_FRONT_SPLIT = {DECODE_FRONT_SPLIT!r}\n"
+        f"DECODE_FRONT_WARPS = {DECODE_FRONT_WARPS}\n"
+        f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n"
+        f"_DECODE_SCRATCH = {{}}\n_PDL_DEVICES = {{}}\n")
     parts = [header]
     parts += [inspect.getsource(fn.fn) for fn in _common.HELPERS]
     parts += [inspect.getsource(kernel.fn) for kernel in kernels]
-    parts += [inspect.getsource(take_scratch), inspect.getsource(_decode_scratch), inspect.getsource(decode_split),
+    parts += [inspect.getsource(take_scratch), inspect.getsource(_decode_scratch), inspect.getsource(_pdl_supported),
+              inspect.getsource(decode_split),
               inspect.getsource(_launch_kda)]
     parts.append(_LAUNCH_TEMPLATE.format(doc=doc, mode=mode))
     return "\n\n".join(parts)

@@ -2,7 +2,7 @@
 implementing `launch(inputs, outputs, sizes)`.
 
 Math: K3-SPEC.md "KDA layer"; exact semantics: `kda_fused_ref` of k3c/ir/ops/model_kda.py. The kernel text is
-`kda.emit_source` of the "prefill" family (the split-V decode kernel, the token-loop kernel and the chunk-parallel
+`kda.emit_source` of the "prefill" family (the decode kernels, the token-loop kernel and the chunk-parallel
 prefill kernels), with two edits so that the module stands alone and keeps the ABI
 name free: its `from k3c.errors import ...` becomes two local exception classes (subclasses of ValueError), and its
 own `launch(q_in, ...)` is renamed `kda_family_launch`. The ABI `launch` maps the IR operands onto `_launch_kda`:
@@ -10,7 +10,9 @@ own `launch(q_in, ...)` is renamed `kda_family_launch`. The ABI `launch` maps th
     inputs  (q, k, v, f, beta, gate, q_conv, k_conv, v_conv, A_log, dt_bias, o_norm, state, conv_state)
     outputs (y [B,T,H·K], new state [B,H,K,K] in the state's dtype (f32 or bf16), new conv state [B,3·H·K,W])
 
-T == 1 (decode) runs the split-V decode kernel, like `kda.kda_decode`; T > 1 (prefill) runs the chunked
+T == 1 (decode) runs the decode step like `kda.kda_decode`: the one-launch split-V kernel, or from B·H ≥
+`kda.DECODE_FRONT_MIN_ROWS` on the front-end kernel and the state kernel as its programmatic dependent launch
+(`kda.decode_split`; both launches inside this module's one schedule launch); T > 1 (prefill) runs the chunked
 kernels when the gate is safely bounded and T ≥ 16, else the token loop, like `kda.kda_prefill(method="auto")`.
 The state outputs may be the very tensors of the state inputs (in-place update) or separate ones. The six
 activations may be row-strided views (any batch / token strides, dense last dim: in decode, the column views of
@@ -20,7 +22,8 @@ Triton launcher passes them without a copy (other inputs are made contiguous her
 conv state is copied back. The recurrent state goes to the kernels as it is stored, f32 or bf16 (`--kda-state`):
 they load it, compute in f32 and round the new state once per call.
 
-Scratch (`kda_fused_scratch`, planned in the arena; the decode kernel's few KiB stay cached in the module): the
+Scratch (`kda_fused_scratch`, planned in the arena; the decode kernels' o_part, counters and front-end outputs,
+(5·K + 2)·B·H·4 bytes, stay cached in the module, one set per shape, shared by the layers): the
 chunked prefill's workspace ws [4, B, H, NC, 16, K] and ws_p [B, H, NC, 16, 16] in q's dtype, ws_glast f32
 [B, H, NC, K] (NC = ⌈T/16⌉ chunks) and, when the state pass does not fuse the norm epilogue (CHUNK_BLOCK_V < K),
 o_buf f32 [B, T, H·K].

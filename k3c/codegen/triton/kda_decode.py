@@ -1,4 +1,5 @@
-"""Fused KDA decode kernel (T = 1), the value dimension split across programs, one launch per step.
+"""KDA decode kernels (T = 1), the value dimension split across programs: one fused launch per step, or the
+two-phase form (front-end kernel + state kernel) below.
 
 Grid (NV, H, B): program (i_v, h, b) owns the state columns [i_v*BV, (i_v+1)*BV) of S[b, h] ([D, D], key dim
 first, fp32 or bf16 in memory, fp32 in registers). Every program computes the whole front end of its head from
@@ -15,6 +16,16 @@ head's counter (acq_rel atomic); the program that sees NV - 1 reads the complete
 y = RMSNorm(o) * sigmoid(gate) for the head, writes the q/k conv state (every program of the head has read the old
 one before its increment), and resets the counter to 0 for the next launch. Each program writes its own value
 slice of the v conv state. With NV = 1 the epilogue runs directly, without the counter.
+
+Two-phase form (`kda_decode_front_kernel` + `kda_decode_state_kernel`, two launches): the front end runs once per
+head in its own kernel (grid (H, B)), which writes q, k, v and the decay exp(g) ([B, H, 4, D] fp32) and beta
+([B, H] fp32) to a scratch buffer and the whole new conv state. The state kernel (grid (NV, H, B)) issues its state
+tile's loads first, then waits for the front end's outputs, so the state bytes are in flight from the program's
+start and no register holds front-end values meanwhile. With programmatic dependent launch (PDL = True, launched
+with `launch_pdl`; sm_90+) the front kernel lets the state kernel start at once (`gdc_launch_dependents`) and the
+state kernel's `gdc_wait` orders the scratch reads after the front kernel's writes; its reads before the wait
+touch only the state, which the front kernel does not write, and which every kernel before the front kernel
+(a plain launch) has finished with. Without PDL the two launches simply run in order.
 Launchers live in `k3c.codegen.triton.kda`.
 """
 
@@ -26,8 +37,8 @@ from k3c.codegen.triton._common import (
     kda_decay_gate,
     l2_normalize,
     load_conv_weight,
-    rms_norm_sigmoid_gate,
     silu,
+    store_norm_gate,
 )
 
 
@@ -96,10 +107,7 @@ def kda_decode_kernel(
     tl.store(conv_out + conv_v + i_v[:, None] * W + j[None, :], win_v, mask=m_v[:, None] & m_w)
 
     if NV == 1:
-        gl = tl.load(gate_in + b64 * s_g + h * D + i_k, mask=m_k, other=0.0).to(tl.float32)
-        norm_w = tl.load(o_norm_w + i_k, mask=m_k, other=0.0)
-        out = rms_norm_sigmoid_gate(o, norm_w, gl, D, EPS, 0)
-        tl.store(y + y_off + i_k, out.to(y.dtype.element_ty), mask=m_k)
+        store_norm_gate(o, gate_in + b64 * s_g + h * D, o_norm_w, y + y_off, i_k, m_k, D, EPS)
         tl.store(conv_out + conv_q + i_k[:, None] * W + j[None, :], win_q, mask=m_k[:, None] & m_w)
         tl.store(conv_out + conv_k + i_k[:, None] * W + j[None, :], win_k, mask=m_k[:, None] & m_w)
     else:
@@ -109,9 +117,108 @@ def kda_decode_kernel(
         if arrived == NV - 1:                             # last program of the head: the epilogue
             tl.atomic_xchg(counters + bh, 0, sem="relaxed", scope="gpu")
             o_all = tl.load(o_part + bh * D + i_k, mask=m_k, other=0.0, cache_modifier=".cg")
-            gl = tl.load(gate_in + b64 * s_g + h * D + i_k, mask=m_k, other=0.0).to(tl.float32)
-            norm_w = tl.load(o_norm_w + i_k, mask=m_k, other=0.0)
-            out = rms_norm_sigmoid_gate(o_all, norm_w, gl, D, EPS, 0)
-            tl.store(y + y_off + i_k, out.to(y.dtype.element_ty), mask=m_k)
+            store_norm_gate(o_all, gate_in + b64 * s_g + h * D, o_norm_w, y + y_off, i_k, m_k, D, EPS)
             tl.store(conv_out + conv_q + i_k[:, None] * W + j[None, :], win_q, mask=m_k[:, None] & m_w)
             tl.store(conv_out + conv_k + i_k[:, None] * W + j[None, :], win_k, mask=m_k[:, None] & m_w)
+
+
+@triton.jit
+def kda_decode_front_kernel(
+    q_in, k_in, v_in, f_in, beta_in,      # [B, H*D] / [B, H] activations of the step (rows may be strided)
+    conv_w_q, conv_w_k, conv_w_v,         # [H*D, W] fp32 depthwise conv weights
+    A_log, dt_bias,                       # [>=H], [H*D] fp32
+    conv_in, conv_out,                    # [B, 3*H*D, W] fp32: q, k, v channels (may alias)
+    front,                                # [B, H, 4, D] fp32 out: q (l2norm * SCALE), k (l2norm), v, exp(g)
+    beta_out,                             # [B, H] fp32 out: sigmoid(beta logits)
+    s_q, s_k, s_v, s_f, s_beta,           # batch-row strides (elements); last dim dense
+    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr,
+    GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr,
+    PDL: tl.constexpr,                    # let the dependent state kernel launch now (programmatic launch)
+):
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    HD: tl.constexpr = H * D
+    b64 = b.to(tl.int64)
+    bh = b64 * H + h
+    i_k = tl.arange(0, BD)
+    m_k = i_k < D
+    conv_q = b64 * 3 * HD * W + (0 * HD + h * D) * W
+    conv_k = b64 * 3 * HD * W + (1 * HD + h * D) * W
+    conv_v = b64 * 3 * HD * W + (2 * HD + h * D) * W
+    win_q = conv_window(q_in + b64 * s_q + h * D, conv_in + conv_q, 0, i_k, m_k, HD, W, BW)
+    win_k = conv_window(k_in + b64 * s_k + h * D, conv_in + conv_k, 0, i_k, m_k, HD, W, BW)
+    win_v = conv_window(v_in + b64 * s_v + h * D, conv_in + conv_v, 0, i_k, m_k, HD, W, BW)
+    q = silu(tl.sum(win_q * load_conv_weight(conv_w_q + h * D * W, i_k, m_k, W, BW), 1))
+    k = silu(tl.sum(win_k * load_conv_weight(conv_w_k + h * D * W, i_k, m_k, W, BW), 1))
+    v = silu(tl.sum(win_v * load_conv_weight(conv_w_v + h * D * W, i_k, m_k, W, BW), 1))
+    f = tl.load(f_in + b64 * s_f + h * D + i_k, mask=m_k, other=0.0).to(tl.float32)
+    g = kda_decay_gate(f + tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0), tl.exp(tl.load(A_log + h)),
+                       GATE_KIND, LOWER_BOUND)
+    out = front + bh * 4 * D + i_k
+    tl.store(out, l2_normalize(q, 0) * SCALE, mask=m_k)
+    tl.store(out + D, l2_normalize(k, 0), mask=m_k)
+    tl.store(out + 2 * D, v, mask=m_k)
+    tl.store(out + 3 * D, tl.exp(g), mask=m_k)
+    tl.store(beta_out + bh, tl.sigmoid(tl.load(beta_in + b64 * s_beta + h).to(tl.float32)))
+
+    j = tl.arange(0, BW)
+    m_c = m_k[:, None] & (j[None, :] < W)
+    tl.debug_barrier()                                    # every lane has read the old conv state
+    tl.store(conv_out + conv_q + i_k[:, None] * W + j[None, :], win_q, mask=m_c)
+    tl.store(conv_out + conv_k + i_k[:, None] * W + j[None, :], win_k, mask=m_c)
+    tl.store(conv_out + conv_v + i_k[:, None] * W + j[None, :], win_v, mask=m_c)
+
+
+@triton.jit
+def kda_decode_state_kernel(
+    front, beta_in,                       # the front kernel's outputs: [B, H, 4, D] fp32, [B, H] fp32
+    gate_in, o_norm_w,                    # [B, H*D] gate logits (rows may be strided), [D] fp32
+    state_in, state_out,                  # [B, H, D, D] fp32 or bf16 (key dim, value dim)
+    y,                                    # [B, H*D] output
+    o_part, counters,                     # as kda_decode_kernel (NV > 1)
+    s_g,                                  # batch-row stride of gate_in (elements)
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+    EPS: tl.constexpr,
+    PDL: tl.constexpr,                    # launched as a programmatic dependent of the front kernel
+):
+    pid_v = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    bh = b64 * H + h
+    i_k = tl.arange(0, BD)
+    m_k = i_k < D
+    i_v = pid_v * BV + tl.arange(0, BV)
+    m_v = i_v < D
+
+    s_off = bh * D * D + i_k[:, None] * D + i_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    S = tl.load(state_in + s_off, mask=m_s, other=0.0)   # issued first: in flight while the front end finishes
+    if PDL:
+        tl.extra.cuda.gdc_wait()                          # the front kernel's writes are visible after this
+    fr = front + bh * 4 * D
+    q = tl.load(fr + i_k, mask=m_k, other=0.0)
+    k = tl.load(fr + D + i_k, mask=m_k, other=0.0)
+    v = tl.load(fr + 2 * D + i_v, mask=m_v, other=0.0)
+    decay = tl.load(fr + 3 * D + i_k, mask=m_k, other=0.0)
+    beta = tl.load(beta_in + bh)
+
+    S = S.to(tl.float32) * decay[:, None]
+    u = beta * (v - tl.sum(k[:, None] * S, 0))
+    S = S + k[:, None] * u[None, :]
+    o = tl.sum(q[:, None] * S, 0)
+    tl.store(state_out + s_off, S.to(state_out.dtype.element_ty), mask=m_s)
+
+    y_off = b64 * H * D + h * D
+    if NV == 1:
+        store_norm_gate(o, gate_in + b64 * s_g + h * D, o_norm_w, y + y_off, i_k, m_k, D, EPS)
+    else:
+        tl.store(o_part + bh * D + i_v, o, mask=m_v)
+        tl.debug_barrier()                                # all lanes' o stores precede the release below
+        arrived = tl.atomic_add(counters + bh, 1, sem="acq_rel", scope="gpu")
+        if arrived == NV - 1:                             # last program of the head: the epilogue
+            tl.atomic_xchg(counters + bh, 0, sem="relaxed", scope="gpu")
+            o_all = tl.load(o_part + bh * D + i_k, mask=m_k, other=0.0, cache_modifier=".cg")
+            store_norm_gate(o_all, gate_in + b64 * s_g + h * D, o_norm_w, y + y_off, i_k, m_k, D, EPS)
