@@ -77,7 +77,8 @@ def _fill_pools(session, B: int, L: int) -> None:
             else:
                 pool[:B, :L] = k.to(pool.dtype)
         elif name.endswith(".kv"):
-            pool[:B, :L] = (torch.randn(B, L, pool.shape[-1], generator=gen, device=session.device) * 0.3).to(pool.dtype)
+            rows = torch.randn(B, L, pool.shape[-1], generator=gen, device=session.device)
+            pool[:B, :L] = (rows * 0.3).to(pool.dtype)
 
 
 def _index_us(session, tokens) -> dict[str, float]:

@@ -8,7 +8,8 @@ once per FP8 option, with the indexer's selection replaced by the math of `k3c.c
   k3c fp8         `k3c compile --dsa-index-keys fp8`: the IR ops' semantics (`fp8_quantize`, `dsa_index_topk` with
                   k_scale: q rounded to bf16, then e4m3 per head), no exact keys kept
   compiled        (--artifact) the compiled artifact itself: k3.1-pro-tiny compiled plan-only with
-                  --dsa-index-keys fp8, its prefill / decode graphs (every pass run) interpreted with the model's weights
+                  --dsa-index-keys fp8, its prefill / decode graphs (every pass run) interpreted with the model's
+                  weights
 Every decode step's fp8 selection is also run through the Triton kernel (`dsa_decode_topk`, interpreter) and must
 equal this script's torch selection (KERNEL line). Errors per call: max |a - b| / max |b| over the vocabulary
 (worst call), how often the greedy token agrees, and the mean overlap of each selection with the exact indexer's
@@ -122,8 +123,8 @@ def run_artifact(model, tokens, prompt):
         graphs = {e: serialize.load(opts.out / "graph" / f"{e}.json") for e in ("prefill", "decode")}
     named = {k: p.detach() for k, p in model.named_parameters()}
     params = {e: materialize_params(g, named) for e, g in graphs.items()}
-    caches = {v.name: torch.zeros([evaluate(d, {"B": B, "L": 0}) for d in v.type.shape], dtype=torch_dtype(v.type.dtype))
-              for v in graphs["prefill"].inputs if v.name != "tokens"}
+    caches = {v.name: torch.zeros([evaluate(d, {"B": B, "L": 0}) for d in v.type.shape],
+                                  dtype=torch_dtype(v.type.dtype)) for v in graphs["prefill"].inputs if v.name != "tokens"}
     out = []
     for t0, t1 in [(0, prompt)] + [(t, t + 1) for t in range(prompt, n)]:
         entry = "prefill" if t0 == 0 else "decode"
