@@ -54,9 +54,10 @@ def device_lengths_supported(entry: dict) -> bool:
 class DecodeGraph:
     """The decode step of `session` at batch `B` captured as one CUDA graph (module docstring), lengths increment
     included. `replay(tokens)` runs one step and returns the logits value ([B,1,vocab], the arena's buffer: copy
-    it)."""
+    it). `greedy`: the graph ends by writing the argmax of its logits into its own token input (`tokens`, int64
+    [B,1]), so replaying it again is the next greedy step with nothing done on the host (`Session.generate`)."""
 
-    def __init__(self, session, B: int):
+    def __init__(self, session, B: int, greedy: bool = False):
         sched = session.schedule["decode"]
         lengths = session.lengths[:B]
         self.tokens = torch.zeros((B, 1), dtype=torch.int64, device=session.device)
@@ -69,10 +70,14 @@ class DecodeGraph:
             for ln in sched["launches"]:
                 frame.launch(ln)
             lengths.add_(1)
+            if greedy:
+                torch.argmax(frame.env[sched["outputs"]["logits"]], dim=-1, out=self.tokens)
         self.logits = frame.env[sched["outputs"]["logits"]]
 
     def replay(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One decode step of `tokens` int64 [B,1] at the sequences' current lengths; returns the logits buffer."""
-        self.tokens.copy_(tokens)
+        """One decode step of `tokens` int64 [B,1] at the sequences' current lengths (`tokens` may be this graph's
+        own `tokens`: no copy); returns the logits buffer."""
+        if tokens.data_ptr() != self.tokens.data_ptr():
+            self.tokens.copy_(tokens)
         self.graph.replay()
         return self.logits

@@ -4,6 +4,7 @@
     logits = session.prefill(tokens)                          # int64 [B,T] -> [B,1,vocab] (the last position)
     logits = session.prefill(tokens, logits="all")            # [B,T,vocab] (compiled with all_logits / --all-logits)
     logits = session.decode(next_tokens)                      # [B,1] -> [B,1,vocab]
+    new = session.generate(tokens, steps)                     # greedy: [B,T] -> int64 [B,steps], no host sync
     session.reset()                                           # forget the sequences (caches zeroed)
 
 Execution follows `schedule.json`: each launch goes to the launcher of its backend (`k3c.runtime.launchers`): a
@@ -137,6 +138,7 @@ class Session:
         self.finalized: dict | None = None  # what `load(..., finalize=True)` added (k3c.runtime.finalize)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.lengths is not None
         self._graphs: dict[int, DecodeGraph] = {}  # by batch size
+        self._greedy: dict[int, DecodeGraph] = {}  # by batch size: decode + argmax into the next input (`generate`)
         #: i64 arange(n) on the device by n, for the append positions of frames with device lengths (`Frame`)
         self.aranges: dict[int, torch.Tensor] = {}
 
@@ -191,6 +193,45 @@ class Session:
         if tokens.shape[1] != 1:
             raise RuntimeInputError(f"decode takes tokens of shape [B,1], got {list(tokens.shape)}; use prefill")
         return self._run("decode", tokens)
+
+    @torch.no_grad()
+    def generate(self, tokens: torch.Tensor, steps: int) -> torch.Tensor:
+        """Greedy generation: append prompt tokens int64 [B,T] (`prefill`, or one `decode` step when T = 1), then
+        `steps` − 1 decode steps, each fed the previous step's most likely token. Returns the `steps` generated
+        tokens, int64 [B, steps] on the session's device. On CUDA with whole-step graphs the decode steps replay one
+        graph per batch size that also takes the argmax into its own token input (`DecodeGraph(greedy=True)`), so the
+        host never waits for a step and the steps run back to back on the GPU; elsewhere each step is a `decode`
+        call. Raises RuntimeInputError (as `prefill` / `decode`; steps < 1; the context plus the steps − 1 tokens
+        fed back beyond max_seq)."""
+        if not isinstance(steps, int) or steps < 1:
+            raise RuntimeInputError(f"steps={steps!r}: expected an integer >= 1")
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            raise RuntimeInputError("tokens must be an integer tensor of shape [B, T]")
+        if self.length + tokens.shape[1] + steps - 1 > self.max_seq:
+            raise RuntimeInputError(f"context {self.length} + {tokens.shape[1]} prompt tokens + {steps - 1} fed back "
+                                    f"exceeds the compiled max_seq {self.max_seq}")
+        t0 = time.perf_counter()
+        logits = self.prefill(tokens) if tokens.shape[1] > 1 else self.decode(tokens)
+        B = logits.shape[0]
+        out = torch.empty((B, steps), dtype=torch.int64, device=self.device)
+        nxt = logits[:, -1:].argmax(-1)
+        out[:, :1] = nxt
+        for i in range(1, steps):
+            graph = self._greedy.get(B) if self.cuda_graphs else None
+            if graph is None and self.cuda_graphs and B in self._graphs:  # kernels set up by the decode graph's step
+                graph = self._greedy[B] = DecodeGraph(self, B, greedy=True)
+            if graph is None:  # no graphs (CPU, TVM kernels, cuda_graphs=False) or the first step at this batch
+                nxt = self.decode(nxt)[:, -1:].argmax(-1)
+            else:
+                graph.replay(nxt)
+                nxt = graph.tokens
+                self._length += 1  # the graph moved the device lengths on
+            out[:, i:i + 1] = nxt
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.last_timing = {"entry": "generate", "tokens": steps, "seconds": time.perf_counter() - t0,
+                            "cuda_graphs": steps > 1 and self.cuda_graphs and B in self._greedy}
+        return out
 
     # ---- execution ----------------------------------------------------------------------------------------------
     def _check(self, tokens) -> torch.Tensor:

@@ -69,3 +69,33 @@ def test_graph_replay_matches_eager_decode(tmp_path, dtype):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         nxt = want.argmax(-1)
     assert graphed.lengths[:2].tolist() == [24 + 8] * 2  # the in-graph increment kept the device lengths
+    # greedy generation: the graph that takes its own argmax as the next input gives the tokens of the host loop
+    got = graphed.generate(nxt, 6)
+    want = [plain.decode(nxt).argmax(-1)]
+    for _ in range(5):
+        want.append(plain.decode(want[-1]).argmax(-1))
+    assert got.tolist() == torch.cat(want, 1).tolist() and graphed.last_timing["cuda_graphs"]
+    assert graphed.length == plain.length == 24 + 8 + 6 and graphed.lengths[:2].tolist() == [24 + 8 + 6] * 2
+
+
+@pytest.mark.slow
+def test_generate_is_the_greedy_decode_loop(compiled):
+    """`Session.generate` on CPU (each step a decode call): the host loop of prefill / decode + argmax."""
+    import k3c
+    from k3c.errors import RuntimeInputError
+
+    _, art, _ = compiled("kimi-linear-tiny")
+    s = k3c.load(art, "cpu")
+    prompt = torch.randint(0, s.vocab, (1, 5), generator=torch.Generator().manual_seed(1))
+    got = s.generate(prompt, 3)
+    assert s.length == 5 + 2  # the last generated token is not fed back
+    s.reset()
+    want = [int(s.prefill(prompt)[0, -1].argmax())]
+    for _ in range(2):
+        want.append(int(s.decode(torch.tensor([[want[-1]]]))[0, -1].argmax()))
+    assert got.tolist() == [want]
+    with pytest.raises(RuntimeInputError, match="steps"):
+        s.generate(prompt, 0)
+    with pytest.raises(RuntimeInputError, match="max_seq"):
+        s.generate(prompt, s.max_seq)
+    assert s.length == 5 + 2  # refused before anything ran
