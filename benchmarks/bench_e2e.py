@@ -19,7 +19,9 @@ the published layout (`save_random_checkpoint`), compiled by k3c for the H200, t
    (`random_caches`; the DSA selection's work depends on the scores: a zeroed cache ties every key); the
    timed steps are a decode loop from that context (L .. L + 20), each a `Session.decode` call (the token check,
    one graph replay, the logits copy) synchronised; beside it the graph alone (`graph_ms`: replays back to back)
-   and the GPU timeline of one step (`timeline`: time in kernels and the gaps between them);
+   and the GPU timeline of one step (`timeline`: time in kernels and the gaps between them), and the step of a
+   greedy generation loop (`Session.generate`: each step's argmax taken in its graph, no host sync between steps;
+   the time of 21 generated tokens less that of 1, over 20);
 4. prefill of 2560-token prompts at batch 1 and 16 (tokens/s, TFLOP/s of the model's matmuls) and the GEMM rate of
    the prefill against a plain bf16 matmul measured here; eager prefills in chunks of max_prefill tokens as k3c
    does (measured before k3c loads);
@@ -213,6 +215,14 @@ def main():
                 d = decode[f"B{B}_L{L}"]
                 d["k3c_of_floor"] = d["floor_ms"] / d["k3c_ms"]
                 d["whole_step_graph"] = B in session._graphs  # one graph replay per step, nothing launched beside
+
+                def gen(n):  # greedy generation of n tokens from the context L (`Session.generate`)
+                    session.length, session.batch = L, B
+                    session.generate(tok, n)
+
+                gen(3)  # captures the greedy graph
+                d["generate_step_ms"] = (timed(lambda: gen(21), 5) - timed(lambda: gen(1), 5)) / 20 * 1e3
+                d["generate_of_floor"] = d["floor_ms"] / d["generate_step_ms"]
                 if d["whole_step_graph"] and L == 4096:  # where the step's time goes: GPU in the graph vs host
                     g = session._graphs[B].graph  # (replays move the lengths on; the next step() sets them)
                     d["graph_ms"] = graph_ms(g)
