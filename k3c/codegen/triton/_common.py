@@ -138,6 +138,30 @@ def store_norm_gate(o, gate_ptr, norm_ptr, y_ptr, chan, chan_mask, D: tl.constex
     tl.store(y_ptr + chan, out.to(y_ptr.dtype.element_ty), mask=chan_mask)
 
 
+@triton.jit
+def delta_rule_step(S, q, k, v, beta):
+    """One KDA delta-rule step on a state tile S [BD, BV] fp32 whose decay is applied already (K3-SPEC KDA
+    recurrence): u = beta (v − kᵀS), S' = S + k uᵀ, o = qᵀS'. q, k [BD], v [BV] fp32, beta a scalar; returns
+    (S', o [BV])."""
+    u = beta * (v - tl.sum(k[:, None] * S, 0))
+    S = S + k[:, None] * u[None, :]
+    return S, tl.sum(q[:, None] * S, 0)
+
+
+@triton.jit
+def last_of_head(o, o_part, counters, bh, cols, col_mask, D: tl.constexpr, NV: tl.constexpr):
+    """A decode program's part of a head split over NV value blocks: store its o columns (fp32 at o_part + bh·D +
+    cols) and count itself in at counters[bh] (release / acquire); returns whether it is the head's last, which then
+    sees every part and has reset the counter to 0 for the next launch."""
+    tl.store(o_part + bh * D + cols, o, mask=col_mask)
+    tl.debug_barrier()                                    # all lanes' o stores precede the release below
+    last = tl.atomic_add(counters + bh, 1, sem="acq_rel", scope="gpu") == NV - 1
+    if last:
+        tl.atomic_xchg(counters + bh, 0, sem="relaxed", scope="gpu")
+    return last
+
+
 # Source order for code generation (each helper's dependencies come first).
 HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, load_conv_weight, conv_window,
-           causal_conv_silu_token, roll_conv_state, rms_norm_sigmoid_gate, store_norm_gate)
+           causal_conv_silu_token, roll_conv_state, rms_norm_sigmoid_gate, store_norm_gate, delta_rule_step,
+           last_of_head)

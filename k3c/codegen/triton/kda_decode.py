@@ -34,8 +34,10 @@ import triton.language as tl
 
 from k3c.codegen.triton._common import (
     conv_window,
+    delta_rule_step,
     kda_decay_gate,
     l2_normalize,
+    last_of_head,
     load_conv_weight,
     silu,
     store_norm_gate,
@@ -96,9 +98,7 @@ def kda_decode_kernel(
     s_off = bh * D * D + i_k[:, None] * D + i_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
     S = tl.load(state_in + s_off, mask=m_s, other=0.0).to(tl.float32) * tl.exp(g)[:, None]
-    u = beta * (v - tl.sum(k[:, None] * S, 0))
-    S = S + k[:, None] * u[None, :]
-    o = tl.sum(q[:, None] * S, 0)
+    S, o = delta_rule_step(S, q, k, v, beta)
     tl.store(state_out + s_off, S.to(state_out.dtype.element_ty), mask=m_s)
 
     j = tl.arange(0, BW)
@@ -111,11 +111,7 @@ def kda_decode_kernel(
         tl.store(conv_out + conv_q + i_k[:, None] * W + j[None, :], win_q, mask=m_k[:, None] & m_w)
         tl.store(conv_out + conv_k + i_k[:, None] * W + j[None, :], win_k, mask=m_k[:, None] & m_w)
     else:
-        tl.store(o_part + bh * D + i_v, o, mask=m_v)
-        tl.debug_barrier()                                # all lanes' o stores precede the release below
-        arrived = tl.atomic_add(counters + bh, 1, sem="acq_rel", scope="gpu")
-        if arrived == NV - 1:                             # last program of the head: the epilogue
-            tl.atomic_xchg(counters + bh, 0, sem="relaxed", scope="gpu")
+        if last_of_head(o, o_part, counters, bh, i_v, m_v, D, NV):  # last program of the head: the epilogue
             o_all = tl.load(o_part + bh * D + i_k, mask=m_k, other=0.0, cache_modifier=".cg")
             store_norm_gate(o_all, gate_in + b64 * s_g + h * D, o_norm_w, y + y_off, i_k, m_k, D, EPS)
             tl.store(conv_out + conv_q + i_k[:, None] * W + j[None, :], win_q, mask=m_k[:, None] & m_w)
@@ -206,19 +202,13 @@ def kda_decode_state_kernel(
     beta = tl.load(beta_in + bh)
 
     S = S.to(tl.float32) * decay[:, None]
-    u = beta * (v - tl.sum(k[:, None] * S, 0))
-    S = S + k[:, None] * u[None, :]
-    o = tl.sum(q[:, None] * S, 0)
+    S, o = delta_rule_step(S, q, k, v, beta)
     tl.store(state_out + s_off, S.to(state_out.dtype.element_ty), mask=m_s)
 
     y_off = b64 * H * D + h * D
     if NV == 1:
         store_norm_gate(o, gate_in + b64 * s_g + h * D, o_norm_w, y + y_off, i_k, m_k, D, EPS)
     else:
-        tl.store(o_part + bh * D + i_v, o, mask=m_v)
-        tl.debug_barrier()                                # all lanes' o stores precede the release below
-        arrived = tl.atomic_add(counters + bh, 1, sem="acq_rel", scope="gpu")
-        if arrived == NV - 1:                             # last program of the head: the epilogue
-            tl.atomic_xchg(counters + bh, 0, sem="relaxed", scope="gpu")
+        if last_of_head(o, o_part, counters, bh, i_v, m_v, D, NV):  # last program of the head: the epilogue
             o_all = tl.load(o_part + bh * D + i_k, mask=m_k, other=0.0, cache_modifier=".cg")
             store_norm_gate(o_all, gate_in + b64 * s_g + h * D, o_norm_w, y + y_off, i_k, m_k, D, EPS)

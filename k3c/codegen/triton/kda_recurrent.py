@@ -14,6 +14,7 @@ import triton.language as tl
 
 from k3c.codegen.triton._common import (
     causal_conv_silu_token,
+    delta_rule_step,
     kda_decay_gate,
     load_conv_weight,
     l2_normalize,
@@ -87,10 +88,7 @@ def kda_recurrent_kernel(
         beta = tl.sigmoid(tl.load(beta_in + b64 * s_bb + t * s_bt + h).to(tl.float32))
 
         # S_t = (I - beta k k^T) Diag(exp g) S_{t-1} + beta k v^T, written as a rank-1 correction.
-        S = S * tl.exp(g)[:, None]
-        u = beta * (v - tl.sum(k[:, None] * S, 0))                                 # beta (v - S'^T k)
-        S = S + k[:, None] * u[None, :]
-        o = tl.sum(q[:, None] * S, 0)                                              # o_t = S_t^T q_t
+        S, o = delta_rule_step(S * tl.exp(g)[:, None], q, k, v, beta)              # o_t = S_t^T q_t
 
         if STORE_Y:
             gl = tl.load(gate_in + b64 * s_gb + t * s_gt + h * D + i_v, mask=m_v, other=0.0).to(tl.float32)
