@@ -19,6 +19,7 @@ measured).
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 
@@ -36,12 +37,13 @@ HBM_BYTES_PER_S = 4.2e12       # measured device copy bandwidth (KINDS.md)
 BF16_FLOP_PER_S = 790e12
 D, I, K = 3584, 3072, 16       # K3.1 Pro: routed_expert_hidden_size, moe_intermediate_size, experts per token
 ACT = dict(act="situ", situ_beta=4.0, situ_linear_beta=25.0)
+SCALES = (119, 122)            # E8M0 bytes of the random weights: 2^-8 .. 2^-5; the largest is the node's scale_max
 
 
 def mx_weights(E, R, C, dev, gen):
-    """Random MXFP4 weights [E, R, C]: uniform codes, scales 2^-8 .. 2^-5 (K3-like magnitudes)."""
+    """Random MXFP4 weights [E, R, C]: uniform codes, scales 2^-8 .. 2^-5 (K3-like magnitudes, `SCALES`)."""
     packed = torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, device=dev, generator=gen)
-    scale = torch.randint(119, 123, (E, R, C // 32), dtype=torch.uint8, device=dev, generator=gen)
+    scale = torch.randint(SCALES[0], SCALES[1] + 1, (E, R, C // 32), dtype=torch.uint8, device=dev, generator=gen)
     return packed, scale
 
 
@@ -64,7 +66,8 @@ def rel(a, b):
 
 def check_small(dev):
     """MXFP4 kernels vs the IR reference at a small shape (N = 9, E = 6, D = 256, I = 192): fp32 (portable
-    decoding) and bf16 (PTX word decoding). Returns {case: max rel error}."""
+    decoding) and bf16 (PTX word decoding), with the launcher's default (`wgmma` K order at decode) and an
+    `mma.sync` configuration. Returns {case: max rel error}."""
     gen = torch.Generator(device=dev).manual_seed(1)
     N, E, d, i = 9, 6, 256, 192
     w1, s1 = mx_weights(E, i, d, dev, gen)
@@ -74,13 +77,14 @@ def check_small(dev):
     ids = torch.rand(N, E, device=dev, generator=gen).argsort(-1)[:, :4].contiguous()
     wt = torch.rand(N, 4, device=dev, generator=gen)
     out = {}
-    for name, dt in (("f32", torch.float32), ("bf16", torch.bfloat16)):
-        zz = z.to(dt)
-        y = torch.full_like(zz, float("nan"))
-        launch_moe_experts(zz, wt, ids, w1, w3, w2, s1, s3, s2, y=y, **ACT)
-        ref = moe_experts_ref({**ACT, "weight_format": "mxfp4"},
-                              *(t.cpu() for t in (zz.float(), wt, ids, w1, w3, w2, s1, s3, s2)))
-        out[name] = rel(y.cpu(), ref[0])
+    for cname, cfg in (("default", None), ("mma_v2", (8, 64, 256, 2, 3, False, None))):
+        for name, dt in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+            zz = z.to(dt)
+            y = torch.full_like(zz, float("nan"))
+            launch_moe_experts(zz, wt, ids, w1, w3, w2, s1, s3, s2, y=y, mx_config=cfg, **ACT)
+            ref = moe_experts_ref({**ACT, "weight_format": "mxfp4"},
+                                  *(t.cpu() for t in (zz.float(), wt, ids, w1, w3, w2, s1, s3, s2)))
+            out[f"{cname}_{name}"] = rel(y.cpu(), ref[0])
     return out
 
 
@@ -91,9 +95,13 @@ def dequantized(w, s, chunk=32):
 
 
 # mx_config sweeps (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg); None: the
-# launcher's default (k3c.codegen.triton.moe_mxfp4.mx_default_config)
-MX_SWEEP = {"decode": [None, (16, 64, 256, 4, 3, False, None), (16, 64, 256, 4, 4, True, None),
-                       (16, 64, 256, 4, 3, True, 168), (16, 128, 256, 8, 3, True, None)],
+# launcher's default (k3c.codegen.triton.moe_mxfp4.mx_default_config) for the weights' largest scale byte, as a
+# compiled artifact of this checkpoint runs it; 1 or 2 warps: `mma.sync` (mx_mma_v2), 4 or 8: `wgmma`
+MX_SWEEP = {"decode": [None, (16, 64, 256, 4, 3, True, None), (16, 64, 256, 4, 3, False, None),
+                       (8, 64, 256, 2, 3, False, None), (8, 64, 256, 2, 2, False, None),
+                       (8, 128, 256, 2, 2, False, None), (8, 32, 256, 1, 2, False, None),
+                       (16, 64, 256, 2, 2, False, None), (8, 64, 256, 2, 3, True, None),
+                       (8, 64, 128, 2, 3, False, None), (16, 128, 256, 4, 3, False, None)],
             "prefill": [None, (128, 128, 128, 8, 3, False, None), (64, 128, 128, 4, 3, False, None)],
             # decode at 16+ rows per expert (batch 64 of 32 experts: the prefill tiles are 3/4 empty there)
             "decode_mid": [None, (16, 64, 256, 4, 3, True, None), (32, 64, 256, 4, 3, True, None),
@@ -101,20 +109,63 @@ MX_SWEEP = {"decode": [None, (16, 64, 256, 4, 3, False, None), (16, 64, 256, 4, 
                            (64, 128, 128, 8, 3, True, None)]}
 
 
-def run_case(results, out_path, phase, N, E, dense, mx, bytes_per_expert, quick, gen, dev):
+def resolved_sweep(phase, rows, E, scale_max, quick):
+    """The distinct MXFP4 configurations of one case: the launcher's default for `scale_max` first (None), then
+    the sweep's explicit ones that differ from it."""
+    mid = phase == "decode" and rows >= 16 * E
+    sweep = MX_SWEEP["decode_mid" if mid else phase][:1 if quick else None]
+    default = mx_default_config(rows, E, scale_max)
+    return [c for c in sweep if c is None or tuple(c) != default]
+
+
+def warm_one(job):
+    """Compile (by one launch on stand-in weights: every expert's view is the same small block, so any E costs
+    a few MB) the MXFP4 kernels of one (E, mx_config), so the timed launches find them in Triton's on-disk
+    cache: a binary depends on dtypes, pointer alignment and constexprs, never on the tensors' sizes."""
+    E, cfg = job
+    rows, dev = 16, "cuda"
+
+    def experts(R, C):
+        w = torch.zeros(R * C // 2, dtype=torch.uint8, device=dev).as_strided((E, R, C // 2), (0, C // 2, 1))
+        sc = torch.full((R * C // 32,), 127, dtype=torch.uint8, device=dev).as_strided((E, R, C // 32),
+                                                                                        (0, C // 32, 1))
+        return w, sc
+
+    (w1, s1), (w3, s3), (w2, s2) = experts(I, D), experts(I, D), experts(D, I)
+    n = max(1, rows // K)
+    z = torch.zeros(n, D, dtype=torch.bfloat16, device=dev)
+    ids = (torch.arange(n * K, device=dev) % E).reshape(n, K)
+    try:
+        launch_moe_experts(z, torch.ones(n, K, device=dev), ids, w1, w3, w2, s1, s3, s2, y=torch.empty_like(z),
+                           mx_config=cfg, **ACT)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001  (reported again, per row, by the timed launch)
+        print(f"  compile {E} {cfg}: failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})", flush=True)
+
+
+def warm(jobs, workers):
+    """`warm_one` for every job in `workers` spawned processes (compilation is CPU-bound and serial per process)."""
+    if workers > 1 and len(jobs) > 1:
+        try:
+            with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+                pool.map(warm_one, jobs)
+        except Exception as e:  # noqa: BLE001  (the timed launches then compile in this process)
+            print(f"  parallel compile failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})", flush=True)
+
+
+def run_case(results, out_path, phase, N, E, dense, mx, bytes_per_expert, quick, gen, dev, scale_max):
     """Time every format / configuration of one (phase, N) case and append the rows to results."""
     z = (torch.randn(N, D, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
     ids, wt = routing(N, E, dev, gen)
     touched = int(torch.unique(ids).numel())
     y_bf = torch.empty_like(z)
     launch_moe_experts(z, wt, ids, *dense, y=y_bf, **ACT)
-    mid = phase == "decode" and N * K >= 16 * E
-    sweep = MX_SWEEP["decode_mid" if mid else phase][:1 if quick else None]
-    variants = [("bf16", dense, {})] + [("mxfp4", mx, {"mx_config": c}) for c in sweep]
+    rows = N * K
+    sweep = resolved_sweep(phase, rows, E, scale_max, quick)
+    variants = [("bf16", dense, {})] + [("mxfp4", mx, {"mx_config": c, "scale_max": scale_max}) for c in sweep]
     for fmt, ws, kw in variants:
-        cfg = kw.get("mx_config")
-        rows = N * K                              # the launcher's BLOCK_M choices (moe.launch_moe_experts)
-        bm = (cfg or mx_default_config(rows, E))[0] if fmt == "mxfp4" else 16 if rows < 16 * E else 64
+        cfg = kw.get("mx_config")                 # the launcher's BLOCK_M choices (moe.launch_moe_experts)
+        bm = (cfg or mx_default_config(rows, E, scale_max))[0] if fmt == "mxfp4" else 16 if rows < 16 * E else 64
         sched = moe_schedule(ids, E, bm)
         y = torch.empty_like(z)
         try:
@@ -126,6 +177,7 @@ def run_case(results, out_path, phase, N, E, dense, mx, bytes_per_expert, quick,
             print(f"  {fmt} {cfg}: failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})", flush=True)
             continue
         row = {"phase": phase, "E": E, "N": N, "format": fmt, "mx_config": cfg, "touched": touched, "timing": how,
+               "resolved_config": list(cfg or mx_default_config(rows, E, scale_max)) if fmt == "mxfp4" else None,
                "kernels_s": t_k, "op_s": t_op, "max_rel_vs_bf16": diff}
         if phase == "decode":
             nbytes = touched * bytes_per_expert[fmt != "bf16"]
@@ -154,6 +206,7 @@ def main():
     ap.add_argument("--decode-batches", default="1,16", help="comma-separated decode token counts")
     ap.add_argument("--prefill-tokens", type=int, default=16 * 2048)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (times meaningless)")
+    ap.add_argument("--compile-workers", type=int, default=8, help="processes compiling the MXFP4 variants first")
     args = ap.parse_args()
     dev = args.device
     name = torch.cuda.get_device_name() if dev == "cuda" else dev
@@ -166,6 +219,10 @@ def main():
     experts = [int(e) for e in args.experts.split(",")]
     cases = [(E, "decode", int(n)) for E in experts for n in args.decode_batches.split(",")]
     cases += [] if args.no_prefill else [(experts[0], "prefill", args.prefill_tokens)]
+    scale_max = SCALES[1]          # the weights' largest scale byte, as `k3c compile` records it
+    if dev == "cuda":
+        warm(sorted({(E, tuple(c or mx_default_config(N * K, E, scale_max))) for E, phase, N in cases
+                     for c in resolved_sweep(phase, N * K, E, scale_max, args.quick)}, key=str), args.compile_workers)
     loaded = None
     for E, phase, N in cases:
         if loaded is None or loaded[0] != E:
@@ -177,7 +234,7 @@ def main():
             mx = tuple(w for w, _ in mx) + tuple(s for _, s in mx)
             per_expert = (2 * sum(t.numel() for t in dense) // E, sum(t.numel() for t in mx) // E)
             loaded = (E, dense, mx, per_expert)
-        run_case(results, out_path, phase, N, E, loaded[1], loaded[2], loaded[3], args.quick, gen, dev)
+        run_case(results, out_path, phase, N, E, loaded[1], loaded[2], loaded[3], args.quick, gen, dev, scale_max)
         torch.cuda.empty_cache()
 
 if __name__ == "__main__":

@@ -14,42 +14,44 @@ from k3c.ir.ops import get_op
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def kernel_order(K, block_k):
-    """Natural k of every permuted column, from the module docstring's rule (column 32·cc + 16·cl + 8p + 2t + e
-    holds in-tile k = 8·(t·CC + cc) + 4e + 2·cl + p), written independently of the code."""
+def kernel_order(K, block_k, v2=False):
+    """Natural k of every permuted column, from the module docstring's rules (wgmma: column
+    32·cc + 16·cl + 8p + 2t + e holds in-tile k = 8·(t·CC + cc) + 4e + 2·cl + p; v2: column 32·cc + 8t + 2q + e
+    holds 8·(t·CC + cc) + 4e + q), written independently of the code."""
     CC = block_k // 32
     cols = torch.empty(K, dtype=torch.long)
     for tile in range(K // block_k):
         for cc in range(CC):
-            for cl in (0, 1):
-                for p in (0, 1):
-                    for t in range(4):
-                        for e in (0, 1):
-                            cols[tile * block_k + 32 * cc + 16 * cl + 8 * p + 2 * t + e] = \
-                                tile * block_k + 8 * (t * CC + cc) + 4 * e + 2 * cl + p
+            for t in range(4):
+                for e in (0, 1):
+                    for q in range(4):
+                        col = 32 * cc + 8 * t + 2 * q + e if v2 else 32 * cc + 8 * q + 2 * t + e
+                        cols[tile * block_k + col] = tile * block_k + 8 * (t * CC + cc) + 4 * e + q
     return cols
 
 
+@pytest.mark.parametrize("v2", [False, True])
 @pytest.mark.parametrize("K,most", [(96, 256), (256, 256), (3584, 256), (3072, 512)])
-def test_mx_permute_order(K, most):
+def test_mx_permute_order(K, most, v2):
     bk = mx_block_k(K, most)
     assert K % bk == 0 and bk >= 32 and (bk * 2 > most or K % (bk * 2))
     x = torch.arange(2 * K).reshape(2, K)
-    want = kernel_order(K, bk)
-    assert torch.equal(mx_permute(x, bk), x[:, want])
+    want = kernel_order(K, bk, v2)
+    assert torch.equal(mx_permute(x, bk, v2=v2), x[:, want])
 
 
 @triton.jit
-def _col_kernel(out_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _col_kernel(out_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr, V2: tl.constexpr):
     k = tl.arange(0, K)
-    tl.store(out_ptr + mx_permuted_col(k, BLOCK_K), k)
+    tl.store(out_ptr + mx_permuted_col(k, BLOCK_K, V2), k)
 
 
-def test_mx_permuted_col_inverts_permute():
+@pytest.mark.parametrize("v2", [False, True])
+def test_mx_permuted_col_inverts_permute(v2):
     K, bk = 128, 64
     out = torch.empty(K, dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
-    _col_kernel[(1,)](out, K=K, BLOCK_K=bk)
-    assert torch.equal(out.long().cpu(), kernel_order(K, bk))
+    _col_kernel[(1,)](out, K=K, BLOCK_K=bk, V2=v2)
+    assert torch.equal(out.long().cpu(), kernel_order(K, bk, v2))
 
 
 @triton.jit
@@ -58,7 +60,7 @@ def _scales_kernel(s_ptr, out_ptr, R: tl.constexpr, KDIM: tl.constexpr, BLOCK_K:
     CC: tl.constexpr = BLOCK_K // 32
     idx = (rows[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]) * CC + tl.arange(0, CC)[None, None, :]
     for k0 in range(0, KDIM, BLOCK_K):
-        s = mxfp4_scales(s_ptr, rows, rows < R - 1, k0, KDIM, BLOCK_K, True)
+        s = mxfp4_scales(s_ptr, rows, rows < R - 1, k0, KDIM, BLOCK_K, True, False)
         tl.store(out_ptr + (k0 // BLOCK_K) * R * 4 * CC + idx, s)
 
 
@@ -84,12 +86,12 @@ def test_scales_per_word(block_k):
 
 @triton.jit
 def _decode_kernel(w_ptr, s_ptr, out_ptr, R: tl.constexpr, KDIM: tl.constexpr, BLOCK_K: tl.constexpr,
-                   FAST: tl.constexpr, TWO_MULS: tl.constexpr):
+                   FAST: tl.constexpr, TWO_MULS: tl.constexpr, V2: tl.constexpr):
     rows = tl.arange(0, R).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     for k0 in range(0, KDIM, BLOCK_K):
-        s = mxfp4_scales(s_ptr, rows, rows < R, k0, KDIM, BLOCK_K, FAST)
-        w = mxfp4_weight_tile(w_ptr, s, rows, rows < R, k0, KDIM, BLOCK_K, FAST, TWO_MULS)
+        s = mxfp4_scales(s_ptr, rows, rows < R, k0, KDIM, BLOCK_K, FAST, V2)
+        w = mxfp4_weight_tile(w_ptr, s, rows, rows < R, k0, KDIM, BLOCK_K, FAST, TWO_MULS, V2)
         tl.store(out_ptr + rows[:, None] * KDIM + k0 + offs[None, :], w.to(out_ptr.dtype.element_ty))
 
 
@@ -105,45 +107,51 @@ def random_mxfp4(R, KDIM, smax, dev):
     return w, s
 
 
-def dequantized(w, s, dtype):
+def dequantized(w, s, dtype, v2=False):
     """The IR's `mxfp4_dequantize` on the CPU (exact there; torch.exp2 on a GPU is not for 2^-127), in the kernels'
-    K order, on w's device."""
-    return mx_permute(mxfp4_dequantize(w.cpu(), s.cpu()).to(dtype), 256).to(w.device)
+    K order (v2: the `mma.sync` one), on w's device."""
+    return mx_permute(mxfp4_dequantize(w.cpu(), s.cpu()).to(dtype), 256, v2=v2).to(w.device)
 
 
-def decode(w, s, dtype, fast, two_muls, bk=256):
+def decode(w, s, dtype, fast, two_muls, v2=False, bk=256):
     R, KDIM = w.shape[0], 2 * w.shape[1]
     out = torch.empty(R, KDIM, dtype=dtype, device=w.device)
-    _decode_kernel[(1,)](w.view(torch.int32), s, out, R=R, KDIM=KDIM, BLOCK_K=bk, FAST=fast, TWO_MULS=two_muls)
+    _decode_kernel[(1,)](w.view(torch.int32), s, out, R=R, KDIM=KDIM, BLOCK_K=bk, FAST=fast, TWO_MULS=two_muls,
+                         V2=v2)
     return out
 
 
-def test_portable_decoding_equals_dequantize():
+@pytest.mark.parametrize("v2", [False, True])
+def test_portable_decoding_equals_dequantize(v2):
     """The fp32 decoding (interpreter / fp32 activations): every byte value, E8M0 0 (2^-127) and 255 (NaN),
-    equal to the IR's `mxfp4_dequantize` in the kernels' K order."""
+    equal to the IR's `mxfp4_dequantize` in the kernels' K order (wgmma's and mma.sync's)."""
     w, s = random_mxfp4(8, 512, 255, "cuda" if torch.cuda.is_available() else "cpu")
-    want = dequantized(w, s, torch.float32)
-    torch.testing.assert_close(decode(w, s, torch.float32, False, False), want, rtol=0, atol=0, equal_nan=True)
+    want = dequantized(w, s, torch.float32, v2)
+    torch.testing.assert_close(decode(w, s, torch.float32, False, False, v2), want, rtol=0, atol=0, equal_nan=True)
 
 
 @cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("v2", [False, True])
 @pytest.mark.parametrize("two_muls", [False, True])
-def test_word_decoding_equals_portable(two_muls):
+def test_word_decoding_equals_portable(two_muls, v2):
     """Every byte value with every scale the variant handles (TWO_MULS: all E8M0 but NaN; else ≤ 128): the PTX
-    decoding, the portable one (fp32, rounded to bf16: exact) and the IR's `mxfp4_dequantize` agree bitwise."""
+    decoding, the portable one (fp32, rounded to bf16: exact) and the IR's `mxfp4_dequantize` agree bitwise, in
+    both K orders."""
     w, s = random_mxfp4(64, 512, 254 if two_muls else 128, "cuda")
-    want = dequantized(w, s, torch.bfloat16).view(torch.int16)
-    assert torch.equal(decode(w, s, torch.bfloat16, False, two_muls).view(torch.int16), want)
-    assert torch.equal(decode(w, s, torch.bfloat16, True, two_muls).view(torch.int16), want)
+    want = dequantized(w, s, torch.bfloat16, v2).view(torch.int16)
+    assert torch.equal(decode(w, s, torch.bfloat16, False, two_muls, v2).view(torch.int16), want)
+    assert torch.equal(decode(w, s, torch.bfloat16, True, two_muls, v2).view(torch.int16), want)
 
 
 @cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("mx_config", [None, (8, 64, 256, 2, 2, False, None)])
 @pytest.mark.parametrize("N", [1, 40])
-def test_launch_bf16_matches_reference(N):
-    """bf16 activations (the PTX path), decode (N = 1) and 64-row tiles (N = 40), I with a 32-wide K tile: the
-    reference's dequantize-then-GEMM up to bf16 rounding of z and h."""
+def test_launch_bf16_matches_reference(N, mx_config):
+    """bf16 activations (the PTX path), decode (N = 1) and 64-row tiles (N = 40), I with a 32-wide K tile, the
+    launcher's configuration and an `mma.sync` one: the reference's dequantize-then-GEMM up to bf16 rounding of z
+    and h."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     k, E, D, I = 4, 6, 256, 160
     (w1, s1), (w3, s3), (w2, s2) = [(torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, device="cuda",
@@ -155,8 +163,29 @@ def test_launch_bf16_matches_reference(N):
     wt = torch.rand(N, k, device="cuda", generator=gen)
     attrs = {"act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
     y = torch.full_like(z, float("nan"))
-    moe.launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, **attrs)
+    moe.launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, mx_config=mx_config, **attrs)
     (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"},
                                         *(t.cpu() for t in (z.float(), wt, ids, w1, w3, w2, s1, s3, s2)))
     err = ((y.float().cpu() - want).abs().max() / want.abs().max()).item()
     assert err <= 1e-2, err
+
+
+def test_launch_mma_v2_order_matches_reference():
+    """The `mma.sync` K order end to end (fp32 activations, so the portable decoding; 2 warps: `mx_mma_v2`):
+    z permuted in that order, h written by the up kernel in it and read back by the down kernel, two K tiles of
+    two 32-value groups each: equal to the reference's dequantize-then-GEMM in fp32."""
+    gen = torch.Generator().manual_seed(3)
+    N, k, E, D, I = 3, 2, 3, 128, 64
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    (w1, s1), (w3, s3), (w2, s2) = [(torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, generator=gen),
+                                     torch.randint(124, 129, (E, R, C // 32), dtype=torch.uint8, generator=gen))
+                                    for R, C in ((I, D), (I, D), (D, I))]
+    z = torch.randn(N, D, generator=gen) * 0.1
+    ids = torch.tensor([[0, 2], [2, 1], [1, -1]])
+    wt = torch.rand(N, k, generator=gen)
+    attrs = {"act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
+    args = [t.to(dev) for t in (z, wt, ids, w1, w3, w2, s1, s3, s2)]
+    y = torch.full_like(args[0], float("nan"))
+    moe.launch_moe_experts(*args, y=y, mx_config=(8, 32, 64, 2, 1, True, None), **attrs)
+    (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"}, z, wt, ids, w1, w3, w2, s1, s3, s2)
+    torch.testing.assert_close(y.cpu(), want, rtol=1e-4, atol=1e-5)

@@ -62,6 +62,14 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     return (32, 64, 256, 4, 3, two, None) if rows < 64 * E else (128, 128, 128, 8, 3, two, None)
 
 
+def mx_mma_v2(num_warps: int) -> bool:
+    """Whether the MXFP4 kernels launched with `num_warps` warps take the `mma.sync` (MMA v2) K order (module
+    docstring): Triton gives a dot `mma.sync` rather than `wgmma` on Hopper whenever num_warps is not a multiple
+    of 4 (checked on sm_90a with Triton 3.6 and 3.9; with 4 or 8 warps the choice also depends on the tile and
+    the version, e.g. an 8-token tile gets `mma.sync` from 3.6 but `wgmma` from 3.9)."""
+    return num_warps % 4 != 0
+
+
 def mx_block_k(K: int, most: int = 256) -> int:
     """The K tile for an MXFP4 reduction of length K (a multiple of 32): the largest power of two ≤ `most` that
     divides K (≥ 32), so tiles never straddle the end."""
@@ -71,12 +79,16 @@ def mx_block_k(K: int, most: int = 256) -> int:
     return b
 
 
-def mx_permute(x: torch.Tensor, block_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def mx_permute(x: torch.Tensor, block_k: int, out: torch.Tensor | None = None, v2: bool = False) -> torch.Tensor:
     """x [N, K] -> the same values [N, K] in the MXFP4 kernels' K order (module docstring): per tile of block_k,
-    column 32·cc + 16·cl + 8p + 2t + e holds k = 8·(t·CC + cc) + 4e + 2·cl + p. A contiguous copy (into `out`, a
-    contiguous [N, K] of x's dtype, when given)."""
+    column 32·cc + 16·cl + 8p + 2t + e holds k = 8·(t·CC + cc) + 4e + 2·cl + p; v2 (the `mma.sync` order):
+    column 32·cc + 8t + 2q + e holds k = 8·(t·CC + cc) + 4e + q. A contiguous copy (into `out`, a contiguous
+    [N, K] of x's dtype, when given)."""
     N, K = x.shape
-    src = x.reshape(N, K // block_k, 4, block_k // 32, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4)
+    if v2:
+        src = x.reshape(N, K // block_k, 4, block_k // 32, 2, 4).permute(0, 1, 3, 2, 5, 4)
+    else:
+        src = x.reshape(N, K // block_k, 4, block_k // 32, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4)
     if out is None:
         return src.reshape(N, K)
     out.view(src.shape).copy_(src)
@@ -84,13 +96,17 @@ def mx_permute(x: torch.Tensor, block_k: int, out: torch.Tensor | None = None) -
 
 
 @triton.jit
-def mx_permuted_col(k, BLOCK_K: tl.constexpr):
+def mx_permuted_col(k, BLOCK_K: tl.constexpr, V2: tl.constexpr):
     """`mx_permute`'s column of natural column k (int tensor)."""
     r = k % BLOCK_K
     CC: tl.constexpr = BLOCK_K // 32
     t = r // (8 * CC)
     cc = (r // 8) % CC
-    return k - r + 32 * cc + 16 * ((r // 2) % 2) + 8 * (r % 2) + 2 * t + (r // 4) % 2
+    if V2:
+        col = k - r + 32 * cc + 8 * t + 2 * (r % 4) + (r // 4) % 2
+    else:
+        col = k - r + 32 * cc + 16 * ((r // 2) % 2) + 8 * (r % 2) + 2 * t + (r // 4) % 2
+    return col
 
 
 @triton.jit
@@ -130,7 +146,8 @@ def mxfp4_word_bf16(w, mult, TWO_MULS: tl.constexpr):
 
 
 @triton.jit
-def mxfp4_scales(s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr):
+def mxfp4_scales(s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr,
+                 V2: tl.constexpr):
     """The E8M0 scale bytes (u8; rows masked off by r_ok: 127) of the tile `mxfp4_weight_tile` decodes (rows i64
     [R], in-row columns k0 : k0+BLOCK_K of scales u8 [.., KDIM/32]), in the shape its decoder takes them. FAST: one
     per packed word, [R, 4, CC] (CC = BLOCK_K/32; word (t, cc) of the module docstring lies in 32-value group
@@ -147,13 +164,15 @@ def mxfp4_scales(s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexp
             s = tl.reshape(tl.broadcast_to(tl.reshape(s, [R, CC, 1, 1]), [R, CC, 4 // CC, CC]), [R, 4, CC])
     else:
         col = tl.arange(0, BLOCK_K)
-        g = (((col // 2) % 4) * CC + col // 32) // 4
+        t = (col // 8) % 4 if V2 else (col // 2) % 4
+        g = (t * CC + col // 32) // 4
         s = tl.load(s_ptr + base[:, None] + g[None, :], mask=r_ok[:, None], other=127)
     return s
 
 
 @triton.jit
-def mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, TWO_MULS: tl.constexpr):
+def mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, TWO_MULS: tl.constexpr,
+                    V2: tl.constexpr):
     """The bf16 tile [R, BLOCK_K] (module docstring's column order) of rows `rows` (i64 [R], masked by r_ok: 0),
     in-row columns k0 : k0+BLOCK_K of an MXFP4 matrix (packed bytes read as i32 words [.., KDIM/8]) with its
     scale bytes s (`mxfp4_scales`, FAST), from 16-byte loads and `mxfp4_word_bf16`. Scale E8M0 0 is 2^-127, 255
@@ -172,18 +191,25 @@ def mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.co
     v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(w, mult, TWO_MULS)
     # [R, t, cc, e, p, cl] with code s = 2·cl + p, pair element e: code s + 4e
     v = tl.join(tl.join(tl.join(v0, v4), tl.join(v1, v5)), tl.join(tl.join(v2, v6), tl.join(v3, v7)))
-    return tl.reshape(tl.permute(v, (0, 2, 5, 4, 1, 3)), [R, BLOCK_K])
+    if V2:      # [R, cc, t, cl, p, e]: column 32·cc + 8t + 2q + e, q = 2·cl + p
+        tile = tl.reshape(tl.permute(v, (0, 2, 1, 5, 4, 3)), [R, BLOCK_K])
+    else:
+        tile = tl.reshape(tl.permute(v, (0, 2, 5, 4, 1, 3)), [R, BLOCK_K])
+    return tile
 
 
 @triton.jit
-def mxfp4_tile_f32(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr):
+def mxfp4_tile_f32(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, V2: tl.constexpr):
     """`mxfp4_tile_bf16`'s tile in fp32 with the scale bytes s [R, BLOCK_K] (`mxfp4_scales`, not FAST), decoded
     per element from gathered words (portable: fp32 activations, Triton's interpreter). A code (s, em) becomes the
     fp16 pattern s·2^15 | em·2^9 = code · 2^-14 (em < 2: fp16 subnormals, which the fp16 -> fp32 conversion
     keeps), times 2^14 (exact), times the scale."""
     col = tl.arange(0, BLOCK_K)
     CC: tl.constexpr = BLOCK_K // 32
-    k = k0 + 8 * (((col // 2) % 4) * CC + col // 32) + 4 * (col % 2) + 2 * ((col // 16) % 2) + (col // 8) % 2
+    if V2:
+        k = k0 + 8 * (((col // 8) % 4) * CC + col // 32) + 4 * (col % 2) + (col // 2) % 4
+    else:
+        k = k0 + 8 * (((col // 2) % 4) * CC + col // 32) + 4 * (col % 2) + 2 * ((col // 16) % 2) + (col // 8) % 2
     word = tl.load(w_ptr + rows[:, None] * (KDIM // 8) + (k // 8)[None, :], mask=r_ok[:, None], other=0)
     code = ((word >> (4 * (k % 8))[None, :]) & 15).to(tl.uint16)
     v = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -194,13 +220,13 @@ def mxfp4_tile_f32(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.con
 
 @triton.jit
 def mxfp4_weight_tile(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr,
-                      TWO_MULS: tl.constexpr):
+                      TWO_MULS: tl.constexpr, V2: tl.constexpr):
     """The decoded weight tile [R, BLOCK_K] with its scale bytes s (`mxfp4_scales`, same FAST): bf16
     `mxfp4_tile_bf16` with FAST, else fp32 `mxfp4_tile_f32`."""
     if FAST:
-        tile = mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM, BLOCK_K, TWO_MULS)
+        tile = mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM, BLOCK_K, TWO_MULS, V2)
     else:
-        tile = mxfp4_tile_f32(w_ptr, s, rows, r_ok, k0, KDIM, BLOCK_K)
+        tile = mxfp4_tile_f32(w_ptr, s, rows, r_ok, k0, KDIM, BLOCK_K, V2)
     return tile
 
 
@@ -218,7 +244,7 @@ def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_exp
                      tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, E: tl.constexpr, K: tl.constexpr,
                      D: tl.constexpr, I: tl.constexpr, ACT_SITU: tl.constexpr, FAST: tl.constexpr,
                      TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
     """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one tile of sorted rows and BLOCK_R intermediate columns. zp: z [N, D]
     `mx_permute`d by BLOCK_D; w1/w3 the packed bytes as i32 words [E, I, D/8], scales s1/s3 u8 [E, I, D/32];
     hp [N·k, I] written in `mx_permute` order of BLOCK_K2 (the down kernel's K tile)."""
@@ -232,15 +258,15 @@ def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_exp
         gate = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
         up = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
         for d0 in range(0, D, BLOCK_D):
-            s1 = mxfp4_scales(s1_ptr, rows, i_ok, d0, D, BLOCK_D, FAST)
-            s3 = mxfp4_scales(s3_ptr, rows, i_ok, d0, D, BLOCK_D, FAST)
+            s1 = mxfp4_scales(s1_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, V2)
+            s3 = mxfp4_scales(s3_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, V2)
             z = mx_act_tile(zp_ptr, token, m_ok, d0, D, BLOCK_D)
-            w = mxfp4_weight_tile(w1_ptr, s1, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS)
+            w = mxfp4_weight_tile(w1_ptr, s1, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2)
             gate = tl.dot(w.to(z.dtype), z, gate, input_precision=DOT_PRECISION)
-            w = mxfp4_weight_tile(w3_ptr, s3, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS)
+            w = mxfp4_weight_tile(w3_ptr, s3, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2)
             up = tl.dot(w.to(z.dtype), z, up, input_precision=DOT_PRECISION)
         h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
-        col = mx_permuted_col(offs_i, BLOCK_K2)
+        col = mx_permuted_col(offs_i, BLOCK_K2, V2)
         tl.store(hp_ptr + offs_m.to(tl.int64)[None, :] * I + col[:, None], h.to(hp_ptr.dtype.element_ty),
                  mask=i_ok[:, None] & m_ok[None, :])
 
@@ -249,7 +275,7 @@ def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_exp
 def moe_down_mx_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
                        tile_row_end_ptr, y_slot_ptr, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                        FAST: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                       BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
     """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_R output columns; hp [N·k, I] in
     `mx_permute` order of BLOCK_K2; w2 the packed bytes as i32 words [E, D, I/8], scales s2 u8 [E, D, I/32]."""
     e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
@@ -260,9 +286,9 @@ def moe_down_mx_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expe
         rows = e.to(tl.int64) * D + offs_n
         acc = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
         for i0 in range(0, I, BLOCK_K2):
-            s2 = mxfp4_scales(s2_ptr, rows, n_ok, i0, I, BLOCK_K2, FAST)
+            s2 = mxfp4_scales(s2_ptr, rows, n_ok, i0, I, BLOCK_K2, FAST, V2)
             h = mx_act_tile(hp_ptr, offs_m, m_ok, i0, I, BLOCK_K2)
-            w = mxfp4_weight_tile(w2_ptr, s2, rows, n_ok, i0, I, BLOCK_K2, FAST, TWO_MULS)
+            w = mxfp4_weight_tile(w2_ptr, s2, rows, n_ok, i0, I, BLOCK_K2, FAST, TWO_MULS, V2)
             acc = tl.dot(w.to(h.dtype), h, acc, input_precision=DOT_PRECISION)
         weight = tl.load(weights_ptr + slot, mask=m_ok, other=0.0)
         tl.store(y_slot_ptr + slot[None, :] * D + offs_n[:, None], acc * weight[None, :],
