@@ -11,10 +11,11 @@ schedule precomputed) and of the whole op ("op": schedule and the activations' K
 and as a fraction of the measured 4.2 TB/s HBM rate (KINDS.md); prefill reports 6·N·k·D·I FLOP over the op's time
 as TFLOP/s (vs 790 bf16). Timing: triton.testing.do_bench_cudagraph (mean of CUDA-graph replays), falling back to
 do_bench. Formats: "bf16" (the dense kernels on the dequantized weights) and "mxfp4" (`moe_up_mx_kernel` /
-`moe_down_mx_kernel`, a sweep of `mx_config`, the launcher's default first). Each MXFP4 row's output is compared
-with the bf16 kernels fed the dequantized weights (max relative difference) and, at a small shape, with
-`moe_experts_ref`. Results: OUT/moe_mxfp4_bench.json, rewritten after every row (a run cut short keeps what it
-measured).
+`moe_down_mx_kernel`, a sweep of `mx_config`, the launcher's default for the weights' largest scale byte first,
+as a compiled artifact of this checkpoint runs it). Each MXFP4 row's output is compared with the bf16 kernels fed
+the dequantized weights (max relative difference) and, at a small shape, with `moe_experts_ref` (the default and
+an `mma.sync` configuration). The MXFP4 variants are compiled first in --compile-workers processes. Results:
+OUT/moe_mxfp4_bench.json, rewritten after every row (a run cut short keeps what it measured).
 """
 
 import argparse
@@ -119,11 +120,12 @@ def resolved_sweep(phase, rows, E, scale_max, quick):
 
 
 def warm_one(job):
-    """Compile (by one launch on stand-in weights: every expert's view is the same small block, so any E costs
-    a few MB) the MXFP4 kernels of one (E, mx_config), so the timed launches find them in Triton's on-disk
-    cache: a binary depends on dtypes, pointer alignment and constexprs, never on the tensors' sizes."""
+    """Compile (by one launch on stand-in weights: every expert's view is the same small block, and every slot
+    chooses expert 0, the one the kernels then read, so any E costs a few MB) the MXFP4 kernels of one
+    (E, mx_config), so the timed launches find them in Triton's on-disk cache: a binary depends on dtypes,
+    pointer alignment and constexprs, never on the tensors' sizes."""
     E, cfg = job
-    rows, dev = 16, "cuda"
+    dev = "cuda"
 
     def experts(R, C):
         w = torch.zeros(R * C // 2, dtype=torch.uint8, device=dev).as_strided((E, R, C // 2), (0, C // 2, 1))
@@ -132,11 +134,10 @@ def warm_one(job):
         return w, sc
 
     (w1, s1), (w3, s3), (w2, s2) = experts(I, D), experts(I, D), experts(D, I)
-    n = max(1, rows // K)
-    z = torch.zeros(n, D, dtype=torch.bfloat16, device=dev)
-    ids = (torch.arange(n * K, device=dev) % E).reshape(n, K)
+    z = torch.zeros(1, D, dtype=torch.bfloat16, device=dev)
+    ids = torch.zeros(1, K, dtype=torch.int64, device=dev)
     try:
-        launch_moe_experts(z, torch.ones(n, K, device=dev), ids, w1, w3, w2, s1, s3, s2, y=torch.empty_like(z),
+        launch_moe_experts(z, torch.ones(1, K, device=dev), ids, w1, w3, w2, s1, s3, s2, y=torch.empty_like(z),
                            mx_config=cfg, **ACT)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001  (reported again, per row, by the timed launch)

@@ -13,6 +13,11 @@ consecutive words t·CC .. t·CC + CC − 1 of each of its rows (16-byte loads),
 register is the pair of codes (s, s + 4), s = 2·cl + p, of one word, which the decoding makes in one 32-bit
 register. The activations are stored once in the same order (`mx_permute`; the up kernel writes h directly in
 the down kernel's order, `mx_permuted_col`); the products are the same, summed in another order.
+`mma.sync` (MMA v2: 1 or 2 warps, `mx_mma_v2`; the kernels' V2): Triton's operand layout for it (kWidth 8) gives
+thread t the 8 consecutive columns 32·cc + 8t + j of each 32-column chunk, so there column 32·cc + 8t + 2q + e
+holds in-tile k = 8·(t·CC + cc) + 4e + q: the same words per thread, one word's 8 codes per chunk. Either way
+the decoded registers are the MMA's operand as they are (no shared-memory round trip, no shuffle: checked in
+the SASS); a tile whose order does not match its MMA still computes the same sums, through shared memory.
 
 Decoding a word (bf16 activations on the GPU: inline PTX, Hopper has no E2M1 convert): a code s·8 + em (em =
 exponent and mantissa bits) moved to bf16 bits 15 (sign) and 8..6 (em) is the bf16 number code · 2^-126 (em < 2
@@ -30,8 +35,9 @@ decoder wants; reshaped (no data movement) to one byte per word. A byte gather p
 too narrow for cp.async: it became a synchronous global load plus a shared-memory layout conversion (two CTA
 barriers per matrix) in every K iteration, 7-14 % of the decode time (BENCHMARKS.md).
 
-Public API: `ONE_MUL_MAX_SCALE`, `mx_default_config(rows, E, scale_max)`, `mx_block_k(K)`, `mx_permute(x, block_k)`, the jit helpers and
-`moe_up_mx_kernel`, `moe_down_mx_kernel` (launched by `launch_moe_experts`).
+Public API: `ONE_MUL_MAX_SCALE`, `mx_default_config(rows, E, scale_max)`, `mx_mma_v2(num_warps)`, `mx_block_k(K)`,
+`mx_permute(x, block_k, out, v2)`, the jit helpers and `moe_up_mx_kernel`, `moe_down_mx_kernel` (launched by
+`launch_moe_experts`).
 """
 
 from __future__ import annotations
@@ -48,15 +54,20 @@ ONE_MUL_MAX_SCALE = 128
 
 
 def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
-    """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages,
-    two_muls, maxnreg) for `rows` (token, slot) pairs over E experts whose scale bytes are at most `scale_max`
-    (the `moe_experts` node's checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md,
-    benchmarks/bench_moe_mxfp4.py). Decode (< 16 rows per expert on average): 16-row tiles, the weights streamed;
-    large decode batches (< 64 rows per expert: measured at 32, batch 64 of 32 experts, where 32-row tiles take
-    476 us against 1040 us for the prefill tiles, 3/4 empty there); prefill: 128 × 128 tiles. two_muls (exact for
-    every E8M0 scale) unless scale_max ≤ ONE_MUL_MAX_SCALE, where the one-multiply decoding is exact too (5 %
-    faster at decode)."""
+    """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls,
+    maxnreg) for `rows` (token, slot) pairs over E experts whose scale bytes are at most `scale_max` (the
+    `moe_experts` node's checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md,
+    benchmarks/bench_moe_mxfp4.py). Decode with < 4 rows per expert on average (batch 1; batch 16 of 896 experts):
+    8-row tiles on 2 warps, so `mma.sync` (`mx_mma_v2`); one multiply: one stage in flight, 8 CTAs per SM, 12 % less
+    time than 16-row `wgmma` tiles; two multiplies: 3 stages, 1-2 % more time at batch 1, 6 % less at batch 16. 4-16
+    rows per expert (batch 16 of 32 experts, where about 40 % of the experts hold more than 8 rows, whose weights
+    8-row tiles read twice): 16-row `wgmma` tiles; < 64 rows per expert (measured at 32, batch 64 of 32 experts: 476
+    us against 1040 us for the prefill tiles, 3/4 empty there): 32-row tiles; prefill: 128 × 128 tiles. two_muls
+    (exact for every E8M0 scale) unless scale_max ≤ ONE_MUL_MAX_SCALE, where the one-multiply decoding is exact too
+    (4-6 % less time with 16-row tiles)."""
     two = scale_max > ONE_MUL_MAX_SCALE
+    if rows < 4 * E:
+        return (8, 64, 256, 2, 3 if two else 2, two, None)
     if rows < 16 * E:
         return (16, 64, 256, 4, 3, two, None)
     return (32, 64, 256, 4, 3, two, None) if rows < 64 * E else (128, 128, 128, 8, 3, two, None)
