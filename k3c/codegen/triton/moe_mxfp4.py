@@ -58,13 +58,13 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     maxnreg) for `rows` (token, slot) pairs over E experts whose scale bytes are at most `scale_max` (the
     `moe_experts` node's checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md,
     benchmarks/bench_moe_mxfp4.py). Decode with < 4 rows per expert on average (batch 1; batch 16 of 896 experts):
-    8-row tiles on 2 warps, so `mma.sync` (`mx_mma_v2`); one multiply: one stage in flight, 8 CTAs per SM, 12 % less
-    time than 16-row `wgmma` tiles; two multiplies: 3 stages, 1-2 % more time at batch 1, 6 % less at batch 16. 4-16
-    rows per expert (batch 16 of 32 experts, where about 40 % of the experts hold more than 8 rows, whose weights
-    8-row tiles read twice): 16-row `wgmma` tiles; < 64 rows per expert (measured at 32, batch 64 of 32 experts: 476
-    us against 1040 us for the prefill tiles, 3/4 empty there): 32-row tiles; prefill: 128 × 128 tiles. two_muls
-    (exact for every E8M0 scale) unless scale_max ≤ ONE_MUL_MAX_SCALE, where the one-multiply decoding is exact too
-    (4-6 % less time with 16-row tiles)."""
+    8-row tiles on 2 warps, so `mma.sync` (`mx_mma_v2`); one multiply: 2 stages (one shared-memory buffer), 8 CTAs
+    per SM, 12 % less time than 16-row `wgmma` tiles; two multiplies: 3 stages, 1-2 % more time at batch 1, 6 % less
+    at batch 16. 4-16 rows per expert (batch 16 of 32 experts, where about 40 % of the experts hold more than 8
+    rows, whose weights 8-row tiles read twice): 16-row `wgmma` tiles; < 64 rows per expert (measured at 32, batch
+    64 of 32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there): 32-row tiles; prefill: 128 ×
+    128 tiles. two_muls (exact for every E8M0 scale) unless scale_max ≤ ONE_MUL_MAX_SCALE, where the one-multiply
+    decoding is exact too (4-6 % less time with 16-row tiles)."""
     two = scale_max > ONE_MUL_MAX_SCALE
     if rows < 4 * E:
         return (8, 64, 256, 2, 3 if two else 2, two, None)
@@ -163,7 +163,8 @@ def mxfp4_scales(s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexp
     [R], in-row columns k0 : k0+BLOCK_K of scales u8 [.., KDIM/32]), in the shape its decoder takes them. FAST: one
     per packed word, [R, 4, CC] (CC = BLOCK_K/32; word (t, cc) of the module docstring lies in 32-value group
     (t·CC + cc) // 4), loaded as the contiguous [R, CC] block and reshaped, so Triton's pipeliner streams it with
-    the words (module docstring, "Scales"); else one per element, [R, BLOCK_K] in the kernels' K order."""
+    the words (module docstring, "Scales"); else one per element, [R, BLOCK_K] in the kernels' K order (V2: the
+    `mma.sync` one)."""
     CC: tl.constexpr = BLOCK_K // 32
     base = rows * (KDIM // 32) + k0 // 32
     if FAST:
@@ -184,9 +185,9 @@ def mxfp4_scales(s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexp
 @triton.jit
 def mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, TWO_MULS: tl.constexpr,
                     V2: tl.constexpr):
-    """The bf16 tile [R, BLOCK_K] (module docstring's column order) of rows `rows` (i64 [R], masked by r_ok: 0),
-    in-row columns k0 : k0+BLOCK_K of an MXFP4 matrix (packed bytes read as i32 words [.., KDIM/8]) with its
-    scale bytes s (`mxfp4_scales`, FAST), from 16-byte loads and `mxfp4_word_bf16`. Scale E8M0 0 is 2^-127, 255
+    """The bf16 tile [R, BLOCK_K] (module docstring's column order, V2: `mma.sync`'s) of rows `rows` (i64 [R], masked by
+    r_ok: 0), in-row columns k0 : k0+BLOCK_K of an MXFP4 matrix (packed bytes read as i32 words [.., KDIM/8]) with
+    its scale bytes s (`mxfp4_scales`, FAST), from 16-byte loads and `mxfp4_word_bf16`. Scale E8M0 0 is 2^-127, 255
     NaN (TWO_MULS; else s ≤ 128 assumed)."""
     CC: tl.constexpr = BLOCK_K // 32
     R: tl.constexpr = rows.shape[0]
@@ -258,7 +259,8 @@ def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_exp
                      BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
     """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one tile of sorted rows and BLOCK_R intermediate columns. zp: z [N, D]
     `mx_permute`d by BLOCK_D; w1/w3 the packed bytes as i32 words [E, I, D/8], scales s1/s3 u8 [E, I, D/32];
-    hp [N·k, I] written in `mx_permute` order of BLOCK_K2 (the down kernel's K tile)."""
+    hp [N·k, I] written in `mx_permute` order of BLOCK_K2 (the down kernel's K tile). V2: both in the `mma.sync`
+    order (`mx_mma_v2` of the launch's warps)."""
     e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
                                         BLOCK_M)
     if e < E:
@@ -288,7 +290,8 @@ def moe_down_mx_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expe
                        FAST: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
     """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_R output columns; hp [N·k, I] in
-    `mx_permute` order of BLOCK_K2; w2 the packed bytes as i32 words [E, D, I/8], scales s2 u8 [E, D, I/32]."""
+    `mx_permute` order of BLOCK_K2 (V2: the `mma.sync` one); w2 the packed bytes as i32 words [E, D, I/8], scales s2
+    u8 [E, D, I/32]."""
     e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
                                         BLOCK_M)
     if e < E:
