@@ -8,19 +8,21 @@ also runs this selection for decode at long context: `dsa_index.launch_dsa_index
 Selection is a radix select on the scores' order-preserving 32-bit keys (u = float bits with the sign flipped for
 positives and all bits flipped for negatives; unsigned order = float order) in four launches, with no torch op and
 no scratch that must arrive zeroed:
-  dsa_init_kernel     grid (B,): zeroes the row's first-digit histogram and its two counters
+  dsa_init_kernel     grid (B,): zeroes the row's digit histograms and its two counters
   dsa_scan_kernel     grid (programs, B): scores of n_blocks x BLOCK_S keys per program -> keys [B, L] (u32 bits
                       in an int32 tensor) and the histogram of the first digit, the top 11 bits u >> 21 (sign,
                       exponent, 2 mantissa bits: a bin spans a factor 2^(1/4) of positive scores) in a window of
                       BINS values (`_first_digit`: positive scores in [2^-32, 2^32); the rest clamp into the edge
                       bins), added once per program with atomics
   dsa_collect_kernel  the threshold bin t (the K-th largest key's): keys above it go straight to the output, keys in
-                      it to a candidate list (slots from per-row counters, one atomic per block and kind), and the
-                      candidates' smallest and largest u (one atomic min / max per program)
+                      it to a candidate list (slots from per-row counters, one atomic per block and kind), the
+                      candidates' smallest and largest u (one atomic min / max per program) and (COLLECT_NEXT) the
+                      histogram of their next 8 bits
   dsa_finish_kernel   grid (B,): the remaining K - above among the candidates (1.0K-6.4K per row in the H200
                       bench at L = 128K-1M: BENCHMARKS.md) by a radix select of 8-bit digits on unique 64-bit
                       keys (u << 32 | 2^32 - 1 - position: ties by lowest position, as the reference's stable
-                      sort) from the first bit the candidates' u differ in, level after level (the first
+                      sort) from the first bit the candidates' u differ in (the first level, when it is the
+                      collect's next digit, read from its histogram), level after level (the first
                       FINISH_CHUNK candidates kept in registers across them) until the threshold bin fits whole;
                       more than FINISH_CHUNK candidates tied at the threshold value (a zeroed index cache: every
                       score equal) are resolved by a walk over the row's keys in position order instead of the
@@ -75,6 +77,10 @@ FINISH_LONG_KEYS = 1 << 20   # rows (the bound L) of at least this many keys, wh
 FINISH_CHUNK_LONG = 8192     # (6.4K at 1M in the H200 bench), instead: all of them in registers, by 16 warps
 FINISH_WARPS_LONG = 16       # (top-k set 111.4 vs 118.2 us; at 128K 1.0-4.4K candidates, where it loses 7 us at B = 1)
 TIE_BLOCK = 8192       # keys per step of its walk over tied keys in position order (more than a chunk tied)
+COLLECT_NEXT = True    # the collect pass also counts the candidates' next 8 bits (u >> (SHIFT - 8) & 255, words
+                       # [BINS, BINS + 256) of the row): the finishing select's first level, read instead of computed
+NEXT_DENSE = 64        # ... by one masked atomic per candidate, or, in a block of more candidates (ties, a dense
+                       # bin: no thousands of atomics on one word), a local histogram and one atomic per bin
 FP8_MAX = 448.0        # largest float8_e4m3fn value
 FP8_QUERY = True       # fp8 keys: quantize q per head in the scan too (fp8 x fp8 tensor-core product)
 RERANK_EXTRA = 2048    # fp8 keys + exact keys: candidates beyond topk that the exact re-scoring sees
@@ -134,12 +140,13 @@ def _row_range(len_ptr, b, L, BLOCK: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
 
 
 @triton.jit
-def dsa_init_kernel(hist_ptr, HIST_STRIDE: tl.constexpr, BINS: tl.constexpr):
+def dsa_init_kernel(hist_ptr, HIST_STRIDE: tl.constexpr, ZERO: tl.constexpr):
     """grid (B,): clears row b's accumulators, the only scratch the later kernels accumulate into (hist
-    [B, HIST_STRIDE] int32): the BINS first-digit bins to 0, the candidates' signed order-key min and max (words
-    HIST_STRIDE - 4, - 3) to INT32_MAX and INT32_MIN, the two counters (- 2, - 1) to 0."""
+    [B, HIST_STRIDE] int32): the first ZERO words to 0 (the first-digit bins, and with COLLECT_NEXT the next digit's
+    256 after them), the candidates' signed order-key min and max (words HIST_STRIDE - 4, - 3) to INT32_MAX and
+    INT32_MIN, the two counters (- 2, - 1) to 0."""
     b = tl.program_id(0).to(tl.int64)
-    tl.store(hist_ptr + b * HIST_STRIDE + tl.arange(0, BINS), tl.zeros([BINS], tl.int32))
+    tl.store(hist_ptr + b * HIST_STRIDE + tl.arange(0, ZERO), tl.zeros([ZERO], tl.int32))
     tail = tl.arange(0, 4)
     tl.store(hist_ptr + b * HIST_STRIDE + HIST_STRIDE - 4 + tail,
              tl.where(tail == 0, 2147483647, tl.where(tail == 1, -2147483648, 0)))
@@ -193,12 +200,14 @@ def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, len_ptr, L,
 @triton.jit
 def dsa_collect_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, BLOCK_R: tl.constexpr,
                        BINS: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr, HIST_STRIDE: tl.constexpr,
-                       LEN_FROM_PTR: tl.constexpr):
+                       LEN_FROM_PTR: tl.constexpr, NEXT: tl.constexpr, NEXT_DENSE: tl.constexpr):
     """The threshold bin t of the first digit (the K-th largest key's, from the scan's histogram): keys above it are
     selected (their positions to idx [B, K] int64, slots from the row's counter hist[b, HIST_STRIDE - 2]), keys in
     it are candidates (positions to cand [B, L] int32, slots from hist[b, HIST_STRIDE - 1]); one atomic per block of
     BLOCK_R keys and kind, arrival order; the candidates' smallest and largest signed order key (u ^ 2^31) to
-    hist[b, HIST_STRIDE - 4] and [- 3], one atomic each per program. A row of at most K keys (no bin reaches K) is
+    hist[b, HIST_STRIDE - 4] and [- 3], one atomic each per program. NEXT: the candidates' next 8 bits
+    (u >> (SHIFT - 8)) & 255 counted in hist[b, BINS:BINS + 256] (one masked atomic per candidate; a block of more
+    than NEXT_DENSE candidates adds a local histogram instead). A row of at most K keys (no bin reaches K) is
     selected whole."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -220,6 +229,14 @@ def dsa_collect_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, BLO
         n_eq = tl.sum(eq, 0)
         base = tl.atomic_add(row + HIST_STRIDE - 1, n_eq, mask=n_eq > 0, sem="relaxed")
         tl.store(cand_ptr + b * L + base + tl.cumsum(eq, 0) - 1, offs, mask=eq != 0)
+        if NEXT:
+            nd = ((u >> (SHIFT - 8)) & 255).to(tl.int32)
+            if n_eq > NEXT_DENSE:
+                h = tl.histogram(tl.where(eq != 0, nd, 0), 256)
+                h = tl.where(tl.arange(0, 256) == 0, h - (BLOCK_R - n_eq), h)
+                tl.atomic_add(row + BINS + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+            else:
+                tl.atomic_add(row + BINS + nd, tl.full([BLOCK_R], 1, tl.int32), mask=eq != 0, sem="relaxed")
         signed = u.to(tl.int32, bitcast=True) ^ -2147483648          # signed order == u's unsigned order
         lo = tl.where(eq != 0, tl.minimum(lo, signed), lo)
         hi = tl.where(eq != 0, tl.maximum(hi, signed), hi)
@@ -255,12 +272,15 @@ def _bit_length(x):
 
 @triton.jit
 def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, CHUNK: tl.constexpr,
-                      TIE_BLOCK: tl.constexpr, HIST_STRIDE: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
+                      TIE_BLOCK: tl.constexpr, HIST_STRIDE: tl.constexpr, LEN_FROM_PTR: tl.constexpr,
+                      BINS: tl.constexpr, SHIFT: tl.constexpr, NEXT: tl.constexpr):
     """grid (B,): the K - above best of row b's candidates (`dsa_collect_kernel`; above = the keys it selected) by
     their unique 64-bit keys c = (u << 32) | (2^32 - 1 - position) (larger u first, then the lower position: the
     reference's ties): a radix select of 8-bit digits, level after level until the bin of the remaining keys fits
     whole. It starts below the bits all candidates share (those of their smallest and largest u, from the collect
-    pass: none to resolve when all are tied), resolves u (digits aligned to end at bit 32), then the positions:
+    pass: none to resolve when all are tied; NEXT: when they share u's bits from SHIFT up and differ above
+    SHIFT - 8, the first level is the collect pass's count of bits SHIFT - 8 .. SHIFT - 1, read, not computed),
+    resolves u (digits aligned to end at bit 32), then the positions:
       - at most CHUNK candidates: the position bits by the same radix, the candidates in registers throughout;
       - more (heavy ties at the threshold value u*, e.g. every score equal): the keys with u > u* from the list,
         then the lowest positions with u == u* by a walk over the row's keys in position order (TIE_BLOCK per step,
@@ -285,6 +305,18 @@ def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, CHUN
     bins = tl.arange(0, 256)
     done = n_cand <= need                                   # all candidates fit (none, or a row of <= K keys)
     more = (done == 0) & ((pshift > 32) | few)
+    if NEXT:
+        use = (done == 0) & (n_diff > SHIFT - 8) & ((lo >> SHIFT) == (hi >> SHIFT))
+        hist = tl.load(row + BINS + bins)
+        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+        d = tl.max(tl.where(suffix >= need, bins, -1), 0)
+        a = tl.sum(tl.where(bins > d, hist, 0), 0)
+        h_d = tl.sum(tl.where(bins == d, hist, 0), 0)
+        prefix = tl.where(use, (((lo >> SHIFT) << 8) | d).to(tl.uint64), prefix)
+        pshift = tl.where(use, 32 + SHIFT - 8, pshift)
+        done = tl.where(use, h_d == need - a, done)
+        need = tl.where(use, need - a, need)
+        more = (done == 0) & ((pshift > 32) | few)
     while more:
         ds = tl.where(pshift > 32, tl.maximum(pshift - 8, 32), tl.maximum(pshift - 8, 0))
         width = pshift - ds
@@ -455,19 +487,21 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
     scan_fp32 = q.dtype == torch.float32
     block_j = max(16, triton.next_power_of_2(J))
     digit = dict(BINS=BINS, SHIFT=SHIFT, BASE=BASE, HIST_STRIDE=HIST_STRIDE)
-    dsa_init_kernel[(B,)](hist, HIST_STRIDE=HIST_STRIDE, BINS=BINS, num_warps=1)
+    zero = triton.next_power_of_2(BINS + 256)                   # the first digit's bins, then the next digit's
+    nxt = COLLECT_NEXT and zero <= HIST_STRIDE - 4
+    dsa_init_kernel[(B,)](hist, HIST_STRIDE=HIST_STRIDE, ZERO=zero if nxt else BINS, num_warps=1)
     dsa_scan_kernel[(triton.cdiv(n_scan, per_scan), B)](
         q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, n_len, L, J=J, D=D,
         BLOCK_J=block_j, BLOCK_S=SCAN_BLOCK, FP8=fp8, QUERY_FP8=fp8 and FP8_QUERY,
         KEYS_FIRST=not scan_fp32,       # tensor-core products; fp32 (IEEE) keeps q x k^T
         DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=SCAN_WARPS, **digit)
     dsa_collect_kernel[(triton.cdiv(n_ref, per_ref), B)](keys, hist, cand, idx, n_len, L, n_sel,
-                                                         BLOCK_R=SELECT_BLOCK, LEN_FROM_PTR=from_ptr, num_warps=4,
-                                                         **digit)
+                                                         BLOCK_R=SELECT_BLOCK, LEN_FROM_PTR=from_ptr, NEXT=nxt,
+                                                         NEXT_DENSE=NEXT_DENSE, num_warps=4, **digit)
     long_rows = L >= FINISH_LONG_KEYS
     dsa_finish_kernel[(B,)](keys, hist, cand, idx, n_len, L, n_sel,
                             CHUNK=FINISH_CHUNK_LONG if long_rows else FINISH_CHUNK, TIE_BLOCK=TIE_BLOCK,
-                            HIST_STRIDE=HIST_STRIDE, LEN_FROM_PTR=from_ptr,
+                            HIST_STRIDE=HIST_STRIDE, LEN_FROM_PTR=from_ptr, BINS=BINS, SHIFT=SHIFT, NEXT=nxt,
                             num_warps=FINISH_WARPS_LONG if long_rows else FINISH_WARPS)
     if k_exact is not None:         # exact scores of the candidates: unique u64 keys, larger = better
         ck = torch.empty((B, n_sel), dtype=torch.int64, device=dev)
