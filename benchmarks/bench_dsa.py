@@ -14,7 +14,11 @@ softmax (ATTN_VARIANTS, --attention), and the set for a zeroed index-key cache (
 positions; also timed, with the baseline's). Then each is timed, the baseline as a set and as the previous compiled path
 (ordered + out.copy_). Timing: triton.testing.do_bench_cudagraph median, rotating buffer sets past 3x the 60 MB L2.
 Floor = bytes / 4.2 TB/s, bytes = index keys (+ scales, + the re-ranked candidates' bf16 keys) + the 2048 latent
-rows read by the attention.
+rows read by the attention. The whole decode step as the compiled model launches it (`launch_dsa_index_topk` +
+`launch_mla`, device lengths, planned scratch; bf16 keys and the FP8 option: e4m3 keys + scale, e4m3 q) is checked
+(its set against torch.topk of the same scores, the attention against torch on that set) and timed, floor = index
+keys (+ scales) + selected latent rows + q_i, w, q, o; and the FP8 option's top-k overlap is taken apart
+(`dsa_fp8_overlap.study`: score noise vs the threshold, per-32-channel scales, a Hadamard rotation).
 Writes dsa_bench.json / dsa_bench.md under --out after every case; per-kernel times (torch.profiler) as PROFILE
 lines and in the json.
 """
@@ -32,6 +36,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton import attention, dsa_index, dsa_decode as dd  # noqa: E402
 from k3c.codegen.triton.attention import launch_mla  # noqa: E402
 from k3c.codegen.triton.dsa_decode import dsa_decode_topk, quantize_index_keys  # noqa: E402
+from k3c.ir.ops.model_attn import _fp8_query  # noqa: E402
+from dsa_fp8_overlap import outlier_keys, study  # noqa: E402
 
 HBM_BYTES_PER_S = 4.2e12
 L2_BYTES = 60e6
@@ -72,6 +78,46 @@ def ref_attention(x, idx):
     rows = torch.gather(x["kv"], 1, idx[..., None].expand(B, TOPK, DL)).float()
     p = torch.softmax(torch.einsum("bhd,bsd->bhs", x["q"][:, 0].float(), rows) * SCALE, -1)
     return torch.einsum("bhs,bsd->bhd", p, rows[..., :DV])[:, None]
+
+
+def ref_topk_fp8(x):
+    """torch.topk of the FP8 option's scores (`dsa_index_topk_ref`'s: e4m3 q per head, e4m3 keys x their scales)."""
+    q8, w8 = _fp8_query(x["q_i"], x["w"])
+    s = torch.einsum("bj,bjs->bs", w8, torch.einsum("bjd,bsd->bjs", q8, x["k8"].float()).relu()) * x["ks"]
+    return torch.topk(s, TOPK, dim=-1).indices
+
+
+def decode_buffers(B, L, dev):
+    """The compiled decode step's planned buffers: the index select's i64 scratch ("keys"), the attention's split-K
+    partials ("o_part", "lse"), the selection idx and the output o."""
+    rows = attention.split_rows(B, H, True)
+    return dict(keys=torch.empty((B * (L + dsa_index.RADIX_ROW_PAD),), dtype=torch.int64, device=dev),
+                o_part=torch.empty((rows * H * DV,), dtype=torch.float32, device=dev),
+                lse=torch.empty((rows * H,), dtype=torch.float32, device=dev),
+                idx=torch.empty((B, 1, TOPK), dtype=torch.int64, device=dev),
+                o=torch.empty((B, 1, H, DV), dtype=torch.bfloat16, device=dev))
+
+
+def compiled_decode(s, fp8, bufs, lengths, mod=None):
+    """One DSA decode step as the compiled model launches it (device lengths, planned scratch, dense guard at
+    TOPK): `dsa_index.launch_dsa_index_topk` (mod: a baseline dsa_decode module instead, through its `radix_topk`,
+    which main's launch_dsa_index_topk calls the same way) into idx, then `launch_mla`. Returns the output o."""
+    k, ks = (s["k8"], s["ks"]) if fp8 else (s["k_i"], None)
+    if mod is None:
+        dsa_index.launch_dsa_index_topk(s["q_i"][:, None], s["w"][:, None], k, bufs["idx"], topk=TOPK, k_scale=ks,
+                                        lengths=lengths, scratch=bufs)
+    else:
+        mod.radix_topk(s["q_i"], s["w"], k, TOPK, ks, False, lengths=lengths, out=bufs["idx"],
+                       scratch=bufs["keys"].view(torch.int32))
+    launch_mla(s["q"], s["kv"], None, bufs["idx"], bufs["o"], absorbed=True, causal=True, scale=SCALE, v_dim=DV,
+               dense_max_keys=TOPK, lengths=lengths, scratch=bufs)
+    return bufs["o"]
+
+
+def decode_bytes(B, L, fp8):
+    """HBM floor bytes of one decode step: index keys (+ scales), the TOPK selected latent rows, q_i, w, q, o."""
+    return (B * L * (DI + 4 if fp8 else 2 * DI) + B * TOPK * DL * 2 + B * J * (DI * 2 + 4) + B * H * DL * 2
+            + B * H * DV * 2)
 
 
 def overlap(a, b):
@@ -148,9 +194,11 @@ SELECT_VARIANTS = {   # name -> dsa_decode attributes (the default first)
     "finish 16 warps": dict(FINISH_WARPS=16), "finish chunk 2048": dict(FINISH_CHUNK=2048),
     "finish chunk 8192": dict(FINISH_CHUNK=8192, FINISH_LONG_KEYS=2 ** 62),
     "finish chunk 8192 16 warps": dict(FINISH_CHUNK=8192, FINISH_WARPS=16, FINISH_LONG_KEYS=2 ** 62),
-    "finish 4096 x 8 warps at every L": dict(FINISH_LONG_KEYS=2 ** 62)}
+    "finish 4096 x 8 warps at every L": dict(FINISH_LONG_KEYS=2 ** 62),
+    "finish computes its first level (no collect next digit)": dict(COLLECT_NEXT=False),
+    "collect next digit by block histograms only": dict(NEXT_DENSE=-1)}
 SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "FINISH_LONG_KEYS", "SCAN_BLOCK",
-                "SCAN_WARPS", "RANK_BLOCK")
+                "SCAN_WARPS", "RANK_BLOCK", "COLLECT_NEXT", "NEXT_DENSE")
 
 
 def load_baseline(path):
@@ -259,6 +307,28 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
         set_attention(ATTN_VARIANTS[name])
         check(f"attn rel [{name}] vs torch", attn_rel)
     restore()
+    lengths = torch.full((B,), L - 1, dtype=torch.int32, device=DEV)     # device lengths: L keys per row
+    want8 = ref_topk_fp8(x)
+
+    def whole_check(fp8, mod=None):
+        bufs = decode_buffers(B, L, DEV)
+        bufs["keys"].fill_(-7)                                              # garbage-filled planned scratch
+        o_w = compiled_decode(x, fp8, bufs, lengths, mod).clone()
+        got = bufs["idx"].clone()
+        r = dict(overlap_vs_torch_topk_same_scores=overlap(got, want8 if fp8 else want),
+                 attn_rel_vs_torch_on_its_set=rel(o_w, ref_attention(x, got[:, 0])))
+        if fp8:
+            r.update(overlap_vs_bf16_exact_set=overlap(got, want), out_rel_vs_bf16_keys_decode=rel(o_w, o))
+        return r
+
+    check("whole decode, compiled kernels, bf16 keys", lambda: whole_check(False))
+    check("whole decode, compiled kernels, fp8 keys", lambda: whole_check(True))
+    if baseline:
+        check("whole decode, baseline kernels, bf16 keys", lambda: whole_check(False, baseline))
+        check("whole decode, baseline kernels, fp8 keys", lambda: whole_check(True, baseline))
+    check("fp8 overlap study, Gaussian keys (dsa_fp8_overlap.study)", lambda: study(x["q_i"], x["w"], x["k_i"], TOPK))
+    check("fp8 overlap study, keys with 4 outlier channels x16",
+          lambda: study(x["q_i"], x["w"], outlier_keys(x["k_i"]), TOPK))
     checks.append(c)
     print("CHECK", c, flush=True)
 
@@ -336,6 +406,15 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
         set_attention(ATTN_VARIANTS[name])
         timed(f"k3c sparse latent attention (2048 rows) [{name}]", attn_only, attn_bytes)
     restore()
+    wbufs = [decode_buffers(B, L, DEV) for _ in sets]
+    for fp8 in (False, True):
+        keys = "fp8 keys (e4m3 q)" if fp8 else "bf16 keys"
+        timed(f"k3c whole DSA decode, compiled kernels, {keys}",
+              lambda i: compiled_decode(sets[i], fp8, wbufs[i], lengths), decode_bytes(B, L, fp8))
+        if baseline:
+            timed(f"baseline whole DSA decode, compiled kernels, {keys}",
+                  lambda i: compiled_decode(sets[i], fp8, wbufs[i], lengths, baseline), decode_bytes(B, L, fp8))
+        profile(f"B={B} L={L} whole decode {keys}", lambda: compiled_decode(x, fp8, wbufs[0], lengths))
     for name, fn, nbytes in (("k3c DSA decode: top-k + attention, bf16 keys", full_bf16, idx_bytes + attn_bytes),
                              ("k3c DSA decode: top-k + attention, fp8 keys + rerank", full_fp8_rerank,
                               idx8_bytes + rerank_bytes + attn_bytes)):
