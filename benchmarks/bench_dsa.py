@@ -37,7 +37,7 @@ from k3c.codegen.triton import attention, dsa_index, dsa_decode as dd  # noqa: E
 from k3c.codegen.triton.attention import launch_mla  # noqa: E402
 from k3c.codegen.triton.dsa_decode import dsa_decode_topk, quantize_index_keys  # noqa: E402
 from k3c.ir.ops.model_attn import _fp8_query  # noqa: E402
-from dsa_fp8_overlap import outlier_keys, study  # noqa: E402
+from dsa_fp8_overlap import outlier_keys, study, variant_scores  # noqa: E402
 
 HBM_BYTES_PER_S = 4.2e12
 L2_BYTES = 60e6
@@ -54,8 +54,9 @@ def make(B, L, seed, dev=None):
     bf = torch.bfloat16
     k_i = torch.randn(B, L, DI, generator=g, device=dev).to(bf)
     k8, ks = quantize_index_keys(k_i)
+    k8i, ksi = quantize_index_keys(k_i, torch.int8)
     return dict(q_i=torch.randn(B, J, DI, generator=g, device=dev).to(bf),
-                w=torch.randn(B, J, generator=g, device=dev) * J ** -0.5, k_i=k_i, k8=k8, ks=ks,
+                w=torch.randn(B, J, generator=g, device=dev) * J ** -0.5, k_i=k_i, k8=k8, ks=ks, k8i=k8i, ksi=ksi,
                 q=torch.randn(B, 1, H, DL, generator=g, device=dev).to(bf),
                 kv=torch.randn(B, L, DL, generator=g, device=dev).to(bf))
 
@@ -98,11 +99,15 @@ def decode_buffers(B, L, dev):
                 o=torch.empty((B, 1, H, DV), dtype=torch.bfloat16, device=dev))
 
 
-def compiled_decode(s, fp8, bufs, lengths, mod=None):
+KEY_FORMS = {"bf16": ("k_i", None), "fp8": ("k8", "ks"), "int8": ("k8i", "ksi")}   # index keys: tensor, scales
+
+
+def compiled_decode(s, keys, bufs, lengths, mod=None):
     """One DSA decode step as the compiled model launches it (device lengths, planned scratch, dense guard at
-    TOPK): `dsa_index.launch_dsa_index_topk` (mod: a baseline dsa_decode module instead, through its `radix_topk`,
-    which main's launch_dsa_index_topk calls the same way) into idx, then `launch_mla`. Returns the output o."""
-    k, ks = (s["k8"], s["ks"]) if fp8 else (s["k_i"], None)
+    TOPK): `dsa_index.launch_dsa_index_topk` (mod: a dsa_decode module instead, e.g. the baseline, through its
+    `radix_topk`, which launch_dsa_index_topk calls the same way; int8 keys, not a compile option, need it) into
+    idx, then `launch_mla`. keys: a KEY_FORMS name. Returns the output o."""
+    k, ks = (s[n] if n else None for n in KEY_FORMS[keys])
     if mod is None:
         dsa_index.launch_dsa_index_topk(s["q_i"][:, None], s["w"][:, None], k, bufs["idx"], topk=TOPK, k_scale=ks,
                                         lengths=lengths, scratch=bufs)
@@ -112,6 +117,20 @@ def compiled_decode(s, fp8, bufs, lengths, mod=None):
     launch_mla(s["q"], s["kv"], None, bufs["idx"], bufs["o"], absorbed=True, causal=True, scale=SCALE, v_dim=DV,
                dense_max_keys=TOPK, lengths=lengths, scratch=bufs)
     return bufs["o"]
+
+
+def tiny_fp8_check(B, L=20000, Jt=4, Dt=16, topk=256):
+    """The compiled path with 16-wide fp8 keys (k3.1-pro-tiny's indexer; `dsa_index.FP8_RADIX_MIN_D` sends them to the
+    score kernel + torch.topk at every length), against `dsa_index_topk_ref` on the CPU: set overlap (min over rows)."""
+    from k3c.ir.ops.model_attn import dsa_index_topk_ref
+    g = torch.Generator(device=DEV).manual_seed(5)
+    q_i = torch.randn(B, 1, Jt, Dt, generator=g, device=DEV)
+    w = torch.randn(B, 1, Jt, generator=g, device=DEV)
+    k8, ks = quantize_index_keys(torch.randn(B, L, Dt, generator=g, device=DEV))
+    out = torch.empty(B, 1, topk, dtype=torch.int64, device=DEV)
+    dsa_index.launch_dsa_index_topk(q_i, w, k8, out, topk=topk, k_scale=ks)
+    ref = dsa_index_topk_ref({"topk": topk}, q_i.cpu(), w.cpu(), k8.cpu(), ks.cpu())[0]
+    return min(len(set(a.tolist()) & set(b.tolist())) / topk for a, b in zip(out.cpu()[:, 0], ref[:, 0]))
 
 
 def decode_bytes(B, L, fp8):
@@ -177,7 +196,8 @@ ATTN_VARIANTS = {     # name -> attention knobs (ATTN_KNOBS, in order: a head bl
     "sparse hb32 s3 tp1056": (True, 32, 3, 64, 64, 8, 1056), "sparse hb32 s2 mk32": (True, 32, 2, 32, 32, 8, 264),
     "sparse hb32 s2 tp96": (True, 32, 2, 64, 64, 8, 96), "sparse hb32 s2 tp240": (True, 32, 2, 64, 64, 8, 240),
     "sparse hb32 s2 bs128 tp96": (True, 32, 2, 128, 128, 8, 96), "sparse hb64 s2 tp128": (True, 64, 2, 64, 64, 8, 128),
-    "sparse hb64 s2 bs32 tp128": (True, 64, 2, 32, 32, 8, 128)}
+    "sparse hb64 s2 bs32 tp128": (True, 64, 2, 32, 32, 8, 128), "sparse hb64 s2 w16 tp128": (True, 64, 2, 64, 64, 16, 128),
+    "sparse hb32 s1 w4 tp264": (True, 32, 1, 64, 64, 4, 264), "sparse hb32 s2 w4 tp264": (True, 32, 2, 64, 64, 4, 264)}
 
 
 def set_attention(values):
@@ -310,22 +330,27 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
     lengths = torch.full((B,), L - 1, dtype=torch.int32, device=DEV)     # device lengths: L keys per row
     want8 = ref_topk_fp8(x)
 
-    def whole_check(fp8, mod=None):
+    same = dict(bf16=want, fp8=want8,
+                int8=torch.topk(variant_scores("int8", x["q_i"], x["w"], x["k_i"]), TOPK, dim=-1).indices)
+
+    def whole_check(keys, mod=None):
         bufs = decode_buffers(B, L, DEV)
         bufs["keys"].fill_(-7)                                              # garbage-filled planned scratch
-        o_w = compiled_decode(x, fp8, bufs, lengths, mod).clone()
+        o_w = compiled_decode(x, keys, bufs, lengths, mod).clone()
         got = bufs["idx"].clone()
-        r = dict(overlap_vs_torch_topk_same_scores=overlap(got, want8 if fp8 else want),
+        r = dict(overlap_vs_torch_topk_same_scores=overlap(got, same[keys]),
                  attn_rel_vs_torch_on_its_set=rel(o_w, ref_attention(x, got[:, 0])))
-        if fp8:
+        if keys != "bf16":
             r.update(overlap_vs_bf16_exact_set=overlap(got, want), out_rel_vs_bf16_keys_decode=rel(o_w, o))
         return r
 
-    check("whole decode, compiled kernels, bf16 keys", lambda: whole_check(False))
-    check("whole decode, compiled kernels, fp8 keys", lambda: whole_check(True))
-    if baseline:
-        check("whole decode, baseline kernels, bf16 keys", lambda: whole_check(False, baseline))
-        check("whole decode, baseline kernels, fp8 keys", lambda: whole_check(True, baseline))
+    for keys in ("bf16", "fp8"):
+        check(f"whole decode, compiled kernels, {keys} keys", lambda: whole_check(keys))
+        if baseline:
+            check(f"whole decode, baseline kernels, {keys} keys", lambda: whole_check(keys, baseline))
+    check("whole decode, int8 keys + int8 q (dsa_decode.radix_topk)", lambda: whole_check("int8", dd))
+    check("fp8 keys at D = 16 (FP8_RADIX_MIN_D: the score kernel), compiled path vs dsa_index_topk_ref",
+          lambda: tiny_fp8_check(B))
     check("fp8 overlap study, Gaussian keys (dsa_fp8_overlap.study)", lambda: study(x["q_i"], x["w"], x["k_i"], TOPK))
     check("fp8 overlap study, keys with 4 outlier channels x16",
           lambda: study(x["q_i"], x["w"], outlier_keys(x["k_i"]), TOPK))
@@ -401,20 +426,23 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
               lambda i: outs[i].copy_(baseline.dsa_decode_topk(sets[i]["q_i"], sets[i]["w"], sets[i]["k_i"], TOPK,
                                                                ordered=True)), idx_bytes)
     timed("k3c index scan + radix top-k, fp8 keys [fp8 q], no rerank", topk_fp8, idx8_bytes)
+    timed("k3c index scan + radix top-k, int8 keys [int8 q]", lambda i: dsa_decode_topk(
+        sets[i]["q_i"], sets[i]["w"], sets[i]["k8i"], TOPK, k_scale=sets[i]["ksi"]), idx8_bytes)
     timed("k3c index scan + radix top-k, fp8 keys + rerank", topk_fp8_rerank, idx8_bytes + rerank_bytes)
     for name in attn_variants:
         set_attention(ATTN_VARIANTS[name])
         timed(f"k3c sparse latent attention (2048 rows) [{name}]", attn_only, attn_bytes)
     restore()
     wbufs = [decode_buffers(B, L, DEV) for _ in sets]
-    for fp8 in (False, True):
-        keys = "fp8 keys (e4m3 q)" if fp8 else "bf16 keys"
-        timed(f"k3c whole DSA decode, compiled kernels, {keys}",
-              lambda i: compiled_decode(sets[i], fp8, wbufs[i], lengths), decode_bytes(B, L, fp8))
-        if baseline:
-            timed(f"baseline whole DSA decode, compiled kernels, {keys}",
-                  lambda i: compiled_decode(sets[i], fp8, wbufs[i], lengths, baseline), decode_bytes(B, L, fp8))
-        profile(f"B={B} L={L} whole decode {keys}", lambda: compiled_decode(x, fp8, wbufs[0], lengths))
+    for keys, label in (("bf16", "bf16 keys"), ("fp8", "fp8 keys (e4m3 q)"), ("int8", "int8 keys (int8 q)")):
+        mod = dd if keys == "int8" else None
+        nbytes = decode_bytes(B, L, keys != "bf16")
+        timed(f"k3c whole DSA decode, compiled kernels, {label}",
+              lambda i: compiled_decode(sets[i], keys, wbufs[i], lengths, mod), nbytes)
+        if baseline and keys != "int8":
+            timed(f"baseline whole DSA decode, compiled kernels, {label}",
+                  lambda i: compiled_decode(sets[i], keys, wbufs[i], lengths, baseline), nbytes)
+        profile(f"B={B} L={L} whole decode {label}", lambda: compiled_decode(x, keys, wbufs[0], lengths, mod))
     for name, fn, nbytes in (("k3c DSA decode: top-k + attention, bf16 keys", full_bf16, idx_bytes + attn_bytes),
                              ("k3c DSA decode: top-k + attention, fp8 keys + rerank", full_fp8_rerank,
                               idx8_bytes + rerank_bytes + attn_bytes)):

@@ -155,11 +155,13 @@ def dsa_init_kernel(hist_ptr, HIST_STRIDE: tl.constexpr, ZERO: tl.constexpr):
 @triton.jit
 def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, len_ptr, L,
                     J: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
-                    FP8: tl.constexpr, QUERY_FP8: tl.constexpr, KEYS_FIRST: tl.constexpr, BINS: tl.constexpr,
+                    SCALED: tl.constexpr, QUERY_FP8: tl.constexpr, QUERY_INT8: tl.constexpr,
+                    KEYS_FIRST: tl.constexpr, BINS: tl.constexpr,
                     SHIFT: tl.constexpr, BASE: tl.constexpr, HIST_STRIDE: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
     """Scores of keys [pid*n_blocks*BLOCK_S, ...) of row b; q [B, J, D], w [B, J], k [B, L, D] (bf16/fp32, or
-    fp8 with ks [B, L] fp32 scales; QUERY_FP8: q quantized per head here, its scale folded into w); keys [B, L]
+    SCALED: fp8 or int8 with ks [B, L] fp32 scales; QUERY_FP8 / QUERY_INT8: q quantized per head here to e4m3 /
+    int8 (max|q_j| / 127, to the nearest integer), its scale folded into w); keys [B, L]
     int32 (u32 bits); hist [B, HIST_STRIDE] int32: the first digit's histogram (`_first_digit`), added once per
     program. KEYS_FIRST: the product as keys x q^T."""
     pid = tl.program_id(0)
@@ -174,19 +176,27 @@ def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, len_ptr, L,
         sq = tl.where(amax > 0, amax / 448.0, 1.0)
         q = _to_e4m3(q.to(tl.float32) / sq[:, None])
         w = w * sq
+    if QUERY_INT8:
+        amax = tl.max(tl.abs(q.to(tl.float32)), 1)
+        sq = tl.where(amax > 0, amax / 127.0, 1.0)
+        q = (((q.to(tl.float32) / sq[:, None]) + 12582912.0) - 12582912.0).to(tl.int8)   # rounded half to even
+        w = w * sq
     hist = tl.zeros([BINS], tl.int32)
     n_pad = 0
     for i in range(n_blocks):
         offs_s = (pid * n_blocks + i) * BLOCK_S + tl.arange(0, BLOCK_S)
         ok = offs_s < n_valid
         k = tl.load(k_ptr + (b * L + offs_s)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        if KEYS_FIRST:  # keys x q^T [BLOCK_S, BLOCK_J]: keys as the MMA's M side, 3-10 % faster on the H200
+        if QUERY_INT8:  # int8 x int8 -> int32, exact
+            dots = tl.dot(k, tl.trans(q), out_dtype=tl.int32).to(tl.float32)
+            score = tl.sum(w[None, :] * tl.maximum(dots, 0.0), 1)
+        elif KEYS_FIRST:  # keys x q^T [BLOCK_S, BLOCK_J]: keys as the MMA's M side, 3-10 % faster on the H200
             dots = tl.dot(k.to(q.dtype), tl.trans(q), input_precision=DOT_PRECISION)
             score = tl.sum(w[None, :] * tl.maximum(dots, 0.0), 1)
         else:           # q x keys^T [BLOCK_J, BLOCK_S]
             dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
             score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
-        if FP8:
+        if SCALED:
             score = score * tl.load(ks_ptr + b * L + offs_s, mask=ok, other=0.0)
         u = _order_key(score)
         tl.store(keys_ptr + b * L + offs_s, u.to(tl.int32, bitcast=True), mask=ok)
@@ -414,19 +424,23 @@ def dsa_rerank_rank_kernel(ck_ptr, idx_ptr, K1, K, BLOCK_C: tl.constexpr, BLOCK_
     tl.store(idx_ptr + b * K + rank, pos, mask=(key != -9223372036854775808) & (rank < K))
 
 
-def quantize_index_keys(k_i):
-    """FP8 index keys: k_i [B, L, D] -> (k8 float8_e4m3fn [B, L, D], scale fp32 [B, L]), k ~= scale * k8.
+def quantize_index_keys(k_i, dtype=torch.float8_e4m3fn):
+    """FP8 (or int8) index keys: k_i [B, L, D] -> (k8 `dtype` [B, L, D], scale fp32 [B, L]), k ~= scale * k8.
 
-    scale = max|k| / 448 per key (1 for an all-zero key), so every key uses the e4m3 range fully.
+    scale = max|k| / 448 (int8: / 127, values rounded to the nearest integer) per key (1 for an all-zero key), so
+    every key uses the range fully.
     """
     amax = k_i.float().abs().amax(-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (k_i.float() / scale[..., None]).to(torch.float8_e4m3fn), scale.contiguous()
+    top = 127.0 if dtype == torch.int8 else FP8_MAX
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    k = k_i.float() / scale[..., None]
+    return (torch.round(k) if dtype == torch.int8 else k).to(dtype), scale.contiguous()
 
 
 def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None, rerank_extra=RERANK_EXTRA):
     """Top-`topk` index positions for one new token per row: q_i [B, J, D] (or [B, 1, J, D]), w [B, J],
-    k_i [B, L, D] (bf16/fp16/fp32, or float8_e4m3fn with k_scale [B, L] fp32, optionally with the exact keys
+    k_i [B, L, D] (bf16/fp16/fp32, or float8_e4m3fn / int8 (q then int8 per head too: BENCHMARKS.md DSA round 6)
+    with k_scale [B, L] fp32, optionally with the exact keys
     k_exact [B, L, D] in q_i's dtype: then topk + rerank_extra fp8 candidates are re-ranked by their exact scores).
 
     Returns int64 [B, 1, topk]: the positions of the topk largest I[s], ties by lowest position, -1 past
@@ -437,12 +451,13 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None
     q_i = q_i.reshape(q_i.shape[0], q_i.shape[-2], q_i.shape[-1])
     B, J, D = q_i.shape
     L = k_i.shape[1]
-    fp8 = k_i.dtype == torch.float8_e4m3fn
+    fp8 = k_i.dtype in (torch.float8_e4m3fn, torch.int8)
     if tuple(w.reshape(B, -1).shape) != (B, J) or k_i.shape[0] != B or k_i.shape[2] != D or L < 1:
         raise RuntimeInputError(f"dsa_decode_topk: q_i {tuple(q_i.shape)}, w {tuple(w.shape)}, "
                                 f"k_i {tuple(k_i.shape)} mismatch")
     if fp8 != (k_scale is not None) or (fp8 and tuple(k_scale.shape) != (B, L)):
-        raise RuntimeInputError("dsa_decode_topk: k_scale [B, L] fp32 goes with float8_e4m3fn keys, and only then")
+        raise RuntimeInputError("dsa_decode_topk: k_scale [B, L] fp32 goes with float8_e4m3fn / int8 keys, and only "
+                                "then")
     if k_exact is not None and (not fp8 or tuple(k_exact.shape) != (B, L, D) or k_exact.dtype != q_i.dtype):
         raise RuntimeInputError(f"dsa_decode_topk: k_exact must be [B, L, D] = {(B, L, D)} in q_i's dtype "
                                 f"{q_i.dtype} with float8_e4m3fn k_i, got {tuple(k_exact.shape)} {k_exact.dtype}")
@@ -492,7 +507,8 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
     dsa_init_kernel[(B,)](hist, HIST_STRIDE=HIST_STRIDE, ZERO=zero if nxt else BINS, num_warps=1)
     dsa_scan_kernel[(triton.cdiv(n_scan, per_scan), B)](
         q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, n_len, L, J=J, D=D,
-        BLOCK_J=block_j, BLOCK_S=SCAN_BLOCK, FP8=fp8, QUERY_FP8=fp8 and FP8_QUERY,
+        BLOCK_J=block_j, BLOCK_S=SCAN_BLOCK, SCALED=fp8, QUERY_FP8=fp8 and FP8_QUERY and k_i.dtype != torch.int8,
+        QUERY_INT8=k_i.dtype == torch.int8,
         KEYS_FIRST=not scan_fp32,       # tensor-core products; fp32 (IEEE) keeps q x k^T
         DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=SCAN_WARPS, **digit)
     dsa_collect_kernel[(triton.cdiv(n_ref, per_ref), B)](keys, hist, cand, idx, n_len, L, n_sel,
