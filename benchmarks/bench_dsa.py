@@ -148,6 +148,9 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+REP_MS = 200      # do_bench_cudagraph's rep, ms (each row replays its graph 10 times); --rep
+
+
 def bench(fn, n_sets):
     def run_all():
         for i in range(n_sets):
@@ -155,9 +158,9 @@ def bench(fn, n_sets):
     run_all()
     torch.cuda.synchronize()
     try:
-        return triton.testing.do_bench_cudagraph(run_all, rep=200, return_mode="median") / n_sets, "graph"
+        return triton.testing.do_bench_cudagraph(run_all, rep=REP_MS, return_mode="median") / n_sets, "graph"
     except Exception:  # noqa: BLE001  capture not possible: plain launches
-        return triton.testing.do_bench(run_all, warmup=10, rep=200, return_mode="median") / n_sets, "launch"
+        return triton.testing.do_bench(run_all, warmup=10, rep=REP_MS, return_mode="median") / n_sets, "launch"
 
 
 PROFILE = []     # per-kernel device times (torch.profiler), written with the rows
@@ -463,7 +466,10 @@ def main():
     ap.add_argument("--select", default=",".join(SELECT_VARIANTS),
                     help="selection variants to check and time (SELECT_VARIANTS), the default first")
     ap.add_argument("--baseline", default="", help="a previous dsa_decode.py to time in the same run")
+    ap.add_argument("--rep", type=int, default=200, help="ms per timing replay (do_bench_cudagraph's rep)")
     args = ap.parse_args()
+    global REP_MS
+    REP_MS = args.rep
     attn_variants = list(ATTN_VARIANTS) if args.attention == "all" else [v for v in args.attention.split(",") if v]
     select_variants = [v for v in args.select.split(",") if v]
     baseline = load_baseline(args.baseline) if args.baseline else None
