@@ -215,9 +215,9 @@ def dsa_collect_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, BLO
     selected (their positions to idx [B, K] int64, slots from the row's counter hist[b, HIST_STRIDE - 2]), keys in
     it are candidates (positions to cand [B, L] int32, slots from hist[b, HIST_STRIDE - 1]); one atomic per block of
     BLOCK_R keys and kind, arrival order; the candidates' smallest and largest signed order key (u ^ 2^31) to
-    hist[b, HIST_STRIDE - 4] and [- 3], one atomic each per program. NEXT: the candidates' next 8 bits
-    (u >> (SHIFT - 8)) & 255 counted in hist[b, BINS:BINS + 256] (one masked atomic per candidate; a block of more
-    than NEXT_DENSE candidates adds a local histogram instead). A row of at most K keys (no bin reaches K) is
+    hist[b, HIST_STRIDE - 4] and [- 3], one atomic each per program. NEXT, t not an edge bin: the candidates' next
+    8 bits (u >> (SHIFT - 8)) & 255 counted in hist[b, BINS:BINS + 256] (one masked atomic per candidate; a block of
+    more than NEXT_DENSE candidates adds a local histogram instead). A row of at most K keys (no bin reaches K) is
     selected whole."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -240,13 +240,14 @@ def dsa_collect_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, BLO
         base = tl.atomic_add(row + HIST_STRIDE - 1, n_eq, mask=n_eq > 0, sem="relaxed")
         tl.store(cand_ptr + b * L + base + tl.cumsum(eq, 0) - 1, offs, mask=eq != 0)
         if NEXT:
-            nd = ((u >> (SHIFT - 8)) & 255).to(tl.int32)
-            if n_eq > NEXT_DENSE:
-                h = tl.histogram(tl.where(eq != 0, nd, 0), 256)
-                h = tl.where(tl.arange(0, 256) == 0, h - (BLOCK_R - n_eq), h)
-                tl.atomic_add(row + BINS + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
-            else:
-                tl.atomic_add(row + BINS + nd, tl.full([BLOCK_R], 1, tl.int32), mask=eq != 0, sem="relaxed")
+            if (t > 0) & (t < BINS - 1):        # not the clamped edge bins (e.g. a zeroed cache's tied scores)
+                nd = ((u >> (SHIFT - 8)) & 255).to(tl.int32)
+                if n_eq > NEXT_DENSE:
+                    h = tl.histogram(tl.where(eq != 0, nd, 0), 256)
+                    h = tl.where(tl.arange(0, 256) == 0, h - (BLOCK_R - n_eq), h)
+                    tl.atomic_add(row + BINS + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+                else:
+                    tl.atomic_add(row + BINS + nd, tl.full([BLOCK_R], 1, tl.int32), mask=eq != 0, sem="relaxed")
         signed = u.to(tl.int32, bitcast=True) ^ -2147483648          # signed order == u's unsigned order
         lo = tl.where(eq != 0, tl.minimum(lo, signed), lo)
         hi = tl.where(eq != 0, tl.maximum(hi, signed), hi)
@@ -283,13 +284,13 @@ def _bit_length(x):
 @triton.jit
 def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, CHUNK: tl.constexpr,
                       TIE_BLOCK: tl.constexpr, HIST_STRIDE: tl.constexpr, LEN_FROM_PTR: tl.constexpr,
-                      BINS: tl.constexpr, SHIFT: tl.constexpr, NEXT: tl.constexpr):
+                      BINS: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr, NEXT: tl.constexpr):
     """grid (B,): the K - above best of row b's candidates (`dsa_collect_kernel`; above = the keys it selected) by
     their unique 64-bit keys c = (u << 32) | (2^32 - 1 - position) (larger u first, then the lower position: the
     reference's ties): a radix select of 8-bit digits, level after level until the bin of the remaining keys fits
     whole. It starts below the bits all candidates share (those of their smallest and largest u, from the collect
-    pass: none to resolve when all are tied; NEXT: when they share u's bits from SHIFT up and differ above
-    SHIFT - 8, the first level is the collect pass's count of bits SHIFT - 8 .. SHIFT - 1, read, not computed),
+    pass: none to resolve when all are tied; NEXT: when they share u's bits from SHIFT up, in an interior first-digit
+    bin, and differ above SHIFT - 8, the first level is the collect pass's count of bits SHIFT - 8 .. SHIFT - 1),
     resolves u (digits aligned to end at bit 32), then the positions:
       - at most CHUNK candidates: the position bits by the same radix, the candidates in registers throughout;
       - more (heavy ties at the threshold value u*, e.g. every score equal): the keys with u > u* from the list,
@@ -316,7 +317,8 @@ def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, CHUN
     done = n_cand <= need                                   # all candidates fit (none, or a row of <= K keys)
     more = (done == 0) & ((pshift > 32) | few)
     if NEXT:
-        use = (done == 0) & (n_diff > SHIFT - 8) & ((lo >> SHIFT) == (hi >> SHIFT))
+        v = lo >> SHIFT                                     # counted for an interior threshold bin only
+        use = (done == 0) & (n_diff > SHIFT - 8) & (v == (hi >> SHIFT)) & (v > BASE) & (v < BASE + BINS - 1)
         hist = tl.load(row + BINS + bins)
         suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
         d = tl.max(tl.where(suffix >= need, bins, -1), 0)
@@ -517,8 +519,8 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
     long_rows = L >= FINISH_LONG_KEYS
     dsa_finish_kernel[(B,)](keys, hist, cand, idx, n_len, L, n_sel,
                             CHUNK=FINISH_CHUNK_LONG if long_rows else FINISH_CHUNK, TIE_BLOCK=TIE_BLOCK,
-                            HIST_STRIDE=HIST_STRIDE, LEN_FROM_PTR=from_ptr, BINS=BINS, SHIFT=SHIFT, NEXT=nxt,
-                            num_warps=FINISH_WARPS_LONG if long_rows else FINISH_WARPS)
+                            HIST_STRIDE=HIST_STRIDE, LEN_FROM_PTR=from_ptr, BINS=BINS, SHIFT=SHIFT, BASE=BASE,
+                            NEXT=nxt, num_warps=FINISH_WARPS_LONG if long_rows else FINISH_WARPS)
     if k_exact is not None:         # exact scores of the candidates: unique u64 keys, larger = better
         ck = torch.empty((B, n_sel), dtype=torch.int64, device=dev)
         dsa_rerank_kernel[(triton.cdiv(n_sel, RERANK_BLOCK), B)](
