@@ -219,9 +219,12 @@ SELECT_VARIANTS = {   # name -> dsa_decode attributes (the default first)
     "finish chunk 8192 16 warps": dict(FINISH_CHUNK=8192, FINISH_WARPS=16, FINISH_LONG_KEYS=2 ** 62),
     "finish 4096 x 8 warps at every L": dict(FINISH_LONG_KEYS=2 ** 62),
     "finish computes its first level (no collect next digit)": dict(COLLECT_NEXT=False),
-    "collect next digit by block histograms only": dict(NEXT_DENSE=-1)}
+    "collect next digit by block histograms only": dict(NEXT_DENSE=-1),
+    "scan / collect programs 528": dict(SCAN_PROGRAMS=528), "scan / collect programs 2112": dict(SCAN_PROGRAMS=2112),
+    "scan 4 stages": dict(SCAN_STAGES=4), "scan / collect programs 528, scan 4 stages": dict(SCAN_PROGRAMS=528,
+                                                                                         SCAN_STAGES=4)}
 SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "FINISH_LONG_KEYS", "SCAN_BLOCK",
-                "SCAN_WARPS", "RANK_BLOCK", "COLLECT_NEXT", "NEXT_DENSE")
+                "SCAN_WARPS", "RANK_BLOCK", "COLLECT_NEXT", "NEXT_DENSE", "SCAN_PROGRAMS", "SCAN_STAGES")
 
 
 def load_baseline(path):
@@ -274,9 +277,12 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
             c[name] = f"failed: {e!r}"[:300]
 
     check("candidates (collect pass)", lambda: candidate_stats(x))
+    idx8 = dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"])
     for name in select_variants:
         select(name)
         check(f"same set [{name}]", lambda: overlap(dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK), idx) == 1.0)
+        check(f"same fp8 set [{name}]", lambda: overlap(dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK,
+                                                                        k_scale=x["ks"]), idx8) == 1.0)
     restore()
     check("ordered == ordered baseline" if baseline else "ordered: valid", lambda: bool(torch.equal(
         dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK, ordered=True),
@@ -414,6 +420,7 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
     for name in select_variants:
         select(name)
         timed(f"k3c index scan + radix top-k, bf16 keys [{name}]", topk_bf16, idx_bytes)
+        timed(f"k3c index scan + radix top-k, fp8 keys [{name}]", topk_fp8, idx8_bytes)
     restore()
     timed("k3c compiled path: launch_dsa_index_topk into out, planned scratch, bf16 keys",
           lambda i: compiled_path(sets[i], outs[i]), idx_bytes)

@@ -9,40 +9,27 @@ Selection is a radix select on the scores' order-preserving 32-bit keys (u = flo
 positives and all bits flipped for negatives; unsigned order = float order) in four launches, with no torch op and
 no scratch that must arrive zeroed:
   dsa_init_kernel     grid (B,): zeroes the row's digit histograms and its two counters
-  dsa_scan_kernel     grid (programs, B): scores of n_blocks x BLOCK_S keys per program -> keys [B, L] (u32 bits
-                      in an int32 tensor) and the histogram of the first digit, the top 11 bits u >> 21 (sign,
-                      exponent, 2 mantissa bits: a bin spans a factor 2^(1/4) of positive scores) in a window of
-                      BINS values (`_first_digit`: positive scores in [2^-32, 2^32); the rest clamp into the edge
-                      bins), added once per program with atomics
-  dsa_collect_kernel  the threshold bin t (the K-th largest key's): keys above it go straight to the output, keys in
-                      it to a candidate list (slots from per-row counters, one atomic per block and kind), the
-                      candidates' smallest and largest u (one atomic min / max per program) and (COLLECT_NEXT) the
-                      histogram of their next 8 bits
-  dsa_finish_kernel   grid (B,): the remaining K - above among the candidates (1.0K-6.4K per row in the H200
-                      bench at L = 128K-1M: BENCHMARKS.md) by a radix select of 8-bit digits on unique 64-bit
-                      keys (u << 32 | 2^32 - 1 - position: ties by lowest position, as the reference's stable
-                      sort) from the first bit the candidates' u differ in (the first level, when it is the
-                      collect's next digit, read from its histogram), level after level (the first
-                      FINISH_CHUNK candidates kept in registers across them) until the threshold bin fits whole;
-                      more than FINISH_CHUNK candidates tied at the threshold value (a zeroed index cache: every
-                      score equal) are resolved by a walk over the row's keys in position order instead of the
-                      position digits; then -1 past the row's keys. Exact for any input: a large candidate list
-                      of distinct scores (clamped edge bins) only costs more passes.
+  dsa_scan_kernel     grid (programs, B): scores -> keys [B, L] (u32 bits in int32) and the histogram of the first
+                      digit, the top 11 bits u >> 21 (a bin spans a factor 2^(1/4) of positive scores) in a window
+                      of BINS values (`_first_digit`; the rest clamp into the edge bins)
+  dsa_collect_kernel  the threshold bin t: keys above it to the output, keys in it to a candidate list, their u
+                      range and (COLLECT_NEXT) the histogram of their next 8 bits
+  dsa_finish_kernel   grid (B,): the remaining K - above among the candidates (1.0K-6.4K per row in the H200 bench
+                      at L = 128K-1M) by a radix select of 8-bit digits on unique 64-bit keys (u << 32 | 2^32 - 1 -
+                      position: ties by lowest position, as the reference's stable sort); heavy ties by a walk in
+                      position order. Exact for any input: clamped or tied bins only cost more passes.
 The output is the reference's top-k SET (positions, int64 [B, 1, topk], -1 past min(L, topk)) in no particular
 order (the op's contract; the attention is order-free), or in the reference's order with `ordered=True` (a torch
 sort: tests and the fp8 logits script).
-FP8 index keys (optional): k_I as float8_e4m3fn with one fp32 scale per key (k = scale * k8; `quantize_index_keys`)
-halve the bytes of the scan; the score is scale * sum_j w_j ReLU(q_j . k8) (scale > 0). With FP8_QUERY the scan also
-quantizes q per head in registers (q_j = sq_j * q8_j, sq_j = max|q_j| / 448, folded into w_j: one fp8 x fp8 product).
-E4m3's 3 mantissa bits move 3-6 % of a top-2048 set across the threshold (H200, Gaussian keys: overlap 0.94-0.97),
-so with the exact keys at hand (`k_exact`, bf16) the selection re-ranks: the fp8 scan selects topk + RERANK_EXTRA
-candidates, then
-  dsa_rerank_kernel   grid (candidate blocks, B): exact scores of the candidates from the gathered exact keys, as
-                      unique 64-bit keys (order key << 32 | ~position: ties by lowest position)
-  dsa_rerank_rank_kernel  grid (candidate blocks of RANK_BLOCK, B): each candidate's rank = the number of larger
-                      keys (all pairs, counted in an int32 tile and reduced once); rank < topk is its slot, so the
-                      result comes in the reference's order
-which equals the exact selection unless a key of the exact top-k ranks below topk + RERANK_EXTRA in fp8 order
+Quantized index keys (optional; k = scale * k8 with one fp32 scale per key, `quantize_index_keys`) halve the scan's
+bytes; the score is scale * sum_j w_j ReLU(q_j . k8): float8_e4m3fn (the compile option; FP8_QUERY: q quantized per
+head in registers, q_j = sq_j * q8_j with sq_j = max|q_j| / 448 folded into w_j: one fp8 x fp8 product), or int8
+(q int8 per head, sq_j = max|q_j| / 127: one int8 x int8 -> int32 product; a uniform grid, about 4x less score noise
+than e4m3's 3 mantissa bits: top-2048 overlap 0.985-0.989 vs 0.94-0.96, BENCHMARKS.md DSA round 6). With the exact
+keys at hand (`k_exact`) the fp8 scan selects topk + RERANK_EXTRA candidates and two kernels re-rank them exactly:
+  dsa_rerank_kernel   their exact scores as unique 64-bit keys (order key << 32 | ~position)
+  dsa_rerank_rank_kernel  each one's rank = the number of larger keys: its slot (the reference's order)
+equal to the exact selection unless a key of the exact top-k ranks below topk + RERANK_EXTRA in fp8 order
 (Gaussian keys, L = 1M, CPU simulation: worst rank 2.9K with fp8 q, so 2048 extra; 1 MB of exact keys per row).
 
 The scan and collect kernels split a row's keys evenly over the programs of grid axis 0 (`_row_range`); with device
@@ -50,8 +37,8 @@ lengths (`radix_topk(..., lengths=)`, i32 [B]: whole-step decode graphs) row b h
 kernels, and L is only the bound that sizes the grids and scratch.
 
 Public API: `dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None)` -> idx, `radix_topk`
-(its launches, into a given `out` and planned scratch), `radix_scratch_words`, `quantize_index_keys(k_i)` -> (k8,
-scale), and the kernels (`KERNELS`, in source order).
+(its launches, into a given `out` and planned scratch), `radix_scratch_words`, `quantize_index_keys(k_i, dtype)` ->
+(k8, scale), and the kernels (`KERNELS`, in source order).
 """
 
 import torch
@@ -62,6 +49,7 @@ from k3c.errors import RuntimeInputError
 
 SCAN_BLOCK = 128       # keys per scan step (one [SCAN_BLOCK, D] x [D, J] tensor-core product)
 SCAN_WARPS = 4         # warps per scan program
+SCAN_STAGES = 3        # its software-pipeline depth (Triton's default)
 SELECT_BLOCK = 1024    # keys per step of the collect pass
 SCAN_PROGRAMS = 1056   # scan / collect programs per launch: about 8 per H200 SM
 SHIFT = 21             # first digit: the top 11 bits of the order key (u >> 21: sign, exponent, 2 mantissa bits)
@@ -512,7 +500,8 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
         BLOCK_J=block_j, BLOCK_S=SCAN_BLOCK, SCALED=fp8, QUERY_FP8=fp8 and FP8_QUERY and k_i.dtype != torch.int8,
         QUERY_INT8=k_i.dtype == torch.int8,
         KEYS_FIRST=not scan_fp32,       # tensor-core products; fp32 (IEEE) keeps q x k^T
-        DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=SCAN_WARPS, **digit)
+        DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES,
+        **digit)
     dsa_collect_kernel[(triton.cdiv(n_ref, per_ref), B)](keys, hist, cand, idx, n_len, L, n_sel,
                                                          BLOCK_R=SELECT_BLOCK, LEN_FROM_PTR=from_ptr, NEXT=nxt,
                                                          NEXT_DENSE=NEXT_DENSE, num_warps=4, **digit)

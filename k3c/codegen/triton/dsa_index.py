@@ -183,6 +183,7 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("FP8_RADIX_MIN_D", FP8_RADIX_MIN_D, "radix select of fp8 keys: at least this key width"),
               ("SCAN_BLOCK", dsa_decode.SCAN_BLOCK, "radix select: keys per scan step"),
               ("SCAN_WARPS", dsa_decode.SCAN_WARPS, "radix select: warps per scan program"),
+              ("SCAN_STAGES", dsa_decode.SCAN_STAGES, "radix select: the scan's pipeline depth"),
               ("SELECT_BLOCK", dsa_decode.SELECT_BLOCK, "radix select: keys per collect step"),
               ("SCAN_PROGRAMS", dsa_decode.SCAN_PROGRAMS, "radix select: scan / collect programs per launch"),
               ("SHIFT", dsa_decode.SHIFT, "radix select: first digit = order key >> SHIFT"),
