@@ -220,9 +220,8 @@ SELECT_VARIANTS = {   # name -> dsa_decode attributes (the default first)
     "finish 4096 x 8 warps at every L": dict(FINISH_LONG_KEYS=2 ** 62),
     "finish computes its first level (no collect next digit)": dict(COLLECT_NEXT=False),
     "collect next digit by block histograms only": dict(NEXT_DENSE=-1),
-    "scan / collect programs 528": dict(SCAN_PROGRAMS=528), "scan / collect programs 2112": dict(SCAN_PROGRAMS=2112),
-    "scan 4 stages": dict(SCAN_STAGES=4), "scan / collect programs 528, scan 4 stages": dict(SCAN_PROGRAMS=528,
-                                                                                         SCAN_STAGES=4)}
+    "scan / collect programs 1056 (before round 6)": dict(SCAN_PROGRAMS=1056),
+    "scan / collect programs 2112": dict(SCAN_PROGRAMS=2112), "scan 4 stages": dict(SCAN_STAGES=4)}
 SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "FINISH_LONG_KEYS", "SCAN_BLOCK",
                 "SCAN_WARPS", "RANK_BLOCK", "COLLECT_NEXT", "NEXT_DENSE", "SCAN_PROGRAMS", "SCAN_STAGES")
 

@@ -49,9 +49,10 @@ from k3c.errors import RuntimeInputError
 
 SCAN_BLOCK = 128       # keys per scan step (one [SCAN_BLOCK, D] x [D, J] tensor-core product)
 SCAN_WARPS = 4         # warps per scan program
-SCAN_STAGES = 3        # its software-pipeline depth (Triton's default)
+SCAN_STAGES = 3        # its software-pipeline depth (Triton's default; 4 was 3-19 us slower on the H200)
 SELECT_BLOCK = 1024    # keys per step of the collect pass
-SCAN_PROGRAMS = 1056   # scan / collect programs per launch: about 8 per H200 SM
+SCAN_PROGRAMS = 528    # scan / collect programs per launch: about 4 per H200 SM (vs 1056: top-k set 3.2-4.3 us
+                       # faster at B = 16 / 128K and B = 1 / 128K-1M, bf16 and fp8 keys; BENCHMARKS.md DSA round 6)
 SHIFT = 21             # first digit: the top 11 bits of the order key (u >> 21: sign, exponent, 2 mantissa bits)
 BINS = 256             # its histogram: a window of 256 of the 2048 values (tl.histogram's cost grows with the
                        # bins: all 2048 made the top-k 2.4-4.4x slower on the H200, BENCHMARKS.md)
