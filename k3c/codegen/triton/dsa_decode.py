@@ -25,8 +25,9 @@ Quantized index keys (optional; k = scale * k8 with one fp32 scale per key, `qua
 bytes; the score is scale * sum_j w_j ReLU(q_j . k8): float8_e4m3fn (the compile option; FP8_QUERY: q quantized per
 head in registers, q_j = sq_j * q8_j with sq_j = max|q_j| / 448 folded into w_j: one fp8 x fp8 product), or int8
 (q int8 per head, sq_j = max|q_j| / 127: one int8 x int8 -> int32 product; a uniform grid, about 4x less score noise
-than e4m3's 3 mantissa bits: top-2048 overlap 0.985-0.989 vs 0.94-0.96, BENCHMARKS.md DSA round 6). With the exact
-keys at hand (`k_exact`) the fp8 scan selects topk + RERANK_EXTRA candidates and two kernels re-rank them exactly:
+than e4m3's 3 mantissa bits: top-2048 overlap 0.984-0.988 vs 0.942-0.957 in the H200 bench, BENCHMARKS.md DSA
+round 6). With the exact keys at hand (`k_exact`) the fp8 scan selects topk + RERANK_EXTRA candidates and two
+kernels re-rank them exactly:
   dsa_rerank_kernel   their exact scores as unique 64-bit keys (order key << 32 | ~position)
   dsa_rerank_rank_kernel  each one's rank = the number of larger keys: its slot (the reference's order)
 equal to the exact selection unless a key of the exact top-k ranks below topk + RERANK_EXTRA in fp8 order
