@@ -14,11 +14,12 @@ softmax (ATTN_VARIANTS, --attention), and the set for a zeroed index-key cache (
 positions; also timed, with the baseline's). Then each is timed, the baseline as a set and as the previous compiled path
 (ordered + out.copy_). Timing: triton.testing.do_bench_cudagraph median, rotating buffer sets past 3x the 60 MB L2.
 Floor = bytes / 4.2 TB/s, bytes = index keys (+ scales, + the re-ranked candidates' bf16 keys) + the 2048 latent
-rows read by the attention. The whole decode step as the compiled model launches it (`launch_dsa_index_topk` +
-`launch_mla`, device lengths, planned scratch; bf16 keys and the FP8 option: e4m3 keys + scale, e4m3 q) is checked
-(its set against torch.topk of the same scores, the attention against torch on that set) and timed, floor = index
-keys (+ scales) + selected latent rows + q_i, w, q, o; and the FP8 option's top-k overlap is taken apart
-(`dsa_fp8_overlap.study`: score noise vs the threshold, per-32-channel scales, a Hadamard rotation).
+rows read by the attention. The whole decode step as the compiled model launches it (`dsa_checks.compiled_decode`:
+`launch_dsa_index_topk` + `launch_mla`, device lengths, planned scratch; bf16 keys, the FP8 option (e4m3 keys +
+scale, e4m3 q) and int8 keys + int8 q) is checked (its set against torch.topk of the same scores, the attention
+against torch on that set) and timed, floor = index keys (+ scales) + selected latent rows + q_i, w, q, o; and the
+FP8 option's top-k overlap is taken apart (`dsa_fp8_overlap.study`: score noise vs the threshold, per-32-channel
+scales, a Hadamard rotation, int8). Inputs and torch references: `dsa_checks.py`.
 Writes dsa_bench.json / dsa_bench.md under --out after every case; per-kernel times (torch.profiler) as PROFILE
 lines and in the json.
 """
@@ -35,117 +36,14 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton import attention, dsa_index, dsa_decode as dd  # noqa: E402
 from k3c.codegen.triton.attention import launch_mla  # noqa: E402
-from k3c.codegen.triton.dsa_decode import dsa_decode_topk, quantize_index_keys  # noqa: E402
-from k3c.ir.ops.model_attn import _fp8_query  # noqa: E402
+from k3c.codegen.triton.dsa_decode import dsa_decode_topk  # noqa: E402
+from dsa_checks import (DI, DL, DV, H, SCALE, TOPK, compiled_decode, decode_buffers, decode_bytes,  # noqa: E402
+                        dsa_decode, make, overlap, ref_attention, ref_topk, ref_topk_fp8, rel, tiny_fp8_check)
 from dsa_fp8_overlap import outlier_keys, study, variant_scores  # noqa: E402
 
 HBM_BYTES_PER_S = 4.2e12
 L2_BYTES = 60e6
-J, DI, TOPK, H, DL, DV = 32, 128, 2048, 96, 576, 512
-SCALE = (128 + 64) ** -0.5
-
-
 DEV = "cuda"
-
-
-def make(B, L, seed, dev=None):
-    dev = dev or DEV
-    g = torch.Generator(device=dev).manual_seed(seed)
-    bf = torch.bfloat16
-    k_i = torch.randn(B, L, DI, generator=g, device=dev).to(bf)
-    k8, ks = quantize_index_keys(k_i)
-    k8i, ksi = quantize_index_keys(k_i, torch.int8)
-    return dict(q_i=torch.randn(B, J, DI, generator=g, device=dev).to(bf),
-                w=torch.randn(B, J, generator=g, device=dev) * J ** -0.5, k_i=k_i, k8=k8, ks=ks, k8i=k8i, ksi=ksi,
-                q=torch.randn(B, 1, H, DL, generator=g, device=dev).to(bf),
-                kv=torch.randn(B, L, DL, generator=g, device=dev).to(bf))
-
-
-def dsa_decode(q_i, w, k_i, q, kv, k_scale=None, k_exact=None):
-    """One DSA decode step: the radix top-k set, then the absorbed sparse latent attention over it."""
-    out = torch.empty((q.shape[0], 1, H, DV), dtype=q.dtype, device=q.device)
-    launch_mla(q, kv, None, dsa_decode_topk(q_i, w, k_i, TOPK, k_scale, k_exact=k_exact), out, absorbed=True,
-               causal=True, scale=SCALE, v_dim=DV, dense_max_keys=None)
-    return out
-
-
-def ref_topk(x, k_i):
-    s = torch.einsum("bj,bjs->bs", x["w"].float(), torch.einsum("bjd,bsd->bjs", x["q_i"].float(), k_i).relu())
-    return torch.topk(s, TOPK, dim=-1).indices
-
-
-def ref_attention(x, idx):
-    B = idx.shape[0]
-    rows = torch.gather(x["kv"], 1, idx[..., None].expand(B, TOPK, DL)).float()
-    p = torch.softmax(torch.einsum("bhd,bsd->bhs", x["q"][:, 0].float(), rows) * SCALE, -1)
-    return torch.einsum("bhs,bsd->bhd", p, rows[..., :DV])[:, None]
-
-
-def ref_topk_fp8(x):
-    """torch.topk of the FP8 option's scores (`dsa_index_topk_ref`'s: e4m3 q per head, e4m3 keys x their scales)."""
-    q8, w8 = _fp8_query(x["q_i"], x["w"])
-    s = torch.einsum("bj,bjs->bs", w8, torch.einsum("bjd,bsd->bjs", q8, x["k8"].float()).relu()) * x["ks"]
-    return torch.topk(s, TOPK, dim=-1).indices
-
-
-def decode_buffers(B, L, dev):
-    """The compiled decode step's planned buffers: the index select's i64 scratch ("keys"), the attention's split-K
-    partials ("o_part", "lse"), the selection idx and the output o."""
-    rows = attention.split_rows(B, H, True)
-    return dict(keys=torch.empty((B * (L + dsa_index.RADIX_ROW_PAD),), dtype=torch.int64, device=dev),
-                o_part=torch.empty((rows * H * DV,), dtype=torch.float32, device=dev),
-                lse=torch.empty((rows * H,), dtype=torch.float32, device=dev),
-                idx=torch.empty((B, 1, TOPK), dtype=torch.int64, device=dev),
-                o=torch.empty((B, 1, H, DV), dtype=torch.bfloat16, device=dev))
-
-
-KEY_FORMS = {"bf16": ("k_i", None), "fp8": ("k8", "ks"), "int8": ("k8i", "ksi")}   # index keys: tensor, scales
-
-
-def compiled_decode(s, keys, bufs, lengths, mod=None):
-    """One DSA decode step as the compiled model launches it (device lengths, planned scratch, dense guard at
-    TOPK): `dsa_index.launch_dsa_index_topk` (mod: a dsa_decode module instead, e.g. the baseline, through its
-    `radix_topk`, which launch_dsa_index_topk calls the same way; int8 keys, not a compile option, need it) into
-    idx, then `launch_mla`. keys: a KEY_FORMS name. Returns the output o."""
-    k, ks = (s[n] if n else None for n in KEY_FORMS[keys])
-    if mod is None:
-        dsa_index.launch_dsa_index_topk(s["q_i"][:, None], s["w"][:, None], k, bufs["idx"], topk=TOPK, k_scale=ks,
-                                        lengths=lengths, scratch=bufs)
-    else:
-        mod.radix_topk(s["q_i"], s["w"], k, TOPK, ks, False, lengths=lengths, out=bufs["idx"],
-                       scratch=bufs["keys"].view(torch.int32))
-    launch_mla(s["q"], s["kv"], None, bufs["idx"], bufs["o"], absorbed=True, causal=True, scale=SCALE, v_dim=DV,
-               dense_max_keys=TOPK, lengths=lengths, scratch=bufs)
-    return bufs["o"]
-
-
-def tiny_fp8_check(B, L=20000, Jt=4, Dt=16, topk=256):
-    """The compiled path with 16-wide fp8 keys (k3.1-pro-tiny's indexer; `dsa_index.FP8_RADIX_MIN_D` sends them to the
-    score kernel + torch.topk at every length), against `dsa_index_topk_ref` on the CPU: set overlap (min over rows)."""
-    from k3c.ir.ops.model_attn import dsa_index_topk_ref
-    g = torch.Generator(device=DEV).manual_seed(5)
-    q_i = torch.randn(B, 1, Jt, Dt, generator=g, device=DEV)
-    w = torch.randn(B, 1, Jt, generator=g, device=DEV)
-    k8, ks = quantize_index_keys(torch.randn(B, L, Dt, generator=g, device=DEV))
-    out = torch.empty(B, 1, topk, dtype=torch.int64, device=DEV)
-    dsa_index.launch_dsa_index_topk(q_i, w, k8, out, topk=topk, k_scale=ks)
-    ref = dsa_index_topk_ref({"topk": topk}, q_i.cpu(), w.cpu(), k8.cpu(), ks.cpu())[0]
-    return min(len(set(a.tolist()) & set(b.tolist())) / topk for a, b in zip(out.cpu()[:, 0], ref[:, 0]))
-
-
-def decode_bytes(B, L, fp8):
-    """HBM floor bytes of one decode step: index keys (+ scales), the TOPK selected latent rows, q_i, w, q, o."""
-    return (B * L * (DI + 4 if fp8 else 2 * DI) + B * TOPK * DL * 2 + B * J * (DI * 2 + 4) + B * H * DL * 2
-            + B * H * DV * 2)
-
-
-def overlap(a, b):
-    a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
-    return min(len(set(a[i].tolist()) & set(b[i].tolist())) / TOPK for i in range(a.shape[0]))
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 REP_MS = 200      # do_bench_cudagraph's rep, ms (each row replays its graph 10 times); --rep
@@ -248,7 +146,7 @@ def candidate_stats(x):
 
 
 def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
-    x = make(B, L, seed=B + L)
+    x = make(B, L, seed=B + L, dev=DEV)
     defaults = ({k: getattr(dd, k) for k in SELECT_KNOBS}, ())
 
     def restore():
@@ -358,7 +256,7 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
             check(f"whole decode, baseline kernels, {keys} keys", lambda: whole_check(keys, baseline))
     check("whole decode, int8 keys + int8 q (dsa_decode.radix_topk)", lambda: whole_check("int8", dd))
     check("fp8 keys at D = 16 (FP8_RADIX_MIN_D: the score kernel), compiled path vs dsa_index_topk_ref",
-          lambda: tiny_fp8_check(B))
+          lambda: tiny_fp8_check(B, DEV))
     check("fp8 overlap study, Gaussian keys (dsa_fp8_overlap.study)", lambda: study(x["q_i"], x["w"], x["k_i"], TOPK))
     check("fp8 overlap study, keys with 4 outlier channels x16",
           lambda: study(x["q_i"], x["w"], outlier_keys(x["k_i"]), TOPK))
@@ -371,7 +269,7 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
     attn_bytes = B * TOPK * DL * 2
     per_set = idx_bytes + idx8_bytes + B * L * DL * 2
     n_sets = max(1, math.ceil(3 * L2_BYTES / per_set))
-    sets = [x] + [make(B, L, seed=100 + i) for i in range(n_sets - 1)]
+    sets = [x] + [make(B, L, seed=100 + i, dev=DEV) for i in range(n_sets - 1)]
     for s in sets:
         s["scratch"] = torch.empty((B * (L + dsa_index.RADIX_ROW_PAD),), dtype=torch.int64, device=DEV)
     outs = [torch.empty(B, 1, TOPK, dtype=torch.int64, device=DEV) for _ in sets]
