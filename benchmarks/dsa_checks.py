@@ -93,7 +93,9 @@ def compiled_decode(s, keys, bufs, lengths, mod=None):
 
 def tiny_fp8_check(B, dev, L=20000, Jt=4, Dt=16, topk=256):
     """The compiled path with 16-wide fp8 keys (k3.1-pro-tiny's indexer; `dsa_index.FP8_RADIX_MIN_D` sends them to the
-    score kernel + torch.topk at every length), against `dsa_index_topk_ref` on the CPU: set overlap (min over rows)."""
+    score kernel + torch.topk at every length), against `dsa_index_topk_ref` on the CPU: set overlap (min over rows),
+    whether the e4m3 query quantized on `dev` equals the CPU's, and for each row that differs: its w, the reference
+    threshold score, the keys tied with it, and the reference scores of the keys only the kernel took."""
     from k3c.ir.ops.model_attn import dsa_index_topk_ref
     g = torch.Generator(device=dev).manual_seed(5)
     q_i = torch.randn(B, 1, Jt, Dt, generator=g, device=dev)
@@ -101,8 +103,21 @@ def tiny_fp8_check(B, dev, L=20000, Jt=4, Dt=16, topk=256):
     k8, ks = quantize_index_keys(torch.randn(B, L, Dt, generator=g, device=dev))
     out = torch.empty(B, 1, topk, dtype=torch.int64, device=dev)
     dsa_index.launch_dsa_index_topk(q_i, w, k8, out, topk=topk, k_scale=ks)
-    ref = dsa_index_topk_ref({"topk": topk}, q_i.cpu(), w.cpu(), k8.cpu(), ks.cpu())[0]
-    return min(len(set(a.tolist()) & set(b.tolist())) / topk for a, b in zip(out.cpu()[:, 0], ref[:, 0]))
+    cpu = [t.cpu() for t in (q_i, w, k8, ks)]
+    ref = dsa_index_topk_ref({"topk": topk}, *cpu)[0]
+    q8, w8 = _fp8_query(*cpu[:2])
+    score = torch.einsum("bj,bjs->bs", w8[:, 0], torch.einsum("bjd,bsd->bjs", q8[:, 0], cpu[2].float()).relu()) * cpu[3]
+    r = dict(q8_equal_on_device=bool(torch.equal(dsa_index.fp8_query(q_i, w)[0].cpu().float(), q8)), rows={})
+    ov = []
+    for b, (got, want) in enumerate(zip(out.cpu()[:, 0], ref[:, 0])):
+        only = sorted(set(got.tolist()) - set(want.tolist()))
+        ov.append(1 - len(only) / topk)
+        if only:
+            tau = score[b, want[-1]].item()
+            r["rows"][b] = dict(w=cpu[1][b, 0].tolist(), threshold=tau, tied=int((score[b] == tau).sum()),
+                                kernel_only_scores=score[b, only].tolist()[:12])
+    r["overlap_min"] = min(ov)
+    return r
 
 
 def decode_bytes(B, L, fp8):
