@@ -376,6 +376,10 @@ def main():
     REP_MS = args.rep
     attn_variants = list(ATTN_VARIANTS) if args.attention == "all" else [v for v in args.attention.split(",") if v]
     select_variants = [v for v in args.select.split(",") if v]
+    unknown = [v for v in attn_variants if v not in ATTN_VARIANTS] + [v for v in select_variants
+                                                                     if v not in SELECT_VARIANTS]
+    if unknown:                     # before any GPU work (variant names are comma-separated: none holds a comma)
+        ap.error(f"unknown variants {unknown}")
     baseline = load_baseline(args.baseline) if args.baseline else None
     rows, checks = [], []
     for case in args.cases.split(","):
