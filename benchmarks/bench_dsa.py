@@ -14,7 +14,12 @@ softmax (ATTN_VARIANTS, --attention), and the set for a zeroed index-key cache (
 positions; also timed, with the baseline's). Then each is timed, the baseline as a set and as the previous compiled path
 (ordered + out.copy_). Timing: triton.testing.do_bench_cudagraph median, rotating buffer sets past 3x the 60 MB L2.
 Floor = bytes / 4.2 TB/s, bytes = index keys (+ scales, + the re-ranked candidates' bf16 keys) + the 2048 latent
-rows read by the attention.
+rows read by the attention. The whole decode step as the compiled model launches it (`dsa_checks.compiled_decode`:
+`launch_dsa_index_topk` + `launch_mla`, device lengths, planned scratch; bf16 keys, the FP8 option (e4m3 keys +
+scale, e4m3 q) and int8 keys + int8 q) is checked (its set against torch.topk of the same scores, the attention
+against torch on that set) and timed, floor = index keys (+ scales) + selected latent rows + q_i, w, q, o; and the
+FP8 option's top-k overlap is taken apart (`dsa_fp8_overlap.study`: score noise vs the threshold, per-32-channel
+scales, a Hadamard rotation, int8). Inputs and torch references: `dsa_checks.py`.
 Writes dsa_bench.json / dsa_bench.md under --out after every case; per-kernel times (torch.profiler) as PROFILE
 lines and in the json.
 """
@@ -31,56 +36,17 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton import attention, dsa_index, dsa_decode as dd  # noqa: E402
 from k3c.codegen.triton.attention import launch_mla  # noqa: E402
-from k3c.codegen.triton.dsa_decode import dsa_decode_topk, quantize_index_keys  # noqa: E402
+from k3c.codegen.triton.dsa_decode import dsa_decode_topk  # noqa: E402
+from dsa_checks import (DI, DL, DV, H, SCALE, TOPK, compiled_decode, decode_buffers, decode_bytes,  # noqa: E402
+                        dsa_decode, make, overlap, ref_attention, ref_topk, ref_topk_fp8, rel, tiny_fp8_check)
+from dsa_fp8_overlap import outlier_keys, study, variant_scores  # noqa: E402
 
 HBM_BYTES_PER_S = 4.2e12
 L2_BYTES = 60e6
-J, DI, TOPK, H, DL, DV = 32, 128, 2048, 96, 576, 512
-SCALE = (128 + 64) ** -0.5
-
-
 DEV = "cuda"
 
 
-def make(B, L, seed, dev=None):
-    dev = dev or DEV
-    g = torch.Generator(device=dev).manual_seed(seed)
-    bf = torch.bfloat16
-    k_i = torch.randn(B, L, DI, generator=g, device=dev).to(bf)
-    k8, ks = quantize_index_keys(k_i)
-    return dict(q_i=torch.randn(B, J, DI, generator=g, device=dev).to(bf),
-                w=torch.randn(B, J, generator=g, device=dev) * J ** -0.5, k_i=k_i, k8=k8, ks=ks,
-                q=torch.randn(B, 1, H, DL, generator=g, device=dev).to(bf),
-                kv=torch.randn(B, L, DL, generator=g, device=dev).to(bf))
-
-
-def dsa_decode(q_i, w, k_i, q, kv, k_scale=None, k_exact=None):
-    """One DSA decode step: the radix top-k set, then the absorbed sparse latent attention over it."""
-    out = torch.empty((q.shape[0], 1, H, DV), dtype=q.dtype, device=q.device)
-    launch_mla(q, kv, None, dsa_decode_topk(q_i, w, k_i, TOPK, k_scale, k_exact=k_exact), out, absorbed=True,
-               causal=True, scale=SCALE, v_dim=DV, dense_max_keys=None)
-    return out
-
-
-def ref_topk(x, k_i):
-    s = torch.einsum("bj,bjs->bs", x["w"].float(), torch.einsum("bjd,bsd->bjs", x["q_i"].float(), k_i).relu())
-    return torch.topk(s, TOPK, dim=-1).indices
-
-
-def ref_attention(x, idx):
-    B = idx.shape[0]
-    rows = torch.gather(x["kv"], 1, idx[..., None].expand(B, TOPK, DL)).float()
-    p = torch.softmax(torch.einsum("bhd,bsd->bhs", x["q"][:, 0].float(), rows) * SCALE, -1)
-    return torch.einsum("bhs,bsd->bhd", p, rows[..., :DV])[:, None]
-
-
-def overlap(a, b):
-    a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
-    return min(len(set(a[i].tolist()) & set(b[i].tolist())) / TOPK for i in range(a.shape[0]))
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+REP_MS = 200      # do_bench_cudagraph's rep, ms (each row replays its graph 10 times); --rep
 
 
 def bench(fn, n_sets):
@@ -90,9 +56,9 @@ def bench(fn, n_sets):
     run_all()
     torch.cuda.synchronize()
     try:
-        return triton.testing.do_bench_cudagraph(run_all, rep=200, return_mode="median") / n_sets, "graph"
+        return triton.testing.do_bench_cudagraph(run_all, rep=REP_MS, return_mode="median") / n_sets, "graph"
     except Exception:  # noqa: BLE001  capture not possible: plain launches
-        return triton.testing.do_bench(run_all, warmup=10, rep=200, return_mode="median") / n_sets, "launch"
+        return triton.testing.do_bench(run_all, warmup=10, rep=REP_MS, return_mode="median") / n_sets, "launch"
 
 
 PROFILE = []     # per-kernel device times (torch.profiler), written with the rows
@@ -131,7 +97,8 @@ ATTN_VARIANTS = {     # name -> attention knobs (ATTN_KNOBS, in order: a head bl
     "sparse hb32 s3 tp1056": (True, 32, 3, 64, 64, 8, 1056), "sparse hb32 s2 mk32": (True, 32, 2, 32, 32, 8, 264),
     "sparse hb32 s2 tp96": (True, 32, 2, 64, 64, 8, 96), "sparse hb32 s2 tp240": (True, 32, 2, 64, 64, 8, 240),
     "sparse hb32 s2 bs128 tp96": (True, 32, 2, 128, 128, 8, 96), "sparse hb64 s2 tp128": (True, 64, 2, 64, 64, 8, 128),
-    "sparse hb64 s2 bs32 tp128": (True, 64, 2, 32, 32, 8, 128)}
+    "sparse hb64 s2 bs32 tp128": (True, 64, 2, 32, 32, 8, 128), "sparse hb64 s2 w16 tp128": (True, 64, 2, 64, 64, 16, 128),
+    "sparse hb32 s1 w4 tp264": (True, 32, 1, 64, 64, 4, 264), "sparse hb32 s2 w4 tp264": (True, 32, 2, 64, 64, 4, 264)}
 
 
 def set_attention(values):
@@ -148,9 +115,13 @@ SELECT_VARIANTS = {   # name -> dsa_decode attributes (the default first)
     "finish 16 warps": dict(FINISH_WARPS=16), "finish chunk 2048": dict(FINISH_CHUNK=2048),
     "finish chunk 8192": dict(FINISH_CHUNK=8192, FINISH_LONG_KEYS=2 ** 62),
     "finish chunk 8192 16 warps": dict(FINISH_CHUNK=8192, FINISH_WARPS=16, FINISH_LONG_KEYS=2 ** 62),
-    "finish 4096 x 8 warps at every L": dict(FINISH_LONG_KEYS=2 ** 62)}
+    "finish 4096 x 8 warps at every L": dict(FINISH_LONG_KEYS=2 ** 62),
+    "finish computes its first level (no collect next digit)": dict(COLLECT_NEXT=False),
+    "collect next digit by block histograms only": dict(NEXT_DENSE=-1),
+    "scan / collect programs 1056 (before round 6)": dict(SCAN_PROGRAMS=1056),
+    "scan / collect programs 2112": dict(SCAN_PROGRAMS=2112), "scan 4 stages": dict(SCAN_STAGES=4)}
 SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "FINISH_LONG_KEYS", "SCAN_BLOCK",
-                "SCAN_WARPS", "RANK_BLOCK")
+                "SCAN_WARPS", "RANK_BLOCK", "COLLECT_NEXT", "NEXT_DENSE", "SCAN_PROGRAMS", "SCAN_STAGES")
 
 
 def load_baseline(path):
@@ -175,7 +146,7 @@ def candidate_stats(x):
 
 
 def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
-    x = make(B, L, seed=B + L)
+    x = make(B, L, seed=B + L, dev=DEV)
     defaults = ({k: getattr(dd, k) for k in SELECT_KNOBS}, ())
 
     def restore():
@@ -203,9 +174,12 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
             c[name] = f"failed: {e!r}"[:300]
 
     check("candidates (collect pass)", lambda: candidate_stats(x))
+    idx8 = dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"])
     for name in select_variants:
         select(name)
         check(f"same set [{name}]", lambda: overlap(dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK), idx) == 1.0)
+        check(f"same fp8 set [{name}]", lambda: overlap(dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK,
+                                                                        k_scale=x["ks"]), idx8) == 1.0)
     restore()
     check("ordered == ordered baseline" if baseline else "ordered: valid", lambda: bool(torch.equal(
         dsa_decode_topk(x["q_i"], x["w"], x["k_i"], TOPK, ordered=True),
@@ -259,6 +233,33 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
         set_attention(ATTN_VARIANTS[name])
         check(f"attn rel [{name}] vs torch", attn_rel)
     restore()
+    lengths = torch.full((B,), L - 1, dtype=torch.int32, device=DEV)     # device lengths: L keys per row
+    want8 = ref_topk_fp8(x)
+
+    same = dict(bf16=want, fp8=want8,
+                int8=torch.topk(variant_scores("int8", x["q_i"], x["w"], x["k_i"]), TOPK, dim=-1).indices)
+
+    def whole_check(keys, mod=None):
+        bufs = decode_buffers(B, L, DEV)
+        bufs["keys"].fill_(-7)                                              # garbage-filled planned scratch
+        o_w = compiled_decode(x, keys, bufs, lengths, mod).clone()
+        got = bufs["idx"].clone()
+        r = dict(overlap_vs_torch_topk_same_scores=overlap(got, same[keys]),
+                 attn_rel_vs_torch_on_its_set=rel(o_w, ref_attention(x, got[:, 0])))
+        if keys != "bf16":
+            r.update(overlap_vs_bf16_exact_set=overlap(got, want), out_rel_vs_bf16_keys_decode=rel(o_w, o))
+        return r
+
+    for keys in ("bf16", "fp8"):
+        check(f"whole decode, compiled kernels, {keys} keys", lambda: whole_check(keys))
+        if baseline:
+            check(f"whole decode, baseline kernels, {keys} keys", lambda: whole_check(keys, baseline))
+    check("whole decode, int8 keys + int8 q (dsa_decode.radix_topk)", lambda: whole_check("int8", dd))
+    check("fp8 keys at D = 16 (FP8_RADIX_MIN_D: the score kernel), compiled path vs dsa_index_topk_ref",
+          lambda: tiny_fp8_check(B, DEV))
+    check("fp8 overlap study, Gaussian keys (dsa_fp8_overlap.study)", lambda: study(x["q_i"], x["w"], x["k_i"], TOPK))
+    check("fp8 overlap study, keys with 4 outlier channels x16",
+          lambda: study(x["q_i"], x["w"], outlier_keys(x["k_i"]), TOPK))
     checks.append(c)
     print("CHECK", c, flush=True)
 
@@ -268,7 +269,7 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
     attn_bytes = B * TOPK * DL * 2
     per_set = idx_bytes + idx8_bytes + B * L * DL * 2
     n_sets = max(1, math.ceil(3 * L2_BYTES / per_set))
-    sets = [x] + [make(B, L, seed=100 + i) for i in range(n_sets - 1)]
+    sets = [x] + [make(B, L, seed=100 + i, dev=DEV) for i in range(n_sets - 1)]
     for s in sets:
         s["scratch"] = torch.empty((B * (L + dsa_index.RADIX_ROW_PAD),), dtype=torch.int64, device=DEV)
     outs = [torch.empty(B, 1, TOPK, dtype=torch.int64, device=DEV) for _ in sets]
@@ -316,6 +317,7 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
     for name in select_variants:
         select(name)
         timed(f"k3c index scan + radix top-k, bf16 keys [{name}]", topk_bf16, idx_bytes)
+        timed(f"k3c index scan + radix top-k, fp8 keys [{name}]", topk_fp8, idx8_bytes)
     restore()
     timed("k3c compiled path: launch_dsa_index_topk into out, planned scratch, bf16 keys",
           lambda i: compiled_path(sets[i], outs[i]), idx_bytes)
@@ -331,11 +333,23 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
               lambda i: outs[i].copy_(baseline.dsa_decode_topk(sets[i]["q_i"], sets[i]["w"], sets[i]["k_i"], TOPK,
                                                                ordered=True)), idx_bytes)
     timed("k3c index scan + radix top-k, fp8 keys [fp8 q], no rerank", topk_fp8, idx8_bytes)
+    timed("k3c index scan + radix top-k, int8 keys [int8 q]", lambda i: dsa_decode_topk(
+        sets[i]["q_i"], sets[i]["w"], sets[i]["k8i"], TOPK, k_scale=sets[i]["ksi"]), idx8_bytes)
     timed("k3c index scan + radix top-k, fp8 keys + rerank", topk_fp8_rerank, idx8_bytes + rerank_bytes)
     for name in attn_variants:
         set_attention(ATTN_VARIANTS[name])
         timed(f"k3c sparse latent attention (2048 rows) [{name}]", attn_only, attn_bytes)
     restore()
+    wbufs = [decode_buffers(B, L, DEV) for _ in sets]
+    for keys, label in (("bf16", "bf16 keys"), ("fp8", "fp8 keys (e4m3 q)"), ("int8", "int8 keys (int8 q)")):
+        mod = dd if keys == "int8" else None
+        nbytes = decode_bytes(B, L, keys != "bf16")
+        timed(f"k3c whole DSA decode, compiled kernels, {label}",
+              lambda i: compiled_decode(sets[i], keys, wbufs[i], lengths, mod), nbytes)
+        if baseline and keys != "int8":
+            timed(f"baseline whole DSA decode, compiled kernels, {label}",
+                  lambda i: compiled_decode(sets[i], keys, wbufs[i], lengths, baseline), nbytes)
+        profile(f"B={B} L={L} whole decode {label}", lambda: compiled_decode(x, keys, wbufs[0], lengths, mod))
     for name, fn, nbytes in (("k3c DSA decode: top-k + attention, bf16 keys", full_bf16, idx_bytes + attn_bytes),
                              ("k3c DSA decode: top-k + attention, fp8 keys + rerank", full_fp8_rerank,
                               idx8_bytes + rerank_bytes + attn_bytes)):
@@ -356,9 +370,16 @@ def main():
     ap.add_argument("--select", default=",".join(SELECT_VARIANTS),
                     help="selection variants to check and time (SELECT_VARIANTS), the default first")
     ap.add_argument("--baseline", default="", help="a previous dsa_decode.py to time in the same run")
+    ap.add_argument("--rep", type=int, default=200, help="ms per timing replay (do_bench_cudagraph's rep)")
     args = ap.parse_args()
+    global REP_MS
+    REP_MS = args.rep
     attn_variants = list(ATTN_VARIANTS) if args.attention == "all" else [v for v in args.attention.split(",") if v]
     select_variants = [v for v in args.select.split(",") if v]
+    unknown = [v for v in attn_variants if v not in ATTN_VARIANTS] + [v for v in select_variants
+                                                                     if v not in SELECT_VARIANTS]
+    if unknown:                     # before any GPU work (variant names are comma-separated: none holds a comma)
+        ap.error(f"unknown variants {unknown}")
     baseline = load_baseline(args.baseline) if args.baseline else None
     rows, checks = [], []
     for case in args.cases.split(","):

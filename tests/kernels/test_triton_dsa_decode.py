@@ -85,6 +85,33 @@ def test_first_digit_variants_select_the_reference_set(monkeypatch, bins, base, 
     assert torch.equal(dsa_decode_topk(q_i, w, k_i, topk, ordered=True), ref)
 
 
+@pytest.mark.parametrize("dense", [dsa_decode.NEXT_DENSE, 0])
+def test_collect_counts_the_candidates_next_digit(monkeypatch, dense):
+    # the collect pass's histogram of the candidates' next 8 bits (hist[b, BINS:BINS + 256], by one atomic per
+    # candidate or, NEXT_DENSE = 0, a block histogram) = torch's count over the kernel's order keys; the rows are
+    # ones whose finishing select takes it as its first level (the candidates share the first digit's bits, differ
+    # above SHIFT - 8 and outnumber the slots left), and the set is the reference's
+    monkeypatch.setattr(dsa_decode, "NEXT_DENSE", dense)
+    L, topk, dd = 1200, 48, dsa_decode
+    q_i, w, k_i = index_inputs(L, seed=41)
+    w = w.abs()                                                         # positive scores: an interior bin
+    scratch = torch.full((dd.radix_scratch_words(B, L),), -5, dtype=torch.int32)
+    idx = dd.radix_topk(q_i, w, k_i, topk, None, False, scratch=scratch)
+    u = scratch[:B * L].view(B, L).long() & 0xFFFFFFFF
+    digit = ((u >> dd.SHIFT) - dd.BASE).clamp(0, dd.BINS - 1)
+    t = digit.gather(1, u.topk(topk, dim=1).indices[:, -1:])                # the K-th largest key's bin
+    cand = digit == t
+    nxt = (u >> (dd.SHIFT - 8)) & 255
+    want = torch.stack([torch.bincount(nxt[b][cand[b]], minlength=256) for b in range(B)]).int()
+    assert torch.equal(scratch[2 * B * L:].view(B, dd.HIST_STRIDE)[:, dd.BINS:dd.BINS + 256], want)
+    lo, hi = [torch.where(cand, u, fill).amin(1) if fill > 0 else torch.where(cand, u, fill).amax(1)
+              for fill in (2 ** 32, -1)]
+    assert ((lo >> dd.SHIFT == hi >> dd.SHIFT) & ((lo ^ hi) >= 2 ** (dd.SHIFT - 8))
+            & (cand.sum(1) > topk - (digit > t).sum(1))).all()
+    ref = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0]
+    assert as_sets(idx) == as_sets(ref)
+
+
 def test_long_rows_finish_with_their_own_chunk(monkeypatch):
     # rows of at least FINISH_LONG_KEYS keys: the finishing select's FINISH_CHUNK_LONG candidates per step (here 32,
     # so several steps per level), the same set as the reference
@@ -138,6 +165,20 @@ def test_fp8_rerank_equals_exact_selection(L, topk, extra):
     assert ((idx >= 0).sum(-1) == min(L, topk)).all()
     assert torch.equal(dsa_decode_topk(q_i, w, k8, topk, k_scale=ks, ordered=True, k_exact=k_i,
                                        rerank_extra=extra), ref)
+
+
+def test_int8_keys_select_the_int8_scores_top_k():
+    # int8 keys (per-key scale, max|k| / 127) with q int8 per head in the scan: the reference set of the scores of
+    # the dequantized int8 q and keys (the interpreter's int8 product is exact)
+    L, topk = 1200, 48
+    q_i, w, k_i = index_inputs(L, seed=51)
+    k8, ks = quantize_index_keys(k_i, torch.int8)
+    assert k8.dtype == torch.int8 and (k8.float() * ks[..., None] - k_i).abs().max() <= ks.max() / 2 + 1e-6
+    qb = q_i.to(torch.bfloat16).float()                                 # the scan's q: bf16, then int8 per head
+    sq = qb.abs().amax(-1, keepdim=True) / 127
+    ref = dsa_index_topk_ref({"topk": topk}, (torch.round(qb / sq) * sq)[:, None], w[:, None],
+                             k8.float() * ks[..., None])[0]
+    assert as_sets(dsa_decode_topk(q_i, w, k8, topk, k_scale=ks)) == as_sets(ref)
 
 
 def test_errors():

@@ -8,39 +8,29 @@ also runs this selection for decode at long context: `dsa_index.launch_dsa_index
 Selection is a radix select on the scores' order-preserving 32-bit keys (u = float bits with the sign flipped for
 positives and all bits flipped for negatives; unsigned order = float order) in four launches, with no torch op and
 no scratch that must arrive zeroed:
-  dsa_init_kernel     grid (B,): zeroes the row's first-digit histogram and its two counters
-  dsa_scan_kernel     grid (programs, B): scores of n_blocks x BLOCK_S keys per program -> keys [B, L] (u32 bits
-                      in an int32 tensor) and the histogram of the first digit, the top 11 bits u >> 21 (sign,
-                      exponent, 2 mantissa bits: a bin spans a factor 2^(1/4) of positive scores) in a window of
-                      BINS values (`_first_digit`: positive scores in [2^-32, 2^32); the rest clamp into the edge
-                      bins), added once per program with atomics
-  dsa_collect_kernel  the threshold bin t (the K-th largest key's): keys above it go straight to the output, keys in
-                      it to a candidate list (slots from per-row counters, one atomic per block and kind), and the
-                      candidates' smallest and largest u (one atomic min / max per program)
-  dsa_finish_kernel   grid (B,): the remaining K - above among the candidates (1.0K-6.4K per row in the H200
-                      bench at L = 128K-1M: BENCHMARKS.md) by a radix select of 8-bit digits on unique 64-bit
-                      keys (u << 32 | 2^32 - 1 - position: ties by lowest position, as the reference's stable
-                      sort) from the first bit the candidates' u differ in, level after level (the first
-                      FINISH_CHUNK candidates kept in registers across them) until the threshold bin fits whole;
-                      more than FINISH_CHUNK candidates tied at the threshold value (a zeroed index cache: every
-                      score equal) are resolved by a walk over the row's keys in position order instead of the
-                      position digits; then -1 past the row's keys. Exact for any input: a large candidate list
-                      of distinct scores (clamped edge bins) only costs more passes.
+  dsa_init_kernel     grid (B,): zeroes the row's digit histograms and its two counters
+  dsa_scan_kernel     grid (programs, B): scores -> keys [B, L] (u32 bits in int32) and the histogram of the first
+                      digit, the top 11 bits u >> 21 (a bin spans a factor 2^(1/4) of positive scores) in a window
+                      of BINS values (`_first_digit`; the rest clamp into the edge bins)
+  dsa_collect_kernel  the threshold bin t: keys above it to the output, keys in it to a candidate list, their u
+                      range and (COLLECT_NEXT) the histogram of their next 8 bits
+  dsa_finish_kernel   grid (B,): the remaining K - above among the candidates (1.0K-6.4K per row in the H200 bench
+                      at L = 128K-1M) by a radix select of 8-bit digits on unique 64-bit keys (u << 32 | 2^32 - 1 -
+                      position: ties by lowest position, as the reference's stable sort); heavy ties by a walk in
+                      position order. Exact for any input: clamped or tied bins only cost more passes.
 The output is the reference's top-k SET (positions, int64 [B, 1, topk], -1 past min(L, topk)) in no particular
 order (the op's contract; the attention is order-free), or in the reference's order with `ordered=True` (a torch
 sort: tests and the fp8 logits script).
-FP8 index keys (optional): k_I as float8_e4m3fn with one fp32 scale per key (k = scale * k8; `quantize_index_keys`)
-halve the bytes of the scan; the score is scale * sum_j w_j ReLU(q_j . k8) (scale > 0). With FP8_QUERY the scan also
-quantizes q per head in registers (q_j = sq_j * q8_j, sq_j = max|q_j| / 448, folded into w_j: one fp8 x fp8 product).
-E4m3's 3 mantissa bits move 3-6 % of a top-2048 set across the threshold (H200, Gaussian keys: overlap 0.94-0.97),
-so with the exact keys at hand (`k_exact`, bf16) the selection re-ranks: the fp8 scan selects topk + RERANK_EXTRA
-candidates, then
-  dsa_rerank_kernel   grid (candidate blocks, B): exact scores of the candidates from the gathered exact keys, as
-                      unique 64-bit keys (order key << 32 | ~position: ties by lowest position)
-  dsa_rerank_rank_kernel  grid (candidate blocks of RANK_BLOCK, B): each candidate's rank = the number of larger
-                      keys (all pairs, counted in an int32 tile and reduced once); rank < topk is its slot, so the
-                      result comes in the reference's order
-which equals the exact selection unless a key of the exact top-k ranks below topk + RERANK_EXTRA in fp8 order
+Quantized index keys (optional; k = scale * k8 with one fp32 scale per key, `quantize_index_keys`) halve the scan's
+bytes; the score is scale * sum_j w_j ReLU(q_j . k8): float8_e4m3fn (the compile option; FP8_QUERY: q quantized per
+head in registers, q_j = sq_j * q8_j with sq_j = max|q_j| / 448 folded into w_j: one fp8 x fp8 product), or int8
+(q int8 per head, sq_j = max|q_j| / 127: one int8 x int8 -> int32 product; a uniform grid, about 4x less score noise
+than e4m3's 3 mantissa bits: top-2048 overlap 0.984-0.988 vs 0.942-0.957 in the H200 bench, BENCHMARKS.md DSA
+round 6). With the exact keys at hand (`k_exact`) the fp8 scan selects topk + RERANK_EXTRA candidates and two
+kernels re-rank them exactly:
+  dsa_rerank_kernel   their exact scores as unique 64-bit keys (order key << 32 | ~position)
+  dsa_rerank_rank_kernel  each one's rank = the number of larger keys: its slot (the reference's order)
+equal to the exact selection unless a key of the exact top-k ranks below topk + RERANK_EXTRA in fp8 order
 (Gaussian keys, L = 1M, CPU simulation: worst rank 2.9K with fp8 q, so 2048 extra; 1 MB of exact keys per row).
 
 The scan and collect kernels split a row's keys evenly over the programs of grid axis 0 (`_row_range`); with device
@@ -48,8 +38,8 @@ lengths (`radix_topk(..., lengths=)`, i32 [B]: whole-step decode graphs) row b h
 kernels, and L is only the bound that sizes the grids and scratch.
 
 Public API: `dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None)` -> idx, `radix_topk`
-(its launches, into a given `out` and planned scratch), `radix_scratch_words`, `quantize_index_keys(k_i)` -> (k8,
-scale), and the kernels (`KERNELS`, in source order).
+(its launches, into a given `out` and planned scratch), `radix_scratch_words`, `quantize_index_keys(k_i, dtype)` ->
+(k8, scale), and the kernels (`KERNELS`, in source order).
 """
 
 import torch
@@ -60,8 +50,10 @@ from k3c.errors import RuntimeInputError
 
 SCAN_BLOCK = 128       # keys per scan step (one [SCAN_BLOCK, D] x [D, J] tensor-core product)
 SCAN_WARPS = 4         # warps per scan program
+SCAN_STAGES = 3        # its software-pipeline depth (Triton's default; 4 was 3-19 us slower on the H200)
 SELECT_BLOCK = 1024    # keys per step of the collect pass
-SCAN_PROGRAMS = 1056   # scan / collect programs per launch: about 8 per H200 SM
+SCAN_PROGRAMS = 528    # scan / collect programs per launch: about 4 per H200 SM (vs 1056: top-k set 3.2-4.3 us
+                       # faster at B = 16 / 128K and B = 1 / 128K-1M, bf16 and fp8 keys; BENCHMARKS.md DSA round 6)
 SHIFT = 21             # first digit: the top 11 bits of the order key (u >> 21: sign, exponent, 2 mantissa bits)
 BINS = 256             # its histogram: a window of 256 of the 2048 values (tl.histogram's cost grows with the
                        # bins: all 2048 made the top-k 2.4-4.4x slower on the H200, BENCHMARKS.md)
@@ -75,6 +67,10 @@ FINISH_LONG_KEYS = 1 << 20   # rows (the bound L) of at least this many keys, wh
 FINISH_CHUNK_LONG = 8192     # (6.4K at 1M in the H200 bench), instead: all of them in registers, by 16 warps
 FINISH_WARPS_LONG = 16       # (top-k set 111.4 vs 118.2 us; at 128K 1.0-4.4K candidates, where it loses 7 us at B = 1)
 TIE_BLOCK = 8192       # keys per step of its walk over tied keys in position order (more than a chunk tied)
+COLLECT_NEXT = True    # the collect pass also counts the candidates' next 8 bits (u >> (SHIFT - 8) & 255, words
+                       # [BINS, BINS + 256) of the row): the finishing select's first level, read instead of computed
+NEXT_DENSE = 64        # ... by one masked atomic per candidate, or, in a block of more candidates (ties, a dense
+                       # bin: no thousands of atomics on one word), a local histogram and one atomic per bin
 FP8_MAX = 448.0        # largest float8_e4m3fn value
 FP8_QUERY = True       # fp8 keys: quantize q per head in the scan too (fp8 x fp8 tensor-core product)
 RERANK_EXTRA = 2048    # fp8 keys + exact keys: candidates beyond topk that the exact re-scoring sees
@@ -134,12 +130,13 @@ def _row_range(len_ptr, b, L, BLOCK: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
 
 
 @triton.jit
-def dsa_init_kernel(hist_ptr, HIST_STRIDE: tl.constexpr, BINS: tl.constexpr):
+def dsa_init_kernel(hist_ptr, HIST_STRIDE: tl.constexpr, ZERO: tl.constexpr):
     """grid (B,): clears row b's accumulators, the only scratch the later kernels accumulate into (hist
-    [B, HIST_STRIDE] int32): the BINS first-digit bins to 0, the candidates' signed order-key min and max (words
-    HIST_STRIDE - 4, - 3) to INT32_MAX and INT32_MIN, the two counters (- 2, - 1) to 0."""
+    [B, HIST_STRIDE] int32): the first ZERO words to 0 (the first-digit bins, and with COLLECT_NEXT the next digit's
+    256 after them), the candidates' signed order-key min and max (words HIST_STRIDE - 4, - 3) to INT32_MAX and
+    INT32_MIN, the two counters (- 2, - 1) to 0."""
     b = tl.program_id(0).to(tl.int64)
-    tl.store(hist_ptr + b * HIST_STRIDE + tl.arange(0, BINS), tl.zeros([BINS], tl.int32))
+    tl.store(hist_ptr + b * HIST_STRIDE + tl.arange(0, ZERO), tl.zeros([ZERO], tl.int32))
     tail = tl.arange(0, 4)
     tl.store(hist_ptr + b * HIST_STRIDE + HIST_STRIDE - 4 + tail,
              tl.where(tail == 0, 2147483647, tl.where(tail == 1, -2147483648, 0)))
@@ -148,11 +145,13 @@ def dsa_init_kernel(hist_ptr, HIST_STRIDE: tl.constexpr, BINS: tl.constexpr):
 @triton.jit
 def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, len_ptr, L,
                     J: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
-                    FP8: tl.constexpr, QUERY_FP8: tl.constexpr, KEYS_FIRST: tl.constexpr, BINS: tl.constexpr,
+                    SCALED: tl.constexpr, QUERY_FP8: tl.constexpr, QUERY_INT8: tl.constexpr,
+                    KEYS_FIRST: tl.constexpr, BINS: tl.constexpr,
                     SHIFT: tl.constexpr, BASE: tl.constexpr, HIST_STRIDE: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
     """Scores of keys [pid*n_blocks*BLOCK_S, ...) of row b; q [B, J, D], w [B, J], k [B, L, D] (bf16/fp32, or
-    fp8 with ks [B, L] fp32 scales; QUERY_FP8: q quantized per head here, its scale folded into w); keys [B, L]
+    SCALED: fp8 or int8 with ks [B, L] fp32 scales; QUERY_FP8 / QUERY_INT8: q quantized per head here to e4m3 /
+    int8 (max|q_j| / 127, to the nearest integer), its scale folded into w); keys [B, L]
     int32 (u32 bits); hist [B, HIST_STRIDE] int32: the first digit's histogram (`_first_digit`), added once per
     program. KEYS_FIRST: the product as keys x q^T."""
     pid = tl.program_id(0)
@@ -167,19 +166,27 @@ def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, len_ptr, L,
         sq = tl.where(amax > 0, amax / 448.0, 1.0)
         q = _to_e4m3(q.to(tl.float32) / sq[:, None])
         w = w * sq
+    if QUERY_INT8:
+        amax = tl.max(tl.abs(q.to(tl.float32)), 1)
+        sq = tl.where(amax > 0, amax / 127.0, 1.0)
+        q = (((q.to(tl.float32) / sq[:, None]) + 12582912.0) - 12582912.0).to(tl.int8)   # rounded half to even
+        w = w * sq
     hist = tl.zeros([BINS], tl.int32)
     n_pad = 0
     for i in range(n_blocks):
         offs_s = (pid * n_blocks + i) * BLOCK_S + tl.arange(0, BLOCK_S)
         ok = offs_s < n_valid
         k = tl.load(k_ptr + (b * L + offs_s)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        if KEYS_FIRST:  # keys x q^T [BLOCK_S, BLOCK_J]: keys as the MMA's M side, 3-10 % faster on the H200
+        if QUERY_INT8:  # int8 x int8 -> int32, exact
+            dots = tl.dot(k, tl.trans(q), out_dtype=tl.int32).to(tl.float32)
+            score = tl.sum(w[None, :] * tl.maximum(dots, 0.0), 1)
+        elif KEYS_FIRST:  # keys x q^T [BLOCK_S, BLOCK_J]: keys as the MMA's M side, 3-10 % faster on the H200
             dots = tl.dot(k.to(q.dtype), tl.trans(q), input_precision=DOT_PRECISION)
             score = tl.sum(w[None, :] * tl.maximum(dots, 0.0), 1)
         else:           # q x keys^T [BLOCK_J, BLOCK_S]
             dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
             score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
-        if FP8:
+        if SCALED:
             score = score * tl.load(ks_ptr + b * L + offs_s, mask=ok, other=0.0)
         u = _order_key(score)
         tl.store(keys_ptr + b * L + offs_s, u.to(tl.int32, bitcast=True), mask=ok)
@@ -193,12 +200,14 @@ def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, len_ptr, L,
 @triton.jit
 def dsa_collect_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, BLOCK_R: tl.constexpr,
                        BINS: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr, HIST_STRIDE: tl.constexpr,
-                       LEN_FROM_PTR: tl.constexpr):
+                       LEN_FROM_PTR: tl.constexpr, NEXT: tl.constexpr, NEXT_DENSE: tl.constexpr):
     """The threshold bin t of the first digit (the K-th largest key's, from the scan's histogram): keys above it are
     selected (their positions to idx [B, K] int64, slots from the row's counter hist[b, HIST_STRIDE - 2]), keys in
     it are candidates (positions to cand [B, L] int32, slots from hist[b, HIST_STRIDE - 1]); one atomic per block of
     BLOCK_R keys and kind, arrival order; the candidates' smallest and largest signed order key (u ^ 2^31) to
-    hist[b, HIST_STRIDE - 4] and [- 3], one atomic each per program. A row of at most K keys (no bin reaches K) is
+    hist[b, HIST_STRIDE - 4] and [- 3], one atomic each per program. NEXT, t not an edge bin: the candidates' next
+    8 bits (u >> (SHIFT - 8)) & 255 counted in hist[b, BINS:BINS + 256] (one masked atomic per candidate; a block of
+    more than NEXT_DENSE candidates adds a local histogram instead). A row of at most K keys (no bin reaches K) is
     selected whole."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -220,6 +229,15 @@ def dsa_collect_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, BLO
         n_eq = tl.sum(eq, 0)
         base = tl.atomic_add(row + HIST_STRIDE - 1, n_eq, mask=n_eq > 0, sem="relaxed")
         tl.store(cand_ptr + b * L + base + tl.cumsum(eq, 0) - 1, offs, mask=eq != 0)
+        if NEXT:
+            if (t > 0) & (t < BINS - 1):        # not the clamped edge bins (e.g. a zeroed cache's tied scores)
+                nd = ((u >> (SHIFT - 8)) & 255).to(tl.int32)
+                if n_eq > NEXT_DENSE:
+                    h = tl.histogram(tl.where(eq != 0, nd, 0), 256)
+                    h = tl.where(tl.arange(0, 256) == 0, h - (BLOCK_R - n_eq), h)
+                    tl.atomic_add(row + BINS + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+                else:
+                    tl.atomic_add(row + BINS + nd, tl.full([BLOCK_R], 1, tl.int32), mask=eq != 0, sem="relaxed")
         signed = u.to(tl.int32, bitcast=True) ^ -2147483648          # signed order == u's unsigned order
         lo = tl.where(eq != 0, tl.minimum(lo, signed), lo)
         hi = tl.where(eq != 0, tl.maximum(hi, signed), hi)
@@ -255,12 +273,15 @@ def _bit_length(x):
 
 @triton.jit
 def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, CHUNK: tl.constexpr,
-                      TIE_BLOCK: tl.constexpr, HIST_STRIDE: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
+                      TIE_BLOCK: tl.constexpr, HIST_STRIDE: tl.constexpr, LEN_FROM_PTR: tl.constexpr,
+                      BINS: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr, NEXT: tl.constexpr):
     """grid (B,): the K - above best of row b's candidates (`dsa_collect_kernel`; above = the keys it selected) by
     their unique 64-bit keys c = (u << 32) | (2^32 - 1 - position) (larger u first, then the lower position: the
     reference's ties): a radix select of 8-bit digits, level after level until the bin of the remaining keys fits
     whole. It starts below the bits all candidates share (those of their smallest and largest u, from the collect
-    pass: none to resolve when all are tied), resolves u (digits aligned to end at bit 32), then the positions:
+    pass: none to resolve when all are tied; NEXT: when they share u's bits from SHIFT up, in an interior first-digit
+    bin, and differ above SHIFT - 8, the first level is the collect pass's count of bits SHIFT - 8 .. SHIFT - 1),
+    resolves u (digits aligned to end at bit 32), then the positions:
       - at most CHUNK candidates: the position bits by the same radix, the candidates in registers throughout;
       - more (heavy ties at the threshold value u*, e.g. every score equal): the keys with u > u* from the list,
         then the lowest positions with u == u* by a walk over the row's keys in position order (TIE_BLOCK per step,
@@ -285,6 +306,19 @@ def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, CHUN
     bins = tl.arange(0, 256)
     done = n_cand <= need                                   # all candidates fit (none, or a row of <= K keys)
     more = (done == 0) & ((pshift > 32) | few)
+    if NEXT:
+        v = lo >> SHIFT                                     # counted for an interior threshold bin only
+        use = (done == 0) & (n_diff > SHIFT - 8) & (v == (hi >> SHIFT)) & (v > BASE) & (v < BASE + BINS - 1)
+        hist = tl.load(row + BINS + bins)
+        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+        d = tl.max(tl.where(suffix >= need, bins, -1), 0)
+        a = tl.sum(tl.where(bins > d, hist, 0), 0)
+        h_d = tl.sum(tl.where(bins == d, hist, 0), 0)
+        prefix = tl.where(use, (((lo >> SHIFT) << 8) | d).to(tl.uint64), prefix)
+        pshift = tl.where(use, 32 + SHIFT - 8, pshift)
+        done = tl.where(use, h_d == need - a, done)
+        need = tl.where(use, need - a, need)
+        more = (done == 0) & ((pshift > 32) | few)
     while more:
         ds = tl.where(pshift > 32, tl.maximum(pshift - 8, 32), tl.maximum(pshift - 8, 0))
         width = pshift - ds
@@ -382,19 +416,23 @@ def dsa_rerank_rank_kernel(ck_ptr, idx_ptr, K1, K, BLOCK_C: tl.constexpr, BLOCK_
     tl.store(idx_ptr + b * K + rank, pos, mask=(key != -9223372036854775808) & (rank < K))
 
 
-def quantize_index_keys(k_i):
-    """FP8 index keys: k_i [B, L, D] -> (k8 float8_e4m3fn [B, L, D], scale fp32 [B, L]), k ~= scale * k8.
+def quantize_index_keys(k_i, dtype=torch.float8_e4m3fn):
+    """FP8 (or int8) index keys: k_i [B, L, D] -> (k8 `dtype` [B, L, D], scale fp32 [B, L]), k ~= scale * k8.
 
-    scale = max|k| / 448 per key (1 for an all-zero key), so every key uses the e4m3 range fully.
+    scale = max|k| / 448 (int8: / 127, values rounded to the nearest integer) per key (1 for an all-zero key), so
+    every key uses the range fully.
     """
     amax = k_i.float().abs().amax(-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (k_i.float() / scale[..., None]).to(torch.float8_e4m3fn), scale.contiguous()
+    top = 127.0 if dtype == torch.int8 else FP8_MAX
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    k = k_i.float() / scale[..., None]
+    return (torch.round(k) if dtype == torch.int8 else k).to(dtype), scale.contiguous()
 
 
 def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None, rerank_extra=RERANK_EXTRA):
     """Top-`topk` index positions for one new token per row: q_i [B, J, D] (or [B, 1, J, D]), w [B, J],
-    k_i [B, L, D] (bf16/fp16/fp32, or float8_e4m3fn with k_scale [B, L] fp32, optionally with the exact keys
+    k_i [B, L, D] (bf16/fp16/fp32, or float8_e4m3fn / int8 (q then int8 per head too: BENCHMARKS.md DSA round 6)
+    with k_scale [B, L] fp32, optionally with the exact keys
     k_exact [B, L, D] in q_i's dtype: then topk + rerank_extra fp8 candidates are re-ranked by their exact scores).
 
     Returns int64 [B, 1, topk]: the positions of the topk largest I[s], ties by lowest position, -1 past
@@ -405,12 +443,13 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None
     q_i = q_i.reshape(q_i.shape[0], q_i.shape[-2], q_i.shape[-1])
     B, J, D = q_i.shape
     L = k_i.shape[1]
-    fp8 = k_i.dtype == torch.float8_e4m3fn
+    fp8 = k_i.dtype in (torch.float8_e4m3fn, torch.int8)
     if tuple(w.reshape(B, -1).shape) != (B, J) or k_i.shape[0] != B or k_i.shape[2] != D or L < 1:
         raise RuntimeInputError(f"dsa_decode_topk: q_i {tuple(q_i.shape)}, w {tuple(w.shape)}, "
                                 f"k_i {tuple(k_i.shape)} mismatch")
     if fp8 != (k_scale is not None) or (fp8 and tuple(k_scale.shape) != (B, L)):
-        raise RuntimeInputError("dsa_decode_topk: k_scale [B, L] fp32 goes with float8_e4m3fn keys, and only then")
+        raise RuntimeInputError("dsa_decode_topk: k_scale [B, L] fp32 goes with float8_e4m3fn / int8 keys, and only "
+                                "then")
     if k_exact is not None and (not fp8 or tuple(k_exact.shape) != (B, L, D) or k_exact.dtype != q_i.dtype):
         raise RuntimeInputError(f"dsa_decode_topk: k_exact must be [B, L, D] = {(B, L, D)} in q_i's dtype "
                                 f"{q_i.dtype} with float8_e4m3fn k_i, got {tuple(k_exact.shape)} {k_exact.dtype}")
@@ -455,20 +494,24 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
     scan_fp32 = q.dtype == torch.float32
     block_j = max(16, triton.next_power_of_2(J))
     digit = dict(BINS=BINS, SHIFT=SHIFT, BASE=BASE, HIST_STRIDE=HIST_STRIDE)
-    dsa_init_kernel[(B,)](hist, HIST_STRIDE=HIST_STRIDE, BINS=BINS, num_warps=1)
+    zero = triton.next_power_of_2(BINS + 256)                   # the first digit's bins, then the next digit's
+    nxt = COLLECT_NEXT and zero <= HIST_STRIDE - 4
+    dsa_init_kernel[(B,)](hist, HIST_STRIDE=HIST_STRIDE, ZERO=zero if nxt else BINS, num_warps=1)
     dsa_scan_kernel[(triton.cdiv(n_scan, per_scan), B)](
         q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, n_len, L, J=J, D=D,
-        BLOCK_J=block_j, BLOCK_S=SCAN_BLOCK, FP8=fp8, QUERY_FP8=fp8 and FP8_QUERY,
+        BLOCK_J=block_j, BLOCK_S=SCAN_BLOCK, SCALED=fp8, QUERY_FP8=fp8 and FP8_QUERY and k_i.dtype != torch.int8,
+        QUERY_INT8=k_i.dtype == torch.int8,
         KEYS_FIRST=not scan_fp32,       # tensor-core products; fp32 (IEEE) keeps q x k^T
-        DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=SCAN_WARPS, **digit)
+        DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES,
+        **digit)
     dsa_collect_kernel[(triton.cdiv(n_ref, per_ref), B)](keys, hist, cand, idx, n_len, L, n_sel,
-                                                         BLOCK_R=SELECT_BLOCK, LEN_FROM_PTR=from_ptr, num_warps=4,
-                                                         **digit)
+                                                         BLOCK_R=SELECT_BLOCK, LEN_FROM_PTR=from_ptr, NEXT=nxt,
+                                                         NEXT_DENSE=NEXT_DENSE, num_warps=4, **digit)
     long_rows = L >= FINISH_LONG_KEYS
     dsa_finish_kernel[(B,)](keys, hist, cand, idx, n_len, L, n_sel,
                             CHUNK=FINISH_CHUNK_LONG if long_rows else FINISH_CHUNK, TIE_BLOCK=TIE_BLOCK,
-                            HIST_STRIDE=HIST_STRIDE, LEN_FROM_PTR=from_ptr,
-                            num_warps=FINISH_WARPS_LONG if long_rows else FINISH_WARPS)
+                            HIST_STRIDE=HIST_STRIDE, LEN_FROM_PTR=from_ptr, BINS=BINS, SHIFT=SHIFT, BASE=BASE,
+                            NEXT=nxt, num_warps=FINISH_WARPS_LONG if long_rows else FINISH_WARPS)
     if k_exact is not None:         # exact scores of the candidates: unique u64 keys, larger = better
         ck = torch.empty((B, n_sel), dtype=torch.int64, device=dev)
         dsa_rerank_kernel[(triton.cdiv(n_sel, RERANK_BLOCK), B)](
