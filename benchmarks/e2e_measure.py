@@ -222,7 +222,8 @@ def launch_transients():
 
 def _prefill_watched(session, models: dict, prompt, keep, hooks) -> None:
     """Prefill `prompt` in k3c with `Frame.launch` replaced by `keep(frame, launch_record)` (which calls the original;
-    None: unchanged) and in every eager model of `models`; then remove the forward `hooks` and reset the session, also on error."""
+    None: unchanged) and in every eager model of `models`; then remove the forward `hooks` and reset the session,
+    also on error."""
     from k3c.runtime.frame import Frame
 
     launch = Frame.launch
@@ -240,41 +241,50 @@ def _prefill_watched(session, models: dict, prompt, keep, hooks) -> None:
         session.reset()
 
 
+#: layer_errors' parts: the module (under model.layers.<i>) whose output is compared; k3c's IR names a value by the
+#: module path that produced it (l<i>.<path>, optionally with a .<n> suffix for a later form of the same value)
+LAYER_PARTS = {"norm": "input_layernorm", "mixer": "self_attn.o_proj", "mlp": "mlp.down_proj",
+               "moe_routed": "block_sparse_moe.routed_expert_up_proj",
+               "moe_shared": "block_sparse_moe.shared_experts.down_proj"}
+
+
 def layer_errors(session, models: dict, prompt) -> dict:
-    """Per layer i, over one prefill of `prompt`: max |a−b| / max |b| of the input norm's output ("norm"), the
-    mixer's output after o_proj ("mixer") and the MLP / MoE output ("ffn"), k3c vs eager bf16, eager bf16 vs eager
-    fp32 and k3c vs eager fp32
+    """Per layer i, over one prefill of `prompt`: max |a−b| / max |b| of each part's output (`LAYER_PARTS`: the input
+    norm, the mixer after o_proj, the dense MLP, and a MoE's routed experts after the latent up-projection and its
+    shared experts; the MoE output is their sum), k3c vs eager bf16, eager bf16 vs eager fp32 and k3c vs eager fp32
     (`models`: {"eager_bf16": model, "eager_fp32": model}); where the k3c error exceeds the eager band first is
-    where it arises. k3c's values are kept as its launches write them (`Frame.launch` wrapped: the values named
-    l<i>.input_layernorm[.n], l<i>.self_attn.o_proj, and the last [B,T,hidden] value of l<i>.mlp* /
-    l<i>.block_sparse_moe*), the eager ones by forward hooks."""
+    where it arises. k3c's values are kept as its launches write them (`Frame.launch` wrapped, the last value named
+    l<i>.<path>[.n]), the eager ones by forward hooks on the same modules; both are compared as [tokens, width]."""
     import re
 
     from k3c.runtime.frame import Frame
 
     acts: dict[str, dict] = {"k3c": {}, **{name: {} for name in models}}
-    pattern = re.compile(r"l(\d+)\.(input_layernorm|self_attn\.o_proj|mlp|block_sparse_moe)(\..+)?$")
-    part_of = {"input_layernorm": "norm", "self_attn.o_proj": "mixer", "mlp": "ffn", "block_sparse_moe": "ffn"}
+    part_of = {path: part for part, path in LAYER_PARTS.items()}
+    pattern = re.compile(rf"l(\d+)\.({'|'.join(map(re.escape, part_of))})(\.\d+)?$")
     launch = Frame.launch
-
-    def hidden_width(frame) -> int:
-        return frame.env["embed.embed_tokens"].shape[-1]
 
     def keep(frame, ln):
         launch(frame, ln)
         for v in ln["outputs"]:
-            m, t = pattern.match(v), frame.env.get(v)
-            if m and (part_of[m[2]] != "ffn" or (t.dim() == 3 and t.shape[-1] == hidden_width(frame))):
-                acts["k3c"][f"{m[1]}.{part_of[m[2]]}"] = t.float().clone()
+            m = pattern.match(v)
+            if m:
+                acts["k3c"][f"{m[1]}.{part_of[m[2]]}"] = rows(frame.env[v])
+
+    def rows(out) -> torch.Tensor:
+        out = out[0] if isinstance(out, tuple) else out
+        return out.reshape(-1, out.shape[-1]).float().clone()
 
     hooks = []
     for name, model in models.items():
         for i, layer in enumerate(model.model.layers):
-            ffn = layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp
-            for part, mod in (("norm", layer.input_layernorm), ("mixer", layer.self_attn), ("ffn", ffn)):
+            for part, path in LAYER_PARTS.items():
+                try:
+                    mod = layer.get_submodule(path)
+                except AttributeError:  # a part this layer does not have
+                    continue
                 hooks.append(mod.register_forward_hook(
-                    lambda m, args, out, key=f"{i}.{part}", d=acts[name]: d.__setitem__(
-                        key, (out[0] if isinstance(out, tuple) else out).float().clone())))
+                    lambda m, args, out, key=f"{i}.{part}", d=acts[name]: d.__setitem__(key, rows(out))))
     _prefill_watched(session, models, prompt, keep, hooks)
 
     def rel(a, b, key):
