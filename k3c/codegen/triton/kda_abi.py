@@ -18,15 +18,17 @@ The state outputs may be the very tensors of the state inputs (in-place update) 
 activations may be row-strided views (any batch / token strides, dense last dim: in decode, the column views of
 the one GEMM output `fuse_gemms` makes of the projections): the module declares `TAKES_VIEWS`, so that the runtime's
 Triton launcher passes them without a copy (other inputs are made contiguous here where they are not). Conv weights
-[H·K,1,W] are viewed as [H·K,W]; non-fp32 weights or conv state are converted (the kernels take fp32), a converted
-conv state is copied back. The recurrent state goes to the kernels as it is stored, f32 or bf16 (`--kda-state`):
+[H·K,1,W] are viewed as [H·K,W]; non-fp32 weights are converted (the kernels take fp32). The conv state goes to the
+kernels as it is stored when that is f32 or the activations' dtype (a bf16 model stores it in bf16: exact, half the
+bytes), otherwise it is converted to f32 and copied back. The recurrent state goes to the kernels as it is stored, f32 or bf16 (`--kda-state`):
 they load it, compute in f32 and round the new state once per call.
 
 Scratch (`kda_fused_scratch`, planned in the arena; the decode kernels' o_part, counters and front-end outputs,
 (5·K + 2)·B·H·4 bytes, stay cached in the module, one set per shape, shared by the layers): the
 chunked prefill's workspace ws [4, B, H, NC, 16, K] and ws_p [B, H, NC, 16, 16] in q's dtype, ws_glast f32
-[B, H, NC, K] (NC = ⌈T/16⌉ chunks) and, when the state pass does not fuse the norm epilogue (CHUNK_BLOCK_V < K),
-o_buf f32 [B, T, H·K].
+[B, H, NC, K] (NC = ⌈T/16⌉ chunks), with the front-end kernel (`kda.CHUNK_SPLIT_FRONT`) fr [3, B, H, NC, 16, K] in
+q's dtype, fr_gc f32 [B, H, NC, 16, K] and fr_beta f32 [B, H, NC, 16], and, when the state pass does not fuse the
+norm epilogue (CHUNK_BLOCK_V < K), o_buf f32 [B, T, H·K].
 
 Public API: `emit_kda_fused(group)` -> module text (registered with `k3c.codegen.triton.emitter` for the kind
 "kda_fused"), `kda_fused_scratch(group)` (registered with `k3c.codegen.triton.scratch`).
@@ -39,7 +41,7 @@ import triton
 
 from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import emitter, module_header, one_node, scratch
-from k3c.codegen.triton.kda import CHUNK, CHUNK_BLOCK_V, chunk_is_safe, emit_source
+from k3c.codegen.triton.kda import CHUNK, CHUNK_BLOCK_V, CHUNK_SPLIT_FRONT, chunk_is_safe, emit_source
 from k3c.errors import UnsupportedError
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
@@ -63,8 +65,9 @@ def launch(inputs, outputs, sizes, scratch=None):
     T = q.shape[1]
     conv_w = [w.reshape(w.shape[0], w.shape[-1]).float() for w in (q_conv, k_conv, v_conv)]
     state = state.contiguous()
-    conv_in = conv_state.contiguous() if conv_state.dtype == torch.float32 else conv_state.float().contiguous()
-    conv_dst = conv_out if conv_out.dtype == torch.float32 else conv_in
+    conv_ok = (torch.float32, q.dtype)                     # the kernels' conv-state dtypes (kda._launch_kda)
+    conv_in = conv_state.contiguous() if conv_state.dtype in conv_ok else conv_state.float().contiguous()
+    conv_dst = conv_out if conv_out.dtype == conv_in.dtype and conv_out.is_contiguous() else conv_in
     mode = "decode" if T == 1 else "chunk" if CHUNKED and T >= CHUNK_MIN_TOKENS else "recurrent"
     direct = y.is_contiguous() and y.dtype == q.dtype      # the kernels write y in place
     y_new = _launch_kda(mode, q, k, v, f, beta, gate,
@@ -96,6 +99,10 @@ def kda_fused_scratch(group: KernelGroup) -> list[ScratchSpec]:
     out = [ScratchSpec("ws", TensorType((4, B, H, NC, CHUNK, D), q.dtype)),
            ScratchSpec("ws_p", TensorType((B, H, NC, CHUNK, CHUNK), q.dtype)),
            ScratchSpec("ws_glast", TensorType((B, H, NC, D), "f32"))]
+    if CHUNK_SPLIT_FRONT:                                  # the front-end kernel's outputs
+        out += [ScratchSpec("fr", TensorType((3, B, H, NC, CHUNK, D), q.dtype)),
+                ScratchSpec("fr_gc", TensorType((B, H, NC, CHUNK, D), "f32")),
+                ScratchSpec("fr_beta", TensorType((B, H, NC, CHUNK), "f32"))]
     if min(triton.next_power_of_2(D), CHUNK_BLOCK_V) != triton.next_power_of_2(D):   # norm epilogue not fused
         out.append(ScratchSpec("o_buf", TensorType((B, T, HD), "f32")))
     return out
