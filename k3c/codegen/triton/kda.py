@@ -67,8 +67,10 @@ CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state
 CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
 # Chunked prefill front end (conv, silu, l2norm, gate cumsum, beta) in its own token-parallel kernel
 # (`kda_chunk_front_kernel`, as FlashKDA splits it) instead of inside the intra-chunk kernel: costs a round trip of
-# q, k, v (activation dtype) and gc (fp32) through HBM. BENCHMARKS.md "KDA round 6".
-CHUNK_SPLIT_FRONT = False
+# q, k, v (activation dtype) and gc (fp32) through HBM, yet the two kernels take less than the one (H200, T = 8192,
+# H = 96, chunk 16: front 1.46 + prep 1.54 ms vs prep 3.39 ms; whole prefill 4.17 vs 4.59 ms; chunk 32 and 8 prep
+# warps slower; BENCHMARKS.md "KDA round 6").
+CHUNK_SPLIT_FRONT = True
 CHUNK_FRONT_WARPS = 4  # warps per program of the front-end kernel
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| between a chunk's reference row and any row (exp stays finite in fp32)
 
@@ -261,8 +263,9 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
         ws_glast = take_scratch(scratch, "ws_glast", (B, H, NC, D), torch.float32, q_in.device)
         front = (ws_glast,) * 5                   # no front kernel: the prep kernel computes the front end itself
         if CHUNK_SPLIT_FRONT:
-            fr = take_scratch(scratch, "fr", (3, B, H, NC, CHUNK, D), q_in.dtype, q_in.device)
-            front = (fr[0], fr[1], fr[2], take_scratch(scratch, "fr_gc", (B, H, NC, CHUNK, D), torch.float32,
+            # q, k, v go to the workspace slots whose prep outputs (Q*Gamma, K*exp(gc_last - gc), U0) are computed
+            # from them: each prep program reads its chunk's tiles before it overwrites them (data dependence)
+            front = (ws[0], ws[1], ws[3], take_scratch(scratch, "fr_gc", (B, H, NC, CHUNK, D), torch.float32,
                                                        q_in.device),
                      take_scratch(scratch, "fr_beta", (B, H, NC, CHUNK), torch.float32, q_in.device))
             kda_chunk_front_kernel[(NC, H, B)](

@@ -87,7 +87,9 @@ def kda_chunk_prep_kernel(
     ws_qg, ws_kend, ws_w, ws_u,           # [B, H, NC, BT, D] workspace (activation dtype)
     ws_p,                                 # [B, H, NC, BT, BT] workspace
     ws_glast,                             # [B, H, NC, D] fp32 workspace
-    fr_q, fr_k, fr_v, fr_gc, fr_beta,     # kda_chunk_front_kernel's outputs (SPLIT_FRONT) else unused
+    fr_q, fr_k, fr_v, fr_gc, fr_beta,     # kda_chunk_front_kernel's outputs (SPLIT_FRONT) else unused; fr_q,
+                                          # fr_k, fr_v may be ws_qg, ws_kend, ws_u: each tile is read before the
+                                          # store computed from it overwrites it
     T, NC,                                # tokens stored per row, chunks per row (cdiv(T, BT))
     s_qb, s_qt, s_kb, s_kt, s_vb, s_vt,   # (batch, token) strides (elements) of the activations; last dim dense
     s_fb, s_ft, s_bb, s_bt,               # (f, beta)
