@@ -250,20 +250,6 @@ def test_bf16_conv_state_equals_fp32_conv_state(method):
         kda_decode(**{k: v[:, 0].float() for k, v in acts.items()}, **weights, **clone(state))
 
 
-def test_chunk_front_kernel(monkeypatch):
-    # the front end (conv, l2norm, gate cumsum, beta) in its own kernel, ragged lengths: the reference per row
-    monkeypatch.setattr(kda_module, "CHUNK_SPLIT_FRONT", True)
-    acts, weights, state = make_inputs(2, 37, 2, 60, seed=47)
-    run = clone(state)
-    y = kda_prefill(**acts, **weights, **run, method="chunk", lengths=[37, 20])
-    for b, n in enumerate((37, 20)):
-        y_ref, S_ref, C_ref = kda_fused_reference(**{k: v[b:b + 1, :n] for k, v in acts.items()}, **weights,
-                                                  **{k: v[b:b + 1] for k, v in state.items()})
-        assert_close(y[b:b + 1, :n], y_ref, f"y row {b}")
-        assert_close(run["state"][b:b + 1], S_ref, f"state row {b}")
-        assert_close(run["conv_state"][b:b + 1], C_ref, f"conv state row {b}")
-
-
 @pytest.mark.parametrize("lengths", [None, [37, 20]])
 def test_chunk_state_pass_split_over_v(lengths):
     # block_v = 16 < D: four state programs per head, O through the fp32 buffer and the separate norm kernel

@@ -121,34 +121,6 @@ def decode_front_end(q_ptr, k_ptr, v_ptr, f_ptr, conv_q, conv_k, conv_v, w_q, w_
 
 
 @triton.jit
-def chunk_front_end(q_in, k_in, v_in, f_in, beta_in, conv_w_q, conv_w_k, conv_w_v, A_log, dt_bias, conv_in, b, h,
-                    pos, valid, i_k, m_k, s_qb, s_qt, s_kb, s_kt, s_vb, s_vt, s_fb, s_ft, s_bb, s_bt, H: tl.constexpr,
-                    D: tl.constexpr, W: tl.constexpr, GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr,
-                    SCALE: tl.constexpr):
-    """The front end of one chunk of one head (K3-SPEC "KDA layer") of the chunked prefill: rows at positions
-    pos [BT] (valid: pos < length), channels i_k [BD]; pointers and strides as `kda_chunk_prep_kernel`.
-    Returns (q = l2norm(silu(conv)) * SCALE, k = l2norm(silu(conv)), v = silu(conv), gc = the in-chunk cumulative
-    log-decay, all [BT, BD] fp32; beta = sigmoid(logits) [BT]); rows past the length and masked channels are 0
-    (g = 0 there, so gc stays flat)."""
-    HD: tl.constexpr = H * D
-    m_tk = valid[:, None] & m_k[None, :]
-    b64 = b.to(tl.int64)
-    conv_b = b64 * 3 * HD * W + h * D * W
-    q = causal_conv_silu(q_in + b64 * s_qb + h * D, conv_in + conv_b, conv_w_q + h * D * W, pos[:, None],
-                         i_k[None, :], m_tk, s_qt, W)
-    k = causal_conv_silu(k_in + b64 * s_kb + h * D, conv_in + conv_b + HD * W, conv_w_k + h * D * W, pos[:, None],
-                         i_k[None, :], m_tk, s_kt, W)
-    v = causal_conv_silu(v_in + b64 * s_vb + h * D, conv_in + conv_b + 2 * HD * W, conv_w_v + h * D * W,
-                         pos[:, None], i_k[None, :], m_tk, s_vt, W)
-    f = tl.load(f_in + b64 * s_fb + h * D + pos[:, None] * s_ft + i_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    dtb = tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0)
-    g = tl.where(m_tk, kda_decay_gate(f + dtb[None, :], tl.exp(tl.load(A_log + h)), GATE_KIND, LOWER_BOUND), 0.0)
-    beta = tl.load(beta_in + b64 * s_bb + pos * s_bt + h, mask=valid, other=0.0).to(tl.float32)
-    beta = tl.where(valid, tl.sigmoid(beta), 0.0)
-    return l2_normalize(q, 1) * SCALE, l2_normalize(k, 1), v, tl.cumsum(g, 0), beta
-
-
-@triton.jit
 def causal_conv_silu_token(x_ptr, conv_ptr, w_tile, t, chan, chan_mask, stride_t, W: tl.constexpr,
                            BW: tl.constexpr):
     """`causal_conv_silu` for one position t and [BD] channels, as one [BD, BW] window load and a row sum.
@@ -224,5 +196,5 @@ def last_of_head(o, o_part, counters, bh, cols, col_mask, D: tl.constexpr, NV: t
 
 # Source order for code generation (each helper's dependencies come first).
 HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, load_conv_weight, conv_window,
-           store_conv_window, decode_front_end, chunk_front_end, causal_conv_silu_token, roll_conv_state,
+           store_conv_window, decode_front_end, causal_conv_silu_token, roll_conv_state,
            rms_norm_sigmoid_gate, store_norm_gate, delta_rule_step, last_of_head)

@@ -26,9 +26,9 @@ they load it, compute in f32 and round the new state once per call.
 Scratch (`kda_fused_scratch`, planned in the arena; the decode kernels' o_part, counters and front-end outputs,
 (5·K + 2)·B·H·4 bytes, stay cached in the module, one set per shape, shared by the layers): the
 chunked prefill's workspace ws [4, B, H, NC, 16, K] and ws_p [B, H, NC, 16, 16] in q's dtype, ws_glast f32
-[B, H, NC, K] (NC = ⌈T/16⌉ chunks), with the front-end kernel (`kda.CHUNK_SPLIT_FRONT`; its q, k, v go through
-ws) fr_gc f32 [B, H, NC, 16, K] and fr_beta f32 [B, H, NC, 16], and, when the state pass does not fuse the norm
-epilogue (CHUNK_BLOCK_V < K), o_buf f32 [B, T, H·K].
+[B, H, NC, K] (NC = ⌈T/16⌉ chunks), the front-end kernel's fr_gc f32 [B, H, NC, 16, K] and fr_beta f32
+[B, H, NC, 16] (its q, k, v go through ws) and, when the state pass does not fuse the norm epilogue
+(CHUNK_BLOCK_V < K), o_buf f32 [B, T, H·K].
 
 Public API: `emit_kda_fused(group)` -> module text (registered with `k3c.codegen.triton.emitter` for the kind
 "kda_fused"), `kda_fused_scratch(group)` (registered with `k3c.codegen.triton.scratch`).
@@ -41,7 +41,7 @@ import triton
 
 from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import emitter, module_header, one_node, scratch
-from k3c.codegen.triton.kda import CHUNK, CHUNK_BLOCK_V, CHUNK_SPLIT_FRONT, chunk_is_safe, emit_source
+from k3c.codegen.triton.kda import CHUNK, CHUNK_BLOCK_V, chunk_is_safe, emit_source
 from k3c.errors import UnsupportedError
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
@@ -98,10 +98,9 @@ def kda_fused_scratch(group: KernelGroup) -> list[ScratchSpec]:
     NC = sympy.ceiling(sympy.sympify(T) / CHUNK)
     out = [ScratchSpec("ws", TensorType((4, B, H, NC, CHUNK, D), q.dtype)),
            ScratchSpec("ws_p", TensorType((B, H, NC, CHUNK, CHUNK), q.dtype)),
-           ScratchSpec("ws_glast", TensorType((B, H, NC, D), "f32"))]
-    if CHUNK_SPLIT_FRONT:                                  # the front-end kernel's outputs beside q, k, v (in ws)
-        out += [ScratchSpec("fr_gc", TensorType((B, H, NC, CHUNK, D), "f32")),
-                ScratchSpec("fr_beta", TensorType((B, H, NC, CHUNK), "f32"))]
+           ScratchSpec("ws_glast", TensorType((B, H, NC, D), "f32")),
+           ScratchSpec("fr_gc", TensorType((B, H, NC, CHUNK, D), "f32")),     # the front-end kernel's outputs
+           ScratchSpec("fr_beta", TensorType((B, H, NC, CHUNK), "f32"))]      # beside q, k, v (in ws)
     if min(triton.next_power_of_2(D), CHUNK_BLOCK_V) != triton.next_power_of_2(D):   # norm epilogue not fused
         out.append(ScratchSpec("o_buf", TensorType((B, T, HD), "f32")))
     return out
