@@ -44,8 +44,7 @@ def expected_scratch(kind: str, itemsize: int, absorbed: bool = False) -> dict[s
         return {"h": rows * c.moe_intermediate_size * itemsize, "y_slot": rows * c.routed_expert_hidden_size * 4}
     H, D, NC = c.kda_num_heads, c.kda_head_dim, math.ceil(T / 16)
     out = {"ws": 4 * B * H * NC * 16 * D * itemsize, "ws_p": B * H * NC * 16 * 16 * itemsize,
-           "ws_glast": B * H * NC * D * 4,
-           "fr_gc": B * H * NC * 16 * D * 4, "fr_beta": B * H * NC * 16 * 4}  # the prefill front-end kernel's
+           "ws_glast": B * H * NC * D * 4}
     if D > 64:  # the state pass splits the value dim (CHUNK_BLOCK_V = 64): the norm epilogue's f32 o_buf
         out["o_buf"] = B * T * H * D * 4
     return out

@@ -19,8 +19,8 @@ Public API:
     kda_spec_replay      rebuild state + conv state from cached draft inputs, replaying n_accepted tokens
     emit_source          standalone kernel-module text for the code generator
 Kernels: `kda_decode.kda_decode_kernel` / `kda_decode_front_kernel` / `kda_decode_state_kernel`,
-`kda_recurrent.kda_recurrent_kernel`, `kda_chunk.kda_chunk_front_kernel` / `kda_chunk_prep_kernel` /
-`kda_chunk_state_kernel` / `kda_norm_gate_kernel`; helpers in `_common`.
+`kda_recurrent.kda_recurrent_kernel`, `kda_chunk.kda_chunk_prep_kernel` / `kda_chunk_state_kernel` /
+`kda_norm_gate_kernel`; helpers in `_common`.
 All launchers also run on CPU tensors under TRITON_INTERPRET=1 (fp32; the interpreter has no bf16 arithmetic).
 The activations may be row-strided views (the column views of one fused projection output): the kernels take
 their batch / token strides, so they are read in place.
@@ -34,12 +34,7 @@ import torch.nn.functional as F
 import triton
 
 from k3c.codegen.triton import _common, take_scratch
-from k3c.codegen.triton.kda_chunk import (
-    kda_chunk_front_kernel,
-    kda_chunk_prep_kernel,
-    kda_chunk_state_kernel,
-    kda_norm_gate_kernel,
-)
+from k3c.codegen.triton.kda_chunk import kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel
 from k3c.codegen.triton.kda_decode import kda_decode_front_kernel, kda_decode_kernel, kda_decode_state_kernel
 from k3c.codegen.triton.kda_recurrent import kda_recurrent_kernel
 from k3c.errors import RuntimeInputError, UnsupportedError
@@ -65,11 +60,6 @@ DECODE_FRONT_SPLIT = {4: (64, 4), 2: (32, 2)}
 DECODE_FRONT_WARPS = 2  # warps per program of the front-end kernel (1 and 4 measured the same or slower)
 CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
 CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
-# The chunked prefill's front end (conv, silu, l2norm, gate cumsum, beta) runs in its own token-parallel kernel
-# (`kda_chunk_front_kernel`, as FlashKDA splits it): a round trip of q, k, v (activation dtype) and gc (fp32)
-# through HBM, yet the two kernels take less than the one that did both (H200, T = 8192, H = 96, chunk 16: front
-# 1.46 + prep 1.54 ms vs 3.39 ms; whole prefill 4.17 vs 4.59 ms; BENCHMARKS.md "KDA round 6").
-CHUNK_FRONT_WARPS = 4  # warps per program of the front-end kernel
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| between a chunk's reference row and any row (exp stays finite in fp32)
 
 
@@ -259,18 +249,11 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
         ws = take_scratch(scratch, "ws", (4, B, H, NC, CHUNK, D), q_in.dtype, q_in.device)
         ws_p = take_scratch(scratch, "ws_p", (B, H, NC, CHUNK, CHUNK), q_in.dtype, q_in.device)
         ws_glast = take_scratch(scratch, "ws_glast", (B, H, NC, D), torch.float32, q_in.device)
-        # the front kernel's q, k, v go to the workspace slots whose prep outputs (Q*Gamma, K*exp(gc_last - gc),
-        # U0) are computed from them: each prep program reads its chunk's tiles before it overwrites them
-        front = (ws[0], ws[1], ws[3], take_scratch(scratch, "fr_gc", (B, H, NC, CHUNK, D), torch.float32,
-                                                   q_in.device),
-                 take_scratch(scratch, "fr_beta", (B, H, NC, CHUNK), torch.float32, q_in.device))
-        kda_chunk_front_kernel[(NC, H, B)](
-            q_in, k_in, v_in, f, beta_logits, *wts[:5], conv_state, lens, *front, T, NC,
-            *(s for n in "qkvfb" for s in st[n]), H=H, D=D, W=W, BD=BD, SCALE=D ** -0.5, HAS_LENGTHS=has_len,
-            BT=CHUNK, num_warps=CHUNK_FRONT_WARPS, **gate)
         kda_chunk_prep_kernel[(NC, H, B)](
-            *front, ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, NC, H=H, D=D, BD=BD, BT=CHUNK,
-            LOG2_BT=CHUNK.bit_length() - 1, INV_PRECISION="ieee", DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS)
+            q_in, k_in, v_in, f, beta_logits, *wts[:5], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p,
+            ws_glast, T, NC, *(s for n in "qkvfb" for s in st[n]), H=H, D=D, W=W, BD=BD, SCALE=D ** -0.5,
+            HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1, INV_PRECISION="ieee",
+            DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
         BV = min(BD, block_v or CHUNK_BLOCK_V)
         fuse = BV == BD
         o_buf = y if fuse or not store_output else take_scratch(scratch, "o_buf", (B, T, HD), torch.float32,
@@ -333,8 +316,7 @@ def kda_prefill(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_
     lengths: None or int / [B] ints <= T (only the first lengths[b] tokens of row b are used; y past them is left
     unwritten). State and conv state are updated in place unless state_out / conv_state_out (same shapes) are given.
     method: "chunk" (CHUNK-token WY/UT tensor-core kernels, chunk-parallel; bounded gate, `chunk_is_safe`
-    only; a workspace of about 4*T*H*D activation-dtype and T*H*D fp32 elements per row, plus T*H*D fp32 when
-    block_v < D),
+    only; a workspace of about 4*T*H*D activation-dtype elements per row, plus T*H*D fp32 when block_v < D),
     "recurrent" (token loop, any gate), or "auto" (chunk when safe and T >= 16). block_v: state columns per program
     of the chunk state pass (default CHUNK_BLOCK_V; D fuses the norm epilogue into it).
     Returns y [B, T, H*D] in q_in's dtype (None if store_output is False).
@@ -384,7 +366,8 @@ def kda_spec_replay(q_in, k_in, v_in, f, beta_logits, conv_w_q, conv_w_k, conv_w
     """Speculative decoding (K3 report §3.4): replay the accepted draft tokens to rebuild the state, in place.
 
     q_in, k_in, v_in, f: [B, k, H*D] cached projected inputs of the k draft tokens; beta_logits [B, k, H];
-    state [B, H, D, D] / conv_state [B, 3*H*D, W] (dtypes as `kda_prefill`) as they were BEFORE the draft tokens (no snapshots);
+    state [B, H, D, D] / conv_state [B, 3*H*D, W] (dtypes as `kda_prefill`) as they were BEFORE the draft tokens
+    (no snapshots);
     n_accepted: int or [B] ints in [0, k]. Afterwards state/conv_state equal those after running the first
     n_accepted[b] draft tokens of each row. No output is written. Raises as `kda_prefill`, and RuntimeInputError
     if n_accepted is outside [0, k].
@@ -405,10 +388,8 @@ def kda_spec_replay(q_in, k_in, v_in, f, beta_logits, conv_w_q, conv_w_k, conv_w
 _FAMILIES = {  # family -> (kernels to include, IR node it implements by default)
     "decode": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel), "kda.fused_decode"),
     "prefill": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel, kda_recurrent_kernel,
-                 kda_chunk_front_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel),
-                "kda.fused_prefill"),
-    "spec_replay": ((kda_recurrent_kernel, kda_chunk_front_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel),
-                    "kda.spec_replay"),
+                 kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel), "kda.fused_prefill"),
+    "spec_replay": ((kda_recurrent_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel), "kda.spec_replay"),
 }
 
 _LAUNCH_TEMPLATE = '''
@@ -487,7 +468,6 @@ def emit_source(spec):
         f"DECODE_FRONT_MIN_ROWS = {DECODE_FRONT_MIN_ROWS}\nDECODE_FRONT_SPLIT = {DECODE_FRONT_SPLIT!r}\n"
         f"DECODE_FRONT_WARPS = {DECODE_FRONT_WARPS}\n"
         f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n"
-        f"CHUNK_FRONT_WARPS = {CHUNK_FRONT_WARPS}\n"
         f"_DECODE_SCRATCH = {{}}\n_PDL_DEVICES = {{}}\n")
     parts = [header]
     parts += [inspect.getsource(fn.fn) for fn in _common.HELPERS]

@@ -20,15 +20,14 @@ the one GEMM output `fuse_gemms` makes of the projections): the module declares 
 Triton launcher passes them without a copy (other inputs are made contiguous here where they are not). Conv weights
 [H·K,1,W] are viewed as [H·K,W]; non-fp32 weights are converted (the kernels take fp32). The conv state goes to the
 kernels as it is stored when that is f32 or the activations' dtype (a bf16 model stores it in bf16: exact, half the
-bytes), otherwise it is converted to f32 and copied back. The recurrent state goes to the kernels as it is stored, f32 or bf16 (`--kda-state`):
-they load it, compute in f32 and round the new state once per call.
+bytes), otherwise it is converted to f32 and copied back. The recurrent state goes to the kernels as it is stored,
+f32 or bf16 (`--kda-state`): they load it, compute in f32 and round the new state once per call.
 
 Scratch (`kda_fused_scratch`, planned in the arena; the decode kernels' o_part, counters and front-end outputs,
 (5·K + 2)·B·H·4 bytes, stay cached in the module, one set per shape, shared by the layers): the
 chunked prefill's workspace ws [4, B, H, NC, 16, K] and ws_p [B, H, NC, 16, 16] in q's dtype, ws_glast f32
-[B, H, NC, K] (NC = ⌈T/16⌉ chunks), the front-end kernel's fr_gc f32 [B, H, NC, 16, K] and fr_beta f32
-[B, H, NC, 16] (its q, k, v go through ws) and, when the state pass does not fuse the norm epilogue
-(CHUNK_BLOCK_V < K), o_buf f32 [B, T, H·K].
+[B, H, NC, K] (NC = ⌈T/16⌉ chunks) and, when the state pass does not fuse the norm epilogue (CHUNK_BLOCK_V < K),
+o_buf f32 [B, T, H·K].
 
 Public API: `emit_kda_fused(group)` -> module text (registered with `k3c.codegen.triton.emitter` for the kind
 "kda_fused"), `kda_fused_scratch(group)` (registered with `k3c.codegen.triton.scratch`).
@@ -98,9 +97,7 @@ def kda_fused_scratch(group: KernelGroup) -> list[ScratchSpec]:
     NC = sympy.ceiling(sympy.sympify(T) / CHUNK)
     out = [ScratchSpec("ws", TensorType((4, B, H, NC, CHUNK, D), q.dtype)),
            ScratchSpec("ws_p", TensorType((B, H, NC, CHUNK, CHUNK), q.dtype)),
-           ScratchSpec("ws_glast", TensorType((B, H, NC, D), "f32")),
-           ScratchSpec("fr_gc", TensorType((B, H, NC, CHUNK, D), "f32")),     # the front-end kernel's outputs
-           ScratchSpec("fr_beta", TensorType((B, H, NC, CHUNK), "f32"))]      # beside q, k, v (in ws)
+           ScratchSpec("ws_glast", TensorType((B, H, NC, D), "f32"))]
     if min(triton.next_power_of_2(D), CHUNK_BLOCK_V) != triton.next_power_of_2(D):   # norm epilogue not fused
         out.append(ScratchSpec("o_buf", TensorType((B, T, HD), "f32")))
     return out

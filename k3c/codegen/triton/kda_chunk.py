@@ -13,10 +13,7 @@ and across chunks, with S the state at the chunk start ([D, D], key dim first):
     S <- exp(gc_last) * S + (K * exp(gc_last - gc))^T @ U
 
 Kernels (launched in this order by `k3c.codegen.triton.kda._launch_kda`):
-  kda_chunk_front_kernel  grid (chunks, H, B): the token-parallel front end (conv + silu + l2norm, the in-chunk
-                          cumulative log-decay gc, beta), as FlashKDA splits it off: q, k, v in the activation
-                          dtype, gc and beta fp32, written for the prep kernel;
-  kda_chunk_prep_kernel   grid (chunks, H, B): from those, A, P, Tinv, Wm, U0; writes
+  kda_chunk_prep_kernel   grid (chunks, H, B): conv + silu + l2norm + gate + beta, A, P, Tinv, Wm, U0; writes
                           Q*Gamma, K*exp(gc_last - gc), Wm, U0 ([BT, D] each, activation dtype), P ([BT, BT]) and
                           gc_last ([D] fp32) to a workspace. Every chunk is independent: this is the bulk of the FLOPs.
   kda_chunk_state_kernel  grid (NV, H, B): the sequential pass over chunks, program i_v holding the state columns
@@ -45,37 +42,42 @@ from k3c.codegen.triton._common import (
 
 
 @triton.jit
-def kda_chunk_front_kernel(
+def kda_chunk_prep_kernel(
     q_in, k_in, v_in, f_in,               # [B, T, H*D] projected activations (any float dtype)
     beta_in,                              # [B, T, H] beta logits
     conv_w_q, conv_w_k, conv_w_v,         # [H*D, W] fp32 depthwise conv weights
     A_log, dt_bias,                       # [>=H], [H*D] fp32
     conv_in,                              # [B, 3*H*D, W] fp32 or activation dtype: q, k, v channels (read)
     lengths,                              # [B] int32 tokens per row (HAS_LENGTHS) else unused
-    fr_q, fr_k, fr_v,                     # [B, H, NC, BT, D] out (activation dtype): q (l2norm * SCALE),
-                                          # k (l2norm), v after conv + silu
-    fr_gc,                                # [B, H, NC, BT, D] fp32 out: in-chunk cumulative log-decay
-    fr_beta,                              # [B, H, NC, BT] fp32 out: sigmoid(beta logits)
+    ws_qg, ws_kend, ws_w, ws_u,           # [B, H, NC, BT, D] workspace (activation dtype)
+    ws_p,                                 # [B, H, NC, BT, BT] workspace
+    ws_glast,                             # [B, H, NC, D] fp32 workspace
     T, NC,                                # tokens stored per row, chunks per row (cdiv(T, BT))
     s_qb, s_qt, s_kb, s_kt, s_vb, s_vt,   # (batch, token) strides (elements) of the activations; last dim dense
     s_fb, s_ft, s_bb, s_bt,               # (f, beta)
     H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr,
     GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-    BT: tl.constexpr,
+    BT: tl.constexpr, LOG2_BT: tl.constexpr,
+    INV_PRECISION: tl.constexpr,          # tl.dot precision inside (I + A)^-1 ("ieee": fp32 FMA)
+    DOT_PRECISION: tl.constexpr,          # tl.dot input precision for fp32 operands ("tf32" or "ieee")
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     HD: tl.constexpr = H * D
+    REF: tl.constexpr = (BT - 1) // 2                   # decay reference row r (module docstring)
     n = T
     if HAS_LENGTHS:
         n = tl.load(lengths + b)
+
     i_t = tl.arange(0, BT)
     i_k = tl.arange(0, BD)
     m_k = i_k < D
     pos = c * BT + i_t
     valid = pos < n
     m_tk = valid[:, None] & m_k[None, :]
+    lower = i_t[:, None] > i_t[None, :]
+    diag = i_t[:, None] == i_t[None, :]
 
     b64 = b.to(tl.int64)
     conv_b = b64 * 3 * HD * W + h * D * W
@@ -85,55 +87,15 @@ def kda_chunk_front_kernel(
                          i_k[None, :], m_tk, s_kt, W)
     v = causal_conv_silu(v_in + b64 * s_vb + h * D, conv_in + conv_b + 2 * HD * W, conv_w_v + h * D * W,
                          pos[:, None], i_k[None, :], m_tk, s_vt, W)
+    q = l2_normalize(q, 1) * SCALE
+    k = l2_normalize(k, 1)
     f = tl.load(f_in + b64 * s_fb + h * D + pos[:, None] * s_ft + i_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     dtb = tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0)
     g = tl.where(m_tk, kda_decay_gate(f + dtb[None, :], tl.exp(tl.load(A_log + h)), GATE_KIND, LOWER_BOUND), 0.0)
     beta = tl.load(beta_in + b64 * s_bb + pos * s_bt + h, mask=valid, other=0.0).to(tl.float32)
+    beta = tl.where(valid, tl.sigmoid(beta), 0.0)
 
-    chunk = (b64 * H + h) * NC + c
-    tile = chunk * BT * D + i_t[:, None] * D + i_k[None, :]
-    m_tile = (i_t[:, None] < BT) & m_k[None, :]
-    dt = fr_q.dtype.element_ty
-    tl.store(fr_q + tile, (l2_normalize(q, 1) * SCALE).to(dt), mask=m_tile)    # rows past the length: 0
-    tl.store(fr_k + tile, l2_normalize(k, 1).to(dt), mask=m_tile)
-    tl.store(fr_v + tile, v.to(dt), mask=m_tile)
-    tl.store(fr_gc + tile, tl.cumsum(g, 0), mask=m_tile)                       # padded rows have g = 0
-    tl.store(fr_beta + chunk * BT + i_t, tl.where(valid, tl.sigmoid(beta), 0.0))
-
-
-@triton.jit
-def kda_chunk_prep_kernel(
-    fr_q, fr_k, fr_v, fr_gc, fr_beta,     # kda_chunk_front_kernel's outputs; fr_q, fr_k, fr_v may be ws_qg,
-                                          # ws_kend, ws_u: each tile is read before the store computed from it
-                                          # overwrites it
-    ws_qg, ws_kend, ws_w, ws_u,           # [B, H, NC, BT, D] workspace out (activation dtype)
-    ws_p,                                 # [B, H, NC, BT, BT] workspace out
-    ws_glast,                             # [B, H, NC, D] fp32 workspace out
-    NC,                                   # chunks per row
-    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-    BT: tl.constexpr, LOG2_BT: tl.constexpr,
-    INV_PRECISION: tl.constexpr,          # tl.dot precision inside (I + A)^-1 ("ieee": fp32 FMA)
-    DOT_PRECISION: tl.constexpr,          # tl.dot input precision for fp32 operands ("tf32" or "ieee")
-):
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    REF: tl.constexpr = (BT - 1) // 2                   # decay reference row r (module docstring)
-
-    i_t = tl.arange(0, BT)
-    i_k = tl.arange(0, BD)
-    m_k = i_k < D
-    lower = i_t[:, None] > i_t[None, :]
-    diag = i_t[:, None] == i_t[None, :]
-
-    chunk = (b.to(tl.int64) * H + h) * NC + c
-    tile = chunk * BT * D + i_t[:, None] * D + i_k[None, :]
-    m_tile = (i_t[:, None] < BT) & m_k[None, :]
-    q = tl.load(fr_q + tile, mask=m_tile, other=0.0).to(tl.float32)  # rows past the length are 0 (front kernel)
-    k = tl.load(fr_k + tile, mask=m_tile, other=0.0).to(tl.float32)
-    v = tl.load(fr_v + tile, mask=m_tile, other=0.0).to(tl.float32)
-    gc = tl.load(fr_gc + tile, mask=m_tile, other=0.0)
-    beta = tl.load(fr_beta + chunk * BT + i_t)
+    gc = tl.cumsum(g, 0)                                            # padded rows have g = 0
     g_ref = tl.sum(tl.where(i_t[:, None] == REF, gc, 0.0), 0)      # r
     g_last = tl.sum(tl.where(i_t[:, None] == BT - 1, gc, 0.0), 0)
     decay_in = tl.exp(gc - g_ref[None, :])                          # <= exp(REF * |LOWER_BOUND|)
@@ -155,6 +117,9 @@ def kda_chunk_prep_kernel(
     Wm = tl.dot(Tinv, (beta[:, None] * gamma) * k, input_precision=DOT_PRECISION)
     U0 = tl.dot(Tinv, beta[:, None] * v, input_precision=DOT_PRECISION)
 
+    chunk = (b.to(tl.int64) * H + h) * NC + c
+    tile = chunk * BT * D + i_t[:, None] * D + i_k[None, :]
+    m_tile = (i_t[:, None] < BT) & m_k[None, :]
     dt = ws_qg.dtype.element_ty
     tl.store(ws_qg + tile, (q * gamma).to(dt), mask=m_tile)
     tl.store(ws_kend + tile, (k * tl.exp(g_last[None, :] - gc)).to(dt), mask=m_tile)    # <= 1
