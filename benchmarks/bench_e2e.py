@@ -28,9 +28,10 @@ the published layout (`save_random_checkpoint`), compiled by k3c for the H200, t
 5. a per-kernel-kind breakdown (torch.profiler) of one decode step (batch 1 and 16, context 4K and 128K) and one
    prefill call;
 6. numerics: k3c bf16 vs eager bf16, in the band of eager bf16 vs eager fp32 (same checkpoint), over a prefill and
-   64 teacher-forced decode steps (max and the distribution over positions: a random router's near-ties flip a
-   top-k choice at some positions of any bf16 run, and which ones differs between runs); and per layer (input
-   norm, mixer output after o_proj, MLP / MoE output) over the prefill, to see where a difference arises, and
+   64 teacher-forced decode steps of 4 prompts, 260 positions (max and the distribution over positions: a random
+   router's near-ties flip a top-k choice at some positions of any bf16 run, and which ones differs between runs;
+   run G and earlier: one prompt, 65 positions); and per layer (input norm, mixer output after o_proj, MLP / MoE
+   output) over the prefill, to see where a difference arises, and
    per MoE layer the share of tokens whose chosen experts differ from eager fp32's (k3c and eager bf16);
 7. batch 4 x 32K context prefilled in 8K chunks (a second artifact, `--max-batch 4 --max-prefill 8192`, loaded
    after the first session is released), its peak memory against the plan (arena + pools + weights).
@@ -64,7 +65,7 @@ from e2e_measure import (FIRST_LOGITS, HBM_BPS, EagerDecode, decode_tokens, eage
                          profile, route_disagreement, route_sets_differ, routes_recorded, timed, timeline)
 
 PROMPT = 2560
-NUMERICS_STEPS = 64  # teacher-forced decode steps compared (numerics phase)
+NUMERICS_STEPS, NUMERICS_BATCH = 64, 4  # teacher-forced decode steps of NUMERICS_BATCH prompts (numerics phase)
 
 
 def bench_config():
@@ -320,7 +321,8 @@ def main():
     if "numerics" not in skip:
         with phase("numerics"):
             session.reset()
-            prompt = torch.randint(0, cfg.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0)).cuda()
+            prompt = torch.randint(0, cfg.vocab_size, (NUMERICS_BATCH, 256),
+                                   generator=torch.Generator().manual_seed(0)).cuda()
             model32 = copy.deepcopy(model).float()  # the same checkpoint in fp32
             outs = {"k3c": [], "eager_bf16": [], "eager_fp32": []}
             with torch.no_grad(), routes_recorded(session, {"eager_bf16": model, "eager_fp32": model32}) as ids:
@@ -338,8 +340,10 @@ def main():
                     outs["k3c"].append(session.decode(nxt).float())
 
             def rel(x, y) -> list[float]:
-                """Per position (the prompt's last, then each decode step): max |x - y| / max |y|."""
-                return [float((p - q).abs().max() / q.abs().max()) for p, q in zip(outs[x], outs[y])]
+                """Per position (each prompt's last, then each decode step's, prompt-major within a call):
+                max |x - y| / max |y| over the vocabulary."""
+                return [float(v) for p, q in zip(outs[x], outs[y])
+                        for v in (p - q).abs().amax((1, 2)) / q.abs().amax((1, 2))]
 
             pairs = {"k3c_vs_eager_bf16": ("k3c", "eager_bf16"), "k3c_vs_eager_fp32": ("k3c", "eager_fp32"),
                      "eager_bf16_vs_eager_fp32": ("eager_bf16", "eager_fp32")}
@@ -351,14 +355,20 @@ def main():
                 name: {"median": statistics.median(e), "p90": sorted(e)[int(0.9 * (len(e) - 1))], "max": max(e),
                        "share_above_0.05": sum(x > 0.05 for x in e) / len(e)} for name, e in errs.items()}
             for x in ("k3c", "eager_bf16"):
-                same = [bool((p.argmax(-1) == q.argmax(-1)).all()) for p, q in zip(outs[x], outs["eager_fp32"])]
-                res["numerics_max_rel"][f"greedy_agreement_{x}_vs_fp32"] = sum(same) / len(same)
+                same = torch.cat([(p.argmax(-1) == q.argmax(-1)).flatten()
+                                  for p, q in zip(outs[x], outs["eager_fp32"])])
+                res["numerics_max_rel"][f"greedy_agreement_{x}_vs_fp32"] = float(same.float().mean())
+
+            def last_rows(i: torch.Tensor) -> torch.Tensor:
+                """The ids [tokens, k] of a call's last position of each prompt: [NUMERICS_BATCH, k]."""
+                return i.view(NUMERICS_BATCH, -1, i.shape[-1])[:, -1]
+
             # per position: did any MoE layer choose other experts than eager fp32 for the token whose logits are
-            # compared (the prompt's last, then each decode step's)? The error where every layer agrees is the
+            # compared (each prompt's last, then each decode step's)? The error where every layer agrees is the
             # arithmetic's; where one flipped, it is which near-tied expert won
-            flipped = {x: [any(bool(route_sets_differ(ids[x][i][p][-1:], ids["eager_fp32"][i][p][-1:]))
-                               for i in ids["eager_fp32"]) for p in range(len(outs["k3c"]))]
-                       for x in ("k3c", "eager_bf16")}
+            flipped = {x: [f for p in range(len(outs["k3c"])) for f in torch.stack(
+                [route_sets_differ(last_rows(ids[x][i][p]), last_rows(ids["eager_fp32"][i][p]))
+                 for i in ids["eager_fp32"]]).any(0).tolist()] for x in ("k3c", "eager_bf16")}
             res["numerics_by_route"] = {}
             for x in ("k3c", "eager_bf16"):
                 e = errs[f"{x}_vs_eager_fp32"]
