@@ -9,12 +9,13 @@ kda_bench.md under --out. Timing: triton.testing.do_bench_cudagraph (median of g
 op once per buffer set, rotating through enough sets to exceed the 60 MB L2), falling back to do_bench (median)
 where graph capture fails; that column says which. Per-kernel times of the multi-kernel paths come from
 torch.profiler (PROFILE lines).
-Bytes per decode step = state read + write (fp32 or bf16) + conv state read + write (fp32) + activations in (bf16)
-+ y out (bf16) + per-layer weights. Prefill FLOP = B*T*H*(6*D^2 + 10*64*D): the chunk algorithm's matrix products
-at chunk 64 (three state products, five intra-chunk products), the same count for every implementation.
+Bytes per decode step = state read + write (fp32 or bf16) + conv state read + write (fp32 or bf16) + activations
+in (bf16) + y out (bf16) + per-layer weights. Prefill FLOP = B*T*H*(6*D^2 + 10*64*D): the chunk algorithm's matrix
+products at chunk 64 (three state products, five intra-chunk products), the same count for every implementation.
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -103,10 +104,11 @@ def profile_kernels(label, fn):
         print(f"PROFILE {label} | {line}", flush=True)
 
 
-def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile, batches=(1, 16, 64), lean=False, profile=False):
+def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile, batches=(1, 16, 64), lean=False, profile=False,
+                conv_dtypes=(torch.float32,)):
     """Decode rows at each batch: the split configurations (decode_cfgs: block_v, num_warps, VARIANTS code, front
-    warps) and, unless `lean`, the strided-input, token-loop, torch eager / compile and FLA rows; `profile`: the
-    per-kernel times of the two-phase default."""
+    warps) with each conv-state dtype of `conv_dtypes` and, unless `lean`, the strided-input, token-loop, torch
+    eager / compile and FLA rows (fp32 conv state); `profile`: the per-kernel times of the two-phase default."""
     for B in batches:
         state_bytes = B * H * D * D * 4 * 2 + B * 3 * HD * W * 4 * 2
         io_bytes = B * (5 * HD + H) * 2 + B * HD * 2 + (3 * HD * W + HD + D + H) * 4
@@ -119,10 +121,11 @@ def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile, batches=(1, 16, 64
                              roofline=nbytes / ms / 1e-3 / HBM_BYTES_PER_S))
             print("ROW", rows[-1], flush=True)
 
-        s16 = [dict(state=s["state"].to(torch.bfloat16), conv_state=s["conv_state"]) for _, _, s in step]
-        b16 = state_bytes // 2 + B * 3 * HD * W * 4 + io_bytes
-        for label, states, nbytes, sdt in (("", [s for _, _, s in step], state_bytes + io_bytes, torch.float32),
-                                           ("bf16 state, ", s16, b16, torch.bfloat16)):
+        for sdt, cdt in itertools.product((torch.float32, torch.bfloat16), conv_dtypes):
+            states = [dict(state=s["state"].to(sdt), conv_state=s["conv_state"].to(cdt)) for _, _, s in step]
+            nbytes = B * H * D * D * 2 * sdt.itemsize + B * 3 * HD * W * 2 * cdt.itemsize + io_bytes
+            label = ("bf16 state, " if sdt == torch.bfloat16 else "") + \
+                ("bf16 conv state, " if cdt == torch.bfloat16 else "")
             for bv, nw, variant, fw in decode_cfgs[sdt]:
                 def call(i, bv=bv, nw=nw, variant=variant, states=states):
                     kda_decode(**step[i][0], **step[i][1], **states[i], block_v=bv or None, num_warps=nw or None,
@@ -140,7 +143,7 @@ def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile, batches=(1, 16, 64
                         add(f"k3c decode, {label}split V ({cfg_name(bv, nw, variant, fw)})", ms, "launch", nbytes)
                     if profile and variant == 2 and not (bv or nw or fw):
                         profile_kernels(f"decode B={B} {label}front + state", lambda: call(0))
-        del s16
+            del states
         if lean:
             del sets, step
             continue
@@ -315,6 +318,7 @@ def main():
     ap.add_argument("--decode-bf16", default="0:0,0:0:1,0:0:2,0:0:3,64:2:2,64:4:2",
                     help="bf16 state: as --decode")
     ap.add_argument("--profile-decode", action="store_true", help="per-kernel times of the two-phase decode")
+    ap.add_argument("--decode-conv", default="f32,bf16", help="conv-state dtypes of the decode rows")
     ap.add_argument("--chunk", default="64:4:4,32:4:4,128:8:4",
                     help="block_v:num_warps:prep_warps[:chunk],... of the chunk state pass and the intra-chunk kernel")
     ap.add_argument("--decode-B", default="1,16,64", help="decode batch sizes")
@@ -330,11 +334,12 @@ def main():
     decode_cfgs = {torch.float32: parse_tuples(args.decode, (0, 0, 0, 0)),
                    torch.bfloat16: parse_tuples(args.decode_bf16, (0, 0, 0, 0))}
     chunk_cfgs = parse_tuples(args.chunk, (kda_module.CHUNK_BLOCK_V, 4, kda_module.CHUNK_PREP_WARPS, kda_module.CHUNK))
-    stages = {"check": lambda: check_gpu(dev, checks, decode_cfgs, chunk_cfgs),
+    conv_dtypes = [{"f32": torch.float32, "bf16": torch.bfloat16}[c] for c in args.decode_conv.split(",")]
+    stages = {"check": lambda: check_gpu(dev, checks, decode_cfgs, chunk_cfgs, conv_dtypes),
               "drift": lambda: bf16_state_drift(dev, checks),
               "decode": lambda: decode_rows(dev, have_fla, rows, decode_cfgs, not args.no_compile,
                                             [int(b) for b in args.decode_B.split(",")], args.lean,
-                                            args.profile_decode),
+                                            args.profile_decode, conv_dtypes),
               "prefill": lambda: prefill_rows(dev, have_fla, rows, [int(t) for t in args.prefill_T.split(",")],
                                               chunk_cfgs, [int(t) for t in args.fla_prefill_T.split(",") if t]),
               "spec": lambda: spec_rows(dev, rows, checks)}

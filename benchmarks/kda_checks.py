@@ -3,6 +3,8 @@ conv width 4): random activations / weights / states (`make`), the relative L2 e
 variant against `kda_fused_reference` before it is timed (`check_gpu`, CHECK lines), the bf16-state drift over many
 decode steps, and the context managers that set k3c.codegen.triton.kda's module constants for a sweep."""
 
+import itertools
+
 import torch
 from triton.runtime.errors import OutOfResources
 
@@ -53,8 +55,9 @@ def check(results, name, y, y_ref, st, S_ref, C_ref, tol):
     print("CHECK", r, flush=True)
 
 
-def check_gpu(dev, results, decode_cfgs, chunk_cfgs):
-    """bf16-input correctness of every timed k3c variant vs the fp32 reference (relative L2 error)."""
+def check_gpu(dev, results, decode_cfgs, chunk_cfgs, conv_dtypes=(torch.float32,)):
+    """bf16-input correctness of every timed k3c variant vs the fp32 reference (relative L2 error); decode with
+    each conv-state dtype of `conv_dtypes` (bf16 holds the bf16 inputs exactly: same tolerance)."""
     acts, weights, state = small_heads(*make(2, 300, dev, seed=1), 8)
     y_ref, S_ref, C_ref = kda_fused_reference(**acts, **weights, **state)
     st = {k: v.clone() for k, v in state.items()}
@@ -76,16 +79,17 @@ def check_gpu(dev, results, decode_cfgs, chunk_cfgs):
                     check(results, f"prefill {name} lengths (300, 173), row 1", y[1:, :173], r1[0],
                           {k: v[1:] for k, v in st.items()}, r1[1], r1[2], 1e-2)
     for sdt, cfgs in decode_cfgs.items():
-        for bv, variant, fw in sorted({(bv, v, fw) for bv, _, v, fw in cfgs}):
+        for (bv, variant, fw), cdt in itertools.product(sorted({(bv, v, fw) for bv, _, v, fw in cfgs}), conv_dtypes):
             st = {k: v.clone() for k, v in state.items()}
             kda_prefill(**{k: v[:, :296] for k, v in acts.items()}, **weights, **st, method="recurrent")
-            st["state"] = st["state"].to(sdt)
+            st["state"], st["conv_state"] = st["state"].to(sdt), st["conv_state"].to(cdt)
             with module_consts(DECODE_FRONT_WARPS=fw or kda_module.DECODE_FRONT_WARPS):
                 ys = [kda_decode(**{k: v[:, t] for k, v in acts.items()}, **weights, **st, block_v=bv or None,
                                  variant=VARIANTS[variant]) for t in range(296, 300)]
             st["state"] = st["state"].float()
-            check(results, f"decode x4 {cfg_name(bv, 0, variant, fw)} state {str(sdt)[6:]} after prefill",
-                  torch.stack(ys, 1), y_ref[:, 296:], st, S_ref, C_ref, 1e-2 if sdt == torch.bfloat16 else 1e-3)
+            check(results, f"decode x4 {cfg_name(bv, 0, variant, fw)} state {str(sdt)[6:]} conv state "
+                  f"{str(cdt)[6:]} after prefill", torch.stack(ys, 1), y_ref[:, 296:], st, S_ref, C_ref,
+                  1e-2 if sdt == torch.bfloat16 else 1e-3)
     # row-strided activations (the column views of one fused projection output) give the contiguous results
     views = fused_views({k: v[:, 296:297] for k, v in acts.items()})
     for variant in ("fused", "front"):

@@ -38,10 +38,11 @@ def test_arena_close_to_liveness_lower_bound(built):
 
 def test_pools_match_config_arithmetic(built):
     _, opts, s = built
-    # k3.1-pro-tiny: 7 KDA layers x B=2 x 4 heads x 16 x 16 fp32 states, conv states 3*64 channels x 4 fp32;
-    # 3 global layers x 2 x 256 tokens x (32 + 8) bf16 latents; 3 DSA layers x 2 x 256 x 16 bf16 index keys
+    # k3.1-pro-tiny: 7 KDA layers x B=2 x 4 heads x 16 x 16 fp32 states, conv states 3*64 channels x 4 bf16 (the
+    # projections' dtype); 3 global layers x 2 x 256 tokens x (32 + 8) bf16 latents; 3 DSA layers x 2 x 256 x 16
+    # bf16 index keys
     assert s["pools"]["kda_state"] == 7 * 2 * 4 * 16 * 16 * 4
-    assert s["pools"]["conv_state"] == 7 * 2 * 192 * 4 * 4
+    assert s["pools"]["conv_state"] == 7 * 2 * 192 * 4 * 2
     assert s["pools"]["kv"] == 3 * 2 * 256 * 40 * 2
     assert s["pools"]["index_k"] == 3 * 2 * 256 * 16 * 2
 

@@ -14,7 +14,8 @@ point; `import_model` joins the pieces as `K3DecoderLayer.forward` does (AttnRes
 seal -> AttnRes read -> MLP -> residual add; Kimi Linear: mixer and MLP on a plain residual stream).
 The result is one graph with:
 - inputs: `tokens` i64 [B,T] (T is 1 for decode), then the cache: per layer `layers.i.kda_state` [B,H,K,K] in
-  the storage dtype `kda_state` (f32 by default), `layers.i.conv_state` f32 [B,3HK,W], `layers.i.kv`
+  the storage dtype `kda_state` (f32 by default), `layers.i.conv_state` [B,3HK,W] in the q/k/v projections'
+  dtype (`conv_state_dtype`: bf16 in a bf16 model, exact for the raw projection outputs it holds), `layers.i.kv`
   [B,L,kv_lora_rank+rope], `layers.i.index_k` [B,L,Dk];
 - params: keyed by the reference model's parameter names (the checkpoint key without `language_model.`;
   routed experts stacked as `...experts.w1` [E,I,D]);
@@ -22,7 +23,7 @@ The result is one graph with:
   as the inputs.
 With `kda_state="bf16"` the state is stored in bf16 and computed in f32, as the model computes it: each KDA
 layer reads `cast(state, f32)` and its new state is `cast(new_state, bf16)`, rounded once per call (`fuse_kda`
-folds both casts into `kda_fused`).
+folds both casts into `kda_fused`). A bf16 conv state is read and written through casts the same way.
 With `dsa_index_keys="fp8"` every DSA layer's `layers.i.index_k` is f8e4m3 [B,L,Dk] with a second cache
 `layers.i.index_k_scale` f32 [B,L]: the appended keys are quantized once and the indexer scores e4m3 keys
 (`k3c.frontend.index_keys`).
@@ -44,7 +45,7 @@ from k3c.frontend import cache as memo
 from k3c.frontend import index_keys
 from k3c.ir.graph import Graph, Value
 from k3c.ir.specialize import specialize
-from k3c.ir.types import TensorType, dtype_of, symbol
+from k3c.ir.types import TensorType, dtype_of, symbol, torch_dtype
 from models.config import K3Config
 from models.k3 import K3ForCausalLM
 
@@ -161,7 +162,7 @@ def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: 
         layer_param = lambda fqn, prefix=prefix: param(prefix + fqn[len("layer."):])  # noqa: E731
         keys = layer_cache_keys(model, i)
         fp8_keys = index_k == "fp8" and "index_k" in keys
-        caches = [_state_cast(g, cache_in[f"layers.{i}.{k}"], "f32", i) if k == "kda_state" else
+        caches = [_state_cast(g, cache_in[f"layers.{i}.{k}"], "f32", i, k) if k in _F32_INSIDE else
                   index_keys.placeholder(g, cache_in[f"layers.{i}.{k}"], dtype_of(model.dtype), i)
                   if k == "index_k" and fp8_keys else cache_in[f"layers.{i}.{k}"] for k in keys]
         if attn_res:  # K3DecoderLayer.forward: AttnRes read, mixer, seal or add, AttnRes read, MLP, add
@@ -183,7 +184,8 @@ def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: 
             j, name = keys.index("index_k"), f"layers.{i}.index_k"
             new[j], scale = index_keys.quantize_appended_keys(g, i, cache_in[name], cache_in[name + "_scale"], new[j])
         for k, v in zip(keys, new):
-            g.set_output(f"layers.{i}.{k}", _state_cast(g, v, kda_state, i) if k == "kda_state" else v)
+            g.set_output(f"layers.{i}.{k}", _state_cast(g, v, cache_in[f"layers.{i}.{k}"].type.dtype, i, k)
+                         if k in _F32_INSIDE else v)
         if fp8_keys:
             g.set_output(f"layers.{i}.index_k_scale", scale)
         if progress:
@@ -201,13 +203,19 @@ def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: 
     return g
 
 
-def _state_cast(g: Graph, state: Value, to: str, layer: int) -> Value:
-    """`state` as `to`: a `cast` node of `g` where the storage dtype differs (--kda-state bf16), else itself."""
+# KDA caches the model computes in f32 but the graph may store narrower: the recurrent state (`kda_state`, the
+# --kda-state option) and the conv state (raw projected inputs, stored in the projections' dtype).
+_F32_INSIDE = ("kda_state", "conv_state")
+
+
+def _state_cast(g: Graph, state: Value, to: str, layer: int, key: str) -> Value:
+    """`state` (the layer's cache `key`) as `to`: a `cast` node of `g` where the storage dtype differs (a bf16
+    store), else itself."""
     if state.type.dtype == to:
         return state
-    meta = {"source": f"k3c.frontend (KDA state stored as {state.type.dtype if to == 'f32' else to}, computed "
+    meta = {"source": f"k3c.frontend (KDA {key} stored as {state.type.dtype if to == 'f32' else to}, computed "
                       f"in f32)", "layer": layer, "pass": "import"}
-    return g.add_node("cast", [state], {"to": to}, name_hint=f"l{layer}.kda_state", meta=meta)[0]
+    return g.add_node("cast", [state], {"to": to}, name_hint=f"l{layer}.{key}", meta=meta)[0]
 
 
 def _last_row(g: Graph, x: Value, axis: int) -> Value:
@@ -239,12 +247,23 @@ _ROLE_AXES = {"tokens": ("B", "T"), "h": ("B", "T", None), "partial": ("B", "T",
 
 
 def _cache_type(model: K3ForCausalLM, i: int, key: str, kda_state: str, index_k: str) -> TensorType:
+    """The graph input type of layer i's cache `key`. The conv state holds raw q/k/v projection outputs, so it
+    is stored in the projections' dtype (exact; bf16 halves the bytes each decode step moves)."""
     cfg = model.config
     H, K, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size
     dt = dtype_of(model.dtype)
-    return {"kda_state": TensorType(("B", H, K, K), kda_state), "conv_state": TensorType(("B", 3 * H * K, W), "f32"),
+    if key == "conv_state":
+        return TensorType(("B", 3 * H * K, W), conv_state_dtype(model, i))
+    return {"kda_state": TensorType(("B", H, K, K), kda_state),
             "kv": TensorType(("B", "L", cfg.mla_cache_width), dt),
             "index_k": TensorType(("B", "L", cfg.index_head_dim), "f8e4m3" if index_k == "fp8" else dt)}[key]
+
+
+def conv_state_dtype(model: K3ForCausalLM, i: int) -> str:
+    """The IR dtype layer i's KDA conv state is stored in: its q projection's weight dtype (the raw inputs the
+    state holds are that projection's outputs), f32 for any other weight dtype."""
+    dt = dtype_of(model.model.layers[i].self_attn.q_proj.weight.dtype)
+    return dt if dt in ("bf16", "f16") else "f32"
 
 
 def graph_params(model: K3ForCausalLM, graph: Graph) -> dict[str, torch.Tensor]:
@@ -257,9 +276,16 @@ def graph_params(model: K3ForCausalLM, graph: Graph) -> dict[str, torch.Tensor]:
 
 
 def graph_inputs(model: K3ForCausalLM, tokens: torch.Tensor, cache: dict | None = None) -> dict[str, torch.Tensor]:
-    """Interpreter inputs for `tokens` [B,T] and a model cache (`model.new_cache` when None)."""
+    """Interpreter inputs for `tokens` [B,T] and a model cache (`model.new_cache` when None; its f32 conv states
+    are converted to the graph's storage dtype, `conv_state_dtype`: exact, they hold projection outputs)."""
     cache = cache if cache is not None else model.new_cache(tokens.shape[0], tokens.device)
-    return {"tokens": tokens, **{k: v for k, v in cache.items() if k != "pos"}}
+    out = {"tokens": tokens}
+    for k, v in cache.items():
+        if k.endswith(".conv_state"):
+            v = v.to(torch_dtype(conv_state_dtype(model, int(k.split(".")[1]))))
+        if k != "pos":
+            out[k] = v
+    return out
 
 
-__all__ = ["ENTRIES", "build_meta_model", "graph_inputs", "graph_params", "import_model"]
+__all__ = ["ENTRIES", "build_meta_model", "conv_state_dtype", "graph_inputs", "graph_params", "import_model"]

@@ -6,8 +6,8 @@ used). What one KDA layer must look like (models/layers.py `KDA.forward`; casts 
 appear when the projections are bf16; norms may be the canonical ops or their decomposed chains):
 
     raw    = transpose(cast?(cat(qp, kp, vp, dim=-1)), 1, 2)               qp, kp, vp [B,T,H·K]: projection outputs
-    window = cat(conv_state, raw, dim=-1)                                   conv_state [B,3·H·K,W] f32
-    new_cs = slice(window, dim=2, start=-W)                                 -> the layer's new conv state
+    window = cat(cast?(conv_state, f32), raw, dim=-1)                       conv_state [B,3·H·K,W]
+    new_cs = cast?(slice(window, dim=2, start=-W))                          -> the layer's new conv state
     y      = transpose(silu(slice(conv1d(window, cast?(cat(wq, wk, wv)), groups=3HK), dim=2, start=1)), 1, 2)
     q4, k4, v4 = reshape(split(y, [HK, HK, HK], -1)[i], [B,T,H,K])        split outputs 0, 1, 2 in that order
     q = mul(l2norm(q4, eps=1e-6), K^-0.5) ;  k = l2norm(k4, eps=1e-6) ;  v = v4
@@ -21,8 +21,9 @@ appear when the projections are bf16; norms may be the canonical ops or their de
     stored = cast?(new_state, bf16)        where the state is stored in bf16 (a bf16 `state`; `--kda-state bf16`)
 
 becomes `(out, new_state, new_cs) = kda_fused(qp, kp, vp, f, b, gate, wq, wk, wv, A_log, dt_bias, o_norm, state,
-conv_state) {heads=H, head_dim=K, gate, lower_bound, eps}` (state and new_state in the storage dtype: the
-casts of a bf16 state fold in, `kda_fused_ref`), placed just before the node that produced `out`; the
+conv_state) {heads=H, head_dim=K, gate, lower_bound, eps}` (state, conv state and their new values in the storage
+dtypes: the casts of a bf16 state, and of a conv state stored in the projections' dtype, fold in, `kda_fused_ref`),
+placed just before the node that produced `out`; the
 matched nodes die. Every piece is checked (ops, attrs, shapes, the q/k/v channel order shared by the projections,
 the conv weights, the conv state and the split); a KDA layer that differs, or whose intermediate values are used
 outside the layer, raises `IRError` naming its `kda_recurrence` node and the piece. Nothing is skipped silently.
@@ -146,11 +147,12 @@ class _KDAMatch:
         win = self.take(window, "cat", "conv window cat(conv_state, raw inputs)", 2)
         if _axis(win.attrs["dim"], 3) != 2:
             raise self.fail("conv window must be concatenated along the time dim", win)
-        conv_state, raw = win.inputs
-        Wd = conv_state.type.shape[-1]
-        self.need_shape(conv_state, (B, 3 * HK, Wd), "conv state")
-        if conv_state.type.dtype != "f32" or not isinstance(Wd, int):
-            raise self.fail(f"conv state is {conv_state.type}, expected f32 [B,{3 * HK},W]")
+        conv_f32, raw = win.inputs
+        Wd = conv_f32.type.shape[-1]
+        self.need_shape(conv_f32, (B, 3 * HK, Wd), "conv state")
+        if conv_f32.type.dtype != "f32" or not isinstance(Wd, int):
+            raise self.fail(f"conv state is {conv_f32.type}, expected f32 [B,{3 * HK},W]")
+        conv_state = self.uncast(conv_f32)          # stored narrower: read through cast(conv_state, f32)
         for w in wcat.inputs:
             self.need_shape(w, (HK, 1, Wd), "a conv weight")
         rt = self.take(self.uncast(raw), "transpose", "raw conv inputs transpose [B,T,3HK] -> [B,3HK,T]")
@@ -181,6 +183,8 @@ class _KDAMatch:
                             "slice [:, :, -W:]", u)
         if new_cs is None:
             raise self.fail("no new conv state (slice [:, :, -W:] of the conv window)")
+        if conv_state is not conv_f32:
+            new_cs = self.stored_conv(conv_state, new_cs, qp.type.dtype)
 
         # decay gate
         gate_kind, lower_bound, a2, f4 = self.decay(g4)
@@ -246,6 +250,18 @@ class _KDAMatch:
                             f"state's only reader a cast to bf16; it is {stored.type}", state)
         self.interior[id(users[0])] = users[0]
         return stored, users[0].outputs[0]
+
+    def stored_conv(self, stored: Value, new: Value, dtype: str) -> Value:
+        """The new conv state as stored, for a conv state read through `cast(stored, f32)`: `stored` must be in
+        the projections' `dtype` (exact for the raw inputs it holds) and the new state's only reader a cast back to
+        it (folded in)."""
+        users = self.g.users(new)
+        if stored.type.dtype != dtype or len(users) != 1 or users[0].op != "cast" \
+                or users[0].attrs["to"] != dtype or self.g.is_output(new):
+            raise self.fail(f"a conv state stored narrower than f32 must be in the projections' dtype {dtype}, read "
+                            f"through cast(·, f32) and written through one cast back; it is {stored.type}", stored)
+        self.interior[id(users[0])] = users[0]
+        return users[0].outputs[0]
 
     def l2(self, v: Value, name: str) -> Value:
         parts = l2_parts(self.g, v)

@@ -225,6 +225,31 @@ def test_bf16_state_is_rounded_fp32_state(method):
     assert (err <= S_ref.double().abs() * 2 ** -7 + TOL).all(), "state beyond one bf16 ulp of the reference"
 
 
+@pytest.mark.parametrize("method", ["decode_front", "chunk"])
+def test_bf16_conv_state_equals_fp32_conv_state(method):
+    # bf16 activations: the conv state holds raw bf16 inputs, so storing it in bf16 changes nothing, bit for bit
+    # (decode: conv_window / store_conv_window; chunk: causal_conv_silu and roll_conv_state, as the token loop)
+    T = 1 if method == "decode_front" else 17
+    acts, weights, state = make_inputs(2, T, 2, 32, seed=43)
+    acts = {k: v.to(torch.bfloat16) for k, v in acts.items()}
+    state["conv_state"] = state["conv_state"].to(torch.bfloat16)
+    runs = []
+    for conv_dtype in (torch.bfloat16, torch.float32):
+        st = clone(state)
+        st["conv_state"] = st["conv_state"].to(conv_dtype)
+        if method == "decode_front":
+            y = kda_decode(**{k: v[:, 0] for k, v in acts.items()}, **weights, **st, variant="front")
+        else:                                               # y past a row's length is left unwritten
+            y = kda_prefill(**acts, **weights, **st, method="chunk", lengths=[17, 9])
+            y = torch.cat([y[0, :17], y[1, :9]])
+        runs.append((y, st))
+    (y16, st16), (y32, st32) = runs
+    assert st16["conv_state"].dtype == torch.bfloat16 and torch.equal(y16, y32)
+    assert torch.equal(st16["state"], st32["state"]) and torch.equal(st16["conv_state"].float(), st32["conv_state"])
+    with pytest.raises(UnsupportedError, match="conv_state"):  # bf16 conv state with fp32 activations: not exact
+        kda_decode(**{k: v[:, 0].float() for k, v in acts.items()}, **weights, **clone(state))
+
+
 @pytest.mark.parametrize("lengths", [None, [37, 20]])
 def test_chunk_state_pass_split_over_v(lengths):
     # block_v = 16 < D: four state programs per head, O through the fp32 buffer and the separate norm kernel

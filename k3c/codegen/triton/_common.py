@@ -50,7 +50,7 @@ def causal_conv_silu(x_ptr, conv_ptr, w_ptr, pos, chan, mask, stride_t, W: tl.co
     out[pos, c] = silu(sum_j w[c, j] * x[pos - (W-1) + j, c]); inputs at negative positions come from the conv
     state, whose column W-1 is position -1 (the last W raw inputs, oldest first).
     x_ptr:    the group's channel 0 at position 0 of this batch row (raw projected input, any float dtype)
-    conv_ptr: the group's channel 0 of this batch row's conv state, [C, W] fp32 rows
+    conv_ptr: the group's channel 0 of this batch row's conv state, [C, W] rows (fp32, or the activation dtype)
     w_ptr:    the group's channel 0 of the conv weight, [C, W] fp32 rows
     pos, chan: broadcastable int tensors (a scalar position and [BD] channels, or [BT, 1] and [1, BD])
     mask:     lanes to compute (channel < D and position < length); other lanes return 0
@@ -60,7 +60,7 @@ def causal_conv_silu(x_ptr, conv_ptr, w_ptr, pos, chan, mask, stride_t, W: tl.co
     for j in tl.static_range(W):
         p = pos - (W - 1) + j
         x_new = tl.load(x_ptr + p * stride_t + chan, mask=mask & (p >= 0), other=0.0).to(tl.float32)
-        x_old = tl.load(conv_ptr + chan * W + (W + p), mask=mask & (p < 0), other=0.0)
+        x_old = tl.load(conv_ptr + chan * W + (W + p), mask=mask & (p < 0), other=0.0).to(tl.float32)
         w_j = tl.load(w_ptr + chan * W + j, mask=mask, other=0.0)
         acc += (x_new + x_old) * w_j
     return silu(acc)
@@ -84,8 +84,40 @@ def conv_window(x_ptr, conv_ptr, t, chan, chan_mask, stride_t, W: tl.constexpr, 
     p = t - (W - 1) + j[None, :] + 0 * chan[:, None]        # [BD, BW] positions of the window
     m = chan_mask[:, None] & (j[None, :] < W)
     x_new = tl.load(x_ptr + p * stride_t + chan[:, None], mask=m & (p >= 0), other=0.0).to(tl.float32)
-    x_old = tl.load(conv_ptr + chan[:, None] * W + (W + p), mask=m & (p < 0), other=0.0)
+    x_old = tl.load(conv_ptr + chan[:, None] * W + (W + p), mask=m & (p < 0), other=0.0).to(tl.float32)
     return x_new + x_old
+
+
+@triton.jit
+def store_conv_window(conv_ptr, win, chan, chan_mask, W: tl.constexpr, BW: tl.constexpr):
+    """Store a [BD, BW] window tile (`conv_window`) as the channels' conv state rows ([C, W] at conv_ptr, fp32 or
+    the activation dtype: rounded to it)."""
+    j = tl.arange(0, BW)
+    tl.store(conv_ptr + chan[:, None] * W + j[None, :], win.to(conv_ptr.dtype.element_ty),
+             mask=chan_mask[:, None] & (j[None, :] < W))
+
+
+@triton.jit
+def decode_front_end(q_ptr, k_ptr, v_ptr, f_ptr, conv_q, conv_k, conv_v, w_q, w_k, w_v, dtb_ptr, a, i_k, m_k, i_v,
+                     m_v, STRIDE: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, GATE_KIND: tl.constexpr,
+                     LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr):
+    """The front end of one head's decode step (K3-SPEC "KDA layer"), from its raw projected inputs.
+
+    q_ptr / k_ptr / v_ptr / f_ptr: the head's channel 0 of the step's activations; conv_q / conv_k / conv_v: the
+    head's rows of the old conv state; w_q / w_k / w_v: its conv weight rows ([C, W] fp32); dtb_ptr: its dt_bias;
+    a = exp(A_log[h]); i_k / m_k: the [BD] key channels (q, k, gate), i_v / m_v: the value channels of v.
+    Returns (win_q, win_k [BD, BW], win_v [BV, BW]: the W-input windows, also the new conv state rows;
+    q = l2norm(silu(conv)) * SCALE, k = l2norm(silu(conv)) [BD]; v = silu(conv) [BV]; g [BD] log-decay), fp32.
+    """
+    win_q = conv_window(q_ptr, conv_q, 0, i_k, m_k, STRIDE, W, BW)
+    win_k = conv_window(k_ptr, conv_k, 0, i_k, m_k, STRIDE, W, BW)
+    win_v = conv_window(v_ptr, conv_v, 0, i_v, m_v, STRIDE, W, BW)
+    q = silu(tl.sum(win_q * load_conv_weight(w_q, i_k, m_k, W, BW), 1))
+    k = silu(tl.sum(win_k * load_conv_weight(w_k, i_k, m_k, W, BW), 1))
+    v = silu(tl.sum(win_v * load_conv_weight(w_v, i_v, m_v, W, BW), 1))
+    f = tl.load(f_ptr + i_k, mask=m_k, other=0.0).to(tl.float32)
+    g = kda_decay_gate(f + tl.load(dtb_ptr + i_k, mask=m_k, other=0.0), a, GATE_KIND, LOWER_BOUND)
+    return win_q, win_k, win_v, l2_normalize(q, 0) * SCALE, l2_normalize(k, 0), v, g
 
 
 @triton.jit
@@ -110,9 +142,10 @@ def roll_conv_state(x_ptr, conv_in_ptr, conv_out_ptr, n, stride_t, chan, chan_ma
     p = n - W + j[None, :]                                  # [1, BW] positions of the new state's columns
     m = chan_mask[:, None] & (j[None, :] < W)
     from_x = tl.load(x_ptr + p * stride_t + chan[:, None], mask=m & (p >= 0), other=0.0).to(tl.float32)
-    from_old = tl.load(conv_in_ptr + chan[:, None] * W + (W + p), mask=m & (p < 0), other=0.0)
+    from_old = tl.load(conv_in_ptr + chan[:, None] * W + (W + p), mask=m & (p < 0), other=0.0).to(tl.float32)
     tl.debug_barrier()
-    tl.store(conv_out_ptr + chan[:, None] * W + j[None, :], from_x + from_old, mask=m)
+    tl.store(conv_out_ptr + chan[:, None] * W + j[None, :], (from_x + from_old).to(conv_out_ptr.dtype.element_ty),
+             mask=m)
 
 
 @triton.jit
@@ -163,5 +196,5 @@ def last_of_head(o, o_part, counters, bh, cols, col_mask, D: tl.constexpr, NV: t
 
 # Source order for code generation (each helper's dependencies come first).
 HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, load_conv_weight, conv_window,
-           causal_conv_silu_token, roll_conv_state, rms_norm_sigmoid_gate, store_norm_gate, delta_rule_step,
-           last_of_head)
+           store_conv_window, decode_front_end, causal_conv_silu_token, roll_conv_state,
+           rms_norm_sigmoid_gate, store_norm_gate, delta_rule_step, last_of_head)

@@ -173,12 +173,16 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
             raise RuntimeInputError(f"KDA: {name} must have shape {shape}, got {tuple(tensor.shape)}")
     if A_log.numel() < H:
         raise RuntimeInputError(f"KDA: A_log has {A_log.numel()} entries, fewer than H={H}")
-    for name, tensor in (("conv_state", conv_state), ("conv_w_q", conv_w_q), ("A_log", A_log),
-                         ("dt_bias", dt_bias), ("o_norm_weight", o_norm_weight)):
+    for name, tensor in (("conv_w_q", conv_w_q), ("A_log", A_log), ("dt_bias", dt_bias),
+                         ("o_norm_weight", o_norm_weight)):
         if tensor.dtype != torch.float32:
             raise UnsupportedError(f"KDA: {name} must be float32, got {tensor.dtype}")
     state_out = state if state_out is None else state_out
     conv_state_out = conv_state if conv_state_out is None else conv_state_out
+    for name, tensor in (("conv_state", conv_state), ("conv_state_out", conv_state_out)):
+        if tensor.dtype not in (torch.float32, q_in.dtype):
+            raise UnsupportedError(f"KDA: {name} must be float32 or the activations' {q_in.dtype}, got "
+                                   f"{tensor.dtype}")
     for name, tensor in (("state", state), ("state_out", state_out)):
         if tensor.dtype not in (torch.float32, torch.bfloat16):
             raise UnsupportedError(f"KDA: {name} must be float32 or bfloat16, got {tensor.dtype}")
@@ -305,9 +309,10 @@ def kda_prefill(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_
 
     Shapes/dtypes as `kda_fused_reference`: activations [B, T, H*D] (fp32/bf16/fp16, beta_logits [B, T, H]),
     conv weights [H*D, W] fp32, A_log [>= H] fp32, dt_bias [H*D] fp32, o_norm_weight [D] fp32, state
-    [B, H, D, D] fp32 or bf16 (kept in fp32 inside the kernels), conv_state [B, 3*H*D, W] fp32 (both
-    contiguous). gate_kind: "lower_bound" (K3, config
-    linear_attn_config.gate_lower_bound) or "softplus" (Kimi Linear); eps: o_norm's rms_norm_eps.
+    [B, H, D, D] fp32 or bf16 (kept in fp32 inside the kernels), conv_state [B, 3*H*D, W] fp32 or the
+    activations' dtype (it holds raw projected inputs, so that dtype is exact; bf16 halves its bytes), both
+    contiguous. gate_kind: "lower_bound" (K3, config linear_attn_config.gate_lower_bound) or "softplus" (Kimi
+    Linear); eps: o_norm's rms_norm_eps.
     lengths: None or int / [B] ints <= T (only the first lengths[b] tokens of row b are used; y past them is left
     unwritten). State and conv state are updated in place unless state_out / conv_state_out (same shapes) are given.
     method: "chunk" (CHUNK-token WY/UT tensor-core kernels, chunk-parallel; bounded gate, `chunk_is_safe`
@@ -361,7 +366,8 @@ def kda_spec_replay(q_in, k_in, v_in, f, beta_logits, conv_w_q, conv_w_k, conv_w
     """Speculative decoding (K3 report §3.4): replay the accepted draft tokens to rebuild the state, in place.
 
     q_in, k_in, v_in, f: [B, k, H*D] cached projected inputs of the k draft tokens; beta_logits [B, k, H];
-    state [B, H, D, D] / conv_state [B, 3*H*D, W] fp32 as they were BEFORE the draft tokens (no snapshots);
+    state [B, H, D, D] / conv_state [B, 3*H*D, W] (dtypes as `kda_prefill`) as they were BEFORE the draft tokens
+    (no snapshots);
     n_accepted: int or [B] ints in [0, k]. Afterwards state/conv_state equal those after running the first
     n_accepted[b] draft tokens of each row. No output is written. Raises as `kda_prefill`, and RuntimeInputError
     if n_accepted is outside [0, k].
@@ -394,8 +400,8 @@ def launch(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_k, co
 
     Activations [B, T, H*D] with H = HEADS, D = HEAD_DIM (decode: T = 1); beta_logits [B, T, H];
     conv weights [H*D, CONV_SIZE] fp32; A_log [>= H], dt_bias [H*D], o_norm_weight [D] fp32;
-    state [B, H, D, D] fp32 or bf16 and conv_state [B, 3*H*D, CONV_SIZE] fp32, updated in place unless *_out
-    are given;
+    state [B, H, D, D] fp32 or bf16 and conv_state [B, 3*H*D, CONV_SIZE] fp32 or the activations' dtype,
+    updated in place unless *_out are given;
     lengths: None or [B] ints (tokens per row; spec replay: n_accepted). Returns y [B, T, H*D] or None.
     Raises RuntimeInputError / UnsupportedError (k3c.errors) on inputs this specialization does not fit.
     """

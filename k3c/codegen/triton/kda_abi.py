@@ -18,9 +18,10 @@ The state outputs may be the very tensors of the state inputs (in-place update) 
 activations may be row-strided views (any batch / token strides, dense last dim: in decode, the column views of
 the one GEMM output `fuse_gemms` makes of the projections): the module declares `TAKES_VIEWS`, so that the runtime's
 Triton launcher passes them without a copy (other inputs are made contiguous here where they are not). Conv weights
-[H·K,1,W] are viewed as [H·K,W]; non-fp32 weights or conv state are converted (the kernels take fp32), a converted
-conv state is copied back. The recurrent state goes to the kernels as it is stored, f32 or bf16 (`--kda-state`):
-they load it, compute in f32 and round the new state once per call.
+[H·K,1,W] are viewed as [H·K,W]; non-fp32 weights are converted (the kernels take fp32). The conv state goes to the
+kernels as it is stored when that is f32 or the activations' dtype (a bf16 model stores it in bf16: exact, half the
+bytes), otherwise it is converted to f32 and copied back. The recurrent state goes to the kernels as it is stored,
+f32 or bf16 (`--kda-state`): they load it, compute in f32 and round the new state once per call.
 
 Scratch (`kda_fused_scratch`, planned in the arena; the decode kernels' o_part, counters and front-end outputs,
 (5·K + 2)·B·H·4 bytes, stay cached in the module, one set per shape, shared by the layers): the
@@ -63,8 +64,9 @@ def launch(inputs, outputs, sizes, scratch=None):
     T = q.shape[1]
     conv_w = [w.reshape(w.shape[0], w.shape[-1]).float() for w in (q_conv, k_conv, v_conv)]
     state = state.contiguous()
-    conv_in = conv_state.contiguous() if conv_state.dtype == torch.float32 else conv_state.float().contiguous()
-    conv_dst = conv_out if conv_out.dtype == torch.float32 else conv_in
+    conv_ok = (torch.float32, q.dtype)                     # the kernels' conv-state dtypes (kda._launch_kda)
+    conv_in = conv_state.contiguous() if conv_state.dtype in conv_ok else conv_state.float().contiguous()
+    conv_dst = conv_out if conv_out.dtype == conv_in.dtype and conv_out.is_contiguous() else conv_in
     mode = "decode" if T == 1 else "chunk" if CHUNKED and T >= CHUNK_MIN_TOKENS else "recurrent"
     direct = y.is_contiguous() and y.dtype == q.dtype      # the kernels write y in place
     y_new = _launch_kda(mode, q, k, v, f, beta, gate,

@@ -47,7 +47,7 @@ def kda_chunk_prep_kernel(
     beta_in,                              # [B, T, H] beta logits
     conv_w_q, conv_w_k, conv_w_v,         # [H*D, W] fp32 depthwise conv weights
     A_log, dt_bias,                       # [>=H], [H*D] fp32
-    conv_in,                              # [B, 3*H*D, W] fp32: q, k, v channels (read only)
+    conv_in,                              # [B, 3*H*D, W] fp32 or activation dtype: q, k, v channels (read)
     lengths,                              # [B] int32 tokens per row (HAS_LENGTHS) else unused
     ws_qg, ws_kend, ws_w, ws_u,           # [B, H, NC, BT, D] workspace (activation dtype)
     ws_p,                                 # [B, H, NC, BT, BT] workspace
@@ -135,7 +135,7 @@ def kda_chunk_state_kernel(
     q_in, k_in, v_in, gate_in,            # [B, T, H*D] (q/k/v: conv-state roll; gate: fused epilogue)
     o_norm_w,                             # [D] fp32
     state_in, state_out,                  # [B, H, D, D] fp32 or bf16
-    conv_in, conv_out,                    # [B, 3*H*D, W] fp32
+    conv_in, conv_out,                    # [B, 3*H*D, W] fp32 or the activation dtype
     y,                                    # [B, T, H*D] output (FUSE_NORM) or fp32 O buffer (not FUSE_NORM)
     lengths, T, NC,
     s_qb, s_qt, s_kb, s_kt, s_vb, s_vt,   # (batch, token) strides (elements) of q/k/v/gate; last dim dense

@@ -33,13 +33,10 @@ import triton
 import triton.language as tl
 
 from k3c.codegen.triton._common import (
-    conv_window,
+    decode_front_end,
     delta_rule_step,
-    kda_decay_gate,
-    l2_normalize,
     last_of_head,
-    load_conv_weight,
-    silu,
+    store_conv_window,
     store_norm_gate,
 )
 
@@ -52,7 +49,7 @@ def kda_decode_kernel(
     conv_w_q, conv_w_k, conv_w_v,         # [H*D, W] fp32 depthwise conv weights
     A_log, dt_bias, o_norm_w,             # [>=H], [H*D], [D] fp32
     state_in, state_out,                  # [B, H, D, D] fp32 or bf16 (key dim, value dim)
-    conv_in, conv_out,                    # [B, 3*H*D, W] fp32: q, k, v channels
+    conv_in, conv_out,                    # [B, 3*H*D, W] fp32 or the activation dtype: q, k, v channels
     y,                                    # [B, H*D] output (dtype of q_in)
     o_part,                               # [B, H, D] fp32 scratch: o before the norm (NV > 1)
     counters,                             # [B, H] int32, zero between launches (NV > 1)
@@ -81,17 +78,11 @@ def kda_decode_kernel(
     conv_v = b.to(tl.int64) * 3 * HD * W + (2 * HD + h * D) * W
 
     # Front end (K3-SPEC "KDA layer"): the W-input windows are also the new conv states.
-    win_q = conv_window(q_in + b64 * s_q + h * D, conv_in + conv_q, 0, i_k, m_k, HD, W, BW)
-    win_k = conv_window(k_in + b64 * s_k + h * D, conv_in + conv_k, 0, i_k, m_k, HD, W, BW)
-    win_v = conv_window(v_in + b64 * s_v + h * D, conv_in + conv_v, 0, i_v, m_v, HD, W, BW)
-    q = silu(tl.sum(win_q * load_conv_weight(conv_w_q + h * D * W, i_k, m_k, W, BW), 1))
-    k = silu(tl.sum(win_k * load_conv_weight(conv_w_k + h * D * W, i_k, m_k, W, BW), 1))
-    v = silu(tl.sum(win_v * load_conv_weight(conv_w_v + h * D * W, i_v, m_v, W, BW), 1))
-    q = l2_normalize(q, 0) * SCALE
-    k = l2_normalize(k, 0)
-    f = tl.load(f_in + b64 * s_f + h * D + i_k, mask=m_k, other=0.0).to(tl.float32)
-    g = kda_decay_gate(f + tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0), tl.exp(tl.load(A_log + h)),
-                       GATE_KIND, LOWER_BOUND)
+    win_q, win_k, win_v, q, k, v, g = decode_front_end(
+        q_in + b64 * s_q + h * D, k_in + b64 * s_k + h * D, v_in + b64 * s_v + h * D, f_in + b64 * s_f + h * D,
+        conv_in + conv_q, conv_in + conv_k, conv_in + conv_v, conv_w_q + h * D * W, conv_w_k + h * D * W,
+        conv_w_v + h * D * W, dt_bias + h * D, tl.exp(tl.load(A_log + h)), i_k, m_k, i_v, m_v, HD, W, BW, GATE_KIND,
+        LOWER_BOUND, SCALE)
     beta = tl.sigmoid(tl.load(beta_in + b64 * s_beta + h).to(tl.float32))
 
     # Delta-rule step on the [D, BV] tile.
@@ -101,21 +92,19 @@ def kda_decode_kernel(
     S, o = delta_rule_step(S, q, k, v, beta)
     tl.store(state_out + s_off, S.to(state_out.dtype.element_ty), mask=m_s)
 
-    j = tl.arange(0, BW)
-    m_w = j[None, :] < W
     tl.debug_barrier()                                    # every lane has read the old v conv state
-    tl.store(conv_out + conv_v + i_v[:, None] * W + j[None, :], win_v, mask=m_v[:, None] & m_w)
+    store_conv_window(conv_out + conv_v, win_v, i_v, m_v, W, BW)
 
     if NV == 1:
         store_norm_gate(o, gate_in + b64 * s_g + h * D, o_norm_w, y + y_off, i_k, m_k, D, EPS)
-        tl.store(conv_out + conv_q + i_k[:, None] * W + j[None, :], win_q, mask=m_k[:, None] & m_w)
-        tl.store(conv_out + conv_k + i_k[:, None] * W + j[None, :], win_k, mask=m_k[:, None] & m_w)
+        store_conv_window(conv_out + conv_q, win_q, i_k, m_k, W, BW)
+        store_conv_window(conv_out + conv_k, win_k, i_k, m_k, W, BW)
     else:
         if last_of_head(o, o_part, counters, bh, i_v, m_v, D, NV):  # last program of the head: the epilogue
             o_all = tl.load(o_part + bh * D + i_k, mask=m_k, other=0.0, cache_modifier=".cg")
             store_norm_gate(o_all, gate_in + b64 * s_g + h * D, o_norm_w, y + y_off, i_k, m_k, D, EPS)
-            tl.store(conv_out + conv_q + i_k[:, None] * W + j[None, :], win_q, mask=m_k[:, None] & m_w)
-            tl.store(conv_out + conv_k + i_k[:, None] * W + j[None, :], win_k, mask=m_k[:, None] & m_w)
+            store_conv_window(conv_out + conv_q, win_q, i_k, m_k, W, BW)
+            store_conv_window(conv_out + conv_k, win_k, i_k, m_k, W, BW)
 
 
 @triton.jit
@@ -123,7 +112,7 @@ def kda_decode_front_kernel(
     q_in, k_in, v_in, f_in, beta_in,      # [B, H*D] / [B, H] activations of the step (rows may be strided)
     conv_w_q, conv_w_k, conv_w_v,         # [H*D, W] fp32 depthwise conv weights
     A_log, dt_bias,                       # [>=H], [H*D] fp32
-    conv_in, conv_out,                    # [B, 3*H*D, W] fp32: q, k, v channels (may alias)
+    conv_in, conv_out,                    # [B, 3*H*D, W] fp32 or the activation dtype (may alias)
     front,                                # [B, H, 4, D] fp32 out: q (l2norm * SCALE), k (l2norm), v, exp(g)
     beta_out,                             # [B, H] fp32 out: sigmoid(beta logits)
     s_q, s_k, s_v, s_f, s_beta,           # batch-row strides (elements); last dim dense
@@ -143,28 +132,22 @@ def kda_decode_front_kernel(
     conv_q = b64 * 3 * HD * W + (0 * HD + h * D) * W
     conv_k = b64 * 3 * HD * W + (1 * HD + h * D) * W
     conv_v = b64 * 3 * HD * W + (2 * HD + h * D) * W
-    win_q = conv_window(q_in + b64 * s_q + h * D, conv_in + conv_q, 0, i_k, m_k, HD, W, BW)
-    win_k = conv_window(k_in + b64 * s_k + h * D, conv_in + conv_k, 0, i_k, m_k, HD, W, BW)
-    win_v = conv_window(v_in + b64 * s_v + h * D, conv_in + conv_v, 0, i_k, m_k, HD, W, BW)
-    q = silu(tl.sum(win_q * load_conv_weight(conv_w_q + h * D * W, i_k, m_k, W, BW), 1))
-    k = silu(tl.sum(win_k * load_conv_weight(conv_w_k + h * D * W, i_k, m_k, W, BW), 1))
-    v = silu(tl.sum(win_v * load_conv_weight(conv_w_v + h * D * W, i_k, m_k, W, BW), 1))
-    f = tl.load(f_in + b64 * s_f + h * D + i_k, mask=m_k, other=0.0).to(tl.float32)
-    g = kda_decay_gate(f + tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0), tl.exp(tl.load(A_log + h)),
-                       GATE_KIND, LOWER_BOUND)
+    win_q, win_k, win_v, q, k, v, g = decode_front_end(
+        q_in + b64 * s_q + h * D, k_in + b64 * s_k + h * D, v_in + b64 * s_v + h * D, f_in + b64 * s_f + h * D,
+        conv_in + conv_q, conv_in + conv_k, conv_in + conv_v, conv_w_q + h * D * W, conv_w_k + h * D * W,
+        conv_w_v + h * D * W, dt_bias + h * D, tl.exp(tl.load(A_log + h)), i_k, m_k, i_k, m_k, HD, W, BW, GATE_KIND,
+        LOWER_BOUND, SCALE)
     out = front + bh * 4 * D + i_k
-    tl.store(out, l2_normalize(q, 0) * SCALE, mask=m_k)
-    tl.store(out + D, l2_normalize(k, 0), mask=m_k)
+    tl.store(out, q, mask=m_k)
+    tl.store(out + D, k, mask=m_k)
     tl.store(out + 2 * D, v, mask=m_k)
     tl.store(out + 3 * D, tl.exp(g), mask=m_k)
     tl.store(beta_out + bh, tl.sigmoid(tl.load(beta_in + b64 * s_beta + h).to(tl.float32)))
 
-    j = tl.arange(0, BW)
-    m_c = m_k[:, None] & (j[None, :] < W)
     tl.debug_barrier()                                    # every lane has read the old conv state
-    tl.store(conv_out + conv_q + i_k[:, None] * W + j[None, :], win_q, mask=m_c)
-    tl.store(conv_out + conv_k + i_k[:, None] * W + j[None, :], win_k, mask=m_c)
-    tl.store(conv_out + conv_v + i_k[:, None] * W + j[None, :], win_v, mask=m_c)
+    store_conv_window(conv_out + conv_q, win_q, i_k, m_k, W, BW)
+    store_conv_window(conv_out + conv_k, win_k, i_k, m_k, W, BW)
+    store_conv_window(conv_out + conv_v, win_v, i_k, m_k, W, BW)
 
 
 @triton.jit

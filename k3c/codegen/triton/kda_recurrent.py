@@ -30,7 +30,7 @@ def kda_recurrent_kernel(
     conv_w_q, conv_w_k, conv_w_v,         # [H*D, W] fp32 depthwise conv weights
     A_log, dt_bias, o_norm_w,             # [>=H], [H*D], [D] fp32
     state_in, state_out,                  # [B, H, D, D] fp32 or bf16 (key dim, value dim)
-    conv_in, conv_out,                    # [B, 3*H*D, W] fp32: q, k, v channels
+    conv_in, conv_out,                    # [B, 3*H*D, W] fp32 or the activation dtype: q, k, v channels
     y,                                    # [B, T, H*D] output (dtype of q_in)
     lengths,                              # [B] int32 tokens to process per row (HAS_LENGTHS) else unused
     T,                                    # tokens stored per row
