@@ -15,9 +15,10 @@ import torch
 HBM_BPS = 4.2e12  # the H200's achievable HBM read rate, bytes/s (measured; see BENCHMARKS.md)
 
 
-def floor_bytes(cfg, weights: dict, B: int, L: int, state_bytes: int = 4) -> int:
+def floor_bytes(cfg, weights: dict, B: int, L: int, state_bytes: int = 4, conv_bytes: int = 2) -> int:
     """Bytes one decode step at batch B and context L must move (module docstring, item 3); the KDA recurrent
-    state at `state_bytes` per element (4: fp32, 2: `--kda-state bf16`), the conv state fp32."""
+    state at `state_bytes` per element (4: fp32, 2: `--kda-state bf16`), the conv state at `conv_bytes` (the
+    activations' dtype: 2 in the bf16 builds benchmarked here; run H and earlier stored it in fp32 and counted 4)."""
     E, k = cfg.num_experts, cfg.num_experts_per_token
     touched = 1 - (1 - k / E) ** B  # expected share of the routed experts a batch of B tokens selects
     total = 0
@@ -31,7 +32,7 @@ def floor_bytes(cfg, weights: dict, B: int, L: int, state_bytes: int = 4) -> int
     H, K = cfg.kda_num_heads, cfg.kda_head_dim
     for i in range(cfg.num_hidden_layers):
         if cfg.layer_kind(i) == "kda":
-            total += 2 * B * (H * K * K * state_bytes + 3 * H * K * cfg.conv_kernel_size * 4)  # read and written
+            total += 2 * B * (H * K * K * state_bytes + 3 * H * K * cfg.conv_kernel_size * conv_bytes)  # read, written
         else:
             rows = min(L, cfg.index_topk) if cfg.layer_kind(i) == "dsa" else L
             total += B * rows * cfg.mla_cache_width * 2
