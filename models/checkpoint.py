@@ -82,13 +82,34 @@ def expected_tensors(cfg: K3Config) -> dict[str, tuple[tuple[int, ...], torch.dt
     return out
 
 
-def _shard_files(path: Path) -> list[Path]:
+def index_weight_map(path: Path) -> dict[str, str] | None:
+    """The `weight_map` (tensor name -> shard file name) of checkpoint directory `path`'s
+    model.safetensors.index.json, or None without one. Raises CheckpointError naming the index when it is not JSON
+    with a 'weight_map' object of file names."""
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object") from None
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        weight_map = None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object of tensor name -> shard file name")
+    return weight_map
+
+
+def open_shard(shard: Path):
+    """`safe_open(shard)` (torch framework) as a context manager; raises CheckpointError naming the file when it is
+    not a readable safetensors file."""
+    try:
+        return safe_open(str(shard), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{shard}: not a readable safetensors file ({e})") from None
+
+
+def _shard_files(path: Path) -> list[Path]:
+    weight_map = index_weight_map(path)
+    if weight_map is not None:
         files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
@@ -101,7 +122,7 @@ def _shard_files(path: Path) -> list[Path]:
 
 
 def _read_shard(shard: Path, cfg: K3Config, expected: dict, found: dict) -> None:
-    with safe_open(str(shard), framework="pt") as f:
+    with open_shard(shard) as f:
         for key in f.keys():
             if key.startswith(_IGNORED) or (cfg.checkpoint_prefix and not key.startswith(cfg.checkpoint_prefix)):
                 continue  # vision tower and other towers of a multimodal checkpoint
@@ -178,7 +199,7 @@ def load_mxfp4_experts(path: str | Path) -> dict[str, torch.Tensor]:
     expected = {k: v for k, v in expected_tensors(cfg).items() if _EXPERT.match(k[len(cfg.checkpoint_prefix):])}
     found: dict[str, torch.Tensor] = {}
     for shard in _shard_files(path):
-        with safe_open(str(shard), framework="pt") as f:
+        with open_shard(shard) as f:
             for key in f.keys():
                 if key in expected:
                     found[key] = f.get_tensor(key)

@@ -268,6 +268,8 @@ class K3Config:
             return PRESETS[key]()
         path = Path(key)
         if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ConfigError(f"{key}: a checkpoint directory needs a config.json; none found")
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"{key}: not a preset ({', '.join(sorted(PRESETS))}), config.json or checkpoint directory")

@@ -67,3 +67,28 @@ def test_argument_errors_answer_before_torch(tmp_path):
 def test_init_refuses_a_full_size_checkpoint(tmp_path):
     out, err = probe("init", "kimi-linear-48b", "-o", str(tmp_path / "c"))
     assert "GiB (init writes at most 4 GiB)" in err and out.rstrip().endswith(" 2") and not (tmp_path / "c").exists()
+
+
+def test_sigterm_removes_the_unfinished_artifact(tmp_path):
+    """A compile ended by SIGTERM (as `timeout` or a scheduler ends it) leaves neither the artifact nor its staging
+    directory: the signal is sent once the staging directory exists, i.e. mid-compile."""
+    import signal
+    import time
+
+    import torch
+
+    from models.config import K3Config
+    from models.k3 import save_random_checkpoint
+
+    save_random_checkpoint(K3Config.from_pretrained("k3-tiny"), tmp_path / "ckpt", dtype=torch.float32)
+    proc = subprocess.Popen([sys.executable, "-c", "from k3c.cli import main; main()", "compile", str(tmp_path / "ckpt"),
+                             "-o", str(tmp_path / "o"), "--target", "cpu-x86-64"], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".o.tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read()  # still compiling when the staging directory appeared
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

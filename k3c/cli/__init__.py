@@ -22,6 +22,7 @@ configurations are inspected.
 from __future__ import annotations
 
 import gc
+import signal
 import sys
 
 import typer
@@ -31,10 +32,17 @@ from k3c.cli.app import app, err
 from k3c.errors import K3CError
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM (what `timeout`, `kill` and schedulers send) unwinds the command as Ctrl-C does, so the staging
+    directory of an unfinished artifact or checkpoint is removed; exit status 128 + 15, the shell's."""
+    sys.exit(128 + signum)
+
+
 def main() -> None:
     """Entry point: run the app, printing a usage error (unknown option, bad value), a K3CError and an OSError on a
-    path the user gave as one line each, exit 2."""
+    path the user gave as one line each, exit 2. SIGTERM ends the command cleanly (`_exit_on_sigterm`)."""
     gc_was_on = gc.isenabled()
+    sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         code = app(standalone_mode=False)  # click's errors come here instead of its boxed usage text
         if isinstance(code, int) and code:  # typer.Exit(code) of a command
@@ -56,5 +64,6 @@ def main() -> None:
         err.print(f"[red]error:[/] {where}{e.strerror or e}", highlight=False, soft_wrap=True)
         sys.exit(2)
     finally:
+        signal.signal(signal.SIGTERM, sigterm)
         if gc_was_on:  # a command may pause it (`app.compiling`); a caller running main() in process gets it back
             gc.enable()

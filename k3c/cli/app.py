@@ -60,6 +60,17 @@ def check_writable(path: Path, flag: str) -> None:
     os.unlink(probe)
 
 
+def check_dump_dir(dump: Path | None) -> None:
+    """Raise K3CError unless `--dump` directory `dump` (None: no dump) is new or empty and can be created: the IR
+    dumps write prefill/ and decode/ files into it, and must not replace files a user keeps there."""
+    if dump is None:
+        return
+    if dump.exists() and (not dump.is_dir() or any(dump.iterdir())):
+        raise K3CError(f"--dump {dump}: exists and is not an empty directory; choose a new one")
+    if not dump.exists():
+        check_writable(dump, "--dump")
+
+
 def check_artifact_exists(artifact: Path) -> None:
     """Raise K3CError unless `artifact` exists (before the runtime, and torch, are imported to read it)."""
     if not artifact.exists():

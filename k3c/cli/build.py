@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from k3c.cli.app import app, check_writable, compiling, err, out, progress_bars
+from k3c.cli.app import app, check_dump_dir, check_writable, compiling, err, out, progress_bars
 from k3c.errors import K3CError
 
 INIT_MAX_BYTES = 4 * 2**30  # `k3c init` is for small models: a random full-size checkpoint is ~1e12 parameters
@@ -48,18 +48,20 @@ def init(preset: str = typer.Argument(..., help="a tiny preset (k3-tiny, k3.1-pr
 
 
 def _checkpoint_dtype(path: Path) -> str:
-    """'f32' or 'bf16': the dtype of a checkpoint's embedding table (from the safetensors header, nothing loaded)."""
-    import json
+    """'f32' or 'bf16': the dtype of a checkpoint's embedding table (from the safetensors header, nothing loaded).
+    Raises CheckpointError for an unreadable index or shard (naming it), K3CError without an embedding table."""
+    from models.checkpoint import index_weight_map, open_shard
 
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    shards = json.loads(index.read_text())["weight_map"] if index.is_file() else {
-        k: f.name for f in sorted(path.glob("*.safetensors")) for k in safe_open(f, "numpy").keys()}
+    shards = index_weight_map(path)
+    if shards is None:
+        shards = {}
+        for f in sorted(path.glob("*.safetensors")):
+            with open_shard(f) as st:
+                shards.update(dict.fromkeys(st.keys(), f.name))
     key = next((k for k in sorted(shards) if k.endswith("embed_tokens.weight")), None)
     if key is None:
         raise K3CError(f"{path}: no embed_tokens.weight in the checkpoint; pass --dtype")
-    with safe_open(path / shards[key], "numpy") as f:
+    with open_shard(path / shards[key]) as f:
         return "bf16" if f.get_slice(key).get_dtype() == "BF16" else "f32"
 
 
@@ -113,6 +115,7 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
     if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file())):
         raise K3CError(f"{out_dir}: exists and is not a k3c artifact; --force only replaces artifacts")
     check_writable(out_dir, "-o")
+    check_dump_dir(dump)
     if report is not None and report.exists() and not force:
         raise K3CError(f"--report {report}: already exists (pass --force to overwrite it)")
     if report is not None:

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from k3c.cli.app import app, check_writable, compiling, err, out, progress_bars
+from k3c.cli.app import app, check_dump_dir, check_writable, compiling, err, out, progress_bars
 from k3c.errors import K3CError
 
 FORMATS = ("text", "json", "dot", "svg", "onnx", "summary")
@@ -124,6 +124,7 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
         raise K3CError(f"-o {output}: already exists (pass --force to overwrite it)")
     if output is not None:
         check_writable(output, "-o")
+    check_dump_dir(dump)
     if entry not in ("prefill", "decode"):
         raise K3CError(f"--entry {entry}: expected prefill or decode")
     _check_after(after)

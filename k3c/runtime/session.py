@@ -65,6 +65,14 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", *, cuda_gr
     return session
 
 
+def _tokens_error(tokens) -> str:
+    """The message for `tokens` that are not an int64 / int32 tensor [B, T] with data: what was expected and what
+    came."""
+    got = (f"a {tokens.dtype} tensor of shape {list(tokens.shape)} on {tokens.device}"
+           if isinstance(tokens, torch.Tensor) else f"a {type(tokens).__name__}")
+    return f"tokens must be an int64 or int32 tensor of shape [B, T] (on the CPU or the session's device); got {got}"
+
+
 class Session:
     """A loaded artifact with its arena, pools and weights on one device; see the module docstring."""
 
@@ -203,10 +211,10 @@ class Session:
         host never waits for a step and the steps run back to back on the GPU; elsewhere each step is a `decode`
         call. Raises RuntimeInputError (as `prefill` / `decode`; steps < 1; the context plus the steps − 1 tokens
         fed back beyond max_seq)."""
-        if not isinstance(steps, int) or steps < 1:
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise RuntimeInputError(f"steps={steps!r}: expected an integer >= 1")
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
-            raise RuntimeInputError("tokens must be an integer tensor of shape [B, T]")
+            raise RuntimeInputError(_tokens_error(tokens))
         if self.length + tokens.shape[1] + steps - 1 > self.max_seq:
             raise RuntimeInputError(f"context {self.length} + {tokens.shape[1]} prompt tokens + {steps - 1} fed back "
                                     f"exceeds the compiled max_seq {self.max_seq}")
@@ -235,8 +243,9 @@ class Session:
 
     # ---- execution ----------------------------------------------------------------------------------------------
     def _check(self, tokens) -> torch.Tensor:
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise RuntimeInputError("tokens must be an integer tensor of shape [B, T]")
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32) \
+                or tokens.device.type == "meta":
+            raise RuntimeInputError(_tokens_error(tokens))
         B, T = tokens.shape
         if T < 1 or B < 1:
             raise RuntimeInputError(f"tokens of shape {list(tokens.shape)}: need at least one sequence and one token")

@@ -181,6 +181,12 @@ def test_from_pretrained_invalid_json(tmp_path):
     assert str(path) in str(e.value)
 
 
+def test_checkpoint_directory_without_config_is_named(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ConfigError, match=f"{tmp_path}: a checkpoint directory needs a config.json"):
+        K3Config.from_pretrained(tmp_path)
+
+
 def test_from_pretrained_field_error_names_the_file(tmp_path):
     data = _k3()
     data["text_config"]["linear_attn_config"]["head_dim"] = "x"

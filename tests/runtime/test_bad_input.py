@@ -138,6 +138,10 @@ def test_tokens_and_bounds_are_checked(art):
         s.decode(torch.zeros(2, 1, dtype=torch.long))
     rc, err = k3c_cli("run", art / "art", "--tokens", "1,999999")
     assert rc == 2 and "vocabulary" in err
+    with pytest.raises(RuntimeInputError, match=r"int64 or int32 .* got a torch.int16 tensor of shape \[1, 2\]"):
+        s.decode(torch.zeros(1, 2, dtype=torch.int16))
+    with pytest.raises(RuntimeInputError, match="steps=True"):
+        s.generate(torch.zeros(1, 1, dtype=torch.long), True)
 
 
 def test_existing_output_directory_is_refused_unless_force(art, tmp_path):
@@ -152,8 +156,15 @@ def test_truncated_shard_is_a_checkpoint_error(art, tmp_path):
     ckpt = _copy(art / "ckpt", tmp_path / "c")
     shard = sorted(ckpt.glob("*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:1000])
-    rc, err = k3c_cli("compile", ckpt, "-o", tmp_path / "out", "--dtype", "f32")
-    assert rc == 2 and shard.name in err and "safetensors" in err and not (tmp_path / "out").exists()
+    for dtype in ("f32", "auto"):  # auto: the dtype is read from the embedding's shard header first
+        rc, err = k3c_cli("compile", ckpt, "-o", tmp_path / "out", "--dtype", dtype)
+        assert rc == 2 and shard.name in err and "safetensors" in err and not (tmp_path / "out").exists()
+    index = ckpt / "model.safetensors.index.json"
+    for text in ("garbage", '{"weight_map": 5}'):
+        index.write_text(text)
+        for dtype in ("f32", "auto"):
+            rc, err = k3c_cli("compile", ckpt, "-o", tmp_path / "out", "--dtype", dtype)
+            assert rc == 2 and index.name in err and "weight_map" in err and not (tmp_path / "out").exists()
 
 
 def test_bad_device_and_run_lengths_are_checked_up_front(art):
@@ -188,6 +199,12 @@ def test_output_locations_that_cannot_be_written_fail_before_compiling(art, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no staging directory left behind
     rc, err = k3c_cli("compile", "k3-tiny", "-o", tmp_path / "o", "--plan-only", "--dump", afile)
     assert rc == 2 and "afile" in err and not (tmp_path / "o").exists()
+    kept = tmp_path / "kept" / "prefill"  # a --dump directory holding a user's file: refused, the file kept
+    kept.mkdir(parents=True)
+    (kept / "00-input.txt").write_text("mine")
+    rc, err = k3c_cli("compile", "k3-tiny", "-o", tmp_path / "o", "--plan-only", "--dump", tmp_path / "kept")
+    assert rc == 2 and "not an empty directory" in err and (kept / "00-input.txt").read_text() == "mine"
+    assert not (tmp_path / "o").exists()
     rc, err = k3c_cli("inspect", "k3-tiny", "-o", tmp_path / "nodir" / "x.txt")
     assert rc == 2 and "nodir" in err
 
