@@ -34,7 +34,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from k3c.codegen.triton import attention, dsa_index, dsa_decode as dd  # noqa: E402
+from k3c.codegen.triton import attention, dsa_index, dsa_rerank, dsa_decode as dd  # noqa: E402
 from k3c.codegen.triton.attention import launch_mla  # noqa: E402
 from k3c.codegen.triton.dsa_decode import dsa_decode_topk  # noqa: E402
 from dsa_checks import (DI, DL, DV, H, SCALE, TOPK, compiled_decode, decode_buffers, decode_bytes,  # noqa: E402
@@ -121,7 +121,7 @@ SELECT_VARIANTS = {   # name -> dsa_decode attributes (the default first)
     "scan / collect programs 1056 (before round 6)": dict(SCAN_PROGRAMS=1056),
     "scan / collect programs 2112": dict(SCAN_PROGRAMS=2112), "scan 4 stages": dict(SCAN_STAGES=4)}
 SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "FINISH_LONG_KEYS", "SCAN_BLOCK",
-                "SCAN_WARPS", "RANK_BLOCK", "COLLECT_NEXT", "NEXT_DENSE", "SCAN_PROGRAMS", "SCAN_STAGES")
+                "SCAN_WARPS", "COLLECT_NEXT", "NEXT_DENSE", "SCAN_PROGRAMS", "SCAN_STAGES")
 
 
 def load_baseline(path):
@@ -265,7 +265,7 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
 
     idx_bytes = B * L * DI * 2
     idx8_bytes = B * L * (DI + 4)
-    rerank_bytes = B * (TOPK + dd.RERANK_EXTRA) * DI * 2
+    rerank_bytes = B * (TOPK + dsa_rerank.RERANK_EXTRA) * DI * 2
     attn_bytes = B * TOPK * DL * 2
     per_set = idx_bytes + idx8_bytes + B * L * DL * 2
     n_sets = max(1, math.ceil(3 * L2_BYTES / per_set))

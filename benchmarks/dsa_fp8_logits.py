@@ -31,7 +31,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from k3c.codegen.triton import dsa_decode as dd  # noqa: E402
+from k3c.codegen.triton import dsa_decode as dd, dsa_rerank  # noqa: E402
 from k3c.ir.ops.model_attn import dsa_index_topk_ref, fp8_quantize_ref  # noqa: E402
 from models import layers  # noqa: E402
 from models.k3 import K3Config, K3ForCausalLM  # noqa: E402
@@ -137,7 +137,7 @@ def run_artifact(model, tokens, prompt):
 
 def overlap_at_scale(L, rows=4, J=32, D=128, topk=2048, seed=0):
     """Mean overlap with the exact top-k of: the k3c fp8 semantics, fp8 keys with an exact q, and the k3c fp8
-    selection of topk + 2048 re-ranked exactly (`dsa_decode.RERANK_EXTRA`); `rows` decode queries over L keys."""
+    selection of topk + 2048 re-ranked exactly (`dsa_rerank.RERANK_EXTRA`); `rows` decode queries over L keys."""
     gen = torch.Generator().manual_seed(seed)
     keys = torch.nn.functional.layer_norm(torch.randn(1, L, D, generator=gen), (D,))
     k8, ks = fp8_quantize_ref({}, keys)
@@ -153,7 +153,7 @@ def overlap_at_scale(L, rows=4, J=32, D=128, topk=2048, seed=0):
         res["fp8 keys, exact q"] += overlap(select(fp8_s, None, topk, None), exact)[0] / rows
         q8, sq = fp8_quantize_ref({}, q.to(torch.bfloat16))
         k3c_s = dsa_scores(q8.float(), w * sq, k8.float()) * ks[:, None]
-        res["k3c fp8 + rerank 2048"] += overlap(select(k3c_s, exact_s, topk, dd.RERANK_EXTRA), exact)[0] / rows
+        res["k3c fp8 + rerank 2048"] += overlap(select(k3c_s, exact_s, topk, dsa_rerank.RERANK_EXTRA), exact)[0] / rows
     return res
 
 

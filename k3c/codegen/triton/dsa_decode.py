@@ -26,18 +26,15 @@ bytes; the score is scale * sum_j w_j ReLU(q_j . k8): float8_e4m3fn (the compile
 head in registers, q_j = sq_j * q8_j with sq_j = max|q_j| / 448 folded into w_j: one fp8 x fp8 product), or int8
 (q int8 per head, sq_j = max|q_j| / 127: one int8 x int8 -> int32 product; a uniform grid, about 4x less score noise
 than e4m3's 3 mantissa bits: top-2048 overlap 0.984-0.988 vs 0.942-0.957 in the H200 bench, BENCHMARKS.md DSA
-round 6). With the exact keys at hand (`k_exact`) the fp8 scan selects topk + RERANK_EXTRA candidates and two
-kernels re-rank them exactly:
-  dsa_rerank_kernel   their exact scores as unique 64-bit keys (order key << 32 | ~position)
-  dsa_rerank_rank_kernel  each one's rank = the number of larger keys: its slot (the reference's order)
-equal to the exact selection unless a key of the exact top-k ranks below topk + RERANK_EXTRA in fp8 order
-(Gaussian keys, L = 1M, CPU simulation: worst rank 2.9K with fp8 q, so 2048 extra; 1 MB of exact keys per row).
+round 6). With the exact keys at hand (`k_exact`) the selection's candidates are re-ranked exactly
+(`dsa_rerank`, which builds on this module).
 
 The scan and collect kernels split a row's keys evenly over the programs of grid axis 0 (`_row_range`); with device
 lengths (`radix_topk(..., lengths=)`, i32 [B]: whole-step decode graphs) row b has lengths[b] + 1 keys, read in the
 kernels, and L is only the bound that sizes the grids and scratch.
 
-Public API: `dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None)` -> idx, `radix_topk`
+Public API: `dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None)` -> idx (with k_exact:
+`dsa_rerank.rerank_topk`), `radix_topk`
 (its launches, into a given `out` and planned scratch), `radix_scratch_words`, `quantize_index_keys(k_i, dtype)` ->
 (k8, scale), and the kernels (`KERNELS`, in source order).
 """
@@ -73,9 +70,6 @@ NEXT_DENSE = 64        # ... by one masked atomic per candidate, or, in a block 
                        # bin: no thousands of atomics on one word), a local histogram and one atomic per bin
 FP8_MAX = 448.0        # largest float8_e4m3fn value
 FP8_QUERY = True       # fp8 keys: quantize q per head in the scan too (fp8 x fp8 tensor-core product)
-RERANK_EXTRA = 2048    # fp8 keys + exact keys: candidates beyond topk that the exact re-scoring sees
-RERANK_BLOCK = 128     # candidates per re-scoring program
-RANK_BLOCK = 32        # candidates per ranking program (each compares them with all the row's candidates)
 
 
 @triton.jit
@@ -371,51 +365,6 @@ def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, CHUN
         tl.store(idx_ptr + b * K + offs, tl.full([CHUNK], -1, tl.int64), mask=(offs >= written) & (offs < K))
 
 
-@triton.jit
-def dsa_rerank_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, ck_ptr, L, K1,
-                      J: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_C: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
-    """Exact scores of candidates [pid*BLOCK_C, ...) of row b: cand [B, K1] int64 positions (-1: none), k [B, L, D]
-    exact keys (q's dtype) -> ck [B, K1] int64 key (signed order key of the score << 32) + (2^32-1 - s): unique,
-    larger = better, ties by lowest position; INT64_MIN for no candidate."""
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    offs_j = tl.arange(0, BLOCK_J)
-    offs_d = tl.arange(0, D)
-    offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
-    pos = tl.load(cand_ptr + b * K1 + offs_c, mask=offs_c < K1, other=-1)
-    ok = pos >= 0
-    q = tl.load(q_ptr + (b * J + offs_j)[:, None] * D + offs_d[None, :], mask=(offs_j < J)[:, None], other=0.0)
-    w = tl.load(w_ptr + b * J + offs_j, mask=offs_j < J, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + (b * L + tl.maximum(pos, 0))[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-    dots = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)        # [BLOCK_J, BLOCK_C]
-    score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
-    signed = (_order_key(score).to(tl.int32, bitcast=True) ^ -2147483648).to(tl.int64)   # signed order: float's
-    key = tl.where(ok, (signed << 32) + (4294967295 - pos), -9223372036854775808)
-    tl.store(ck_ptr + b * K1 + offs_c, key, mask=offs_c < K1)
-
-
-@triton.jit
-def dsa_rerank_rank_kernel(ck_ptr, idx_ptr, K1, K, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr):
-    """grid (cdiv(K1, BLOCK_C), B): the rank of candidates [pid*BLOCK_C, ...) of row b among all K1 (ck [B, K1]
-    from `dsa_rerank_kernel`) = the number of larger keys, counted in a [BLOCK_C, BLOCK_O] int32 tile over the row
-    and reduced once; rank < K is the candidate's slot in idx [B, K] int64 (pre-filled with -1). The keys are
-    unique, so the slots are too, and idx comes out in the reference's order (score descending, ties by lowest
-    position)."""
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
-    key = tl.load(ck_ptr + b * K1 + offs_c, mask=offs_c < K1, other=-9223372036854775808)
-    count = tl.zeros([BLOCK_C, BLOCK_O], tl.int32)
-    for o in range(0, K1, BLOCK_O):
-        offs_o = o + tl.arange(0, BLOCK_O)
-        other = tl.load(ck_ptr + b * K1 + offs_o, mask=offs_o < K1, other=-9223372036854775808)
-        count += (other[None, :] > key[:, None]).to(tl.int32)
-    rank = tl.sum(count, 1)
-    pos = 4294967295 - (key & 4294967295)
-    tl.store(idx_ptr + b * K + rank, pos, mask=(key != -9223372036854775808) & (rank < K))
-
-
 def quantize_index_keys(k_i, dtype=torch.float8_e4m3fn):
     """FP8 (or int8) index keys: k_i [B, L, D] -> (k8 `dtype` [B, L, D], scale fp32 [B, L]), k ~= scale * k8.
 
@@ -429,11 +378,12 @@ def quantize_index_keys(k_i, dtype=torch.float8_e4m3fn):
     return (torch.round(k) if dtype == torch.int8 else k).to(dtype), scale.contiguous()
 
 
-def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None, rerank_extra=RERANK_EXTRA):
+def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None, rerank_extra=None):
     """Top-`topk` index positions for one new token per row: q_i [B, J, D] (or [B, 1, J, D]), w [B, J],
     k_i [B, L, D] (bf16/fp16/fp32, or float8_e4m3fn / int8 (q then int8 per head too: BENCHMARKS.md DSA round 6)
     with k_scale [B, L] fp32, optionally with the exact keys
-    k_exact [B, L, D] in q_i's dtype: then topk + rerank_extra fp8 candidates are re-ranked by their exact scores).
+    k_exact [B, L, D] in q_i's dtype: then topk + rerank_extra (default `dsa_rerank.RERANK_EXTRA`) fp8 candidates
+    are re-ranked by their exact scores, `dsa_rerank.rerank_topk`, and come in the reference's order).
 
     Returns int64 [B, 1, topk]: the positions of the topk largest I[s], ties by lowest position, -1 past
     min(L, topk); in no particular order unless `ordered` (then as `dsa_index_topk_ref`: score descending, ties by
@@ -453,7 +403,10 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None
     if k_exact is not None and (not fp8 or tuple(k_exact.shape) != (B, L, D) or k_exact.dtype != q_i.dtype):
         raise RuntimeInputError(f"dsa_decode_topk: k_exact must be [B, L, D] = {(B, L, D)} in q_i's dtype "
                                 f"{q_i.dtype} with float8_e4m3fn k_i, got {tuple(k_exact.shape)} {k_exact.dtype}")
-    return radix_topk(q_i, w.reshape(B, J), k_i, topk, k_scale, ordered, k_exact, rerank_extra)
+    if k_exact is None:
+        return radix_topk(q_i, w.reshape(B, J), k_i, topk, k_scale, ordered)
+    from k3c.codegen.triton.dsa_rerank import rerank_topk  # it builds on this module: imported here, not above
+    return rerank_topk(q_i, w.reshape(B, J), k_i, k_scale, k_exact, topk, rerank_extra)
 
 
 def radix_scratch_words(B, L):
@@ -462,12 +415,11 @@ def radix_scratch_words(B, L):
     return B * (2 * L + HIST_STRIDE)
 
 
-def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=RERANK_EXTRA, lengths=None,
-               out=None, scratch=None):
+def radix_topk(q_i, w, k_i, topk, k_scale, ordered, lengths=None, out=None, scratch=None):
     """The launches of `dsa_decode_topk` (q_i [B, J, D], w [B, J]; shapes already checked; copied into generated
-    `dsa_index_topk` modules): dsa_init_kernel, dsa_scan_kernel, dsa_collect_kernel, dsa_finish_kernel (+ the
-    re-ranking's two with k_exact). Result: int64 [B, 1, topk] (`out`, contiguous, written in place, or new), the
-    selected positions first in no particular order, then -1 (see `dsa_decode_topk`); `ordered` sorts it (torch).
+    `dsa_index_topk` modules): dsa_init_kernel, dsa_scan_kernel, dsa_collect_kernel, dsa_finish_kernel. Result:
+    int64 [B, 1, topk] (`out`, contiguous, written in place, or new), the selected positions first in no particular
+    order, then -1 (see `dsa_decode_topk`); `ordered` sorts it (torch).
     lengths: None, or i32 [B] on the device: row b then holds lengths[b] + 1 keys of k_i (the context before the new
     token, plus it) and L = k_i.shape[1] is only the bound (the launches do not depend on the lengths: a CUDA graph
     replays them at any context). scratch: None (allocated here) or a contiguous int32 tensor of at least
@@ -476,21 +428,18 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
     L = k_i.shape[1]
     fp8 = k_scale is not None
     from_ptr = lengths is not None
-    n_sel = topk if k_exact is None else topk + rerank_extra
     dev = q_i.device
     words = radix_scratch_words(B, L)
     buf = torch.empty((words,), dtype=torch.int32, device=dev) if scratch is None else scratch[:words]
     keys, cand, hist = buf[:B * L], buf[B * L:2 * B * L], buf[2 * B * L:]
     if out is None:
         out = torch.empty((B, 1, topk), dtype=torch.int64, device=dev)
-    idx = out if k_exact is None else torch.empty((B, 1, n_sel), dtype=torch.int64, device=dev)
     q = q_i.contiguous() if not fp8 else q_i.to(torch.bfloat16).contiguous()
     n_len = lengths if from_ptr else keys
     n_scan = triton.cdiv(L, SCAN_BLOCK)
     per_scan = max(1, triton.cdiv(n_scan * B, SCAN_PROGRAMS))
     n_ref = triton.cdiv(L, SELECT_BLOCK)
     per_ref = max(1, triton.cdiv(n_ref * B, SCAN_PROGRAMS))
-    precision = "ieee" if q_i.dtype == torch.float32 else "tf32"
     scan_fp32 = q.dtype == torch.float32
     block_j = max(16, triton.next_power_of_2(J))
     digit = dict(BINS=BINS, SHIFT=SHIFT, BASE=BASE, HIST_STRIDE=HIST_STRIDE)
@@ -502,25 +451,17 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
         BLOCK_J=block_j, BLOCK_S=SCAN_BLOCK, SCALED=fp8, QUERY_FP8=fp8 and FP8_QUERY and k_i.dtype != torch.int8,
         QUERY_INT8=k_i.dtype == torch.int8,
         KEYS_FIRST=not scan_fp32,       # tensor-core products; fp32 (IEEE) keeps q x k^T
-        DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=SCAN_WARPS, num_stages=SCAN_STAGES,
+        DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=SCAN_WARPS,
+        num_stages=SCAN_STAGES,
         **digit)
-    dsa_collect_kernel[(triton.cdiv(n_ref, per_ref), B)](keys, hist, cand, idx, n_len, L, n_sel,
+    dsa_collect_kernel[(triton.cdiv(n_ref, per_ref), B)](keys, hist, cand, out, n_len, L, topk,
                                                          BLOCK_R=SELECT_BLOCK, LEN_FROM_PTR=from_ptr, NEXT=nxt,
                                                          NEXT_DENSE=NEXT_DENSE, num_warps=4, **digit)
     long_rows = L >= FINISH_LONG_KEYS
-    dsa_finish_kernel[(B,)](keys, hist, cand, idx, n_len, L, n_sel,
+    dsa_finish_kernel[(B,)](keys, hist, cand, out, n_len, L, topk,
                             CHUNK=FINISH_CHUNK_LONG if long_rows else FINISH_CHUNK, TIE_BLOCK=TIE_BLOCK,
                             HIST_STRIDE=HIST_STRIDE, LEN_FROM_PTR=from_ptr, BINS=BINS, SHIFT=SHIFT, BASE=BASE,
                             NEXT=nxt, num_warps=FINISH_WARPS_LONG if long_rows else FINISH_WARPS)
-    if k_exact is not None:         # exact scores of the candidates: unique u64 keys, larger = better
-        ck = torch.empty((B, n_sel), dtype=torch.int64, device=dev)
-        dsa_rerank_kernel[(triton.cdiv(n_sel, RERANK_BLOCK), B)](
-            q_i.contiguous(), w.contiguous(), k_exact.contiguous(), idx, ck, L, n_sel, J=J, D=D, BLOCK_J=block_j,
-            BLOCK_C=RERANK_BLOCK, DOT_PRECISION=precision, num_warps=4)
-        out.fill_(-1)
-        dsa_rerank_rank_kernel[(triton.cdiv(n_sel, RANK_BLOCK), B)](ck, out, n_sel, topk, BLOCK_C=RANK_BLOCK,
-                                                                   BLOCK_O=128, num_warps=4)
-        return out                  # in the reference's order already
     if ordered:     # the reference's order: score descending, ties by lowest position
         pos = out[:, 0]
         u = torch.gather(keys.view(B, L), 1, pos.clamp(min=0)).to(torch.int64) & 0xFFFFFFFF
@@ -532,5 +473,4 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, k_exact=None, rerank_extra=R
 
 # Source order for code generation (helpers first).
 KERNELS = (_order_key, _to_e4m3, _pick_bin, _first_digit, _row_range, dsa_init_kernel, dsa_scan_kernel,
-           dsa_collect_kernel, _cand_keys, _digit_hist, _bit_length, dsa_finish_kernel, dsa_rerank_kernel,
-           dsa_rerank_rank_kernel, radix_scratch_words)
+           dsa_collect_kernel, _cand_keys, _digit_hist, _bit_length, dsa_finish_kernel, radix_scratch_words)

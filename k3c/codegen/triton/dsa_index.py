@@ -199,10 +199,7 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("TIE_BLOCK", dsa_decode.TIE_BLOCK, "radix select: keys per step of the finishing walk over ties"),
               ("COLLECT_NEXT", dsa_decode.COLLECT_NEXT, "radix select: the collect pass counts the next digit"),
               ("NEXT_DENSE", dsa_decode.NEXT_DENSE, "... by atomics per candidate up to this many per block"),
-              ("FP8_QUERY", True, "fp8 index keys: e4m3 q in the scan (the op's semantics, dsa_index_topk_ref)"),
-              ("RERANK_EXTRA", dsa_decode.RERANK_EXTRA, "fp8 keys + exact keys: extra candidates re-ranked"),
-              ("RERANK_BLOCK", dsa_decode.RERANK_BLOCK, "candidates per re-scoring program"),
-              ("RANK_BLOCK", dsa_decode.RANK_BLOCK, "candidates per ranking program")]
+              ("FP8_QUERY", True, "fp8 index keys: e4m3 q in the scan (the op's semantics, dsa_index_topk_ref)")]
     body = (
         "def launch(inputs, outputs, sizes, scratch=None):\n"
         '    """ABI entry: inputs (q_i, w, k_i[, k_scale]), outputs [idx i64 [B,T,TOPK]], scratch: the planned sort '
