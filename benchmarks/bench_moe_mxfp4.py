@@ -4,17 +4,17 @@ D = 3584, expert inner I = 3072, top-16), bf16 activations.
 
 Run on a CUDA machine:
     python benchmarks/bench_moe_mxfp4.py [--experts 32,896] [--out DIR] [--quick] [--no-prefill]
-Rows: decode at batch 1 and 16 (a few rows per expert: the kernels stream the weights) and, for the first E,
-prefill at 16 × 2048 tokens (grouped GEMM). Decode reports the expert-weight bytes the step must read (every
-touched expert's w1, w3, w2, scales included) over the time of the two GEMM kernels plus the slot sum ("kernels":
+Rows: decode at batch 1 and 16 (--decode-batches; a few rows per expert: the kernels stream the weights) and, for
+the first E, prefill at 16 × 2048 tokens (grouped GEMM). Decode reports the expert-weight bytes the step must read
+(every touched expert's w1, w3, w2, scales included) over the time of the GEMM kernels plus the slot sum ("kernels":
 schedule precomputed) and of the whole op ("op": schedule and the activations' K permutation included), as GB/s
 and as a fraction of the measured 4.2 TB/s HBM rate (KINDS.md); prefill reports 6·N·k·D·I FLOP over the op's time
 as TFLOP/s (vs 790 bf16). Timing: triton.testing.do_bench_cudagraph (mean of CUDA-graph replays), falling back to
 do_bench. Formats: "bf16" (the dense kernels on the dequantized weights) and "mxfp4" (`moe_up_mx_kernel` /
 `moe_down_mx_kernel`, a sweep of `mx_config`, the launcher's default for the weights' largest scale byte first,
 as a compiled artifact of this checkpoint runs it). Each MXFP4 row's output is compared with the bf16 kernels fed
-the dequantized weights (max relative difference) and, at a small shape, with `moe_experts_ref` (the default and
-an `mma.sync` configuration). The MXFP4 variants are compiled first in --compile-workers processes. Results:
+the dequantized weights (max relative difference) and, at a small shape, with `moe_experts_ref` (the default, an
+`mma.sync` configuration and a split-K one), while the MXFP4 variants compile in --compile-workers processes. Results:
 OUT/moe_mxfp4_bench.json, rewritten after every row (a run cut short keeps what it measured).
 """
 
@@ -67,8 +67,8 @@ def rel(a, b):
 
 def check_small(dev):
     """MXFP4 kernels vs the IR reference at a small shape (N = 9, E = 6, D = 256, I = 192): fp32 (portable
-    decoding) and bf16 (PTX word decoding), with the launcher's default (`wgmma` K order at decode) and an
-    `mma.sync` configuration. Returns {case: max rel error}."""
+    decoding) and bf16 (PTX word decoding), with the launcher's default (`wgmma` K order at decode), an `mma.sync`
+    configuration and one split-K in 3 parts. Returns {case: max rel error}."""
     gen = torch.Generator(device=dev).manual_seed(1)
     N, E, d, i = 9, 6, 256, 192
     w1, s1 = mx_weights(E, i, d, dev, gen)
@@ -78,7 +78,8 @@ def check_small(dev):
     ids = torch.rand(N, E, device=dev, generator=gen).argsort(-1)[:, :4].contiguous()
     wt = torch.rand(N, 4, device=dev, generator=gen)
     out = {}
-    for cname, cfg in (("default", None), ("mma_v2", (8, 64, 256, 2, 3, False, None))):
+    for cname, cfg in (("default", None), ("mma_v2", (8, 64, 256, 2, 3, False, None, 1)),
+                       ("mma_v2_split3", (8, 64, 256, 2, 2, False, 128, 3))):
         for name, dt in (("f32", torch.float32), ("bf16", torch.bfloat16)):
             zz = z.to(dt)
             y = torch.full_like(zz, float("nan"))
@@ -95,19 +96,18 @@ def dequantized(w, s, chunk=32):
                       for e in range(0, w.shape[0], chunk)])
 
 
-# mx_config sweeps (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg); None: the
-# launcher's default (k3c.codegen.triton.moe_mxfp4.mx_default_config) for the weights' largest scale byte, as a
-# compiled artifact of this checkpoint runs it; 1 or 2 warps: `mma.sync` (mx_mma_v2), 4 or 8: `wgmma`
-MX_SWEEP = {"decode": [None, (16, 64, 256, 4, 3, True, None), (16, 64, 256, 4, 3, False, None),
-                       (8, 64, 256, 2, 3, False, None), (8, 64, 256, 2, 2, False, None),
-                       (8, 128, 256, 2, 2, False, None), (8, 32, 256, 1, 2, False, None),
-                       (16, 64, 256, 2, 2, False, None), (8, 64, 256, 2, 3, True, None),
-                       (8, 64, 128, 2, 3, False, None), (16, 128, 256, 4, 3, False, None)],
-            "prefill": [None, (128, 128, 128, 8, 3, False, None), (64, 128, 128, 4, 3, False, None)],
+# mx_config sweeps (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg, split); None:
+# the launcher's default (k3c.codegen.triton.moe_mxfp4.mx_default_config) for the weights' largest scale byte, as a
+# compiled artifact of this checkpoint runs it; 1 or 2 warps: `mma.sync` (mx_mma_v2), 4 or 8: `wgmma`; split > 1:
+# split-K; OLD_DEFAULT: the default before split-K (mx14), side by side
+OLD_DEFAULT = (8, 64, 256, 2, 2, False, None, 1)
+MX_SWEEP = {"decode": [None, OLD_DEFAULT, (8, 64, 256, 2, 2, False, 128, 2), (8, 64, 256, 2, 2, False, 128, 3),
+                       (8, 64, 256, 2, 2, False, 128, 4), (8, 64, 256, 2, 2, False, 96, 2),
+                       (8, 64, 256, 2, 2, False, 96, 1), (8, 64, 256, 2, 3, False, 128, 2),
+                       (16, 64, 256, 4, 3, False, None, 1)],
+            "prefill": [None, (128, 128, 128, 8, 3, False, None, 1), (64, 128, 128, 4, 3, False, None, 1)],
             # decode at 16+ rows per expert (batch 64 of 32 experts: the prefill tiles are 3/4 empty there)
-            "decode_mid": [None, (16, 64, 256, 4, 3, True, None), (32, 64, 256, 4, 3, True, None),
-                           (64, 64, 256, 4, 3, True, None), (64, 128, 128, 4, 3, True, None),
-                           (64, 128, 128, 8, 3, True, None)]}
+            "decode_mid": [None, (16, 64, 256, 4, 3, False, None, 1)]}
 
 
 def resolved_sweep(phase, rows, E, scale_max, quick):
@@ -144,14 +144,18 @@ def warm_one(job):
         print(f"  compile {E} {cfg}: failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})", flush=True)
 
 
-def warm(jobs, workers):
-    """`warm_one` for every job in `workers` spawned processes (compilation is CPU-bound and serial per process)."""
-    if workers > 1 and len(jobs) > 1:
+def warm(jobs, workers, dev):
+    """`warm_one` for every job and `check_small` beside them, in `workers` spawned processes (compilation is
+    CPU-bound and serial per process); returns check_small's result."""
+    if workers > 1 and jobs:
         try:
-            with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs))) as pool:
+            with multiprocessing.get_context("spawn").Pool(min(workers, len(jobs) + 1)) as pool:
+                check = pool.apply_async(check_small, (dev,))
                 pool.map(warm_one, jobs)
+                return check.get()
         except Exception as e:  # noqa: BLE001  (the timed launches then compile in this process)
             print(f"  parallel compile failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})", flush=True)
+    return check_small(dev)
 
 
 def run_case(results, out_path, phase, N, E, dense, mx, bytes_per_expert, quick, gen, dev, scale_max):
@@ -213,17 +217,16 @@ def main():
     name = torch.cuda.get_device_name() if dev == "cuda" else dev
     results = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
                "shape": {"k": K, "D": D, "I": I}, "rows": []}
-    results["check_small_rel"] = check_small(dev)
-    print(f"MXFP4 kernels vs moe_experts_ref (small shape), max rel: {results['check_small_rel']}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     out_path = os.path.join(args.out, "moe_mxfp4_bench.json")
     experts = [int(e) for e in args.experts.split(",")]
     cases = [(E, "decode", int(n)) for E in experts for n in args.decode_batches.split(",")]
     cases += [] if args.no_prefill else [(experts[0], "prefill", args.prefill_tokens)]
     scale_max = SCALES[1]          # the weights' largest scale byte, as `k3c compile` records it
-    if dev == "cuda":
-        warm(sorted({(E, tuple(c or mx_default_config(N * K, E, scale_max))) for E, phase, N in cases
-                     for c in resolved_sweep(phase, N * K, E, scale_max, args.quick)}, key=str), args.compile_workers)
+    jobs = sorted({(E, tuple(c or mx_default_config(N * K, E, scale_max))) for E, phase, N in cases
+                   for c in resolved_sweep(phase, N * K, E, scale_max, args.quick)}, key=str) if dev == "cuda" else []
+    results["check_small_rel"] = warm(jobs, args.compile_workers, dev)
+    print(f"MXFP4 kernels vs moe_experts_ref (small shape), max rel: {results['check_small_rel']}", flush=True)
     loaded = None
     for E, phase, N in cases:
         if loaded is None or loaded[0] != E:
