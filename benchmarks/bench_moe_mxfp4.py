@@ -4,17 +4,17 @@ D = 3584, expert inner I = 3072, top-16), bf16 activations.
 
 Run on a CUDA machine:
     python benchmarks/bench_moe_mxfp4.py [--experts 32,896] [--out DIR] [--quick] [--no-prefill]
-Rows: decode at batch 1 and 16 (--decode-batches; a few rows per expert: the kernels stream the weights) and, for
-the first E, prefill at 16 × 2048 tokens (grouped GEMM). Decode reports the expert-weight bytes the step must read
-(every touched expert's w1, w3, w2, scales included) over the time of the GEMM kernels plus the slot sum ("kernels":
+Rows: decode at batch 1 and 16 (a few rows per expert: the kernels stream the weights) and, for the first E,
+prefill at 16 × 2048 tokens (grouped GEMM). Decode reports the expert-weight bytes the step must read (every
+touched expert's w1, w3, w2, scales included) over the time of the two GEMM kernels plus the slot sum ("kernels":
 schedule precomputed) and of the whole op ("op": schedule and the activations' K permutation included), as GB/s
 and as a fraction of the measured 4.2 TB/s HBM rate (KINDS.md); prefill reports 6·N·k·D·I FLOP over the op's time
 as TFLOP/s (vs 790 bf16). Timing: triton.testing.do_bench_cudagraph (mean of CUDA-graph replays), falling back to
 do_bench. Formats: "bf16" (the dense kernels on the dequantized weights) and "mxfp4" (`moe_up_mx_kernel` /
 `moe_down_mx_kernel`, a sweep of `mx_config`, the launcher's default for the weights' largest scale byte first,
 as a compiled artifact of this checkpoint runs it). Each MXFP4 row's output is compared with the bf16 kernels fed
-the dequantized weights (max relative difference) and, at a small shape, with `moe_experts_ref` (the default, an
-`mma.sync` configuration and a split-K one), while the MXFP4 variants compile in --compile-workers processes. Results:
+the dequantized weights (max relative difference) and, at a small shape, with `moe_experts_ref` (the default and
+an `mma.sync` configuration), while the MXFP4 variants compile in --compile-workers processes. Results:
 OUT/moe_mxfp4_bench.json, rewritten after every row (a run cut short keeps what it measured).
 """
 
@@ -67,8 +67,8 @@ def rel(a, b):
 
 def check_small(dev):
     """MXFP4 kernels vs the IR reference at a small shape (N = 9, E = 6, D = 256, I = 192): fp32 (portable
-    decoding) and bf16 (PTX word decoding), with the launcher's default (`wgmma` K order at decode), an `mma.sync`
-    configuration and one split-K in 3 parts. Returns {case: max rel error}."""
+    decoding) and bf16 (PTX word decoding), with the launcher's default (`wgmma` K order at decode) and an
+    `mma.sync` configuration. Returns {case: max rel error}."""
     gen = torch.Generator(device=dev).manual_seed(1)
     N, E, d, i = 9, 6, 256, 192
     w1, s1 = mx_weights(E, i, d, dev, gen)
@@ -78,8 +78,7 @@ def check_small(dev):
     ids = torch.rand(N, E, device=dev, generator=gen).argsort(-1)[:, :4].contiguous()
     wt = torch.rand(N, 4, device=dev, generator=gen)
     out = {}
-    for cname, cfg in (("default", None), ("mma_v2", (8, 64, 256, 2, 3, False, None, 1)),
-                       ("mma_v2_split3", (8, 64, 256, 2, 2, False, 128, 3))):
+    for cname, cfg in (("default", None), ("mma_v2", (8, 64, 256, 2, 3, False, None))):
         for name, dt in (("f32", torch.float32), ("bf16", torch.bfloat16)):
             zz = z.to(dt)
             y = torch.full_like(zz, float("nan"))
@@ -96,18 +95,19 @@ def dequantized(w, s, chunk=32):
                       for e in range(0, w.shape[0], chunk)])
 
 
-# mx_config sweeps (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg, split); None:
-# the launcher's default (k3c.codegen.triton.moe_mxfp4.mx_default_config) for the weights' largest scale byte, as a
-# compiled artifact of this checkpoint runs it; 1 or 2 warps: `mma.sync` (mx_mma_v2), 4 or 8: `wgmma`; split > 1:
-# split-K; OLD_DEFAULT: the default before split-K (mx14), side by side
-OLD_DEFAULT = (8, 64, 256, 2, 2, False, None, 1)
-MX_SWEEP = {"decode": [None, OLD_DEFAULT, (8, 64, 256, 2, 2, False, 128, 2), (8, 64, 256, 2, 2, False, 128, 3),
-                       (8, 64, 256, 2, 2, False, 128, 4), (8, 64, 256, 2, 2, False, 96, 2),
-                       (8, 64, 256, 2, 2, False, 96, 1), (8, 64, 256, 2, 3, False, 128, 2),
-                       (16, 64, 256, 4, 3, False, None, 1)],
-            "prefill": [None, (128, 128, 128, 8, 3, False, None, 1), (64, 128, 128, 4, 3, False, None, 1)],
+# mx_config sweeps (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg); None: the
+# launcher's default (k3c.codegen.triton.moe_mxfp4.mx_default_config) for the weights' largest scale byte, as a
+# compiled artifact of this checkpoint runs it; 1 or 2 warps: `mma.sync` (mx_mma_v2), 4 or 8: `wgmma`
+MX_SWEEP = {"decode": [None, (16, 64, 256, 4, 3, True, None), (16, 64, 256, 4, 3, False, None),
+                       (8, 64, 256, 2, 3, False, None), (8, 64, 256, 2, 2, False, None),
+                       (8, 128, 256, 2, 2, False, None), (8, 32, 256, 1, 2, False, None),
+                       (16, 64, 256, 2, 2, False, None), (8, 64, 256, 2, 3, True, None),
+                       (8, 64, 128, 2, 3, False, None), (16, 128, 256, 4, 3, False, None)],
+            "prefill": [None, (128, 128, 128, 8, 3, False, None), (64, 128, 128, 4, 3, False, None)],
             # decode at 16+ rows per expert (batch 64 of 32 experts: the prefill tiles are 3/4 empty there)
-            "decode_mid": [None, (16, 64, 256, 4, 3, False, None, 1)]}
+            "decode_mid": [None, (16, 64, 256, 4, 3, True, None), (32, 64, 256, 4, 3, True, None),
+                           (64, 64, 256, 4, 3, True, None), (64, 128, 128, 4, 3, True, None),
+                           (64, 128, 128, 8, 3, True, None)]}
 
 
 def resolved_sweep(phase, rows, E, scale_max, quick):

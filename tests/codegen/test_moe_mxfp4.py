@@ -146,12 +146,12 @@ def test_word_decoding_equals_portable(two_muls, v2):
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("mx_config", [None, (8, 64, 256, 2, 2, False, None, 1), (8, 64, 256, 2, 2, False, None, 3)])
+@pytest.mark.parametrize("mx_config", [None, (8, 64, 256, 2, 2, False, None)])
 @pytest.mark.parametrize("N", [1, 40])
 def test_launch_bf16_matches_reference(N, mx_config):
     """bf16 activations (the PTX path), decode (N = 1) and 64-row tiles (N = 40), I with a 32-wide K tile, the
-    launcher's configuration and an `mma.sync` one, whole and split-K: the reference's dequantize-then-GEMM up to
-    bf16 rounding of z and h."""
+    launcher's configuration and an `mma.sync` one: the reference's dequantize-then-GEMM up to bf16 rounding of z
+    and h."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     k, E, D, I = 4, 6, 256, 160
     (w1, s1), (w3, s3), (w2, s2) = [(torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, device="cuda",
@@ -170,14 +170,12 @@ def test_launch_bf16_matches_reference(N, mx_config):
     assert err <= 1e-2, err
 
 
-@pytest.mark.parametrize("split", [1, 3])
-def test_launch_mma_v2_order_matches_reference(split):
+def test_launch_mma_v2_order_matches_reference():
     """The `mma.sync` K order end to end (fp32 activations, so the portable decoding; 2 warps: `mx_mma_v2`):
     z permuted in that order, h written by the up kernel in it and read back by the down kernel, two K tiles of
-    two 32-value groups each: equal to the reference's dequantize-then-GEMM in fp32; split = 3: both reductions cut
-    in 3 parts of whole K tiles (one of them empty), the partial sums added by the GLU and slot-sum passes."""
+    two 32-value groups each: equal to the reference's dequantize-then-GEMM in fp32."""
     gen = torch.Generator().manual_seed(3)
-    N, k, E, D, I = 3, 2, 3, 128, 128
+    N, k, E, D, I = 3, 2, 3, 128, 64
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     (w1, s1), (w3, s3), (w2, s2) = [(torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, generator=gen),
                                      torch.randint(124, 129, (E, R, C // 32), dtype=torch.uint8, generator=gen))
@@ -188,7 +186,6 @@ def test_launch_mma_v2_order_matches_reference(split):
     attrs = {"act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
     args = [t.to(dev) for t in (z, wt, ids, w1, w3, w2, s1, s3, s2)]
     y = torch.full_like(args[0], float("nan"))
-    moe.launch_moe_experts(*args, y=y, mx_config=(8, 32, 64, 2, 1, True, None, split), **attrs)
+    moe.launch_moe_experts(*args, y=y, mx_config=(8, 32, 64, 2, 1, True, None), **attrs)
     (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"}, z, wt, ids, w1, w3, w2, s1, s3, s2)
-    assert want.abs().max() > 1e-2
-    torch.testing.assert_close(y.cpu(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    torch.testing.assert_close(y.cpu(), want, rtol=1e-4, atol=1e-5)

@@ -39,9 +39,8 @@ import triton.language as tl
 from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_scratch
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
-from k3c.codegen.triton.moe_mxfp4 import (ONE_MUL_MAX_SCALE, SPLIT, SPLIT_MAX_ROWS, moe_down_mx_kernel,
-                                         moe_glu_mx_kernel, moe_up_mx_kernel, mx_act_tile, mx_block_k,
-                                         mx_default_config, mx_mma_v2, mx_permute, mx_permuted_col, mx_split_range,
+from k3c.codegen.triton.moe_mxfp4 import (ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile,
+                                         mx_block_k, mx_default_config, mx_mma_v2, mx_permute, mx_permuted_col,
                                          mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile,
                                          mxfp4_word_bf16)
 from k3c.ir.kernels import KernelGroup
@@ -144,18 +143,15 @@ def moe_down_kernel(h_ptr, w2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile
 
 
 @triton.jit
-def moe_sum_kernel(y_slot_ptr, ids_ptr, y_ptr, split_stride, K: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """y[n] = Σ_j Σ_z y_slot[z·split_stride + (n·K + j)·D] over the slots j with ids[n, j] ≥ 0 (unused slots are
-    never read) and the SPLIT partial sums z of the split-K MXFP4 down kernel, in that order."""
+def moe_sum_kernel(y_slot_ptr, ids_ptr, y_ptr, K: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y[n] = Σ_j y_slot[n·K + j] over the slots j with ids[n, j] ≥ 0 (unused slots are never read)."""
     n = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < D
     acc = tl.zeros([BLOCK_N], tl.float32)
     for j in range(K):
         used = tl.load(ids_ptr + n * K + j + 0 * offs_n) >= 0      # the slot's id, broadcast to the lanes
-        for z in tl.static_range(SPLIT):
-            acc += tl.load(y_slot_ptr + z * split_stride + (n * K + j) * D + offs_n, mask=n_ok & used, other=0.0)
+        acc += tl.load(y_slot_ptr + (n * K + j) * D + offs_n, mask=n_ok & used, other=0.0)
     tl.store(y_ptr + n * D + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -250,8 +246,7 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     u8 [E, I, D/32], [E, I, D/32], [E, D, I/32]), decoded in registers by `moe_up_mx_kernel` /
     `moe_down_mx_kernel` (k3c.codegen.triton.moe_mxfp4: bf16 z on the GPU, 8 codes per 32-bit word in inline PTX;
     f32 z anywhere), dots in z's dtype with fp32 accumulation. Scratch: h [N·k, I] in z's dtype, y_slot f32
-    [split·N·k, D] and, MXFP4, z_perm [N, D] (z in the kernels' K order) and, split > 1 (the configuration's
-    split-K parts), gu_part f32 [2·split·N·k, I] (the up kernel's partial sums): the planned buffers of `scratch` (name ->
+    [N·k, D] and, MXFP4, z_perm [N, D] (z in the kernels' K order): the planned buffers of `scratch` (name ->
     tensor, `moe_experts_scratch`), else allocated here; the sort permutation and tile schedule (i64, O(N·k + E))
     are allocated here. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config` (MXFP4:
     BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg) and a precomputed `schedule`
@@ -278,32 +273,25 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     weights, ids = weights.contiguous(), ids.contiguous()
     rows = N * K
     precision = "ieee" if z.dtype == torch.float32 else "tf32"
-    split = (mx_config or mx_default_config(rows, E, scale_max))[7] if mx else 1
-    y_slot = take_scratch(scratch, "y_slot", (split * rows, D), torch.float32, z.device)
+    y_slot = take_scratch(scratch, "y_slot", (rows, D), torch.float32, z.device)
     h = take_scratch(scratch, "h", (rows, I), z.dtype, z.device)
     if mx:
-        BLOCK_M, BLOCK_R, most_k, warps, stages, two_muls, maxnreg, _ = mx_config or mx_default_config(rows, E,
-                                                                                                       scale_max)
+        BLOCK_M, BLOCK_R, most_k, warps, stages, two_muls, maxnreg = mx_config or mx_default_config(rows, E, scale_max)
         BK1, BK2 = mx_block_k(D, most_k), mx_block_k(I, most_k)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
         max_tiles = schedule[1].shape[0]
         fast, v2 = z.dtype == torch.bfloat16, mx_mma_v2(warps)
         zp = mx_permute(z, BK1, out=take_scratch(scratch, "z_perm", (N, D), z.dtype, z.device), v2=v2)
-        gu = take_scratch(scratch, "gu_part", (2 * split * rows, I), torch.float32, z.device) if split > 1 else h
         opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
-        moe_up_mx_kernel[(max_tiles, triton.cdiv(I, BLOCK_R), split)](
-            zp, w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h, gu, rows,
+        moe_up_mx_kernel[(max_tiles, triton.cdiv(I, BLOCK_R))](
+            zp, w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
             float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ", FAST=fast,
             TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2,
-            DOT_PRECISION=precision, V2=v2, SPLIT=split, **opts)
-        if split > 1:
-            moe_glu_mx_kernel[(rows, triton.cdiv(I, 1024))](
-                gu, h, rows, float(situ_beta), float(situ_linear_beta), I=I, ACT_SITU=act == "situ", SPLIT=split,
-                BLOCK_K2=BK2, V2=v2, BLOCK=1024, num_warps=4)
-        moe_down_mx_kernel[(max_tiles, triton.cdiv(D, BLOCK_R), split)](
-            h, w2.view(torch.int32), scales[2], weights, *schedule, y_slot, rows, E=E, D=D, I=I, FAST=fast,
+            DOT_PRECISION=precision, V2=v2, **opts)
+        moe_down_mx_kernel[(max_tiles, triton.cdiv(D, BLOCK_R))](
+            h, w2.view(torch.int32), scales[2], weights, *schedule, y_slot, E=E, D=D, I=I, FAST=fast,
             TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, DOT_PRECISION=precision, V2=v2,
-            SPLIT=split, **opts)
+            **opts)
     else:
         BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N = blocks or (16 if rows < 16 * E else 64, 64, 64, 64)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
@@ -314,7 +302,7 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         moe_down_kernel[(max_tiles, triton.cdiv(D, BLOCK_N))](
             h, w2, weights, *schedule, y_slot, E=E, D=D, I=I, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_I=BLOCK_I,
             DOT_PRECISION=precision)
-    moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, rows * D, K=K, D=D, SPLIT=split, BLOCK_N=256)
+    moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
 
 
 # ---- emitters --------------------------------------------------------------------------------------------------
@@ -346,21 +334,15 @@ def emit_moe_route(group: KernelGroup) -> str:
 @scratch("moe_experts")
 def moe_experts_scratch(group: KernelGroup) -> list[ScratchSpec]:
     """The scratch of one `moe_experts` launch (`launch_moe_experts`): h [N·k, I] in z's dtype and y_slot f32
-    [split·N·k, D] for N tokens z [N, D] choosing k experts of inner width I (w1 [E, I, ·]); MXFP4 weights also
-    z_perm [N, D] in z's dtype and, when the launch's default configuration splits the reduction (split > 1,
-    `mx_default_config` of the node's rows, E and scale_max), gu_part f32 [2·split·N·k, I]. Raises
-    UnsupportedError for a group that is not a single moe_experts node."""
+    [N·k, D] for N tokens z [N, D] choosing k experts of inner width I (w1 [E, I, ·]); MXFP4 weights also z_perm
+    [N, D] in z's dtype. Raises UnsupportedError for a group that is not a single moe_experts node."""
     node, _, _ = one_node(group, "moe_experts")
     z, ids, w1 = node.inputs[0].type, node.inputs[2].type, node.inputs[3].type
-    (N, D), rows, (E, I) = z.shape, z.shape[0] * ids.shape[1], w1.shape[:2]
-    mx = node.attrs["weight_format"] == "mxfp4"
-    split = mx_default_config(rows, E, int(node.attrs["scale_max"]))[7] if mx else 1
-    out = [ScratchSpec("h", TensorType((rows, I), z.dtype)),
-           ScratchSpec("y_slot", TensorType((split * rows, D), "f32"))]
-    if mx:
+    (N, D), rows = z.shape, z.shape[0] * ids.shape[1]
+    out = [ScratchSpec("h", TensorType((rows, w1.shape[1]), z.dtype)),
+           ScratchSpec("y_slot", TensorType((rows, D), "f32"))]
+    if node.attrs["weight_format"] == "mxfp4":
         out.append(ScratchSpec("z_perm", TensorType((N, D), z.dtype)))
-    if split > 1:
-        out.append(ScratchSpec("gu_part", TensorType((2 * split * rows, I), "f32")))
     return out
 
 
@@ -376,9 +358,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
               ("SITU_LINEAR_BETA", float(a["situ_linear_beta"]), "activation_situ_linear_beta"),
               ("SCHEDULE_KERNEL_MAX_ROWS", SCHEDULE_KERNEL_MAX_ROWS, "one-launch tile schedule up to these rows"),
               ("SCALE_MAX", int(a["scale_max"]), "largest MXFP4 scale byte of the checkpoint (255: unknown)"),
-              ("ONE_MUL_MAX_SCALE", ONE_MUL_MAX_SCALE, "one-multiply MXFP4 decoding up to this scale byte"),
-              ("SPLIT_MAX_ROWS", SPLIT_MAX_ROWS, "MXFP4 decode up to these rows splits each reduction"),
-              ("SPLIT", SPLIT, "in this many parts")]
+              ("ONE_MUL_MAX_SCALE", ONE_MUL_MAX_SCALE, "one-multiply MXFP4 decoding up to this scale byte")]
     args = ", ".join(f"inputs[{i}]" for i in ip)
     mx = a["weight_format"] == "mxfp4"
     body = ("def launch(inputs, outputs, sizes, scratch=None):\n"
@@ -390,7 +370,6 @@ def emit_moe_experts(group: KernelGroup) -> str:
     return _module(group, f"grouped expert GEMMs ({what})", consts,
                    [take_scratch, tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
                     mx_default_config, mx_mma_v2, mx_block_k, mx_permute, mx_permuted_col, mxfp4_word_bf16,
-                    mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, mx_split_range,
-                    moe_up_mx_kernel, moe_glu_mx_kernel, moe_down_mx_kernel, _max_i32, moe_schedule_kernel,
-                    moe_schedule],
+                    mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel,
+                    moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule],
                    launch_moe_experts, body)

@@ -35,14 +35,9 @@ decoder wants; reshaped (no data movement) to one byte per word. A byte gather p
 too narrow for cp.async: it became a synchronous global load plus a shared-memory layout conversion (two CTA
 barriers per matrix) in every K iteration, 7-14 % of the decode time (BENCHMARKS.md).
 
-Split-K (decode's fewest rows, `mx_default_config`): each GEMM's reduction is cut in SPLIT parts over
-program_id(2), so batch 1's 16 expert tiles give the SMs enough programs; the parts are fp32 partial sums added
-in a fixed order (deterministic): the up kernel's gate and up sums by `moe_glu_mx_kernel` (which applies the
-activation), the down kernel's by the slot sum (`moe_sum_kernel`, k3c.codegen.triton.moe).
-
-Public API: `ONE_MUL_MAX_SCALE`, `SPLIT_MAX_ROWS`, `SPLIT`, `mx_default_config(rows, E, scale_max)`,
-`mx_mma_v2(num_warps)`, `mx_block_k(K)`, `mx_permute(x, block_k, out, v2)`, the jit helpers and `moe_up_mx_kernel`,
-`moe_glu_mx_kernel`, `moe_down_mx_kernel` (launched by `launch_moe_experts`).
+Public API: `ONE_MUL_MAX_SCALE`, `mx_default_config(rows, E, scale_max)`, `mx_mma_v2(num_warps)`, `mx_block_k(K)`,
+`mx_permute(x, block_k, out, v2)`, the jit helpers and `moe_up_mx_kernel`, `moe_down_mx_kernel` (launched by
+`launch_moe_experts`).
 """
 
 from __future__ import annotations
@@ -56,31 +51,26 @@ from k3c.codegen.triton.moe_act import expert_tile, glu
 
 #: the largest E8M0 scale byte the one-multiply decoding takes: 2^(s − 1) is a finite bf16 for s ≤ 128
 ONE_MUL_MAX_SCALE = 128
-#: decode up to this many (token, slot) rows splits each GEMM's reduction in SPLIT parts (`mx_default_config`)
-SPLIT_MAX_ROWS, SPLIT = 32, 2
 
 
 def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls,
-    maxnreg, split) for `rows` (token, slot) pairs over E experts whose scale bytes are at most `scale_max` (the
+    maxnreg) for `rows` (token, slot) pairs over E experts whose scale bytes are at most `scale_max` (the
     `moe_experts` node's checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md,
     benchmarks/bench_moe_mxfp4.py). Decode with < 4 rows per expert on average (batch 1; batch 16 of 896 experts):
     8-row tiles on 2 warps, so `mma.sync` (`mx_mma_v2`); one multiply: 2 stages (one shared-memory buffer), 8 CTAs
     per SM, 12 % less time than 16-row `wgmma` tiles; two multiplies: 3 stages, 1-2 % more time at batch 1, 6 % less
-    at batch 16; up to SPLIT_MAX_ROWS rows (batch 1-2 at top-16: 16 expert tiles, 5.8 CTAs of the up kernel per SM)
-    both GEMMs split their reduction in `split` parts (`moe_up_mx_kernel`), so the grid fills the 8 CTAs an SM
-    holds (maxnreg 128: the split up kernel takes 133 registers, 7 CTAs, uncapped; 119 unsplit). 4-16 rows per expert (batch 16 of 32 experts, where about 40 % of the experts hold more than 8 rows,
-    whose weights 8-row tiles read twice): 16-row `wgmma` tiles; < 64 rows per expert (measured at 32, batch 64 of
-    32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there): 32-row tiles; prefill: 128 × 128
-    tiles. two_muls (exact for every E8M0 scale) unless scale_max ≤ ONE_MUL_MAX_SCALE, where the one-multiply
+    at batch 16. 4-16 rows per expert (batch 16 of 32 experts, where about 40 % of the experts hold more than 8
+    rows, whose weights 8-row tiles read twice): 16-row `wgmma` tiles; < 64 rows per expert (measured at 32, batch
+    64 of 32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there): 32-row tiles; prefill: 128 ×
+    128 tiles. two_muls (exact for every E8M0 scale) unless scale_max ≤ ONE_MUL_MAX_SCALE, where the one-multiply
     decoding is exact too (4-6 % less time with 16-row tiles)."""
     two = scale_max > ONE_MUL_MAX_SCALE
     if rows < 4 * E:
-        split = rows <= SPLIT_MAX_ROWS
-        return (8, 64, 256, 2, 3 if two else 2, two, 128 if split else None, SPLIT if split else 1)
+        return (8, 64, 256, 2, 3 if two else 2, two, None)
     if rows < 16 * E:
-        return (16, 64, 256, 4, 3, two, None, 1)
-    return (32, 64, 256, 4, 3, two, None, 1) if rows < 64 * E else (128, 128, 128, 8, 3, two, None, 1)
+        return (16, 64, 256, 4, 3, two, None)
+    return (32, 64, 256, 4, 3, two, None) if rows < 64 * E else (128, 128, 128, 8, 3, two, None)
 
 
 def mx_mma_v2(num_warps: int) -> bool:
@@ -262,29 +252,15 @@ def mx_act_tile(xp_ptr, rows_m, m_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.conste
 
 
 @triton.jit
-def mx_split_range(n: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
-    """The K range [lo, hi) of this program's part (program_id(2)) of a reduction of n (a multiple of BLOCK) split
-    in SPLIT parts of whole BLOCKs, the larger parts last; SPLIT = 1: the constant (0, n), a loop of static trip
-    count (9 registers fewer in the up kernel, sm_90a)."""
-    if SPLIT == 1:
-        return 0, n
-    z = tl.program_id(2)
-    tiles = n // BLOCK
-    return z * tiles // SPLIT * BLOCK, (z + 1) * tiles // SPLIT * BLOCK
-
-
-@triton.jit
 def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
-                     tile_row_end_ptr, hp_ptr, gu_ptr, rows_total, SITU_BETA, SITU_LINEAR_BETA, E: tl.constexpr,
-                     K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, ACT_SITU: tl.constexpr, FAST: tl.constexpr,
+                     tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, E: tl.constexpr, K: tl.constexpr,
+                     D: tl.constexpr, I: tl.constexpr, ACT_SITU: tl.constexpr, FAST: tl.constexpr,
                      TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr, SPLIT: tl.constexpr):
+                     BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
     """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one tile of sorted rows and BLOCK_R intermediate columns. zp: z [N, D]
     `mx_permute`d by BLOCK_D; w1/w3 the packed bytes as i32 words [E, I, D/8], scales s1/s3 u8 [E, I, D/32];
     hp [N·k, I] written in `mx_permute` order of BLOCK_K2 (the down kernel's K tile). V2: both in the `mma.sync`
-    order (`mx_mma_v2` of the launch's warps). SPLIT > 1: program_id(2) sums its part of D (`mx_split_range`) and
-    stores the fp32 gate and up sums to gu [SPLIT, 2, rows_total, I] (sorted rows), which `moe_glu_mx_kernel`
-    adds in split order into h."""
+    order (`mx_mma_v2` of the launch's warps)."""
     e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
                                         BLOCK_M)
     if e < E:
@@ -294,8 +270,7 @@ def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_exp
         rows = e.to(tl.int64) * I + offs_i
         gate = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
         up = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
-        lo, hi = mx_split_range(D, BLOCK_D, SPLIT)
-        for d0 in range(lo, hi, BLOCK_D):
+        for d0 in range(0, D, BLOCK_D):
             s1 = mxfp4_scales(s1_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, V2)
             s3 = mxfp4_scales(s3_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, V2)
             z = mx_act_tile(zp_ptr, token, m_ok, d0, D, BLOCK_D)
@@ -303,48 +278,20 @@ def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_exp
             gate = tl.dot(w.to(z.dtype), z, gate, input_precision=DOT_PRECISION)
             w = mxfp4_weight_tile(w3_ptr, s3, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2)
             up = tl.dot(w.to(z.dtype), z, up, input_precision=DOT_PRECISION)
-        mask = i_ok[:, None] & m_ok[None, :]
-        if SPLIT == 1:
-            h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
-            col = mx_permuted_col(offs_i, BLOCK_K2, V2)
-            tl.store(hp_ptr + offs_m.to(tl.int64)[None, :] * I + col[:, None], h.to(hp_ptr.dtype.element_ty),
-                     mask=mask)
-        else:
-            part = gu_ptr + (tl.program_id(2) * 2 * rows_total + offs_m.to(tl.int64)[None, :]) * I + offs_i[:, None]
-            tl.store(part, gate, mask=mask)
-            tl.store(part + rows_total * I, up, mask=mask)
-
-
-@triton.jit
-def moe_glu_mx_kernel(gu_ptr, hp_ptr, rows_total, SITU_BETA, SITU_LINEAR_BETA, I: tl.constexpr,
-                      ACT_SITU: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K2: tl.constexpr, V2: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    """The split up kernel's h for one sorted row and BLOCK intermediate columns: the gate and up partial sums gu
-    [SPLIT, 2, rows_total, I] f32 added in split order (deterministic), act, stored to hp [rows_total, I] in the
-    down kernel's K order (`mx_permuted_col` of BLOCK_K2, V2). Rows no tile computed (unused slots) get values
-    nothing reads."""
-    m = tl.program_id(0).to(tl.int64)
-    offs_i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    i_ok = offs_i < I
-    gate = tl.zeros([BLOCK], tl.float32)
-    up = tl.zeros([BLOCK], tl.float32)
-    for z in tl.static_range(SPLIT):
-        part = gu_ptr + (z * 2 * rows_total + m) * I + offs_i
-        gate += tl.load(part, mask=i_ok, other=0.0)
-        up += tl.load(part + rows_total * I, mask=i_ok, other=0.0)
-    h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
-    tl.store(hp_ptr + m * I + mx_permuted_col(offs_i, BLOCK_K2, V2), h.to(hp_ptr.dtype.element_ty), mask=i_ok)
+        h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
+        col = mx_permuted_col(offs_i, BLOCK_K2, V2)
+        tl.store(hp_ptr + offs_m.to(tl.int64)[None, :] * I + col[:, None], h.to(hp_ptr.dtype.element_ty),
+                 mask=i_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
 def moe_down_mx_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
-                       tile_row_end_ptr, y_slot_ptr, rows_total, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                       tile_row_end_ptr, y_slot_ptr, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                        FAST: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr, SPLIT: tl.constexpr):
+                       BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
     """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_R output columns; hp [N·k, I] in
     `mx_permute` order of BLOCK_K2 (V2: the `mma.sync` one); w2 the packed bytes as i32 words [E, D, I/8], scales s2
-    u8 [E, D, I/32]. SPLIT > 1: program_id(2) sums its part of I (`mx_split_range`) into y_slot [SPLIT, N·k, D]
-    (rows_total = N·k), which `moe_sum_kernel` adds in split order."""
+    u8 [E, D, I/32]."""
     e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
                                         BLOCK_M)
     if e < E:
@@ -352,12 +299,11 @@ def moe_down_mx_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expe
         n_ok = offs_n < D
         rows = e.to(tl.int64) * D + offs_n
         acc = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
-        lo, hi = mx_split_range(I, BLOCK_K2, SPLIT)
-        for i0 in range(lo, hi, BLOCK_K2):
+        for i0 in range(0, I, BLOCK_K2):
             s2 = mxfp4_scales(s2_ptr, rows, n_ok, i0, I, BLOCK_K2, FAST, V2)
             h = mx_act_tile(hp_ptr, offs_m, m_ok, i0, I, BLOCK_K2)
             w = mxfp4_weight_tile(w2_ptr, s2, rows, n_ok, i0, I, BLOCK_K2, FAST, TWO_MULS, V2)
             acc = tl.dot(w.to(h.dtype), h, acc, input_precision=DOT_PRECISION)
         weight = tl.load(weights_ptr + slot, mask=m_ok, other=0.0)
-        out = y_slot_ptr + (tl.program_id(2) * rows_total + slot[None, :]) * D + offs_n[:, None]
-        tl.store(out, acc * weight[None, :], mask=n_ok[:, None] & m_ok[None, :])
+        tl.store(y_slot_ptr + slot[None, :] * D + offs_n[:, None], acc * weight[None, :],
+                 mask=n_ok[:, None] & m_ok[None, :])
