@@ -124,12 +124,15 @@ def test_long_rows_finish_with_their_own_chunk(monkeypatch):
     assert torch.equal(dsa_decode_topk(q_i, w, k_i, topk, ordered=True), ref)
 
 
-@pytest.mark.parametrize("H,Dl,dv,batched", [(16, 48, 32, False), (40, 40, 32, False), (80, 48, 32, True)])
-def test_sparse_attention_matches_torch(monkeypatch, H, Dl, dv, batched):
+@pytest.mark.parametrize("H,Dl,dv,batched,dv_split", [(16, 48, 32, False, 1), (40, 40, 32, False, 1),
+                                                       (80, 48, 32, True, 1), (40, 40, 24, False, 2)])
+def test_sparse_attention_matches_torch(monkeypatch, H, Dl, dv, batched, dv_split):
     # (40, 40, 32): 2 head blocks, 8 rope dims; batched: B rows reach SPARSE_BATCHED_ROWS, so SPARSE_HEAD_BLOCK_BATCHED
-    # (64) heads per program, the second block of 80 heads partly masked
+    # (64) heads per program, the second block of 80 heads partly masked; dv_split 2: each program accumulates 16 of
+    # the 32 padded value columns (24 real: the second part partly masked), its scores over all 40 dims
     from k3c.codegen.triton import attention
     monkeypatch.setattr(attention, "SPARSE_BATCHED_ROWS", B if batched else B + 1)
+    monkeypatch.setattr(attention, "SPARSE_DV_SPLIT", dv_split)
     L, topk = 500, 200                                                  # key splits + combine
     q_i, w, k_i = index_inputs(L, seed=5)
     gen = torch.Generator().manual_seed(6)
@@ -165,20 +168,6 @@ def test_fp8_rerank_equals_exact_selection(L, topk, extra):
     assert ((idx >= 0).sum(-1) == min(L, topk)).all()
     assert torch.equal(dsa_decode_topk(q_i, w, k8, topk, k_scale=ks, ordered=True, k_exact=k_i,
                                        rerank_extra=extra), ref)
-
-
-def test_int8_keys_select_the_int8_scores_top_k():
-    # int8 keys (per-key scale, max|k| / 127) with q int8 per head in the scan: the reference set of the scores of
-    # the dequantized int8 q and keys (the interpreter's int8 product is exact)
-    L, topk = 1200, 48
-    q_i, w, k_i = index_inputs(L, seed=51)
-    k8, ks = quantize_index_keys(k_i, torch.int8)
-    assert k8.dtype == torch.int8 and (k8.float() * ks[..., None] - k_i).abs().max() <= ks.max() / 2 + 1e-6
-    qb = q_i.to(torch.bfloat16).float()                                 # the scan's q: bf16, then int8 per head
-    sq = qb.abs().amax(-1, keepdim=True) / 127
-    ref = dsa_index_topk_ref({"topk": topk}, (torch.round(qb / sq) * sq)[:, None], w[:, None],
-                             k8.float() * ks[..., None])[0]
-    assert as_sets(dsa_decode_topk(q_i, w, k8, topk, k_scale=ks)) == as_sets(ref)
 
 
 def test_errors():
