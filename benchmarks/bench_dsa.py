@@ -82,7 +82,7 @@ def profile(label, fn):
 
 
 ATTN_KNOBS = ("SPARSE_DECODE", ("SPARSE_HEAD_BLOCK", "SPARSE_HEAD_BLOCK_BATCHED"), "SPARSE_STAGES",
-              "MIN_KEYS_PER_SPLIT", "SPARSE_BLOCK_S", "SPARSE_WARPS", "SPARSE_TARGET_PROGRAMS", "SPARSE_DV_SPLIT")
+              "MIN_KEYS_PER_SPLIT", "SPARSE_BLOCK_S", "SPARSE_WARPS", "SPARSE_TARGET_PROGRAMS")
 ATTN_DEFAULTS = {k: getattr(attention, k) for knob in ATTN_KNOBS for k in ((knob,) if isinstance(knob, str) else knob)}
 ATTN_VARIANTS = {     # name -> attention knobs (ATTN_KNOBS, in order: a head block sets it for every batch; the ones
                       # left out keep their defaults; () = the module's policy); B = 16 x 96 heads at head block 32:
@@ -100,9 +100,7 @@ ATTN_VARIANTS = {     # name -> attention knobs (ATTN_KNOBS, in order: a head bl
     "sparse hb32 s2 tp96": (True, 32, 2, 64, 64, 8, 96), "sparse hb32 s2 tp240": (True, 32, 2, 64, 64, 8, 240),
     "sparse hb32 s2 bs128 tp96": (True, 32, 2, 128, 128, 8, 96), "sparse hb64 s2 tp128": (True, 64, 2, 64, 64, 8, 128),
     "sparse hb64 s2 bs32 tp128": (True, 64, 2, 32, 32, 8, 128), "sparse hb64 s2 w16 tp128": (True, 64, 2, 64, 64, 16, 128),
-    "sparse hb32 s1 w4 tp264": (True, 32, 1, 64, 64, 4, 264), "sparse hb32 s2 w4 tp264": (True, 32, 2, 64, 64, 4, 264),
-    "sparse hb64 tp128 dv2": (True, 64, 2, 64, 64, 8, 128, 2), "sparse hb64 tp256 dv2": (True, 64, 2, 64, 64, 8, 256, 2),
-    "sparse hb32 tp128 dv2": (True, 32, 2, 64, 64, 8, 128, 2)}
+    "sparse hb32 s1 w4 tp264": (True, 32, 1, 64, 64, 4, 264), "sparse hb32 s2 w4 tp264": (True, 32, 2, 64, 64, 4, 264)}
 
 
 def set_attention(values):

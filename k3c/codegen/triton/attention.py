@@ -54,8 +54,6 @@ SPARSE_BATCHED_ROWS = 8     # H200 (BENCHMARKS.md round 5): B = 16 64 heads 64.7
 SPARSE_STAGES = 2           # its software-pipeline depth
 SPARSE_BLOCK_S = 64         # its keys per step (bf16 / fp16; fp32: 16)
 SPARSE_WARPS = 8            # its warps per program
-SPARSE_DV_SPLIT = 1         # its value parts per program (2: half the accumulator's registers, twice the programs;
-                            # BENCHMARKS.md DSA round 7)
 SPARSE_TARGET_PROGRAMS = 128  # its split-K target (programs; B = 1 is capped by MIN_KEYS_PER_SPLIT instead): about one
                               # wave of one program per H200 SM (~200 registers x 8 warps each); B = 16, 64 heads:
                               # 4 splits 64.7 us, 9 (288 programs, 3 waves) 71.9 (BENCHMARKS.md round 5)
@@ -238,8 +236,7 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
         head_block = SPARSE_HEAD_BLOCK_BATCHED if B * T >= SPARSE_BATCHED_ROWS else SPARSE_HEAD_BLOCK
         BLOCK_M = max(16, min(triton.next_power_of_2(H), head_block))
         BLOCK_S = SPARSE_BLOCK_S if q.dtype != torch.float32 else 16
-        dv_split = SPARSE_DV_SPLIT if BLOCK_DV >= 32 else 1    # value parts of at least 16 columns
-        n_hb = triton.cdiv(H, BLOCK_M) * dv_split            # head blocks x value parts
+        n_hb = triton.cdiv(H, BLOCK_M)
     n_keys = (max(topk, min(S, dense_max)) if from_ptr else topk) if use_idx else S   # at most, per row
     programs = B * n_tb * n_hb
     target = SPARSE_TARGET_PROGRAMS if sparse_decode else TARGET_PROGRAMS
@@ -263,8 +260,8 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
             q, k, idx, o_dst, lse, lengths if from_ptr else q, S, keys_per_split, dense_max, k.stride(0),
             k.stride(1), scale * 1.4426950408889634, H=H, DV=DV, DR=D - DV, TOPK=topk, SPLITS=splits,
             LEN_FROM_PTR=from_ptr, BLOCK_M=BLOCK_M, BLOCK_S=BLOCK_S, BLOCK_DV=BLOCK_DV,
-            BLOCK_DR=max(16, triton.next_power_of_2(D - DV)), DOT_PRECISION=precision, DV_SPLIT=dv_split,
-            num_warps=SPARSE_WARPS, num_stages=SPARSE_STAGES)
+            BLOCK_DR=max(16, triton.next_power_of_2(D - DV)), DOT_PRECISION=precision, num_warps=SPARSE_WARPS,
+            num_stages=SPARSE_STAGES)
     else:
         mla_attention_kernel[(B * n_tb, n_hb, splits)](
             q, k, v, idx if use_idx else q, o_dst, lse, lengths if from_ptr else q, T, S, n_tb, keys_per_split,
@@ -314,7 +311,6 @@ def emit_mla_attention(group: KernelGroup) -> str:
               ("SPARSE_STAGES", SPARSE_STAGES, "its software-pipeline depth"),
               ("SPARSE_BLOCK_S", SPARSE_BLOCK_S, "its keys per step (bf16 / fp16)"),
               ("SPARSE_WARPS", SPARSE_WARPS, "its warps per program"),
-              ("SPARSE_DV_SPLIT", SPARSE_DV_SPLIT, "its value parts per program (1 or 2)"),
               ("SPARSE_TARGET_PROGRAMS", SPARSE_TARGET_PROGRAMS, "its split-K target (programs)")]
     v_arg = f"_unit_last(inputs[{ip[2]}])" if has_v else "None"
     idx_arg = f"inputs[{ip[-1]}].contiguous()" if has_idx else "None"

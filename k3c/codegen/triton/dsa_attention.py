@@ -7,7 +7,7 @@ kv rows are [DV latent values | DR rope dims] (K3: 512 + 64). `attention.mla_att
 reads every gathered row twice (scores in 64-column chunks, then the values) and re-loads q for every key block;
 `mla_sparse_decode_kernel` loads its heads' q once ([BLOCK_M, DV] and [BLOCK_M, DR], kept in registers) and every
 gathered row once, as a [BLOCK_S, DV] tile (scores and values) and a [BLOCK_S, DR] tile (scores). One program per
-(b, block of BLOCK_M heads x DV_SPLIT value parts, key split); the splits write (o, log2-sum-exp) partials that
+(b, block of BLOCK_M heads, key split); the splits write (o, log2-sum-exp) partials that
 `attention.mla_combine_kernel` merges, in the layout of `attention.launch_mla`, which picks this kernel. (Loading
 the next block's idx slots one step ahead, as a loop-carried tensor, fails Triton 3.6's layout pass on the H200.)
 
@@ -30,16 +30,11 @@ def mla_sparse_decode_kernel(
     qk_scale,                               # attrs.scale * log2(e): scores in the base-2 domain
     H: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, TOPK: tl.constexpr, SPLITS: tl.constexpr,
     LEN_FROM_PTR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_DR: tl.constexpr, DOT_PRECISION: tl.constexpr, DV_SPLIT: tl.constexpr,
+    BLOCK_DR: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """DV_SPLIT = 2: the program accumulates one half of the BLOCK_DV value columns (a [BLOCK_M, BLOCK_DV / 2]
-    accumulator: half the registers), its scores over all DV + DR dims (the other half's q and rows too, read for
-    the scores only); both halves compute the same scores (up to the products' order), the first writes the
-    split's lse."""
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
-    part = tl.program_id(1) % DV_SPLIT
-    h = tl.program_id(1) // DV_SPLIT * BLOCK_M + tl.arange(0, BLOCK_M)
+    h = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = h < H
     if LEN_FROM_PTR:
         S = tl.load(len_ptr + b).to(tl.int32) + 1
@@ -50,20 +45,16 @@ def mla_sparse_decode_kernel(
     start = split * keys_per_split
     end = tl.minimum(n_keys, start + keys_per_split)
 
-    offs_v = part * (BLOCK_DV // DV_SPLIT) + tl.arange(0, BLOCK_DV // DV_SPLIT)        # this program's values
-    offs_w = (1 - part) * (BLOCK_DV // DV_SPLIT) + tl.arange(0, BLOCK_DV // DV_SPLIT)  # DV_SPLIT = 2: the others
+    offs_v = tl.arange(0, BLOCK_DV)
     offs_r = tl.arange(0, BLOCK_DR)
     v_ok = offs_v < DV
-    w_ok = offs_w < DV
     r_ok = offs_r < DR
     q_rows = (b * H + h) * (DV + DR)
     q_v = tl.load(q_ptr + q_rows[:, None] + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
     q_r = tl.load(q_ptr + q_rows[:, None] + DV + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-    if DV_SPLIT == 2:
-        q_w = tl.load(q_ptr + q_rows[:, None] + offs_w[None, :], mask=row_ok[:, None] & w_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)           # finite start: a fully masked block gives p = 0
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV // DV_SPLIT], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for j0 in range(start, end, BLOCK_S):
         offs_j = j0 + tl.arange(0, BLOCK_S)
         j_ok = offs_j < end
@@ -75,9 +66,6 @@ def mla_sparse_decode_kernel(
         kr = tl.load(kv_ptr + rows[:, None] + DV + offs_r[None, :], mask=key_ok[:, None] & r_ok[None, :],
                      other=0.0)
         scores = tl.dot(q_v, tl.trans(kv.to(q_v.dtype)), input_precision=DOT_PRECISION)
-        if DV_SPLIT == 2:
-            kw = tl.load(kv_ptr + rows[:, None] + offs_w[None, :], mask=key_ok[:, None] & w_ok[None, :], other=0.0)
-            scores += tl.dot(q_w, tl.trans(kw.to(q_w.dtype)), input_precision=DOT_PRECISION)
         scores += tl.dot(q_r, tl.trans(kr.to(q_r.dtype)), input_precision=DOT_PRECISION)
         scores = tl.where(row_ok[:, None] & key_ok[None, :], scores * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -92,7 +80,7 @@ def mla_sparse_decode_kernel(
         tl.store(o_ptr + (b * H + h)[:, None] * DV + offs_v[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & v_ok[None, :])
     else:
-        slot = (b * SPLITS + split) * H + h
-        tl.store(o_ptr + slot[:, None] * DV + offs_v[None, :], out, mask=row_ok[:, None] & v_ok[None, :])
+        part = (b * SPLITS + split) * H + h
+        tl.store(o_ptr + part[:, None] * DV + offs_v[None, :], out, mask=row_ok[:, None] & v_ok[None, :])
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + slot, lse, mask=row_ok & (h * 0 + part == 0))
+        tl.store(lse_ptr + part, lse, mask=row_ok)
