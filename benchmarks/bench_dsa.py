@@ -15,11 +15,13 @@ positions; also timed, with the baseline's). Then each is timed, the baseline as
 (ordered + out.copy_). Timing: triton.testing.do_bench_cudagraph median, rotating buffer sets past 3x the 60 MB L2.
 Floor = bytes / 4.2 TB/s, bytes = index keys (+ scales, + the re-ranked candidates' bf16 keys) + the 2048 latent
 rows read by the attention. The whole decode step as the compiled model launches it (`dsa_checks.compiled_decode`:
-`launch_dsa_index_topk` + `launch_mla`, device lengths, planned scratch; bf16 keys, the FP8 option (e4m3 keys +
-scale, e4m3 q) and int8 keys + int8 q) is checked (its set against torch.topk of the same scores, the attention
-against torch on that set) and timed, floor = index keys (+ scales) + selected latent rows + q_i, w, q, o; and the
-FP8 option's top-k overlap is taken apart (`dsa_fp8_overlap.study`: score noise vs the threshold, per-32-channel
-scales, a Hadamard rotation, int8). Inputs and torch references: `dsa_checks.py`.
+`launch_dsa_index_topk` + `launch_mla`, device lengths, planned scratch; bf16 keys and the FP8 option (e4m3 keys +
+scale, e4m3 q)) is checked (its set against torch.topk of the same scores, the attention against torch on that set)
+and timed (with the default attention and each --attention variant), floor = index keys (+ scales) + selected latent
+rows + q_i, w, q, o; and the FP8 option's top-k overlap is taken apart (`dsa_fp8_overlap.study`: score noise vs the
+threshold, per-32-channel scales, a Hadamard rotation, int8). --quick: only the sets, the whole step, the 16-wide fp8
+path and the variants (no re-ranking, overlap study or tied-keys timing). Inputs and torch references:
+`dsa_checks.py`.
 Writes dsa_bench.json / dsa_bench.md under --out after every case; per-kernel times (torch.profiler) as PROFILE
 lines and in the json.
 """
@@ -39,7 +41,7 @@ from k3c.codegen.triton.attention import launch_mla  # noqa: E402
 from k3c.codegen.triton.dsa_decode import dsa_decode_topk  # noqa: E402
 from dsa_checks import (DI, DL, DV, H, SCALE, TOPK, compiled_decode, decode_buffers, decode_bytes,  # noqa: E402
                         dsa_decode, make, overlap, ref_attention, ref_topk, ref_topk_fp8, rel, tiny_fp8_check)
-from dsa_fp8_overlap import outlier_keys, study, variant_scores  # noqa: E402
+from dsa_fp8_overlap import outlier_keys, study  # noqa: E402
 
 HBM_BYTES_PER_S = 4.2e12
 L2_BYTES = 60e6
@@ -119,9 +121,11 @@ SELECT_VARIANTS = {   # name -> dsa_decode attributes (the default first)
     "finish computes its first level (no collect next digit)": dict(COLLECT_NEXT=False),
     "collect next digit by block histograms only": dict(NEXT_DENSE=-1),
     "scan / collect programs 1056 (before round 6)": dict(SCAN_PROGRAMS=1056),
-    "scan / collect programs 2112": dict(SCAN_PROGRAMS=2112), "scan 4 stages": dict(SCAN_STAGES=4)}
+    "scan / collect programs 2112": dict(SCAN_PROGRAMS=2112), "scan 4 stages": dict(SCAN_STAGES=4),
+    "finish 32 warps (long rows)": dict(FINISH_WARPS_LONG=32), "scan / collect programs 396": dict(SCAN_PROGRAMS=396),
+    "collect block 2048, programs 396": dict(SELECT_BLOCK=2048, SCAN_PROGRAMS=396)}
 SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "FINISH_LONG_KEYS", "SCAN_BLOCK",
-                "SCAN_WARPS", "COLLECT_NEXT", "NEXT_DENSE", "SCAN_PROGRAMS", "SCAN_STAGES")
+                "SCAN_WARPS", "COLLECT_NEXT", "NEXT_DENSE", "SCAN_PROGRAMS", "SCAN_STAGES", "FINISH_WARPS_LONG")
 
 
 def load_baseline(path):
@@ -145,7 +149,7 @@ def candidate_stats(x):
                 cand_max=int(cand.max()))
 
 
-def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
+def run_case(B, L, rows, checks, attn_variants, select_variants, baseline, quick):
     x = make(B, L, seed=B + L, dev=DEV)
     defaults = ({k: getattr(dd, k) for k in SELECT_KNOBS}, ())
 
@@ -215,13 +219,14 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
         idx8 = dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"])
         return bool(torch.equal(idx8[:, 0], want))
 
-    check("ordered == torch fp32 sort (positions, fp8 + rerank)", rerank_order)
     check("overlap fp8 keys (no rerank) vs bf16",
           lambda: overlap(dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"]), idx))
-    check("overlap fp8 keys + rerank vs fp32 torch", lambda: overlap(dsa_decode_topk(
-        x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"]), want))
-    check("attn rel fp8 keys + rerank vs bf16", lambda: rel(dsa_decode(
-        x["q_i"], x["w"], x["k8"], x["q"], x["kv"], k_scale=x["ks"], k_exact=x["k_i"]), o))
+    if not quick:
+        check("ordered == torch fp32 sort (positions, fp8 + rerank)", rerank_order)
+        check("overlap fp8 keys + rerank vs fp32 torch", lambda: overlap(dsa_decode_topk(
+            x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"]), want))
+        check("attn rel fp8 keys + rerank vs bf16", lambda: rel(dsa_decode(
+            x["q_i"], x["w"], x["k8"], x["q"], x["kv"], k_scale=x["ks"], k_exact=x["k_i"]), o))
 
     def attn_rel():
         oo = torch.empty(B, 1, H, DV, dtype=torch.bfloat16, device=DEV)
@@ -236,8 +241,7 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
     lengths = torch.full((B,), L - 1, dtype=torch.int32, device=DEV)     # device lengths: L keys per row
     want8 = ref_topk_fp8(x)
 
-    same = dict(bf16=want, fp8=want8,
-                int8=torch.topk(variant_scores("int8", x["q_i"], x["w"], x["k_i"]), TOPK, dim=-1).indices)
+    same = dict(bf16=want, fp8=want8)
 
     def whole_check(keys, mod=None):
         bufs = decode_buffers(B, L, DEV)
@@ -254,12 +258,17 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
         check(f"whole decode, compiled kernels, {keys} keys", lambda: whole_check(keys))
         if baseline:
             check(f"whole decode, baseline kernels, {keys} keys", lambda: whole_check(keys, baseline))
-    check("whole decode, int8 keys + int8 q (dsa_decode.radix_topk)", lambda: whole_check("int8", dd))
+    for name in attn_variants:
+        set_attention(ATTN_VARIANTS[name])
+        check(f"whole decode, compiled kernels, fp8 keys [{name}]", lambda: whole_check("fp8"))
+    restore()
     check("fp8 keys at D = 16 (FP8_RADIX_MIN_D: the score kernel), compiled path vs dsa_index_topk_ref",
           lambda: tiny_fp8_check(B, DEV))
-    check("fp8 overlap study, Gaussian keys (dsa_fp8_overlap.study)", lambda: study(x["q_i"], x["w"], x["k_i"], TOPK))
-    check("fp8 overlap study, keys with 4 outlier channels x16",
-          lambda: study(x["q_i"], x["w"], outlier_keys(x["k_i"]), TOPK))
+    if not quick:
+        check("fp8 overlap study, Gaussian keys (dsa_fp8_overlap.study)",
+              lambda: study(x["q_i"], x["w"], x["k_i"], TOPK))
+        check("fp8 overlap study, keys with 4 outlier channels x16",
+              lambda: study(x["q_i"], x["w"], outlier_keys(x["k_i"]), TOPK))
     checks.append(c)
     print("CHECK", c, flush=True)
 
@@ -319,11 +328,12 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
         timed(f"k3c index scan + radix top-k, bf16 keys [{name}]", topk_bf16, idx_bytes)
         timed(f"k3c index scan + radix top-k, fp8 keys [{name}]", topk_fp8, idx8_bytes)
     restore()
-    timed("k3c compiled path: launch_dsa_index_topk into out, planned scratch, bf16 keys",
-          lambda i: compiled_path(sets[i], outs[i]), idx_bytes)
-    timed("k3c top-k set, zeroed index keys (all scores tied)",
-          lambda i: dsa_decode_topk(zeroed["q_i"], zeroed["w"], zeroed["k_i"], TOPK), idx_bytes, n=1)
-    if baseline:
+    if not quick:
+        timed("k3c compiled path: launch_dsa_index_topk into out, planned scratch, bf16 keys",
+              lambda i: compiled_path(sets[i], outs[i]), idx_bytes)
+        timed("k3c top-k set, zeroed index keys (all scores tied)",
+              lambda i: dsa_decode_topk(zeroed["q_i"], zeroed["w"], zeroed["k_i"], TOPK), idx_bytes, n=1)
+    if baseline and not quick:
         timed("baseline top-k set, zeroed index keys (all scores tied)",
               lambda i: baseline.dsa_decode_topk(zeroed["q_i"], zeroed["w"], zeroed["k_i"], TOPK), idx_bytes, n=1)
     if baseline:
@@ -333,23 +343,28 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline):
               lambda i: outs[i].copy_(baseline.dsa_decode_topk(sets[i]["q_i"], sets[i]["w"], sets[i]["k_i"], TOPK,
                                                                ordered=True)), idx_bytes)
     timed("k3c index scan + radix top-k, fp8 keys [fp8 q], no rerank", topk_fp8, idx8_bytes)
-    timed("k3c index scan + radix top-k, int8 keys [int8 q]", lambda i: dsa_decode_topk(
-        sets[i]["q_i"], sets[i]["w"], sets[i]["k8i"], TOPK, k_scale=sets[i]["ksi"]), idx8_bytes)
-    timed("k3c index scan + radix top-k, fp8 keys + rerank", topk_fp8_rerank, idx8_bytes + rerank_bytes)
+    if not quick:
+        timed("k3c index scan + radix top-k, fp8 keys + rerank", topk_fp8_rerank, idx8_bytes + rerank_bytes)
     for name in attn_variants:
         set_attention(ATTN_VARIANTS[name])
         timed(f"k3c sparse latent attention (2048 rows) [{name}]", attn_only, attn_bytes)
     restore()
     wbufs = [decode_buffers(B, L, DEV) for _ in sets]
-    for keys, label in (("bf16", "bf16 keys"), ("fp8", "fp8 keys (e4m3 q)"), ("int8", "int8 keys (int8 q)")):
-        mod = dd if keys == "int8" else None
+    for keys, label in (("bf16", "bf16 keys"), ("fp8", "fp8 keys (e4m3 q)")):
         nbytes = decode_bytes(B, L, keys != "bf16")
         timed(f"k3c whole DSA decode, compiled kernels, {label}",
-              lambda i: compiled_decode(sets[i], keys, wbufs[i], lengths, mod), nbytes)
-        if baseline and keys != "int8":
+              lambda i: compiled_decode(sets[i], keys, wbufs[i], lengths), nbytes)
+        if baseline:
             timed(f"baseline whole DSA decode, compiled kernels, {label}",
                   lambda i: compiled_decode(sets[i], keys, wbufs[i], lengths, baseline), nbytes)
-        profile(f"B={B} L={L} whole decode {label}", lambda: compiled_decode(x, keys, wbufs[0], lengths, mod))
+        profile(f"B={B} L={L} whole decode {label}", lambda: compiled_decode(x, keys, wbufs[0], lengths))
+    for name in attn_variants:
+        set_attention(ATTN_VARIANTS[name])
+        timed(f"k3c whole DSA decode, compiled kernels, fp8 keys (e4m3 q) [{name}]",
+              lambda i: compiled_decode(sets[i], "fp8", wbufs[i], lengths), decode_bytes(B, L, True))
+    restore()
+    if quick:
+        return
     for name, fn, nbytes in (("k3c DSA decode: top-k + attention, bf16 keys", full_bf16, idx_bytes + attn_bytes),
                              ("k3c DSA decode: top-k + attention, fp8 keys + rerank", full_fp8_rerank,
                               idx8_bytes + rerank_bytes + attn_bytes)):
@@ -371,6 +386,7 @@ def main():
                     help="selection variants to check and time (SELECT_VARIANTS), the default first")
     ap.add_argument("--baseline", default="", help="a previous dsa_decode.py to time in the same run")
     ap.add_argument("--rep", type=int, default=200, help="ms per timing replay (do_bench_cudagraph's rep)")
+    ap.add_argument("--quick", action="store_true", help="the sets, the whole step and the variants only")
     args = ap.parse_args()
     global REP_MS
     REP_MS = args.rep
@@ -385,7 +401,7 @@ def main():
     for case in args.cases.split(","):
         B, L = (int(v) for v in case.split("x"))
         try:
-            run_case(B, L, rows, checks, attn_variants, select_variants, baseline)
+            run_case(B, L, rows, checks, attn_variants, select_variants, baseline, args.quick)
         except Exception as e:  # noqa: BLE001  keep the other cases
             import traceback
             traceback.print_exc()

@@ -21,14 +21,13 @@ SCALE = (128 + 64) ** -0.5
 
 def make(B, L, seed, dev):
     """The bench's inputs on `dev`: index q_i [B, J, DI] bf16, w [B, J], keys k_i [B, L, DI] bf16 with their e4m3
-    (k8, ks) and int8 (k8i, ksi) forms, attention q [B, 1, H, DL] and latents kv [B, L, DL] bf16 (seeded Gaussians)."""
+    form (k8, ks), attention q [B, 1, H, DL] and latents kv [B, L, DL] bf16 (seeded Gaussians)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     bf = torch.bfloat16
     k_i = torch.randn(B, L, DI, generator=g, device=dev).to(bf)
     k8, ks = quantize_index_keys(k_i)
-    k8i, ksi = quantize_index_keys(k_i, torch.int8)
     return dict(q_i=torch.randn(B, J, DI, generator=g, device=dev).to(bf),
-                w=torch.randn(B, J, generator=g, device=dev) * J ** -0.5, k_i=k_i, k8=k8, ks=ks, k8i=k8i, ksi=ksi,
+                w=torch.randn(B, J, generator=g, device=dev) * J ** -0.5, k_i=k_i, k8=k8, ks=ks,
                 q=torch.randn(B, 1, H, DL, generator=g, device=dev).to(bf),
                 kv=torch.randn(B, L, DL, generator=g, device=dev).to(bf))
 
@@ -71,14 +70,13 @@ def decode_buffers(B, L, dev):
                 o=torch.empty((B, 1, H, DV), dtype=torch.bfloat16, device=dev))
 
 
-KEY_FORMS = {"bf16": ("k_i", None), "fp8": ("k8", "ks"), "int8": ("k8i", "ksi")}   # index keys: tensor, scales
+KEY_FORMS = {"bf16": ("k_i", None), "fp8": ("k8", "ks")}   # index keys: tensor, scales
 
 
 def compiled_decode(s, keys, bufs, lengths, mod=None):
     """One DSA decode step as the compiled model launches it (device lengths, planned scratch, dense guard at
     TOPK): `dsa_index.launch_dsa_index_topk` (mod: a dsa_decode module instead, e.g. the baseline, through its
-    `radix_topk`, which launch_dsa_index_topk calls the same way; int8 keys, not a compile option, need it) into
-    idx, then `launch_mla`. keys: a KEY_FORMS name. Returns the output o."""
+    `radix_topk`, which launch_dsa_index_topk calls the same way) into idx, then `launch_mla`. keys: a KEY_FORMS name. Returns the output o."""
     k, ks = (s[n] if n else None for n in KEY_FORMS[keys])
     if mod is None:
         dsa_index.launch_dsa_index_topk(s["q_i"][:, None], s["w"][:, None], k, bufs["idx"], topk=TOPK, k_scale=ks,

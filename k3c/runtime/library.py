@@ -29,10 +29,11 @@ def _slice(a, x):
 
 def _fp8_quantize(x):
     """x [..., D] -> (e4m3 [..., D], f32 scale [...]), x ~= scale * x8, scale = max|x| / 448 per row (1 for a zero
-    row): `fp8_quantize` (k3c/ir/ops/model_attn.py; FP8 DSA index keys)."""
+    row): `fp8_quantize` (k3c/ir/ops/model_attn.py; FP8 DSA index keys). A tensor divisor: correctly rounded on
+    CUDA too (a Python scalar one is a multiply by its fp32 reciprocal there)."""
     xf = x.float()
     amax = xf.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, 448.0), torch.ones_like(amax))
     return [(xf / scale[..., None]).to(torch.float8_e4m3fn), scale]
 
 

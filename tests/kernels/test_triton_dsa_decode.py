@@ -167,20 +167,6 @@ def test_fp8_rerank_equals_exact_selection(L, topk, extra):
                                        rerank_extra=extra), ref)
 
 
-def test_int8_keys_select_the_int8_scores_top_k():
-    # int8 keys (per-key scale, max|k| / 127) with q int8 per head in the scan: the reference set of the scores of
-    # the dequantized int8 q and keys (the interpreter's int8 product is exact)
-    L, topk = 1200, 48
-    q_i, w, k_i = index_inputs(L, seed=51)
-    k8, ks = quantize_index_keys(k_i, torch.int8)
-    assert k8.dtype == torch.int8 and (k8.float() * ks[..., None] - k_i).abs().max() <= ks.max() / 2 + 1e-6
-    qb = q_i.to(torch.bfloat16).float()                                 # the scan's q: bf16, then int8 per head
-    sq = qb.abs().amax(-1, keepdim=True) / 127
-    ref = dsa_index_topk_ref({"topk": topk}, (torch.round(qb / sq) * sq)[:, None], w[:, None],
-                             k8.float() * ks[..., None])[0]
-    assert as_sets(dsa_decode_topk(q_i, w, k8, topk, k_scale=ks)) == as_sets(ref)
-
-
 def test_errors():
     q_i, w, k_i = index_inputs(100, seed=7)
     with pytest.raises(RuntimeInputError):

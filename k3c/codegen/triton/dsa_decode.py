@@ -21,13 +21,11 @@ no scratch that must arrive zeroed:
 The output is the reference's top-k SET (positions, int64 [B, 1, topk], -1 past min(L, topk)) in no particular
 order (the op's contract; the attention is order-free), or in the reference's order with `ordered=True` (a torch
 sort: tests and the fp8 logits script).
-Quantized index keys (optional; k = scale * k8 with one fp32 scale per key, `quantize_index_keys`) halve the scan's
-bytes; the score is scale * sum_j w_j ReLU(q_j . k8): float8_e4m3fn (the compile option; FP8_QUERY: q quantized per
-head in registers, q_j = sq_j * q8_j with sq_j = max|q_j| / 448 folded into w_j: one fp8 x fp8 product), or int8
-(q int8 per head, sq_j = max|q_j| / 127: one int8 x int8 -> int32 product; a uniform grid, about 4x less score noise
-than e4m3's 3 mantissa bits: top-2048 overlap 0.984-0.988 vs 0.942-0.957 in the H200 bench, BENCHMARKS.md DSA
-round 6). With the exact keys at hand (`k_exact`) the selection's candidates are re-ranked exactly
-(`dsa_rerank`, which builds on this module).
+FP8 index keys (optional, the compile option `--dsa-index-keys fp8`; k = scale * k8, float8_e4m3fn with one fp32
+scale per key, `quantize_index_keys`) halve the scan's bytes; the score is scale * sum_j w_j ReLU(q_j . k8) with
+FP8_QUERY: q quantized per head in registers, q_j = sq_j * q8_j with sq_j = max|q_j| / 448 folded into w_j (one
+fp8 x fp8 product; both divisions correctly rounded, `tl.math.div_rn`, as the reference's). With the exact keys at
+hand (`k_exact`) the selection's candidates are re-ranked exactly (`dsa_rerank`, which builds on this module).
 
 The scan and collect kernels split a row's keys evenly over the programs of grid axis 0 (`_row_range`); with device
 lengths (`radix_topk(..., lengths=)`, i32 [B]: whole-step decode graphs) row b has lengths[b] + 1 keys, read in the
@@ -139,15 +137,15 @@ def dsa_init_kernel(hist_ptr, HIST_STRIDE: tl.constexpr, ZERO: tl.constexpr):
 @triton.jit
 def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, len_ptr, L,
                     J: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr,
-                    SCALED: tl.constexpr, QUERY_FP8: tl.constexpr, QUERY_INT8: tl.constexpr,
+                    SCALED: tl.constexpr, QUERY_FP8: tl.constexpr,
                     KEYS_FIRST: tl.constexpr, BINS: tl.constexpr,
                     SHIFT: tl.constexpr, BASE: tl.constexpr, HIST_STRIDE: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, LEN_FROM_PTR: tl.constexpr):
     """Scores of keys [pid*n_blocks*BLOCK_S, ...) of row b; q [B, J, D], w [B, J], k [B, L, D] (bf16/fp32, or
-    SCALED: fp8 or int8 with ks [B, L] fp32 scales; QUERY_FP8 / QUERY_INT8: q quantized per head here to e4m3 /
-    int8 (max|q_j| / 127, to the nearest integer), its scale folded into w); keys [B, L]
-    int32 (u32 bits); hist [B, HIST_STRIDE] int32: the first digit's histogram (`_first_digit`), added once per
-    program. KEYS_FIRST: the product as keys x q^T."""
+    SCALED: e4m3 with ks [B, L] fp32 scales; QUERY_FP8: q quantized per head here to e4m3 as `fp8_quantize_ref`
+    does, with correctly rounded divisions (Triton's `/` is approximate on the GPU: an ulp off moves q / sq across
+    e4m3 rounding midpoints), its scale folded into w); keys [B, L] int32 (u32 bits); hist [B, HIST_STRIDE] int32:
+    the first digit's histogram (`_first_digit`), added once per program. KEYS_FIRST: the product as keys x q^T."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n_valid, n_blocks = _row_range(len_ptr, b, L, BLOCK_S, LEN_FROM_PTR)
@@ -157,13 +155,8 @@ def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, len_ptr, L,
     w = tl.load(w_ptr + b * J + offs_j, mask=offs_j < J, other=0.0).to(tl.float32)
     if QUERY_FP8:       # q_j = sq_j * q8_j with sq_j > 0, so w_j ReLU(q_j . k) = (w_j sq_j) ReLU(q8_j . k)
         amax = tl.max(tl.abs(q.to(tl.float32)), 1)
-        sq = tl.where(amax > 0, amax / 448.0, 1.0)
-        q = _to_e4m3(q.to(tl.float32) / sq[:, None])
-        w = w * sq
-    if QUERY_INT8:
-        amax = tl.max(tl.abs(q.to(tl.float32)), 1)
-        sq = tl.where(amax > 0, amax / 127.0, 1.0)
-        q = (((q.to(tl.float32) / sq[:, None]) + 12582912.0) - 12582912.0).to(tl.int8)   # rounded half to even
+        sq = tl.where(amax > 0, tl.math.div_rn(amax, tl.full([BLOCK_J], 448.0, tl.float32)), 1.0)
+        q = _to_e4m3(tl.math.div_rn(q.to(tl.float32), tl.broadcast_to(sq[:, None], (BLOCK_J, D))))
         w = w * sq
     hist = tl.zeros([BINS], tl.int32)
     n_pad = 0
@@ -171,10 +164,7 @@ def dsa_scan_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, keys_ptr, hist_ptr, len_ptr, L,
         offs_s = (pid * n_blocks + i) * BLOCK_S + tl.arange(0, BLOCK_S)
         ok = offs_s < n_valid
         k = tl.load(k_ptr + (b * L + offs_s)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        if QUERY_INT8:  # int8 x int8 -> int32, exact
-            dots = tl.dot(k, tl.trans(q), out_dtype=tl.int32).to(tl.float32)
-            score = tl.sum(w[None, :] * tl.maximum(dots, 0.0), 1)
-        elif KEYS_FIRST:  # keys x q^T [BLOCK_S, BLOCK_J]: keys as the MMA's M side, 3-10 % faster on the H200
+        if KEYS_FIRST:  # keys x q^T [BLOCK_S, BLOCK_J]: keys as the MMA's M side, 3-10 % faster on the H200
             dots = tl.dot(k.to(q.dtype), tl.trans(q), input_precision=DOT_PRECISION)
             score = tl.sum(w[None, :] * tl.maximum(dots, 0.0), 1)
         else:           # q x keys^T [BLOCK_J, BLOCK_S]
@@ -365,23 +355,18 @@ def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, CHUN
         tl.store(idx_ptr + b * K + offs, tl.full([CHUNK], -1, tl.int64), mask=(offs >= written) & (offs < K))
 
 
-def quantize_index_keys(k_i, dtype=torch.float8_e4m3fn):
-    """FP8 (or int8) index keys: k_i [B, L, D] -> (k8 `dtype` [B, L, D], scale fp32 [B, L]), k ~= scale * k8.
-
-    scale = max|k| / 448 (int8: / 127, values rounded to the nearest integer) per key (1 for an all-zero key), so
-    every key uses the range fully.
-    """
+def quantize_index_keys(k_i):
+    """FP8 index keys: k_i [B, L, D] -> (k8 float8_e4m3fn [B, L, D], scale fp32 [B, L]), k ~= scale * k8, as
+    `fp8_quantize_ref`: scale = max|k| / 448 per key (1 for an all-zero key), so every key uses the range fully;
+    tensor divisors, correctly rounded on every device."""
     amax = k_i.float().abs().amax(-1)
-    top = 127.0 if dtype == torch.int8 else FP8_MAX
-    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
-    k = k_i.float() / scale[..., None]
-    return (torch.round(k) if dtype == torch.int8 else k).to(dtype), scale.contiguous()
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+    return (k_i.float() / scale[..., None]).to(torch.float8_e4m3fn), scale.contiguous()
 
 
 def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None, rerank_extra=None):
     """Top-`topk` index positions for one new token per row: q_i [B, J, D] (or [B, 1, J, D]), w [B, J],
-    k_i [B, L, D] (bf16/fp16/fp32, or float8_e4m3fn / int8 (q then int8 per head too: BENCHMARKS.md DSA round 6)
-    with k_scale [B, L] fp32, optionally with the exact keys
+    k_i [B, L, D] (bf16/fp16/fp32, or float8_e4m3fn with k_scale [B, L] fp32), optionally with the exact keys
     k_exact [B, L, D] in q_i's dtype: then topk + rerank_extra (default `dsa_rerank.RERANK_EXTRA`) fp8 candidates
     are re-ranked by their exact scores, `dsa_rerank.rerank_topk`, and come in the reference's order).
 
@@ -393,12 +378,12 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None
     q_i = q_i.reshape(q_i.shape[0], q_i.shape[-2], q_i.shape[-1])
     B, J, D = q_i.shape
     L = k_i.shape[1]
-    fp8 = k_i.dtype in (torch.float8_e4m3fn, torch.int8)
+    fp8 = k_i.dtype == torch.float8_e4m3fn
     if tuple(w.reshape(B, -1).shape) != (B, J) or k_i.shape[0] != B or k_i.shape[2] != D or L < 1:
         raise RuntimeInputError(f"dsa_decode_topk: q_i {tuple(q_i.shape)}, w {tuple(w.shape)}, "
                                 f"k_i {tuple(k_i.shape)} mismatch")
     if fp8 != (k_scale is not None) or (fp8 and tuple(k_scale.shape) != (B, L)):
-        raise RuntimeInputError("dsa_decode_topk: k_scale [B, L] fp32 goes with float8_e4m3fn / int8 keys, and only "
+        raise RuntimeInputError("dsa_decode_topk: k_scale [B, L] fp32 goes with float8_e4m3fn keys, and only "
                                 "then")
     if k_exact is not None and (not fp8 or tuple(k_exact.shape) != (B, L, D) or k_exact.dtype != q_i.dtype):
         raise RuntimeInputError(f"dsa_decode_topk: k_exact must be [B, L, D] = {(B, L, D)} in q_i's dtype "
@@ -448,8 +433,7 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, lengths=None, out=None, scra
     dsa_init_kernel[(B,)](hist, HIST_STRIDE=HIST_STRIDE, ZERO=zero if nxt else BINS, num_warps=1)
     dsa_scan_kernel[(triton.cdiv(n_scan, per_scan), B)](
         q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, n_len, L, J=J, D=D,
-        BLOCK_J=block_j, BLOCK_S=SCAN_BLOCK, SCALED=fp8, QUERY_FP8=fp8 and FP8_QUERY and k_i.dtype != torch.int8,
-        QUERY_INT8=k_i.dtype == torch.int8,
+        BLOCK_J=block_j, BLOCK_S=SCAN_BLOCK, SCALED=fp8, QUERY_FP8=fp8 and FP8_QUERY,
         KEYS_FIRST=not scan_fp32,       # tensor-core products; fp32 (IEEE) keeps q x k^T
         DOT_PRECISION="ieee" if scan_fp32 else "tf32", LEN_FROM_PTR=from_ptr, num_warps=SCAN_WARPS,
         num_stages=SCAN_STAGES,

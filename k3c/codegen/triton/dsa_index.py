@@ -100,10 +100,13 @@ def dsa_score_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, key_ptr, len_ptr, T, L, t0, n_
 
 def fp8_query(q_i, w):
     """The FP8 scan's query (`dsa_index_topk_ref`): q_i [..., J, D] rounded to bf16, then e4m3 per head (scale =
-    max|q_j| / 448, 1 for a zero head), w [..., J] times those scales. Returns (q8 float8_e4m3fn, w f32)."""
+    max|q_j| / 448, 1 for a zero head), w [..., J] times those scales. Returns (q8 float8_e4m3fn, w f32). The scale
+    divides by a tensor: correctly rounded on CUDA too, as the reference (torch on CUDA multiplies by the fp32
+    reciprocal of a Python scalar divisor: an ulp off for half the scales, and q8 then rounds differently at e4m3
+    midpoints, which bf16 q hits often; the GPU set differed in 9 of 256 keys, BENCHMARKS.md DSA round 7)."""
     qf = q_i.to(torch.bfloat16).float()
     amax = qf.abs().amax(-1)
-    sq = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    sq = torch.where(amax > 0, amax / torch.full_like(amax, 448.0), torch.ones_like(amax))
     return (qf / sq[..., None]).to(torch.float8_e4m3fn).contiguous(), (w.float() * sq).contiguous()
 
 

@@ -1,4 +1,4 @@
-"""Exact re-ranking of DSA candidates selected on quantized index keys (fp8 or int8 keys + the exact keys at hand).
+"""Exact re-ranking of DSA candidates selected on FP8 index keys (e4m3 keys + the exact keys at hand).
 
 `dsa_decode.radix_topk` selects topk + RERANK_EXTRA candidates on the quantized keys; two kernels then re-rank them
 by their exact scores (K3-SPEC.md "Gated DSA": I[s] = sum_j w[j] * ReLU(q_I[j] . k_I[s]), in q's dtype):
@@ -70,7 +70,7 @@ def dsa_rerank_rank_kernel(ck_ptr, idx_ptr, K1, K, BLOCK_C: tl.constexpr, BLOCK_
 
 def rerank_topk(q_i, w, k_i, k_scale, k_exact, topk, rerank_extra=None):
     """The top-`topk` positions by exact score among the topk + `rerank_extra` (None: RERANK_EXTRA) best by the
-    quantized keys: q_i [B, J, D], w [B, J], k_i [B, L, D] float8_e4m3fn / int8 with k_scale [B, L] fp32, k_exact
+    quantized keys: q_i [B, J, D], w [B, J], k_i [B, L, D] float8_e4m3fn with k_scale [B, L] fp32, k_exact
     [B, L, D] in q_i's dtype (shapes checked by `dsa_decode.dsa_decode_topk`). Returns int64 [B, 1, topk] in the
     reference's order (score descending, ties by lowest position), -1 past min(L, topk)."""
     B, J, D = q_i.shape

@@ -145,10 +145,12 @@ FP8_MAX = 448.0   # largest float8_e4m3fn value
 def fp8_quantize_ref(attrs, x):
     """x [..., D] float -> (x8 f8e4m3 [..., D], scale f32 [...]) with x ~= scale * x8: one scale per row of the last
     dim, scale = max|x| / 448 (1 for an all-zero row), x8 = e4m3(x / scale), rounded to nearest even (torch's cast).
-    The per-key scaling of DeepSeek-V3.2's FP8 indexer cache (K3-SPEC.md "Gated DSA")."""
+    The per-key scaling of DeepSeek-V3.2's FP8 indexer cache (K3-SPEC.md "Gated DSA"). Both divisions are correctly
+    rounded on every device: the divisor is a tensor (torch on CUDA computes `t / 448.0` as t * fp32(1 / 448), up to
+    an ulp off, which moves x / scale across e4m3 rounding midpoints: BENCHMARKS.md DSA round 7)."""
     xf = x.float()
     amax = xf.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     return [(xf / scale[..., None]).to(torch.float8_e4m3fn), scale]
 
 
