@@ -123,9 +123,12 @@ SELECT_VARIANTS = {   # name -> dsa_decode attributes (the default first)
     "scan / collect programs 1056 (before round 6)": dict(SCAN_PROGRAMS=1056),
     "scan / collect programs 2112": dict(SCAN_PROGRAMS=2112), "scan 4 stages": dict(SCAN_STAGES=4),
     "finish 32 warps (long rows)": dict(FINISH_WARPS_LONG=32), "scan / collect programs 396": dict(SCAN_PROGRAMS=396),
-    "collect block 2048, programs 396": dict(SELECT_BLOCK=2048, SCAN_PROGRAMS=396)}
+    "collect block 2048, programs 396": dict(SELECT_BLOCK=2048, SCAN_PROGRAMS=396),
+    "no refine (round 7 finish)": dict(REFINE=False),
+    "refine with finish 2048 x 8 warps": dict(FINISH_CHUNK_REFINED=2048, FINISH_WARPS_REFINED=8)}
 SELECT_KNOBS = ("BINS", "BASE", "SELECT_BLOCK", "FINISH_WARPS", "FINISH_CHUNK", "FINISH_LONG_KEYS", "SCAN_BLOCK",
-                "SCAN_WARPS", "COLLECT_NEXT", "NEXT_DENSE", "SCAN_PROGRAMS", "SCAN_STAGES", "FINISH_WARPS_LONG")
+                "SCAN_WARPS", "COLLECT_NEXT", "NEXT_DENSE", "SCAN_PROGRAMS", "SCAN_STAGES", "FINISH_WARPS_LONG",
+                "REFINE", "REFINE_BLOCK", "REFINE_PROGRAMS", "FINISH_CHUNK_REFINED", "FINISH_WARPS_REFINED")
 
 
 def load_baseline(path):
@@ -145,8 +148,10 @@ def candidate_stats(x):
     dd.radix_topk(x["q_i"], x["w"], x["k_i"], TOPK, None, False, scratch=buf)
     hist = buf[2 * B * L:].view(B, dd.HIST_STRIDE)
     above, cand = hist[:, -2], hist[:, -1]
+    fine = hist[:, dd.BINS + 256:dd.BINS + 258]             # the refine pass's: keys taken, short list
     return dict(above_min=int(above.min()), above_max=int(above.max()), cand_min=int(cand.min()),
-                cand_max=int(cand.max()))
+                cand_max=int(cand.max()), refine_taken_max=int(fine[:, 0].max()), refine_list_min=int(fine[:, 1].min()),
+                refine_list_max=int(fine[:, 1].max()))
 
 
 def run_case(B, L, rows, checks, attn_variants, select_variants, baseline, quick):

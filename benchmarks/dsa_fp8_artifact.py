@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 PROMPT, STEPS, L_LONG, BATCHES = 20, 4, 131072, (1, 16)
-INDEX_KERNELS = ("dsa_score_kernel", "dsa_init_kernel", "dsa_scan_kernel", "dsa_collect_kernel", "dsa_finish_kernel")
+INDEX_KERNELS = ("dsa_score_kernel", "dsa_init_kernel", "dsa_scan_kernel", "dsa_collect_kernel", "dsa_refine_kernel",
+                 "dsa_finish_kernel")
 
 
 def _tokens(vocab: int) -> torch.Tensor:

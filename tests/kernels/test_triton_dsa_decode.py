@@ -112,6 +112,50 @@ def test_collect_counts_the_candidates_next_digit(monkeypatch, dense):
     assert as_sets(idx) == as_sets(ref)
 
 
+@pytest.mark.parametrize("case,chunk", [("8-fold ties", 2), ("8-fold ties", 64), ("over the list's capacity", 64)])
+def test_refine_pass_lists_the_threshold_digit(monkeypatch, case, chunk):
+    # REFINE: the refine pass takes the candidates above the next digit's threshold digit d (counter hist[LIST0 - 2])
+    # and lists those in d (hist[LIST0:], count at LIST0 - 1) = torch's split of the kernel's order keys; the finish
+    # resolves that list (FINISH_CHUNK_REFINED = 2: several steps per level, and the position bits by the walk over
+    # ties; 64: by the radix). 8-fold ties: every score 8 times, so the list holds ties. Over the capacity: 1600
+    # copies of one key at the threshold (d holds more than the list's HIST_STRIDE - 4 - LIST0 words): no refine,
+    # the finish takes the whole candidate list. The reference's set and order either way. Inputs on a grid of 1/4
+    # (w: 1/16, positive: an interior bin), so that every score is exact and copies tie in the kernel too.
+    monkeypatch.setattr(dsa_decode, "FINISH_CHUNK_REFINED", chunk)
+    dd = dsa_decode
+    q_i, w, k_i = index_inputs(150 if case == "8-fold ties" else 400, seed=51)
+    q_i, k_i, w = (q_i * 4).round() / 4, (k_i * 4).round() / 4, (w.abs() * 16).round() / 16 + 1 / 16
+    if case == "8-fold ties":
+        k_i, topk = k_i.repeat_interleave(8, dim=1), 100
+    else:
+        s = torch.einsum("bj,bjs->bs", w, torch.einsum("bjd,bsd->bjs", q_i, k_i).relu())
+        mid = s.argsort(1)[:, 300]                                      # 99 keys score above it
+        k_i = torch.cat([k_i, k_i[torch.arange(B), mid][:, None].expand(B, 1600, D)], 1)
+        topk = 99 + 700
+    L = k_i.shape[1]
+    scratch = torch.full((dd.radix_scratch_words(B, L),), -5, dtype=torch.int32)
+    idx = dd.radix_topk(q_i, w, k_i, topk, None, False, scratch=scratch)
+    ref = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0]
+    assert as_sets(idx) == as_sets(ref)
+    assert torch.equal(dsa_decode_topk(q_i, w, k_i, topk, ordered=True), ref)
+    u = scratch[:B * L].view(B, L).long() & 0xFFFFFFFF
+    hist = scratch[2 * B * L:].view(B, dd.HIST_STRIDE)
+    list0 = dd.BINS + 258
+    cand = (u >> dd.SHIFT) == (u >> dd.SHIFT).gather(1, u.topk(topk, dim=1).indices[:, -1:])
+    nxt = (u >> (dd.SHIFT - 8)) & 255
+    for b in range(B):
+        need = topk - int((u[b] >> dd.SHIFT > (u[b] >> dd.SHIFT)[cand[b]][0]).sum())
+        count = torch.bincount(nxt[b][cand[b]], minlength=256)
+        d = int(((count.flip(0).cumsum(0) >= need).nonzero()[0]).item())
+        d = 255 - d                                                     # the threshold digit
+        in_d = (cand[b] & (nxt[b] == d)).nonzero()[:, 0]
+        if case == "over the list's capacity":
+            assert len(in_d) > dd.HIST_STRIDE - 4 - list0 and hist[b, list0 - 2:list0].tolist() == [0, 0]
+        else:
+            assert hist[b, list0 - 2:list0].tolist() == [int(count[d + 1:].sum()), len(in_d)] and len(in_d) >= 8
+            assert sorted(hist[b, list0:list0 + len(in_d)].tolist()) == in_d.tolist()
+
+
 def test_long_rows_finish_with_their_own_chunk(monkeypatch):
     # rows of at least FINISH_LONG_KEYS keys: the finishing select's FINISH_CHUNK_LONG candidates per step (here 32,
     # so several steps per level), the same set as the reference

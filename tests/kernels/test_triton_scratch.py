@@ -152,4 +152,5 @@ def test_dsa_radix_select_on_planned_scratch_runs_no_torch_op(monkeypatch):
     assert torch.equal(out.sort(-1).values, want.sort(-1).values)
     top = [ev.name for ev in prof.events() if ev.cpu_parent is None and ev.name.startswith("aten::")]
     assert not [n for n in top if n not in NO_KERNEL_OPS], top
-    assert launches == ["dsa_init_kernel", "dsa_scan_kernel", "dsa_collect_kernel", "dsa_finish_kernel"]
+    assert launches == ["dsa_init_kernel", "dsa_scan_kernel", "dsa_collect_kernel", "dsa_refine_kernel",
+                        "dsa_finish_kernel"]

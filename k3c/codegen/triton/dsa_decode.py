@@ -6,18 +6,23 @@ and the attention reads the top-k keys of I (`mla_attention` with idx, absorbed 
 also runs this selection for decode at long context: `dsa_index.launch_dsa_index_topk`).
 
 Selection is a radix select on the scores' order-preserving 32-bit keys (u = float bits with the sign flipped for
-positives and all bits flipped for negatives; unsigned order = float order) in four launches, with no torch op and
+positives and all bits flipped for negatives; unsigned order = float order) in five launches, with no torch op and
 no scratch that must arrive zeroed:
-  dsa_init_kernel     grid (B,): zeroes the row's digit histograms and its two counters
+  dsa_init_kernel     grid (B,): zeroes the row's digit histograms and its counters
   dsa_scan_kernel     grid (programs, B): scores -> keys [B, L] (u32 bits in int32) and the histogram of the first
                       digit, the top 11 bits u >> 21 (a bin spans a factor 2^(1/4) of positive scores) in a window
                       of BINS values (`_first_digit`; the rest clamp into the edge bins)
   dsa_collect_kernel  the threshold bin t: keys above it to the output, keys in it to a candidate list, their u
                       range and (COLLECT_NEXT) the histogram of their next 8 bits
+  dsa_refine_kernel   (REFINE, with COLLECT_NEXT) that histogram's threshold digit d: the candidates above it to the
+                      output, those in it (24 of the 6.4K per row at 1M, 4-17 at 128K in the H200 bench) to a short
+                      list, over many programs
   dsa_finish_kernel   grid (B,): the remaining K - above among the candidates (1.0K-6.4K per row in the H200 bench
-                      at L = 128K-1M) by a radix select of 8-bit digits on unique 64-bit keys (u << 32 | 2^32 - 1 -
-                      position: ties by lowest position, as the reference's stable sort); heavy ties by a walk in
-                      position order. Exact for any input: clamped or tied bins only cost more passes.
+                      at L = 128K-1M, or the refine pass's short list) by a radix select of 8-bit digits on unique
+                      64-bit keys (u << 32 | 2^32 - 1 - position: ties by lowest position, as the reference's stable
+                      sort); heavy ties by a walk in position order. Exact for any input: clamped or tied bins only
+                      cost more passes.
+The last two are in `dsa_select`.
 The output is the reference's top-k SET (positions, int64 [B, 1, topk], -1 past min(L, topk)) in no particular
 order (the op's contract; the attention is order-free), or in the reference's order with `ordered=True` (a torch
 sort: tests and the fp8 logits script).
@@ -34,13 +39,15 @@ kernels, and L is only the bound that sizes the grids and scratch.
 Public API: `dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None)` -> idx (with k_exact:
 `dsa_rerank.rerank_topk`), `radix_topk`
 (its launches, into a given `out` and planned scratch), `radix_scratch_words`, `quantize_index_keys(k_i, dtype)` ->
-(k8, scale), and the kernels (`KERNELS`, in source order).
+(k8, scale), and the kernels (`KERNELS`, in source order, `dsa_select`'s included).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from k3c.codegen.triton import dsa_select
+from k3c.codegen.triton.dsa_select import dsa_finish_kernel, dsa_refine_kernel
 from k3c.errors import RuntimeInputError
 
 SCAN_BLOCK = 128       # keys per scan step (one [SCAN_BLOCK, D] x [D, J] tensor-core product)
@@ -54,9 +61,17 @@ BINS = 256             # its histogram: a window of 256 of the 2048 values (tl.h
                        # bins: all 2048 made the top-k 2.4-4.4x slower on the H200, BENCHMARKS.md)
 BASE = 1404            # the window's first value: positive scores in [2^-32, 2^32) (1024 + 4 x (127 - 32)); below
                        # it bin 0, above it bin 255 (u >> 21 of a positive float = 1024 + 4 x exponent + 2 bits)
-HIST_STRIDE = 2052     # int32 words per row: histogram (2048 bins at most), the candidates' signed order-key min
-                       # and max, the two counters
-FINISH_CHUNK = 4096    # candidates per step of the finishing select (one program per row)
+HIST_STRIDE = 2052     # int32 words per row: histogram (2048 bins at most; with COLLECT_NEXT the first digit's
+                       # BINS, the next digit's 256, the refine pass's two counters and its list of the threshold
+                       # sub-bin's positions), the candidates' signed order-key min and max, the two counters
+REFINE = True          # with COLLECT_NEXT: the refine pass splits the candidates by the next digit over many
+                       # programs, so the finish resolves only the threshold digit's few (dsa_refine_kernel; fp8
+                       # top-k set 64.0 vs 77.5 us at B = 1 / 1M, 112.7 vs 126.5 at B = 16 / 128K: DSA round 8)
+REFINE_BLOCK = 256     # candidates per step of a refine program
+REFINE_PROGRAMS = 264  # refine programs per launch (split over the rows; about 2 per H200 SM)
+FINISH_CHUNK_REFINED = 512   # the finish's candidates per step with REFINE (the digit's: 4-24 in the bench)
+FINISH_WARPS_REFINED = 4     # ... and warps (2048 x 8 warps: 1.3-2.5 us slower)
+FINISH_CHUNK = 4096    # candidates per step of the finishing select without REFINE (one program per row)
 FINISH_WARPS = 8       # its warps
 FINISH_LONG_KEYS = 1 << 20   # rows (the bound L) of at least this many keys, whose threshold bins hold more candidates
 FINISH_CHUNK_LONG = 8192     # (6.4K at 1M in the H200 bench), instead: all of them in registers, by 16 warps
@@ -231,130 +246,6 @@ def dsa_collect_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, BLO
     tl.atomic_max(row + HIST_STRIDE - 3, hi_max, mask=hi_max > -2147483648, sem="relaxed")
 
 
-@triton.jit
-def _cand_keys(keys_ptr, cand_ptr, b, L, offs, n_cand):
-    """(valid, position, unique uint64 key (u << 32) | (2^32 - 1 - position)) of candidates offs of row b."""
-    ok = offs < n_cand
-    pos = tl.load(cand_ptr + b * L + offs, mask=ok, other=0)
-    u = tl.load(keys_ptr + b * L + pos, mask=ok, other=0).to(tl.uint32, bitcast=True)
-    return ok, pos, (u.to(tl.uint64) << 32) | (4294967295 - pos.to(tl.int64)).to(tl.uint64)
-
-
-@triton.jit
-def _digit_hist(c, match, ds, width):
-    """256-bin histogram of the 8-bit digits (c >> ds) & (2^width - 1) of the matching 64-bit keys c."""
-    digit = ((c >> ds.to(tl.uint64)) & ((1 << width) - 1).to(tl.uint64)).to(tl.int32)
-    hist = tl.histogram(tl.where(match, digit, 0), 256)
-    return tl.where(tl.arange(0, 256) == 0, hist - tl.sum((~match).to(tl.int32), 0), hist)
-
-
-@triton.jit
-def _bit_length(x):
-    """Bits of x (int64 in [0, 2^32)): 0 for 0, else floor(log2 x) + 1 (the exponent of x as an exact float64)."""
-    e = ((x.to(tl.float64).to(tl.int64, bitcast=True) >> 52) & 2047) - 1022
-    return tl.where(x > 0, e, 0)
-
-
-@triton.jit
-def dsa_finish_kernel(keys_ptr, hist_ptr, cand_ptr, idx_ptr, len_ptr, L, K, CHUNK: tl.constexpr,
-                      TIE_BLOCK: tl.constexpr, HIST_STRIDE: tl.constexpr, LEN_FROM_PTR: tl.constexpr,
-                      BINS: tl.constexpr, SHIFT: tl.constexpr, BASE: tl.constexpr, NEXT: tl.constexpr):
-    """grid (B,): the K - above best of row b's candidates (`dsa_collect_kernel`; above = the keys it selected) by
-    their unique 64-bit keys c = (u << 32) | (2^32 - 1 - position) (larger u first, then the lower position: the
-    reference's ties): a radix select of 8-bit digits, level after level until the bin of the remaining keys fits
-    whole. It starts below the bits all candidates share (those of their smallest and largest u, from the collect
-    pass: none to resolve when all are tied; NEXT: when they share u's bits from SHIFT up, in an interior first-digit
-    bin, and differ above SHIFT - 8, the first level is the collect pass's count of bits SHIFT - 8 .. SHIFT - 1),
-    resolves u (digits aligned to end at bit 32), then the positions:
-      - at most CHUNK candidates: the position bits by the same radix, the candidates in registers throughout;
-      - more (heavy ties at the threshold value u*, e.g. every score equal): the keys with u > u* from the list,
-        then the lowest positions with u == u* by a walk over the row's keys in position order (TIE_BLOCK per step,
-        a prefix count, until enough are found: one step when the ties are dense), instead of up to 4 more levels
-        over every candidate.
-    The first CHUNK candidates stay in registers across the levels, the rest are re-read per level in CHUNKs. Then
-    their positions to idx [B, K] after the collected ones, -1 in the slots past the row's keys (lengths as in
-    `_row_range`)."""
-    b = tl.program_id(0).to(tl.int64)
-    row = hist_ptr + b * HIST_STRIDE
-    n_cand = tl.load(row + HIST_STRIDE - 1)
-    above = tl.load(row + HIST_STRIDE - 2)
-    lo = (tl.load(row + HIST_STRIDE - 4) ^ -2147483648).to(tl.int64) & 4294967295     # the candidates' u range
-    hi = (tl.load(row + HIST_STRIDE - 3) ^ -2147483648).to(tl.int64) & 4294967295
-    need = K - above
-    n_diff = _bit_length(lo ^ hi)                           # the candidates share u's bits from n_diff up
-    pshift = 32 + n_diff                                    # ... so c's bits from pshift up: prefix
-    prefix = (lo >> n_diff).to(tl.uint64)
-    few = n_cand <= CHUNK
-    n_chunks = (n_cand + CHUNK - 1) // CHUNK
-    ok0, pos0, c_0 = _cand_keys(keys_ptr, cand_ptr, b, L, tl.arange(0, CHUNK), n_cand)
-    bins = tl.arange(0, 256)
-    done = n_cand <= need                                   # all candidates fit (none, or a row of <= K keys)
-    more = (done == 0) & ((pshift > 32) | few)
-    if NEXT:
-        v = lo >> SHIFT                                     # counted for an interior threshold bin only
-        use = (done == 0) & (n_diff > SHIFT - 8) & (v == (hi >> SHIFT)) & (v > BASE) & (v < BASE + BINS - 1)
-        hist = tl.load(row + BINS + bins)
-        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-        d = tl.max(tl.where(suffix >= need, bins, -1), 0)
-        a = tl.sum(tl.where(bins > d, hist, 0), 0)
-        h_d = tl.sum(tl.where(bins == d, hist, 0), 0)
-        prefix = tl.where(use, (((lo >> SHIFT) << 8) | d).to(tl.uint64), prefix)
-        pshift = tl.where(use, 32 + SHIFT - 8, pshift)
-        done = tl.where(use, h_d == need - a, done)
-        need = tl.where(use, need - a, need)
-        more = (done == 0) & ((pshift > 32) | few)
-    while more:
-        ds = tl.where(pshift > 32, tl.maximum(pshift - 8, 32), tl.maximum(pshift - 8, 0))
-        width = pshift - ds
-        wide = pshift >= 64
-        shift = tl.minimum(pshift, 63).to(tl.uint64)
-        hist = _digit_hist(c_0, ok0 & (wide | ((c_0 >> shift) == prefix)), ds, width)
-        for c0 in range(1, n_chunks):
-            ok, pos, c = _cand_keys(keys_ptr, cand_ptr, b, L, c0 * CHUNK + tl.arange(0, CHUNK), n_cand)
-            hist += _digit_hist(c, ok & (wide | ((c >> shift) == prefix)), ds, width)
-        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-        d = tl.max(tl.where(suffix >= need, bins, -1), 0)
-        a = tl.sum(tl.where(bins > d, hist, 0), 0)
-        h_d = tl.sum(tl.where(bins == d, hist, 0), 0)
-        prefix = (prefix << width.to(tl.uint64)) | d.to(tl.uint64)
-        pshift = ds
-        done = h_d == need - a                              # bin d fits whole: every key >= the prefix is taken
-        need = need - a
-        more = (done == 0) & ((pshift > 32) | few)
-    tie = tl.where(done, 0, 1).to(tl.uint64)               # pshift = 32, prefix = u*: need keys with u == u*
-    take_all = n_cand <= K - above
-    shift = tl.minimum(pshift, 63).to(tl.uint64)
-    sel = (ok0 & (take_all | ((c_0 >> shift) >= prefix + tie))).to(tl.int32)
-    tl.store(idx_ptr + b * K + above + tl.cumsum(sel, 0) - 1, pos0.to(tl.int64), mask=sel != 0)
-    written = above + tl.sum(sel, 0)
-    n_list = tl.where((tie != 0) & (hi.to(tl.uint64) == prefix), 1, n_chunks)     # none above u*: list done
-    for c0 in range(1, n_list):
-        ok, pos, c = _cand_keys(keys_ptr, cand_ptr, b, L, c0 * CHUNK + tl.arange(0, CHUNK), n_cand)
-        sel = (ok & (take_all | ((c >> shift) >= prefix + tie))).to(tl.int32)
-        tl.store(idx_ptr + b * K + written + tl.cumsum(sel, 0) - 1, pos.to(tl.int64), mask=sel != 0)
-        written += tl.sum(sel, 0)
-    n_valid = L
-    if LEN_FROM_PTR:
-        n_valid = tl.load(len_ptr + b).to(tl.int32) + 1
-    rem = tl.where(tie != 0, need, 0)                       # at least rem keys of the row have u == u*
-    s0 = 0
-    while (rem > 0) & (s0 < n_valid):
-        offs_t = s0 + tl.arange(0, TIE_BLOCK)
-        in_row = offs_t < n_valid
-        u_t = tl.load(keys_ptr + b * L + offs_t, mask=in_row, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-        hit = (in_row & (u_t == prefix)).to(tl.int32)
-        rank = tl.cumsum(hit, 0)
-        take = (hit != 0) & (rank <= rem)
-        tl.store(idx_ptr + b * K + written + rank - 1, offs_t.to(tl.int64), mask=take)
-        n_take = tl.sum(take.to(tl.int32), 0)
-        written += n_take
-        rem -= n_take
-        s0 += TIE_BLOCK
-    for s0 in range(0, K, CHUNK):
-        offs = s0 + tl.arange(0, CHUNK)
-        tl.store(idx_ptr + b * K + offs, tl.full([CHUNK], -1, tl.int64), mask=(offs >= written) & (offs < K))
-
-
 def quantize_index_keys(k_i):
     """FP8 index keys: k_i [B, L, D] -> (k8 float8_e4m3fn [B, L, D], scale fp32 [B, L]), k ~= scale * k8, as
     `fp8_quantize_ref`: scale = max|k| / 448 per key (1 for an all-zero key), so every key uses the range fully;
@@ -428,8 +319,10 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, lengths=None, out=None, scra
     scan_fp32 = q.dtype == torch.float32
     block_j = max(16, triton.next_power_of_2(J))
     digit = dict(BINS=BINS, SHIFT=SHIFT, BASE=BASE, HIST_STRIDE=HIST_STRIDE)
-    zero = triton.next_power_of_2(BINS + 256)                   # the first digit's bins, then the next digit's
+    list0 = BINS + 258                  # the first digit's bins, the next digit's, the refine pass's counters
+    zero = triton.next_power_of_2(list0)
     nxt = COLLECT_NEXT and zero <= HIST_STRIDE - 4
+    refine = nxt and REFINE
     dsa_init_kernel[(B,)](hist, HIST_STRIDE=HIST_STRIDE, ZERO=zero if nxt else BINS, num_warps=1)
     dsa_scan_kernel[(triton.cdiv(n_scan, per_scan), B)](
         q, w.contiguous(), k_i.contiguous(), k_scale if fp8 else q, keys, hist, n_len, L, J=J, D=D,
@@ -441,11 +334,19 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, lengths=None, out=None, scra
     dsa_collect_kernel[(triton.cdiv(n_ref, per_ref), B)](keys, hist, cand, out, n_len, L, topk,
                                                          BLOCK_R=SELECT_BLOCK, LEN_FROM_PTR=from_ptr, NEXT=nxt,
                                                          NEXT_DENSE=NEXT_DENSE, num_warps=4, **digit)
-    long_rows = L >= FINISH_LONG_KEYS
-    dsa_finish_kernel[(B,)](keys, hist, cand, out, n_len, L, topk,
-                            CHUNK=FINISH_CHUNK_LONG if long_rows else FINISH_CHUNK, TIE_BLOCK=TIE_BLOCK,
-                            HIST_STRIDE=HIST_STRIDE, LEN_FROM_PTR=from_ptr, BINS=BINS, SHIFT=SHIFT, BASE=BASE,
-                            NEXT=nxt, num_warps=FINISH_WARPS_LONG if long_rows else FINISH_WARPS)
+    cap = HIST_STRIDE - 4 - list0                               # the refine pass's list: the rest of the bins
+    if refine:
+        n_fine = max(1, min(REFINE_PROGRAMS // B, triton.cdiv(L, REFINE_BLOCK)))
+        dsa_refine_kernel[(n_fine, B)](keys, hist, cand, out, L, topk, BLOCK=REFINE_BLOCK, LIST0=list0, CAP=cap,
+                                       num_warps=4, **digit)
+        chunk, warps = FINISH_CHUNK_REFINED, FINISH_WARPS_REFINED
+    elif L >= FINISH_LONG_KEYS:
+        chunk, warps = FINISH_CHUNK_LONG, FINISH_WARPS_LONG
+    else:
+        chunk, warps = FINISH_CHUNK, FINISH_WARPS
+    dsa_finish_kernel[(B,)](keys, hist, cand, out, n_len, L, topk, CHUNK=chunk, TIE_BLOCK=TIE_BLOCK,
+                            LEN_FROM_PTR=from_ptr, NEXT=nxt, REFINE=refine, LIST0=list0, CAP=cap, num_warps=warps,
+                            **digit)
     if ordered:     # the reference's order: score descending, ties by lowest position
         pos = out[:, 0]
         u = torch.gather(keys.view(B, L), 1, pos.clamp(min=0)).to(torch.int64) & 0xFFFFFFFF
@@ -457,4 +358,4 @@ def radix_topk(q_i, w, k_i, topk, k_scale, ordered, lengths=None, out=None, scra
 
 # Source order for code generation (helpers first).
 KERNELS = (_order_key, _to_e4m3, _pick_bin, _first_digit, _row_range, dsa_init_kernel, dsa_scan_kernel,
-           dsa_collect_kernel, _cand_keys, _digit_hist, _bit_length, dsa_finish_kernel, radix_scratch_words)
+           dsa_collect_kernel, *dsa_select.KERNELS, radix_scratch_words)

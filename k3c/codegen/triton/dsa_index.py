@@ -8,8 +8,8 @@ ties by lowest position, -1 past min(L, topk)).
 arena (`dsa_index_topk_scratch`); high word: the score's order-preserving int32 bits, INT32_MIN when s is not
 visible; low word: 2³² − 1 − s, so equal scores order by lowest position, as the reference's stable sort. `torch.topk`
 over these unique keys (inside `launch`: O(L) selection, sorted, deterministic) gives the ref's order exactly.
-Decode (T = 1) with L ≥ RADIX_MIN_KEYS keys instead runs the radix select of `dsa_decode` (four launches: zero the
-histogram, scan + first-digit histogram, collect, finishing select): the same set (exact ties by lowest position) in
+Decode (T = 1) with L ≥ RADIX_MIN_KEYS keys instead runs the radix select of `dsa_decode` (five launches: zero the
+histogram, scan + first-digit histogram, collect, refine, finishing select): the same set (exact ties by lowest position) in
 no particular order, which the op's contract allows (`dsa_index_topk`: a set; the sparse attention is order-free),
 no O(L) int64 sort keys, no torch op.
 FP8 keys (`--dsa-index-keys fp8`: k_i float8_e4m3fn with k_scale f32 [B, L], `k3c.frontend.index_keys`): the
@@ -194,6 +194,11 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("BASE", dsa_decode.BASE, "radix select: the window's first value"),
               ("HIST_STRIDE", dsa_decode.HIST_STRIDE, "radix select: int32 histogram + counter words per row"),
               ("RADIX_ROW_PAD", RADIX_ROW_PAD, "radix select: i64 scratch words per row beyond the keys"),
+              ("REFINE", dsa_decode.REFINE, "radix select: the refine pass splits the candidates by the next digit"),
+              ("REFINE_BLOCK", dsa_decode.REFINE_BLOCK, "... candidates per step of a refine program"),
+              ("REFINE_PROGRAMS", dsa_decode.REFINE_PROGRAMS, "... refine programs per launch"),
+              ("FINISH_CHUNK_REFINED", dsa_decode.FINISH_CHUNK_REFINED, "radix select: finishing step with REFINE"),
+              ("FINISH_WARPS_REFINED", dsa_decode.FINISH_WARPS_REFINED, "... and its warps"),
               ("FINISH_CHUNK", dsa_decode.FINISH_CHUNK, "radix select: candidates per finishing step"),
               ("FINISH_WARPS", dsa_decode.FINISH_WARPS, "radix select: warps of the finishing program"),
               ("FINISH_LONG_KEYS", dsa_decode.FINISH_LONG_KEYS, "radix select: rows from which the finish takes"),
