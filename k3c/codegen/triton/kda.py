@@ -60,6 +60,8 @@ DECODE_FRONT_SPLIT = {4: (64, 4), 2: (32, 2)}
 DECODE_FRONT_WARPS = 2  # warps per program of the front-end kernel (1 and 4 measured the same or slower)
 CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
 CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
+CHUNK_PREP_CHUNKS = 4  # chunks per program of the intra-chunk kernel (the leading dim of its tiles)
+CHUNK_PREP_BK = 32    # channels per slice of the intra-chunk kernel's two passes over D
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| between a chunk's reference row and any row (exp stays finite in fp32)
 
 
@@ -249,11 +251,12 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
         ws = take_scratch(scratch, "ws", (4, B, H, NC, CHUNK, D), q_in.dtype, q_in.device)
         ws_p = take_scratch(scratch, "ws_p", (B, H, NC, CHUNK, CHUNK), q_in.dtype, q_in.device)
         ws_glast = take_scratch(scratch, "ws_glast", (B, H, NC, D), torch.float32, q_in.device)
-        kda_chunk_prep_kernel[(NC, H, B)](
+        NS = min(CHUNK_PREP_CHUNKS, triton.next_power_of_2(NC))
+        kda_chunk_prep_kernel[(triton.cdiv(NC, NS), H, B)](
             q_in, k_in, v_in, f, beta_logits, *wts[:5], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p,
             ws_glast, T, NC, *(s for n in "qkvfb" for s in st[n]), H=H, D=D, W=W, BD=BD, SCALE=D ** -0.5,
-            HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1, INV_PRECISION="ieee",
-            DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
+            HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1, NS=NS, BK=min(BD, CHUNK_PREP_BK),
+            INV_PRECISION="ieee", DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
         BV = min(BD, block_v or CHUNK_BLOCK_V)
         fuse = BV == BD
         o_buf = y if fuse or not store_output else take_scratch(scratch, "o_buf", (B, T, HD), torch.float32,
@@ -468,6 +471,7 @@ def emit_source(spec):
         f"DECODE_FRONT_MIN_ROWS = {DECODE_FRONT_MIN_ROWS}\nDECODE_FRONT_SPLIT = {DECODE_FRONT_SPLIT!r}\n"
         f"DECODE_FRONT_WARPS = {DECODE_FRONT_WARPS}\n"
         f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n"
+        f"CHUNK_PREP_CHUNKS = {CHUNK_PREP_CHUNKS}\nCHUNK_PREP_BK = {CHUNK_PREP_BK}\n"
         f"_DECODE_SCRATCH = {{}}\n_PDL_DEVICES = {{}}\n")
     parts = [header]
     parts += [inspect.getsource(fn.fn) for fn in _common.HELPERS]

@@ -34,8 +34,7 @@ import triton.language as tl
 
 from k3c.codegen.triton._common import (
     causal_conv_silu,
-    kda_decay_gate,
-    l2_normalize,
+    chunk_log_decay,
     rms_norm_sigmoid_gate,
     roll_conv_state,
 )
@@ -58,10 +57,11 @@ def kda_chunk_prep_kernel(
     H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr,
     GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr, HAS_LENGTHS: tl.constexpr,
     BT: tl.constexpr, LOG2_BT: tl.constexpr,
+    NS: tl.constexpr,                     # chunks per program (the leading dim of every tile)
+    BK: tl.constexpr,                     # channels per slice of the two passes over D
     INV_PRECISION: tl.constexpr,          # tl.dot precision inside (I + A)^-1 ("ieee": fp32 FMA)
     DOT_PRECISION: tl.constexpr,          # tl.dot input precision for fp32 operands ("tf32" or "ieee")
 ):
-    c = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     HD: tl.constexpr = H * D
@@ -70,41 +70,49 @@ def kda_chunk_prep_kernel(
     if HAS_LENGTHS:
         n = tl.load(lengths + b)
 
-    i_t = tl.arange(0, BT)
-    i_k = tl.arange(0, BD)
-    m_k = i_k < D
+    # tiles are [NS, BT, *]: NS consecutive chunks, each with its own rows i, j and its own decay reference row
+    c = tl.program_id(0) * NS + tl.arange(0, NS)[:, None, None]      # [NS, 1, 1] chunk index
+    i_t = tl.arange(0, BT)[None, :, None]                              # [1, BT, 1]
+    j_t = tl.arange(0, BT)[None, None, :]                              # [1, 1, BT]
     pos = c * BT + i_t
-    valid = pos < n
-    m_tk = valid[:, None] & m_k[None, :]
-    lower = i_t[:, None] > i_t[None, :]
-    diag = i_t[:, None] == i_t[None, :]
-
+    valid = pos < n                                                    # [NS, BT, 1]
+    lower = i_t > j_t
+    diag = i_t == j_t
+    first = tl.program_id(0) == 0                      # the only program that reads the conv state
     b64 = b.to(tl.int64)
-    conv_b = b64 * 3 * HD * W + h * D * W
-    q = causal_conv_silu(q_in + b64 * s_qb + h * D, conv_in + conv_b, conv_w_q + h * D * W, pos[:, None],
-                         i_k[None, :], m_tk, s_qt, W)
-    k = causal_conv_silu(k_in + b64 * s_kb + h * D, conv_in + conv_b + HD * W, conv_w_k + h * D * W, pos[:, None],
-                         i_k[None, :], m_tk, s_kt, W)
-    v = causal_conv_silu(v_in + b64 * s_vb + h * D, conv_in + conv_b + 2 * HD * W, conv_w_v + h * D * W,
-                         pos[:, None], i_k[None, :], m_tk, s_vt, W)
-    q = l2_normalize(q, 1) * SCALE
-    k = l2_normalize(k, 1)
-    f = tl.load(f_in + b64 * s_fb + h * D + pos[:, None] * s_ft + i_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    dtb = tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0)
-    g = tl.where(m_tk, kda_decay_gate(f + dtb[None, :], tl.exp(tl.load(A_log + h)), GATE_KIND, LOWER_BOUND), 0.0)
+    q_base = q_in + b64 * s_qb + h * D
+    k_base = k_in + b64 * s_kb + h * D
+    v_base = v_in + b64 * s_vb + h * D
+    f_base = f_in + b64 * s_fb + h * D
+    conv_b = conv_in + b64 * 3 * HD * W + h * D * W
+    a_h = tl.exp(tl.load(A_log + h))
     beta = tl.load(beta_in + b64 * s_bb + pos * s_bt + h, mask=valid, other=0.0).to(tl.float32)
-    beta = tl.where(valid, tl.sigmoid(beta), 0.0)
+    beta = tl.where(valid, tl.sigmoid(beta), 0.0)                      # [NS, BT, 1]
 
-    gc = tl.cumsum(g, 0)                                            # padded rows have g = 0
-    g_ref = tl.sum(tl.where(i_t[:, None] == REF, gc, 0.0), 0)      # r
-    g_last = tl.sum(tl.where(i_t[:, None] == BT - 1, gc, 0.0), 0)
-    decay_in = tl.exp(gc - g_ref[None, :])                          # <= exp(REF * |LOWER_BOUND|)
-    k_out = k * tl.exp(g_ref[None, :] - gc)                         # <= exp((BT - 1 - REF) * |LOWER_BOUND|)
-    # entries j > i may overflow to inf / nan (exp(gc_i - r) * exp(r - gc_j) with i < r < j): masked to 0
-    A = tl.dot(k * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
-    A = tl.where(lower, A * beta[:, None], 0.0)
-    P = tl.dot(q * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
-    P = tl.where(lower | diag, P, 0.0)
+    # pass 1 over D: the raw (not yet l2-normalized) products and the rows' squared norms
+    A = tl.zeros([NS, BT, BT], dtype=tl.float32)
+    P = tl.zeros([NS, BT, BT], dtype=tl.float32)
+    q_sq = tl.zeros([NS, BT], dtype=tl.float32)
+    k_sq = tl.zeros([NS, BT], dtype=tl.float32)
+    for d0 in tl.range(0, BD, BK, num_stages=1):
+        i_k = d0 + tl.arange(0, BK)[None, None, :]
+        m = valid & (i_k < D)
+        q = causal_conv_silu(q_base, conv_b, conv_w_q + h * D * W, pos, i_k, i_k < D, m, s_qt, first, W)
+        k = causal_conv_silu(k_base, conv_b + HD * W, conv_w_k + h * D * W, pos, i_k, i_k < D, m, s_kt, first, W)
+        gc = chunk_log_decay(f_base, dt_bias + h * D, pos, i_k, i_k < D, m, s_ft, a_h, GATE_KIND, LOWER_BOUND)
+        g_ref = tl.sum(tl.where(i_t == REF, gc, 0.0), 1)[:, None, :]   # r
+        decay_in = tl.exp(gc - g_ref)                                  # <= exp(REF * |LOWER_BOUND|)
+        k_out = tl.permute(k * tl.exp(g_ref - gc), (0, 2, 1))          # <= exp((BT - 1 - REF) * |LOWER_BOUND|)
+        # entries j > i may overflow to inf / nan (exp(gc_i - r) * exp(r - gc_j) with i < r < j): masked below
+        A += tl.dot(k * decay_in, k_out, input_precision=DOT_PRECISION)
+        P += tl.dot(q * decay_in, k_out, input_precision=DOT_PRECISION)
+        q_sq += tl.sum(q * q, 2)
+        k_sq += tl.sum(k * k, 2)
+    q_scale = (tl.rsqrt(q_sq + 1e-6) * SCALE)[:, :, None]              # l2norm (eps 1e-6) and D^-0.5
+    k_scale = tl.rsqrt(k_sq + 1e-6)[:, :, None]
+    k_scale_j = tl.permute(k_scale, (0, 2, 1))
+    A = tl.where(lower, A * (beta * k_scale) * k_scale_j, 0.0)
+    P = tl.where(lower | diag, P * q_scale * k_scale_j, 0.0)
 
     # (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)...: A strictly lower triangular, A^BT = 0.
     power = A
@@ -113,20 +121,29 @@ def kda_chunk_prep_kernel(
         power = tl.dot(power, power, input_precision=INV_PRECISION)
         Tinv = Tinv + tl.dot(Tinv, power, input_precision=INV_PRECISION)
 
-    gamma = tl.exp(gc)
-    Wm = tl.dot(Tinv, (beta[:, None] * gamma) * k, input_precision=DOT_PRECISION)
-    U0 = tl.dot(Tinv, beta[:, None] * v, input_precision=DOT_PRECISION)
-
-    chunk = (b.to(tl.int64) * H + h) * NC + c
-    tile = chunk * BT * D + i_t[:, None] * D + i_k[None, :]
-    m_tile = (i_t[:, None] < BT) & m_k[None, :]
+    chunk = (b64 * H + h) * NC + c                                     # [NS, 1, 1]
+    m_c = c < NC
     dt = ws_qg.dtype.element_ty
-    tl.store(ws_qg + tile, (q * gamma).to(dt), mask=m_tile)
-    tl.store(ws_kend + tile, (k * tl.exp(g_last[None, :] - gc)).to(dt), mask=m_tile)    # <= 1
-    tl.store(ws_w + tile, Wm.to(dt), mask=m_tile)
-    tl.store(ws_u + tile, U0.to(dt), mask=m_tile)
-    tl.store(ws_p + chunk * BT * BT + i_t[:, None] * BT + i_t[None, :], P.to(dt))
-    tl.store(ws_glast + chunk * D + i_k, g_last, mask=m_k)
+    tl.store(ws_p + chunk * BT * BT + i_t * BT + j_t, P.to(dt), mask=m_c & (j_t < BT))
+    # pass 2 over D: normalized q, k, the decays and the products with (I + A)^-1, stored slice by slice
+    for d0 in tl.range(0, BD, BK, num_stages=1):
+        i_k = d0 + tl.arange(0, BK)[None, None, :]
+        m = valid & (i_k < D)
+        q = causal_conv_silu(q_base, conv_b, conv_w_q + h * D * W, pos, i_k, i_k < D, m, s_qt, first, W) * q_scale
+        k = causal_conv_silu(k_base, conv_b + HD * W, conv_w_k + h * D * W, pos, i_k, i_k < D, m, s_kt, first, W) * k_scale
+        v = causal_conv_silu(v_base, conv_b + 2 * HD * W, conv_w_v + h * D * W, pos, i_k, i_k < D, m, s_vt, first, W)
+        gc = chunk_log_decay(f_base, dt_bias + h * D, pos, i_k, i_k < D, m, s_ft, a_h, GATE_KIND, LOWER_BOUND)
+        g_last = tl.sum(tl.where(i_t == BT - 1, gc, 0.0), 1)[:, None, :]
+        gamma = tl.exp(gc)
+        Wm = tl.dot(Tinv, (beta * gamma) * k, input_precision=DOT_PRECISION)
+        U0 = tl.dot(Tinv, beta * v, input_precision=DOT_PRECISION)
+        tile = chunk * BT * D + i_t * D + i_k
+        m_tile = m_c & (i_t < BT) & (i_k < D)
+        tl.store(ws_qg + tile, (q * gamma).to(dt), mask=m_tile)
+        tl.store(ws_kend + tile, (k * tl.exp(g_last - gc)).to(dt), mask=m_tile)    # <= 1
+        tl.store(ws_w + tile, Wm.to(dt), mask=m_tile)
+        tl.store(ws_u + tile, U0.to(dt), mask=m_tile)
+        tl.store(ws_glast + chunk * D + i_k, g_last, mask=m_c & (i_k < D))
 
 
 @triton.jit
