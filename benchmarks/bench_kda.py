@@ -205,14 +205,14 @@ def prefill_rows(dev, have_fla, rows, Ts, chunk_cfgs, fla_Ts):
                              TFLOPs=flop / ms / 1e9, frac_790=flop / ms / 1e-3 / BF16_FLOP_PER_S))
             print("ROW", rows[-1], flush=True)
 
-        for bv, nw, pw, chunk, sub, bk in chunk_cfgs:
-            with prep_config(pw, chunk, sub, bk):
+        for bv, nw, pw, chunk, sub, bk, form in chunk_cfgs:
+            with prep_config(pw, chunk, sub, bk, form):
                 ms, how = bench(lambda i, bv=bv, nw=nw: kda_prefill(**acts, **weights, **state, method="chunk",
                                                                     block_v=bv, num_warps=nw), 1)
                 add(f"k3c chunked prefill, chunk {chunk} (state pass block_v={bv}, num_warps={nw}; prep {pw} warps, "
-                    f"{sub} chunks per program, {bk}-channel slices)", ms, how)
+                    f"{sub} chunks per program, {bk}-channel slices, form {form})", ms, how)
                 if T == 8192:
-                    profile_kernels(f"prefill T={T} chunk={chunk} block_v={bv} nw={nw} pw={pw} sub={sub} bk={bk}",
+                    profile_kernels(f"prefill T={T} chunk={chunk} block_v={bv} nw={nw} pw={pw} sub={sub} bk={bk} form={form}",
                                     lambda: kda_prefill(**acts, **weights, **state, method="chunk", block_v=bv,
                                                         num_warps=nw))
         if have_fla and T in fla_Ts:
@@ -335,7 +335,7 @@ def main():
     decode_cfgs = {torch.float32: parse_tuples(args.decode, (0, 0, 0, 0)),
                    torch.bfloat16: parse_tuples(args.decode_bf16, (0, 0, 0, 0))}
     chunk_cfgs = parse_tuples(args.chunk, (kda_module.CHUNK_BLOCK_V, 4, kda_module.CHUNK_PREP_WARPS, kda_module.CHUNK,
-                                           kda_module.CHUNK_PREP_CHUNKS, kda_module.CHUNK_PREP_BK))
+                                           kda_module.CHUNK_PREP_CHUNKS, kda_module.CHUNK_PREP_BK, 0))
     conv_dtypes = [{"f32": torch.float32, "bf16": torch.bfloat16}[c] for c in args.decode_conv.split(",")]
     stages = {"check": lambda: check_gpu(dev, checks, decode_cfgs, chunk_cfgs, conv_dtypes),
               "drift": lambda: bf16_state_drift(dev, checks),

@@ -68,16 +68,14 @@ def causal_conv_silu(x_ptr, conv_ptr, w_ptr, pos, chan, chan_mask, mask, stride_
 
 
 @triton.jit
-def chunk_log_decay(f_ptr, dtb_ptr, pos, chan, chan_mask, mask, stride_t, a, GATE_KIND: tl.constexpr,
-                    LOWER_BOUND: tl.constexpr):
-    """The in-chunk cumulative log-decay gc of tiles [NS, BT, BK] (axis 1: the chunk's rows; padded lanes g = 0).
-
-    f_ptr: the head's channel 0 of the gate input f at position 0; dtb_ptr: the head's dt_bias; pos [NS, BT, 1]
-    positions, chan / chan_mask [1, 1, BK] channels, mask the lanes to load; a = exp(A_log[h]).
-    """
+def kda_gate_tile(f_ptr, dtb_ptr, pos, chan, chan_mask, mask, stride_t, a, GATE_KIND: tl.constexpr,
+                  LOWER_BOUND: tl.constexpr):
+    """The log-decay g (`kda_decay_gate`) of a [BT, BK] tile of positions pos [BT, 1] and channels chan / chan_mask
+    [1, BK]; lanes outside `mask` are 0. f_ptr: the head's channel 0 of the gate input f at position 0; dtb_ptr:
+    the head's dt_bias; a = exp(A_log[h])."""
     f = tl.load(f_ptr + pos * stride_t + chan, mask=mask, other=0.0).to(tl.float32)
     dtb = tl.load(dtb_ptr + chan, mask=chan_mask, other=0.0)
-    return tl.cumsum(tl.where(mask, kda_decay_gate(f + dtb, a, GATE_KIND, LOWER_BOUND), 0.0), 1)
+    return tl.where(mask, kda_decay_gate(f + dtb, a, GATE_KIND, LOWER_BOUND), 0.0)
 
 
 @triton.jit
@@ -209,6 +207,6 @@ def last_of_head(o, o_part, counters, bh, cols, col_mask, D: tl.constexpr, NV: t
 
 
 # Source order for code generation (each helper's dependencies come first).
-HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, chunk_log_decay, load_conv_weight,
+HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, kda_gate_tile, load_conv_weight,
            conv_window, store_conv_window, decode_front_end, causal_conv_silu_token, roll_conv_state,
            rms_norm_sigmoid_gate, store_norm_gate, delta_rule_step, last_of_head)

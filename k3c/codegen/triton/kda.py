@@ -34,7 +34,8 @@ import torch.nn.functional as F
 import triton
 
 from k3c.codegen.triton import _common, take_scratch
-from k3c.codegen.triton.kda_chunk import kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel
+from k3c.codegen.triton.kda_chunk import (kda_chunk_prep2d_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel,
+                                         kda_norm_gate_kernel)
 from k3c.codegen.triton.kda_decode import kda_decode_front_kernel, kda_decode_kernel, kda_decode_state_kernel
 from k3c.codegen.triton.kda_recurrent import kda_recurrent_kernel
 from k3c.errors import RuntimeInputError, UnsupportedError
@@ -62,6 +63,7 @@ CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state
 CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
 CHUNK_PREP_CHUNKS = 4  # chunks per program of the intra-chunk kernel (the leading dim of its tiles)
 CHUNK_PREP_BK = 32    # channels per slice of the intra-chunk kernel's two passes over D
+CHUNK_PREP_2D = 0     # sweep only: 1 = [NS*BT, BK] tiles with block-diagonal products
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| between a chunk's reference row and any row (exp stays finite in fp32)
 
 
@@ -252,11 +254,12 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
         ws_p = take_scratch(scratch, "ws_p", (B, H, NC, CHUNK, CHUNK), q_in.dtype, q_in.device)
         ws_glast = take_scratch(scratch, "ws_glast", (B, H, NC, D), torch.float32, q_in.device)
         NS = min(CHUNK_PREP_CHUNKS, triton.next_power_of_2(NC))
-        kda_chunk_prep_kernel[(triton.cdiv(NC, NS), H, B)](
+        prep = kda_chunk_prep2d_kernel if CHUNK_PREP_2D else kda_chunk_prep_kernel
+        prep[(triton.cdiv(NC, NS), H, B)](
             q_in, k_in, v_in, f, beta_logits, *wts[:5], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p,
             ws_glast, T, NC, *(s for n in "qkvfb" for s in st[n]), H=H, D=D, W=W, BD=BD, SCALE=D ** -0.5,
             HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1, NS=NS, BK=min(BD, CHUNK_PREP_BK),
-            INV_PRECISION="ieee", DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
+            INV_PRECISION="tf32x3" if CHUNK_PREP_2D and dot == "tf32" else "ieee", DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
         BV = min(BD, block_v or CHUNK_BLOCK_V)
         fuse = BV == BD
         o_buf = y if fuse or not store_output else take_scratch(scratch, "o_buf", (B, T, HD), torch.float32,
