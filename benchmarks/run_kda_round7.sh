@@ -2,7 +2,7 @@
 # KDA round 7 (device tool): main's prefill kernels (the checkout in $MAIN) beside this tree's, FLA chunk_kda, at
 # T = 8192 and 32768; the 32768 rows for the fastest prep configuration at 8192. Usage: run_kda_round7.sh MAIN OUT
 MAIN=$1; OUT=$2; HERE=$(cd "$(dirname "$0")/.." && pwd)
-CFGS="64:4:8:16:4:32,64:4:4:16:2:32,64:4:8:16:4:64,64:4:8:16:4:32:1"
+CFGS="64:4:8:16:4:32,64:4:4:16:2:32,64:4:8:16:4:64,64:4:8:16:4:32:1,64:4:4:16:1:16:2"
 (cd "$MAIN" && PYTHONPATH=$PYTHONPATH:$MAIN timeout 35 python3 benchmarks/bench_kda.py --out "$OUT/main" --no-compile \
     --stages prefill --prefill-T 8192,32768 --fla-prefill-T "" --chunk 64:4:4) > "$OUT/main.log" 2>&1
 cd "$HERE" && timeout 110 python3 benchmarks/bench_kda.py --out "$OUT/new" --no-compile --decode "" --decode-bf16 "" \

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 import triton
 
 from k3c.codegen.triton import _common, take_scratch
-from k3c.codegen.triton.kda_chunk import (kda_chunk_prep2d_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel,
-                                         kda_norm_gate_kernel)
+from k3c.codegen.triton.kda_chunk import (kda_chunk_prep1_kernel, kda_chunk_prep2d_kernel, kda_chunk_prep_kernel,
+                                         kda_chunk_state_kernel, kda_norm_gate_kernel)
 from k3c.codegen.triton.kda_decode import kda_decode_front_kernel, kda_decode_kernel, kda_decode_state_kernel
 from k3c.codegen.triton.kda_recurrent import kda_recurrent_kernel
 from k3c.errors import RuntimeInputError, UnsupportedError
@@ -253,9 +253,16 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
         ws = take_scratch(scratch, "ws", (4, B, H, NC, CHUNK, D), q_in.dtype, q_in.device)
         ws_p = take_scratch(scratch, "ws_p", (B, H, NC, CHUNK, CHUNK), q_in.dtype, q_in.device)
         ws_glast = take_scratch(scratch, "ws_glast", (B, H, NC, D), torch.float32, q_in.device)
+        if CHUNK_PREP_2D == 2:
+            kda_chunk_prep1_kernel[(NC, H, B)](
+                q_in, k_in, v_in, f, beta_logits, *wts[:5], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p,
+                ws_glast, T, NC, *(s for n in "qkvfb" for s in st[n]), H=H, D=D, W=W, BD=BD, SCALE=D ** -0.5,
+                HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1, INV_PRECISION="ieee",
+                DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
         NS = min(CHUNK_PREP_CHUNKS, triton.next_power_of_2(NC))
         prep = kda_chunk_prep2d_kernel if CHUNK_PREP_2D else kda_chunk_prep_kernel
-        prep[(triton.cdiv(NC, NS), H, B)](
+        if CHUNK_PREP_2D != 2:
+          prep[(triton.cdiv(NC, NS), H, B)](
             q_in, k_in, v_in, f, beta_logits, *wts[:5], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p,
             ws_glast, T, NC, *(s for n in "qkvfb" for s in st[n]), H=H, D=D, W=W, BD=BD, SCALE=D ** -0.5,
             HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1, NS=NS, BK=min(BD, CHUNK_PREP_BK),

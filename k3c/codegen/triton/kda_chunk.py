@@ -34,6 +34,8 @@ import triton.language as tl
 
 from k3c.codegen.triton._common import (
     causal_conv_silu,
+    kda_decay_gate,
+    l2_normalize,
     kda_gate_tile,
     rms_norm_sigmoid_gate,
     roll_conv_state,
@@ -146,6 +148,94 @@ def kda_chunk_prep_kernel(
         tl.store(ws_w + tile, Wm.to(dt), mask=m_tile)
         tl.store(ws_u + tile, U0.to(dt), mask=m_tile)
         tl.store(ws_glast + chunk * D + i_k, g_last, mask=m_c & (i_k < D))
+
+
+@triton.jit
+def kda_chunk_prep1_kernel(
+    q_in, k_in, v_in, f_in,               # [B, T, H*D] projected activations (any float dtype)
+    beta_in,                              # [B, T, H] beta logits
+    conv_w_q, conv_w_k, conv_w_v,         # [H*D, W] fp32 depthwise conv weights
+    A_log, dt_bias,                       # [>=H], [H*D] fp32
+    conv_in,                              # [B, 3*H*D, W] fp32 or activation dtype: q, k, v channels (read)
+    lengths,                              # [B] int32 tokens per row (HAS_LENGTHS) else unused
+    ws_qg, ws_kend, ws_w, ws_u,           # [B, H, NC, BT, D] workspace (activation dtype)
+    ws_p,                                 # [B, H, NC, BT, BT] workspace
+    ws_glast,                             # [B, H, NC, D] fp32 workspace
+    T, NC,                                # tokens stored per row, chunks per row (cdiv(T, BT))
+    s_qb, s_qt, s_kb, s_kt, s_vb, s_vt,   # (batch, token) strides (elements) of the activations; last dim dense
+    s_fb, s_ft, s_bb, s_bt,               # (f, beta)
+    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr,
+    GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+    BT: tl.constexpr, LOG2_BT: tl.constexpr,
+    INV_PRECISION: tl.constexpr,          # tl.dot precision inside (I + A)^-1 ("ieee": fp32 FMA)
+    DOT_PRECISION: tl.constexpr,          # tl.dot input precision for fp32 operands ("tf32" or "ieee")
+):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    HD: tl.constexpr = H * D
+    REF: tl.constexpr = (BT - 1) // 2                   # decay reference row r (module docstring)
+    n = T
+    if HAS_LENGTHS:
+        n = tl.load(lengths + b)
+
+    i_t = tl.arange(0, BT)
+    i_k = tl.arange(0, BD)
+    m_k = i_k < D
+    pos = c * BT + i_t
+    valid = pos < n
+    m_tk = valid[:, None] & m_k[None, :]
+    lower = i_t[:, None] > i_t[None, :]
+    diag = i_t[:, None] == i_t[None, :]
+
+    b64 = b.to(tl.int64)
+    conv_b = b64 * 3 * HD * W + h * D * W
+    q = causal_conv_silu(q_in + b64 * s_qb + h * D, conv_in + conv_b, conv_w_q + h * D * W, pos[:, None],
+                         i_k[None, :], m_k[None, :], m_tk, s_qt, c == 0, W)
+    k = causal_conv_silu(k_in + b64 * s_kb + h * D, conv_in + conv_b + HD * W, conv_w_k + h * D * W, pos[:, None],
+                         i_k[None, :], m_k[None, :], m_tk, s_kt, c == 0, W)
+    v = causal_conv_silu(v_in + b64 * s_vb + h * D, conv_in + conv_b + 2 * HD * W, conv_w_v + h * D * W,
+                         pos[:, None], i_k[None, :], m_k[None, :], m_tk, s_vt, c == 0, W)
+    q = l2_normalize(q, 1) * SCALE
+    k = l2_normalize(k, 1)
+    f = tl.load(f_in + b64 * s_fb + h * D + pos[:, None] * s_ft + i_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    dtb = tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0)
+    g = tl.where(m_tk, kda_decay_gate(f + dtb[None, :], tl.exp(tl.load(A_log + h)), GATE_KIND, LOWER_BOUND), 0.0)
+    beta = tl.load(beta_in + b64 * s_bb + pos * s_bt + h, mask=valid, other=0.0).to(tl.float32)
+    beta = tl.where(valid, tl.sigmoid(beta), 0.0)
+
+    gc = tl.cumsum(g, 0)                                            # padded rows have g = 0
+    g_ref = tl.sum(tl.where(i_t[:, None] == REF, gc, 0.0), 0)      # r
+    g_last = tl.sum(tl.where(i_t[:, None] == BT - 1, gc, 0.0), 0)
+    decay_in = tl.exp(gc - g_ref[None, :])                          # <= exp(REF * |LOWER_BOUND|)
+    k_out = k * tl.exp(g_ref[None, :] - gc)                         # <= exp((BT - 1 - REF) * |LOWER_BOUND|)
+    # entries j > i may overflow to inf / nan (exp(gc_i - r) * exp(r - gc_j) with i < r < j): masked to 0
+    A = tl.dot(k * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
+    A = tl.where(lower, A * beta[:, None], 0.0)
+    P = tl.dot(q * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
+    P = tl.where(lower | diag, P, 0.0)
+
+    # (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)...: A strictly lower triangular, A^BT = 0.
+    power = A
+    Tinv = tl.where(diag, 1.0, 0.0) - A
+    for _ in tl.static_range(LOG2_BT - 1):
+        power = tl.dot(power, power, input_precision=INV_PRECISION)
+        Tinv = Tinv + tl.dot(Tinv, power, input_precision=INV_PRECISION)
+
+    gamma = tl.exp(gc)
+    Wm = tl.dot(Tinv, (beta[:, None] * gamma) * k, input_precision=DOT_PRECISION)
+    U0 = tl.dot(Tinv, beta[:, None] * v, input_precision=DOT_PRECISION)
+
+    chunk = (b.to(tl.int64) * H + h) * NC + c
+    tile = chunk * BT * D + i_t[:, None] * D + i_k[None, :]
+    m_tile = (i_t[:, None] < BT) & m_k[None, :]
+    dt = ws_qg.dtype.element_ty
+    tl.store(ws_qg + tile, (q * gamma).to(dt), mask=m_tile)
+    tl.store(ws_kend + tile, (k * tl.exp(g_last[None, :] - gc)).to(dt), mask=m_tile)    # <= 1
+    tl.store(ws_w + tile, Wm.to(dt), mask=m_tile)
+    tl.store(ws_u + tile, U0.to(dt), mask=m_tile)
+    tl.store(ws_p + chunk * BT * BT + i_t[:, None] * BT + i_t[None, :], P.to(dt))
+    tl.store(ws_glast + chunk * D + i_k, g_last, mask=m_k)
 
 
 @triton.jit
