@@ -205,14 +205,14 @@ def prefill_rows(dev, have_fla, rows, Ts, chunk_cfgs, fla_Ts):
                              TFLOPs=flop / ms / 1e9, frac_790=flop / ms / 1e-3 / BF16_FLOP_PER_S))
             print("ROW", rows[-1], flush=True)
 
-        for bv, nw, pw, chunk, sub, bk, form in chunk_cfgs:
-            with prep_config(pw, chunk, sub, bk, form):
+        for bv, nw, pw, chunk in chunk_cfgs:
+            with prep_config(pw, chunk):
                 ms, how = bench(lambda i, bv=bv, nw=nw: kda_prefill(**acts, **weights, **state, method="chunk",
                                                                     block_v=bv, num_warps=nw), 1)
-                add(f"k3c chunked prefill, chunk {chunk} (state pass block_v={bv}, num_warps={nw}; prep {pw} warps, "
-                    f"{sub} chunks per program, {bk}-channel slices, form {form})", ms, how)
+                add(f"k3c chunked prefill, chunk {chunk} (state pass block_v={bv}, num_warps={nw}; prep {pw} warps)",
+                    ms, how)
                 if T == 8192:
-                    profile_kernels(f"prefill T={T} chunk={chunk} block_v={bv} nw={nw} pw={pw} sub={sub} bk={bk} form={form}",
+                    profile_kernels(f"prefill T={T} chunk={chunk} block_v={bv} nw={nw} pw={pw}",
                                     lambda: kda_prefill(**acts, **weights, **state, method="chunk", block_v=bv,
                                                         num_warps=nw))
         if have_fla and T in fla_Ts:
@@ -320,8 +320,7 @@ def main():
     ap.add_argument("--profile-decode", action="store_true", help="per-kernel times of the two-phase decode")
     ap.add_argument("--decode-conv", default="f32,bf16", help="conv-state dtypes of the decode rows")
     ap.add_argument("--chunk", default="64:4:4,32:4:4,128:8:4",
-                    help="block_v:num_warps:prep_warps[:chunk[:chunks_per_program[:slice]]],... of the chunk state pass "
-                         "and the intra-chunk kernel")
+                    help="block_v:num_warps:prep_warps[:chunk],... of the chunk state pass and the intra-chunk kernel")
     ap.add_argument("--decode-B", default="1,16,64", help="decode batch sizes")
     ap.add_argument("--lean", action="store_true", help="decode: only the k3c split rows")
     ap.add_argument("--fla-prefill-T", default="8192", help="prefill lengths with an FLA row")
@@ -334,8 +333,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     decode_cfgs = {torch.float32: parse_tuples(args.decode, (0, 0, 0, 0)),
                    torch.bfloat16: parse_tuples(args.decode_bf16, (0, 0, 0, 0))}
-    chunk_cfgs = parse_tuples(args.chunk, (kda_module.CHUNK_BLOCK_V, 4, kda_module.CHUNK_PREP_WARPS, kda_module.CHUNK,
-                                           kda_module.CHUNK_PREP_CHUNKS, kda_module.CHUNK_PREP_BK, 0))
+    chunk_cfgs = parse_tuples(args.chunk, (kda_module.CHUNK_BLOCK_V, 4, kda_module.CHUNK_PREP_WARPS, kda_module.CHUNK))
     conv_dtypes = [{"f32": torch.float32, "bf16": torch.bfloat16}[c] for c in args.decode_conv.split(",")]
     stages = {"check": lambda: check_gpu(dev, checks, decode_cfgs, chunk_cfgs, conv_dtypes),
               "drift": lambda: bf16_state_drift(dev, checks),

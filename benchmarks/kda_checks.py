@@ -63,9 +63,9 @@ def check_gpu(dev, results, decode_cfgs, chunk_cfgs, conv_dtypes=(torch.float32,
     st = {k: v.clone() for k, v in state.items()}
     y = kda_prefill(**acts, **weights, **st, method="recurrent")
     check(results, "prefill recurrent T=300 H=8", y, y_ref, st, S_ref, C_ref, 1e-3)
-    for bv, _, pw, chunk, sub, bk, form in sorted(set(chunk_cfgs)):
-        with prep_config(pw, chunk, sub, bk, form):
-            name = f"chunk {chunk} block_v={bv} prep {pw} warps x {sub} chunks, {bk}-channel slices, form {form}"
+    for bv, _, pw, chunk in sorted(set(chunk_cfgs)):
+        with prep_config(pw, chunk):
+            name = f"chunk {chunk} block_v={bv} prep {pw} warps"
             runs = fits(lambda: kda_prefill(**acts, **weights, **{k: v.clone() for k, v in state.items()},
                                             method="chunk", block_v=bv, store_output=False))
             for lens in (None, [300, 173]) if runs else ():
@@ -138,11 +138,9 @@ class module_consts:
             setattr(kda_module, n, v)
 
 
-def prep_config(prep_warps, chunk, chunks_per_program, slice_channels, form=0):
-    """The chunked prefill's module constants (prep kernel warps, chunk size, chunks per prep program, channels per
-    slice) for a block."""
-    return module_consts(CHUNK_PREP_WARPS=prep_warps, CHUNK=chunk, CHUNK_PREP_CHUNKS=chunks_per_program,
-                         CHUNK_PREP_BK=slice_channels, CHUNK_PREP_2D=form)
+def prep_config(prep_warps, chunk):
+    """The chunked prefill's module constants (prep warps, chunk size) for a block."""
+    return module_consts(CHUNK_PREP_WARPS=prep_warps, CHUNK=chunk)
 
 
 def bf16_state_drift(dev, results, steps=4096):

@@ -44,7 +44,7 @@ def kda_decay_gate(f_biased, a, GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constex
 
 
 @triton.jit
-def causal_conv_silu(x_ptr, conv_ptr, w_ptr, pos, chan, chan_mask, mask, stride_t, first, W: tl.constexpr):
+def causal_conv_silu(x_ptr, conv_ptr, w_ptr, pos, chan, mask, stride_t, W: tl.constexpr):
     """silu(causal depthwise conv) of one q/k/v channel group at positions `pos` (relative to this call's start).
 
     out[pos, c] = silu(sum_j w[c, j] * x[pos - (W-1) + j, c]); inputs at negative positions come from the conv
@@ -52,30 +52,18 @@ def causal_conv_silu(x_ptr, conv_ptr, w_ptr, pos, chan, chan_mask, mask, stride_
     x_ptr:    the group's channel 0 at position 0 of this batch row (raw projected input, any float dtype)
     conv_ptr: the group's channel 0 of this batch row's conv state, [C, W] rows (fp32, or the activation dtype)
     w_ptr:    the group's channel 0 of the conv weight, [C, W] fp32 rows
-    pos, chan: broadcastable int tensors (positions [.., BT, 1] and channels [.., 1, BK]); chan_mask: chan < C
-    mask:     lanes to compute (channel < C and position < length); other lanes return 0
-    first:    whether any position < W - 1 is among `pos` (only then is the conv state read)
+    pos, chan: broadcastable int tensors (a scalar position and [BD] channels, or [BT, 1] and [1, BD])
+    mask:     lanes to compute (channel < D and position < length); other lanes return 0
     """
     pos = pos + 0 * chan                                    # broadcast positions to the lanes' shape
     acc = tl.zeros_like(pos).to(tl.float32)
     for j in tl.static_range(W):
         p = pos - (W - 1) + j
-        x = tl.load(x_ptr + p * stride_t + chan, mask=mask & (p >= 0), other=0.0).to(tl.float32)
-        if first:
-            x += tl.load(conv_ptr + chan * W + (W + p), mask=mask & (p < 0), other=0.0).to(tl.float32)
-        acc += x * tl.load(w_ptr + chan * W + j, mask=chan_mask, other=0.0)
+        x_new = tl.load(x_ptr + p * stride_t + chan, mask=mask & (p >= 0), other=0.0).to(tl.float32)
+        x_old = tl.load(conv_ptr + chan * W + (W + p), mask=mask & (p < 0), other=0.0).to(tl.float32)
+        w_j = tl.load(w_ptr + chan * W + j, mask=mask, other=0.0)
+        acc += (x_new + x_old) * w_j
     return silu(acc)
-
-
-@triton.jit
-def kda_gate_tile(f_ptr, dtb_ptr, pos, chan, chan_mask, mask, stride_t, a, GATE_KIND: tl.constexpr,
-                  LOWER_BOUND: tl.constexpr):
-    """The log-decay g (`kda_decay_gate`) of a [BT, BK] tile of positions pos [BT, 1] and channels chan / chan_mask
-    [1, BK]; lanes outside `mask` are 0. f_ptr: the head's channel 0 of the gate input f at position 0; dtb_ptr:
-    the head's dt_bias; a = exp(A_log[h])."""
-    f = tl.load(f_ptr + pos * stride_t + chan, mask=mask, other=0.0).to(tl.float32)
-    dtb = tl.load(dtb_ptr + chan, mask=chan_mask, other=0.0)
-    return tl.where(mask, kda_decay_gate(f + dtb, a, GATE_KIND, LOWER_BOUND), 0.0)
 
 
 @triton.jit
@@ -207,6 +195,6 @@ def last_of_head(o, o_part, counters, bh, cols, col_mask, D: tl.constexpr, NV: t
 
 
 # Source order for code generation (each helper's dependencies come first).
-HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, kda_gate_tile, load_conv_weight,
-           conv_window, store_conv_window, decode_front_end, causal_conv_silu_token, roll_conv_state,
+HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, load_conv_weight, conv_window,
+           store_conv_window, decode_front_end, causal_conv_silu_token, roll_conv_state,
            rms_norm_sigmoid_gate, store_norm_gate, delta_rule_step, last_of_head)

@@ -34,8 +34,7 @@ import torch.nn.functional as F
 import triton
 
 from k3c.codegen.triton import _common, take_scratch
-from k3c.codegen.triton.kda_chunk import (kda_chunk_prep1_kernel, kda_chunk_prep2d_kernel, kda_chunk_prep_kernel,
-                                         kda_chunk_state_kernel, kda_norm_gate_kernel)
+from k3c.codegen.triton.kda_chunk import kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel
 from k3c.codegen.triton.kda_decode import kda_decode_front_kernel, kda_decode_kernel, kda_decode_state_kernel
 from k3c.codegen.triton.kda_recurrent import kda_recurrent_kernel
 from k3c.errors import RuntimeInputError, UnsupportedError
@@ -61,9 +60,6 @@ DECODE_FRONT_SPLIT = {4: (64, 4), 2: (32, 2)}
 DECODE_FRONT_WARPS = 2  # warps per program of the front-end kernel (1 and 4 measured the same or slower)
 CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
 CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
-CHUNK_PREP_CHUNKS = 4  # chunks per program of the intra-chunk kernel (the leading dim of its tiles)
-CHUNK_PREP_BK = 32    # channels per slice of the intra-chunk kernel's two passes over D
-CHUNK_PREP_2D = 0     # sweep: 0 [NS, BT, BK] tiles, 1 [NS*BT, BK] block-diagonal, 2 one chunk per program (main + rows)
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| between a chunk's reference row and any row (exp stays finite in fp32)
 
 
@@ -253,21 +249,11 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
         ws = take_scratch(scratch, "ws", (4, B, H, NC, CHUNK, D), q_in.dtype, q_in.device)
         ws_p = take_scratch(scratch, "ws_p", (B, H, NC, CHUNK, CHUNK), q_in.dtype, q_in.device)
         ws_glast = take_scratch(scratch, "ws_glast", (B, H, NC, D), torch.float32, q_in.device)
-        if CHUNK_PREP_2D == 2:
-            kda_chunk_prep1_kernel[(NC, H, B)](
-                q_in, k_in, v_in, f, beta_logits, *wts[:5], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p,
-                ws_glast, T, NC, *(s for n in "qkvfb" for s in st[n]), H=H, D=D, W=W, BD=BD, SCALE=D ** -0.5,
-                HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1, INV_PRECISION="ieee",
-                DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
-        NS = min(CHUNK_PREP_CHUNKS, triton.next_power_of_2(NC))
-        prep = kda_chunk_prep2d_kernel if CHUNK_PREP_2D else kda_chunk_prep_kernel
-        if CHUNK_PREP_2D != 2:
-          prep[(triton.cdiv(NC, NS), H, B)](
+        kda_chunk_prep_kernel[(NC, H, B)](
             q_in, k_in, v_in, f, beta_logits, *wts[:5], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p,
             ws_glast, T, NC, *(s for n in "qkvfb" for s in st[n]), H=H, D=D, W=W, BD=BD, SCALE=D ** -0.5,
-            HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1, NS=NS, BK=min(BD, CHUNK_PREP_BK),
-            INV_PRECISION="tf32x3" if CHUNK_PREP_2D and dot == "tf32" else "ieee", DOT_PRECISION=dot,
-            num_warps=CHUNK_PREP_WARPS, **gate)
+            HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1, INV_PRECISION="ieee",
+            DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
         BV = min(BD, block_v or CHUNK_BLOCK_V)
         fuse = BV == BD
         o_buf = y if fuse or not store_output else take_scratch(scratch, "o_buf", (B, T, HD), torch.float32,
@@ -402,10 +388,8 @@ def kda_spec_replay(q_in, k_in, v_in, f, beta_logits, conv_w_q, conv_w_k, conv_w
 _FAMILIES = {  # family -> (kernels to include, IR node it implements by default)
     "decode": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel), "kda.fused_decode"),
     "prefill": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel, kda_recurrent_kernel,
-                 kda_chunk_prep_kernel, kda_chunk_prep1_kernel, kda_chunk_prep2d_kernel, kda_chunk_state_kernel,
-                 kda_norm_gate_kernel), "kda.fused_prefill"),
-    "spec_replay": ((kda_recurrent_kernel, kda_chunk_prep_kernel, kda_chunk_prep1_kernel, kda_chunk_prep2d_kernel,
-                     kda_chunk_state_kernel), "kda.spec_replay"),
+                 kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel), "kda.fused_prefill"),
+    "spec_replay": ((kda_recurrent_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel), "kda.spec_replay"),
 }
 
 _LAUNCH_TEMPLATE = '''
@@ -484,7 +468,6 @@ def emit_source(spec):
         f"DECODE_FRONT_MIN_ROWS = {DECODE_FRONT_MIN_ROWS}\nDECODE_FRONT_SPLIT = {DECODE_FRONT_SPLIT!r}\n"
         f"DECODE_FRONT_WARPS = {DECODE_FRONT_WARPS}\n"
         f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n"
-        f"CHUNK_PREP_CHUNKS = {CHUNK_PREP_CHUNKS}\nCHUNK_PREP_BK = {CHUNK_PREP_BK}\nCHUNK_PREP_2D = {CHUNK_PREP_2D}\n"
         f"_DECODE_SCRATCH = {{}}\n_PDL_DEVICES = {{}}\n")
     parts = [header]
     parts += [inspect.getsource(fn.fn) for fn in _common.HELPERS]

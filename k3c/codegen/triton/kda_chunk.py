@@ -36,7 +36,6 @@ from k3c.codegen.triton._common import (
     causal_conv_silu,
     kda_decay_gate,
     l2_normalize,
-    kda_gate_tile,
     rms_norm_sigmoid_gate,
     roll_conv_state,
 )
@@ -44,114 +43,6 @@ from k3c.codegen.triton._common import (
 
 @triton.jit
 def kda_chunk_prep_kernel(
-    q_in, k_in, v_in, f_in,               # [B, T, H*D] projected activations (any float dtype)
-    beta_in,                              # [B, T, H] beta logits
-    conv_w_q, conv_w_k, conv_w_v,         # [H*D, W] fp32 depthwise conv weights
-    A_log, dt_bias,                       # [>=H], [H*D] fp32
-    conv_in,                              # [B, 3*H*D, W] fp32 or activation dtype: q, k, v channels (read)
-    lengths,                              # [B] int32 tokens per row (HAS_LENGTHS) else unused
-    ws_qg, ws_kend, ws_w, ws_u,           # [B, H, NC, BT, D] workspace (activation dtype)
-    ws_p,                                 # [B, H, NC, BT, BT] workspace
-    ws_glast,                             # [B, H, NC, D] fp32 workspace
-    T, NC,                                # tokens stored per row, chunks per row (cdiv(T, BT))
-    s_qb, s_qt, s_kb, s_kt, s_vb, s_vt,   # (batch, token) strides (elements) of the activations; last dim dense
-    s_fb, s_ft, s_bb, s_bt,               # (f, beta)
-    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr,
-    GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-    BT: tl.constexpr, LOG2_BT: tl.constexpr,
-    NS: tl.constexpr,                     # chunks per program (the leading dim of every tile)
-    BK: tl.constexpr,                     # channels per slice of the two passes over D
-    INV_PRECISION: tl.constexpr,          # tl.dot precision inside (I + A)^-1 ("ieee": fp32 FMA)
-    DOT_PRECISION: tl.constexpr,          # tl.dot input precision for fp32 operands ("tf32" or "ieee")
-):
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    HD: tl.constexpr = H * D
-    REF: tl.constexpr = (BT - 1) // 2                   # decay reference row r (module docstring)
-    n = T
-    if HAS_LENGTHS:
-        n = tl.load(lengths + b)
-
-    # tiles are [NS, BT, *]: NS consecutive chunks, each with its own rows i, j and its own decay reference row
-    c = tl.program_id(0) * NS + tl.arange(0, NS)[:, None, None]      # [NS, 1, 1] chunk index
-    i_t = tl.arange(0, BT)[None, :, None]                              # [1, BT, 1]
-    j_t = tl.arange(0, BT)[None, None, :]                              # [1, 1, BT]
-    pos = c * BT + i_t
-    valid = pos < n                                                    # [NS, BT, 1]
-    lower = i_t > j_t
-    diag = i_t == j_t
-    first = tl.program_id(0) == 0                      # the only program that reads the conv state
-    b64 = b.to(tl.int64)
-    q_base = q_in + b64 * s_qb + h * D
-    k_base = k_in + b64 * s_kb + h * D
-    v_base = v_in + b64 * s_vb + h * D
-    f_base = f_in + b64 * s_fb + h * D
-    conv_b = conv_in + b64 * 3 * HD * W + h * D * W
-    a_h = tl.exp(tl.load(A_log + h))
-    beta = tl.load(beta_in + b64 * s_bb + pos * s_bt + h, mask=valid, other=0.0).to(tl.float32)
-    beta = tl.where(valid, tl.sigmoid(beta), 0.0)                      # [NS, BT, 1]
-
-    # pass 1 over D: the raw (not yet l2-normalized) products and the rows' squared norms
-    A = tl.zeros([NS, BT, BT], dtype=tl.float32)
-    P = tl.zeros([NS, BT, BT], dtype=tl.float32)
-    q_sq = tl.zeros([NS, BT], dtype=tl.float32)
-    k_sq = tl.zeros([NS, BT], dtype=tl.float32)
-    for d0 in tl.range(0, BD, BK, num_stages=1):
-        i_k = d0 + tl.arange(0, BK)[None, None, :]
-        m = valid & (i_k < D)
-        q = causal_conv_silu(q_base, conv_b, conv_w_q + h * D * W, pos, i_k, i_k < D, m, s_qt, first, W)
-        k = causal_conv_silu(k_base, conv_b + HD * W, conv_w_k + h * D * W, pos, i_k, i_k < D, m, s_kt, first, W)
-        g = kda_gate_tile(f_base, dt_bias + h * D, pos, i_k, i_k < D, m, s_ft, a_h, GATE_KIND, LOWER_BOUND)
-        gc = tl.cumsum(g, 1)
-        g_ref = tl.sum(tl.where(i_t == REF, gc, 0.0), 1)[:, None, :]   # r
-        decay_in = tl.exp(gc - g_ref)                                  # <= exp(REF * |LOWER_BOUND|)
-        k_out = tl.permute(k * tl.exp(g_ref - gc), (0, 2, 1))          # <= exp((BT - 1 - REF) * |LOWER_BOUND|)
-        # entries j > i may overflow to inf / nan (exp(gc_i - r) * exp(r - gc_j) with i < r < j): masked below
-        A += tl.dot(k * decay_in, k_out, input_precision=DOT_PRECISION)
-        P += tl.dot(q * decay_in, k_out, input_precision=DOT_PRECISION)
-        q_sq += tl.sum(q * q, 2)
-        k_sq += tl.sum(k * k, 2)
-    q_scale = (tl.rsqrt(q_sq + 1e-6) * SCALE)[:, :, None]              # l2norm (eps 1e-6) and D^-0.5
-    k_scale = tl.rsqrt(k_sq + 1e-6)[:, :, None]
-    k_scale_j = tl.permute(k_scale, (0, 2, 1))
-    A = tl.where(lower, A * (beta * k_scale) * k_scale_j, 0.0)
-    P = tl.where(lower | diag, P * q_scale * k_scale_j, 0.0)
-
-    # (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)...: A strictly lower triangular, A^BT = 0.
-    power = A
-    Tinv = tl.where(diag, 1.0, 0.0) - A
-    for _ in tl.static_range(LOG2_BT - 1):
-        power = tl.dot(power, power, input_precision=INV_PRECISION)
-        Tinv = Tinv + tl.dot(Tinv, power, input_precision=INV_PRECISION)
-
-    chunk = (b64 * H + h) * NC + c                                     # [NS, 1, 1]
-    m_c = c < NC
-    dt = ws_qg.dtype.element_ty
-    tl.store(ws_p + chunk * BT * BT + i_t * BT + j_t, P.to(dt), mask=m_c & (j_t < BT))
-    # pass 2 over D: normalized q, k, the decays and the products with (I + A)^-1, stored slice by slice
-    for d0 in tl.range(0, BD, BK, num_stages=1):
-        i_k = d0 + tl.arange(0, BK)[None, None, :]
-        m = valid & (i_k < D)
-        q = causal_conv_silu(q_base, conv_b, conv_w_q + h * D * W, pos, i_k, i_k < D, m, s_qt, first, W) * q_scale
-        k = causal_conv_silu(k_base, conv_b + HD * W, conv_w_k + h * D * W, pos, i_k, i_k < D, m, s_kt, first, W) * k_scale
-        v = causal_conv_silu(v_base, conv_b + 2 * HD * W, conv_w_v + h * D * W, pos, i_k, i_k < D, m, s_vt, first, W)
-        g = kda_gate_tile(f_base, dt_bias + h * D, pos, i_k, i_k < D, m, s_ft, a_h, GATE_KIND, LOWER_BOUND)
-        gc = tl.cumsum(g, 1)
-        g_last = tl.sum(tl.where(i_t == BT - 1, gc, 0.0), 1)[:, None, :]
-        gamma = tl.exp(gc)
-        Wm = tl.dot(Tinv, (beta * gamma) * k, input_precision=DOT_PRECISION)
-        U0 = tl.dot(Tinv, beta * v, input_precision=DOT_PRECISION)
-        tile = chunk * BT * D + i_t * D + i_k
-        m_tile = m_c & (i_t < BT) & (i_k < D)
-        tl.store(ws_qg + tile, (q * gamma).to(dt), mask=m_tile)
-        tl.store(ws_kend + tile, (k * tl.exp(g_last - gc)).to(dt), mask=m_tile)    # <= 1
-        tl.store(ws_w + tile, Wm.to(dt), mask=m_tile)
-        tl.store(ws_u + tile, U0.to(dt), mask=m_tile)
-        tl.store(ws_glast + chunk * D + i_k, g_last, mask=m_c & (i_k < D))
-
-
-@triton.jit
-def kda_chunk_prep1_kernel(
     q_in, k_in, v_in, f_in,               # [B, T, H*D] projected activations (any float dtype)
     beta_in,                              # [B, T, H] beta logits
     conv_w_q, conv_w_k, conv_w_v,         # [H*D, W] fp32 depthwise conv weights
@@ -191,11 +82,11 @@ def kda_chunk_prep1_kernel(
     b64 = b.to(tl.int64)
     conv_b = b64 * 3 * HD * W + h * D * W
     q = causal_conv_silu(q_in + b64 * s_qb + h * D, conv_in + conv_b, conv_w_q + h * D * W, pos[:, None],
-                         i_k[None, :], m_k[None, :], m_tk, s_qt, c == 0, W)
+                         i_k[None, :], m_tk, s_qt, W)
     k = causal_conv_silu(k_in + b64 * s_kb + h * D, conv_in + conv_b + HD * W, conv_w_k + h * D * W, pos[:, None],
-                         i_k[None, :], m_k[None, :], m_tk, s_kt, c == 0, W)
+                         i_k[None, :], m_tk, s_kt, W)
     v = causal_conv_silu(v_in + b64 * s_vb + h * D, conv_in + conv_b + 2 * HD * W, conv_w_v + h * D * W,
-                         pos[:, None], i_k[None, :], m_k[None, :], m_tk, s_vt, c == 0, W)
+                         pos[:, None], i_k[None, :], m_tk, s_vt, W)
     q = l2_normalize(q, 1) * SCALE
     k = l2_normalize(k, 1)
     f = tl.load(f_in + b64 * s_fb + h * D + pos[:, None] * s_ft + i_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -236,122 +127,6 @@ def kda_chunk_prep1_kernel(
     tl.store(ws_u + tile, U0.to(dt), mask=m_tile)
     tl.store(ws_p + chunk * BT * BT + i_t[:, None] * BT + i_t[None, :], P.to(dt))
     tl.store(ws_glast + chunk * D + i_k, g_last, mask=m_k)
-
-
-@triton.jit
-def kda_chunk_prep2d_kernel(
-    q_in, k_in, v_in, f_in,               # [B, T, H*D] projected activations (any float dtype)
-    beta_in,                              # [B, T, H] beta logits
-    conv_w_q, conv_w_k, conv_w_v,         # [H*D, W] fp32 depthwise conv weights
-    A_log, dt_bias,                       # [>=H], [H*D] fp32
-    conv_in,                              # [B, 3*H*D, W] fp32 or activation dtype: q, k, v channels (read)
-    lengths,                              # [B] int32 tokens per row (HAS_LENGTHS) else unused
-    ws_qg, ws_kend, ws_w, ws_u,           # [B, H, NC, BT, D] workspace (activation dtype)
-    ws_p,                                 # [B, H, NC, BT, BT] workspace
-    ws_glast,                             # [B, H, NC, D] fp32 workspace
-    T, NC,                                # tokens stored per row, chunks per row (cdiv(T, BT))
-    s_qb, s_qt, s_kb, s_kt, s_vb, s_vt,   # (batch, token) strides (elements) of the activations; last dim dense
-    s_fb, s_ft, s_bb, s_bt,               # (f, beta)
-    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr,
-    GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-    BT: tl.constexpr, LOG2_BT: tl.constexpr,
-    NS: tl.constexpr,                     # chunks per program: tiles of R = NS * BT rows
-    BK: tl.constexpr,                     # channels per slice of the two passes over D
-    INV_PRECISION: tl.constexpr,          # tl.dot precision inside (I + A)^-1 ("ieee" or "tf32x3": fp32-exact)
-    DOT_PRECISION: tl.constexpr,          # tl.dot input precision for fp32 operands ("tf32" or "ieee")
-):
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    HD: tl.constexpr = H * D
-    R: tl.constexpr = NS * BT
-    REF: tl.constexpr = (BT - 1) // 2                   # decay reference row r of each chunk (module docstring)
-    n = T
-    if HAS_LENGTHS:
-        n = tl.load(lengths + b)
-
-    # rows i, j of the program's R = NS * BT tokens; pairs in different chunks are masked out of every product
-    r = tl.arange(0, R)
-    c0 = tl.program_id(0) * NS
-    pos = (c0 * BT + r)[:, None]                                        # [R, 1]
-    valid = pos < n
-    same = (r[:, None] // BT) == (r[None, :] // BT)
-    lower = same & (r[:, None] > r[None, :])
-    diag = r[:, None] == r[None, :]
-    t3 = tl.arange(0, BT)[None, :, None]                                # row in its chunk, [NS, BT, BK] view
-    first = c0 == 0                                                     # only chunk 0 reads the conv state
-    b64 = b.to(tl.int64)
-    q_base = q_in + b64 * s_qb + h * D
-    k_base = k_in + b64 * s_kb + h * D
-    v_base = v_in + b64 * s_vb + h * D
-    f_base = f_in + b64 * s_fb + h * D
-    conv_b = conv_in + b64 * 3 * HD * W + h * D * W
-    a_h = tl.exp(tl.load(A_log + h))
-    beta = tl.load(beta_in + b64 * s_bb + pos * s_bt + h, mask=valid, other=0.0).to(tl.float32)
-    beta = tl.where(valid, tl.sigmoid(beta), 0.0)                       # [R, 1]
-
-    # pass 1 over D: the raw (not yet l2-normalized) products and the rows' squared norms
-    A = tl.zeros([R, R], dtype=tl.float32)
-    P = tl.zeros([R, R], dtype=tl.float32)
-    q_sq = tl.zeros([R], dtype=tl.float32)
-    k_sq = tl.zeros([R], dtype=tl.float32)
-    for d0 in tl.range(0, BD, BK, num_stages=1):
-        i_k = d0 + tl.arange(0, BK)[None, :]
-        m = valid & (i_k < D)
-        q = causal_conv_silu(q_base, conv_b, conv_w_q + h * D * W, pos, i_k, i_k < D, m, s_qt, first, W)
-        k = causal_conv_silu(k_base, conv_b + HD * W, conv_w_k + h * D * W, pos, i_k, i_k < D, m, s_kt, first, W)
-        g = kda_gate_tile(f_base, dt_bias + h * D, pos, i_k, i_k < D, m, s_ft, a_h, GATE_KIND, LOWER_BOUND)
-        gc = tl.cumsum(tl.reshape(g, [NS, BT, BK]), 1)                  # per chunk
-        g_ref = tl.sum(tl.where(t3 == REF, gc, 0.0), 1)[:, None, :]
-        decay_in = tl.reshape(tl.exp(gc - g_ref), [R, BK])               # <= exp(REF * |LOWER_BOUND|)
-        k_out = tl.trans(k * tl.reshape(tl.exp(g_ref - gc), [R, BK]))   # <= exp((BT - 1 - REF) * |LOWER_BOUND|)
-        # entries j > i may overflow to inf / nan (exp(gc_i - r) * exp(r - gc_j) with i < r < j): masked below
-        A += tl.dot(k * decay_in, k_out, input_precision=DOT_PRECISION)
-        P += tl.dot(q * decay_in, k_out, input_precision=DOT_PRECISION)
-        q_sq += tl.sum(q * q, 1)
-        k_sq += tl.sum(k * k, 1)
-    q_scale = tl.rsqrt(q_sq + 1e-6) * SCALE                             # l2norm (eps 1e-6) and D^-0.5
-    k_scale = tl.rsqrt(k_sq + 1e-6)
-    A = tl.where(lower, A * (beta * k_scale[:, None]) * k_scale[None, :], 0.0)
-    P = tl.where(lower | diag, P * q_scale[:, None] * k_scale[None, :], 0.0)
-
-    # (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)...: A strictly lower triangular within each chunk
-    # (block diagonal), so A^BT = 0.
-    power = A
-    Tinv = tl.where(diag, 1.0, 0.0) - A
-    for _ in tl.static_range(LOG2_BT - 1):
-        power = tl.dot(power, power, input_precision=INV_PRECISION)
-        Tinv = Tinv + tl.dot(Tinv, power, input_precision=INV_PRECISION)
-
-    row_chunk = (c0 + r // BT)[:, None]                                 # [R, 1]
-    tile0 = ((b64 * H + h) * NC + row_chunk) * BT + (r % BT)[:, None]  # the row's workspace row
-    m_c = row_chunk < NC
-    dt = ws_qg.dtype.element_ty
-    tl.store(ws_p + tile0 * BT + (r % BT)[None, :], P.to(dt), mask=m_c & same)
-    i_s = tl.arange(0, NS)[:, None]
-    glast0 = ((b64 * H + h) * NC + c0 + i_s) * D                        # [NS, 1]
-    # pass 2 over D: normalized q, k, the decays and the products with (I + A)^-1, stored slice by slice
-    for d0 in tl.range(0, BD, BK, num_stages=1):
-        i_k = d0 + tl.arange(0, BK)[None, :]
-        m = valid & (i_k < D)
-        q = causal_conv_silu(q_base, conv_b, conv_w_q + h * D * W, pos, i_k, i_k < D, m, s_qt, first, W)
-        k = causal_conv_silu(k_base, conv_b + HD * W, conv_w_k + h * D * W, pos, i_k, i_k < D, m, s_kt, first, W)
-        v = causal_conv_silu(v_base, conv_b + 2 * HD * W, conv_w_v + h * D * W, pos, i_k, i_k < D, m, s_vt, first,
-                             W)
-        g = kda_gate_tile(f_base, dt_bias + h * D, pos, i_k, i_k < D, m, s_ft, a_h, GATE_KIND, LOWER_BOUND)
-        gc = tl.cumsum(tl.reshape(g, [NS, BT, BK]), 1)
-        g_last = tl.sum(tl.where(t3 == BT - 1, gc, 0.0), 1)             # [NS, BK]
-        gamma = tl.reshape(tl.exp(gc), [R, BK])
-        k_end = tl.reshape(tl.exp(g_last[:, None, :] - gc), [R, BK])    # <= 1
-        k = k * k_scale[:, None]
-        Wm = tl.dot(Tinv, (beta * gamma) * k, input_precision=DOT_PRECISION)
-        U0 = tl.dot(Tinv, beta * v, input_precision=DOT_PRECISION)
-        tile = tile0 * D + i_k
-        m_tile = m_c & (i_k < D)
-        tl.store(ws_qg + tile, (q * q_scale[:, None] * gamma).to(dt), mask=m_tile)
-        tl.store(ws_kend + tile, (k * k_end).to(dt), mask=m_tile)
-        tl.store(ws_w + tile, Wm.to(dt), mask=m_tile)
-        tl.store(ws_u + tile, U0.to(dt), mask=m_tile)
-        tl.store(ws_glast + glast0 + i_k, g_last, mask=(c0 + i_s < NC) & (i_k < D))
 
 
 @triton.jit
