@@ -3,7 +3,7 @@ E8M0 scales, decoded in registers) side by side with bf16 experts, at K3.1 Pro's
 D = 3584, expert inner I = 3072, top-16), bf16 activations.
 
 Run on a CUDA machine:
-    python benchmarks/bench_moe_mxfp4.py [--experts 32,896] [--out DIR] [--quick] [--no-prefill]
+    python benchmarks/bench_moe_mxfp4.py [--experts 32,896] [--out DIR] [--quick] [--no-prefill] [--no-bf16]
 Rows: decode at batch 1 and 16 (a few rows per expert: the kernels stream the weights) and, for the first E,
 prefill at 16 × 2048 tokens (grouped GEMM). Decode reports the expert-weight bytes the step must read (every
 touched expert's w1, w3, w2, scales included) over the time of the two GEMM kernels plus the slot sum ("kernels":
@@ -78,8 +78,12 @@ def check_small(dev):
     ids = torch.rand(N, E, device=dev, generator=gen).argsort(-1)[:, :4].contiguous()
     wt = torch.rand(N, 4, device=dev, generator=gen)
     out = {}
-    for cname, cfg in (("default", None), ("mma_v2", (8, 64, 256, 2, 3, False, None))):
-        for name, dt in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+    for cname, cfg, dts in (("default", None, (torch.float32, torch.bfloat16)),
+                            ("mma_v2", (8, 64, 256, 2, 3, False, None), (torch.float32, torch.bfloat16)),
+                            ("persist", (8, 64, 256, 2, 2, False, 128, 8), (torch.bfloat16,)),
+                            ("rows32", (8, 32, 256, 2, 2, False, 80), (torch.bfloat16,))):
+        for name, dt in ((str(dt).split(".")[1].replace("float32", "f32").replace("bfloat16", "bf16"), dt)
+                         for dt in dts):
             zz = z.to(dt)
             y = torch.full_like(zz, float("nan"))
             launch_moe_experts(zz, wt, ids, w1, w3, w2, s1, s3, s2, y=y, mx_config=cfg, **ACT)
@@ -98,11 +102,9 @@ def dequantized(w, s, chunk=32):
 # mx_config sweeps (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg); None: the
 # launcher's default (k3c.codegen.triton.moe_mxfp4.mx_default_config) for the weights' largest scale byte, as a
 # compiled artifact of this checkpoint runs it; 1 or 2 warps: `mma.sync` (mx_mma_v2), 4 or 8: `wgmma`
-MX_SWEEP = {"decode": [None, (16, 64, 256, 4, 3, True, None), (16, 64, 256, 4, 3, False, None),
-                       (8, 64, 256, 2, 3, False, None), (8, 64, 256, 2, 2, False, None),
-                       (8, 128, 256, 2, 2, False, None), (8, 32, 256, 1, 2, False, None),
-                       (16, 64, 256, 2, 2, False, None), (8, 64, 256, 2, 3, True, None),
-                       (8, 64, 128, 2, 3, False, None), (16, 128, 256, 4, 3, False, None)],
+# (an 8th field: the programs per SM of a persistent grid)
+MX_SWEEP = {"decode": [None, (8, 64, 256, 2, 2, False, 128, 8), (8, 32, 256, 2, 2, False, 80),
+                       (8, 32, 256, 2, 2, False, None), (8, 64, 256, 2, 2, False, None)],
             "prefill": [None, (128, 128, 128, 8, 3, False, None), (64, 128, 128, 4, 3, False, None)],
             # decode at 16+ rows per expert (batch 64 of 32 experts: the prefill tiles are 3/4 empty there)
             "decode_mid": [None, (16, 64, 256, 4, 3, True, None), (32, 64, 256, 4, 3, True, None),
@@ -158,16 +160,21 @@ def warm(jobs, workers, dev):
     return check_small(dev)
 
 
-def run_case(results, out_path, phase, N, E, dense, mx, bytes_per_expert, quick, gen, dev, scale_max):
-    """Time every format / configuration of one (phase, N) case and append the rows to results."""
+def run_case(results, out_path, phase, N, E, dense, mx, bytes_per_expert, args, gen, dev, scale_max):
+    """Time every format / configuration of one (phase, N) case and append the rows to results. dense None
+    (--no-bf16): no bf16 row, each MXFP4 output is compared with the launcher's default's; args.launch_only: one
+    launch of each configuration, nothing timed (a profiler's target)."""
     z = (torch.randn(N, D, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
     ids, wt = routing(N, E, dev, gen)
     touched = int(torch.unique(ids).numel())
-    y_bf = torch.empty_like(z)
-    launch_moe_experts(z, wt, ids, *dense, y=y_bf, **ACT)
+    y_ref = None
+    if dense is not None:
+        y_ref = torch.empty_like(z)
+        launch_moe_experts(z, wt, ids, *dense, y=y_ref, **ACT)
     rows = N * K
-    sweep = resolved_sweep(phase, rows, E, scale_max, quick)
-    variants = [("bf16", dense, {})] + [("mxfp4", mx, {"mx_config": c, "scale_max": scale_max}) for c in sweep]
+    sweep = resolved_sweep(phase, rows, E, scale_max, args.quick)
+    variants = [("mxfp4", mx, {"mx_config": c, "scale_max": scale_max}) for c in sweep]
+    variants = ([("bf16", dense, {})] if dense is not None else []) + variants
     for fmt, ws, kw in variants:
         cfg = kw.get("mx_config")                 # the launcher's BLOCK_M choices (moe.launch_moe_experts)
         bm = (cfg or mx_default_config(rows, E, scale_max))[0] if fmt == "mxfp4" else 16 if rows < 16 * E else 64
@@ -175,7 +182,11 @@ def run_case(results, out_path, phase, N, E, dense, mx, bytes_per_expert, quick,
         y = torch.empty_like(z)
         try:
             launch_moe_experts(z, wt, ids, *ws, y=y, **kw, **ACT)
-            diff = None if fmt == "bf16" else rel(y, y_bf)
+            if args.launch_only:
+                torch.cuda.synchronize()
+                continue
+            diff = None if fmt == "bf16" or y_ref is None else rel(y, y_ref)
+            y_ref = y.clone() if y_ref is None else y_ref
             t_k, how = bench(lambda: launch_moe_experts(z, wt, ids, *ws, y=y, schedule=sched, **kw, **ACT))
             t_op, _ = bench(lambda: launch_moe_experts(z, wt, ids, *ws, y=y, **kw, **ACT))
         except Exception as e:  # noqa: BLE001  (a configuration the compiler rejects)
@@ -211,8 +222,13 @@ def main():
     ap.add_argument("--decode-batches", default="1,16", help="comma-separated decode token counts")
     ap.add_argument("--prefill-tokens", type=int, default=16 * 2048)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (times meaningless)")
+    ap.add_argument("--no-bf16", action="store_true", help="no bf16 rows (nor their dequantized weights)")
+    ap.add_argument("--launch-only", action="store_true", help="one launch per configuration, for a profiler")
+    ap.add_argument("--configs", default=None, help="comma-separated indices into the decode sweep to keep")
     ap.add_argument("--compile-workers", type=int, default=8, help="processes compiling the MXFP4 variants first")
     args = ap.parse_args()
+    if args.configs:
+        MX_SWEEP["decode"][:] = [MX_SWEEP["decode"][int(i)] for i in args.configs.split(",")]
     dev = args.device
     name = torch.cuda.get_device_name() if dev == "cuda" else dev
     results = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
@@ -225,7 +241,8 @@ def main():
     scale_max = SCALES[1]          # the weights' largest scale byte, as `k3c compile` records it
     jobs = sorted({(E, tuple(c or mx_default_config(N * K, E, scale_max))) for E, phase, N in cases
                    for c in resolved_sweep(phase, N * K, E, scale_max, args.quick)}, key=str) if dev == "cuda" else []
-    results["check_small_rel"] = warm(jobs, args.compile_workers, dev)
+    results["diff_vs"] = "the launcher's default MXFP4 output" if args.no_bf16 else "the bf16 experts' output"
+    results["check_small_rel"] = {} if args.launch_only else warm(jobs, args.compile_workers, dev)
     print(f"MXFP4 kernels vs moe_experts_ref (small shape), max rel: {results['check_small_rel']}", flush=True)
     loaded = None
     for E, phase, N in cases:
@@ -234,11 +251,11 @@ def main():
             torch.cuda.empty_cache()
             gen = torch.Generator(device=dev).manual_seed(0)
             mx = [mx_weights(E, R, C, dev, gen) for R, C in ((I, D), (I, D), (D, I))]
-            dense = [dequantized(w, s) for w, s in mx]
+            dense = None if args.no_bf16 or args.launch_only else [dequantized(w, s) for w, s in mx]
+            per_expert = (2 * 3 * D * I, sum(w.numel() + s.numel() for w, s in mx) // E)
             mx = tuple(w for w, _ in mx) + tuple(s for _, s in mx)
-            per_expert = (2 * sum(t.numel() for t in dense) // E, sum(t.numel() for t in mx) // E)
             loaded = (E, dense, mx, per_expert)
-        run_case(results, out_path, phase, N, E, loaded[1], loaded[2], loaded[3], args.quick, gen, dev, scale_max)
+        run_case(results, out_path, phase, N, E, loaded[1], loaded[2], loaded[3], args, gen, dev, scale_max)
         torch.cuda.empty_cache()
 
 if __name__ == "__main__":

@@ -123,35 +123,35 @@ def mx_permuted_col(k, BLOCK_K: tl.constexpr, V2: tl.constexpr):
 @triton.jit
 def mxfp4_word_bf16(w, mult, TWO_MULS: tl.constexpr):
     """w u32 (8 codes), mult bf16 (the word's 2^(s − 1), or with TWO_MULS its scale 2^(s − 127)), same shape ->
-    8 bf16 tensors: code (s, s + 4) · scale for s = 0..3, i.e. the word's codes 0, 4, 1, 5, 2, 6, 3, 7. PTX sm_90."""
+    8 bf16 tensors: code (s, s + 4) · scale for s = 0..3, i.e. the word's codes 0, 4, 1, 5, 2, 6, 3, 7. PTX sm_90.
+    Two bit-selects (`lop3`) build y (em of codes 0, 1, 4, 5 in place, their signs 6 bits up) and z (em of codes
+    2, 3, 6, 7 6 bits down, their signs in place), in which each code's sign lies 7 bits above its em's top bit,
+    as in the bf16 pattern; then each pair is one left shift (none for codes 3, 7) and one mask of y or z: 12
+    integer instructions per word (4 per pair before: two shifts, two masks), one of them a right shift."""
     if TWO_MULS:
         return tl.inline_asm_elementwise(
             """{
-            .reg .b32 t, u, m, b;
+            .reg .b32 t, y, z, m, b;
             mov.b32 m, {$9, $9};
             mov.b32 b, 0x7e807e80;
-            shl.b32 t, $8, 6; and.b32 t, t, 0x01c001c0; shl.b32 u, $8, 12; and.b32 u, u, 0x80008000;
-            or.b32 t, t, u; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$0, $1}, t;
-            shl.b32 t, $8, 2; and.b32 t, t, 0x01c001c0; shl.b32 u, $8, 8; and.b32 u, u, 0x80008000;
-            or.b32 t, t, u; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$2, $3}, t;
-            shr.b32 t, $8, 2; and.b32 t, t, 0x01c001c0; shl.b32 u, $8, 4; and.b32 u, u, 0x80008000;
-            or.b32 t, t, u; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$4, $5}, t;
-            shr.b32 t, $8, 6; and.b32 t, t, 0x01c001c0; and.b32 u, $8, 0x80008000;
-            or.b32 t, t, u; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$6, $7}, t;
+            shl.b32 t, $8, 6; lop3.b32 y, $8, t, 0x00770077, 0xe4;
+            shr.b32 t, $8, 6; lop3.b32 z, t, $8, 0x01dc01dc, 0xe4;
+            shl.b32 t, y, 6; and.b32 t, t, 0x81c081c0; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$0, $1}, t;
+            shl.b32 t, y, 2; and.b32 t, t, 0x81c081c0; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$2, $3}, t;
+            shl.b32 t, z, 4; and.b32 t, t, 0x81c081c0; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$4, $5}, t;
+            and.b32 t, z, 0x81c081c0; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$6, $7}, t;
             }""",
             "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, mult], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     return tl.inline_asm_elementwise(
         """{
-        .reg .b32 t, u, m;
+        .reg .b32 t, y, z, m;
         mov.b32 m, {$9, $9};
-        shl.b32 t, $8, 6; and.b32 t, t, 0x01c001c0; shl.b32 u, $8, 12; and.b32 u, u, 0x80008000;
-        or.b32 t, t, u; mul.bf16x2 t, t, m; mov.b32 {$0, $1}, t;
-        shl.b32 t, $8, 2; and.b32 t, t, 0x01c001c0; shl.b32 u, $8, 8; and.b32 u, u, 0x80008000;
-        or.b32 t, t, u; mul.bf16x2 t, t, m; mov.b32 {$2, $3}, t;
-        shr.b32 t, $8, 2; and.b32 t, t, 0x01c001c0; shl.b32 u, $8, 4; and.b32 u, u, 0x80008000;
-        or.b32 t, t, u; mul.bf16x2 t, t, m; mov.b32 {$4, $5}, t;
-        shr.b32 t, $8, 6; and.b32 t, t, 0x01c001c0; and.b32 u, $8, 0x80008000;
-        or.b32 t, t, u; mul.bf16x2 t, t, m; mov.b32 {$6, $7}, t;
+        shl.b32 t, $8, 6; lop3.b32 y, $8, t, 0x00770077, 0xe4;
+        shr.b32 t, $8, 6; lop3.b32 z, t, $8, 0x01dc01dc, 0xe4;
+        shl.b32 t, y, 6; and.b32 t, t, 0x81c081c0; mul.bf16x2 t, t, m; mov.b32 {$0, $1}, t;
+        shl.b32 t, y, 2; and.b32 t, t, 0x81c081c0; mul.bf16x2 t, t, m; mov.b32 {$2, $3}, t;
+        shl.b32 t, z, 4; and.b32 t, t, 0x81c081c0; mul.bf16x2 t, t, m; mov.b32 {$4, $5}, t;
+        and.b32 t, z, 0x81c081c0; mul.bf16x2 t, t, m; mov.b32 {$6, $7}, t;
         }""",
         "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, mult], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
 
@@ -252,58 +252,113 @@ def mx_act_tile(xp_ptr, rows_m, m_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.conste
 
 
 @triton.jit
+def mx_units(tile_expert_ptr, n_tiles, E: tl.constexpr, RB: tl.constexpr):
+    """A persistent program's even share [u0, u1) of the (tile, row block) units: the schedule's used tiles (a
+    prefix of its n_tiles: unused ones hold expert E) times RB row blocks, split over the launched programs."""
+    used = 0
+    for j in range(0, n_tiles, 1024):
+        offs = j + tl.arange(0, 1024)
+        used += tl.sum((tl.load(tile_expert_ptr + offs, mask=offs < n_tiles, other=E) < E).to(tl.int32), 0)
+    units = used * RB
+    pid, progs = tl.program_id(0), tl.num_programs(0)
+    return pid * units // progs, (pid + 1) * units // progs
+
+
+@triton.jit
+def mx_up_unit(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, hp_ptr, e, offs_m, m_ok, slot, rb, SITU_BETA,
+               SITU_LINEAR_BETA, K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, ACT_SITU: tl.constexpr,
+               FAST: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
+    """`moe_up_mx_kernel`'s work for one tile (expert e, its rows) and row block rb."""
+    token = slot // K
+    offs_i = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    i_ok = offs_i < I
+    rows = e.to(tl.int64) * I + offs_i
+    gate = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
+    up = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        s1 = mxfp4_scales(s1_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, V2)
+        s3 = mxfp4_scales(s3_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, V2)
+        z = mx_act_tile(zp_ptr, token, m_ok, d0, D, BLOCK_D)
+        w = mxfp4_weight_tile(w1_ptr, s1, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2)
+        gate = tl.dot(w.to(z.dtype), z, gate, input_precision=DOT_PRECISION)
+        w = mxfp4_weight_tile(w3_ptr, s3, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2)
+        up = tl.dot(w.to(z.dtype), z, up, input_precision=DOT_PRECISION)
+    h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
+    col = mx_permuted_col(offs_i, BLOCK_K2, V2)
+    tl.store(hp_ptr + offs_m.to(tl.int64)[None, :] * I + col[:, None], h.to(hp_ptr.dtype.element_ty),
+             mask=i_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
 def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
-                     tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, E: tl.constexpr, K: tl.constexpr,
-                     D: tl.constexpr, I: tl.constexpr, ACT_SITU: tl.constexpr, FAST: tl.constexpr,
+                     tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, n_tiles, E: tl.constexpr,
+                     K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, ACT_SITU: tl.constexpr, FAST: tl.constexpr,
                      TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
+                     BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr,
+                     PERSIST: tl.constexpr):
     """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one tile of sorted rows and BLOCK_R intermediate columns. zp: z [N, D]
     `mx_permute`d by BLOCK_D; w1/w3 the packed bytes as i32 words [E, I, D/8], scales s1/s3 u8 [E, I, D/32];
     hp [N·k, I] written in `mx_permute` order of BLOCK_K2 (the down kernel's K tile). V2: both in the `mma.sync`
-    order (`mx_mma_v2` of the launch's warps)."""
-    e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
-                                        BLOCK_M)
-    if e < E:
-        token = slot // K
-        offs_i = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        i_ok = offs_i < I
-        rows = e.to(tl.int64) * I + offs_i
-        gate = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
-        up = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            s1 = mxfp4_scales(s1_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, V2)
-            s3 = mxfp4_scales(s3_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, V2)
-            z = mx_act_tile(zp_ptr, token, m_ok, d0, D, BLOCK_D)
-            w = mxfp4_weight_tile(w1_ptr, s1, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2)
-            gate = tl.dot(w.to(z.dtype), z, gate, input_precision=DOT_PRECISION)
-            w = mxfp4_weight_tile(w3_ptr, s3, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2)
-            up = tl.dot(w.to(z.dtype), z, up, input_precision=DOT_PRECISION)
-        h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
-        col = mx_permuted_col(offs_i, BLOCK_K2, V2)
-        tl.store(hp_ptr + offs_m.to(tl.int64)[None, :] * I + col[:, None], h.to(hp_ptr.dtype.element_ty),
-                 mask=i_ok[:, None] & m_ok[None, :])
+    order (`mx_mma_v2` of the launch's warps). Grid (tiles, row blocks), or with PERSIST (programs,): each
+    program walks its `mx_units` share, the K loops of its units flattened into one pipelined loop."""
+    RB: tl.constexpr = (I + BLOCK_R - 1) // BLOCK_R
+    if PERSIST:
+        u0, u1 = mx_units(tile_expert_ptr, n_tiles, E, RB)
+        for u in tl.range(u0, u1, flatten=True):
+            e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr,
+                                                u // RB, BLOCK_M)
+            mx_up_unit(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, hp_ptr, e, offs_m, m_ok, slot, u % RB, SITU_BETA,
+                       SITU_LINEAR_BETA, K, D, I, ACT_SITU, FAST, TWO_MULS, BLOCK_M, BLOCK_R, BLOCK_D, BLOCK_K2,
+                       DOT_PRECISION, V2)
+    else:
+        e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr,
+                                            tl.program_id(0), BLOCK_M)
+        if e < E:
+            mx_up_unit(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, hp_ptr, e, offs_m, m_ok, slot, tl.program_id(1),
+                       SITU_BETA, SITU_LINEAR_BETA, K, D, I, ACT_SITU, FAST, TWO_MULS, BLOCK_M, BLOCK_R, BLOCK_D,
+                       BLOCK_K2, DOT_PRECISION, V2)
+
+
+@triton.jit
+def mx_down_unit(hp_ptr, w2_ptr, s2_ptr, weights_ptr, y_slot_ptr, e, offs_m, m_ok, slot, rb, D: tl.constexpr,
+                 I: tl.constexpr, FAST: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
+    """`moe_down_mx_kernel`'s work for one tile (expert e, its rows) and row block rb."""
+    offs_n = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    n_ok = offs_n < D
+    rows = e.to(tl.int64) * D + offs_n
+    acc = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
+    for i0 in range(0, I, BLOCK_K2):
+        s2 = mxfp4_scales(s2_ptr, rows, n_ok, i0, I, BLOCK_K2, FAST, V2)
+        h = mx_act_tile(hp_ptr, offs_m, m_ok, i0, I, BLOCK_K2)
+        w = mxfp4_weight_tile(w2_ptr, s2, rows, n_ok, i0, I, BLOCK_K2, FAST, TWO_MULS, V2)
+        acc = tl.dot(w.to(h.dtype), h, acc, input_precision=DOT_PRECISION)
+    weight = tl.load(weights_ptr + slot, mask=m_ok, other=0.0)
+    tl.store(y_slot_ptr + slot[None, :] * D + offs_n[:, None], acc * weight[None, :],
+             mask=n_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
 def moe_down_mx_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
-                       tile_row_end_ptr, y_slot_ptr, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                       tile_row_end_ptr, y_slot_ptr, n_tiles, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                        FAST: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
+                       BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr,
+                       PERSIST: tl.constexpr):
     """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_R output columns; hp [N·k, I] in
     `mx_permute` order of BLOCK_K2 (V2: the `mma.sync` one); w2 the packed bytes as i32 words [E, D, I/8], scales s2
-    u8 [E, D, I/32]."""
-    e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
-                                        BLOCK_M)
-    if e < E:
-        offs_n = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        n_ok = offs_n < D
-        rows = e.to(tl.int64) * D + offs_n
-        acc = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
-        for i0 in range(0, I, BLOCK_K2):
-            s2 = mxfp4_scales(s2_ptr, rows, n_ok, i0, I, BLOCK_K2, FAST, V2)
-            h = mx_act_tile(hp_ptr, offs_m, m_ok, i0, I, BLOCK_K2)
-            w = mxfp4_weight_tile(w2_ptr, s2, rows, n_ok, i0, I, BLOCK_K2, FAST, TWO_MULS, V2)
-            acc = tl.dot(w.to(h.dtype), h, acc, input_precision=DOT_PRECISION)
-        weight = tl.load(weights_ptr + slot, mask=m_ok, other=0.0)
-        tl.store(y_slot_ptr + slot[None, :] * D + offs_n[:, None], acc * weight[None, :],
-                 mask=n_ok[:, None] & m_ok[None, :])
+    u8 [E, D, I/32]. Grid and PERSIST as `moe_up_mx_kernel`."""
+    RB: tl.constexpr = (D + BLOCK_R - 1) // BLOCK_R
+    if PERSIST:
+        u0, u1 = mx_units(tile_expert_ptr, n_tiles, E, RB)
+        for u in tl.range(u0, u1, flatten=True):
+            e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr,
+                                                u // RB, BLOCK_M)
+            mx_down_unit(hp_ptr, w2_ptr, s2_ptr, weights_ptr, y_slot_ptr, e, offs_m, m_ok, slot, u % RB, D, I, FAST,
+                         TWO_MULS, BLOCK_M, BLOCK_R, BLOCK_K2, DOT_PRECISION, V2)
+    else:
+        e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr,
+                                            tl.program_id(0), BLOCK_M)
+        if e < E:
+            mx_down_unit(hp_ptr, w2_ptr, s2_ptr, weights_ptr, y_slot_ptr, e, offs_m, m_ok, slot, tl.program_id(1),
+                         D, I, FAST, TWO_MULS, BLOCK_M, BLOCK_R, BLOCK_K2, DOT_PRECISION, V2)
