@@ -78,12 +78,10 @@ def check_small(dev):
     ids = torch.rand(N, E, device=dev, generator=gen).argsort(-1)[:, :4].contiguous()
     wt = torch.rand(N, 4, device=dev, generator=gen)
     out = {}
-    for cname, cfg, dts in (("default", None, (torch.float32, torch.bfloat16)),
-                            ("mma_v2", (8, 64, 256, 2, 3, False, None), (torch.float32, torch.bfloat16)),
-                            ("persist", (8, 64, 256, 2, 2, False, 128, 8), (torch.bfloat16,)),
-                            ("rows32", (8, 32, 256, 2, 2, False, 80), (torch.bfloat16,))):
-        for name, dt in ((str(dt).split(".")[1].replace("float32", "f32").replace("bfloat16", "bf16"), dt)
-                         for dt in dts):
+    f32, bf16 = ("f32", torch.float32), ("bf16", torch.bfloat16)
+    for cname, cfg, dts in (("default", None, (f32, bf16)), ("mma_v2", (8, 64, 256, 2, 3, False, None), (f32, bf16)),
+                            ("rows32", (8, 32, 256, 2, 2, False, None), (bf16,))):
+        for name, dt in dts:
             zz = z.to(dt)
             y = torch.full_like(zz, float("nan"))
             launch_moe_experts(zz, wt, ids, w1, w3, w2, s1, s3, s2, y=y, mx_config=cfg, **ACT)
@@ -102,9 +100,7 @@ def dequantized(w, s, chunk=32):
 # mx_config sweeps (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg); None: the
 # launcher's default (k3c.codegen.triton.moe_mxfp4.mx_default_config) for the weights' largest scale byte, as a
 # compiled artifact of this checkpoint runs it; 1 or 2 warps: `mma.sync` (mx_mma_v2), 4 or 8: `wgmma`
-# (an 8th field: the programs per SM of a persistent grid)
-MX_SWEEP = {"decode": [None, (8, 64, 256, 2, 2, False, 128, 8), (8, 32, 256, 2, 2, False, 80),
-                       (8, 32, 256, 2, 2, False, None), (8, 64, 256, 2, 2, False, None)],
+MX_SWEEP = {"decode": [None, (8, 64, 256, 2, 2, False, None), (8, 32, 256, 2, 2, False, 80)],
             "prefill": [None, (128, 128, 128, 8, 3, False, None), (64, 128, 128, 4, 3, False, None)],
             # decode at 16+ rows per expert (batch 64 of 32 experts: the prefill tiles are 3/4 empty there)
             "decode_mid": [None, (16, 64, 256, 4, 3, True, None), (32, 64, 256, 4, 3, True, None),

@@ -170,12 +170,10 @@ def test_launch_bf16_matches_reference(N, mx_config):
     assert err <= 1e-2, err
 
 
-@pytest.mark.parametrize("persist", [0, 1])
-def test_launch_mma_v2_order_matches_reference(persist):
+def test_launch_mma_v2_order_matches_reference():
     """The `mma.sync` K order end to end (fp32 activations, so the portable decoding; 2 warps: `mx_mma_v2`):
     z permuted in that order, h written by the up kernel in it and read back by the down kernel, two K tiles of
-    two 32-value groups each: equal to the reference's dequantize-then-GEMM in fp32. persist: the persistent grid
-    (4 programs off-GPU over 6 up and 12 down units: shares of 1 to 3 units, K loops flattened across them)."""
+    two 32-value groups each: equal to the reference's dequantize-then-GEMM in fp32."""
     gen = torch.Generator().manual_seed(3)
     N, k, E, D, I = 3, 2, 3, 128, 64
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -188,6 +186,6 @@ def test_launch_mma_v2_order_matches_reference(persist):
     attrs = {"act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
     args = [t.to(dev) for t in (z, wt, ids, w1, w3, w2, s1, s3, s2)]
     y = torch.full_like(args[0], float("nan"))
-    moe.launch_moe_experts(*args, y=y, mx_config=(8, 32, 64, 2, 1, True, None, persist), **attrs)
+    moe.launch_moe_experts(*args, y=y, mx_config=(8, 32, 64, 2, 1, True, None), **attrs)
     (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"}, z, wt, ids, w1, w3, w2, s1, s3, s2)
     torch.testing.assert_close(y.cpu(), want, rtol=1e-4, atol=1e-5)

@@ -40,9 +40,9 @@ from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_scratch
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile,
-                                         mx_block_k, mx_default_config, mx_down_unit, mx_mma_v2, mx_permute,
-                                         mx_permuted_col, mx_units, mx_up_unit, mxfp4_scales, mxfp4_tile_bf16,
-                                         mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
+                                         mx_block_k, mx_default_config, mx_mma_v2, mx_permute, mx_permuted_col,
+                                         mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile,
+                                         mxfp4_word_bf16)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 
@@ -237,14 +237,6 @@ def moe_schedule(ids, E, BLOCK_M, use_kernel=None):
     return order, tile_expert, row_start[e] + (tile - (tile_end - tiles)[e]) * BLOCK_M, row_start[e] + counts[e]
 
 
-def mx_programs(device, per_sm):
-    """The program count of a persistent MXFP4 launch: per_sm programs on each SM of `device` (4 SMs assumed
-    off-GPU: Triton's interpreter)."""
-    if device.type != "cuda" or not per_sm:
-        return 4 * per_sm
-    return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
-
-
 def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, situ_linear_beta,
                        blocks=None, schedule=None, mx_config=None, scratch=None, scale_max=255):
     """z [N, D] (unit-stride rows any stride apart: read in place), weights f32 [N, k], ids int [N, k] (< 0: unused),
@@ -257,8 +249,7 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     [N·k, D] and, MXFP4, z_perm [N, D] (z in the kernels' K order): the planned buffers of `scratch` (name ->
     tensor, `moe_experts_scratch`), else allocated here; the sort permutation and tile schedule (i64, O(N·k + E))
     are allocated here. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config` (MXFP4:
-    BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg[, persist: programs per SM of
-    a persistent grid]) and a precomputed `schedule`
+    BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg) and a precomputed `schedule`
     (`moe_schedule(ids, E, BLOCK_M)`). scale_max: an upper bound on the MXFP4 scale bytes (the node's `scale_max`,
     read from the checkpoint; 255: unknown), which picks the decoding (`mx_default_config`). Raises ValueError on
     mismatched shapes.
@@ -285,26 +276,22 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     y_slot = take_scratch(scratch, "y_slot", (rows, D), torch.float32, z.device)
     h = take_scratch(scratch, "h", (rows, I), z.dtype, z.device)
     if mx:
-        BLOCK_M, BLOCK_R, most_k, warps, stages, two_muls, maxnreg, *persist = mx_config or \
-            mx_default_config(rows, E, scale_max)
+        BLOCK_M, BLOCK_R, most_k, warps, stages, two_muls, maxnreg = mx_config or mx_default_config(rows, E, scale_max)
         BK1, BK2 = mx_block_k(D, most_k), mx_block_k(I, most_k)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
         max_tiles = schedule[1].shape[0]
         fast, v2 = z.dtype == torch.bfloat16, mx_mma_v2(warps)
         zp = mx_permute(z, BK1, out=take_scratch(scratch, "z_perm", (N, D), z.dtype, z.device), v2=v2)
         opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
-        persist = persist[0] if persist else 0
-        programs = mx_programs(z.device, persist)
-        rb_up, rb_down = triton.cdiv(I, BLOCK_R), triton.cdiv(D, BLOCK_R)
-        moe_up_mx_kernel[(min(max_tiles * rb_up, programs),) if persist else (max_tiles, rb_up)](
+        moe_up_mx_kernel[(max_tiles, triton.cdiv(I, BLOCK_R))](
             zp, w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
-            float(situ_beta), float(situ_linear_beta), max_tiles, E=E, K=K, D=D, I=I, ACT_SITU=act == "situ",
-            FAST=fast, TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2,
-            DOT_PRECISION=precision, V2=v2, PERSIST=bool(persist), **opts)
-        moe_down_mx_kernel[(min(max_tiles * rb_down, programs),) if persist else (max_tiles, rb_down)](
-            h, w2.view(torch.int32), scales[2], weights, *schedule, y_slot, max_tiles, E=E, D=D, I=I, FAST=fast,
+            float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ", FAST=fast,
+            TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2,
+            DOT_PRECISION=precision, V2=v2, **opts)
+        moe_down_mx_kernel[(max_tiles, triton.cdiv(D, BLOCK_R))](
+            h, w2.view(torch.int32), scales[2], weights, *schedule, y_slot, E=E, D=D, I=I, FAST=fast,
             TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, DOT_PRECISION=precision, V2=v2,
-            PERSIST=bool(persist), **opts)
+            **opts)
     else:
         BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N = blocks or (16 if rows < 16 * E else 64, 64, 64, 64)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
@@ -383,7 +370,6 @@ def emit_moe_experts(group: KernelGroup) -> str:
     return _module(group, f"grouped expert GEMMs ({what})", consts,
                    [take_scratch, tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
                     mx_default_config, mx_mma_v2, mx_block_k, mx_permute, mx_permuted_col, mxfp4_word_bf16,
-                    mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, mx_units,
-                    mx_up_unit, moe_up_mx_kernel, mx_down_unit, moe_down_mx_kernel, mx_programs, _max_i32,
-                    moe_schedule_kernel, moe_schedule],
+                    mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel,
+                    moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule],
                    launch_moe_experts, body)

@@ -23,11 +23,15 @@ Decoding a word (bf16 activations on the GPU: inline PTX, Hopper has no E2M1 con
 exponent and mantissa bits) moved to bf16 bits 15 (sign) and 8..6 (em) is the bf16 number code · 2^-126 (em < 2
 lands on bf16 subnormals, which `mul.bf16x2` keeps); TWO_MULS (the default): `mul.bf16x2` by 2^126, then by the
 scale, gives code · scale exactly for every E8M0 value; without, one `mul.bf16x2` by 2^(s_E8M0 − 1) = 2^126 · scale
-does, for s_E8M0 ≤ 128 only (2^(s − 1) overflows bf16 above). Per bf16 pair (SASS, sm_90): two shifts, two
-`LOP3` and two `HMUL2` (one without TWO_MULS), about 3 instructions per weight; the assembly is elementwise (one
-word in, its 8 values out), so it does not depend on Triton's register layout. Elsewhere (fp32 activations;
-Triton's interpreter, which has no inline assembly): `mxfp4_tile_f32` gathers the same tile's bytes and scales per
-element and decodes in fp32.
+does, for s_E8M0 ≤ 128 only (2^(s − 1) overflows bf16 above). In the word a code's sign lies 1 bit above its em,
+in the pattern 7 bits: two bit-selects (`lop3`) make two words in which the 7-bit gap holds for 4 codes each (y:
+the em of codes 0, 1, 4, 5 with their signs moved 6 bits up; z: the em of codes 2, 3, 6, 7 moved 6 bits down with
+their signs in place), so each bf16 pair is one shift and one mask of y or z. Per word (SASS, sm_90): 12 integer
+instructions (6 `LOP3`, 5 shifts of which one right shift, the left ones mostly `IMAD.SHL` on the FMA pipe) and 4
+`HMUL2` (8 with TWO_MULS): 2 instructions per weight with one multiply. The assembly is elementwise (one word in,
+its 8 values out), so it does not depend on Triton's register layout. Elsewhere (fp32 activations; Triton's
+interpreter, which has no inline assembly): `mxfp4_tile_f32` gathers the same tile's bytes and scales per element
+and decodes in fp32.
 
 Scales: a K tile's scale bytes are one contiguous [R, BLOCK_K/32] block per matrix (`mxfp4_scales`), which
 Triton's pipeliner streams through shared memory with the words (cp.async) and reads back in the layout the
@@ -58,16 +62,16 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     maxnreg) for `rows` (token, slot) pairs over E experts whose scale bytes are at most `scale_max` (the
     `moe_experts` node's checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md,
     benchmarks/bench_moe_mxfp4.py). Decode with < 4 rows per expert on average (batch 1; batch 16 of 896 experts):
-    8-row tiles on 2 warps, so `mma.sync` (`mx_mma_v2`); one multiply: 2 stages (one shared-memory buffer), 8 CTAs
-    per SM, 12 % less time than 16-row `wgmma` tiles; two multiplies: 3 stages, 1-2 % more time at batch 1, 6 % less
-    at batch 16. 4-16 rows per expert (batch 16 of 32 experts, where about 40 % of the experts hold more than 8
-    rows, whose weights 8-row tiles read twice): 16-row `wgmma` tiles; < 64 rows per expert (measured at 32, batch
-    64 of 32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there): 32-row tiles; prefill: 128 ×
-    128 tiles. two_muls (exact for every E8M0 scale) unless scale_max ≤ ONE_MUL_MAX_SCALE, where the one-multiply
-    decoding is exact too (4-6 % less time with 16-row tiles)."""
+    8-row tiles on 2 warps, so `mma.sync` (`mx_mma_v2`); one multiply: 32 weight rows (16 per warp), 2 stages (one
+    shared-memory buffer), equal to 64 rows at batch 1 and 3.5 % less time at batch 16 of 896 experts; two
+    multiplies: 64 rows, 3 stages. 4-16 rows per expert (batch 16 of 32 experts, where about 40 % of the experts
+    hold more than 8 rows, whose weights 8-row tiles read twice): 16-row `wgmma` tiles; < 64 rows per expert
+    (measured at 32, batch 64 of 32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there): 32-row
+    tiles; prefill: 128 × 128 tiles. two_muls (exact for every E8M0 scale) unless scale_max ≤ ONE_MUL_MAX_SCALE,
+    where the one-multiply decoding is exact too (4-6 % less time with 16-row tiles)."""
     two = scale_max > ONE_MUL_MAX_SCALE
     if rows < 4 * E:
-        return (8, 64, 256, 2, 3 if two else 2, two, None)
+        return (8, 64, 256, 2, 3, two, None) if two else (8, 32, 256, 2, 2, two, None)
     if rows < 16 * E:
         return (16, 64, 256, 4, 3, two, None)
     return (32, 64, 256, 4, 3, two, None) if rows < 64 * E else (128, 128, 128, 8, 3, two, None)
@@ -127,7 +131,7 @@ def mxfp4_word_bf16(w, mult, TWO_MULS: tl.constexpr):
     Two bit-selects (`lop3`) build y (em of codes 0, 1, 4, 5 in place, their signs 6 bits up) and z (em of codes
     2, 3, 6, 7 6 bits down, their signs in place), in which each code's sign lies 7 bits above its em's top bit,
     as in the bf16 pattern; then each pair is one left shift (none for codes 3, 7) and one mask of y or z: 12
-    integer instructions per word (4 per pair before: two shifts, two masks), one of them a right shift."""
+    integer instructions per word, one of them a right shift (module docstring)."""
     if TWO_MULS:
         return tl.inline_asm_elementwise(
             """{
@@ -252,113 +256,58 @@ def mx_act_tile(xp_ptr, rows_m, m_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.conste
 
 
 @triton.jit
-def mx_units(tile_expert_ptr, n_tiles, E: tl.constexpr, RB: tl.constexpr):
-    """A persistent program's even share [u0, u1) of the (tile, row block) units: the schedule's used tiles (a
-    prefix of its n_tiles: unused ones hold expert E) times RB row blocks, split over the launched programs."""
-    used = 0
-    for j in range(0, n_tiles, 1024):
-        offs = j + tl.arange(0, 1024)
-        used += tl.sum((tl.load(tile_expert_ptr + offs, mask=offs < n_tiles, other=E) < E).to(tl.int32), 0)
-    units = used * RB
-    pid, progs = tl.program_id(0), tl.num_programs(0)
-    return pid * units // progs, (pid + 1) * units // progs
-
-
-@triton.jit
-def mx_up_unit(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, hp_ptr, e, offs_m, m_ok, slot, rb, SITU_BETA,
-               SITU_LINEAR_BETA, K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, ACT_SITU: tl.constexpr,
-               FAST: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
-    """`moe_up_mx_kernel`'s work for one tile (expert e, its rows) and row block rb."""
-    token = slot // K
-    offs_i = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-    i_ok = offs_i < I
-    rows = e.to(tl.int64) * I + offs_i
-    gate = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
-    up = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        s1 = mxfp4_scales(s1_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, V2)
-        s3 = mxfp4_scales(s3_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, V2)
-        z = mx_act_tile(zp_ptr, token, m_ok, d0, D, BLOCK_D)
-        w = mxfp4_weight_tile(w1_ptr, s1, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2)
-        gate = tl.dot(w.to(z.dtype), z, gate, input_precision=DOT_PRECISION)
-        w = mxfp4_weight_tile(w3_ptr, s3, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2)
-        up = tl.dot(w.to(z.dtype), z, up, input_precision=DOT_PRECISION)
-    h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
-    col = mx_permuted_col(offs_i, BLOCK_K2, V2)
-    tl.store(hp_ptr + offs_m.to(tl.int64)[None, :] * I + col[:, None], h.to(hp_ptr.dtype.element_ty),
-             mask=i_ok[:, None] & m_ok[None, :])
-
-
-@triton.jit
 def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
-                     tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, n_tiles, E: tl.constexpr,
-                     K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, ACT_SITU: tl.constexpr, FAST: tl.constexpr,
+                     tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, E: tl.constexpr, K: tl.constexpr,
+                     D: tl.constexpr, I: tl.constexpr, ACT_SITU: tl.constexpr, FAST: tl.constexpr,
                      TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr,
-                     PERSIST: tl.constexpr):
+                     BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
     """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one tile of sorted rows and BLOCK_R intermediate columns. zp: z [N, D]
     `mx_permute`d by BLOCK_D; w1/w3 the packed bytes as i32 words [E, I, D/8], scales s1/s3 u8 [E, I, D/32];
     hp [N·k, I] written in `mx_permute` order of BLOCK_K2 (the down kernel's K tile). V2: both in the `mma.sync`
-    order (`mx_mma_v2` of the launch's warps). Grid (tiles, row blocks), or with PERSIST (programs,): each
-    program walks its `mx_units` share, the K loops of its units flattened into one pipelined loop."""
-    RB: tl.constexpr = (I + BLOCK_R - 1) // BLOCK_R
-    if PERSIST:
-        u0, u1 = mx_units(tile_expert_ptr, n_tiles, E, RB)
-        for u in tl.range(u0, u1, flatten=True):
-            e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr,
-                                                u // RB, BLOCK_M)
-            mx_up_unit(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, hp_ptr, e, offs_m, m_ok, slot, u % RB, SITU_BETA,
-                       SITU_LINEAR_BETA, K, D, I, ACT_SITU, FAST, TWO_MULS, BLOCK_M, BLOCK_R, BLOCK_D, BLOCK_K2,
-                       DOT_PRECISION, V2)
-    else:
-        e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr,
-                                            tl.program_id(0), BLOCK_M)
-        if e < E:
-            mx_up_unit(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, hp_ptr, e, offs_m, m_ok, slot, tl.program_id(1),
-                       SITU_BETA, SITU_LINEAR_BETA, K, D, I, ACT_SITU, FAST, TWO_MULS, BLOCK_M, BLOCK_R, BLOCK_D,
-                       BLOCK_K2, DOT_PRECISION, V2)
-
-
-@triton.jit
-def mx_down_unit(hp_ptr, w2_ptr, s2_ptr, weights_ptr, y_slot_ptr, e, offs_m, m_ok, slot, rb, D: tl.constexpr,
-                 I: tl.constexpr, FAST: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
-    """`moe_down_mx_kernel`'s work for one tile (expert e, its rows) and row block rb."""
-    offs_n = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-    n_ok = offs_n < D
-    rows = e.to(tl.int64) * D + offs_n
-    acc = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
-    for i0 in range(0, I, BLOCK_K2):
-        s2 = mxfp4_scales(s2_ptr, rows, n_ok, i0, I, BLOCK_K2, FAST, V2)
-        h = mx_act_tile(hp_ptr, offs_m, m_ok, i0, I, BLOCK_K2)
-        w = mxfp4_weight_tile(w2_ptr, s2, rows, n_ok, i0, I, BLOCK_K2, FAST, TWO_MULS, V2)
-        acc = tl.dot(w.to(h.dtype), h, acc, input_precision=DOT_PRECISION)
-    weight = tl.load(weights_ptr + slot, mask=m_ok, other=0.0)
-    tl.store(y_slot_ptr + slot[None, :] * D + offs_n[:, None], acc * weight[None, :],
-             mask=n_ok[:, None] & m_ok[None, :])
+    order (`mx_mma_v2` of the launch's warps)."""
+    e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
+                                        BLOCK_M)
+    if e < E:
+        token = slot // K
+        offs_i = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        i_ok = offs_i < I
+        rows = e.to(tl.int64) * I + offs_i
+        gate = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
+        up = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            s1 = mxfp4_scales(s1_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, V2)
+            s3 = mxfp4_scales(s3_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, V2)
+            z = mx_act_tile(zp_ptr, token, m_ok, d0, D, BLOCK_D)
+            w = mxfp4_weight_tile(w1_ptr, s1, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2)
+            gate = tl.dot(w.to(z.dtype), z, gate, input_precision=DOT_PRECISION)
+            w = mxfp4_weight_tile(w3_ptr, s3, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2)
+            up = tl.dot(w.to(z.dtype), z, up, input_precision=DOT_PRECISION)
+        h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
+        col = mx_permuted_col(offs_i, BLOCK_K2, V2)
+        tl.store(hp_ptr + offs_m.to(tl.int64)[None, :] * I + col[:, None], h.to(hp_ptr.dtype.element_ty),
+                 mask=i_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
 def moe_down_mx_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
-                       tile_row_end_ptr, y_slot_ptr, n_tiles, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                       tile_row_end_ptr, y_slot_ptr, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                        FAST: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr,
-                       PERSIST: tl.constexpr):
+                       BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
     """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_R output columns; hp [N·k, I] in
     `mx_permute` order of BLOCK_K2 (V2: the `mma.sync` one); w2 the packed bytes as i32 words [E, D, I/8], scales s2
-    u8 [E, D, I/32]. Grid and PERSIST as `moe_up_mx_kernel`."""
-    RB: tl.constexpr = (D + BLOCK_R - 1) // BLOCK_R
-    if PERSIST:
-        u0, u1 = mx_units(tile_expert_ptr, n_tiles, E, RB)
-        for u in tl.range(u0, u1, flatten=True):
-            e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr,
-                                                u // RB, BLOCK_M)
-            mx_down_unit(hp_ptr, w2_ptr, s2_ptr, weights_ptr, y_slot_ptr, e, offs_m, m_ok, slot, u % RB, D, I, FAST,
-                         TWO_MULS, BLOCK_M, BLOCK_R, BLOCK_K2, DOT_PRECISION, V2)
-    else:
-        e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr,
-                                            tl.program_id(0), BLOCK_M)
-        if e < E:
-            mx_down_unit(hp_ptr, w2_ptr, s2_ptr, weights_ptr, y_slot_ptr, e, offs_m, m_ok, slot, tl.program_id(1),
-                         D, I, FAST, TWO_MULS, BLOCK_M, BLOCK_R, BLOCK_K2, DOT_PRECISION, V2)
+    u8 [E, D, I/32]."""
+    e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
+                                        BLOCK_M)
+    if e < E:
+        offs_n = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        n_ok = offs_n < D
+        rows = e.to(tl.int64) * D + offs_n
+        acc = tl.zeros([BLOCK_R, BLOCK_M], tl.float32)
+        for i0 in range(0, I, BLOCK_K2):
+            s2 = mxfp4_scales(s2_ptr, rows, n_ok, i0, I, BLOCK_K2, FAST, V2)
+            h = mx_act_tile(hp_ptr, offs_m, m_ok, i0, I, BLOCK_K2)
+            w = mxfp4_weight_tile(w2_ptr, s2, rows, n_ok, i0, I, BLOCK_K2, FAST, TWO_MULS, V2)
+            acc = tl.dot(w.to(h.dtype), h, acc, input_precision=DOT_PRECISION)
+        weight = tl.load(weights_ptr + slot, mask=m_ok, other=0.0)
+        tl.store(y_slot_ptr + slot[None, :] * D + offs_n[:, None], acc * weight[None, :],
+                 mask=n_ok[:, None] & m_ok[None, :])
