@@ -67,6 +67,30 @@ def causal_conv_silu(x_ptr, conv_ptr, w_ptr, pos, chan, mask, stride_t, W: tl.co
 
 
 @triton.jit
+def conv_silu_rows(x_ptr, stride_t, w_ptr, conv_ptr, pos, chan, mask, first, W: tl.constexpr, D: tl.constexpr):
+    """`causal_conv_silu` of a [BTOK, BD] block (positions `pos` [BTOK], channels `chan` [BD]) as W shifted,
+    vectorizable row loads; where `first` (the block holds positions 0..W-2), the conv state's part of those rows
+    ([BD] vectors: the tile keeps its row-load layout). x_ptr / w_ptr / conv_ptr: the group's channel 0 of this
+    row's inputs, its [C, W] fp32 weight rows and its conv state rows (column W-1 is position -1); mask:
+    [BTOK, BD] lanes to compute, within D channels (others return 0)."""
+    acc = tl.zeros((pos.shape[0], chan.shape[0]), dtype=tl.float32)
+    m_c = chan < D
+    for j in tl.static_range(W):
+        p = pos[:, None] - (W - 1) + j
+        w_j = tl.load(w_ptr + chan * W + j, mask=m_c, other=0.0)
+        acc += tl.load(x_ptr + p * stride_t + chan[None, :], mask=mask & (p >= 0), other=0.0).to(tl.float32) \
+            * w_j[None, :]
+    if first:
+        for t in tl.static_range(W - 1):                # row t, taps j < W-1-t read conv state column t+1+j
+            old = tl.zeros_like(chan).to(tl.float32)
+            for j in tl.static_range(W - 1 - t):
+                old += tl.load(w_ptr + chan * W + j, mask=m_c, other=0.0) * \
+                    tl.load(conv_ptr + chan * W + t + 1 + j, mask=m_c, other=0.0).to(tl.float32)
+            acc += tl.where(mask & (pos == t)[:, None], old[None, :], 0.0)
+    return silu(acc)
+
+
+@triton.jit
 def load_conv_weight(w_ptr, chan, chan_mask, W: tl.constexpr, BW: tl.constexpr):
     """The [BD, BW] tile of a group's depthwise conv weight ([C, W] fp32 rows); padding lanes are 0."""
     j = tl.arange(0, BW)
@@ -195,6 +219,6 @@ def last_of_head(o, o_part, counters, bh, cols, col_mask, D: tl.constexpr, NV: t
 
 
 # Source order for code generation (each helper's dependencies come first).
-HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, load_conv_weight, conv_window,
-           store_conv_window, decode_front_end, causal_conv_silu_token, roll_conv_state,
+HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, conv_silu_rows, load_conv_weight,
+           conv_window, store_conv_window, decode_front_end, causal_conv_silu_token, roll_conv_state,
            rms_norm_sigmoid_gate, store_norm_gate, delta_rule_step, last_of_head)
