@@ -1,6 +1,6 @@
 """Static cost of a chunked-prefill prep kernel for sm_90, compiled on a CPU machine (no GPU time): registers,
 stack (spills), shared memory, SASS instructions, layout conversions. KDA at K3 shapes (H = 96, D = 128, bf16
-activations, K3 gate), chunk 16.
+activations, K3 gate), chunk 16 (--bt: another).
 
     python benchmarks/kda_prep_static.py [--kernel NAME] [--tree DIR] [--config NS:BK:WARPS,...]
 
@@ -57,6 +57,7 @@ def main():
     ap.add_argument("--tree", default=os.path.join(os.path.dirname(__file__), ".."))
     ap.add_argument("--kernel", default="kda_chunk_prep_kernel")
     ap.add_argument("--config", default="1:16:4")
+    ap.add_argument("--bt", type=int, default=16, help="rows per chunk (BT)")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (launch option maxnreg)")
     ap.add_argument("--inv-precision", default="ieee", help="INV_PRECISION of the kernel (the launcher's choice)")
     args = ap.parse_args()
@@ -66,7 +67,8 @@ def main():
     for cfg in args.config.split(","):
         ns, bk, warps = (int(x) for x in cfg.split(":"))
         consts = dict(H=96, D=128, W=4, BD=128, GATE_KIND=0, LOWER_BOUND=-5.0, SCALE=128 ** -0.5,
-                      HAS_LENGTHS=False, BT=16, LOG2_BT=4, INV_PRECISION=args.inv_precision,
+                      HAS_LENGTHS=False, BT=args.bt, LOG2_BT=args.bt.bit_length() - 1,
+                      INV_PRECISION=args.inv_precision,
                       DOT_PRECISION="tf32")
         consts.update({k: v for k, v in (("NS", ns), ("BK", bk), ("BTOK", bk)) if k in fn.arg_names})
         consts = {k: v for k, v in consts.items() if k in fn.arg_names}

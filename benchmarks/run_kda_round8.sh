@@ -3,9 +3,9 @@
 # kernel configurations and FLA chunk_kda, at T = 8192, then the default (and chunk 32) at T = 32768.
 # Usage: run_kda_round8.sh MAIN OUT
 MAIN=$1; OUT=$2; HERE=$(cd "$(dirname "$0")/.." && pwd)
-# block_v:num_warps:prep_warps:chunk:front_tokens:front_warps:prep_maxnreg
-CFGS=${CFGS:-64:4:4:16:32:4:0,64:4:4:16:16:2:0,64:4:4:16:64:8:0,64:4:4:16:32:4:128,64:4:2:16:32:4:0,64:4:4:32:32:4:0,64:4:8:32:32:4:0}
-CFGS32K=${CFGS32K:-64:4:4:16:32:4:0,64:4:4:32:32:4:0}
+# block_v:num_warps:prep_warps:chunk:front_tokens:front_warps:prep_maxnreg:prep_blocks
+CFGS=${CFGS:-64:4:4:16:32:4:0:1,64:4:4:32:32:4:0:2,64:4:8:32:32:4:0:2,64:4:4:16:16:2:0:1,64:4:4:16:64:8:0:1,64:4:4:16:32:4:128:1,64:4:2:16:32:4:0:1,64:4:8:32:32:4:0:1}
+CFGS32K=${CFGS32K:-64:4:4:16:32:4:0:1,64:4:4:32:32:4:0:2}
 main_bench() {  # T
     (cd "$MAIN" && PYTHONPATH=$PYTHONPATH:$MAIN timeout 40 python3 benchmarks/bench_kda.py --out "$OUT/main$1" \
         --no-compile --stages prefill --prefill-T "$1" --fla-prefill-T "" --chunk 64:4:4) > "$OUT/main$1.log" 2>&1

@@ -169,6 +169,108 @@ def kda_chunk_prep_kernel(
 
 
 @triton.jit
+def kda_chunk_prep2_kernel(
+    f_in, beta_in, A_log, dt_bias, lengths, ws_qg, ws_kend, ws_w, ws_u, ws_p, ws_glast, T, NC, s_fb, s_ft, s_bb,
+    s_bt,                                 # as kda_chunk_prep_kernel
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+    BT: tl.constexpr, LOG2_BT: tl.constexpr, INV_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """`kda_chunk_prep_kernel` for a chunk of BT rows as two blocks of SB = BT / 2 rows (rows 1: 0..SB-1, rows 2:
+    SB..BT-1), so that the products and inverses are SB x SB: with A = [[A11, 0], [A21, A22]] and Ti = (I + Aii)^-1,
+    Wm1 = T1 X1 and Wm2 = T2 (X2 - A21 Wm1) (likewise U0). The decay reference is gc of row SB-1, which bounds
+    every needed factor by exp(SB * |LOWER_BOUND|); the workspace is the one of a BT-row chunk."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    SB: tl.constexpr = BT // 2
+    n = T
+    if HAS_LENGTHS:
+        n = tl.load(lengths + b)
+
+    i_t = tl.arange(0, SB)
+    i_k = tl.arange(0, BD)
+    m_k = i_k < D
+    pos1 = c * BT + i_t
+    pos2 = pos1 + SB
+    m1 = (pos1 < n)[:, None] & m_k[None, :]
+    m2 = (pos2 < n)[:, None] & m_k[None, :]
+    lower = i_t[:, None] > i_t[None, :]
+    diag = i_t[:, None] == i_t[None, :]
+    chunk = (b.to(tl.int64) * H + h) * NC + c
+    tile1 = chunk * BT * D + i_t[:, None] * D + i_k[None, :]
+    tile2 = tile1 + SB * D
+
+    b64 = b.to(tl.int64)
+    f_row = f_in + b64 * s_fb + h * D + i_k[None, :]
+    dtb = tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0)[None, :]
+    a = tl.exp(tl.load(A_log + h))
+    f1 = tl.load(f_row + pos1[:, None] * s_ft, mask=m1, other=0.0).to(tl.float32)
+    f2 = tl.load(f_row + pos2[:, None] * s_ft, mask=m2, other=0.0).to(tl.float32)
+    gc1 = tl.cumsum(tl.where(m1, kda_decay_gate(f1 + dtb, a, GATE_KIND, LOWER_BOUND), 0.0), 0)
+    r = tl.sum(tl.where(i_t[:, None] == SB - 1, gc1, 0.0), 0)      # reference: gc of row SB-1
+    gc2 = r[None, :] + tl.cumsum(tl.where(m2, kda_decay_gate(f2 + dtb, a, GATE_KIND, LOWER_BOUND), 0.0), 0)
+    g_last = tl.sum(tl.where(i_t[:, None] == SB - 1, gc2, 0.0), 0)
+    beta_row = beta_in + b64 * s_bb + h
+    beta1 = tl.where(pos1 < n, tl.sigmoid(tl.load(beta_row + pos1 * s_bt, mask=pos1 < n, other=0.0).to(tl.float32)),
+                     0.0)
+    beta2 = tl.where(pos2 < n, tl.sigmoid(tl.load(beta_row + pos2 * s_bt, mask=pos2 < n, other=0.0).to(tl.float32)),
+                     0.0)
+    k1 = tl.load(ws_kend + tile1, mask=m1, other=0.0).to(tl.float32)
+    k2 = tl.load(ws_kend + tile2, mask=m2, other=0.0).to(tl.float32)
+    q1 = tl.load(ws_qg + tile1, mask=m1, other=0.0).to(tl.float32)
+    q2 = tl.load(ws_qg + tile2, mask=m2, other=0.0).to(tl.float32)
+
+    d1 = tl.exp(gc1 - r[None, :])                       # rows 1: in [1, exp(SB * 5)]
+    d2 = tl.exp(gc2 - r[None, :])                       # rows 2: <= 1
+    ko1 = k1 * tl.exp(r[None, :] - gc1)                 # <= 1
+    ko2 = k2 * tl.exp(r[None, :] - gc2)                 # <= exp(SB * 5)
+    A11 = tl.where(lower, tl.dot(k1 * d1, tl.trans(ko1), input_precision=DOT_PRECISION) * beta1[:, None], 0.0)
+    A22 = tl.where(lower, tl.dot(k2 * d2, tl.trans(ko2), input_precision=DOT_PRECISION) * beta2[:, None], 0.0)
+    A21 = tl.dot(k2 * d2, tl.trans(ko1), input_precision=DOT_PRECISION) * beta2[:, None]
+    P11 = tl.where(lower | diag, tl.dot(q1 * d1, tl.trans(ko1), input_precision=DOT_PRECISION), 0.0)
+    P22 = tl.where(lower | diag, tl.dot(q2 * d2, tl.trans(ko2), input_precision=DOT_PRECISION), 0.0)
+    P21 = tl.dot(q2 * d2, tl.trans(ko1), input_precision=DOT_PRECISION)
+
+    # (I + Aii)^-1 = (I - Aii)(I + Aii^2)(I + Aii^4)...: both blocks at once
+    p1 = A11
+    p2 = A22
+    T1 = tl.where(diag, 1.0, 0.0) - A11
+    T2 = tl.where(diag, 1.0, 0.0) - A22
+    for _ in tl.static_range(LOG2_BT - 2):
+        p1 = tl.dot(p1, p1, input_precision=INV_PRECISION)
+        p2 = tl.dot(p2, p2, input_precision=INV_PRECISION)
+        T1 = T1 + tl.dot(T1, p1, input_precision=INV_PRECISION)
+        T2 = T2 + tl.dot(T2, p2, input_precision=INV_PRECISION)
+
+    gamma1 = tl.exp(gc1)
+    gamma2 = tl.exp(gc2)
+    dt = ws_qg.dtype.element_ty
+    W1 = tl.dot(T1, (beta1[:, None] * gamma1) * k1, input_precision=DOT_PRECISION)
+    W2 = tl.dot(T2, (beta2[:, None] * gamma2) * k2 - tl.dot(A21, W1, input_precision=DOT_PRECISION),
+                input_precision=DOT_PRECISION)
+    tl.store(ws_w + tile1, W1.to(dt), mask=m_k[None, :])
+    tl.store(ws_w + tile2, W2.to(dt), mask=m_k[None, :])
+    v1 = tl.load(ws_u + tile1, mask=m1, other=0.0).to(tl.float32)
+    v2 = tl.load(ws_u + tile2, mask=m2, other=0.0).to(tl.float32)
+    U1 = tl.dot(T1, beta1[:, None] * v1, input_precision=DOT_PRECISION)
+    U2 = tl.dot(T2, beta2[:, None] * v2 - tl.dot(A21, U1, input_precision=DOT_PRECISION),
+                input_precision=DOT_PRECISION)
+    tl.store(ws_u + tile1, U1.to(dt), mask=m_k[None, :])
+    tl.store(ws_u + tile2, U2.to(dt), mask=m_k[None, :])
+    tl.store(ws_qg + tile1, (q1 * gamma1).to(dt), mask=m_k[None, :])
+    tl.store(ws_qg + tile2, (q2 * gamma2).to(dt), mask=m_k[None, :])
+    tl.store(ws_kend + tile1, (k1 * tl.exp(g_last[None, :] - gc1)).to(dt), mask=m_k[None, :])
+    tl.store(ws_kend + tile2, (k2 * tl.exp(g_last[None, :] - gc2)).to(dt), mask=m_k[None, :])
+    p_tile = ws_p + chunk * BT * BT + i_t[:, None] * BT + i_t[None, :]
+    tl.store(p_tile, P11.to(dt))
+    tl.store(p_tile + SB, tl.zeros_like(P11).to(dt))
+    tl.store(p_tile + SB * BT, P21.to(dt))
+    tl.store(p_tile + SB * BT + SB, P22.to(dt))
+    tl.store(ws_glast + chunk * D + i_k, g_last, mask=m_k)
+
+
+@triton.jit
 def kda_chunk_state_kernel(
     ws_qg, ws_kend, ws_w, ws_u, ws_p, ws_glast,   # workspace of kda_chunk_prep_kernel
     q_in, k_in, v_in, gate_in,            # [B, T, H*D] (q/k/v: conv-state roll; gate: fused epilogue)
