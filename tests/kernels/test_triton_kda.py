@@ -129,13 +129,11 @@ def test_gates_at_lower_bound(method):
     assert_close(st["state"], S_ref, "state")
 
 
-@pytest.mark.parametrize("blocks", [1, 2])
 @pytest.mark.parametrize("f_shift", [0.0, 40.0])
-def test_chunk_32(monkeypatch, f_shift, blocks):
+def test_chunk_32(monkeypatch, f_shift):
     # 32-token chunks (the middle reference row keeps every needed factor below exp(16 * 5)), random gates and gates
-    # at the bound -5, ragged lengths; the prep kernel in one block or as two blocks of 16 rows
+    # at the bound -5, ragged lengths
     monkeypatch.setattr(kda_module, "CHUNK", 32)
-    monkeypatch.setattr(kda_module, "CHUNK_PREP_BLOCKS", blocks)
     acts, weights, state = make_inputs(2, 70, 2, 60, seed=47, f_shift=f_shift)
     run = clone(state)
     y = kda_prefill(**acts, **weights, **run, method="chunk", lengths=[70, 45])

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 import triton
 
 from k3c.codegen.triton import _common, take_scratch
-from k3c.codegen.triton.kda_chunk import (kda_chunk_front_kernel, kda_chunk_prep2_kernel, kda_chunk_prep_kernel,
-                                          kda_chunk_state_kernel, kda_norm_gate_kernel)
+from k3c.codegen.triton.kda_chunk import (kda_chunk_front_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel,
+                                          kda_norm_gate_kernel)
 from k3c.codegen.triton.kda_decode import kda_decode_front_kernel, kda_decode_kernel, kda_decode_state_kernel
 from k3c.codegen.triton.kda_recurrent import kda_recurrent_kernel
 from k3c.errors import RuntimeInputError, UnsupportedError
@@ -60,11 +60,12 @@ DECODE_FRONT_MIN_ROWS = 1536
 DECODE_FRONT_SPLIT = {4: (64, 4), 2: (32, 2)}
 DECODE_FRONT_WARPS = 2  # warps per program of the front-end kernel (1 and 4 measured the same or slower)
 CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
-CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
-CHUNK_PREP_BLOCKS = 1  # 2: the prep kernel as two blocks of CHUNK / 2 rows (kda_chunk_prep2_kernel; CHUNK 32)
-CHUNK_PREP_MAXNREG = 0  # register cap per thread of that kernel (0: none; the launch option maxnreg)
-CHUNK_FRONT_TOKENS = 32  # tokens per program of the chunked prefill's front kernel (conv, silu, l2norm)
-CHUNK_FRONT_WARPS = 4    # warps per program of that front kernel
+# Chunked prefill, split into a token-parallel front kernel and the intra-chunk prep kernel (H200, T = 8192,
+# BENCHMARKS.md "KDA round 8"): prep 2 warps 1.03 ms (4 warps 1.28, 4 with 128 registers 1.31); front 16 tokens x 2
+# warps 0.43 ms (32 x 4: 0.52, 64 x 8: 1.04).
+CHUNK_PREP_WARPS = 2  # warps per program of the chunked prefill's intra-chunk kernel
+CHUNK_FRONT_TOKENS = 16  # tokens per program of the chunked prefill's front kernel (conv, silu, l2norm)
+CHUNK_FRONT_WARPS = 2    # warps per program of that front kernel
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| between a chunk's reference row and any row (exp stays finite in fp32)
 
 
@@ -258,12 +259,11 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
             q_in, k_in, v_in, *wts[:3], conv_state, lens, ws, T, NC, *(s for n in "qkv" for s in st[n]), B, H=H,
             D=D, W=W, BD=BD, SCALE=D ** -0.5, HAS_LENGTHS=has_len, BT=CHUNK, BTOK=CHUNK_FRONT_TOKENS,
             num_warps=CHUNK_FRONT_WARPS)
-        prep = kda_chunk_prep2_kernel if CHUNK_PREP_BLOCKS == 2 else kda_chunk_prep_kernel
-        prep[(NC, H, B)](
+        kda_chunk_prep_kernel[(NC, H, B)](
             f, beta_logits, *wts[3:5], lens, ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, T, NC,
             *(s for n in "fb" for s in st[n]), H=H, D=D, BD=BD, HAS_LENGTHS=has_len, BT=CHUNK,
             LOG2_BT=CHUNK.bit_length() - 1, INV_PRECISION="ieee", DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS,
-            **gate, **({"maxnreg": CHUNK_PREP_MAXNREG} if CHUNK_PREP_MAXNREG else {}))
+            **gate)
         BV = min(BD, block_v or CHUNK_BLOCK_V)
         fuse = BV == BD
         o_buf = y if fuse or not store_output else take_scratch(scratch, "o_buf", (B, T, HD), torch.float32,
@@ -398,10 +398,10 @@ def kda_spec_replay(q_in, k_in, v_in, f, beta_logits, conv_w_q, conv_w_k, conv_w
 _FAMILIES = {  # family -> (kernels to include, IR node it implements by default)
     "decode": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel), "kda.fused_decode"),
     "prefill": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel, kda_recurrent_kernel,
-                 kda_chunk_front_kernel, kda_chunk_prep_kernel, kda_chunk_prep2_kernel, kda_chunk_state_kernel,
-                 kda_norm_gate_kernel), "kda.fused_prefill"),
-    "spec_replay": ((kda_recurrent_kernel, kda_chunk_front_kernel, kda_chunk_prep_kernel, kda_chunk_prep2_kernel,
-                     kda_chunk_state_kernel), "kda.spec_replay"),
+                 kda_chunk_front_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel),
+                "kda.fused_prefill"),
+    "spec_replay": ((kda_recurrent_kernel, kda_chunk_front_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel),
+                    "kda.spec_replay"),
 }
 
 _LAUNCH_TEMPLATE = '''
@@ -480,7 +480,6 @@ def emit_source(spec):
         f"DECODE_FRONT_MIN_ROWS = {DECODE_FRONT_MIN_ROWS}\nDECODE_FRONT_SPLIT = {DECODE_FRONT_SPLIT!r}\n"
         f"DECODE_FRONT_WARPS = {DECODE_FRONT_WARPS}\n"
         f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n"
-        f"CHUNK_PREP_BLOCKS = {CHUNK_PREP_BLOCKS}\nCHUNK_PREP_MAXNREG = {CHUNK_PREP_MAXNREG}\n"
         f"CHUNK_FRONT_TOKENS = {CHUNK_FRONT_TOKENS}\nCHUNK_FRONT_WARPS = {CHUNK_FRONT_WARPS}\n"
         f"_DECODE_SCRATCH = {{}}\n_PDL_DEVICES = {{}}\n")
     parts = [header]
