@@ -193,7 +193,7 @@ def decode_rows(dev, have_fla, rows, decode_cfgs, do_compile, batches=(1, 16, 64
         del sets, step
 
 
-def prefill_rows(dev, have_fla, rows, Ts, chunk_cfgs, fla_Ts):
+def prefill_rows(dev, have_fla, rows, Ts, chunk_cfgs, fla_Ts, profile_Ts=(8192,)):
     for T in Ts:
         B = 1
         acts, weights, state = make(B, T, dev, seed=4)
@@ -205,14 +205,18 @@ def prefill_rows(dev, have_fla, rows, Ts, chunk_cfgs, fla_Ts):
                              TFLOPs=flop / ms / 1e9, frac_790=flop / ms / 1e-3 / BF16_FLOP_PER_S))
             print("ROW", rows[-1], flush=True)
 
-        for bv, nw, pw, chunk in chunk_cfgs:
-            with prep_config(pw, chunk):
-                ms, how = bench(lambda i, bv=bv, nw=nw: kda_prefill(**acts, **weights, **state, method="chunk",
-                                                                    block_v=bv, num_warps=nw), 1)
-                add(f"k3c chunked prefill, chunk {chunk} (state pass block_v={bv}, num_warps={nw}; prep {pw} warps)",
-                    ms, how)
-                if T == 8192:
-                    profile_kernels(f"prefill T={T} chunk={chunk} block_v={bv} nw={nw} pw={pw}",
+        for bv, nw, pw, chunk, ft, fw in chunk_cfgs:
+            with prep_config(pw, chunk, ft, fw):
+                try:
+                    ms, how = bench(lambda i, bv=bv, nw=nw: kda_prefill(**acts, **weights, **state, method="chunk",
+                                                                        block_v=bv, num_warps=nw), 1)
+                except Exception as e:  # noqa: BLE001  keep the other configurations
+                    print(f"# prefill T={T} {(bv, nw, pw, chunk, ft, fw)} failed: {e!r}", flush=True)
+                    continue
+                add(f"k3c chunked prefill, chunk {chunk} (state pass block_v={bv}, num_warps={nw}; prep {pw} warps"
+                    f"; front {ft} tokens x {fw} warps)", ms, how)
+                if T in profile_Ts:
+                    profile_kernels(f"prefill T={T} chunk={chunk} block_v={bv} nw={nw} pw={pw} ft={ft} fw={fw}",
                                     lambda: kda_prefill(**acts, **weights, **state, method="chunk", block_v=bv,
                                                         num_warps=nw))
         if have_fla and T in fla_Ts:
@@ -240,6 +244,8 @@ def prefill_rows(dev, have_fla, rows, Ts, chunk_cfgs, fla_Ts):
                     y_k3c = kda_prefill(**acts, **weights, **st, method="chunk")
                     print(f"# FLA vs k3c prefill T={T}: y rel err {rel_err(y_k3c, y_fla):.3g}", flush=True)
                     ms, how = bench(fla_prefill, 1)
+                    if T in profile_Ts:
+                        profile_kernels(f"FLA prefill T={T}", lambda: fla_prefill(0))
                 add("FLA causal_conv1d + chunk_kda + rms_norm_gated", ms, how)
             except Exception as e:  # noqa: BLE001
                 print(f"# FLA prefill failed: {e!r}", flush=True)
@@ -320,7 +326,9 @@ def main():
     ap.add_argument("--profile-decode", action="store_true", help="per-kernel times of the two-phase decode")
     ap.add_argument("--decode-conv", default="f32,bf16", help="conv-state dtypes of the decode rows")
     ap.add_argument("--chunk", default="64:4:4,32:4:4,128:8:4",
-                    help="block_v:num_warps:prep_warps[:chunk],... of the chunk state pass and the intra-chunk kernel")
+                    help="block_v:num_warps:prep_warps[:chunk[:front_tokens[:front_warps]]],... of the chunk state "
+                         "pass, the intra-chunk kernel and the front kernel")
+    ap.add_argument("--profile-T", default="8192", help="prefill lengths with per-kernel profiles")
     ap.add_argument("--decode-B", default="1,16,64", help="decode batch sizes")
     ap.add_argument("--lean", action="store_true", help="decode: only the k3c split rows")
     ap.add_argument("--fla-prefill-T", default="8192", help="prefill lengths with an FLA row")
@@ -333,7 +341,8 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     decode_cfgs = {torch.float32: parse_tuples(args.decode, (0, 0, 0, 0)),
                    torch.bfloat16: parse_tuples(args.decode_bf16, (0, 0, 0, 0))}
-    chunk_cfgs = parse_tuples(args.chunk, (kda_module.CHUNK_BLOCK_V, 4, kda_module.CHUNK_PREP_WARPS, kda_module.CHUNK))
+    chunk_cfgs = parse_tuples(args.chunk, (kda_module.CHUNK_BLOCK_V, 4, kda_module.CHUNK_PREP_WARPS, kda_module.CHUNK,
+                                           kda_module.CHUNK_FRONT_TOKENS, kda_module.CHUNK_FRONT_WARPS))
     conv_dtypes = [{"f32": torch.float32, "bf16": torch.bfloat16}[c] for c in args.decode_conv.split(",")]
     stages = {"check": lambda: check_gpu(dev, checks, decode_cfgs, chunk_cfgs, conv_dtypes),
               "drift": lambda: bf16_state_drift(dev, checks),
@@ -341,7 +350,8 @@ def main():
                                             [int(b) for b in args.decode_B.split(",")], args.lean,
                                             args.profile_decode, conv_dtypes),
               "prefill": lambda: prefill_rows(dev, have_fla, rows, [int(t) for t in args.prefill_T.split(",")],
-                                              chunk_cfgs, [int(t) for t in args.fla_prefill_T.split(",") if t]),
+                                              chunk_cfgs, [int(t) for t in args.fla_prefill_T.split(",") if t],
+                                              [int(t) for t in args.profile_T.split(",") if t]),
               "spec": lambda: spec_rows(dev, rows, checks)}
     for name in args.stages.split(","):
         t0 = time.perf_counter()

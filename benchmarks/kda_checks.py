@@ -6,7 +6,6 @@ decode steps, and the context managers that set k3c.codegen.triton.kda's module 
 import itertools
 
 import torch
-from triton.runtime.errors import OutOfResources
 
 from k3c.codegen.triton import kda as kda_module
 from k3c.codegen.triton.kda import kda_decode, kda_fused_reference, kda_prefill
@@ -63,9 +62,9 @@ def check_gpu(dev, results, decode_cfgs, chunk_cfgs, conv_dtypes=(torch.float32,
     st = {k: v.clone() for k, v in state.items()}
     y = kda_prefill(**acts, **weights, **st, method="recurrent")
     check(results, "prefill recurrent T=300 H=8", y, y_ref, st, S_ref, C_ref, 1e-3)
-    for bv, _, pw, chunk in sorted(set(chunk_cfgs)):
-        with prep_config(pw, chunk):
-            name = f"chunk {chunk} block_v={bv} prep {pw} warps"
+    for bv, _, pw, chunk, *front in sorted({(bv, 0, *rest) for bv, _, *rest in chunk_cfgs}):
+        with prep_config(pw, chunk, *front):
+            name = f"chunk {chunk} block_v={bv} prep {pw} warps, front {front[0]} tokens x {front[1]} warps"
             runs = fits(lambda: kda_prefill(**acts, **weights, **{k: v.clone() for k, v in state.items()},
                                             method="chunk", block_v=bv, store_output=False))
             for lens in (None, [300, 173]) if runs else ():
@@ -106,12 +105,12 @@ def check_gpu(dev, results, decode_cfgs, chunk_cfgs, conv_dtypes=(torch.float32,
 
 
 def fits(fn):
-    """Whether fn runs (False, printed, when Triton finds the configuration out of resources)."""
+    """Whether fn runs (False, printed, when Triton finds the configuration out of resources or cannot build it)."""
     try:
         fn()
         return True
-    except OutOfResources as e:
-        print(f"# skipped: {e}", flush=True)
+    except Exception as e:  # noqa: BLE001  OutOfResources, a compile error: the other configurations still run
+        print(f"# skipped: {e!r}", flush=True)
         return False
 
 
@@ -138,9 +137,11 @@ class module_consts:
             setattr(kda_module, n, v)
 
 
-def prep_config(prep_warps, chunk):
-    """The chunked prefill's module constants (prep warps, chunk size) for a block."""
-    return module_consts(CHUNK_PREP_WARPS=prep_warps, CHUNK=chunk)
+def prep_config(prep_warps, chunk, front_tokens, front_warps):
+    """The chunked prefill's module constants (prep warps, chunk size, front-kernel tokens and warps per program)
+    for a block."""
+    return module_consts(CHUNK_PREP_WARPS=prep_warps, CHUNK=chunk, CHUNK_FRONT_TOKENS=front_tokens,
+                         CHUNK_FRONT_WARPS=front_warps)
 
 
 def bf16_state_drift(dev, results, steps=4096):

@@ -1,11 +1,12 @@
 """Static cost of a chunked-prefill prep kernel for sm_90, compiled on a CPU machine (no GPU time): registers,
 stack (spills), shared memory, SASS instructions, layout conversions. KDA at K3 shapes (H = 96, D = 128, bf16
-activations, K3 gate), chunk 16.
+activations, K3 gate), chunk 16 (--bt: another).
 
     python benchmarks/kda_prep_static.py [--kernel NAME] [--tree DIR] [--config NS:BK:WARPS,...]
 
 --tree: the checkout whose k3c/codegen/triton/kda_chunk.py to compile (default: this one); --kernel: the
-`@triton.jit` function in it; --config: NS, BK (passed only to kernels that take them) and num_warps;
+`@triton.jit` function in it; --config: NS, BK (passed only to kernels that take them; BK is also the front
+kernel's BTOK) and num_warps;
 --inv-precision: the tl.dot precision of its (I + A)^-1 products. Needs the
 triton wheel's bundled cuobjdump. Counts are of the code, not of executed instructions: a loop body counts once.
 """
@@ -23,17 +24,19 @@ from triton.compiler import ASTSource
 FP32_ARGS = {"conv_w_q", "conv_w_k", "conv_w_v", "A_log", "dt_bias", "ws_glast", "conv_in"}
 
 
-def stats(fn, consts, num_warps):
+def stats(fn, consts, num_warps, maxnreg=None):
     sig = {}
     for i, name in enumerate(fn.arg_names):
         if fn.params[i].is_constexpr or name in consts:
             sig[name] = "constexpr"
-        elif name in ("T", "NC") or name.startswith("s_"):
+        elif name in ("T", "NC", "B") or name.startswith("s_"):
             sig[name] = "i32"
         else:
             sig[name] = "*i32" if name == "lengths" else "*fp32" if name in FP32_ARGS else "*bf16"
-    kernel = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=1))
+    # pointers and integer arguments divisible by 16, as a launch at K3 shapes specializes them ("D")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if sig[name] != "constexpr"}
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=1, maxnreg=maxnreg))
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
         fh.write(kernel.asm["cubin"])
@@ -54,6 +57,8 @@ def main():
     ap.add_argument("--tree", default=os.path.join(os.path.dirname(__file__), ".."))
     ap.add_argument("--kernel", default="kda_chunk_prep_kernel")
     ap.add_argument("--config", default="1:16:4")
+    ap.add_argument("--bt", type=int, default=16, help="rows per chunk (BT)")
+    ap.add_argument("--maxnreg", type=int, default=None, help="register cap per thread (launch option maxnreg)")
     ap.add_argument("--inv-precision", default="ieee", help="INV_PRECISION of the kernel (the launcher's choice)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.abspath(args.tree))
@@ -62,10 +67,12 @@ def main():
     for cfg in args.config.split(","):
         ns, bk, warps = (int(x) for x in cfg.split(":"))
         consts = dict(H=96, D=128, W=4, BD=128, GATE_KIND=0, LOWER_BOUND=-5.0, SCALE=128 ** -0.5,
-                      HAS_LENGTHS=False, BT=16, LOG2_BT=4, INV_PRECISION=args.inv_precision,
+                      HAS_LENGTHS=False, BT=args.bt, LOG2_BT=args.bt.bit_length() - 1,
+                      INV_PRECISION=args.inv_precision,
                       DOT_PRECISION="tf32")
-        consts.update({k: v for k, v in (("NS", ns), ("BK", bk)) if k in fn.arg_names})
-        s = stats(fn, consts, warps)
+        consts.update({k: v for k, v in (("NS", ns), ("BK", bk), ("BTOK", bk)) if k in fn.arg_names})
+        consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+        s = stats(fn, consts, warps, args.maxnreg)
         print(f"{args.kernel} NS={ns} BK={bk} warps={warps}: {s['registers']} registers, {s['stack_bytes']} B "
               f"stack, {s['smem']} B shared, {s['sass']} SASS instructions ({s['sass'] * 32 * warps // ns} per "
               f"chunk over the program's threads), {s['converts']} layout conversions", flush=True)

@@ -228,7 +228,7 @@ def test_bf16_state_is_rounded_fp32_state(method):
 @pytest.mark.parametrize("method", ["decode_front", "chunk"])
 def test_bf16_conv_state_equals_fp32_conv_state(method):
     # bf16 activations: the conv state holds raw bf16 inputs, so storing it in bf16 changes nothing, bit for bit
-    # (decode: conv_window / store_conv_window; chunk: causal_conv_silu and roll_conv_state, as the token loop)
+    # (decode: conv_window / store_conv_window; chunk: conv_silu_rows and roll_conv_state, as the token loop)
     T = 1 if method == "decode_front" else 17
     acts, weights, state = make_inputs(2, T, 2, 32, seed=43)
     acts = {k: v.to(torch.bfloat16) for k, v in acts.items()}

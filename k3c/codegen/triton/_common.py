@@ -44,25 +44,28 @@ def kda_decay_gate(f_biased, a, GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constex
 
 
 @triton.jit
-def causal_conv_silu(x_ptr, conv_ptr, w_ptr, pos, chan, mask, stride_t, W: tl.constexpr):
-    """silu(causal depthwise conv) of one q/k/v channel group at positions `pos` (relative to this call's start).
-
-    out[pos, c] = silu(sum_j w[c, j] * x[pos - (W-1) + j, c]); inputs at negative positions come from the conv
-    state, whose column W-1 is position -1 (the last W raw inputs, oldest first).
-    x_ptr:    the group's channel 0 at position 0 of this batch row (raw projected input, any float dtype)
-    conv_ptr: the group's channel 0 of this batch row's conv state, [C, W] rows (fp32, or the activation dtype)
-    w_ptr:    the group's channel 0 of the conv weight, [C, W] fp32 rows
-    pos, chan: broadcastable int tensors (a scalar position and [BD] channels, or [BT, 1] and [1, BD])
-    mask:     lanes to compute (channel < D and position < length); other lanes return 0
-    """
-    pos = pos + 0 * chan                                    # broadcast positions to the lanes' shape
-    acc = tl.zeros_like(pos).to(tl.float32)
+def conv_silu_rows(x_ptr, stride_t, w_ptr, conv_ptr, pos, chan, mask, first, W: tl.constexpr, D: tl.constexpr):
+    """silu(causal depthwise conv) of one q/k/v channel group for a [BTOK, BD] block (positions `pos` [BTOK]
+    relative to this call's start, channels `chan` [BD]): out[p, c] = silu(sum_j w[c, j] * x[p - (W-1) + j, c]),
+    as W shifted, vectorizable row loads; inputs at negative positions come from the conv state (the last W raw
+    inputs, oldest first: column W-1 is position -1), added only where `first` (the block holds positions
+    0..W-2) as [BD] vectors, so that the tile keeps its row-load layout. x_ptr / w_ptr / conv_ptr: the group's
+    channel 0 of this row's raw inputs (any float dtype), its [C, W] fp32 weight rows and its conv state rows (fp32
+    or the activation dtype); mask: [BTOK, BD] lanes to compute, within D channels (others return 0)."""
+    acc = tl.zeros((pos.shape[0], chan.shape[0]), dtype=tl.float32)
+    m_c = chan < D
     for j in tl.static_range(W):
-        p = pos - (W - 1) + j
-        x_new = tl.load(x_ptr + p * stride_t + chan, mask=mask & (p >= 0), other=0.0).to(tl.float32)
-        x_old = tl.load(conv_ptr + chan * W + (W + p), mask=mask & (p < 0), other=0.0).to(tl.float32)
-        w_j = tl.load(w_ptr + chan * W + j, mask=mask, other=0.0)
-        acc += (x_new + x_old) * w_j
+        p = pos[:, None] - (W - 1) + j
+        w_j = tl.load(w_ptr + chan * W + j, mask=m_c, other=0.0)
+        acc += tl.load(x_ptr + p * stride_t + chan[None, :], mask=mask & (p >= 0), other=0.0).to(tl.float32) \
+            * w_j[None, :]
+    if first:
+        for t in tl.static_range(W - 1):                # row t, taps j < W-1-t read conv state column t+1+j
+            old = tl.zeros_like(chan).to(tl.float32)
+            for j in tl.static_range(W - 1 - t):
+                old += tl.load(w_ptr + chan * W + j, mask=m_c, other=0.0) * \
+                    tl.load(conv_ptr + chan * W + t + 1 + j, mask=m_c, other=0.0).to(tl.float32)
+            acc += tl.where(mask & (pos == t)[:, None], old[None, :], 0.0)
     return silu(acc)
 
 
@@ -123,7 +126,8 @@ def decode_front_end(q_ptr, k_ptr, v_ptr, f_ptr, conv_q, conv_k, conv_v, w_q, w_
 @triton.jit
 def causal_conv_silu_token(x_ptr, conv_ptr, w_tile, t, chan, chan_mask, stride_t, W: tl.constexpr,
                            BW: tl.constexpr):
-    """`causal_conv_silu` for one position t and [BD] channels, as one [BD, BW] window load and a row sum.
+    """silu(causal depthwise conv) (`conv_silu_rows`) for one position t and [BD] channels, as one [BD, BW] window
+    load and a row sum.
 
     w_tile: the group's weight tile from `load_conv_weight` (loaded once, outside the token loop).
     """
@@ -195,6 +199,6 @@ def last_of_head(o, o_part, counters, bh, cols, col_mask, D: tl.constexpr, NV: t
 
 
 # Source order for code generation (each helper's dependencies come first).
-HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, causal_conv_silu, load_conv_weight, conv_window,
+HELPERS = (silu, softplus, l2_normalize, kda_decay_gate, conv_silu_rows, load_conv_weight, conv_window,
            store_conv_window, decode_front_end, causal_conv_silu_token, roll_conv_state,
            rms_norm_sigmoid_gate, store_norm_gate, delta_rule_step, last_of_head)

@@ -19,8 +19,8 @@ Public API:
     kda_spec_replay      rebuild state + conv state from cached draft inputs, replaying n_accepted tokens
     emit_source          standalone kernel-module text for the code generator
 Kernels: `kda_decode.kda_decode_kernel` / `kda_decode_front_kernel` / `kda_decode_state_kernel`,
-`kda_recurrent.kda_recurrent_kernel`, `kda_chunk.kda_chunk_prep_kernel` / `kda_chunk_state_kernel` /
-`kda_norm_gate_kernel`; helpers in `_common`.
+`kda_recurrent.kda_recurrent_kernel`, `kda_chunk.kda_chunk_front_kernel` / `kda_chunk_prep_kernel` /
+`kda_chunk_state_kernel` / `kda_norm_gate_kernel`; helpers in `_common`.
 All launchers also run on CPU tensors under TRITON_INTERPRET=1 (fp32; the interpreter has no bf16 arithmetic).
 The activations may be row-strided views (the column views of one fused projection output): the kernels take
 their batch / token strides, so they are read in place.
@@ -34,7 +34,8 @@ import torch.nn.functional as F
 import triton
 
 from k3c.codegen.triton import _common, take_scratch
-from k3c.codegen.triton.kda_chunk import kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel
+from k3c.codegen.triton.kda_chunk import (kda_chunk_front_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel,
+                                          kda_norm_gate_kernel)
 from k3c.codegen.triton.kda_decode import kda_decode_front_kernel, kda_decode_kernel, kda_decode_state_kernel
 from k3c.codegen.triton.kda_recurrent import kda_recurrent_kernel
 from k3c.errors import RuntimeInputError, UnsupportedError
@@ -59,7 +60,12 @@ DECODE_FRONT_MIN_ROWS = 1536
 DECODE_FRONT_SPLIT = {4: (64, 4), 2: (32, 2)}
 DECODE_FRONT_WARPS = 2  # warps per program of the front-end kernel (1 and 4 measured the same or slower)
 CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
-CHUNK_PREP_WARPS = 4  # warps per program of the chunked prefill's intra-chunk kernel
+# Chunked prefill, split into a token-parallel front kernel and the intra-chunk prep kernel (H200, T = 8192,
+# BENCHMARKS.md "KDA round 8"): prep 2 warps 1.03 ms (4 warps 1.28, 4 with 128 registers 1.31); front 16 tokens x 2
+# warps 0.43 ms (32 x 4: 0.52, 64 x 8: 1.04).
+CHUNK_PREP_WARPS = 2  # warps per program of the chunked prefill's intra-chunk kernel
+CHUNK_FRONT_TOKENS = 16  # tokens per program of the chunked prefill's front kernel (conv, silu, l2norm)
+CHUNK_FRONT_WARPS = 2    # warps per program of that front kernel
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| between a chunk's reference row and any row (exp stays finite in fp32)
 
 
@@ -249,11 +255,15 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
         ws = take_scratch(scratch, "ws", (4, B, H, NC, CHUNK, D), q_in.dtype, q_in.device)
         ws_p = take_scratch(scratch, "ws_p", (B, H, NC, CHUNK, CHUNK), q_in.dtype, q_in.device)
         ws_glast = take_scratch(scratch, "ws_glast", (B, H, NC, D), torch.float32, q_in.device)
+        kda_chunk_front_kernel[(triton.cdiv(T, CHUNK_FRONT_TOKENS), H, B)](
+            q_in, k_in, v_in, *wts[:3], conv_state, lens, ws, T, NC, *(s for n in "qkv" for s in st[n]), B, H=H,
+            D=D, W=W, BD=BD, SCALE=D ** -0.5, HAS_LENGTHS=has_len, BT=CHUNK, BTOK=CHUNK_FRONT_TOKENS,
+            num_warps=CHUNK_FRONT_WARPS)
         kda_chunk_prep_kernel[(NC, H, B)](
-            q_in, k_in, v_in, f, beta_logits, *wts[:5], conv_state, lens, ws[0], ws[1], ws[2], ws[3], ws_p,
-            ws_glast, T, NC, *(s for n in "qkvfb" for s in st[n]), H=H, D=D, W=W, BD=BD, SCALE=D ** -0.5,
-            HAS_LENGTHS=has_len, BT=CHUNK, LOG2_BT=CHUNK.bit_length() - 1, INV_PRECISION="ieee",
-            DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS, **gate)
+            f, beta_logits, *wts[3:5], lens, ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, T, NC,
+            *(s for n in "fb" for s in st[n]), H=H, D=D, BD=BD, HAS_LENGTHS=has_len, BT=CHUNK,
+            LOG2_BT=CHUNK.bit_length() - 1, INV_PRECISION="ieee", DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS,
+            **gate)
         BV = min(BD, block_v or CHUNK_BLOCK_V)
         fuse = BV == BD
         o_buf = y if fuse or not store_output else take_scratch(scratch, "o_buf", (B, T, HD), torch.float32,
@@ -388,8 +398,10 @@ def kda_spec_replay(q_in, k_in, v_in, f, beta_logits, conv_w_q, conv_w_k, conv_w
 _FAMILIES = {  # family -> (kernels to include, IR node it implements by default)
     "decode": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel), "kda.fused_decode"),
     "prefill": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel, kda_recurrent_kernel,
-                 kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel), "kda.fused_prefill"),
-    "spec_replay": ((kda_recurrent_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel), "kda.spec_replay"),
+                 kda_chunk_front_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel),
+                "kda.fused_prefill"),
+    "spec_replay": ((kda_recurrent_kernel, kda_chunk_front_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel),
+                    "kda.spec_replay"),
 }
 
 _LAUNCH_TEMPLATE = '''
@@ -468,6 +480,7 @@ def emit_source(spec):
         f"DECODE_FRONT_MIN_ROWS = {DECODE_FRONT_MIN_ROWS}\nDECODE_FRONT_SPLIT = {DECODE_FRONT_SPLIT!r}\n"
         f"DECODE_FRONT_WARPS = {DECODE_FRONT_WARPS}\n"
         f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n"
+        f"CHUNK_FRONT_TOKENS = {CHUNK_FRONT_TOKENS}\nCHUNK_FRONT_WARPS = {CHUNK_FRONT_WARPS}\n"
         f"_DECODE_SCRATCH = {{}}\n_PDL_DEVICES = {{}}\n")
     parts = [header]
     parts += [inspect.getsource(fn.fn) for fn in _common.HELPERS]

@@ -13,13 +13,17 @@ and across chunks, with S the state at the chunk start ([D, D], key dim first):
     S <- exp(gc_last) * S + (K * exp(gc_last - gc))^T @ U
 
 Kernels (launched in this order by `k3c.codegen.triton.kda._launch_kda`):
-  kda_chunk_prep_kernel   grid (chunks, H, B): conv + silu + l2norm + gate + beta, A, P, Tinv, Wm, U0; writes
-                          Q*Gamma, K*exp(gc_last - gc), Wm, U0 ([BT, D] each, activation dtype), P ([BT, BT]) and
-                          gc_last ([D] fp32) to a workspace. Every chunk is independent: this is the bulk of the FLOPs.
+  kda_chunk_front_kernel  grid (token blocks, H, B): token-parallel conv + silu (+ l2norm for q and k, q scaled)
+                          of BTOK tokens of one head's q, k and v; writes them (activation dtype) into the
+                          workspace tiles of Q*Gamma, K*exp(gc_last - gc) and U0, which the prep kernel reads.
+  kda_chunk_prep_kernel   grid (chunks, H, B): gate + beta, A, P, Tinv, Wm, U0 from the front kernel's q, k, v;
+                          writes Q*Gamma, K*exp(gc_last - gc), Wm, U0 ([BT, D] each, activation dtype; in place of
+                          q, k, v), P ([BT, BT]) and gc_last ([D] fp32) to a workspace. Every chunk is independent:
+                          this is the bulk of the FLOPs.
   kda_chunk_state_kernel  grid (NV, H, B): the sequential pass over chunks, program i_v holding the state columns
                           [i_v*BV, (i_v+1)*BV) in fp32 registers (tensor-core tl.dot on operands in the
                           workspace dtype, fp32 accumulation); writes O and the final state, and
-                          rolls the conv state (after the prep kernel has read it). With BV = D it also applies
+                          rolls the conv state (after the front kernel has read it). With BV = D it also applies
                           the RMSNorm + sigmoid gate and writes y; otherwise O goes to an fp32 buffer and
   kda_norm_gate_kernel    grid (row blocks, B) writes y = RMSNorm_per_head(O) * sigmoid(gate).
 exp(gc_i - gc_j) is split as exp(gc_i - r) * exp(r - gc_j) with r the gc of the chunk's middle row REF =
@@ -33,38 +37,79 @@ import triton
 import triton.language as tl
 
 from k3c.codegen.triton._common import (
-    causal_conv_silu,
+    conv_silu_rows,
     kda_decay_gate,
-    l2_normalize,
     rms_norm_sigmoid_gate,
     roll_conv_state,
 )
 
 
 @triton.jit
-def kda_chunk_prep_kernel(
-    q_in, k_in, v_in, f_in,               # [B, T, H*D] projected activations (any float dtype)
-    beta_in,                              # [B, T, H] beta logits
+def kda_chunk_front_kernel(
+    q_in, k_in, v_in,                     # [B, T, H*D] projected activations (any float dtype)
     conv_w_q, conv_w_k, conv_w_v,         # [H*D, W] fp32 depthwise conv weights
-    A_log, dt_bias,                       # [>=H], [H*D] fp32
     conv_in,                              # [B, 3*H*D, W] fp32 or activation dtype: q, k, v channels (read)
     lengths,                              # [B] int32 tokens per row (HAS_LENGTHS) else unused
-    ws_qg, ws_kend, ws_w, ws_u,           # [B, H, NC, BT, D] workspace (activation dtype)
+    ws,                                   # [4, B, H, NC*BT, D] workspace: q, k, v go to ws[0], ws[1], ws[3]
+    T, NC,                                # tokens stored per row, chunks per row (cdiv(T, BT))
+    s_qb, s_qt, s_kb, s_kt, s_vb, s_vt,   # (batch, token) strides (elements) of the activations; last dim dense
+    B, H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, SCALE: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, BT: tl.constexpr,
+    BTOK: tl.constexpr,                   # tokens per program
+):
+    """Token-parallel front end, grid (cdiv(T, BTOK), H, B): BTOK tokens of one head's q, k and v channels, causal
+    conv + silu (`_common.conv_silu_rows`), then l2norm * SCALE (q) or l2norm (k); rows past the length are not
+    written."""
+    blk = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    HD: tl.constexpr = H * D
+    n = T
+    if HAS_LENGTHS:
+        n = tl.load(lengths + b)
+    pos = blk * BTOK + tl.arange(0, BTOK)
+    i_k = tl.arange(0, BD)
+    m = (pos < n)[:, None] & (i_k < D)[None, :]
+    b64 = b.to(tl.int64)
+    conv = conv_in + b64 * 3 * HD * W + h * D * W
+    first = blk * BTOK < W - 1                          # the block reads the conv state
+    out = ws + ((b64 * H + h) * NC * BT + pos[:, None]) * D + i_k[None, :]
+    slot = B * H * NC * BT * D                          # elements per workspace slot
+    dt = ws.dtype.element_ty
+    q = conv_silu_rows(q_in + b64 * s_qb + h * D, s_qt, conv_w_q + h * D * W, conv, pos, i_k, m, first, W, D)
+    q = q * (SCALE * tl.rsqrt(tl.sum(q * q, 1) + 1e-6))[:, None]
+    tl.store(out, q.to(dt), mask=m)
+    k = conv_silu_rows(k_in + b64 * s_kb + h * D, s_kt, conv_w_k + h * D * W, conv + HD * W, pos, i_k, m, first,
+                       W, D)
+    k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+    tl.store(out + slot, k.to(dt), mask=m)
+    v = conv_silu_rows(v_in + b64 * s_vb + h * D, s_vt, conv_w_v + h * D * W, conv + 2 * HD * W, pos, i_k, m,
+                       first, W, D)
+    tl.store(out + 3 * slot, v.to(dt), mask=m)
+
+
+@triton.jit
+def kda_chunk_prep_kernel(
+    f_in,                                 # [B, T, H*D] gate projection (any float dtype)
+    beta_in,                              # [B, T, H] beta logits
+    A_log, dt_bias,                       # [>=H], [H*D] fp32
+    lengths,                              # [B] int32 tokens per row (HAS_LENGTHS) else unused
+    ws_qg, ws_kend, ws_w, ws_u,           # [B, H, NC, BT, D] workspace (activation dtype); in: q, k, -, v
     ws_p,                                 # [B, H, NC, BT, BT] workspace
     ws_glast,                             # [B, H, NC, D] fp32 workspace
     T, NC,                                # tokens stored per row, chunks per row (cdiv(T, BT))
-    s_qb, s_qt, s_kb, s_kt, s_vb, s_vt,   # (batch, token) strides (elements) of the activations; last dim dense
-    s_fb, s_ft, s_bb, s_bt,               # (f, beta)
-    H: tl.constexpr, D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr,
-    GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, SCALE: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+    s_fb, s_ft, s_bb, s_bt,               # (batch, token) strides (elements) of f and beta; last dim dense
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+    GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_LENGTHS: tl.constexpr,
     BT: tl.constexpr, LOG2_BT: tl.constexpr,
     INV_PRECISION: tl.constexpr,          # tl.dot precision inside (I + A)^-1 ("ieee": fp32 FMA)
     DOT_PRECISION: tl.constexpr,          # tl.dot input precision for fp32 operands ("tf32" or "ieee")
 ):
+    """One chunk of one head, grid (NC, H, B), on the front kernel's normalized q, k, v (read from ws_qg, ws_kend,
+    ws_u, which it overwrites in place, each program its own tile): gate, beta, A, P, Tinv, Wm, U0."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    HD: tl.constexpr = H * D
     REF: tl.constexpr = (BT - 1) // 2                   # decay reference row r (module docstring)
     n = T
     if HAS_LENGTHS:
@@ -78,22 +123,17 @@ def kda_chunk_prep_kernel(
     m_tk = valid[:, None] & m_k[None, :]
     lower = i_t[:, None] > i_t[None, :]
     diag = i_t[:, None] == i_t[None, :]
+    chunk = (b.to(tl.int64) * H + h) * NC + c
+    tile = chunk * BT * D + i_t[:, None] * D + i_k[None, :]
 
     b64 = b.to(tl.int64)
-    conv_b = b64 * 3 * HD * W + h * D * W
-    q = causal_conv_silu(q_in + b64 * s_qb + h * D, conv_in + conv_b, conv_w_q + h * D * W, pos[:, None],
-                         i_k[None, :], m_tk, s_qt, W)
-    k = causal_conv_silu(k_in + b64 * s_kb + h * D, conv_in + conv_b + HD * W, conv_w_k + h * D * W, pos[:, None],
-                         i_k[None, :], m_tk, s_kt, W)
-    v = causal_conv_silu(v_in + b64 * s_vb + h * D, conv_in + conv_b + 2 * HD * W, conv_w_v + h * D * W,
-                         pos[:, None], i_k[None, :], m_tk, s_vt, W)
-    q = l2_normalize(q, 1) * SCALE
-    k = l2_normalize(k, 1)
     f = tl.load(f_in + b64 * s_fb + h * D + pos[:, None] * s_ft + i_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     dtb = tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0)
     g = tl.where(m_tk, kda_decay_gate(f + dtb[None, :], tl.exp(tl.load(A_log + h)), GATE_KIND, LOWER_BOUND), 0.0)
     beta = tl.load(beta_in + b64 * s_bb + pos * s_bt + h, mask=valid, other=0.0).to(tl.float32)
     beta = tl.where(valid, tl.sigmoid(beta), 0.0)
+    q = tl.load(ws_qg + tile, mask=m_tk, other=0.0).to(tl.float32)
+    k = tl.load(ws_kend + tile, mask=m_tk, other=0.0).to(tl.float32)
 
     gc = tl.cumsum(g, 0)                                            # padded rows have g = 0
     g_ref = tl.sum(tl.where(i_t[:, None] == REF, gc, 0.0), 0)      # r
@@ -114,11 +154,10 @@ def kda_chunk_prep_kernel(
         Tinv = Tinv + tl.dot(Tinv, power, input_precision=INV_PRECISION)
 
     gamma = tl.exp(gc)
+    v = tl.load(ws_u + tile, mask=m_tk, other=0.0).to(tl.float32)
     Wm = tl.dot(Tinv, (beta[:, None] * gamma) * k, input_precision=DOT_PRECISION)
     U0 = tl.dot(Tinv, beta[:, None] * v, input_precision=DOT_PRECISION)
 
-    chunk = (b.to(tl.int64) * H + h) * NC + c
-    tile = chunk * BT * D + i_t[:, None] * D + i_k[None, :]
     m_tile = (i_t[:, None] < BT) & m_k[None, :]
     dt = ws_qg.dtype.element_ty
     tl.store(ws_qg + tile, (q * gamma).to(dt), mask=m_tile)
