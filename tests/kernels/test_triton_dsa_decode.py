@@ -189,21 +189,28 @@ def test_sparse_attention_matches_torch(monkeypatch, H, Dl, dv, batched):
     assert (out - want).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("L,topk,extra", [(1200, 48, 208), (1200, 200, 56), (40, 64, 16)])
-def test_fp8_rerank_equals_reference(L, topk, extra):
+@pytest.mark.parametrize("L,topk,extra,zero", [(600, 48, 208, False), (1200, 200, 56, False), (40, 64, 16, False),
+                                               (300, 32, 16, True)],
+                         ids=["extra > topk", "extra < topk", "short row", "zero keys"])
+def test_fp8_rerank_equals_reference(L, topk, extra, zero):
     # `--dsa-index-keys fp8-rerank`: topk + extra candidates on the e4m3 keys, re-ranked from the joined keys (e4m3 +
-    # 4-bit residual): the reference's set and order; on bf16 keys that is the exact selection (extra chosen above
-    # the fp8 rank of the exact top-k's worst key), which fp8 alone misses
+    # 4-bit residual) by the radix select (a set) or the all-pairs ranking (ordered): the reference's set and order;
+    # on bf16 keys that is the exact selection (extra chosen above the fp8 rank of the exact top-k's worst key),
+    # which fp8 alone misses; zero keys: every score tied, the lowest positions at both stages
     assert dsa_decode.FP8_QUERY
     q_i, w, k_i = index_inputs(L, seed=L + topk)
-    k_i = k_i.to(torch.bfloat16).float()
+    k_i = torch.zeros_like(k_i) if zero else k_i.to(torch.bfloat16).float()
     k8, ks, lo = fp8_split_ref({}, k_i)
     ref = dsa_index_topk_ref({"topk": topk, "rerank": extra}, q_i[:, None], w[:, None], k8, ks, lo)[0]
     exact = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0]
-    idx = dsa_decode_topk(q_i, w, k8, topk, k_scale=ks, k_lo=lo, rerank_extra=extra)
-    assert torch.equal(idx, ref) and as_sets(ref) == as_sets(exact)
-    if L > topk + extra:
+    idx = dsa_decode_topk(q_i, w, k8, topk, k_scale=ks, k_lo=lo, rerank_extra=extra)        # the radix select
+    ordered = dsa_decode_topk(q_i, w, k8, topk, k_scale=ks, k_lo=lo, rerank_extra=extra, ordered=True)   # ranks
+    assert as_sets(idx) == as_sets(ref) == as_sets(exact) and torch.equal(ordered, ref)
+    assert ((idx >= 0).sum(-1) == min(L, topk)).all()
+    if L > topk + extra and not zero:
         assert as_sets(dsa_decode_topk(q_i, w, k8, topk, k_scale=ks)) != as_sets(exact)
+    if zero:
+        assert as_sets(idx) == [set(range(topk))] * B
 
 
 def test_errors():

@@ -261,7 +261,7 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_lo=None, r
     k_i [B, L, D] (bf16/fp16/fp32, or float8_e4m3fn with k_scale [B, L] fp32), optionally with the keys' 4-bit
     residuals k_lo [B, L, D / 2] uint8 (`fp8_split_ref`): then topk + rerank_extra (default
     `dsa_rerank.RERANK_EXTRA`) fp8 candidates are re-ranked by the exact scores of their joined keys
-    (`dsa_rerank.rerank`) and come in the reference's order.
+    (`dsa_rerank.rerank`).
 
     Returns int64 [B, 1, topk]: the positions of the topk largest I[s], ties by lowest position, -1 past
     min(L, topk); in no particular order unless `ordered` (then as `dsa_index_topk_ref`: score descending, ties by
@@ -288,7 +288,7 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_lo=None, r
     cand = radix_topk(q_i, w.reshape(B, J), k_i, n_sel, k_scale, False)[:, 0]
     out = torch.empty((B, 1, topk), dtype=torch.int64, device=q_i.device)
     dsa_rerank.rerank(q_i.contiguous(), w.reshape(B, J).contiguous(), k_i.contiguous(), k_scale.contiguous(),
-                      k_lo.contiguous(), cand, out.view(B, topk))
+                      k_lo.contiguous(), cand, out.view(B, topk), ordered=ordered)
     return out
 
 

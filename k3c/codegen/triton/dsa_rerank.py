@@ -9,10 +9,14 @@ an e4m3 subnormal), I[s] = sum_j w[j] * ReLU(q_I[j] . k[s]) with q_I as given:
                           registers (exact in f32), scores them and writes unique 64-bit keys (order key << 32 |
                           2^32 - 1 - position)
   dsa_rerank_rank_kernel  each one's rank = the number of larger keys: its slot (the reference's order); the slots
-                          past the valid candidates get -1
+                          past the valid candidates get -1; (K1)^2 comparisons per row over many programs
+  dsa_rerank_select_kernel  or (rows >= RANK_SELECT_MIN_ROWS, unordered): one program per row, a radix select of
+                          8-bit digits on the keys in registers, level after level until the threshold digit's
+                          keys fit (typically 3 levels), the K best to their slots in no particular order
 Only the candidates' residuals are read: the scan reads the e4m3 keys and scales alone (132 B per token at D = 128).
 
-Public API: `rerank`, `RERANK_EXTRA` (E, BENCHMARKS.md "FP8 index keys + 4-bit residual"), the kernels (`KERNELS`).
+Public API: `rerank`, `RERANK_EXTRA` (E, BENCHMARKS.md "FP8 index keys + 4-bit residual"), the kernels (`KERNELS`,
+with `rerank`: copied into generated `dsa_index_topk` modules).
 """
 
 import torch
@@ -25,6 +29,9 @@ RERANK_EXTRA = 512     # E: candidates beyond topk re-ranked exactly (Gaussian k
                        # top-2048's worst fp8 rank 2.5K-2.9K; E = 512 keeps >= 99.9 %, BENCHMARKS.md)
 RERANK_BLOCK = 128     # candidates per re-scoring program
 RANK_BLOCK = 32        # candidates per ranking program (each compares them with all the row's candidates)
+RANK_SELECT_MIN_ROWS = 2   # rows from which an unordered re-rank takes the radix select instead of the all-pairs
+                           # ranking (which has many programs per row: latency at B = 1; (K1)^2 work at B = 16)
+SELECT_WARPS = 8       # warps of a radix-select program
 
 
 @triton.jit
@@ -92,11 +99,51 @@ def dsa_rerank_rank_kernel(ck_ptr, idx_ptr, K1, K, BLOCK_C: tl.constexpr, BLOCK_
     tl.store(idx_ptr + r * K + offs_c, tl.full([BLOCK_C], -1, tl.int64), mask=(offs_c >= n_valid) & (offs_c < K))
 
 
-def rerank(q_i, w, k8, k_scale, k_lo, cand, out, T=1, ck=None):
+@triton.jit
+def dsa_rerank_select_kernel(ck_ptr, idx_ptr, K1, K, BLOCK: tl.constexpr):
+    """grid (R,): the K largest of row r's keys ck [R, K1] (`dsa_rerank_kernel`; unique, INT64_MIN for none; BLOCK
+    >= K1) by a radix select of 8-bit digits from the top, all in registers: each level histograms the digit of
+    the keys that share the bits resolved so far, picks the threshold digit d, until the keys in d fit whole; the
+    selected positions to idx [R, K] in arrival order, -1 past min(K, valid)."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    key = tl.load(ck_ptr + r * K1 + offs, mask=offs < K1, other=-9223372036854775808)
+    ok = key != -9223372036854775808
+    u = (key ^ -9223372036854775808).to(tl.uint64, bitcast=True)       # unsigned order == signed order of key
+    n_ok = tl.sum(ok.to(tl.int32), 0)
+    need = tl.minimum(n_ok, K)
+    done = need == n_ok                                                 # every valid candidate is taken
+    pshift = tl.zeros([], tl.int32) + 64                                # resolved: the bits from pshift up
+    prefix = tl.zeros([BLOCK], tl.uint64)                               # ... = prefix (broadcast over lanes)
+    bins = tl.arange(0, 256)
+    while done == 0:
+        ds = pshift - 8
+        match = ok & ((pshift >= 64) | ((u >> tl.minimum(pshift, 63).to(tl.uint64)) == prefix))
+        digit = ((u >> ds.to(tl.uint64)) & 255).to(tl.int32)
+        hist = tl.histogram(tl.where(match, digit, 0), 256)
+        hist = tl.where(bins == 0, hist - tl.sum((~match).to(tl.int32), 0), hist)
+        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+        d = tl.max(tl.where(suffix >= need, bins, -1), 0)
+        a = tl.sum(tl.where(bins > d, hist, 0), 0)
+        h_d = tl.sum(tl.where(bins == d, hist, 0), 0)
+        prefix = (prefix << 8) | d.to(tl.uint64)
+        pshift = ds
+        done = h_d == need - a                                          # bin d fits whole (unique keys: by bit 0)
+        need = need - a
+    sel = ok & ((pshift >= 64) | ((u >> tl.minimum(pshift, 63).to(tl.uint64)) >= prefix))
+    sel_i = sel.to(tl.int32)
+    n_sel = tl.sum(sel_i, 0)
+    pos = 4294967295 - (key & 4294967295)
+    tl.store(idx_ptr + r * K + tl.cumsum(sel_i, 0) - 1, pos, mask=sel_i != 0)
+    tl.store(idx_ptr + r * K + offs, tl.full([BLOCK], -1, tl.int64), mask=(offs >= n_sel) & (offs < K))
+
+
+def rerank(q_i, w, k8, k_scale, k_lo, cand, out, T=1, ck=None, ordered=False):
     """The `out.shape[-1]` best of the candidates by exact score (module docstring): q_i [R, J, D] (bf16 / f32),
     w [R, J] (R = B * T rows; row r scores batch r // T's keys), k8 [B, L, D] float8_e4m3fn, k_scale [B, L] f32,
-    k_lo [B, L, D / 2] u8, cand [R, K1] int64 (positions, -1 none; K1 >= K), out [R, K] int64 (contiguous),
-    written in the reference's order, -1 past the valid candidates. ck: None, or int64 scratch of R * K1."""
+    k_lo [B, L, D / 2] u8, cand [R, K1] int64 (positions, -1 none; K1 >= K), out [R, K] int64 (contiguous): the
+    set, -1 past the valid candidates, in the reference's order when `ordered` or R < RANK_SELECT_MIN_ROWS (the
+    all-pairs ranking), else in no particular order (the radix select). ck: None, or int64 scratch of R * K1."""
     R, J, D = q_i.shape
     K1, K = cand.shape[-1], out.shape[-1]
     ck = torch.empty((R * K1,), dtype=torch.int64, device=q_i.device) if ck is None else ck
@@ -104,10 +151,13 @@ def rerank(q_i, w, k8, k_scale, k_lo, cand, out, T=1, ck=None):
         q_i, w, k8, k_scale, k_lo, cand, ck, k8.shape[1], K1, T, J=J, D=D,
         BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_C=RERANK_BLOCK,
         DOT_PRECISION="ieee" if q_i.dtype == torch.float32 else "tf32", num_warps=4)
-    dsa_rerank_rank_kernel[(triton.cdiv(K1, RANK_BLOCK), R)](ck, out, K1, K, BLOCK_C=RANK_BLOCK, BLOCK_O=128,
-                                                             num_warps=4)
+    if R >= RANK_SELECT_MIN_ROWS and not ordered:
+        dsa_rerank_select_kernel[(R,)](ck, out, K1, K, BLOCK=triton.next_power_of_2(K1), num_warps=SELECT_WARPS)
+    else:
+        dsa_rerank_rank_kernel[(triton.cdiv(K1, RANK_BLOCK), R)](ck, out, K1, K, BLOCK_C=RANK_BLOCK, BLOCK_O=128,
+                                                                 num_warps=4)
     return out
 
 
 # Source order for code generation (helpers first).
-KERNELS = (_join_e4m3, dsa_rerank_kernel, dsa_rerank_rank_kernel, rerank)
+KERNELS = (_join_e4m3, dsa_rerank_kernel, dsa_rerank_rank_kernel, dsa_rerank_select_kernel, rerank)
