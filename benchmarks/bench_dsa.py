@@ -266,8 +266,8 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline, quick
         if baseline:
             check(f"whole decode, baseline kernels, {keys} keys", lambda: whole_check(keys, baseline))
     for e in EXTRAS:
-        for rank, rows in RANKS.items():
-            dsa_rerank.RANK_SELECT_MIN_ROWS = rows
+        for rank, min_rows in RANKS.items():
+            dsa_rerank.RANK_SELECT_MIN_ROWS = min_rows
             check(f"whole decode, compiled kernels, fp8-rerank keys E={e} [{rank}]",
                   lambda: whole_check("fp8-rerank", extra=e))
     dsa_rerank.RANK_SELECT_MIN_ROWS = RANK_DEFAULT
@@ -364,10 +364,10 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline, quick
     restore()
     wbufs = {e: [decode_buffers(B, L, DEV, e) for _ in sets] for e in EXTRAS}
     forms = [("bf16", "bf16 keys", EXTRAS[0], RANK_DEFAULT), ("fp8", "fp8 keys (e4m3 q)", EXTRAS[0], RANK_DEFAULT)]
-    forms += [("fp8-rerank", f"fp8-rerank keys (E = {e}, {rank})", e, rows) for e in EXTRAS
-              for rank, rows in RANKS.items()]
-    for keys, label, e, rows in forms:
-        dsa_rerank.RANK_SELECT_MIN_ROWS = rows
+    forms += [("fp8-rerank", f"fp8-rerank keys (E = {e}, {rank})", e, min_rows) for e in EXTRAS
+              for rank, min_rows in RANKS.items()]
+    for keys, label, e, min_rows in forms:
+        dsa_rerank.RANK_SELECT_MIN_ROWS = min_rows
         nbytes = decode_bytes(B, L, keys, e)
         timed(f"k3c whole DSA decode, compiled kernels, {label}",
               lambda i: compiled_decode(sets[i], keys, wbufs[e][i], lengths, extra=e), nbytes)

@@ -231,6 +231,7 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("FP8_QUERY", True, "fp8 index keys: e4m3 q in the scan (the op's semantics, dsa_index_topk_ref)"),
               ("RERANK", node.attrs.get("rerank", 0), "fp8-rerank: candidates beyond TOPK re-ranked exactly"),
               ("RERANK_BLOCK", dsa_rerank.RERANK_BLOCK, "... per re-scoring program"),
+              ("RERANK_WARPS", dsa_rerank.RERANK_WARPS, "... its warps"),
               ("RANK_BLOCK", dsa_rerank.RANK_BLOCK, "... per ranking program"),
               ("RANK_SELECT_MIN_ROWS", dsa_rerank.RANK_SELECT_MIN_ROWS, "... rows from which a radix select ranks"),
               ("SELECT_WARPS", dsa_rerank.SELECT_WARPS, "... its warps")]

@@ -6,8 +6,9 @@ topk + E best by the FP8 score; two kernels then re-rank those candidates by the
 k = scale * (k8 + (nibble - 8) * ulp(k8) / 16) (the bf16 key, but where the e4m3 rounding carried or the element is
 an e4m3 subnormal), I[s] = sum_j w[j] * ReLU(q_I[j] . k[s]) with q_I as given:
   dsa_rerank_kernel       reads each candidate's e4m3 key, scale and 64 B of residuals (D = 128), joins them in
-                          registers (exact in f32), scores them and writes unique 64-bit keys (order key << 32 |
-                          2^32 - 1 - position)
+                          registers (exact in f32, and in bf16: 8 significant bits), scores them (q's dtype x the
+                          joined keys, f32 sums) and writes unique 64-bit keys (order key << 32 | 2^32 - 1 -
+                          position)
   dsa_rerank_rank_kernel  each one's rank = the number of larger keys: its slot (the reference's order); the slots
                           past the valid candidates get -1; (K1)^2 comparisons per row over many programs
   dsa_rerank_select_kernel  or (rows >= RANK_SELECT_MIN_ROWS, unordered): one program per row, a radix select of
@@ -27,10 +28,12 @@ from k3c.codegen.triton.dsa_decode import _order_key
 
 RERANK_EXTRA = 512     # E: candidates beyond topk re-ranked exactly (Gaussian keys, B = 16 / 128K and 1M: the exact
                        # top-2048's worst fp8 rank 2.5K-2.9K; E = 512 keeps >= 99.9 %, BENCHMARKS.md)
-RERANK_BLOCK = 128     # candidates per re-scoring program
+RERANK_BLOCK = 64      # candidates per re-scoring program ...
+RERANK_WARPS = 8       # ... and its warps (sm_90, compiled ahead of time: 102 registers; 4 warps spill 176 B)
 RANK_BLOCK = 32        # candidates per ranking program (each compares them with all the row's candidates)
-RANK_SELECT_MIN_ROWS = 2   # rows from which an unordered re-rank takes the radix select instead of the all-pairs
-                           # ranking (which has many programs per row: latency at B = 1; (K1)^2 work at B = 16)
+RANK_SELECT_MIN_ROWS = 8   # rows from which an unordered re-rank takes the radix select instead of the all-pairs
+                           # ranking (H200, E = 512: B = 1 7.0 us vs the select's 14.2; B = 16 29.9 vs 17.7; rows
+                           # in between not timed; BENCHMARKS.md "FP8 index keys + 4-bit residual")
 SELECT_WARPS = 8       # warps of a radix-select program
 
 
@@ -50,24 +53,24 @@ def dsa_rerank_kernel(q_ptr, w_ptr, k_ptr, ks_ptr, lo_ptr, cand_ptr, ck_ptr, L, 
     """grid (cdiv(K1, BLOCK_C), R): exact scores of candidates [pid*BLOCK_C, ...) of row r (batch b = r // T):
     q [R, J, D], w [R, J], cand [R, K1] int64 positions (-1: none), the keys k [B, L, D] e4m3, ks [B, L] f32 and
     lo [B, L, D / 2] u8 (nibble + 8; element 2i low, 2i + 1 high) -> ck [R, K1] int64: signed order key of the score
-    << 32 | 2^32 - 1 - position (unique, larger = better, ties by lowest position); INT64_MIN for no candidate."""
+    << 32 | 2^32 - 1 - position (unique, larger = better, ties by lowest position); INT64_MIN for no candidate.
+    The joined keys have at most 8 significant bits: exact in q's dtype (bf16 or f32), so the product is q's."""
     pid = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     b = r // T
     offs_j = tl.arange(0, BLOCK_J)
     offs_d = tl.arange(0, D)
-    offs_h = tl.arange(0, D // 2)
     offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     pos = tl.load(cand_ptr + r * K1 + offs_c, mask=offs_c < K1, other=-1)
     ok = pos >= 0
     row = b * L + tl.maximum(pos, 0)
     q = tl.load(q_ptr + (r * J + offs_j)[:, None] * D + offs_d[None, :], mask=(offs_j < J)[:, None], other=0.0)
     w = tl.load(w_ptr + r * J + offs_j, mask=offs_j < J, other=0.0).to(tl.float32)
-    k_e = tl.load(k_ptr + row[:, None] * D + 2 * offs_h[None, :], mask=ok[:, None], other=0.0)
-    k_o = tl.load(k_ptr + row[:, None] * D + 2 * offs_h[None, :] + 1, mask=ok[:, None], other=0.0)
-    byte = tl.load(lo_ptr + row[:, None] * (D // 2) + offs_h[None, :], mask=ok[:, None], other=136).to(tl.int32)
-    k = tl.reshape(tl.join(_join_e4m3(k_e, (byte & 15) - 8), _join_e4m3(k_o, (byte >> 4) - 8)), (BLOCK_C, D))
-    dots = tl.dot(q.to(tl.float32), tl.trans(k), input_precision=DOT_PRECISION)       # [BLOCK_J, BLOCK_C]
+    hi = tl.load(k_ptr + row[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+    byte = tl.load(lo_ptr + row[:, None] * (D // 2) + (offs_d // 2)[None, :], mask=ok[:, None], other=136)
+    nib = ((byte.to(tl.int32) >> ((offs_d & 1) * 4)[None, :]) & 15) - 8
+    k = _join_e4m3(hi, nib).to(q.dtype)
+    dots = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)                        # [BLOCK_J, BLOCK_C]
     score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0) * tl.load(ks_ptr + row, mask=ok, other=1.0)
     signed = (_order_key(score).to(tl.int32, bitcast=True) ^ -2147483648).to(tl.int64)   # signed order: float's
     key = tl.where(ok, (signed << 32) + (4294967295 - pos), -9223372036854775808)
@@ -150,7 +153,7 @@ def rerank(q_i, w, k8, k_scale, k_lo, cand, out, T=1, ck=None, ordered=False):
     dsa_rerank_kernel[(triton.cdiv(K1, RERANK_BLOCK), R)](
         q_i, w, k8, k_scale, k_lo, cand, ck, k8.shape[1], K1, T, J=J, D=D,
         BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_C=RERANK_BLOCK,
-        DOT_PRECISION="ieee" if q_i.dtype == torch.float32 else "tf32", num_warps=4)
+        DOT_PRECISION="ieee" if q_i.dtype == torch.float32 else "tf32", num_warps=RERANK_WARPS)
     if R >= RANK_SELECT_MIN_ROWS and not ordered:
         dsa_rerank_select_kernel[(R,)](ck, out, K1, K, BLOCK=triton.next_power_of_2(K1), num_warps=SELECT_WARPS)
     else:
