@@ -4,8 +4,9 @@ what the residual restores exactly, and how many extra candidates E the exact re
 1. `exactness`: every finite bf16 value y with |y| < 256 (a row whose largest value is in [128, 256): scale 1, so
    y is the scaled element itself) split into (e4m3, residual) and joined again (`fp8_join_ref`): per class
    (normal, e4m3 rounding carried into the next binade, e4m3 subnormal |y| < 2^-6, zero) the values, how many come
-   back exactly and the largest error in ulps of y's bf16 binade; the same with torch's ties-to-even e4m3 cast
-   instead of ties upward (the residual's range [-8, 7] then misses the ties rounded down).
+   back exactly and the largest error in ulps of y's bf16 binade; beside it two simpler codes: torch's
+   ties-to-even e4m3 cast (the residual's range [-8, 7] then misses the ties rounded down), and the unit always
+   ulp(x8) / 16 (a carry's residual then has half the resolution: 1 bf16 ulp off for half of them).
 2. `candidates`: on the bench's Gaussian inputs (`dsa_checks.make`'s distributions: q_i, k_i bf16, w / sqrt(J)),
    the rank in the option's fp8 order (e4m3 keys with the power-of-two scale, e4m3 q; `dsa_index_topk_ref`'s
    first stage) of each key of the exact top-k (fp32 scores of the bf16 keys): the worst per row, and the top-k
@@ -41,8 +42,11 @@ def exactness():
     back = fp8_join_ref(x8, scale, lo)[:, 0]
     x8 = x8[:, 0].float()
     even = rows[:, 0].to(torch.float8_e4m3fn).float()               # torch's cast: ties to even
-    lo_even = torch.round((y - even) / _e4m3_unit(even)).clamp(-8, 7)
-    back_even = even + lo_even * _e4m3_unit(even)
+    r = y - even
+    unit = _e4m3_unit(even, (r != 0) & ((r < 0) != (even < 0)))
+    back_even = even + torch.round(r / unit).clamp(-8, 7) * unit
+    plain = torch.round((y - x8) / _e4m3_unit(x8)).clamp(-8, 7)       # one unit per x8, ulp(x8) / 16
+    back_plain = x8 + plain * _e4m3_unit(x8)
     ulp = torch.ldexp(torch.ones_like(y), torch.frexp(y).exponent - 8)   # y's bf16 ulp (8 significant bits)
     carry = (x8.abs() > 0) & (torch.frexp(x8).exponent > torch.frexp(y).exponent) & (y.abs() >= 2 ** -6)
     classes = {"normal (|y| >= 2^-6, no carry)": (y.abs() >= 2 ** -6) & ~carry,
@@ -50,7 +54,8 @@ def exactness():
                "e4m3 subnormal (0 < |y| < 2^-6)": (y.abs() < 2 ** -6) & (y != 0), "zero": y == 0}
     out = {}
     for name, m in classes.items():
-        for tie, b in (("ties upward (the option)", back), ("ties to even (torch's cast)", back_even)):
+        for tie, b in (("the option", back), ("ties to even (torch's cast)", back_even),
+                       ("unit ulp(x8) / 16 throughout", back_plain)):
             err = ((b - y).abs() / ulp)[m]
             out[f"{name} | {tie}"] = dict(values=int(m.sum()), exact=int((err == 0).sum()),
                                           max_err_bf16_ulps=float(err.max()) if m.any() else 0.0,

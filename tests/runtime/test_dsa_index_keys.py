@@ -272,20 +272,17 @@ def test_compiled_prefill_then_decode_match_eager(tmp_path):
 
 def _split_join(x: torch.Tensor) -> torch.Tensor:
     """Keys as `--dsa-index-keys fp8-rerank` stores them, joined again, from the option's definition (float64): per
-    row the scale 2^(floor(log2 max|x|) - 7); x / scale rounded to the e4m3 grid (spacing 2^(max(floor(log2|y|), -6)
-    - 3)) to nearest, ties upward; the rest in units of the rounded value's spacing / 16, rounded to nearest even
-    and clamped to [-8, 7]."""
+    row the scale 2^(floor(log2 max|x|) - 7); y = x / scale rounded to the e4m3 grid (spacing s = 2^(max(floor(log2
+    |y|), -6) - 3) in y's binade) to nearest, ties upward; the rest in units of s / 16, rounded to nearest even and
+    clamped to [-8, 7]."""
     x = x.double()
     amax = x.abs().amax(-1, keepdim=True)
     scale = torch.where(amax > 0, torch.exp2(torch.floor(torch.log2(amax)) - 7), torch.ones_like(amax))
     y = x / scale
-
-    def spacing(v):
-        return torch.exp2(torch.clamp(torch.floor(torch.log2(v.abs())), min=-6) - 3)
-
-    hi = torch.floor(y / spacing(y) + 0.5) * spacing(y)
-    unit = spacing(hi) / 16
-    return (hi + torch.round((y - hi) / unit).clamp(-8, 7) * unit) * scale
+    s = torch.exp2(torch.clamp(torch.floor(torch.log2(y.abs())), min=-6) - 3)
+    lower, upper = torch.floor(y / s) * s, torch.ceil(y / s) * s
+    hi = torch.where(y - lower < upper - y, lower, upper)
+    return (hi + torch.round((y - hi) / (s / 16)).clamp(-8, 7) * s / 16) * scale
 
 
 class _RerankIndexer:
@@ -312,8 +309,8 @@ def test_fp8_rerank_artifact_matches_eager(tmp_path):
     """`--dsa-index-keys fp8-rerank` on a one-layer DSA model (top-k 16), plan-only, f32: the pools (e4m3 keys, f32
     scales, u8 residuals: D + 4 + D / 2 bytes per token), and the artifact's graphs through the reference
     interpreter (a 17-token prefill, then decode steps at 17 and 18 keys) against eager with `_RerankIndexer`:
-    logits within 1e-5 of max |logit|, the pools' keys joined (e4m3 + nibbles x spacing / 16, x scale) equal to
-    `_split_join` of eager's keys."""
+    logits within 1e-5 of max |logit|, the pools' keys joined (e4m3 + nibbles x the grid spacing / 16 of the binade
+    the nibble points into, x scale) equal to `_split_join` of eager's keys."""
     cfg = _one_dsa_layer()
     model = save_random_checkpoint(cfg, tmp_path / "ckpt", seed=4, dtype=torch.float32).eval()
     opts = CompileOptions(str(tmp_path / "ckpt"), tmp_path / "art", target="h200", dtype="f32", max_batch=1,
@@ -340,8 +337,9 @@ def test_fp8_rerank_artifact_matches_eager(tmp_path):
         k8, scale, lo = (caches[f"layers.0.index_k{s}"] for s in ("", "_scale", "_lo"))
         nib = torch.stack([lo.long() & 15, lo.long() >> 4], -1).flatten(-2) - 8
         hi = k8.double()
-        spacing = torch.exp2(torch.clamp(torch.floor(torch.log2(hi.abs())), min=-6) - 3)
-        joined = (hi + nib * spacing / 16) * scale.double()[..., None]
+        spacing = torch.exp2(torch.clamp(torch.floor(torch.log2(hi.abs())), min=-6) - 3)     # of hi's binade, or
+        below = (nib != 0) & ((nib < 0) != (hi < 0)) & (hi.abs() == spacing * 8) & (hi.abs() >= 2 ** -5)
+        joined = (hi + nib * torch.where(below, spacing / 2, spacing) / 16) * scale.double()[..., None]   # below it
         want = _split_join(cache["layers.0.index_k"])
         assert joined.shape == (1, t1, D_IDX) and (joined == want).double().mean() >= 0.99, t0
         assert ((joined - want).abs() <= want.abs().amax(-1, keepdim=True) * 2 ** -8).all(), t0

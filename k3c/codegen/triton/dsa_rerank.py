@@ -3,8 +3,7 @@
 
 The selection (`dsa_decode.radix_topk` at long-context decode, the score kernel + torch.topk otherwise) picks the
 topk + E best by the FP8 score; two kernels then re-rank those candidates by the exact score of their joined keys
-k = scale * (k8 + (nibble - 8) * ulp(k8) / 16) (the bf16 key, but where the e4m3 rounding carried or the element is
-an e4m3 subnormal), I[s] = sum_j w[j] * ReLU(q_I[j] . k[s]) with q_I as given:
+k = scale * (k8 + (nibble - 8) * ulp / 16) (the bf16 key, but for e4m3 subnormals), I[s] = sum_j w[j] * ReLU(q_I[j] . k[s]) with q_I as given:
   dsa_rerank_kernel       reads each candidate's e4m3 key, scale and 64 B of residuals (D = 128), joins them in
                           registers (exact in f32, and in bf16: 8 significant bits), scores them (q's dtype x the
                           joined keys, f32 sums) and writes unique 64-bit keys (order key << 32 | 2^32 - 1 -
@@ -39,11 +38,15 @@ SELECT_WARPS = 8       # warps of a radix-select program
 
 @triton.jit
 def _join_e4m3(hi, nib):
-    """f32 keys from e4m3 values hi and residual nibbles nib (int32 in [-8, 7]): hi + nib * ulp(hi) / 16, with
-    ulp(hi) / 16 = 2^(e - 7) for |hi| in [2^e, 2^(e+1)), 2^-13 below 2^-6 (`_e4m3_unit`); exact in f32."""
+    """f32 keys from e4m3 values hi and residual nibbles nib (int32 in [-8, 7]): hi + nib * u, u = ulp(hi) / 16 =
+    2^(e - 7) for |hi| in [2^e, 2^(e+1)) (2^-13 below 2^-6), halved where hi is a power of two of at least 2^-5 and
+    nib points toward zero (`_e4m3_unit`); exact in f32."""
     hf = hi.to(tl.float32)
-    e = (hf.to(tl.int32, bitcast=True) >> 23) & 255
-    return hf + nib.to(tl.float32) * ((tl.maximum(e, 121) - 7) << 23).to(tl.float32, bitcast=True)
+    bits = hf.to(tl.int32, bitcast=True)
+    e = (bits >> 23) & 255
+    half = ((bits & 0x7FFFFF) == 0) & (e >= 122) & (nib != 0) & ((nib < 0) != (hf < 0))
+    sh = tl.maximum(e, 121) - 7 - half.to(tl.int32)
+    return hf + nib.to(tl.float32) * (sh << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -154,40 +154,48 @@ def fp8_quantize_ref(attrs, x):
     return [(xf / scale[..., None]).to(torch.float8_e4m3fn), scale]
 
 
-def _e4m3_unit(x8):
-    """ulp / 16 of e4m3 values x8 (as f32): 2^(e - 7) for |x8| in [2^e, 2^(e+1)), e >= -6; 2^-13 below 2^-6 (the
-    subnormals' ulp 2^-9 / 16). Exact: built from the f32 exponent bits."""
-    e = (x8.float().view(torch.int32) >> 23) & 255
-    return ((e.clamp(min=121) - 7) << 23).view(torch.float32)
+def _e4m3_unit(x8, toward_zero=None):
+    """The residual unit of e4m3 values x8 (as f32): ulp / 16, 2^(e - 7) for |x8| in [2^e, 2^(e+1)), e >= -6, and
+    2^-13 below 2^-6 (the subnormals' ulp 2^-9 / 16); halved where `toward_zero` (bool) and x8 is a power of two of
+    at least 2^-5: the values just inside it lie in the binade below, whose ulp is half. Exact (exponent bits)."""
+    bits = x8.float().view(torch.int32)
+    e = (bits >> 23) & 255
+    sh = e.clamp(min=121) - 7
+    if toward_zero is not None:
+        sh = sh - (((bits & 0x7FFFFF) == 0) & (e >= 122) & toward_zero).to(torch.int32)
+    return (sh << 23).view(torch.float32)
 
 
 def fp8_split_ref(attrs, x):
     """x [..., D] float (D even) -> (x8 f8e4m3 [..., D], scale f32 [...], lo u8 [..., D / 2]): FP8 index keys with a
     4-bit low residual (`--dsa-index-keys fp8-rerank`). scale = 2^(floor(log2 max|x|) - 7) per row (1 for a zero
-    row), so max|x| / scale is in [128, 256): a power of two, x / scale exact; x8 = e4m3(x / scale) rounded to
-    nearest, ties upward (toward +inf: torch's ties-to-even cast, moved up one e4m3 step where x / scale lies half
-    a step above it), so x / scale - x8 is in [-8, 8) units u = ulp(x8) / 16 (`_e4m3_unit`); lo = that residual in
-    units u, rounded to nearest even and clamped to [-8, 7], stored + 8 as nibbles (element 2i in the low 4 bits of
-    byte i, 2i + 1 in the high 4). `fp8_join_ref` inverts it: exactly for bf16 rows except where x8's rounding
-    carried into the next binade (error <= bf16's half ulp there) and e4m3 subnormals (|x| < 2^-6 scale: error
-    <= 2^-14 scale); BENCHMARKS.md "FP8 index keys + 4-bit residual"."""
+    row), so max|x| / scale is in [128, 256): a power of two, y = x / scale exact; x8 = e4m3(y) rounded to nearest,
+    ties upward (toward +inf: torch's ties-to-even cast, moved one e4m3 step up where y lies half a step above it);
+    lo = (y - x8) in units u (`_e4m3_unit`: y's own binade's ulp / 16, also where x8 rounded up to a power of two),
+    rounded to nearest even and clamped to [-8, 7], stored + 8 as nibbles (element 2i in the low 4 bits of byte i,
+    2i + 1 in the high 4). `fp8_join_ref` inverts it: exactly for every bf16 row element with |y| >= 2^-6; e4m3
+    subnormals (|y| < 2^-6) come back within 2^-13 (BENCHMARKS.md "FP8 index keys + 4-bit residual")."""
     xf = x.float()
     amax = xf.abs().amax(-1)
     e = torch.frexp(amax).exponent                                  # amax = m 2^e, m in [0.5, 1)
     scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), e - 8), torch.ones_like(amax))
     y = xf / scale[..., None]                                       # exact: a power of two
     x8 = y.to(torch.float8_e4m3fn)
-    up = (y - x8.float()) == _e4m3_unit(x8) * 8                     # a tie rounded down: one step up instead
-    x8 = torch.where(up, (x8.float() + _e4m3_unit(x8) * 16).to(torch.float8_e4m3fn), x8)
-    lo = torch.round((y - x8.float()) / _e4m3_unit(x8)).clamp(-8, 7).to(torch.int32) + 8
+    step = _e4m3_unit(x8, x8.float() < 0) * 16                      # to the next e4m3 value up
+    x8 = torch.where(y - x8.float() == step / 2, (x8.float() + step).to(torch.float8_e4m3fn), x8)   # ties upward
+    r = y - x8.float()
+    unit = _e4m3_unit(x8, (r != 0) & ((r < 0) != (x8.float() < 0)))
+    lo = torch.round(r / unit).clamp(-8, 7).to(torch.int32) + 8
     lo = lo[..., 0::2] | (lo[..., 1::2] << 4)
     return [x8, scale, lo.to(torch.uint8)]
 
 
 def fp8_join_ref(x8, scale, lo):
-    """The keys `fp8_split_ref` stored, as f32: scale * (x8 + (nibble - 8) * ulp(x8) / 16)."""
+    """The keys `fp8_split_ref` stored, as f32: scale * (x8 + (nibble - 8) * u), u = `_e4m3_unit` (halved where the
+    nibble points from a power of two toward zero)."""
     nib = torch.stack([lo.to(torch.int32) & 15, lo.to(torch.int32) >> 4], -1).flatten(-2) - 8
-    return (x8.float() + nib.float() * _e4m3_unit(x8)) * scale.float()[..., None]
+    unit = _e4m3_unit(x8, (nib != 0) & ((nib < 0) != (x8.float() < 0)))
+    return (x8.float() + nib.float() * unit) * scale.float()[..., None]
 
 
 def _fp8_query(q_i, w):
