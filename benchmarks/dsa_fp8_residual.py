@@ -1,5 +1,6 @@
-"""FP8 index keys with a 4-bit low residual (`--dsa-index-keys fp8-rerank`, `fp8_split_ref` in k3c/ir/ops/model_attn.py):
-what the residual restores exactly, and how many extra candidates E the exact re-rank needs (CPU, torch).
+"""FP8 index keys with a 4-bit low residual (`--dsa-index-keys fp8-rerank`, `fp8_split_ref` in
+k3c/ir/ops/model_attn.py): what the residual restores exactly, and how many extra candidates E the exact re-rank
+needs (CPU, torch).
 
 1. `exactness`: every finite bf16 value y with |y| < 256 (a row whose largest value is in [128, 256): scale 1, so
    y is the scaled element itself) split into (e4m3, residual) and joined again (`fp8_join_ref`): per class

@@ -13,9 +13,9 @@ so a key is quantized once, when it is appended, and every later call (prefill c
 same e4m3 bits: prefill and decode agree. With `fp8-rerank` the quantizer is `fp8_split` (a power-of-two scale, and
 a third cache `layers.i.index_k_lo` u8 [B,L,D/2] of 4-bit low residuals, appended the same way) and the indexer
 `dsa_index_topk(q_I, w, k8, s, lo) {rerank = DSA_RERANK_EXTRA}`: the e4m3 scan's topk + E best re-ranked by their
-joined keys' exact scores (196 B per token at D = 128; the scan still reads 132). The option lives in the values' dtypes from here on (no pass branches on
-it): `bind_caches` turns both cats into pool appends, the memory plan and the runtime size both pools from the
-graph's inputs, and the kernels dispatch on k_I's dtype. With `fp8` no exact keys are kept (no re-ranking): the
+joined keys' exact scores (196 B per token at D = 128; the scan still reads 132). The option lives in the values'
+dtypes from here on (no pass branches on it): `bind_caches` turns the cats into pool appends, the memory plan and
+the runtime size the pools from the graph's inputs, and the kernels dispatch on k_I's dtype. With `fp8` no exact keys are kept (no re-ranking): the
 cache is 132 instead of 256 bytes per token at D = 128 (BENCHMARKS.md "FP8 index keys in the compiled model").
 """
 

@@ -195,8 +195,9 @@ def test_launcher_matches_the_reference(T, L, D, radix, monkeypatch):
 @pytest.mark.parametrize("T,L,D,radix", [(6, 40, 16, False), (1, 2048, 32, True)], ids=["prefill", "decode-radix"])
 def test_launcher_rerank_matches_the_reference(T, L, D, radix, monkeypatch):
     """fp8-rerank keys (`fp8_split_ref`, E = 8 extra candidates): `launch_dsa_index_topk` on scratch of the planned
-    sizes (`dsa_index_topk_scratch`) filled with garbage selects the set `dsa_index_topk_ref` selects, on the score kernel and (RADIX_MIN_KEYS lowered to
-    the row) on the radix select, both then re-ranked by `dsa_rerank`; fp8 alone selects another set."""
+    sizes (`dsa_index_topk_scratch`) filled with garbage selects the set `dsa_index_topk_ref` selects, on the score
+    kernel and (RADIX_MIN_KEYS lowered to the row) on the radix select, both then re-ranked by `dsa_rerank`; fp8
+    alone selects another set."""
     monkeypatch.setattr(dsa_index, "RADIX_MIN_KEYS", 2048)
     calls = []
     monkeypatch.setattr(dsa_index, "radix_topk", lambda *a, **k: calls.append(1) or radix_topk(*a, **k))
@@ -230,7 +231,8 @@ def _quantize(x):
 
 
 def test_bad_values_and_tvm_refusal(plan_art):
-    with pytest.raises(ConfigError, match=r"^--dsa-index-keys fp4 \(dsa_index_keys\): expected one of bf16, fp8, fp8-rerank$"):
+    with pytest.raises(ConfigError, match=r"^--dsa-index-keys fp4 \(dsa_index_keys\): expected one of bf16, fp8, "
+                                          r"fp8-rerank$"):
         CompileContext(dsa_index_keys="fp4")
     with pytest.raises(ConfigError, match=r"--dsa-index-keys e4m3 \(dsa_index_keys\)"):
         import_model(PRESET, "decode", dsa_index_keys="e4m3")

@@ -3,7 +3,8 @@
 
 The selection (`dsa_decode.radix_topk` at long-context decode, the score kernel + torch.topk otherwise) picks the
 topk + E best by the FP8 score; two kernels then re-rank those candidates by the exact score of their joined keys
-k = scale * (k8 + (nibble - 8) * ulp / 16) (the bf16 key, but for e4m3 subnormals), I[s] = sum_j w[j] * ReLU(q_I[j] . k[s]) with q_I as given:
+k = scale * (k8 + (nibble - 8) * ulp / 16) (the bf16 key, but for e4m3 subnormals),
+I[s] = sum_j w[j] * ReLU(q_I[j] . k[s]) with q_I as given:
   dsa_rerank_kernel       reads each candidate's e4m3 key, scale and 64 B of residuals (D = 128), joins them in
                           registers (exact in f32, and in bf16: 8 significant bits), scores them (q's dtype x the
                           joined keys, f32 sums) and writes unique 64-bit keys (order key << 32 | 2^32 - 1 -
