@@ -8,17 +8,18 @@ every selection variant (SELECT_VARIANTS, --select: first-digit histogram, colle
 the compiled path (`dsa_index.launch_dsa_index_topk` into `out` on planned scratch pre-filled with garbage) and in a
 previous dsa_decode.py (--baseline, e.g. `git show <rev>:k3c/codegen/triton/dsa_decode.py`; its ordered output must
 equal the current one's), the collect pass's candidate counts, FP8 index keys (e4m3 + one fp32 scale per key, fp8
-q; alone or with the bf16 re-ranking of topk + RERANK_EXTRA candidates, whose order must equal torch's sort) against
-bf16 keys (top-k overlap, attention-output error), every attention variant's output against a torch gather +
-softmax (ATTN_VARIANTS, --attention), and the set for a zeroed index-key cache (every score tied: the lowest
+q; alone, or as fp8-rerank: e4m3 + power-of-two scale + 4-bit residuals, topk + E candidates re-ranked by their
+joined keys) against bf16 keys (top-k overlap, attention-output error), every attention variant's output against
+a torch gather + softmax (ATTN_VARIANTS, --attention), and the set for a zeroed index-key cache (every score tied: the lowest
 positions; also timed, with the baseline's). Then each is timed, the baseline as a set and as the previous compiled path
 (ordered + out.copy_). Timing: triton.testing.do_bench_cudagraph median, rotating buffer sets past 3x the 60 MB L2.
 Floor = bytes / 4.2 TB/s, bytes = index keys (+ scales, + the re-ranked candidates' bf16 keys) + the 2048 latent
 rows read by the attention. The whole decode step as the compiled model launches it (`dsa_checks.compiled_decode`:
-`launch_dsa_index_topk` + `launch_mla`, device lengths, planned scratch; bf16 keys and the FP8 option (e4m3 keys +
-scale, e4m3 q)) is checked (its set against torch.topk of the same scores, the attention against torch on that set)
-and timed (with the default attention and each --attention variant), floor = index keys (+ scales) + selected latent
-rows + q_i, w, q, o; and the FP8 option's top-k overlap is taken apart (`dsa_fp8_overlap.study`: score noise vs the
+`launch_dsa_index_topk` + `launch_mla`, device lengths, planned scratch; bf16 keys, the FP8 option (e4m3 keys +
+scale, e4m3 q) and fp8-rerank at each E of --extras) is checked (its set against torch.topk of the same scores, or
+for fp8-rerank the option's semantics in torch, and against the bf16 keys' exact set; the attention against torch
+on that set) and timed (with the default attention and each --attention variant), floor = index keys (+ scales, +
+the re-ranked candidates' keys and residuals) + selected latent rows + q_i, w, q, o; and the FP8 option's top-k overlap is taken apart (`dsa_fp8_overlap.study`: score noise vs the
 threshold, per-32-channel scales, a Hadamard rotation, int8). --quick: only the sets, the whole step, the 16-wide fp8
 path and the variants (no re-ranking, overlap study or tied-keys timing). Inputs and torch references:
 `dsa_checks.py`.
@@ -40,7 +41,8 @@ from k3c.codegen.triton import attention, dsa_index, dsa_rerank, dsa_decode as d
 from k3c.codegen.triton.attention import launch_mla  # noqa: E402
 from k3c.codegen.triton.dsa_decode import dsa_decode_topk  # noqa: E402
 from dsa_checks import (DI, DL, DV, H, SCALE, TOPK, compiled_decode, decode_buffers, decode_bytes,  # noqa: E402
-                        dsa_decode, make, overlap, ref_attention, ref_topk, ref_topk_fp8, rel, tiny_fp8_check)
+                        dsa_decode, make, overlap, ref_attention, ref_topk, ref_topk_fp8, ref_topk_rerank, rel,
+                        tiny_fp8_check)
 from dsa_fp8_overlap import outlier_keys, study  # noqa: E402
 
 HBM_BYTES_PER_S = 4.2e12
@@ -49,6 +51,9 @@ DEV = "cuda"
 
 
 REP_MS = 200      # do_bench_cudagraph's rep, ms (each row replays its graph 10 times); --rep
+EXTRAS = (dsa_rerank.RERANK_EXTRA,)   # fp8-rerank's E values checked and timed in the whole step (the default first)
+RANKS = {"radix select": 1, "all-pairs rank": 1 << 30}   # fp8-rerank's ranking: dsa_rerank.RANK_SELECT_MIN_ROWS
+RANK_DEFAULT = dsa_rerank.RANK_SELECT_MIN_ROWS
 
 
 def bench(fn, n_sets):
@@ -220,18 +225,13 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline, quick
     if baseline:
         check("zeroed index keys: baseline the lowest positions", lambda: zeroed_sets(baseline))
 
-    def rerank_order():
-        idx8 = dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"])
-        return bool(torch.equal(idx8[:, 0], want))
-
     check("overlap fp8 keys (no rerank) vs bf16",
           lambda: overlap(dsa_decode_topk(x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"]), idx))
     if not quick:
-        check("ordered == torch fp32 sort (positions, fp8 + rerank)", rerank_order)
-        check("overlap fp8 keys + rerank vs fp32 torch", lambda: overlap(dsa_decode_topk(
-            x["q_i"], x["w"], x["k8"], TOPK, k_scale=x["ks"], k_exact=x["k_i"]), want))
-        check("attn rel fp8 keys + rerank vs bf16", lambda: rel(dsa_decode(
-            x["q_i"], x["w"], x["k8"], x["q"], x["kv"], k_scale=x["ks"], k_exact=x["k_i"]), o))
+        check("overlap fp8-rerank (dsa_decode_topk) vs fp32 torch", lambda: overlap(dsa_decode_topk(
+            x["q_i"], x["w"], x["k8r"], TOPK, k_scale=x["ksr"], k_lo=x["lor"]), want))
+        check("attn rel fp8-rerank vs bf16", lambda: rel(dsa_decode(
+            x["q_i"], x["w"], x["k8r"], x["q"], x["kv"], k_scale=x["ksr"], k_lo=x["lor"]), o))
 
     def attn_rel():
         oo = torch.empty(B, 1, H, DV, dtype=torch.bfloat16, device=DEV)
@@ -248,12 +248,14 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline, quick
 
     same = dict(bf16=want, fp8=want8)
 
-    def whole_check(keys, mod=None):
-        bufs = decode_buffers(B, L, DEV)
+    def whole_check(keys, mod=None, extra=EXTRAS[0]):
+        bufs = decode_buffers(B, L, DEV, extra)
         bufs["keys"].fill_(-7)                                              # garbage-filled planned scratch
-        o_w = compiled_decode(x, keys, bufs, lengths, mod).clone()
+        bufs["rerank"].fill_(-7)
+        o_w = compiled_decode(x, keys, bufs, lengths, mod, extra).clone()
         got = bufs["idx"].clone()
-        r = dict(overlap_vs_torch_topk_same_scores=overlap(got, same[keys]),
+        ref = same[keys] if keys in same else ref_topk_rerank(x, extra)
+        r = dict(overlap_vs_torch_topk_same_scores=overlap(got, ref),
                  attn_rel_vs_torch_on_its_set=rel(o_w, ref_attention(x, got[:, 0])))
         if keys != "bf16":
             r.update(overlap_vs_bf16_exact_set=overlap(got, want), out_rel_vs_bf16_keys_decode=rel(o_w, o))
@@ -263,6 +265,12 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline, quick
         check(f"whole decode, compiled kernels, {keys} keys", lambda: whole_check(keys))
         if baseline:
             check(f"whole decode, baseline kernels, {keys} keys", lambda: whole_check(keys, baseline))
+    for e in EXTRAS:
+        for rank, min_rows in RANKS.items():
+            dsa_rerank.RANK_SELECT_MIN_ROWS = min_rows
+            check(f"whole decode, compiled kernels, fp8-rerank keys E={e} [{rank}]",
+                  lambda: whole_check("fp8-rerank", extra=e))
+    dsa_rerank.RANK_SELECT_MIN_ROWS = RANK_DEFAULT
     for name in attn_variants:
         set_attention(ATTN_VARIANTS[name])
         check(f"whole decode, compiled kernels, fp8 keys [{name}]", lambda: whole_check("fp8"))
@@ -279,9 +287,9 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline, quick
 
     idx_bytes = B * L * DI * 2
     idx8_bytes = B * L * (DI + 4)
-    rerank_bytes = B * (TOPK + dsa_rerank.RERANK_EXTRA) * DI * 2
+    rerank_bytes = B * (TOPK + dsa_rerank.RERANK_EXTRA) * (DI * 3 // 2 + 4)
     attn_bytes = B * TOPK * DL * 2
-    per_set = idx_bytes + idx8_bytes + B * L * DL * 2
+    per_set = idx_bytes + idx8_bytes + B * L * (DI * 3 // 2 + 4) + B * L * DL * 2
     n_sets = max(1, math.ceil(3 * L2_BYTES / per_set))
     sets = [x] + [make(B, L, seed=100 + i, dev=DEV) for i in range(n_sets - 1)]
     for s in sets:
@@ -310,7 +318,7 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline, quick
 
     def topk_fp8_rerank(i):
         s = sets[i]
-        return dsa_decode_topk(s["q_i"], s["w"], s["k8"], TOPK, k_scale=s["ks"], k_exact=s["k_i"])
+        return dsa_decode_topk(s["q_i"], s["w"], s["k8r"], TOPK, k_scale=s["ksr"], k_lo=s["lor"])
 
     def full_bf16(i):
         s = sets[i]
@@ -318,7 +326,7 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline, quick
 
     def full_fp8_rerank(i):
         s = sets[i]
-        return dsa_decode(s["q_i"], s["w"], s["k8"], s["q"], s["kv"], k_scale=s["ks"], k_exact=s["k_i"])
+        return dsa_decode(s["q_i"], s["w"], s["k8r"], s["q"], s["kv"], k_scale=s["ksr"], k_lo=s["lor"])
 
     out_attn = [torch.empty(B, 1, H, DV, dtype=torch.bfloat16, device=DEV) for _ in sets]
     idx_all = [topk_bf16(i) for i in range(n_sets)]
@@ -349,33 +357,38 @@ def run_case(B, L, rows, checks, attn_variants, select_variants, baseline, quick
                                                                ordered=True)), idx_bytes)
     timed("k3c index scan + radix top-k, fp8 keys [fp8 q], no rerank", topk_fp8, idx8_bytes)
     if not quick:
-        timed("k3c index scan + radix top-k, fp8 keys + rerank", topk_fp8_rerank, idx8_bytes + rerank_bytes)
+        timed("k3c index scan + radix top-k, fp8-rerank keys", topk_fp8_rerank, idx8_bytes + rerank_bytes)
     for name in attn_variants:
         set_attention(ATTN_VARIANTS[name])
         timed(f"k3c sparse latent attention (2048 rows) [{name}]", attn_only, attn_bytes)
     restore()
-    wbufs = [decode_buffers(B, L, DEV) for _ in sets]
-    for keys, label in (("bf16", "bf16 keys"), ("fp8", "fp8 keys (e4m3 q)")):
-        nbytes = decode_bytes(B, L, keys != "bf16")
+    wbufs = {e: [decode_buffers(B, L, DEV, e) for _ in sets] for e in EXTRAS}
+    forms = [("bf16", "bf16 keys", EXTRAS[0], RANK_DEFAULT), ("fp8", "fp8 keys (e4m3 q)", EXTRAS[0], RANK_DEFAULT)]
+    forms += [("fp8-rerank", f"fp8-rerank keys (E = {e}, {rank})", e, min_rows) for e in EXTRAS
+              for rank, min_rows in RANKS.items()]
+    for keys, label, e, min_rows in forms:
+        dsa_rerank.RANK_SELECT_MIN_ROWS = min_rows
+        nbytes = decode_bytes(B, L, keys, e)
         timed(f"k3c whole DSA decode, compiled kernels, {label}",
-              lambda i: compiled_decode(sets[i], keys, wbufs[i], lengths), nbytes)
-        if baseline:
+              lambda i: compiled_decode(sets[i], keys, wbufs[e][i], lengths, extra=e), nbytes)
+        if baseline and keys != "fp8-rerank":
             timed(f"baseline whole DSA decode, compiled kernels, {label}",
-                  lambda i: compiled_decode(sets[i], keys, wbufs[i], lengths, baseline), nbytes)
-        profile(f"B={B} L={L} whole decode {label}", lambda: compiled_decode(x, keys, wbufs[0], lengths))
+                  lambda i: compiled_decode(sets[i], keys, wbufs[e][i], lengths, baseline), nbytes)
+        profile(f"B={B} L={L} whole decode {label}", lambda: compiled_decode(x, keys, wbufs[e][0], lengths, extra=e))
+    dsa_rerank.RANK_SELECT_MIN_ROWS = RANK_DEFAULT
     for name in attn_variants:
         set_attention(ATTN_VARIANTS[name])
         timed(f"k3c whole DSA decode, compiled kernels, fp8 keys (e4m3 q) [{name}]",
-              lambda i: compiled_decode(sets[i], "fp8", wbufs[i], lengths), decode_bytes(B, L, True))
+              lambda i: compiled_decode(sets[i], "fp8", wbufs[EXTRAS[0]][i], lengths), decode_bytes(B, L, "fp8"))
     restore()
     if quick:
         return
     for name, fn, nbytes in (("k3c DSA decode: top-k + attention, bf16 keys", full_bf16, idx_bytes + attn_bytes),
-                             ("k3c DSA decode: top-k + attention, fp8 keys + rerank", full_fp8_rerank,
+                             ("k3c DSA decode: top-k + attention, fp8-rerank keys", full_fp8_rerank,
                               idx8_bytes + rerank_bytes + attn_bytes)):
         timed(name, fn, nbytes)
     profile(f"B={B} L={L} bf16", lambda: full_bf16(0))
-    profile(f"B={B} L={L} fp8 + rerank", lambda: full_fp8_rerank(0))
+    profile(f"B={B} L={L} fp8-rerank", lambda: full_fp8_rerank(0))
     if baseline:
         profile(f"B={B} L={L} baseline compiled path", lambda: outs[0].copy_(baseline.dsa_decode_topk(
             x["q_i"], x["w"], x["k_i"], TOPK, ordered=True)))
@@ -392,9 +405,11 @@ def main():
     ap.add_argument("--baseline", default="", help="a previous dsa_decode.py to time in the same run")
     ap.add_argument("--rep", type=int, default=200, help="ms per timing replay (do_bench_cudagraph's rep)")
     ap.add_argument("--quick", action="store_true", help="the sets, the whole step and the variants only")
+    ap.add_argument("--extras", default=str(dsa_rerank.RERANK_EXTRA), help="fp8-rerank's E values (whole step)")
     args = ap.parse_args()
-    global REP_MS
+    global REP_MS, EXTRAS
     REP_MS = args.rep
+    EXTRAS = tuple(int(e) for e in args.extras.split(","))
     attn_variants = list(ATTN_VARIANTS) if args.attention == "all" else [v for v in args.attention.split(",") if v]
     select_variants = [v for v in args.select.split(",") if v]
     unknown = [v for v in attn_variants if v not in ATTN_VARIANTS] + [v for v in select_variants

@@ -4,14 +4,16 @@ Runs the reference model (models/k3.py) on a prompt and teacher-forced decode st
 once per FP8 option, with the indexer's selection replaced by the math of `k3c.codegen.triton.dsa_decode`:
   fp8 keys        k = scale * k8 (e4m3, one fp32 scale per key, `quantize_index_keys`); q exact
   fp8 keys + q    q also e4m3 per head (FP8_QUERY: the scan's fp8 x fp8 product)
-  + rerank N      the topk + N best fp8 scores re-ranked by their exact scores (`k_exact`)
   k3c fp8         `k3c compile --dsa-index-keys fp8`: the IR ops' semantics (`fp8_quantize`, `dsa_index_topk` with
                   k_scale: q rounded to bf16, then e4m3 per head), no exact keys kept
-  compiled        (--artifact) the compiled artifact itself: k3.1-pro-tiny compiled plan-only with
-                  --dsa-index-keys fp8, its prefill / decode graphs (every pass run) interpreted with the model's
-                  weights
-Every decode step's fp8 selection is also run through the Triton kernel (`dsa_decode_topk`, interpreter) and must
-equal this script's torch selection (KERNEL line). Errors per call: max |a - b| / max |b| over the vocabulary
+  k3c fp8-rerank E  `--dsa-index-keys fp8-rerank` (`fp8_split`, `dsa_index_topk` with k_lo, rerank E): the topk + E
+                  best by the e4m3 scan re-ranked by their joined keys (e4m3 + 4-bit residual) with the exact q; E =
+                  4, 16 and the option's DSA_RERANK_EXTRA (every key a candidate in the tiny model)
+  compiled        (--artifact) the compiled artifacts themselves: k3.1-pro-tiny compiled plan-only with
+                  --dsa-index-keys fp8 and fp8-rerank, their prefill / decode graphs (every pass run) interpreted
+                  with the model's weights
+Every decode step's fp8 and fp8-rerank selection is also run through the Triton kernels (`dsa_decode_topk`,
+interpreter) and must equal this script's torch selection (KERNEL line). Errors per call: max |a - b| / max |b| over the vocabulary
 (worst call), how often the greedy token agrees, and the mean overlap of each selection with the exact indexer's
 (rows with more visible keys than topk). --scale L adds the overlap at full size (K3.1 Pro's indexer: 32 heads of
 128, top-2048 of L Gaussian keys, LayerNorm'd; Gaussian queries and head weights), where rounding moves more keys
@@ -31,8 +33,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from k3c.codegen.triton import dsa_decode as dd, dsa_rerank  # noqa: E402
-from k3c.ir.ops.model_attn import dsa_index_topk_ref, fp8_quantize_ref  # noqa: E402
+from k3c.codegen.triton import dsa_decode as dd  # noqa: E402
+from k3c.context import DSA_RERANK_EXTRA  # noqa: E402
+from k3c.ir.ops.model_attn import dsa_index_topk_ref, fp8_quantize_ref, fp8_split_ref  # noqa: E402
 from models import layers  # noqa: E402
 from models.k3 import K3Config, K3ForCausalLM  # noqa: E402
 from models.ops import dsa_scores  # noqa: E402
@@ -45,13 +48,9 @@ def fp8_per_row(x):
     return (x / scale).to(torch.float8_e4m3fn).float() * scale
 
 
-def select(scores, exact, topk, extra):
-    """Causal top-k by `scores` (fp8); with extra: the topk + extra best re-ranked by `exact`. [B,T,L] -> [B,T,topk]."""
+def select(scores, topk):
+    """Causal top-k by `scores`. [B,T,L] -> [B,T,topk]."""
     L = scores.shape[-1]
-    if extra is not None:
-        cand = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :topk + extra]
-        keep = torch.full_like(exact, float("-inf")).scatter(-1, cand, exact.gather(-1, cand))
-        scores = torch.where(torch.isfinite(scores), keep, float("-inf"))
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :topk]
     idx = torch.where(torch.isfinite(scores.gather(-1, order)), order, -1)
     return torch.nn.functional.pad(idx, (0, max(0, topk - L)), value=-1)
@@ -65,8 +64,8 @@ def overlap(idx, exact):
 
 
 class Fp8Indexer:
-    """Replacement for `layers.Indexer.forward` with the chosen FP8 option ("k3c": the IR ops' semantics); counts
-    kernel agreement at decode and the overlap with the exact selection."""
+    """Replacement for `layers.Indexer.forward` with the chosen FP8 option ("k3c": the IR ops' semantics, with
+    extra: fp8-rerank's); counts kernel agreement at decode and the overlap with the exact selection."""
 
     def __init__(self, query_fp8, extra):
         self.query_fp8, self.extra, self.kernel_steps, self.kernel_equal = query_fp8, extra, 0, 0
@@ -78,19 +77,24 @@ class Fp8Indexer:
         new_cache[prefix + "index_k"] = keys
         q_idx = mod.wq_b(qr).reshape(B, T, mod.J, mod.Dk)
         w = mod.weights_proj(x) * (mod.J ** -0.5 * mod.Dk ** -0.5)
-        exact = select(dsa_scores(q_idx, w, keys), None, mod.topk, None)
-        if self.query_fp8 == "k3c":
+        exact = select(dsa_scores(q_idx, w, keys), mod.topk)
+        if self.query_fp8 == "k3c" and self.extra is not None:
+            (idx,) = dsa_index_topk_ref({"topk": mod.topk, "rerank": self.extra}, q_idx, w, *fp8_split_ref({}, keys))
+        elif self.query_fp8 == "k3c":
             (idx,) = dsa_index_topk_ref({"topk": mod.topk}, q_idx, w, *fp8_quantize_ref({}, keys))
         else:
             q8 = fp8_per_row(q_idx) if self.query_fp8 else q_idx
-            idx = select(dsa_scores(q8, w, fp8_per_row(keys)), dsa_scores(q_idx, w, keys), mod.topk, self.extra)
+            idx = select(dsa_scores(q8, w, fp8_per_row(keys)), mod.topk)
         hits, rows = overlap(idx, exact)
         self.hits, self.rows = self.hits + hits, self.rows + rows
         if T == 1 and self.query_fp8 is True:      # the kernel computes exactly this option (fp8 q, FP8_QUERY)
             k8, ks = dd.quantize_index_keys(keys)
-            k_exact = keys if self.extra is not None else None
-            got = dd.dsa_decode_topk(q_idx[:, 0], w[:, 0], k8, mod.topk, k_scale=ks, ordered=True, k_exact=k_exact,
-                                     rerank_extra=self.extra or 0)
+            got = dd.dsa_decode_topk(q_idx[:, 0], w[:, 0], k8, mod.topk, k_scale=ks, ordered=True)
+        elif T == 1 and self.extra is not None:     # fp8-rerank: the scan, the selection and the re-rank kernels
+            k8, ks, lo = fp8_split_ref({}, keys)
+            got = dd.dsa_decode_topk(q_idx[:, 0], w[:, 0], k8, mod.topk, k_scale=ks, ordered=True, k_lo=lo,
+                                     rerank_extra=self.extra)
+        if T == 1 and (self.query_fp8 is True or self.extra is not None):
             self.kernel_steps += 1
             self.kernel_equal += int(torch.equal(got, idx))
         return idx
@@ -106,8 +110,8 @@ def run(model, tokens, prompt):
     return torch.stack(out)
 
 
-def run_artifact(model, tokens, prompt):
-    """`run` on the compiled artifact's graphs: k3.1-pro-tiny compiled plan-only (f32) with --dsa-index-keys fp8,
+def run_artifact(model, tokens, prompt, keys):
+    """`run` on the compiled artifact's graphs: k3.1-pro-tiny compiled plan-only (f32) with --dsa-index-keys `keys`,
     its prefill and decode graphs interpreted with `model`'s weights, the caches carried between calls."""
     from k3c.compile import CompileOptions, compile_model
     from k3c.ir import serialize
@@ -118,7 +122,7 @@ def run_artifact(model, tokens, prompt):
     B, n = tokens.shape
     with tempfile.TemporaryDirectory() as tmp:
         opts = CompileOptions(model.config.name, Path(tmp) / "art", target="h200", dtype="f32", max_batch=B,
-                              max_seq=n, max_prefill=prompt, plan_only=True, dsa_index_keys="fp8")
+                              max_seq=n, max_prefill=prompt, plan_only=True, dsa_index_keys=keys)
         compile_model(opts)
         graphs = {e: serialize.load(opts.out / "graph" / f"{e}.json") for e in ("prefill", "decode")}
     named = {k: p.detach() for k, p in model.named_parameters()}
@@ -136,24 +140,26 @@ def run_artifact(model, tokens, prompt):
 
 
 def overlap_at_scale(L, rows=4, J=32, D=128, topk=2048, seed=0):
-    """Mean overlap with the exact top-k of: the k3c fp8 semantics, fp8 keys with an exact q, and the k3c fp8
-    selection of topk + 2048 re-ranked exactly (`dsa_rerank.RERANK_EXTRA`); `rows` decode queries over L keys."""
+    """Mean overlap with the exact top-k of: the k3c fp8 semantics, fp8 keys with an exact q, and the k3c fp8-rerank
+    semantics (E = DSA_RERANK_EXTRA); `rows` decode queries over L keys (f32 LayerNorm'd Gaussian keys: the
+    residuals' 4 bits join them to bf16 precision, not exactly)."""
     gen = torch.Generator().manual_seed(seed)
     keys = torch.nn.functional.layer_norm(torch.randn(1, L, D, generator=gen), (D,))
     k8, ks = fp8_quantize_ref({}, keys)
-    res = {"k3c fp8 (e4m3 q and keys)": 0.0, "fp8 keys, exact q": 0.0, "k3c fp8 + rerank 2048": 0.0}
+    split = fp8_split_ref({}, keys)
+    rerank = f"k3c fp8-rerank E = {DSA_RERANK_EXTRA}"
+    res = {"k3c fp8 (e4m3 q and keys)": 0.0, "fp8 keys, exact q": 0.0, rerank: 0.0}
     for _ in range(rows):
         q = torch.randn(1, 1, J, D, generator=gen)
         w = torch.randn(1, 1, J, generator=gen) * (J ** -0.5 * D ** -0.5)
         exact_s = dsa_scores(q, w, keys)
-        exact = select(exact_s, None, topk, None)
+        exact = select(exact_s, topk)
         (fp8,) = dsa_index_topk_ref({"topk": topk}, q, w, k8, ks)
         fp8_s = dsa_scores(q, w, k8.float() * ks[..., None])
         res["k3c fp8 (e4m3 q and keys)"] += overlap(fp8, exact)[0] / rows
-        res["fp8 keys, exact q"] += overlap(select(fp8_s, None, topk, None), exact)[0] / rows
-        q8, sq = fp8_quantize_ref({}, q.to(torch.bfloat16))
-        k3c_s = dsa_scores(q8.float(), w * sq, k8.float()) * ks[:, None]
-        res["k3c fp8 + rerank 2048"] += overlap(select(k3c_s, exact_s, topk, dsa_rerank.RERANK_EXTRA), exact)[0] / rows
+        res["fp8 keys, exact q"] += overlap(select(fp8_s, topk), exact)[0] / rows
+        (rr,) = dsa_index_topk_ref({"topk": topk, "rerank": DSA_RERANK_EXTRA}, q, w, *split)
+        res[rerank] += overlap(rr, exact)[0] / rows
     return res
 
 
@@ -163,7 +169,8 @@ def main():
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--artifact", action="store_true", help="also run the compiled --dsa-index-keys fp8 artifact")
+    ap.add_argument("--artifact", action="store_true", help="also run the compiled --dsa-index-keys fp8 and "
+                    "fp8-rerank artifacts")
     ap.add_argument("--scale", type=int, default=0, help="also the overlap at full size over this many keys")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -182,8 +189,9 @@ def main():
               f"{cfg.index_head_dim} index heads")
         original = layers.Indexer.forward
         for name, query_fp8, extra in (("fp8 keys", False, None), ("fp8 keys + fp8 q", True, None),
-                                       ("fp8 keys + fp8 q + rerank 4", True, 4),
-                                       ("fp8 keys + fp8 q + rerank 16", True, 16), ("k3c fp8", "k3c", None)):
+                                       ("k3c fp8", "k3c", None), ("k3c fp8-rerank E = 4", "k3c", 4),
+                                       ("k3c fp8-rerank E = 16", "k3c", 16),
+                                       (f"k3c fp8-rerank E = {DSA_RERANK_EXTRA}", "k3c", DSA_RERANK_EXTRA)):
             hook = Fp8Indexer(query_fp8, extra)
             layers.Indexer.forward = lambda mod, *a, hook=hook: hook(mod, *a)
             try:
@@ -197,11 +205,11 @@ def main():
             if hook.kernel_steps:
                 print(f"KERNEL {name}: dsa_decode_topk == torch selection in {hook.kernel_equal} / "
                       f"{hook.kernel_steps} decode calls")
-        if args.artifact:
-            got = run_artifact(model, tokens, args.prompt)
+        for keys in ("fp8", "fp8-rerank") if args.artifact else ():
+            got = run_artifact(model, tokens, args.prompt, keys)
             err = ((got - exact).abs().amax(-1) / exact.abs().amax(-1)).max().item()
             agree = (got.argmax(-1) == exact.argmax(-1)).float().mean().item()
-            print(f"ROW compiled --dsa-index-keys fp8: max rel logits error {err:.3e}, greedy agreement "
+            print(f"ROW compiled --dsa-index-keys {keys}: max rel logits error {err:.3e}, greedy agreement "
                   f"{100 * agree:.1f} %")
     if args.scale:
         for name, v in overlap_at_scale(args.scale).items():

@@ -10,7 +10,8 @@ routed experts as the checkpoint stores them, MXFP4 bits included, unless `exper
 build) to `weights/params.safetensors` (byte counts: plan.json's "weights"); `--report` adds what the HTML report
 shows (`k3c.report.collect`: the IR after every pass, per-kernel costs) under `report/`. `kda_state_dtype` ("f32" |
 "bf16") is the KDA recurrent state's storage from the import on (its pool is half the bytes in bf16), recorded in
-the manifest; so is `dsa_index_keys` ("bf16" | "fp8": e4m3 index keys + f32 scale pools, `k3c.frontend.index_keys`).
+the manifest; so is `dsa_index_keys` ("bf16" | "fp8": e4m3 index keys + f32 scale pools | "fp8-rerank": + 4-bit
+residual pools, `k3c.frontend.index_keys`).
 With `--tp N` the `parallel` phase splits the model (`k3c.parallel`);
 one graph, schedule and plan serve every rank (the same shapes: only weights and the collectives' values differ by
 rank), and rank r's weights go to `weights/rank{r}.safetensors`; the summary adds the bytes each rank communicates
@@ -76,7 +77,7 @@ class CompileOptions:
     experts_dtype: str | None = None  # routed experts: "mxfp4" or "bf16" (dense, in `dtype`); None: as the checkpoint
     all_logits: bool = False  # also compile `prefill_all` (prefill returning every position's logits)
     kda_state_dtype: str = "f32"  # the KDA recurrent state's storage: "f32" or "bf16" (CompileContext)
-    dsa_index_keys: str = "bf16"  # the DSA index-key cache: "bf16" (the model's dtype) or "fp8" (CompileContext)
+    dsa_index_keys: str = "bf16"  # the DSA index-key cache: "bf16" (the model's dtype), "fp8", "fp8-rerank" (CompileContext)
 
 
 def compile_model(opts: CompileOptions, progress=None) -> dict:

@@ -25,8 +25,13 @@ DTYPES = ("bf16", "f32")
 #: storage of the KDA recurrent state (`kda_state_dtype`): the kernels load it, compute in f32 and round it on store
 KDA_STATE_DTYPES = ("f32", "bf16")
 #: storage of the DSA indexer's key cache (`dsa_index_keys`): "bf16" = the model's dtype; "fp8" = e4m3 keys with one
-#: f32 scale per key (`fp8_quantize`), scored with e4m3 queries (`dsa_index_topk_ref`)
-DSA_INDEX_KEYS = ("bf16", "fp8")
+#: f32 scale per key (`fp8_quantize`), scored with e4m3 queries (`dsa_index_topk_ref`); "fp8-rerank" = e4m3 keys with a
+#: power-of-two scale and a 4-bit low residual per element (`fp8_split`), the topk + DSA_RERANK_EXTRA best by the
+#: e4m3 scan re-ranked by their joined keys' exact scores
+DSA_INDEX_KEYS = ("bf16", "fp8", "fp8-rerank")
+#: E of "fp8-rerank" (the op's `rerank` attr): Gaussian keys at 128K-1M keep >= 99.6 % of the exact top-2048 with
+#: 512 (BENCHMARKS.md "FP8 index keys + 4-bit residual")
+DSA_RERANK_EXTRA = 512
 
 
 def bounds_bindings(entry: str, max_batch: int, max_seq: int, max_prefill: int) -> dict[str, int]:
@@ -72,8 +77,9 @@ class CompileContext:
     pool ("f32" | "bf16": half the bytes; every update still computes in f32 and rounds the new state once per
     call, `kda_fused_ref`); independent of `dtype` (an f32 model with a bf16 state keeps everything else f32).
     dsa_index_keys: storage of every DSA layer's index-key cache ("bf16": the model's dtype; "fp8": e4m3 keys
-    [B,L,D] + f32 scales [B,L], 132 instead of 256 bytes per token at D = 128; the import carries it in the cache
-    values' dtypes, `k3c.frontend.index_keys`).
+    [B,L,D] + f32 scales [B,L], 132 instead of 256 bytes per token at D = 128; "fp8-rerank": the same + 4-bit
+    residuals u8 [B,L,D/2], 196 bytes, the scan still reading 132; the import carries it in the cache values'
+    dtypes, `k3c.frontend.index_keys`).
     mxfp4_scale_max: the largest E8M0 scale byte of the checkpoint's MXFP4 experts, which the driver reads with
     them (`k3c.compile`); None: not known (no weights, or dense experts). `pack_experts` records it on the
     `moe_experts` nodes as `scale_max`, where code generators may use it (it never changes a value).

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from k3c.context import check_dsa_index_keys, check_kda_state
+from k3c.context import DSA_RERANK_EXTRA, check_dsa_index_keys, check_kda_state
 from k3c.errors import ConfigError
 from k3c.ir.formats import MXFP4_BITS
 from k3c.memory.pools import cache_pools, pools_total_bytes
@@ -110,13 +110,16 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     max_batch / max_seq bound the caches; the decode step is estimated at batch `max_batch` and `context` cached
     tokens (default max_seq); routed experts sized as `experts_dtype` (see `weights`); the KDA state stored as
     `kda_state_dtype` ("f32" | "bf16", `k3c compile --kda-state`); the DSA index keys as `dsa_index_keys` ("fp8":
-    e4m3 + one f32 scale per key, K3-SPEC.md's sizes; "bf16"; `k3c compile --dsa-index-keys`, whose default is bf16).
+    e4m3 + one f32 scale per key, K3-SPEC.md's sizes; "fp8-rerank": + a 4-bit residual per element, the scan
+    reading the fp8 part and the re-rank the topk + E candidates' residuals; "bf16"; `k3c compile
+    --dsa-index-keys`, whose default is bf16).
     Raises ConfigError for tp < 1, bounds < 1, max_seq beyond the model's context, a context outside [0, max_seq],
     a bad experts, KDA state or index-key dtype.
     """
     check_kda_state(kda_state_dtype)
     check_dsa_index_keys(dsa_index_keys)
-    fp8_keys = dsa_index_keys == "fp8"
+    fp8_keys = dsa_index_keys != "bf16"
+    residuals = dsa_index_keys == "fp8-rerank"
     target = load_target(target)
     if tp < 1 or max_batch < 1 or max_seq < 1:
         raise ConfigError(f"tp ({tp}), max_batch ({max_batch}) and max_seq ({max_seq}) must be >= 1")
@@ -140,7 +143,7 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
                         kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim, dsa_layers=n_dsa,
                         index_head_dim=cfg.index_head_dim, state_dtype=kda_state_dtype,
                         index_dtype="float8_e4m3fn" if fp8_keys else "bfloat16",
-                        index_scale_dtype="float32" if fp8_keys else None)
+                        index_scale_dtype="float32" if fp8_keys else None, index_residuals=residuals)
     pool_bytes = pools_total_bytes(pools)
     weight_gpu = w.bytes_per_rank
     # decode step, per GPU
@@ -151,7 +154,8 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     lat = cfg.mla_cache_width * 2
     attn_tokens = min(L, cfg.index_topk) if n_dsa else L
     key_bytes = cfg.index_head_dim + 4 if fp8_keys else cfg.index_head_dim * 2     # per cached token
-    kv_read = B * ((n_global - n_dsa) * L * lat + n_dsa * (attn_tokens * lat + L * key_bytes))
+    rerank = min(L, cfg.index_topk + DSA_RERANK_EXTRA) * (cfg.index_head_dim * 3 // 2 + 4) if residuals else 0
+    kv_read = B * ((n_global - n_dsa) * L * lat + n_dsa * (attn_tokens * lat + L * key_bytes + rerank))
     bytes_gpu = (w_read + kv_read) / tp + 2 * kda_state
     H = cfg.num_attention_heads
     attn_flops = B * n_global * 2 * H * attn_tokens * (cfg.mla_cache_width + cfg.kv_lora_rank)

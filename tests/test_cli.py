@@ -47,7 +47,7 @@ def test_argument_errors_answer_before_torch(tmp_path):
                           (["compile", "k3-tiny", "-o", str(tmp_path / "a"), "--kda-state", "fp8"],
                            "--kda-state fp8 (kda_state_dtype): expected one of f32, bf16"),
                           (["compile", "k3-tiny", "-o", str(tmp_path / "a"), "--dsa-index-keys", "fp4"],
-                           "--dsa-index-keys fp4 (dsa_index_keys): expected one of bf16, fp8"),
+                           "--dsa-index-keys fp4 (dsa_index_keys): expected one of bf16, fp8, fp8-rerank"),
                           (["compile", "k3-tiny", "-o", str(tmp_path / "a"), "--max-sq", "9"],
                            "No such option: --max-sq"),
                           (["compile", "k3-tiny", "-o", str(tmp_path / "a"), "--plan-only", "--report",

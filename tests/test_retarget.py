@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from k3c.context import DSA_RERANK_EXTRA
 from k3c.errors import ConfigError
 from k3c.retarget import MXFP4_BITS, estimate, weights
 from models.config import K3Config
@@ -105,10 +106,11 @@ def test_plan_counts_a_bf16_state_at_half_the_bytes():
         estimate(cfg, "h200", kda_state_dtype="fp8")
 
 
-def test_plan_counts_fp8_index_keys_with_their_scales():
+def test_plan_counts_fp8_index_keys_with_their_scales_and_residuals():
     """`k3c plan --dsa-index-keys`: fp8 (the default, K3-SPEC "Sizes": 128 B per token per DSA layer) adds one f32
-    scale per key, as `k3c compile --dsa-index-keys fp8` stores them; bf16 keys are 2 B per value. A decode step
-    reads every cached key of every DSA layer once."""
+    scale per key, as `k3c compile --dsa-index-keys fp8` stores them; bf16 keys are 2 B per value; fp8-rerank adds
+    4 bits per value. A decode step reads every cached key of every DSA layer once (fp8-rerank: and the topk + E
+    candidates' keys, scales and residuals)."""
     cfg = K3Config.from_pretrained("k3.1-pro")
     fp8, bf16 = (estimate(cfg, "h200", 16, max_batch=2, max_seq=1 << 17, dsa_index_keys=d) for d in ("fp8", "bf16"))
     n = 24 * 2 * (1 << 17)                                  # DSA layers x sequences x tokens
@@ -118,5 +120,12 @@ def test_plan_counts_fp8_index_keys_with_their_scales():
     assert bf16.pools["dsa_index_keys"]["bytes"] == n * 256
     assert bf16.pool_bytes_per_gpu - fp8.pool_bytes_per_gpu == n * (256 - 132)
     assert (bf16.decode_bytes_per_gpu - fp8.decode_bytes_per_gpu) * 16 == pytest.approx(n * (256 - 132))
-    with pytest.raises(ConfigError, match=r"^--dsa-index-keys fp16 \(dsa_index_keys\): expected one of bf16, fp8$"):
+    with pytest.raises(ConfigError, match=r"^--dsa-index-keys fp16 \(dsa_index_keys\): expected one of bf16, fp8, "
+                                          r"fp8-rerank$"):
         estimate(cfg, "h200", dsa_index_keys="fp16")
+    rr = estimate(cfg, "h200", 16, max_batch=2, max_seq=1 << 17, dsa_index_keys="fp8-rerank")   # + 4-bit residuals
+    assert rr.pools["dsa_index_residuals"] == {"shape": [24, 2, 1 << 17, 64], "dtype": "uint8", "bytes": n * 64,
+                                               "doc": rr.pools["dsa_index_residuals"]["doc"]}
+    assert rr.pool_bytes_per_gpu - fp8.pool_bytes_per_gpu == n * 64 and "dsa_index_residuals" not in fp8.pools
+    extra = 24 * 2 * (2048 + DSA_RERANK_EXTRA) * (128 + 64 + 4)     # the re-ranked candidates' keys per decode step
+    assert (rr.decode_bytes_per_gpu - fp8.decode_bytes_per_gpu) * 16 == pytest.approx(extra)

@@ -94,8 +94,10 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                                               "bf16 (half the pool bytes; computed in f32, rounded once per call; "
                                               "Triton backend only)"),
                 dsa_index_keys: str = typer.Option("bf16", "--dsa-index-keys", help="storage of the DSA indexer's "
-                                                   "key cache: bf16 or fp8 (e4m3 + one f32 scale per key: 132 "
-                                                   "instead of 256 B per token; Triton backend only)")):
+                                                   "key cache: bf16, fp8 (e4m3 + one f32 scale per key: 132 "
+                                                   "instead of 256 B per token) or fp8-rerank (+ a 4-bit residual "
+                                                   "per element, 196 B: the scan reads 132, the top candidates are "
+                                                   "re-ranked exactly); fp8 options: Triton backend only")):
     """Compile MODEL into an artifact: kernels, memory plan, schedule, weights, cost report."""
     from k3c.context import check_dsa_index_keys, check_kda_state
     from k3c.targets import load_target

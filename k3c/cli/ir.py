@@ -183,8 +183,8 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
                                             help="mxfp4: round the random experts to MXFP4 and check the MXFP4 "
                                                  "graph (pack_experts) [default: as the config]"),
           kda_state: str = typer.Option("f32", "--kda-state", help="KDA recurrent state stored as f32 or bf16"),
-          dsa_index_keys: str = typer.Option("bf16", "--dsa-index-keys", help="DSA index keys stored as bf16 or "
-                                             "fp8 (e4m3 + one f32 scale per key)")):
+          dsa_index_keys: str = typer.Option("bf16", "--dsa-index-keys", help="DSA index keys stored as bf16, "
+                                             "fp8 (e4m3 + one f32 scale per key) or fp8-rerank (+ 4-bit residuals)")):
     """Per-pass numeric validation: interpret the graph before and after every pass on random inputs."""
     from k3c.context import CompileContext, check_dsa_index_keys, check_kda_state
     from k3c.frontend import import_model

@@ -19,7 +19,8 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
                                            help="routed experts stored as mxfp4 or bf16 [default: as the checkpoint]"),
          kda_state: str = typer.Option("f32", "--kda-state", help="KDA recurrent state stored as f32 or bf16"),
          dsa_index_keys: str = typer.Option("fp8", "--dsa-index-keys", help="DSA index keys stored as fp8 (e4m3 + "
-                                            "one f32 scale per key, as K3-SPEC sizes them) or bf16"),
+                                            "one f32 scale per key, as K3-SPEC sizes them), fp8-rerank (+ a 4-bit "
+                                            "residual per element: exact re-rank of the top candidates) or bf16"),
          json_out: bool = typer.Option(False, "--json", help="print JSON instead of a table")):
     """What MODEL needs on N GPUs of TARGET: memory per GPU and a decode-step roofline (no hardware needed)."""
     import json

@@ -26,7 +26,7 @@ layer reads `cast(state, f32)` and its new state is `cast(new_state, bf16)`, rou
 folds both casts into `kda_fused`). A bf16 conv state is read and written through casts the same way.
 With `dsa_index_keys="fp8"` every DSA layer's `layers.i.index_k` is f8e4m3 [B,L,Dk] with a second cache
 `layers.i.index_k_scale` f32 [B,L]: the appended keys are quantized once and the indexer scores e4m3 keys
-(`k3c.frontend.index_keys`).
+(`k3c.frontend.index_keys`); "fp8-rerank" adds a third, `layers.i.index_k_lo` u8 [B,L,Dk/2] (4-bit residuals).
 The cache's token count `pos` is kept by the runtime (the K3 family is NoPE: no op reads positions).
 Imported graphs are memoised on disk (`cache.py`, keyed by the config, parameter types and the importing code):
 torch.export runs only for a model this code has not imported before.
@@ -67,7 +67,7 @@ def import_model(model: K3ForCausalLM | K3Config | str, entry: str = "prefill",
     logits: "all" (every position's, as the model returns them) or "last" (the last position's: the head runs on
     that row only; the same for decode, where T = 1). kda_state: the KDA state's storage dtype ("f32" | "bf16";
     `CompileContext.kda_state_dtype`, see the module docstring). dsa_index_keys: the DSA index-key cache's
-    storage ("bf16" | "fp8"; `CompileContext.dsa_index_keys`, see the module docstring). progress(done, total) is called per layer; stats
+    storage ("bf16" | "fp8" | "fp8-rerank"; `CompileContext.dsa_index_keys`, see the module docstring). progress(done, total) is called per layer; stats
     (if given) receives timings in seconds and node counts.
     The graph is memoised on disk (`k3c.frontend.cache`): a model imported before by the same code is read back
     (stats["cached"] is True then, and progress is called once).
@@ -128,8 +128,10 @@ def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: 
         for k in layer_cache_keys(model, i):
             name = f"layers.{i}.{k}"
             cache_in[name] = g.add_input(name, _cache_type(model, i, k, kda_state, index_k))
-            if k == "index_k" and index_k == "fp8":
+            if k == "index_k" and index_k != "bf16":
                 cache_in[name + "_scale"] = g.add_input(name + "_scale", index_keys.scale_type(cache_in[name].type))
+            if k == "index_k" and index_k == "fp8-rerank":
+                cache_in[name + "_lo"] = g.add_input(name + "_lo", index_keys.lo_type(cache_in[name].type))
     im = FxImporter(g)
     subs_memo: dict[tuple, dict] = {}
 
@@ -161,7 +163,7 @@ def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: 
             param(prefix + key)
         layer_param = lambda fqn, prefix=prefix: param(prefix + fqn[len("layer."):])  # noqa: E731
         keys = layer_cache_keys(model, i)
-        fp8_keys = index_k == "fp8" and "index_k" in keys
+        fp8_keys = index_k != "bf16" and "index_k" in keys
         caches = [_state_cast(g, cache_in[f"layers.{i}.{k}"], "f32", i, k) if k in _F32_INSIDE else
                   index_keys.placeholder(g, cache_in[f"layers.{i}.{k}"], dtype_of(model.dtype), i)
                   if k == "index_k" and fp8_keys else cache_in[f"layers.{i}.{k}"] for k in keys]
@@ -182,12 +184,13 @@ def _import_prefill(model: K3ForCausalLM, progress, stats: dict | None, logits: 
             h = residual_add(h, y, i)
         if fp8_keys:
             j, name = keys.index("index_k"), f"layers.{i}.index_k"
-            new[j], scale = index_keys.quantize_appended_keys(g, i, cache_in[name], cache_in[name + "_scale"], new[j])
+            new[j], *extra = index_keys.quantize_appended_keys(g, i, cache_in[name], cache_in[name + "_scale"], new[j],
+                                                               cache_in.get(name + "_lo"))
         for k, v in zip(keys, new):
             g.set_output(f"layers.{i}.{k}", _state_cast(g, v, cache_in[f"layers.{i}.{k}"].type.dtype, i, k)
                          if k in _F32_INSIDE else v)
-        if fp8_keys:
-            g.set_output(f"layers.{i}.index_k_scale", scale)
+        for suffix, v in zip(("_scale", "_lo"), extra if fp8_keys else ()):
+            g.set_output(f"layers.{i}.index_k{suffix}", v)
         if progress:
             progress(i + 1, cfg.num_hidden_layers)
     head_param = lambda fqn: param(fqn if fqn.startswith("lm_head") else "model." + fqn)  # noqa: E731
@@ -256,7 +259,7 @@ def _cache_type(model: K3ForCausalLM, i: int, key: str, kda_state: str, index_k:
         return TensorType(("B", 3 * H * K, W), conv_state_dtype(model, i))
     return {"kda_state": TensorType(("B", H, K, K), kda_state),
             "kv": TensorType(("B", "L", cfg.mla_cache_width), dt),
-            "index_k": TensorType(("B", "L", cfg.index_head_dim), "f8e4m3" if index_k == "fp8" else dt)}[key]
+            "index_k": TensorType(("B", "L", cfg.index_head_dim), "f8e4m3" if index_k != "bf16" else dt)}[key]
 
 
 def conv_state_dtype(model: K3ForCausalLM, i: int) -> str:

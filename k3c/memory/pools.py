@@ -12,6 +12,8 @@ Pools (shapes; B = max_batch, S = max_seq):
 - mla_latent_kv   [L_global, B, S, kv_lora_rank + qk_rope_head_dim]   576 values per token (K3-SPEC "Gated MLA")
 - dsa_index_keys  [L_dsa, B, S, index_head_dim]   the indexer's key per token (K3-SPEC "Gated DSA"; FP8 default)
 - dsa_index_scales [L_dsa, B, S]                  f32 scale per FP8 key (`k3c compile --dsa-index-keys fp8`)
+- dsa_index_residuals [L_dsa, B, S, index_head_dim / 2]   4-bit low residual per FP8 key element, two a byte
+                                                  (`--dsa-index-keys fp8-rerank`)
 - attn_res_blocks [sources, T_max, hidden]   Block AttnRes sources (sealed blocks + partial sum) for every token
                                               in flight (T_max = max tokens per call, e.g. B × max_prefill)
 """
@@ -76,7 +78,7 @@ def cache_pools(*, max_batch: int, max_seq: int,
                 dsa_layers: int = 0, index_head_dim: int = 0,
                 attn_res_sources: int = 0, hidden_size: int = 0, max_tokens_in_flight: int = 0,
                 state_dtype: str = "float32", conv_dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
-                index_dtype: str = "float8_e4m3fn", index_scale_dtype: str | None = None,
+                index_dtype: str = "float8_e4m3fn", index_scale_dtype: str | None = None, index_residuals: bool = False,
                 attn_res_dtype: str = "bfloat16") -> dict[str, Pool]:
     """The persistent pools of one rank, by name, in a fixed order; kinds with zero layers are left out.
 
@@ -84,7 +86,8 @@ def cache_pools(*, max_batch: int, max_seq: int,
     Sizes: K3-SPEC.md "Sizes to check a memory plan against" (e.g. K3.1 Pro: kda_state 69×96×128×128×2 B
     ≈ 207 MiB in bf16 per sequence; mla_latent_kv 1152 B per token per global layer; dsa_index_keys 128 B per
     token per layer in FP8; attn_res_blocks 9×7168×2 B per token in flight). index_scale_dtype: None, or the dtype of
-    one scale per index key (f32 with the compiler's FP8 keys: 4 B per token per layer more).
+    one scale per index key (f32 with the compiler's FP8 keys: 4 B per token per layer more); index_residuals: the
+    4-bit residuals of `fp8-rerank` (index_head_dim / 2 B per token per layer more).
     Raises: ConfigError on a negative count, a missing width for a kind that has layers, or an unknown dtype.
     """
     ints = dict(max_batch=max_batch, max_seq=max_seq, kda_layers=kda_layers, kda_heads=kda_heads,
@@ -124,6 +127,10 @@ def cache_pools(*, max_batch: int, max_seq: int,
         if index_scale_dtype is not None:
             pools["dsa_index_scales"] = _pool("dsa_index_scales", (dsa_layers, B, S), index_scale_dtype,
                                               "one scale per FP8 index key [L_dsa, B, S]")
+        if index_residuals:
+            pools["dsa_index_residuals"] = _pool("dsa_index_residuals", (dsa_layers, B, S, index_head_dim // 2),
+                                                 "uint8", "4-bit residuals of the FP8 index keys, two a byte "
+                                                 "[L_dsa, B, S, D_I / 2]")
     if attn_res_sources:
         need("attn_res_sources", "hidden_size", "max_tokens_in_flight")
         pools["attn_res_blocks"] = _pool("attn_res_blocks", (attn_res_sources, max_tokens_in_flight, hidden_size),

@@ -5,7 +5,8 @@ The imported graph extends each KV / index-key cache functionally: `new_cache = 
 `cache_append(cache_in, rows)`, which the runtime executes by writing only the new rows into the pool that backs
 the cache (K3-SPEC.md "Sizes to check a memory plan against": the latent KV pool is the model's largest buffer, so
 it must never be copied). With FP8 index keys (`--dsa-index-keys fp8`) the keys' scales are a third appended cache,
-`layers.i.index_k_scale` [B, L] (`k3c.frontend.index_keys`). KDA states need no rewrite: `kda_fused` returns the new state and conv state, which the
+`layers.i.index_k_scale` [B, L] (`k3c.frontend.index_keys`; `fp8-rerank`: a fourth, the residuals
+`layers.i.index_k_lo` [B, L, D/2]). KDA states need no rewrite: `kda_fused` returns the new state and conv state, which the
 runtime binds to the same pool buffers as the inputs (updated in place).
 
 A cache output that is not produced this way raises IRError naming it: the runtime could not keep it in a pool.
@@ -19,7 +20,7 @@ from k3c.ir.graph import Graph, Node
 from k3c.passes.pipeline import register_pass
 
 STATE_SUFFIXES = (".kda_state", ".conv_state")
-APPEND_SUFFIXES = (".kv", ".index_k", ".index_k_scale")   # the last: FP8 index keys' scales
+APPEND_SUFFIXES = (".kv", ".index_k", ".index_k_scale", ".index_k_lo")   # FP8 index keys' scales, residuals
 
 
 @register_pass("bind_caches")

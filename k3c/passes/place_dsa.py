@@ -6,7 +6,8 @@ Per DSA layer i (a `dsa_index_topk` node whose keys are the `layers.i.index_k` c
    `<layer>.self_attn.kv_a_proj_with_indexer_wk.weight` = cat([kv_a_proj_with_mqa.weight, indexer.wk.weight]))
    split into (c, k_pe, k_idx); the indexer's `k_norm` and its cache append are scheduled right after the
    latent cache append, so both per-token cache entries (576 latent + 128 index values) are written together
-   (FP8 index keys, `k3c.frontend.index_keys`: the keys' `fp8_quantize` and the scale cache's append with them);
+   (FP8 index keys, `k3c.frontend.index_keys`: the keys' `fp8_quantize` or `fp8_split` and the scale (and
+   residual) caches' appends with them);
 2. makes the sparse attention consume the indices directly: `mla_attention(…, idx)` (built by `absorb_mla`; if
    that pass did not run, the dense mask scatter `scatter(zeros, idx + 1, ones)[..., 1:]` is replaced here with
    the same builder), and sets the guard `dense_max_keys = topk` on it: while the context has ≤ topk keys the
@@ -44,18 +45,19 @@ def _join_key_projection(graph: Graph, prefix: str, key_of: dict) -> list[Node]:
     if not kv_cat or not ik_cat or len(kv_cat.inputs) != 2 or len(ik_cat.inputs) != 2:
         return []
     new_kv = _p(graph, kv_cat.inputs[1], "cat")
-    quant = _p(graph, ik_cat.inputs[1], "fp8_quantize")        # FP8 keys: cat(k8, fp8_quantize(k_norm(...)))
+    quant = _p(graph, ik_cat.inputs[1], "fp8_quantize") or _p(graph, ik_cat.inputs[1], "fp8_split")  # FP8 keys
     ln = _p(graph, quant.inputs[0] if quant else ik_cat.inputs[1], "layer_norm")
-    scale_out = graph.outputs.get(prefix + "index_k_scale")
-    scale_cat = quant and scale_out is not None and _p(graph, scale_out, "cat")
-    if not new_kv or len(new_kv.inputs) != 2 or not ln or (quant and not scale_cat):
+    side = [graph.outputs.get(prefix + "index_k" + s) for s in ("_scale", "_lo")[:len(quant.outputs) - 1]] \
+        if quant else []                                          # the scale (and residual) caches' appends
+    side_cats = [v is not None and _p(graph, v, "cat") for v in side]
+    if not new_kv or len(new_kv.inputs) != 2 or not ln or not all(side_cats):
         return []
     norm = graph.producer(new_kv.inputs[0])
     split = graph.producer(new_kv.inputs[1])
     if norm is None or split is None or split.op != "split" or len(split.outputs) != 2:
         return []
     lin_kv, lin_ik = _p(graph, split.inputs[0], "linear"), _p(graph, ln.inputs[0], "linear")
-    group = [norm, new_kv, kv_cat, ln, *([quant, ik_cat, scale_cat] if quant else [ik_cat])]
+    group = [norm, new_kv, kv_cat, ln, *([quant, ik_cat, *side_cats] if quant else [ik_cat])]
     if not lin_kv or not lin_ik or len(lin_kv.inputs) != 2 or len(lin_ik.inputs) != 2:
         return group
     x, w_kv, w_ik = lin_kv.inputs[0], lin_kv.inputs[1], lin_ik.inputs[1]

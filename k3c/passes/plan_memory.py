@@ -36,7 +36,7 @@ VIEW_OPS = frozenset({"reshape", "expand", "unsqueeze", "squeeze"})
 #: views that are not contiguous in general: aliases only where torch launches read them (TORCH_BACKENDS)
 STRIDED_VIEW_OPS = frozenset({"slice", "select", "transpose", "permute"})
 TORCH_BACKENDS = frozenset({"library", "view"})
-POOL_SUFFIXES = (".kda_state", ".conv_state", ".kv", ".index_k", ".index_k_scale")
+POOL_SUFFIXES = (".kda_state", ".conv_state", ".kv", ".index_k", ".index_k_scale", ".index_k_lo")
 
 
 def pool_values(graph: Graph) -> set[Value]:

@@ -48,7 +48,7 @@ class Frame:
     def pool_view(self, pool: str, length: int) -> torch.Tensor:
         """Pool `pool` for the frame's batch: KV / index-key pools cut to `length` tokens, states whole."""
         p = self.session.pools[pool][:self.B]
-        return p[:, :length] if pool.endswith((".kv", ".index_k", ".index_k_scale")) else p
+        return p[:, :length] if pool.endswith((".kv", ".index_k", ".index_k_scale", ".index_k_lo")) else p
 
     def out(self, name: str) -> torch.Tensor | None:
         """The buffer value `name` is written to (a pool or the arena at its planned offset), or None (not planned)."""

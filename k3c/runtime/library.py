@@ -37,6 +37,33 @@ def _fp8_quantize(x):
     return [(xf / scale[..., None]).to(torch.float8_e4m3fn), scale]
 
 
+def _e4m3_unit(x8, toward_zero):
+    """Residual unit of e4m3 values (f32): ulp / 16 (2^(e - 7); 2^-13 below 2^-6), halved where `toward_zero` at a
+    power of two of at least 2^-5."""
+    bits = x8.float().view(torch.int32)
+    e = (bits >> 23) & 255
+    sh = e.clamp(min=121) - 7 - (((bits & 0x7FFFFF) == 0) & (e >= 122) & toward_zero).to(torch.int32)
+    return (sh << 23).view(torch.float32)
+
+
+def _fp8_split(x):
+    """x [..., D] -> (e4m3 [..., D], f32 scale [...], u8 residuals [..., D / 2]): `fp8_split` (k3c/ir/ops/
+    model_attn.py; `--dsa-index-keys fp8-rerank`): scale = 2^(floor(log2 max|x|) - 7) (1 for a zero row), e4m3
+    rounded to nearest with ties upward, the residual in units of y's binade's ulp / 16 rounded and clamped to
+    [-8, 7], + 8, two a byte (element 2i low). Exact or correctly rounded on any device (power-of-two scaling)."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), torch.frexp(amax).exponent - 8),
+                        torch.ones_like(amax))
+    y = xf / scale[..., None]
+    x8 = y.to(torch.float8_e4m3fn)
+    step = _e4m3_unit(x8, x8.float() < 0) * 16
+    x8 = torch.where(y - x8.float() == step / 2, (x8.float() + step).to(torch.float8_e4m3fn), x8)
+    r = y - x8.float()
+    lo = torch.round(r / _e4m3_unit(x8, (r != 0) & ((r < 0) != (x8.float() < 0)))).clamp(-8, 7).to(torch.int32) + 8
+    return [x8, scale, (lo[..., 0::2] | (lo[..., 1::2] << 4)).to(torch.uint8)]
+
+
 def _reduce(fn):
     return lambda a, x: [fn(x, dim=a["dims"], keepdim=a.get("keepdim", False)) if a.get("dims") is not None else fn(x)]
 
@@ -62,6 +89,7 @@ LIBRARY_OPS = {
     "constant": lambda a: [torch.tensor(a["value"], dtype=DTYPES[a["dtype"]]).reshape(a["shape"])],
     "cast": lambda a, x: [x.to(DTYPES[a["to"]])],
     "fp8_quantize": lambda a, x: _fp8_quantize(x),
+    "fp8_split": lambda a, x: _fp8_split(x),
 }
 #: Layout ops; "cache_append" writes the new rows into the pool in place (performed by the view launcher).
 VIEW_OPS = {

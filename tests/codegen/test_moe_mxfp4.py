@@ -146,7 +146,7 @@ def test_word_decoding_equals_portable(two_muls, v2):
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("mx_config", [None, (8, 64, 256, 2, 2, False, None)])
+@pytest.mark.parametrize("mx_config", [None, (8, 64, 256, 2, 2, False, None), (8, 32, 256, 2, 2, False, None)])
 @pytest.mark.parametrize("N", [1, 40])
 def test_launch_bf16_matches_reference(N, mx_config):
     """bf16 activations (the PTX path), decode (N = 1) and 64-row tiles (N = 40), I with a 32-wide K tile, the

@@ -16,7 +16,7 @@ from k3c.codegen.triton.attention import launch_mla
 from k3c.codegen.triton import dsa_decode
 from k3c.codegen.triton.dsa_decode import dsa_decode_topk, quantize_index_keys
 from k3c.errors import RuntimeInputError
-from k3c.ir.ops.model_attn import dsa_index_topk_ref
+from k3c.ir.ops.model_attn import dsa_index_topk_ref, fp8_split_ref
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tests run the kernels under TRITON_INTERPRET=1")
@@ -189,26 +189,28 @@ def test_sparse_attention_matches_torch(monkeypatch, H, Dl, dv, batched):
     assert (out - want).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("L,topk,extra", [(1200, 48, 208), (1200, 200, 56), (40, 64, 16)])
-def test_fp8_rerank_equals_exact_selection(L, topk, extra):
-    # fp8 alone moves keys across the threshold; the exact re-scoring of topk + extra fp8 candidates restores the
-    # reference set and order (extra chosen well above the fp8 rank of the reference's worst key, checked below)
+@pytest.mark.parametrize("L,topk,extra,zero", [(600, 48, 208, False), (1200, 200, 56, False), (40, 64, 16, False),
+                                               (300, 32, 16, True)],
+                         ids=["extra > topk", "extra < topk", "short row", "zero keys"])
+def test_fp8_rerank_equals_reference(L, topk, extra, zero):
+    # `--dsa-index-keys fp8-rerank`: topk + extra candidates on the e4m3 keys, re-ranked from the joined keys (e4m3 +
+    # 4-bit residual) by the radix select (a set) or the all-pairs ranking (ordered): the reference's set and order;
+    # on bf16 keys that is the exact selection (extra chosen above the fp8 rank of the exact top-k's worst key),
+    # which fp8 alone misses; zero keys: every score tied, the lowest positions at both stages
     assert dsa_decode.FP8_QUERY
     q_i, w, k_i = index_inputs(L, seed=L + topk)
-    k8, ks = quantize_index_keys(k_i)
-    ref = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0]
-    fp8_rank = dsa_index_topk_ref({"topk": L}, q_i[:, None], w[:, None],
-                                  k8.float() * ks[..., None])[0][:, 0].argsort(-1)   # [B, L]: fp8 rank of s
-    assert fp8_rank.gather(1, ref[:, 0].clamp(min=0)).max() < topk + extra
-    plain = dsa_decode_topk(q_i, w, k8, topk, k_scale=ks)
-    idx = dsa_decode_topk(q_i, w, k8, topk, k_scale=ks, k_exact=k_i, rerank_extra=extra)
-    if L > topk + extra:
-        assert as_sets(plain) != as_sets(ref)
-    assert idx.shape == (B, 1, topk)
-    assert as_sets(idx) == as_sets(ref)
+    k_i = torch.zeros_like(k_i) if zero else k_i.to(torch.bfloat16).float()
+    k8, ks, lo = fp8_split_ref({}, k_i)
+    ref = dsa_index_topk_ref({"topk": topk, "rerank": extra}, q_i[:, None], w[:, None], k8, ks, lo)[0]
+    exact = dsa_index_topk_ref({"topk": topk}, q_i[:, None], w[:, None], k_i)[0]
+    idx = dsa_decode_topk(q_i, w, k8, topk, k_scale=ks, k_lo=lo, rerank_extra=extra)        # the radix select
+    ordered = dsa_decode_topk(q_i, w, k8, topk, k_scale=ks, k_lo=lo, rerank_extra=extra, ordered=True)   # ranks
+    assert as_sets(idx) == as_sets(ref) == as_sets(exact) and torch.equal(ordered, ref)
     assert ((idx >= 0).sum(-1) == min(L, topk)).all()
-    assert torch.equal(dsa_decode_topk(q_i, w, k8, topk, k_scale=ks, ordered=True, k_exact=k_i,
-                                       rerank_extra=extra), ref)
+    if L > topk + extra and not zero:
+        assert as_sets(dsa_decode_topk(q_i, w, k8, topk, k_scale=ks)) != as_sets(exact)
+    if zero:
+        assert as_sets(idx) == [set(range(topk))] * B
 
 
 def test_errors():
@@ -218,10 +220,11 @@ def test_errors():
     with pytest.raises(RuntimeInputError):
         dsa_decode_topk(q_i, w, k_i, 16, k_scale=torch.ones(B, 100))
     k8, ks = quantize_index_keys(k_i)
+    lo = torch.zeros(B, 100, D // 2, dtype=torch.uint8)
     with pytest.raises(RuntimeInputError):
-        dsa_decode_topk(q_i, w, k_i, 16, k_exact=k_i)                  # exact keys only with fp8 keys
+        dsa_decode_topk(q_i, w, k_i, 16, k_lo=lo)                        # residuals only with fp8 keys
     with pytest.raises(RuntimeInputError):
-        dsa_decode_topk(q_i, w, k8, 16, k_scale=ks, k_exact=k_i[:, :50])
+        dsa_decode_topk(q_i, w, k8, 16, k_scale=ks, k_lo=lo[:, :50])
 
 
 @pytest.mark.parametrize("case", ["all tied", "ties among negatives", "lengths over garbage"])

@@ -189,27 +189,30 @@ def test_place_dsa_without_absorb_mla():
     assert_same_outputs(run_graph(imported(P, "prefill"), model, tok), run_graph(g, model, tok))
 
 
-@pytest.mark.parametrize("entry", ["prefill", "decode"])
-def test_fp8_index_keys(entry):
+@pytest.mark.parametrize("entry,keys", [("prefill", "fp8"), ("decode", "fp8"), ("decode", "fp8-rerank")])
+def test_fp8_index_keys(entry, keys):
     """--dsa-index-keys fp8 (k3c.frontend.index_keys): the index key projection still joins the latent KV GEMM,
-    looking through the keys' fp8_quantize; the quantize and both appends run with the latent append, before the
-    indexer; the outputs are kept (interpreted before/after on random inputs with the model's weights, past top-k)."""
+    looking through the keys' fp8_quantize (fp8-rerank: fp8_split); the quantize and the appends (keys, scales,
+    residuals) run with the latent append, before the indexer; the outputs are kept (interpreted before/after on
+    random inputs with the model's weights, past top-k)."""
     from k3c.frontend import import_model
     from k3c.passes.pipeline import make_numeric_check
 
     model = tiny_model(P)
     check = make_numeric_check({"B": 2, "T": K + 2 if entry == "prefill" else 1, "L": 0 if entry == "prefill" else
                                 K + 2}, params={k: p.detach() for k, p in model.named_parameters()})
-    g, _ = run_pipeline(import_model(P, entry, dsa_index_keys="fp8"), ["cleanup"])
+    g, _ = run_pipeline(import_model(P, entry, dsa_index_keys=keys), ["cleanup"])
     g, _ = run_pipeline(g, {"model": ["absorb_mla", "place_dsa"]}, numeric_check=check)
     pos = {id(n): i for i, n in enumerate(g.nodes)}
     for i in DSA_LAYERS:
         cat = g.producer(g.outputs[f"layers.{i}.index_k"])
         quant = g.producer(cat.inputs[1])
-        scale_cat = g.producer(g.outputs[f"layers.{i}.index_k_scale"])
-        assert (quant.op, cat.op, scale_cat.op) == ("fp8_quantize", "cat", "cat")
+        side = [g.producer(g.outputs[f"layers.{i}.index_k{s}"]) for s in ("_scale", "_lo")[:len(quant.outputs) - 1]]
+        assert (quant.op, cat.op, [c.op for c in side]) == ({"fp8": "fp8_quantize", "fp8-rerank": "fp8_split"}[keys],
+                                                            "cat", ["cat"] * (1 + (keys == "fp8-rerank")))
         assert any(k.endswith(f"layers.{i}.self_attn.kv_a_proj_with_indexer_wk.weight") for k in g.params)
         (top,) = g.users(cat.outputs[0])
-        assert top.op == "dsa_index_topk" and top.inputs[2:] == [cat.outputs[0], scale_cat.outputs[0]]
+        assert top.op == "dsa_index_topk" and top.inputs[2:] == [cat.outputs[0], *(c.outputs[0] for c in side)]
         kv_append = g.producer(g.outputs[f"layers.{i}.kv"])
-        assert pos[id(kv_append)] < pos[id(quant)] < pos[id(cat)] < pos[id(scale_cat)] < pos[id(top)]
+        order = [pos[id(n)] for n in (kv_append, quant, cat, *side, top)]
+        assert order == sorted(order)

@@ -30,12 +30,12 @@ import k3c  # noqa: E402
 from k3c.codegen.triton import dsa_index  # noqa: E402
 from k3c.codegen.triton.dsa_decode import radix_topk  # noqa: E402
 from k3c.compile import CompileOptions, compile_model  # noqa: E402
-from k3c.context import CompileContext  # noqa: E402
+from k3c.context import DSA_RERANK_EXTRA, CompileContext  # noqa: E402
 from k3c.errors import ConfigError, UnsupportedError  # noqa: E402
 from k3c.frontend import import_model  # noqa: E402
 from k3c.ir import serialize  # noqa: E402
 from k3c.ir.interp import interpret  # noqa: E402
-from k3c.ir.ops.model_attn import dsa_index_topk_ref  # noqa: E402
+from k3c.ir.ops.model_attn import dsa_index_topk_ref, fp8_split_ref  # noqa: E402
 from k3c.ir.types import evaluate, torch_dtype  # noqa: E402
 from k3c.passes.derived import materialize_params  # noqa: E402
 from models import layers  # noqa: E402
@@ -192,6 +192,31 @@ def test_launcher_matches_the_reference(T, L, D, radix, monkeypatch):
     assert torch.equal(got, want) and bool(calls) == radix
 
 
+@pytest.mark.parametrize("T,L,D,radix", [(6, 40, 16, False), (1, 2048, 32, True)], ids=["prefill", "decode-radix"])
+def test_launcher_rerank_matches_the_reference(T, L, D, radix, monkeypatch):
+    """fp8-rerank keys (`fp8_split_ref`, E = 8 extra candidates): `launch_dsa_index_topk` on scratch of the planned
+    sizes (`dsa_index_topk_scratch`) filled with garbage selects the set `dsa_index_topk_ref` selects, on the score
+    kernel and (RADIX_MIN_KEYS lowered to the row) on the radix select, both then re-ranked by `dsa_rerank`; fp8
+    alone selects another set."""
+    monkeypatch.setattr(dsa_index, "RADIX_MIN_KEYS", 2048)
+    calls = []
+    monkeypatch.setattr(dsa_index, "radix_topk", lambda *a, **k: calls.append(1) or radix_topk(*a, **k))
+    gen = torch.Generator().manual_seed(T + L)
+    Bn, J, topk, extra = 2, 4, 16, 8
+    q, w = torch.randn(Bn, T, J, D, generator=gen), torch.randn(Bn, T, J, generator=gen)
+    k8, scale, lo = fp8_split_ref({}, torch.randn(Bn, L, D, generator=gen))
+    out = torch.empty(Bn, T, topk, dtype=torch.int64)
+    n_keys = max(Bn * L + Bn * dsa_index.RADIX_ROW_PAD, min(dsa_index.SCRATCH_BYTES // 8, Bn * T * L))
+    scratch = {"keys": torch.full((n_keys,), -7, dtype=torch.int64),
+               "rerank": torch.full((2 * Bn * T * (topk + extra),), -7, dtype=torch.int64)}
+    dsa_index.launch_dsa_index_topk(q, w, k8, out, topk=topk, k_scale=scale, k_lo=lo, rerank_extra=extra,
+                                    scratch=scratch)
+    (want,) = dsa_index_topk_ref({"topk": topk, "rerank": extra}, q, w, k8, scale, lo)
+    (plain,) = dsa_index_topk_ref({"topk": topk}, q, w, k8, scale)
+    assert torch.equal(out.sort(-1).values, want.sort(-1).values) and bool(calls) == radix
+    assert not torch.equal(plain.sort(-1).values, want.sort(-1).values)
+
+
 def test_the_query_is_e4m3_too():
     """Where the e4m3 query moves the selection (the prefill case above), the launcher follows the reference's
     e4m3 query, not the exact one."""
@@ -206,7 +231,8 @@ def _quantize(x):
 
 
 def test_bad_values_and_tvm_refusal(plan_art):
-    with pytest.raises(ConfigError, match=r"^--dsa-index-keys fp4 \(dsa_index_keys\): expected one of bf16, fp8$"):
+    with pytest.raises(ConfigError, match=r"^--dsa-index-keys fp4 \(dsa_index_keys\): expected one of bf16, fp8, "
+                                          r"fp8-rerank$"):
         CompileContext(dsa_index_keys="fp4")
     with pytest.raises(ConfigError, match=r"--dsa-index-keys e4m3 \(dsa_index_keys\)"):
         import_model(PRESET, "decode", dsa_index_keys="e4m3")
@@ -244,3 +270,78 @@ def test_compiled_prefill_then_decode_match_eager(tmp_path):
         k8, scale = _e4m3_rows(cache["layers.0.index_k"])
         pool, pool_scale = session.pools["layers.0.index_k"][:, :t1], session.pools["layers.0.index_k_scale"][:, :t1]
         assert (pool.float() == k8).float().mean() >= 0.99 and _rel(pool_scale, scale) < 1e-5, i
+
+
+def _split_join(x: torch.Tensor) -> torch.Tensor:
+    """Keys as `--dsa-index-keys fp8-rerank` stores them, joined again, from the option's definition (float64): per
+    row the scale 2^(floor(log2 max|x|) - 7); y = x / scale rounded to the e4m3 grid (spacing s = 2^(max(floor(log2
+    |y|), -6) - 3) in y's binade) to nearest, ties upward; the rest in units of s / 16, rounded to nearest even and
+    clamped to [-8, 7]."""
+    x = x.double()
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, torch.exp2(torch.floor(torch.log2(amax)) - 7), torch.ones_like(amax))
+    y = x / scale
+    s = torch.exp2(torch.clamp(torch.floor(torch.log2(y.abs())), min=-6) - 3)
+    lower, upper = torch.floor(y / s) * s, torch.ceil(y / s) * s
+    hi = torch.where(y - lower < upper - y, lower, upper)
+    return (hi + torch.round((y - hi) / (s / 16)).clamp(-8, 7) * s / 16) * scale
+
+
+class _RerankIndexer:
+    """`layers.Indexer.forward` with fp8-rerank keys on contexts of at most topk + E keys, where every visible key
+    is a candidate: the exact scores of the joined keys (`_split_join`), the query as the model computes it."""
+
+    def __call__(self, mod, x, qr, cache, new_cache, prefix):
+        Bn, T, _ = x.shape
+        keys = torch.cat([cache[prefix + "index_k"], mod.k_norm(mod.wk(x))], 1)
+        new_cache[prefix + "index_k"] = keys
+        L = keys.shape[1]
+        assert L <= mod.topk + DSA_RERANK_EXTRA
+        q = mod.wq_b(qr).reshape(Bn, T, mod.J, mod.Dk)
+        w = mod.weights_proj(x) * (mod.J ** -0.5 * mod.Dk ** -0.5)
+        score = torch.einsum("btj,btjs->bts", w, torch.einsum("btjd,bsd->btjs", q, _split_join(keys).float()).relu())
+        visible = torch.arange(L)[None, :] <= torch.arange(L - T, L)[:, None]
+        score = score.masked_fill(~visible, float("-inf"))
+        order = torch.sort(score, dim=-1, descending=True, stable=True).indices[..., :mod.topk]
+        idx = torch.where(torch.isfinite(score.gather(-1, order)), order, -1)
+        return torch.nn.functional.pad(idx, (0, max(0, mod.topk - L)), value=-1)
+
+
+def test_fp8_rerank_artifact_matches_eager(tmp_path):
+    """`--dsa-index-keys fp8-rerank` on a one-layer DSA model (top-k 16), plan-only, f32: the pools (e4m3 keys, f32
+    scales, u8 residuals: D + 4 + D / 2 bytes per token), and the artifact's graphs through the reference
+    interpreter (a 17-token prefill, then decode steps at 17 and 18 keys) against eager with `_RerankIndexer`:
+    logits within 1e-5 of max |logit|, the pools' keys joined (e4m3 + nibbles x the grid spacing / 16 of the binade
+    the nibble points into, x scale) equal to `_split_join` of eager's keys."""
+    cfg = _one_dsa_layer()
+    model = save_random_checkpoint(cfg, tmp_path / "ckpt", seed=4, dtype=torch.float32).eval()
+    opts = CompileOptions(str(tmp_path / "ckpt"), tmp_path / "art", target="h200", dtype="f32", max_batch=1,
+                          max_seq=19, max_prefill=17, plan_only=True, dsa_index_keys="fp8-rerank")
+    compile_model(opts)
+    pools = json.loads((opts.out / "plan.json").read_text())["pools"]
+    assert [(pools[f"layers.0.index_k{s}"]["dtype"], pools[f"layers.0.index_k{s}"]["bytes"])
+            for s in ("", "_scale", "_lo")] == [("f8e4m3", 19 * D_IDX), ("f32", 19 * 4), ("u8", 19 * D_IDX // 2)]
+    graphs = {e: serialize.load(opts.out / "graph" / f"{e}.json") for e in ("prefill", "decode")}
+    named = {k: p.detach() for k, p in model.named_parameters()}
+    params = {e: materialize_params(g, named) for e, g in graphs.items()}
+    tokens = torch.randint(0, 64, (1, 19), generator=torch.Generator().manual_seed(5))
+    caches = {v.name: torch.zeros([evaluate(d, {"B": 1, "L": 0}) for d in v.type.shape], dtype=torch_dtype(v.type.dtype))
+              for v in graphs["prefill"].inputs if v.name != "tokens"}
+    cache = model.new_cache(1)
+    for t0, t1 in [(0, 17), (17, 18), (18, 19)]:
+        out = interpret(graphs["prefill" if t0 == 0 else "decode"], {"tokens": tokens[:, t0:t1], **caches},
+                        params["prefill" if t0 == 0 else "decode"], bindings={"B": 1, "T": t1 - t0, "L": t0})
+        caches = {k: out[k] for k in caches}
+        with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(layers.Indexer, "forward", lambda mod, *a: _RerankIndexer()(mod, *a))
+            logits, cache = model(tokens[:, t0:t1], cache)
+        assert _rel(out["logits"][:, -1], logits[:, -1]) < 1e-5, t0
+        k8, scale, lo = (caches[f"layers.0.index_k{s}"] for s in ("", "_scale", "_lo"))
+        nib = torch.stack([lo.long() & 15, lo.long() >> 4], -1).flatten(-2) - 8
+        hi = k8.double()
+        spacing = torch.exp2(torch.clamp(torch.floor(torch.log2(hi.abs())), min=-6) - 3)     # of hi's binade, or
+        below = (nib != 0) & ((nib < 0) != (hi < 0)) & (hi.abs() == spacing * 8) & (hi.abs() >= 2 ** -5)
+        joined = (hi + nib * torch.where(below, spacing / 2, spacing) / 16) * scale.double()[..., None]   # below it
+        want = _split_join(cache["layers.0.index_k"])
+        assert joined.shape == (1, t1, D_IDX) and (joined == want).double().mean() >= 0.99, t0
+        assert ((joined - want).abs() <= want.abs().amax(-1, keepdim=True) * 2 ** -8).all(), t0

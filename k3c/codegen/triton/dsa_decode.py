@@ -29,15 +29,16 @@ sort: tests and the fp8 logits script).
 FP8 index keys (optional, the compile option `--dsa-index-keys fp8`; k = scale * k8, float8_e4m3fn with one fp32
 scale per key, `quantize_index_keys`) halve the scan's bytes; the score is scale * sum_j w_j ReLU(q_j . k8) with
 FP8_QUERY: q quantized per head in registers, q_j = sq_j * q8_j with sq_j = max|q_j| / 448 folded into w_j (one
-fp8 x fp8 product; both divisions correctly rounded, `tl.math.div_rn`, as the reference's). With the exact keys at
-hand (`k_exact`) the selection's candidates are re-ranked exactly (`dsa_rerank`, which builds on this module).
+fp8 x fp8 product; both divisions correctly rounded, `tl.math.div_rn`, as the reference's). With the keys' 4-bit
+residuals (`k_lo`, `--dsa-index-keys fp8-rerank`) the selection's topk + E candidates are re-ranked exactly
+(`dsa_rerank`, which builds on this module).
 
 The scan and collect kernels split a row's keys evenly over the programs of grid axis 0 (`_row_range`); with device
 lengths (`radix_topk(..., lengths=)`, i32 [B]: whole-step decode graphs) row b has lengths[b] + 1 keys, read in the
 kernels, and L is only the bound that sizes the grids and scratch.
 
-Public API: `dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None)` -> idx (with k_exact:
-`dsa_rerank.rerank_topk`), `radix_topk`
+Public API: `dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_lo=None)` -> idx (with k_lo:
+`dsa_rerank.rerank`), `radix_topk`
 (its launches, into a given `out` and planned scratch), `radix_scratch_words`, `quantize_index_keys(k_i, dtype)` ->
 (k8, scale), and the kernels (`KERNELS`, in source order, `dsa_select`'s included).
 """
@@ -255,15 +256,16 @@ def quantize_index_keys(k_i):
     return (k_i.float() / scale[..., None]).to(torch.float8_e4m3fn), scale.contiguous()
 
 
-def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None, rerank_extra=None):
+def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_lo=None, rerank_extra=None):
     """Top-`topk` index positions for one new token per row: q_i [B, J, D] (or [B, 1, J, D]), w [B, J],
-    k_i [B, L, D] (bf16/fp16/fp32, or float8_e4m3fn with k_scale [B, L] fp32), optionally with the exact keys
-    k_exact [B, L, D] in q_i's dtype: then topk + rerank_extra (default `dsa_rerank.RERANK_EXTRA`) fp8 candidates
-    are re-ranked by their exact scores, `dsa_rerank.rerank_topk`, and come in the reference's order).
+    k_i [B, L, D] (bf16/fp16/fp32, or float8_e4m3fn with k_scale [B, L] fp32), optionally with the keys' 4-bit
+    residuals k_lo [B, L, D / 2] uint8 (`fp8_split_ref`): then topk + rerank_extra (default
+    `dsa_rerank.RERANK_EXTRA`) fp8 candidates are re-ranked by the exact scores of their joined keys
+    (`dsa_rerank.rerank`).
 
     Returns int64 [B, 1, topk]: the positions of the topk largest I[s], ties by lowest position, -1 past
     min(L, topk); in no particular order unless `ordered` (then as `dsa_index_topk_ref`: score descending, ties by
-    position). Raises RuntimeInputError on mismatched shapes, a missing / unexpected k_scale, or k_exact without
+    position). Raises RuntimeInputError on mismatched shapes, a missing / unexpected k_scale, or k_lo without
     fp8 keys.
     """
     q_i = q_i.reshape(q_i.shape[0], q_i.shape[-2], q_i.shape[-1])
@@ -276,13 +278,18 @@ def dsa_decode_topk(q_i, w, k_i, topk, k_scale=None, ordered=False, k_exact=None
     if fp8 != (k_scale is not None) or (fp8 and tuple(k_scale.shape) != (B, L)):
         raise RuntimeInputError("dsa_decode_topk: k_scale [B, L] fp32 goes with float8_e4m3fn keys, and only "
                                 "then")
-    if k_exact is not None and (not fp8 or tuple(k_exact.shape) != (B, L, D) or k_exact.dtype != q_i.dtype):
-        raise RuntimeInputError(f"dsa_decode_topk: k_exact must be [B, L, D] = {(B, L, D)} in q_i's dtype "
-                                f"{q_i.dtype} with float8_e4m3fn k_i, got {tuple(k_exact.shape)} {k_exact.dtype}")
-    if k_exact is None:
+    if k_lo is not None and (not fp8 or tuple(k_lo.shape) != (B, L, D // 2) or k_lo.dtype != torch.uint8):
+        raise RuntimeInputError(f"dsa_decode_topk: k_lo must be uint8 [B, L, D / 2] = {(B, L, D // 2)} with "
+                                f"float8_e4m3fn k_i, got {tuple(k_lo.shape)} {k_lo.dtype}")
+    if k_lo is None:
         return radix_topk(q_i, w.reshape(B, J), k_i, topk, k_scale, ordered)
-    from k3c.codegen.triton.dsa_rerank import rerank_topk  # it builds on this module: imported here, not above
-    return rerank_topk(q_i, w.reshape(B, J), k_i, k_scale, k_exact, topk, rerank_extra)
+    from k3c.codegen.triton import dsa_rerank  # it builds on this module: imported here, not above
+    n_sel = topk + (dsa_rerank.RERANK_EXTRA if rerank_extra is None else rerank_extra)
+    cand = radix_topk(q_i, w.reshape(B, J), k_i, n_sel, k_scale, False)[:, 0]
+    out = torch.empty((B, 1, topk), dtype=torch.int64, device=q_i.device)
+    dsa_rerank.rerank(q_i.contiguous(), w.reshape(B, J).contiguous(), k_i.contiguous(), k_scale.contiguous(),
+                      k_lo.contiguous(), cand, out.view(B, topk), ordered=ordered)
+    return out
 
 
 def radix_scratch_words(B, L):

@@ -18,6 +18,9 @@ op's FP8 semantics (`dsa_index_topk_ref`): q rounded to bf16, then e4m3 per head
 `dsa_decode._to_e4m3` matches torch's cast), score = k_scale[s] · Σ_j w'_j ReLU(q8_j · k8_s). The score kernel
 widens both e4m3 operands to tf32 (exact; Triton's interpreter computes bf16 products wrongly, and an e4m3
 product needs K >= 32, more than the tiny presets' D) for its product; the radix scan multiplies them as e4m3.
+FP8 keys with 4-bit residuals (`--dsa-index-keys fp8-rerank`: k_lo u8 [B, L, D/2], attr rerank = E): either path
+selects topk + E candidates into planned scratch ("rerank"), which `dsa_rerank.rerank` re-scores from the joined
+keys and ranks into `out` (the reference's order).
 Device lengths (`lengths` i32 [B], the kernel ABI's `sizes["lengths"]`): k_i is the bound, row b holds
 lengths[b] + T keys, read in the kernels (the keys past the row's are not visible); the grids follow the bound, so a
 CUDA graph replays them at any context.
@@ -37,8 +40,9 @@ import triton
 import triton.language as tl
 
 from k3c.codegen.backend import ScratchSpec
-from k3c.codegen.triton import dsa_decode, emitter, model_module, one_node, scratch, take_scratch
+from k3c.codegen.triton import dsa_decode, dsa_rerank, emitter, model_module, one_node, scratch, take_scratch
 from k3c.codegen.triton.dsa_decode import radix_topk
+from k3c.codegen.triton.dsa_rerank import rerank
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 
@@ -110,10 +114,12 @@ def fp8_query(q_i, w):
     return (qf / sq[..., None]).to(torch.float8_e4m3fn).contiguous(), (w.float() * sq).contiguous()
 
 
-def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, k_scale=None, lengths=None, scratch=None):
+def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, k_scale=None, k_lo=None, rerank_extra=0, lengths=None,
+                          scratch=None):
     """Run `dsa_index_topk`: q_i [B,T,J,D], w [B,T,J], k_i [B,L,D] -> out i64 [B,T,topk] (−1 padding).
 
-    k_scale: None, or f32 [B,L] with float8_e4m3fn k_i (FP8 keys; the module docstring gives the scores).
+    k_scale: None, or f32 [B,L] with float8_e4m3fn k_i (FP8 keys; the module docstring gives the scores). k_lo:
+    None, or their residuals u8 [B,L,D/2] with rerank_extra = E >= 1 (the module docstring; `out` contiguous).
 
     lengths: None, or i32 [B] on the device, the context of each row before these T tokens: row b then holds
     lengths[b] + T keys and L is only the bound (the launches do not depend on the lengths: a CUDA graph replays
@@ -126,7 +132,8 @@ def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, k_scale=None, lengths=None,
     Scratch: `scratch["keys"]` (the planned buffer, `dsa_index_topk_scratch`), else allocated here: flat i64
     [max(B·(L + RADIX_ROW_PAD), min(SCRATCH_BYTES // 8, B·T·L))]; the sort keys take [B, rows, L] of it for rows =
     max(1, min(T, its size // (B·L))) of T per pass, the radix select its int32 words
-    (`dsa_decode.radix_scratch_words`).
+    (`dsa_decode.radix_scratch_words`); with k_lo also `scratch["rerank"]`, i64 [2·B·T·(topk + E)]: the candidates
+    and their exact keys.
     Raises ValueError on mismatched shapes or a non-contiguous `out` for the radix select.
     """
     B, T, J, D = q_i.shape
@@ -141,33 +148,47 @@ def launch_dsa_index_topk(q_i, w, k_i, out, *, topk, k_scale=None, lengths=None,
     if fp8 != (k_i.dtype == torch.float8_e4m3fn) or (fp8 and tuple(k_scale.shape) != (B, L)):
         raise ValueError(f"dsa_index_topk: k_scale f32 [B, L] = {(B, L)} goes with float8_e4m3fn k_i and only then "
                          f"(k_i {k_i.dtype}, k_scale {None if k_scale is None else tuple(k_scale.shape)})")
+    if (k_lo is not None) != (rerank_extra > 0) or \
+            (k_lo is not None and (not fp8 or tuple(k_lo.shape) != (B, L, D // 2))):
+        raise ValueError(f"dsa_index_topk: k_lo u8 [B, L, D/2] = {(B, L, D // 2)} goes with fp8 keys and "
+                         f"rerank_extra >= 1, and only then (k_lo {None if k_lo is None else tuple(k_lo.shape)}, "
+                         f"rerank_extra {rerank_extra})")
     keys = take_scratch(scratch, "keys", (max(B * L + B * RADIX_ROW_PAD, min(SCRATCH_BYTES // 8, B * T * L)),),
                         torch.int64, q_i.device)
+    K1, dest = topk + rerank_extra, out                     # the selection's size and destination
+    if k_lo is not None:
+        if not out.is_contiguous():
+            raise ValueError(f"dsa_index_topk: out {tuple(out.shape)} must be contiguous")
+        rr = take_scratch(scratch, "rerank", (2 * B * T * K1,), torch.int64, q_i.device)
+        dest, ck = rr[:B * T * K1].view(B, T, K1), rr[B * T * K1:]
     if T == 1 and L >= RADIX_MIN_KEYS and (not fp8 or D >= FP8_RADIX_MIN_D):   # the set, into out: no torch op
         if not out.is_contiguous():
             raise ValueError(f"dsa_index_topk: out {tuple(out.shape)} must be contiguous")
-        radix_topk(q_i[:, 0], w[:, 0], k_i, topk, k_scale, False, lengths=lengths, out=out,
+        radix_topk(q_i[:, 0], w[:, 0], k_i, K1, k_scale, False, lengths=lengths, out=dest,
                    scratch=keys.view(torch.int32))
-        return
-    kk = min(topk, L)
-    if kk < topk:
-        out[..., kk:] = -1
-    rows = max(1, min(T, keys.numel() // (B * L)))
-    BLOCK_S = 64
-    precision = "ieee" if q_i.dtype == torch.float32 else "tf32"
-    if fp8:
-        q_i, w = fp8_query(q_i, w)
-    for t0 in range(0, T, rows):
-        n = min(rows, T - t0)
-        dsa_score_kernel[(B * n, triton.cdiv(L, BLOCK_S))](
-            q_i, w, k_i, k_scale if fp8 else w, keys, lengths if from_ptr else q_i, T, L, t0, n, J=J, D=D,
-            BLOCK_J=max(16, triton.next_power_of_2(J)), BLOCK_D=64 if D > 64 else max(16, triton.next_power_of_2(D)),
-            BLOCK_S=BLOCK_S, DOT_PRECISION=precision, LEN_FROM_PTR=from_ptr, FP8=fp8)
-        chunk = keys.view(-1)[:B * n * L].view(B, n, L)       # the kernel's [B, n, L] layout
-        top = torch.topk(chunk, kk, dim=-1, sorted=True).values
-        pos = 4294967295 - (top & 4294967295)                  # undo the low word 2^32 − 1 − s
-        visible = (top >> 32) != -2147483648
-        out[:, t0:t0 + n, :kk] = torch.where(visible, pos, torch.full_like(pos, -1))
+    else:
+        kk = min(K1, L)
+        if kk < K1:
+            dest[..., kk:] = -1
+        rows = max(1, min(T, keys.numel() // (B * L)))
+        BLOCK_S = 64
+        precision = "ieee" if q_i.dtype == torch.float32 else "tf32"
+        q_s, w_s = fp8_query(q_i, w) if fp8 else (q_i, w)
+        for t0 in range(0, T, rows):
+            n = min(rows, T - t0)
+            dsa_score_kernel[(B * n, triton.cdiv(L, BLOCK_S))](
+                q_s, w_s, k_i, k_scale if fp8 else w_s, keys, lengths if from_ptr else q_s, T, L, t0, n, J=J, D=D,
+                BLOCK_J=max(16, triton.next_power_of_2(J)),
+                BLOCK_D=64 if D > 64 else max(16, triton.next_power_of_2(D)),
+                BLOCK_S=BLOCK_S, DOT_PRECISION=precision, LEN_FROM_PTR=from_ptr, FP8=fp8)
+            chunk = keys.view(-1)[:B * n * L].view(B, n, L)       # the kernel's [B, n, L] layout
+            top = torch.topk(chunk, kk, dim=-1, sorted=True).values
+            pos = 4294967295 - (top & 4294967295)                  # undo the low word 2^32 − 1 − s
+            visible = (top >> 32) != -2147483648
+            dest[:, t0:t0 + n, :kk] = torch.where(visible, pos, torch.full_like(pos, -1))
+    if k_lo is not None:      # the candidates re-ranked by their joined keys' exact scores, into out
+        rerank(q_i.reshape(B * T, J, D).contiguous(), w.reshape(B * T, J).contiguous(), k_i, k_scale, k_lo,
+               dest.view(B * T, K1), out.view(B * T, topk), T=T, ck=ck)
 
 
 # ---- emitter ---------------------------------------------------------------------------------------------------
@@ -177,7 +198,7 @@ def _module(group, summary, consts, kernels, launcher, body):
 
 @emitter("dsa_index_topk")
 def emit_dsa_index_topk(group: KernelGroup) -> str:
-    """Module text for one `dsa_index_topk` node: inputs (q_i, w, k_i[, k_scale]), outputs [idx]. Raises
+    """Module text for one `dsa_index_topk` node: inputs (q_i, w, k_i[, k_scale[, k_lo]]), outputs [idx]. Raises
     UnsupportedError for a group that is not a single dsa_index_topk node."""
     node, ip, op = one_node(group, "dsa_index_topk")
     consts = [("TOPK", node.attrs["topk"], "index_topk"),
@@ -207,17 +228,25 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
               ("TIE_BLOCK", dsa_decode.TIE_BLOCK, "radix select: keys per step of the finishing walk over ties"),
               ("COLLECT_NEXT", dsa_decode.COLLECT_NEXT, "radix select: the collect pass counts the next digit"),
               ("NEXT_DENSE", dsa_decode.NEXT_DENSE, "... by atomics per candidate up to this many per block"),
-              ("FP8_QUERY", True, "fp8 index keys: e4m3 q in the scan (the op's semantics, dsa_index_topk_ref)")]
+              ("FP8_QUERY", True, "fp8 index keys: e4m3 q in the scan (the op's semantics, dsa_index_topk_ref)"),
+              ("RERANK", node.attrs.get("rerank", 0), "fp8-rerank: candidates beyond TOPK re-ranked exactly"),
+              ("RERANK_BLOCK", dsa_rerank.RERANK_BLOCK, "... per re-scoring program"),
+              ("RERANK_WARPS", dsa_rerank.RERANK_WARPS, "... its warps"),
+              ("RANK_BLOCK", dsa_rerank.RANK_BLOCK, "... per ranking program"),
+              ("RANK_SELECT_MIN_ROWS", dsa_rerank.RANK_SELECT_MIN_ROWS, "... rows from which a radix select ranks"),
+              ("SELECT_WARPS", dsa_rerank.SELECT_WARPS, "... its warps")]
     body = (
         "def launch(inputs, outputs, sizes, scratch=None):\n"
-        '    """ABI entry: inputs (q_i, w, k_i[, k_scale]), outputs [idx i64 [B,T,TOPK]], scratch: the planned sort '
-        'keys."""\n'
+        '    """ABI entry: inputs (q_i, w, k_i[, k_scale[, k_lo]]), outputs [idx i64 [B,T,TOPK]], scratch: the planned '
+        'sort keys (and re-rank candidates)."""\n'
         f"    launch_dsa_index_topk(inputs[{ip[0]}], inputs[{ip[1]}], inputs[{ip[2]}], outputs[{op[0]}], topk=TOPK,\n"
         f"                          k_scale={f'inputs[{ip[3]}]' if len(ip) > 3 else None}, "
-        'lengths=sizes.get("lengths"), scratch=scratch)\n')
+        f"k_lo={f'inputs[{ip[4]}]' if len(ip) > 4 else None}, rerank_extra=RERANK,\n"
+        '                          lengths=sizes.get("lengths"), scratch=scratch)\n')
     body = inspect.getsource(radix_topk) + "\n\n" + body
     return _module(group, "dsa_index_topk (score kernel + torch.topk on packed int64 keys; decode at long context: "
-                   "radix select)", consts, [take_scratch, fp8_query, dsa_score_kernel, *dsa_decode.KERNELS],
+                   "radix select)", consts, [take_scratch, fp8_query, dsa_score_kernel, *dsa_decode.KERNELS,
+                                             *dsa_rerank.KERNELS],
                    launch_dsa_index_topk, body)
 
 
@@ -225,9 +254,13 @@ def emit_dsa_index_topk(group: KernelGroup) -> str:
 def dsa_index_topk_scratch(group: KernelGroup) -> list[ScratchSpec]:
     """The scratch of one `dsa_index_topk` launch (`launch_dsa_index_topk`): the flat i64 sort keys or radix-select
     words [max(B·(L + RADIX_ROW_PAD), min(SCRATCH_BYTES // 8, B·T·L))] for q_i [B, T, ·, ·] and k_i [B, L, ·],
-    non-decreasing in B, T and L (so the plan at the bounds holds every call). Raises UnsupportedError for a group
-    that is not a single dsa_index_topk node."""
+    non-decreasing in B, T and L (so the plan at the bounds holds every call); with k_lo also "rerank", i64
+    [2·B·T·(topk + rerank)]. Raises UnsupportedError for a group that is not a single dsa_index_topk node."""
     node, _, _ = one_node(group, "dsa_index_topk")
     (B, T), L = node.inputs[0].type.shape[:2], node.inputs[2].type.shape[1]
     n = sympy.Max(B * L + B * RADIX_ROW_PAD, sympy.Min(SCRATCH_BYTES // 8, B * T * L))
-    return [ScratchSpec("keys", TensorType((n,), "i64"))]
+    specs = [ScratchSpec("keys", TensorType((n,), "i64"))]
+    if len(node.inputs) > 4:
+        specs.append(ScratchSpec("rerank", TensorType((2 * B * T * (node.attrs["topk"] + node.attrs["rerank"]),),
+                                                      "i64")))
+    return specs

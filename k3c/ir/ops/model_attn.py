@@ -1,5 +1,5 @@
 """Model-level ops of the global layers and of Attention Residuals: mla_attention, dsa_index_topk, fp8_quantize,
-attn_res_inter, attn_res_merge, cache_append.
+fp8_split, attn_res_inter, attn_res_merge, cache_append.
 
 Formulas: /work/shared/K3-SPEC.md "Gated MLA", "Gated DSA" and "Block Attention Residuals". Positions are
 causal with the new tokens last: of S (or L) keys, query t sits at absolute position S − T + t and sees keys
@@ -154,6 +154,50 @@ def fp8_quantize_ref(attrs, x):
     return [(xf / scale[..., None]).to(torch.float8_e4m3fn), scale]
 
 
+def _e4m3_unit(x8, toward_zero=None):
+    """The residual unit of e4m3 values x8 (as f32): ulp / 16, 2^(e - 7) for |x8| in [2^e, 2^(e+1)), e >= -6, and
+    2^-13 below 2^-6 (the subnormals' ulp 2^-9 / 16); halved where `toward_zero` (bool) and x8 is a power of two of
+    at least 2^-5: the values just inside it lie in the binade below, whose ulp is half. Exact (exponent bits)."""
+    bits = x8.float().view(torch.int32)
+    e = (bits >> 23) & 255
+    sh = e.clamp(min=121) - 7
+    if toward_zero is not None:
+        sh = sh - (((bits & 0x7FFFFF) == 0) & (e >= 122) & toward_zero).to(torch.int32)
+    return (sh << 23).view(torch.float32)
+
+
+def fp8_split_ref(attrs, x):
+    """x [..., D] float (D even) -> (x8 f8e4m3 [..., D], scale f32 [...], lo u8 [..., D / 2]): FP8 index keys with a
+    4-bit low residual (`--dsa-index-keys fp8-rerank`). scale = 2^(floor(log2 max|x|) - 7) per row (1 for a zero
+    row), so max|x| / scale is in [128, 256): a power of two, y = x / scale exact; x8 = e4m3(y) rounded to nearest,
+    ties upward (toward +inf: torch's ties-to-even cast, moved one e4m3 step up where y lies half a step above it);
+    lo = (y - x8) in units u (`_e4m3_unit`: y's own binade's ulp / 16, also where x8 rounded up to a power of two),
+    rounded to nearest even and clamped to [-8, 7], stored + 8 as nibbles (element 2i in the low 4 bits of byte i,
+    2i + 1 in the high 4). `fp8_join_ref` inverts it: exactly for every bf16 row element with |y| >= 2^-6; e4m3
+    subnormals (|y| < 2^-6) come back within 2^-13 (BENCHMARKS.md "FP8 index keys + 4-bit residual")."""
+    xf = x.float()
+    amax = xf.abs().amax(-1)
+    e = torch.frexp(amax).exponent                                  # amax = m 2^e, m in [0.5, 1)
+    scale = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), e - 8), torch.ones_like(amax))
+    y = xf / scale[..., None]                                       # exact: a power of two
+    x8 = y.to(torch.float8_e4m3fn)
+    step = _e4m3_unit(x8, x8.float() < 0) * 16                      # to the next e4m3 value up
+    x8 = torch.where(y - x8.float() == step / 2, (x8.float() + step).to(torch.float8_e4m3fn), x8)   # ties upward
+    r = y - x8.float()
+    unit = _e4m3_unit(x8, (r != 0) & ((r < 0) != (x8.float() < 0)))
+    lo = torch.round(r / unit).clamp(-8, 7).to(torch.int32) + 8
+    lo = lo[..., 0::2] | (lo[..., 1::2] << 4)
+    return [x8, scale, lo.to(torch.uint8)]
+
+
+def fp8_join_ref(x8, scale, lo):
+    """The keys `fp8_split_ref` stored, as f32: scale * (x8 + (nibble - 8) * u), u = `_e4m3_unit` (halved where the
+    nibble points from a power of two toward zero)."""
+    nib = torch.stack([lo.to(torch.int32) & 15, lo.to(torch.int32) >> 4], -1).flatten(-2) - 8
+    unit = _e4m3_unit(x8, (nib != 0) & ((nib < 0) != (x8.float() < 0)))
+    return (x8.float() + nib.float() * unit) * scale.float()[..., None]
+
+
 def _fp8_query(q_i, w):
     """The e4m3 query of the FP8 scan: q rounded to bf16, then e4m3 per head (`fp8_quantize_ref`), its scale folded
     into w (scale > 0, so w_j ReLU(q_j . k) = (w_j s_j) ReLU(q8_j . k)). Returns (q8 as f32, w f32)."""
@@ -161,14 +205,30 @@ def _fp8_query(q_i, w):
     return q8.float(), w.float() * sq
 
 
-def dsa_index_topk_ref(attrs, q_i, w, k_i, k_scale=None):
+def dsa_index_topk_ref(attrs, q_i, w, k_i, k_scale=None, k_lo=None):
     """I[t,s] = Σ_j w[t,j] · ReLU(q_I[t,j] · k_I[s]) (DeepSeek-V3.2 eq. 1; K3-SPEC.md "Gated DSA"), fp32, causal.
 
     FP8 keys (k_i f8e4m3 with k_scale f32 [B,L], from `fp8_quantize`): I[t,s] = k_scale[s] · Σ_j w'[t,j] ·
     ReLU(q8[t,j] · k8[s]) with the e4m3 query of `_fp8_query` (one e4m3 x e4m3 product, as the kernels' scan).
+    FP8 keys with their 4-bit residuals (k_lo u8 [B,L,D/2] from `fp8_split`, attr rerank = E): the topk + E best
+    by that FP8 score are candidates, re-ranked by the exact score of their joined keys (`fp8_join_ref`, with q_I
+    and w as given, fp32, as bf16 keys are scored); the result is their topk best.
     Returns i64 [B,T,topk]: visible positions by decreasing score, ties to the lowest position (stable sort),
     −1 in the slots beyond the visible count.
     """
+    if k_lo is not None:
+        (cand,) = dsa_index_topk_ref({"topk": attrs["topk"] + attrs["rerank"]}, q_i, w, k_i, k_scale)
+        keys = fp8_join_ref(k_i, k_scale, k_lo)
+        exact = torch.einsum("btjd,bsd->btjs", q_i.float(), keys).relu()
+        score = torch.einsum("btj,btjs->bts", w.float(), exact)
+        ok = cand >= 0
+        s = torch.where(ok, torch.gather(score, -1, cand.clamp(min=0)), torch.full(cand.shape, float("-inf")))
+        key = torch.where(ok, cand, torch.full_like(cand, score.shape[-1]))   # ties by position, then the empty
+        order = torch.sort(key, dim=-1, stable=True).indices                    # slots last
+        s, cand, ok = (torch.gather(a, -1, order) for a in (s, cand, ok))
+        top = torch.sort(s.masked_fill(~ok, float("-inf")), dim=-1, descending=True, stable=True).indices
+        top = top[..., :attrs["topk"]]
+        return [torch.where(torch.gather(ok, -1, top), torch.gather(cand, -1, top), torch.full_like(top, -1))]
     topk = attrs["topk"]
     B, T = q_i.shape[:2]
     L = k_i.shape[1]
@@ -187,18 +247,19 @@ def dsa_index_topk_ref(attrs, q_i, w, k_i, k_scale=None):
     return [idx]
 
 
-@op("dsa_index_topk", inputs=["q_i", "w", "k_i", "k_scale?"], attrs={"topk": Attr("int")}, kind="model",
+@op("dsa_index_topk", inputs=["q_i", "w", "k_i", "k_scale?", "k_lo?"], attrs={"topk": Attr("int"),
+                                                                          "rerank": Attr("int", 0)}, kind="model",
     ref=dsa_index_topk_ref,
     flops=lambda a, ins, outs: numel(ins[0]) * ins[2].shape[1] * 2 + numel(ins[1]) * ins[2].shape[1] * 2)
-def _dsa_index_topk(attrs, q_i, w, k_i, k_scale=None):
-    """dsa_index_topk(q_I [B,T,J,D], w [B,T,J], k_I [B,L,D][, k_scale f32 [B,L]]) {topk} -> idx i64 [B,T,topk]
-    (−1 = invalid).
+def _dsa_index_topk(attrs, q_i, w, k_i, k_scale=None, k_lo=None):
+    """dsa_index_topk(q_I [B,T,J,D], w [B,T,J], k_I [B,L,D][, k_scale f32 [B,L][, k_lo u8 [B,L,D/2]]]) {topk,
+    rerank=0} -> idx i64 [B,T,topk] (−1 = invalid).
 
     Matches `k3::dsa_topk` of models/ops.py. See `dsa_index_topk_ref`. Contract: row (b, t) is a SET — the topk
     best visible positions (exact ties to the lowest position) in its first min(visible, topk) slots, −1 after —
     in an order kernels may choose (its consumer, `mla_attention` with idx, is a softmax over the set); the
     reference returns them by decreasing score. FP8 keys (`--dsa-index-keys fp8`): k_I f8e4m3 with k_scale, and
-    only then.
+    only then; `fp8-rerank` adds their 4-bit residuals k_lo and rerank = E >= 1 extra candidates (and only then).
     """
     n = "dsa_index_topk"
     need_rank(n, q_i, 4, "q_i")
@@ -217,6 +278,15 @@ def _dsa_index_topk(attrs, q_i, w, k_i, k_scale=None):
         need_rank(n, k_scale, 2, "k_scale")
         need_eq(n, k_scale.shape[0], B, "k_scale batch")
         need_eq(n, k_scale.shape[1], k_i.shape[1], "k_scale keys")
+    if (k_lo is not None) != (attrs["rerank"] > 0) or (k_lo is not None and k_scale is None) or attrs["rerank"] < 0:
+        raise IRError(f"{n}: k_lo goes with f8e4m3 keys and rerank >= 1, and only then (k_lo "
+                      f"{'given' if k_lo is not None else 'missing'}, rerank {attrs['rerank']})")
+    if k_lo is not None:
+        need_dtype(n, k_lo, {"u8"}, "k_lo")
+        need_rank(n, k_lo, 3, "k_lo")
+        need_eq(n, k_lo.shape[0], B, "k_lo batch")
+        need_eq(n, k_lo.shape[1], k_i.shape[1], "k_lo keys")
+        need_eq(n, k_lo.shape[2] * 2, D, "k_lo width (two residuals a byte)")
     if attrs["topk"] < 1:
         raise IRError(f"{n}: topk must be >= 1")
     return [TensorType((B, T, attrs["topk"]), "i64")]
@@ -232,6 +302,20 @@ def _fp8_quantize(attrs, x):
     if x.rank < 1:
         raise IRError("fp8_quantize: x needs a last (quantized) dim")
     return [x.with_dtype("f8e4m3"), TensorType(tuple(x.shape[:-1]), "f32")]
+
+
+@op("fp8_split", inputs=["x"], kind="model", ref=fp8_split_ref,
+    flops=lambda a, ins, outs: numel(ins[0]) * 8,
+    bytes=lambda a, ins, outs: dim(numel(ins[0]) * _isz(ins[0]) + numel(outs[0]) + numel(outs[1]) * 4
+                                   + numel(outs[2])))
+def _fp8_split(attrs, x):
+    """fp8_split(x [..., D] float, D even) -> (x8 f8e4m3 [..., D], scale f32 [...], lo u8 [..., D/2]): see
+    `fp8_split_ref` (the DSA index keys' append with `--dsa-index-keys fp8-rerank`)."""
+    need_dtype("fp8_split", x, _F, "x")
+    if x.rank < 1 or (isinstance(x.shape[-1], int) and x.shape[-1] % 2):
+        raise IRError(f"fp8_split: x needs an even last (quantized) dim, got {x}")
+    lo = x.with_shape((*x.shape[:-1], dim(x.shape[-1] // 2))).with_dtype("u8")
+    return [x.with_dtype("f8e4m3"), TensorType(tuple(x.shape[:-1]), "f32"), lo]
 
 
 # ---- Block Attention Residuals (two-phase inference form) -------------------------------------------------------
