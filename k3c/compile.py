@@ -119,6 +119,9 @@ def _compile(opts: CompileOptions, progress) -> dict:
                          max_seq=opts.max_seq, max_prefill=opts.max_prefill, tp=opts.tp, ep=opts.ep,
                          backend=opts.backend, experts_dtype=fmt, kda_state_dtype=opts.kda_state_dtype,
                          dsa_index_keys=opts.dsa_index_keys).resolve()
+    if opts.dsa_index_keys != "bf16" and not cfg.dsa_layers:
+        raise ConfigError(f"--dsa-index-keys {opts.dsa_index_keys} (dsa_index_keys): {cfg.name} has no DSA layers "
+                          f"(config: dsa_config.dsa_layers), so there is no index-key cache to store; leave it at bf16")
     if cfg.max_position_embeddings and opts.max_seq > cfg.max_position_embeddings:
         raise ConfigError(f"--max-seq {opts.max_seq} exceeds the model's context of {cfg.max_position_embeddings} "
                           f"tokens (config: max_position_embeddings)")

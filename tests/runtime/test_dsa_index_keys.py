@@ -240,6 +240,11 @@ def test_bad_values_and_tvm_refusal(plan_art):
     with pytest.raises(UnsupportedError, match=r"^no backend implements dsa_index_topk .* backends in claim order: "
                                                r"tvm, library"):
         compile_model(CompileOptions(**{**vars(opts), "out": path.parent / "cpu", "target": "cpu-x86-64"}))
+    mla = path.parent / "mla"   # a model without DSA layers has no index-key cache: refused before anything is written
+    with pytest.raises(ConfigError, match=r"^--dsa-index-keys fp8-rerank \(dsa_index_keys\): k3-tiny has no DSA "
+                                          r"layers \(config: dsa_config\.dsa_layers\)"):
+        compile_model(CompileOptions("k3-tiny", mla, plan_only=True, dsa_index_keys="fp8-rerank"))
+    assert not mla.exists()
 
 
 def _one_dsa_layer() -> K3Config:
