@@ -25,9 +25,10 @@ import triton
 import triton.language as tl
 
 from k3c.codegen.triton.dsa_decode import _order_key
+from k3c.context import DSA_RERANK_EXTRA
 
-RERANK_EXTRA = 512     # E: candidates beyond topk re-ranked exactly (Gaussian keys, B = 16 / 128K and 1M: the exact
-                       # top-2048's worst fp8 rank 2.5K-2.9K; E = 512 keeps >= 99.9 %, BENCHMARKS.md)
+RERANK_EXTRA = DSA_RERANK_EXTRA   # E: candidates beyond topk re-ranked exactly (Gaussian keys, B = 16 / 128K and 1M:
+                                  # the exact top-2048's worst fp8 rank 2.5K-2.9K; E = 512 keeps >= 99.9 %, BENCHMARKS.md)
 RERANK_BLOCK = 64      # candidates per re-scoring program ...
 RERANK_WARPS = 8       # ... and its warps (sm_90, compiled ahead of time: 102 registers; 4 warps spill 176 B)
 RANK_BLOCK = 32        # candidates per ranking program (each compares them with all the row's candidates)
