@@ -40,7 +40,7 @@ import triton
 
 from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import emitter, module_header, one_node, scratch
-from k3c.codegen.triton.kda import CHUNK, CHUNK_BLOCK_V, chunk_is_safe, emit_source
+from k3c.codegen.triton.kda import CHUNK, CHUNK_BLOCK_V, CHUNK_O_ACT_DTYPE, chunk_is_safe, emit_source
 from k3c.errors import UnsupportedError
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
@@ -99,7 +99,7 @@ def kda_fused_scratch(group: KernelGroup) -> list[ScratchSpec]:
            ScratchSpec("ws_p", TensorType((B, H, NC, CHUNK, CHUNK), q.dtype)),
            ScratchSpec("ws_glast", TensorType((B, H, NC, D), "f32"))]
     if min(triton.next_power_of_2(D), CHUNK_BLOCK_V) != triton.next_power_of_2(D):   # norm epilogue not fused
-        out.append(ScratchSpec("o_buf", TensorType((B, T, HD), "f32")))
+        out.append(ScratchSpec("o_buf", TensorType((B, T, HD), q.dtype if CHUNK_O_ACT_DTYPE else "f32")))
     return out
 
 
