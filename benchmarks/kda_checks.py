@@ -64,8 +64,7 @@ def check_gpu(dev, results, decode_cfgs, chunk_cfgs, conv_dtypes=(torch.float32,
     check(results, "prefill recurrent T=300 H=8", y, y_ref, st, S_ref, C_ref, 1e-3)
     for bv, _, pw, chunk, *front in sorted({(bv, 0, *rest) for bv, _, *rest in chunk_cfgs}):
         with prep_config(pw, chunk, *front):
-            name = (f"chunk {chunk} block_v={bv} prep {pw} warps, front {front[0]} tokens x {front[1]} warps, O "
-                    f"{'bf16' if front[2] else 'fp32'}")
+            name = f"chunk {chunk} block_v={bv} prep {pw} warps, front {front[0]} tokens x {front[1]} warps"
             runs = fits(lambda: kda_prefill(**acts, **weights, **{k: v.clone() for k, v in state.items()},
                                             method="chunk", block_v=bv, store_output=False))
             for lens in (None, [300, 173]) if runs else ():
@@ -138,11 +137,11 @@ class module_consts:
             setattr(kda_module, n, v)
 
 
-def prep_config(prep_warps, chunk, front_tokens, front_warps, o_act):
-    """The chunked prefill's module constants (prep warps, chunk size, front-kernel tokens and warps per program,
-    the O buffer in the activation dtype) for a block."""
+def prep_config(prep_warps, chunk, front_tokens, front_warps):
+    """The chunked prefill's module constants (prep warps, chunk size, front-kernel tokens and warps per program)
+    for a block."""
     return module_consts(CHUNK_PREP_WARPS=prep_warps, CHUNK=chunk, CHUNK_FRONT_TOKENS=front_tokens,
-                         CHUNK_FRONT_WARPS=front_warps, CHUNK_O_ACT_DTYPE=bool(o_act))
+                         CHUNK_FRONT_WARPS=front_warps)
 
 
 def bf16_state_drift(dev, results, steps=4096):

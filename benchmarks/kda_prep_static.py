@@ -67,7 +67,7 @@ def main():
     for cfg in args.config.split(","):
         ns, bk, warps = (int(x) for x in cfg.split(":"))
         consts = dict(H=96, D=128, W=4, BD=128, GATE_KIND=0, LOWER_BOUND=-5.0, SCALE=128 ** -0.5,
-                      HAS_LENGTHS=False, BT=args.bt, SB=min(args.bt, 16), LOG2_SB=min(args.bt, 16).bit_length() - 1,
+                      HAS_LENGTHS=False, BT=args.bt, LOG2_BT=args.bt.bit_length() - 1,
                       INV_PRECISION=args.inv_precision,
                       DOT_PRECISION="tf32")
         consts.update({k: v for k, v in (("NS", ns), ("BK", bk), ("BTOK", bk)) if k in fn.arg_names})

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 import triton
 
 from k3c.codegen.triton import _common, take_scratch
-from k3c.codegen.triton.kda_chunk import (kda_chunk_front_kernel, kda_chunk_prep_block, kda_chunk_prep_kernel,
-                                          kda_chunk_state_kernel, kda_norm_gate_kernel)
+from k3c.codegen.triton.kda_chunk import (kda_chunk_front_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel,
+                                          kda_norm_gate_kernel)
 from k3c.codegen.triton.kda_decode import kda_decode_front_kernel, kda_decode_kernel, kda_decode_state_kernel
 from k3c.codegen.triton.kda_recurrent import kda_recurrent_kernel
 from k3c.errors import RuntimeInputError, UnsupportedError
@@ -62,12 +62,11 @@ DECODE_FRONT_WARPS = 2  # warps per program of the front-end kernel (1 and 4 mea
 CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
 # Chunked prefill, split into a token-parallel front kernel and the intra-chunk prep kernel (H200, T = 8192,
 # BENCHMARKS.md "KDA round 8"): prep 2 warps 1.03 ms (4 warps 1.28, 4 with 128 registers 1.31); front 16 tokens x 2
-# warps 0.43 ms (32 x 4: 0.52, 64 x 8: 1.04).
+# warps 0.43 ms (32 x 4: 0.52, 64 x 8: 1.04). Round 9: the O buffer in the activation dtype (2.66 -> 2.58 ms); a
+# chunk-32 prep joining two 16-row blocks took 1.76 ms (state pass 0.67), 2.84 ms in all.
 CHUNK_PREP_WARPS = 2  # warps per program of the chunked prefill's intra-chunk kernel
 CHUNK_FRONT_TOKENS = 16  # tokens per program of the chunked prefill's front kernel (conv, silu, l2norm)
 CHUNK_FRONT_WARPS = 2    # warps per program of that front kernel
-CHUNK_PREP_ROWS = 16  # rows per block of the prep kernel: a chunk of 2 * CHUNK_PREP_ROWS is two joined blocks
-CHUNK_O_ACT_DTYPE = False  # the state pass's O buffer (norm kernel input) in the activation dtype, else fp32
 SAFE_LOG_DECAY = 80.0  # largest |log-decay| between a chunk's reference row and any row (exp stays finite in fp32)
 
 
@@ -254,7 +253,6 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
         # TF32 (10-bit mantissa) is below the storage precision of a bf16/fp16 model; an fp32 model gets fp32 dots
         dot = "tf32" if q_in.device.type == "cuda" and q_in.dtype != torch.float32 else "ieee"
         NC = triton.cdiv(T, CHUNK)
-        rows = min(CHUNK, CHUNK_PREP_ROWS)
         ws = take_scratch(scratch, "ws", (4, B, H, NC, CHUNK, D), q_in.dtype, q_in.device)
         ws_p = take_scratch(scratch, "ws_p", (B, H, NC, CHUNK, CHUNK), q_in.dtype, q_in.device)
         ws_glast = take_scratch(scratch, "ws_glast", (B, H, NC, D), torch.float32, q_in.device)
@@ -264,13 +262,13 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
             num_warps=CHUNK_FRONT_WARPS)
         kda_chunk_prep_kernel[(NC, H, B)](
             f, beta_logits, *wts[3:5], lens, ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, T, NC,
-            *(s for n in "fb" for s in st[n]), H=H, D=D, BD=BD, HAS_LENGTHS=has_len, BT=CHUNK, SB=rows,
-            LOG2_SB=rows.bit_length() - 1, INV_PRECISION="ieee", DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS,
+            *(s for n in "fb" for s in st[n]), H=H, D=D, BD=BD, HAS_LENGTHS=has_len, BT=CHUNK,
+            LOG2_BT=CHUNK.bit_length() - 1, INV_PRECISION="ieee", DOT_PRECISION=dot, num_warps=CHUNK_PREP_WARPS,
             **gate)
         BV = min(BD, block_v or CHUNK_BLOCK_V)
         fuse = BV == BD
-        o_buf = y if fuse or not store_output else take_scratch(
-            scratch, "o_buf", (B, T, HD), q_in.dtype if CHUNK_O_ACT_DTYPE else torch.float32, q_in.device)
+        o_buf = y if fuse or not store_output else take_scratch(scratch, "o_buf", (B, T, HD), q_in.dtype,
+                                                                q_in.device)   # O in the activation dtype
         kda_chunk_state_kernel[(triton.cdiv(D, BV), H, B)](
             ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, q_in, k_in, v_in, gate_logits, o_norm_weight, state,
             state_out, conv_state, conv_state_out, o_buf if store_output else q_in, lens, T, NC,
@@ -329,7 +327,7 @@ def kda_prefill(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_
     lengths: None or int / [B] ints <= T (only the first lengths[b] tokens of row b are used; y past them is left
     unwritten). State and conv state are updated in place unless state_out / conv_state_out (same shapes) are given.
     method: "chunk" (CHUNK-token WY/UT tensor-core kernels, chunk-parallel; bounded gate, `chunk_is_safe`
-    only; a workspace of about 4*T*H*D activation-dtype elements per row, plus T*H*D fp32 when block_v < D),
+    only; a workspace of about 4*T*H*D activation-dtype elements per row, plus T*H*D more when block_v < D),
     "recurrent" (token loop, any gate), or "auto" (chunk when safe and T >= 16). block_v: state columns per program
     of the chunk state pass (default CHUNK_BLOCK_V; D fuses the norm epilogue into it).
     Returns y [B, T, H*D] in q_in's dtype (None if store_output is False).
@@ -401,10 +399,10 @@ def kda_spec_replay(q_in, k_in, v_in, f, beta_logits, conv_w_q, conv_w_k, conv_w
 _FAMILIES = {  # family -> (kernels to include, IR node it implements by default)
     "decode": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel), "kda.fused_decode"),
     "prefill": ((kda_decode_kernel, kda_decode_front_kernel, kda_decode_state_kernel, kda_recurrent_kernel,
-                 kda_chunk_front_kernel, kda_chunk_prep_block, kda_chunk_prep_kernel, kda_chunk_state_kernel,
-                 kda_norm_gate_kernel), "kda.fused_prefill"),
-    "spec_replay": ((kda_recurrent_kernel, kda_chunk_front_kernel, kda_chunk_prep_block, kda_chunk_prep_kernel,
-                     kda_chunk_state_kernel), "kda.spec_replay"),
+                 kda_chunk_front_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel, kda_norm_gate_kernel),
+                "kda.fused_prefill"),
+    "spec_replay": ((kda_recurrent_kernel, kda_chunk_front_kernel, kda_chunk_prep_kernel, kda_chunk_state_kernel),
+                    "kda.spec_replay"),
 }
 
 _LAUNCH_TEMPLATE = '''
@@ -484,7 +482,6 @@ def emit_source(spec):
         f"DECODE_FRONT_WARPS = {DECODE_FRONT_WARPS}\n"
         f"CHUNK_BLOCK_V = {CHUNK_BLOCK_V}\nCHUNK_PREP_WARPS = {CHUNK_PREP_WARPS}\n"
         f"CHUNK_FRONT_TOKENS = {CHUNK_FRONT_TOKENS}\nCHUNK_FRONT_WARPS = {CHUNK_FRONT_WARPS}\n"
-        f"CHUNK_PREP_ROWS = {CHUNK_PREP_ROWS}\nCHUNK_O_ACT_DTYPE = {CHUNK_O_ACT_DTYPE}\n"
         f"_DECODE_SCRATCH = {{}}\n_PDL_DEVICES = {{}}\n")
     parts = [header]
     parts += [inspect.getsource(fn.fn) for fn in _common.HELPERS]

@@ -24,7 +24,8 @@ Kernels (launched in this order by `k3c.codegen.triton.kda._launch_kda`):
                           [i_v*BV, (i_v+1)*BV) in fp32 registers (tensor-core tl.dot on operands in the
                           workspace dtype, fp32 accumulation); writes O and the final state, and
                           rolls the conv state (after the front kernel has read it). With BV = D it also applies
-                          the RMSNorm + sigmoid gate and writes y; otherwise O goes to an fp32 buffer and
+                          the RMSNorm + sigmoid gate and writes y; otherwise O goes to a buffer in the
+                          activation dtype (half the bytes of fp32: the norm reads it once) and
   kda_norm_gate_kernel    grid (row blocks, B) writes y = RMSNorm_per_head(O) * sigmoid(gate).
 exp(gc_i - gc_j) is split as exp(gc_i - r) * exp(r - gc_j) with r the gc of the chunk's middle row REF =
 (BT - 1) // 2, so that both factors are matrix operands; with the K3 lower bound (g > LOWER_BOUND = -5) every
@@ -89,62 +90,6 @@ def kda_chunk_front_kernel(
 
 
 @triton.jit
-def kda_chunk_prep_block(
-    f_row, beta_row,                      # this (row, head)'s f channel 0 and beta pointers
-    a, dtb,                               # exp(A_log[h]) and the [BD] dt_bias row
-    ws_qg, ws_kend, ws_u, p_tile,         # the block's [SB, D] tiles' base pointers (in: q, k, v), its P [SB, SB]
-    tile, pos, n, s_ft, s_bt,             # [SB, BD] tile offsets, [SB] positions, row length, token strides
-    D: tl.constexpr, GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, LOG2_SB: tl.constexpr,
-    INV_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """One block of SB = len(pos) rows, on the front kernel's normalized q, k, v: gate, beta, A, P, Tinv, Wm, U0,
-    with Gamma = exp(gc) taken from the block's start. Stores K * exp(g_last - gc) (over k) and P; returns
-    (Q * Gamma, Wm, U0, g_last), fp32, for the caller to store or to join to the block before it."""
-    i_t = tl.arange(0, pos.shape[0])
-    i_k = tl.arange(0, dtb.shape[0])
-    SB: tl.constexpr = pos.shape[0]
-    REF: tl.constexpr = (SB - 1) // 2                   # decay reference row r (module docstring)
-    m_k = i_k < D
-    valid = pos < n
-    m_tk = valid[:, None] & m_k[None, :]
-    lower = i_t[:, None] > i_t[None, :]
-    diag = i_t[:, None] == i_t[None, :]
-    f = tl.load(f_row + pos[:, None] * s_ft + i_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    g = tl.where(m_tk, kda_decay_gate(f + dtb[None, :], a, GATE_KIND, LOWER_BOUND), 0.0)
-    beta = tl.load(beta_row + pos * s_bt, mask=valid, other=0.0).to(tl.float32)
-    beta = tl.where(valid, tl.sigmoid(beta), 0.0)
-    q = tl.load(ws_qg + tile, mask=m_tk, other=0.0).to(tl.float32)
-    k = tl.load(ws_kend + tile, mask=m_tk, other=0.0).to(tl.float32)
-
-    gc = tl.cumsum(g, 0)                                            # padded rows have g = 0
-    g_ref = tl.sum(tl.where(i_t[:, None] == REF, gc, 0.0), 0)      # r
-    g_last = tl.sum(tl.where(i_t[:, None] == SB - 1, gc, 0.0), 0)
-    decay_in = tl.exp(gc - g_ref[None, :])                          # <= exp(REF * |LOWER_BOUND|)
-    k_out = k * tl.exp(g_ref[None, :] - gc)                         # <= exp((SB - 1 - REF) * |LOWER_BOUND|)
-    # entries j > i may overflow to inf / nan (exp(gc_i - r) * exp(r - gc_j) with i < r < j): masked to 0
-    A = tl.dot(k * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
-    A = tl.where(lower, A * beta[:, None], 0.0)
-    P = tl.dot(q * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
-    P = tl.where(lower | diag, P, 0.0)
-
-    # (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)...: A strictly lower triangular, A^SB = 0.
-    power = A
-    Tinv = tl.where(diag, 1.0, 0.0) - A
-    for _ in tl.static_range(LOG2_SB - 1):
-        power = tl.dot(power, power, input_precision=INV_PRECISION)
-        Tinv = Tinv + tl.dot(Tinv, power, input_precision=INV_PRECISION)
-
-    gamma = tl.exp(gc)
-    v = tl.load(ws_u + tile, mask=m_tk, other=0.0).to(tl.float32)
-    Wm = tl.dot(Tinv, (beta[:, None] * gamma) * k, input_precision=DOT_PRECISION)
-    U0 = tl.dot(Tinv, beta[:, None] * v, input_precision=DOT_PRECISION)
-    dt = ws_qg.dtype.element_ty
-    tl.store(ws_kend + tile, (k * tl.exp(g_last[None, :] - gc)).to(dt), mask=m_k[None, :])    # <= 1
-    tl.store(p_tile, P.to(dt))
-    return q * gamma, Wm, U0, g_last
-
-
-@triton.jit
 def kda_chunk_prep_kernel(
     f_in,                                 # [B, T, H*D] gate projection (any float dtype)
     beta_in,                              # [B, T, H] beta logits
@@ -157,66 +102,70 @@ def kda_chunk_prep_kernel(
     s_fb, s_ft, s_bb, s_bt,               # (batch, token) strides (elements) of f and beta; last dim dense
     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     GATE_KIND: tl.constexpr, LOWER_BOUND: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-    BT: tl.constexpr,                     # rows per chunk: SB (one block) or 2 * SB (two blocks)
-    SB: tl.constexpr, LOG2_SB: tl.constexpr,  # rows per block (`kda_chunk_prep_block`), log2
+    BT: tl.constexpr, LOG2_BT: tl.constexpr,
     INV_PRECISION: tl.constexpr,          # tl.dot precision inside (I + A)^-1 ("ieee": fp32 FMA)
     DOT_PRECISION: tl.constexpr,          # tl.dot input precision for fp32 operands ("tf32" or "ieee")
 ):
     """One chunk of one head, grid (NC, H, B), on the front kernel's normalized q, k, v (read from ws_qg, ws_kend,
-    ws_u, which it overwrites in place, each program its own tile): gate, beta, A, P, Tinv, Wm, U0.
-
-    A chunk of two blocks (BT = 2 * SB) runs block 1 to its end and stores it, then block 2, and joins them
-    (module docstring, "Two blocks"): only block 2's own tiles are live then; block 1's kend, Wm and U0 are read
-    back from the workspace (as stored: rounded to its dtype)."""
-    tl.static_assert((BT == SB) | (BT == 2 * SB))
+    ws_u, which it overwrites in place, each program its own tile): gate, beta, A, P, Tinv, Wm, U0."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
+    REF: tl.constexpr = (BT - 1) // 2                   # decay reference row r (module docstring)
     n = T
     if HAS_LENGTHS:
         n = tl.load(lengths + b)
 
-    i_t = tl.arange(0, SB)
+    i_t = tl.arange(0, BT)
     i_k = tl.arange(0, BD)
     m_k = i_k < D
     pos = c * BT + i_t
-    b64 = b.to(tl.int64)
-    chunk = (b64 * H + h) * NC + c
+    valid = pos < n
+    m_tk = valid[:, None] & m_k[None, :]
+    lower = i_t[:, None] > i_t[None, :]
+    diag = i_t[:, None] == i_t[None, :]
+    chunk = (b.to(tl.int64) * H + h) * NC + c
     tile = chunk * BT * D + i_t[:, None] * D + i_k[None, :]
-    p_tile = ws_p + chunk * BT * BT + i_t[:, None] * BT + i_t[None, :]
-    f_row = f_in + b64 * s_fb + h * D
-    beta_row = beta_in + b64 * s_bb + h
-    a = tl.exp(tl.load(A_log + h))
-    dtb = tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0)
-    dt = ws_qg.dtype.element_ty
-    m_tile = (i_t[:, None] < SB) & m_k[None, :]
 
-    qg, Wm, U0, g_last = kda_chunk_prep_block(f_row, beta_row, a, dtb, ws_qg, ws_kend, ws_u, p_tile, tile, pos, n,
-                                              s_ft, s_bt, D, GATE_KIND, LOWER_BOUND, LOG2_SB, INV_PRECISION,
-                                              DOT_PRECISION)
-    tl.store(ws_qg + tile, qg.to(dt), mask=m_tile)
+    b64 = b.to(tl.int64)
+    f = tl.load(f_in + b64 * s_fb + h * D + pos[:, None] * s_ft + i_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    dtb = tl.load(dt_bias + h * D + i_k, mask=m_k, other=0.0)
+    g = tl.where(m_tk, kda_decay_gate(f + dtb[None, :], tl.exp(tl.load(A_log + h)), GATE_KIND, LOWER_BOUND), 0.0)
+    beta = tl.load(beta_in + b64 * s_bb + pos * s_bt + h, mask=valid, other=0.0).to(tl.float32)
+    beta = tl.where(valid, tl.sigmoid(beta), 0.0)
+    q = tl.load(ws_qg + tile, mask=m_tk, other=0.0).to(tl.float32)
+    k = tl.load(ws_kend + tile, mask=m_tk, other=0.0).to(tl.float32)
+
+    gc = tl.cumsum(g, 0)                                            # padded rows have g = 0
+    g_ref = tl.sum(tl.where(i_t[:, None] == REF, gc, 0.0), 0)      # r
+    g_last = tl.sum(tl.where(i_t[:, None] == BT - 1, gc, 0.0), 0)
+    decay_in = tl.exp(gc - g_ref[None, :])                          # <= exp(REF * |LOWER_BOUND|)
+    k_out = k * tl.exp(g_ref[None, :] - gc)                         # <= exp((BT - 1 - REF) * |LOWER_BOUND|)
+    # entries j > i may overflow to inf / nan (exp(gc_i - r) * exp(r - gc_j) with i < r < j): masked to 0
+    A = tl.dot(k * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
+    A = tl.where(lower, A * beta[:, None], 0.0)
+    P = tl.dot(q * decay_in, tl.trans(k_out), input_precision=DOT_PRECISION)
+    P = tl.where(lower | diag, P, 0.0)
+
+    # (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)(I + A^4)...: A strictly lower triangular, A^BT = 0.
+    power = A
+    Tinv = tl.where(diag, 1.0, 0.0) - A
+    for _ in tl.static_range(LOG2_BT - 1):
+        power = tl.dot(power, power, input_precision=INV_PRECISION)
+        Tinv = Tinv + tl.dot(Tinv, power, input_precision=INV_PRECISION)
+
+    gamma = tl.exp(gc)
+    v = tl.load(ws_u + tile, mask=m_tk, other=0.0).to(tl.float32)
+    Wm = tl.dot(Tinv, (beta[:, None] * gamma) * k, input_precision=DOT_PRECISION)
+    U0 = tl.dot(Tinv, beta[:, None] * v, input_precision=DOT_PRECISION)
+
+    m_tile = (i_t[:, None] < BT) & m_k[None, :]
+    dt = ws_qg.dtype.element_ty
+    tl.store(ws_qg + tile, (q * gamma).to(dt), mask=m_tile)
+    tl.store(ws_kend + tile, (k * tl.exp(g_last[None, :] - gc)).to(dt), mask=m_tile)    # <= 1
     tl.store(ws_w + tile, Wm.to(dt), mask=m_tile)
     tl.store(ws_u + tile, U0.to(dt), mask=m_tile)
-    if BT > SB:
-        tl.store(p_tile + SB, tl.zeros((SB, SB), dtype=dt))                           # P12 = 0
-        tl.debug_barrier()                  # block 1's tiles are read back below, by other threads
-        tile2 = tile + SB * D
-        qg2, Wm2, U02, g_last2 = kda_chunk_prep_block(f_row, beta_row, a, dtb, ws_qg, ws_kend, ws_u,
-                                                      p_tile + SB * BT + SB, tile2, pos + SB, n, s_ft, s_bt, D,
-                                                      GATE_KIND, LOWER_BOUND, LOG2_SB, INV_PRECISION,
-                                                      DOT_PRECISION)
-        kend1 = tl.load(ws_kend + tile, mask=m_tile, other=0.0).to(tl.float32)                # k1 exp(g_last1 - gc1)
-        M = tl.dot(Wm2, tl.trans(kend1), input_precision=DOT_PRECISION)           # T2 A21
-        tl.store(p_tile + SB * BT, tl.dot(qg2, tl.trans(kend1), input_precision=DOT_PRECISION).to(dt))  # P21
-        G1 = tl.exp(g_last)[None, :]
-        tl.store(ws_qg + tile2, (qg2 * G1).to(dt), mask=m_tile)
-        tl.debug_barrier()                  # every thread has read kend1 before it is overwritten
-        tl.store(ws_kend + tile, (kend1 * tl.exp(g_last2)[None, :]).to(dt), mask=m_tile)
-        Wm1 = tl.load(ws_w + tile, mask=m_tile, other=0.0).to(tl.float32)
-        tl.store(ws_w + tile2, (Wm2 * G1 - tl.dot(M, Wm1, input_precision=DOT_PRECISION)).to(dt), mask=m_tile)
-        U01 = tl.load(ws_u + tile, mask=m_tile, other=0.0).to(tl.float32)
-        tl.store(ws_u + tile2, (U02 - tl.dot(M, U01, input_precision=DOT_PRECISION)).to(dt), mask=m_tile)
-        g_last = g_last + g_last2
+    tl.store(ws_p + chunk * BT * BT + i_t[:, None] * BT + i_t[None, :], P.to(dt))
     tl.store(ws_glast + chunk * D + i_k, g_last, mask=m_k)
 
 
@@ -300,7 +249,7 @@ def kda_chunk_state_kernel(
 
 @triton.jit
 def kda_norm_gate_kernel(
-    o_buf,                                # [B, T, H*D] fp32 or activation dtype: O of kda_chunk_state_kernel
+    o_buf,                                # [B, T, H*D] activation dtype: O of kda_chunk_state_kernel
     gate_in,                              # [B, T, H*D] output-gate logits
     o_norm_w,                             # [D] fp32
     y,                                    # [B, T, H*D] output (dtype of the activations)
