@@ -45,8 +45,8 @@ def expected_scratch(kind: str, itemsize: int, absorbed: bool = False) -> dict[s
     H, D, NC = c.kda_num_heads, c.kda_head_dim, math.ceil(T / 16)
     out = {"ws": 4 * B * H * NC * 16 * D * itemsize, "ws_p": B * H * NC * 16 * 16 * itemsize,
            "ws_glast": B * H * NC * D * 4}
-    if D > 64:  # the state pass splits the value dim (CHUNK_BLOCK_V = 64): the norm epilogue's f32 o_buf
-        out["o_buf"] = B * T * H * D * 4
+    if D > 64:  # the state pass splits the value dim (CHUNK_BLOCK_V = 64): the norm epilogue's o_buf (act. dtype)
+        out["o_buf"] = B * T * H * D * itemsize
     return out
 
 

@@ -62,7 +62,8 @@ DECODE_FRONT_WARPS = 2  # warps per program of the front-end kernel (1 and 4 mea
 CHUNK_BLOCK_V = 64    # state columns per program of the chunked prefill's state pass
 # Chunked prefill, split into a token-parallel front kernel and the intra-chunk prep kernel (H200, T = 8192,
 # BENCHMARKS.md "KDA round 8"): prep 2 warps 1.03 ms (4 warps 1.28, 4 with 128 registers 1.31); front 16 tokens x 2
-# warps 0.43 ms (32 x 4: 0.52, 64 x 8: 1.04).
+# warps 0.43 ms (32 x 4: 0.52, 64 x 8: 1.04). Round 9: the O buffer in the activation dtype (2.66 -> 2.58 ms); a
+# chunk-32 prep joining two 16-row blocks took 1.76 ms (state pass 0.67), 2.84 ms in all.
 CHUNK_PREP_WARPS = 2  # warps per program of the chunked prefill's intra-chunk kernel
 CHUNK_FRONT_TOKENS = 16  # tokens per program of the chunked prefill's front kernel (conv, silu, l2norm)
 CHUNK_FRONT_WARPS = 2    # warps per program of that front kernel
@@ -266,8 +267,8 @@ def _launch_kda(mode, q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, c
             **gate)
         BV = min(BD, block_v or CHUNK_BLOCK_V)
         fuse = BV == BD
-        o_buf = y if fuse or not store_output else take_scratch(scratch, "o_buf", (B, T, HD), torch.float32,
-                                                                q_in.device)
+        o_buf = y if fuse or not store_output else take_scratch(scratch, "o_buf", (B, T, HD), q_in.dtype,
+                                                                q_in.device)   # O in the activation dtype
         kda_chunk_state_kernel[(triton.cdiv(D, BV), H, B)](
             ws[0], ws[1], ws[2], ws[3], ws_p, ws_glast, q_in, k_in, v_in, gate_logits, o_norm_weight, state,
             state_out, conv_state, conv_state_out, o_buf if store_output else q_in, lens, T, NC,
@@ -326,7 +327,7 @@ def kda_prefill(q_in, k_in, v_in, f, beta_logits, gate_logits, conv_w_q, conv_w_
     lengths: None or int / [B] ints <= T (only the first lengths[b] tokens of row b are used; y past them is left
     unwritten). State and conv state are updated in place unless state_out / conv_state_out (same shapes) are given.
     method: "chunk" (CHUNK-token WY/UT tensor-core kernels, chunk-parallel; bounded gate, `chunk_is_safe`
-    only; a workspace of about 4*T*H*D activation-dtype elements per row, plus T*H*D fp32 when block_v < D),
+    only; a workspace of about 4*T*H*D activation-dtype elements per row, plus T*H*D more when block_v < D),
     "recurrent" (token loop, any gate), or "auto" (chunk when safe and T >= 16). block_v: state columns per program
     of the chunk state pass (default CHUNK_BLOCK_V; D fuses the norm epilogue into it).
     Returns y [B, T, H*D] in q_in's dtype (None if store_output is False).

@@ -27,7 +27,7 @@ Scratch (`kda_fused_scratch`, planned in the arena; the decode kernels' o_part, 
 (5·K + 2)·B·H·4 bytes, stay cached in the module, one set per shape, shared by the layers): the
 chunked prefill's workspace ws [4, B, H, NC, 16, K] and ws_p [B, H, NC, 16, 16] in q's dtype, ws_glast f32
 [B, H, NC, K] (NC = ⌈T/16⌉ chunks) and, when the state pass does not fuse the norm epilogue (CHUNK_BLOCK_V < K),
-o_buf f32 [B, T, H·K].
+o_buf [B, T, H·K] in q's dtype.
 
 Public API: `emit_kda_fused(group)` -> module text (registered with `k3c.codegen.triton.emitter` for the kind
 "kda_fused"), `kda_fused_scratch(group)` (registered with `k3c.codegen.triton.scratch`).
@@ -99,7 +99,7 @@ def kda_fused_scratch(group: KernelGroup) -> list[ScratchSpec]:
            ScratchSpec("ws_p", TensorType((B, H, NC, CHUNK, CHUNK), q.dtype)),
            ScratchSpec("ws_glast", TensorType((B, H, NC, D), "f32"))]
     if min(triton.next_power_of_2(D), CHUNK_BLOCK_V) != triton.next_power_of_2(D):   # norm epilogue not fused
-        out.append(ScratchSpec("o_buf", TensorType((B, T, HD), "f32")))
+        out.append(ScratchSpec("o_buf", TensorType((B, T, HD), q.dtype)))
     return out
 
 

@@ -24,7 +24,8 @@ Kernels (launched in this order by `k3c.codegen.triton.kda._launch_kda`):
                           [i_v*BV, (i_v+1)*BV) in fp32 registers (tensor-core tl.dot on operands in the
                           workspace dtype, fp32 accumulation); writes O and the final state, and
                           rolls the conv state (after the front kernel has read it). With BV = D it also applies
-                          the RMSNorm + sigmoid gate and writes y; otherwise O goes to an fp32 buffer and
+                          the RMSNorm + sigmoid gate and writes y; otherwise O goes to a buffer in the
+                          activation dtype (half the bytes of fp32: the norm reads it once) and
   kda_norm_gate_kernel    grid (row blocks, B) writes y = RMSNorm_per_head(O) * sigmoid(gate).
 exp(gc_i - gc_j) is split as exp(gc_i - r) * exp(r - gc_j) with r the gc of the chunk's middle row REF =
 (BT - 1) // 2, so that both factors are matrix operands; with the K3 lower bound (g > LOWER_BOUND = -5) every
@@ -248,7 +249,7 @@ def kda_chunk_state_kernel(
 
 @triton.jit
 def kda_norm_gate_kernel(
-    o_buf,                                # [B, T, H*D] fp32: O of kda_chunk_state_kernel
+    o_buf,                                # [B, T, H*D] activation dtype: O of kda_chunk_state_kernel
     gate_in,                              # [B, T, H*D] output-gate logits
     o_norm_w,                             # [D] fp32
     y,                                    # [B, T, H*D] output (dtype of the activations)
@@ -265,7 +266,7 @@ def kda_norm_gate_kernel(
     i_k = tl.arange(0, BD)
     m = (r < n * H)[:, None] & (i_k < D)[None, :]
     off = b.to(tl.int64) * T * H * D + r[:, None] * D + i_k[None, :]
-    o = tl.load(o_buf + off, mask=m, other=0.0)
+    o = tl.load(o_buf + off, mask=m, other=0.0).to(tl.float32)
     g_off = b.to(tl.int64) * s_gb + (r // H)[:, None] * s_gt + (r % H)[:, None] * D + i_k[None, :]
     gl = tl.load(gate_in + g_off, mask=m, other=0.0).to(tl.float32)
     norm_w = tl.load(o_norm_w + i_k, mask=i_k < D, other=0.0)
