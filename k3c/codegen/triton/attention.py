@@ -36,7 +36,7 @@ import triton.language as tl
 from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_scratch
 from k3c.codegen.triton.dsa_attention import mla_sparse_decode_kernel
-from k3c.codegen.triton.dsa_attention_wgmma import (_gather_cols, _gather_tile, mla_sparse_decode_wgmma_kernel,
+from k3c.codegen.triton.dsa_attention_wgmma import (_gather_tile, _slot_pos, mla_sparse_decode_wgmma_kernel,
                                                    sparse_wgmma_ok)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
@@ -342,7 +342,7 @@ def emit_mla_attention(group: KernelGroup) -> str:
         '               lengths=sizes.get("lengths"), scratch=scratch)\n')
     title = f"mla_attention ({'absorbed' if a['absorbed'] else 'unabsorbed'}{', DSA idx' if has_idx else ''})"
     return _module(group, title, consts, [take_scratch, split_rows, mla_attention_kernel, mla_sparse_decode_kernel,
-                                          sparse_wgmma_ok, _gather_cols, _gather_tile, mla_sparse_decode_wgmma_kernel,
+                                          sparse_wgmma_ok, _slot_pos, _gather_tile, mla_sparse_decode_wgmma_kernel,
                                           mla_combine_kernel], launch_mla, body, takes_views=True)
 
 
