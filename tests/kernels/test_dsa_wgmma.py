@@ -78,3 +78,44 @@ def test_wgmma_device_lengths_and_dense_guard():
         want = mla_attention_ref(attrs, q[b:b + 1].cpu().float(), kv[b:b + 1, :n + 1].cpu().float(), None,
                                  idx[b:b + 1].cpu())[0]
         assert (got[b:b + 1] - want).abs().max().item() <= 2e-2 * want.abs().max().item(), b
+
+
+_SCRIPT = """
+import sys, torch
+from k3c.codegen.triton.attention import launch_mla
+g = torch.Generator(device="cuda").manual_seed(3)
+q = torch.randn(1, 1, 64, 576, device="cuda", generator=g).bfloat16()
+kv = torch.randn(1, 900, 576, device="cuda", generator=g).bfloat16()
+idx = torch.randperm(900, device="cuda", generator=g)[None, None, :320].contiguous()
+out = torch.empty(1, 1, 64, 512, dtype=torch.bfloat16, device="cuda")
+launch_mla(q, kv, None, idx, out, absorbed=True, causal=True, scale=0.05, v_dim=512, dense_max_keys=None)
+torch.save(out.cpu(), sys.argv[1])
+"""
+
+
+@hopper
+@pytest.mark.gpu
+def test_captured_wgmma_kernel_loads_without_compiling(tmp_path):
+    """What `finalize` ships (kernel_cache.collect of the cache the launch compiled into) holds the Gluon kernel,
+    and a process whose cache holds only those entries (kernel_cache.install) compiles nothing and gives the same
+    output."""
+    import os
+    import subprocess
+    import sys
+
+    from k3c.runtime import kernel_cache
+
+    def run(cache, name):
+        env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+        subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path / name)], env=env, check=True)
+        return torch.load(tmp_path / name)
+
+    first = run(tmp_path / "a", "a.pt")
+    files = kernel_cache.collect(tmp_path / "a", torch.device("cuda"))
+    assert any(f.endswith("/mla_sparse_decode_wgmma_kernel.cubin") for f in files)
+    with kernel_cache.capture() as fresh:
+        kernel_cache.install(types.SimpleNamespace(files=list(files), read_bytes=files.__getitem__), "cuda")
+        again = run(fresh, "b.pt")
+        suffixes = {p.suffix for p in fresh.rglob("*") if p.is_file()}
+    assert ".ttgir" not in suffixes and ".llir" not in suffixes and ".cubin" in suffixes, suffixes
+    assert torch.equal(first, again)
