@@ -17,16 +17,24 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
                             reason="needs a Hopper (sm_90) GPU")
 
 
-@pytest.mark.parametrize("major,dtype,dv,dr,ok", [(9, torch.bfloat16, 512, 64, True), (9, torch.float16, 256, 64, True),
-                                                  (10, torch.bfloat16, 512, 64, False),
-                                                  (9, torch.float32, 512, 64, False),
-                                                  (9, torch.bfloat16, 128, 64, False),
-                                                  (9, torch.bfloat16, 512, 32, False)])
-def test_launcher_picks_wgmma_on_hopper_only(monkeypatch, major, dtype, dv, dr, ok):
+@pytest.mark.parametrize("major,dtype,dv,dr,row,ok", [(9, torch.bfloat16, 512, 64, 576, True),
+                                                      (9, torch.float16, 256, 64, 320, True),
+                                                      (10, torch.bfloat16, 512, 64, 576, False),
+                                                      (9, torch.float32, 512, 64, 576, False),
+                                                      (9, torch.bfloat16, 128, 64, 576, False),
+                                                      (9, torch.bfloat16, 512, 32, 576, False),
+                                                      (9, torch.bfloat16, 512, 64, 584, False)])
+def test_launcher_picks_wgmma_on_hopper_only(monkeypatch, major, dtype, dv, dr, row, ok):
+    """sm_90 only, bf16 / fp16, K3's row split (DV 256 / 512 + DR 64), kv rows `row` elements apart (a multiple of
+    16: the cp.async gathers' alignment); never for CPU tensors."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
     q = types.SimpleNamespace(is_cuda=True, dtype=dtype, device="cuda:0")
-    assert sparse_wgmma_ok(q, dv, dr) is ok
-    assert not sparse_wgmma_ok(torch.zeros(1, dtype=dtype), dv, dr)         # CPU tensors: the Triton kernel
+    kv = types.SimpleNamespace(dtype=dtype, shape=(2, 100, dv + dr), stride=lambda d: (100 * row, row, 1)[d],
+                               data_ptr=lambda: 1 << 20)
+    assert sparse_wgmma_ok(q, kv, dv) is ok
+    assert not sparse_wgmma_ok(q, types.SimpleNamespace(**{**vars(kv), "dtype": torch.float16 if dtype ==
+                                                           torch.bfloat16 else torch.bfloat16}), dv)
+    assert not sparse_wgmma_ok(torch.zeros(1, dtype=dtype), kv, dv)         # CPU tensors: the Triton kernel
 
 
 def _case(B, H, S, topk, seed, lengths=None):

@@ -238,7 +238,7 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
         rows_t = 1 if use_idx else BLOCK_M
         n_tb, n_hb = triton.cdiv(T, rows_t), H
     sparse_decode = SPARSE_DECODE and absorbed and use_idx and T == 1 and D > DV
-    wgmma = sparse_decode and SPARSE_WGMMA and sparse_wgmma_ok(q, DV, D - DV) and k.dtype == q.dtype
+    wgmma = sparse_decode and SPARSE_WGMMA and sparse_wgmma_ok(q, k, DV)
     if sparse_decode:                               # q and every gathered row loaded once (`dsa_attention`)
         head_block = SPARSE_HEAD_BLOCK_BATCHED if B * T >= SPARSE_BATCHED_ROWS else SPARSE_HEAD_BLOCK
         BLOCK_M = 64 if wgmma else max(16, min(triton.next_power_of_2(H), head_block))

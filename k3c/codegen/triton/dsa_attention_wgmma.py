@@ -11,8 +11,8 @@ warpgroups splitting the N dimension of both MMAs (scores: BLOCK_S / 2 keys each
 warpgroups through shared memory. P goes to wgmma as a register operand.
 
 `sparse_wgmma_ok` says when `attention.launch_mla` may take this kernel: a Hopper GPU (sm_90), bf16 / fp16 q and
-kv, DV 256 or 512 and DR 64 (K3: 512 + 64). Elsewhere (the interpreter, CPUs, other GPUs,
-fp32) it takes `mla_sparse_decode_kernel`, whose results this kernel matches (tests/kernels/test_dsa_wgmma.py).
+kv, DV 256 or 512 and DR 64 (K3: 512 + 64), kv's strides multiples of 16. Elsewhere (the interpreter, CPUs, other
+GPUs, fp32) it takes `mla_sparse_decode_kernel`, whose results this kernel matches (tests/kernels/test_dsa_wgmma.py).
 """
 
 import torch
@@ -20,11 +20,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 
-def sparse_wgmma_ok(q, DV, DR):
-    """Whether `mla_sparse_decode_wgmma_kernel` runs q's launch: a CUDA sm_90 device, bf16 / fp16, DV 256 or 512
-    (K3: 512), DR 64 (the ring and q fit in shared memory at BLOCK_S = 64, STAGES = 2)."""
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and DV in (256, 512) and DR == 64
-            and torch.cuda.get_device_capability(q.device)[0] == 9)
+def sparse_wgmma_ok(q, kv, DV):
+    """Whether `mla_sparse_decode_wgmma_kernel` runs this launch: a CUDA sm_90 device, bf16 / fp16 q and kv (rows
+    [DV | DR], unit-stride), DV 256 or 512 and DR 64 (K3: 512 + 64; the ring and q then fit in shared memory), and
+    kv's base and row strides multiples of 16 elements (Triton's divisibility specialisation: the 16-byte cp.async
+    gathers need it)."""
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype and DV in (256, 512)
+            and kv.shape[-1] - DV == 64 and kv.stride(0) % 16 == 0 and kv.stride(1) % 16 == 0
+            and kv.data_ptr() % 16 == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
 @gluon.jit
