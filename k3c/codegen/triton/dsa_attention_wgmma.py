@@ -65,6 +65,8 @@ def mla_sparse_decode_wgmma_kernel(
     H: gl.constexpr, DV: gl.constexpr, DR: gl.constexpr, TOPK: gl.constexpr, SPLITS: gl.constexpr,
     LEN_FROM_PTR: gl.constexpr, BLOCK_S: gl.constexpr, STAGES: gl.constexpr,
 ):
+    """One program per (b, block of 64 heads, key split): o (SPLITS == 1) or the split's f32 partial and log2-sum-exp,
+    exactly as `mla_sparse_decode_kernel` writes them (module docstring)."""
     BLOCK_M: gl.constexpr = 64                               # one wgmma M tile: 64 heads per program
     dt: gl.constexpr = q_ptr.dtype.element_ty
     # register layouts: the gathers (16-byte chunks), the scores and the output (two warpgroups split N)
