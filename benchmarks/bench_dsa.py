@@ -87,13 +87,17 @@ def profile(label, fn):
 
 
 ATTN_KNOBS = ("SPARSE_DECODE", ("SPARSE_HEAD_BLOCK", "SPARSE_HEAD_BLOCK_BATCHED"), "SPARSE_STAGES",
-              "MIN_KEYS_PER_SPLIT", "SPARSE_BLOCK_S", "SPARSE_WARPS", "SPARSE_TARGET_PROGRAMS")
+              "MIN_KEYS_PER_SPLIT", "SPARSE_BLOCK_S", "SPARSE_WARPS", "SPARSE_TARGET_PROGRAMS", "SPARSE_WGMMA",
+              "WGMMA_BLOCK_S", "WGMMA_STAGES")
 ATTN_DEFAULTS = {k: getattr(attention, k) for knob in ATTN_KNOBS for k in ((knob,) if isinstance(knob, str) else knob)}
 ATTN_VARIANTS = {     # name -> attention knobs (ATTN_KNOBS, in order: a head block sets it for every batch; the ones
                       # left out keep their defaults; () = the module's policy); B = 16 x 96 heads at head block 32:
                       # 48 programs per key split, so target 96 / 240 / 264 / 528 / 1056 / 2112 -> 2 / 5 / 6 / 11 / 16 /
                       # 32 splits; head block 64: 32 per split, target 128 -> 4 splits, 264 -> 9
-    "sparse (default policy)": (),
+    "sparse (default policy)": (), "triton sparse (round 8 default)": (None,) * 7 + (False,),   # None: the default
+    "wgmma bs32 s4": (None,) * 7 + (True, 32, 4),
+    "wgmma bs32 s4 mk32": (None,) * 3 + (32, None, None, None, True, 32, 4),
+    "wgmma bs64 s2 tp256": (None,) * 6 + (256, True, 64, 2),
     "generic kernel (previous)": (False, 32, 2, 64, 64, 8, 264), "sparse hb32 s2": (True, 32, 2, 64, 64, 8, 264),
     "sparse hb32 s3": (True, 32, 3, 64, 64, 8, 264), "sparse hb32 s1": (True, 32, 1, 64, 64, 8, 264),
     "sparse hb16 s2": (True, 16, 2, 64, 64, 8, 264), "sparse hb64 s2": (True, 64, 2, 64, 64, 8, 264),
@@ -106,13 +110,14 @@ ATTN_VARIANTS = {     # name -> attention knobs (ATTN_KNOBS, in order: a head bl
     "sparse hb32 s2 bs128 tp96": (True, 32, 2, 128, 128, 8, 96), "sparse hb64 s2 tp128": (True, 64, 2, 64, 64, 8, 128),
     "sparse hb64 s2 bs32 tp128": (True, 64, 2, 32, 32, 8, 128), "sparse hb64 s2 w16 tp128": (True, 64, 2, 64, 64, 16, 128),
     "sparse hb32 s1 w4 tp264": (True, 32, 1, 64, 64, 4, 264), "sparse hb32 s2 w4 tp264": (True, 32, 2, 64, 64, 4, 264)}
+ATTN_VARIANTS = {k: v + (False,) if len(v) == 7 else v for k, v in ATTN_VARIANTS.items()}  # rounds 4-8: the Triton kernel
 
 
 def set_attention(values):
     for k, v in ATTN_DEFAULTS.items():
         setattr(attention, k, v)
     for knob, v in zip(ATTN_KNOBS, values):
-        for k in (knob,) if isinstance(knob, str) else knob:
+        for k in ((knob,) if isinstance(knob, str) else knob) if v is not None else ():
             setattr(attention, k, v)
 
 

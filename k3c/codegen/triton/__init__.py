@@ -164,14 +164,17 @@ def module_header(group: KernelGroup, summary: str, generator: str, takes_views:
 def model_module(group: KernelGroup, summary: str, generator: str, semantics: str, consts, kernels, launcher,
                  body: str, takes_views: bool = False) -> str:
     """A model-op kernel module: the shared header, a line naming the exact semantics (`semantics`: where the op's
-    reference lives), the specialisation constants (name, value, comment), the sources of `kernels` (`@triton.jit`
-    kernels, or plain helper functions the launcher calls) and of the launcher copied from the generator module,
-    then the ABI `launch` (`body`; with `takes_views` it receives inputs of any strides, `TAKES_VIEWS`)."""
+    reference lives), the specialisation constants (name, value, comment), the sources of `kernels` (`@triton.jit` or
+    `@gluon.jit` kernels, or plain helper functions the launcher calls) and of the launcher copied from the generator
+    module, then the ABI `launch` (`body`; with `takes_views` it receives inputs of any strides, `TAKES_VIEWS`)."""
     import inspect
 
     lines = module_header(group, summary, generator, takes_views) + [f"# Exact semantics: {semantics}"]
     lines += [f"{k} = {v!r}" + (f"  # {c}" if c else "") for k, v, c in consts]
-    parts = ["\n".join(lines) + "\n"] + [inspect.getsource(getattr(k, "fn", k)) for k in kernels]
+    sources = [inspect.getsource(getattr(k, "fn", k)) for k in kernels]
+    if any(src.startswith("@gluon.jit") for src in sources):       # Gluon kernels: their language's imports
+        lines += ["from triton.experimental import gluon", "from triton.experimental.gluon import language as gl"]
+    parts = ["\n".join(lines) + "\n"] + sources
     parts.append(inspect.getsource(launcher))
     return "\n\n".join(parts + [body])
 

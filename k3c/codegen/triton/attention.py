@@ -12,7 +12,8 @@ mla_attention (flash-style online softmax over key blocks, fp32 accumulation, ba
     never loaded); then a program holds one token. dense_max_keys guard: when S ≤ dense_max_keys the launcher
     runs the dense causal path and idx is not read;
   - DSA decode (absorbed, idx, T = 1, kv rows with rope dims): `dsa_attention.mla_sparse_decode_kernel` instead,
-    which loads q and every gathered row once (SPARSE_DECODE);
+    which loads q and every gathered row once (SPARSE_DECODE); on a Hopper GPU (bf16 / fp16) its wgmma form
+    `dsa_attention_wgmma.mla_sparse_decode_wgmma_kernel` (SPARSE_WGMMA: q in shared memory, a cp.async ring);
   - split-K (flash decoding): when B·T·head-blocks programs cannot fill the GPU, the keys are split over a third grid
     axis; the splits write (o, log2-sum-exp) partials to scratch planned in the arena (`mla_attention_scratch`) and
     `mla_combine_kernel` merges them.
@@ -35,6 +36,8 @@ import triton.language as tl
 from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_scratch
 from k3c.codegen.triton.dsa_attention import mla_sparse_decode_kernel
+from k3c.codegen.triton.dsa_attention_wgmma import (_gather_tile, _slot_pos, mla_sparse_decode_wgmma_kernel,
+                                                   sparse_wgmma_ok)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 
@@ -54,6 +57,9 @@ SPARSE_BATCHED_ROWS = 8     # H200 (BENCHMARKS.md round 5): B = 16 64 heads 64.7
 SPARSE_STAGES = 2           # its software-pipeline depth
 SPARSE_BLOCK_S = 64         # its keys per step (bf16 / fp16; fp32: 16)
 SPARSE_WARPS = 8            # its warps per program
+SPARSE_WGMMA = True         # on sm_90 (bf16 / fp16): `mla_sparse_decode_wgmma_kernel` instead (64 heads per program)
+WGMMA_BLOCK_S = 64          # its keys per ring slot
+WGMMA_STAGES = 2            # its ring slots (64 keys x 2 + q: 220 KB of shared memory, one program per SM)
 SPARSE_TARGET_PROGRAMS = 128  # its split-K target (programs; B = 1 is capped by MIN_KEYS_PER_SPLIT instead): about one
                               # wave of one program per H200 SM (~200 registers x 8 warps each); B = 16, 64 heads:
                               # 4 splits 64.7 us, 9 (288 programs, 3 waves) 71.9 (BENCHMARKS.md round 5)
@@ -232,10 +238,11 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
         rows_t = 1 if use_idx else BLOCK_M
         n_tb, n_hb = triton.cdiv(T, rows_t), H
     sparse_decode = SPARSE_DECODE and absorbed and use_idx and T == 1 and D > DV
+    wgmma = sparse_decode and SPARSE_WGMMA and sparse_wgmma_ok(q, k, DV)
     if sparse_decode:                               # q and every gathered row loaded once (`dsa_attention`)
         head_block = SPARSE_HEAD_BLOCK_BATCHED if B * T >= SPARSE_BATCHED_ROWS else SPARSE_HEAD_BLOCK
-        BLOCK_M = max(16, min(triton.next_power_of_2(H), head_block))
-        BLOCK_S = SPARSE_BLOCK_S if q.dtype != torch.float32 else 16
+        BLOCK_M = 64 if wgmma else max(16, min(triton.next_power_of_2(H), head_block))
+        BLOCK_S = WGMMA_BLOCK_S if wgmma else SPARSE_BLOCK_S if q.dtype != torch.float32 else 16
         n_hb = triton.cdiv(H, BLOCK_M)
     n_keys = (max(topk, min(S, dense_max)) if from_ptr else topk) if use_idx else S   # at most, per row
     programs = B * n_tb * n_hb
@@ -255,7 +262,12 @@ def launch_mla(q, k, v, idx, out, *, absorbed, causal, scale, v_dim, dense_max_k
     else:
         o_dst, lse = out, out
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    if sparse_decode:
+    if wgmma:
+        mla_sparse_decode_wgmma_kernel[(B, n_hb, splits)](
+            q, k, idx, o_dst, lse, lengths if from_ptr else q, S, keys_per_split, dense_max, k.stride(0),
+            k.stride(1), scale * 1.4426950408889634, H=H, DV=DV, DR=D - DV, TOPK=topk, SPLITS=splits,
+            LEN_FROM_PTR=from_ptr, BLOCK_S=BLOCK_S, STAGES=WGMMA_STAGES, num_warps=8)
+    elif sparse_decode:
         mla_sparse_decode_kernel[(B, n_hb, splits)](
             q, k, idx, o_dst, lse, lengths if from_ptr else q, S, keys_per_split, dense_max, k.stride(0),
             k.stride(1), scale * 1.4426950408889634, H=H, DV=DV, DR=D - DV, TOPK=topk, SPLITS=splits,
@@ -311,7 +323,10 @@ def emit_mla_attention(group: KernelGroup) -> str:
               ("SPARSE_STAGES", SPARSE_STAGES, "its software-pipeline depth"),
               ("SPARSE_BLOCK_S", SPARSE_BLOCK_S, "its keys per step (bf16 / fp16)"),
               ("SPARSE_WARPS", SPARSE_WARPS, "its warps per program"),
-              ("SPARSE_TARGET_PROGRAMS", SPARSE_TARGET_PROGRAMS, "its split-K target (programs)")]
+              ("SPARSE_TARGET_PROGRAMS", SPARSE_TARGET_PROGRAMS, "its split-K target (programs)"),
+              ("SPARSE_WGMMA", SPARSE_WGMMA, "on sm_90: its wgmma form (mla_sparse_decode_wgmma_kernel)"),
+              ("WGMMA_BLOCK_S", WGMMA_BLOCK_S, "the wgmma form's keys per ring slot"),
+              ("WGMMA_STAGES", WGMMA_STAGES, "the wgmma form's ring slots")]
     v_arg = f"_unit_last(inputs[{ip[2]}])" if has_v else "None"
     idx_arg = f"inputs[{ip[-1]}].contiguous()" if has_idx else "None"
     body = (
@@ -327,6 +342,7 @@ def emit_mla_attention(group: KernelGroup) -> str:
         '               lengths=sizes.get("lengths"), scratch=scratch)\n')
     title = f"mla_attention ({'absorbed' if a['absorbed'] else 'unabsorbed'}{', DSA idx' if has_idx else ''})"
     return _module(group, title, consts, [take_scratch, split_rows, mla_attention_kernel, mla_sparse_decode_kernel,
+                                          sparse_wgmma_ok, _slot_pos, _gather_tile, mla_sparse_decode_wgmma_kernel,
                                           mla_combine_kernel], launch_mla, body, takes_views=True)
 
 

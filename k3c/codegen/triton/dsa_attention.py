@@ -8,7 +8,8 @@ reads every gathered row twice (scores in 64-column chunks, then the values) and
 `mla_sparse_decode_kernel` loads its heads' q once ([BLOCK_M, DV] and [BLOCK_M, DR], kept in registers) and every
 gathered row once, as a [BLOCK_S, DV] tile (scores and values) and a [BLOCK_S, DR] tile (scores). One program per
 (b, block of BLOCK_M heads, key split); the splits write (o, log2-sum-exp) partials that
-`attention.mla_combine_kernel` merges, in the layout of `attention.launch_mla`, which picks this kernel. (Loading
+`attention.mla_combine_kernel` merges, in the layout of `attention.launch_mla`, which picks this kernel (on a
+Hopper GPU at K3's shapes, its wgmma form `dsa_attention_wgmma.mla_sparse_decode_wgmma_kernel` instead). (Loading
 the next block's idx slots one step ahead, as a loop-carried tensor, fails Triton 3.6's layout pass on the H200.)
 
 Device lengths (LEN_FROM_PTR, i32 [B]): row b has lengths[b] + 1 keys and the dense guard is taken per row on the
