@@ -162,14 +162,16 @@ def module_header(group: KernelGroup, summary: str, generator: str, takes_views:
 
 
 def model_module(group: KernelGroup, summary: str, generator: str, semantics: str, consts, kernels, launcher,
-                 body: str, takes_views: bool = False) -> str:
+                 body: str, takes_views: bool = False, imports: tuple = ()) -> str:
     """A model-op kernel module: the shared header, a line naming the exact semantics (`semantics`: where the op's
     reference lives), the specialisation constants (name, value, comment), the sources of `kernels` (`@triton.jit`
-    kernels, or plain helper functions the launcher calls) and of the launcher copied from the generator module,
-    then the ABI `launch` (`body`; with `takes_views` it receives inputs of any strides, `TAKES_VIEWS`)."""
+    or `@gluon.jit` kernels, or plain helper functions the launcher calls) and of the launcher copied from the
+    generator module, then the ABI `launch` (`body`; with `takes_views` it receives inputs of any strides,
+    `TAKES_VIEWS`). `imports`: import lines the kernels need beyond the header's (torch, triton, tl)."""
     import inspect
 
-    lines = module_header(group, summary, generator, takes_views) + [f"# Exact semantics: {semantics}"]
+    lines = module_header(group, summary, generator, takes_views) + list(imports)
+    lines += [f"# Exact semantics: {semantics}"]
     lines += [f"{k} = {v!r}" + (f"  # {c}" if c else "") for k, v, c in consts]
     parts = ["\n".join(lines) + "\n"] + [inspect.getsource(getattr(k, "fn", k)) for k in kernels]
     parts.append(inspect.getsource(launcher))
