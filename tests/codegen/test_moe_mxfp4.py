@@ -9,7 +9,7 @@ import triton.language as tl
 from k3c.codegen.triton import moe
 from k3c.codegen.triton.moe_mxfp4 import (mx_block_k, mx_default_config, mx_permute, mx_permuted_col, mxfp4_scales,
                                          mxfp4_weight_tile)
-from k3c.codegen.triton.moe_mxfp4_gluon import gluon_decode_ok
+from k3c.codegen.triton.moe_mxfp4_gluon import gl_permute, gl_permuted_col, gluon_decode_ok
 from k3c.ir.formats import mxfp4_dequantize
 from k3c.ir.ops import get_op
 
@@ -191,6 +191,34 @@ def test_launch_mma_v2_order_matches_reference():
     moe.launch_moe_experts(*args, y=y, mx_config=(8, 32, 64, 2, 1, True, None), **attrs)
     (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"}, z, wt, ids, w1, w3, w2, s1, s3, s2)
     torch.testing.assert_close(y.cpu(), want, rtol=1e-4, atol=1e-5)
+
+
+@triton.jit
+def _gl_col_kernel(out_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    k = tl.arange(0, K)
+    tl.store(out_ptr + gl_permuted_col(k, BLOCK_K), k)
+
+
+def test_gl_permute_order():
+    """The Gluon kernels' activation order (`gl_permute`): column 64b + 16t + 4q + 2s + e of a K tile holds
+    k = 8·(t·CC + 2b + s) + 4e + q, CC = BLOCK_K/32 (written independently of the code); `gl_permuted_col` (the
+    up kernel's h columns) is its inverse, two K tiles of 128."""
+    K, bk = 256, 128
+    CC = bk // 32
+    want = torch.empty(K, dtype=torch.long)
+    for tile in range(K // bk):
+        for b in range(CC // 2):
+            for t in range(4):
+                for q in range(4):
+                    for s in (0, 1):
+                        for e in (0, 1):
+                            want[tile * bk + 64 * b + 16 * t + 4 * q + 2 * s + e] = \
+                                tile * bk + 8 * (t * CC + 2 * b + s) + 4 * e + q
+    x = torch.arange(2 * K).reshape(2, K)
+    assert torch.equal(gl_permute(x, bk), x[:, want])
+    out = torch.empty(K, dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
+    _gl_col_kernel[(1,)](out, K=K, BLOCK_K=bk)
+    assert torch.equal(out.long().cpu(), want)
 
 
 def test_gluon_decode_ok():

@@ -44,9 +44,9 @@ from k3c.codegen.triton.moe_mxfp4 import (ONE_MUL_MAX_SCALE, moe_down_mx_kernel,
                                          mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile,
                                          mxfp4_word_bf16)
 from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_M, GLUON_IMPORTS, gl_act_offsets, gl_act_operand,
-                                               gl_axis_layout, gl_decoded_tile, gl_layouts, gl_tile_rows,
-                                               gl_word_offsets, gluon_decode_ok, moe_down_mx_gluon_kernel,
-                                               moe_up_mx_gluon_kernel)
+                                               gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
+                                               gl_permuted_col, gl_tile_rows, gl_word_offsets, gluon_decode_ok,
+                                               moe_down_mx_gluon_kernel, moe_up_mx_gluon_kernel)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 
@@ -289,9 +289,9 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         max_tiles = schedule[1].shape[0]
         fast = z.dtype == torch.bfloat16
         gl_run = gluon is not False and fast and z.is_cuda and gluon_decode_ok(cfg, D, I, BK1, BK2)
-        v2 = gl_run or mx_mma_v2(warps)
-        zp = mx_permute(z, BK1, out=take_scratch(scratch, "z_perm", (N, D), z.dtype, z.device), v2=v2)
+        zp = take_scratch(scratch, "z_perm", (N, D), z.dtype, z.device)
         if gl_run:
+            zp = gl_permute(z, BK1, out=zp)
             moe_up_mx_gluon_kernel[(max_tiles, I // BLOCK_R)](
                 zp.view(torch.int32), w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
                 float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ",
@@ -301,6 +301,8 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
                 TWO_MULS=two_muls, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, num_warps=warps)
             moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
             return
+        v2 = mx_mma_v2(warps)
+        zp = mx_permute(z, BK1, out=zp, v2=v2)
         opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
         moe_up_mx_kernel[(max_tiles, triton.cdiv(I, BLOCK_R))](
             zp, w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
@@ -393,6 +395,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     mx_default_config, mx_mma_v2, mx_block_k, mx_permute, mx_permuted_col, mxfp4_word_bf16,
                     mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel,
                     moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule, gluon_decode_ok, gl_layouts,
-                    gl_axis_layout, gl_word_offsets, gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_tile_rows,
+                    gl_permute, gl_permuted_col, gl_axis_layout, gl_word_offsets, gl_act_offsets, gl_act_operand,
+                    gl_decoded_tile, gl_tile_rows,
                     moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel],
                    launch_moe_experts, body, imports=GLUON_IMPORTS)

@@ -27,12 +27,15 @@ emitted modules) and `moe_up_mx_gluon_kernel`, `moe_down_mx_gluon_kernel`.
 
 from __future__ import annotations
 
+import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from k3c.codegen.triton.moe_act import glu
-from k3c.codegen.triton.moe_mxfp4 import mx_permuted_col, mxfp4_word_bf16
+from k3c.codegen.triton.moe_mxfp4 import mxfp4_word_bf16
 
 #: token rows per tile (the `mma.sync` N)
 GLUON_BLOCK_M = 8
@@ -53,18 +56,43 @@ def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> boo
 @gluon.constexpr_function
 def gl_layouts(W, BLOCK_K):
     """(words [W, 2, 8, 4, CH, 4] layout, MMA accumulator, A operand, B operand, activation pairs) for W warps and
-    K tiles of BLOCK_K = 128·CH (module docstring); the pairs: i32 [BLOCK_K/2, 8] holding the B operand's bf16
-    pairs (thread t of a quad: pairs 4t .. 4t + 3 of every 16, one 16-byte load), so the prefetched activations
-    are carried across the loop as 32-bit words (carried bf16 values cost a PRMT per pair in ptxas)."""
+    K tiles of BLOCK_K = 128·CH (module docstring); the pairs: i32 [BLOCK_K/2, 8] in `gl_permute` memory order,
+    thread t of a quad holding pairs 8t .. 8t + 7 of every 32 (two 16-byte loads), so the prefetched
+    activations are carried across the loop as 32-bit words (carried bf16 values cost a PRMT per pair)."""
     CH = BLOCK_K // 128
     words = gl.BlockedLayout([1, 2, 1, 1, CH, 4], [1, 1, 8, 4, 1, 1], [W, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0])
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
     pairs = gl.DistributedLinearLayout(
-        reg_bases=[[1, 0], [2, 0]] + [[16 << i, 0] for i in range((BLOCK_K // 32).bit_length() - 1)],
-        lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[[0, 0]] * (W.bit_length() - 1),
+        reg_bases=[[1, 0], [2, 0], [4, 0]] + [[32 << i, 0] for i in range((BLOCK_K // 64).bit_length() - 1)],
+        lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[[0, 0]] * (W.bit_length() - 1),
         block_bases=[], shape=[BLOCK_K // 2, 8])
     return (words, mma, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8),
             gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8), pairs)
+
+
+def gl_permute(x: torch.Tensor, block_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, K] -> the same values [N, K] in the Gluon kernels' activation order: `mx_permute`'s `mma.sync` (v2)
+    order with, in every 64 columns (its 32-column chunks 2b and 2b + 1), thread t's 8 columns of both chunks
+    interleaved by pairs: column 64b + 16t + 4q + 2s + e holds the v2 column 32·(2b + s) + 8t + 2q + e, i.e.
+    in-tile k = 8·(t·CC + 2b + s) + 4e + q. Triton's `mma.sync` lowering (kWidth 8) feeds one instruction the
+    same pair of both chunks, so each 16-byte load gives two instructions' B registers in place (no moves). A
+    contiguous copy (into `out`, contiguous [N, K] of x's dtype, when given)."""
+    N, K = x.shape
+    src = x.reshape(N, K // block_k, 4, block_k // 64, 2, 2, 4).permute(0, 1, 3, 2, 6, 4, 5)
+    if out is None:
+        return src.reshape(N, K)
+    out.view(src.shape).copy_(src)
+    return out
+
+
+@triton.jit
+def gl_permuted_col(k, BLOCK_K: tl.constexpr):
+    """`gl_permute`'s column of natural column k (int tensor)."""
+    r = k % BLOCK_K
+    CC: tl.constexpr = BLOCK_K // 32
+    t = r // (8 * CC)
+    cc = (r // 8) % CC
+    return k - r + 64 * (cc // 2) + 16 * t + 4 * (r % 4) + 2 * (cc % 2) + (r // 4) % 2
 
 
 @gluon.constexpr_function
@@ -107,8 +135,10 @@ def gl_act_offsets(rows_m, KDIM: gl.constexpr, BLOCK_K: gl.constexpr, PL: gl.con
 
 @gluon.jit
 def gl_act_operand(pairs, BLOCK_K: gl.constexpr, BL: gl.constexpr):
-    """The bf16 B operand [BLOCK_K, 8] (BL) of activation pairs i32 [BLOCK_K/2, 8] (`gl_layouts`' pairs)."""
-    lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs],
+    """The bf16 B operand [BLOCK_K, 8] (BL) of activation pairs i32 [BLOCK_K/2, 8] in `gl_permute` order
+    (`gl_layouts`' pairs): pair 32b + 8t + 2q + s of the memory is pair 4t + q of 32-column chunk 2b + s."""
+    p = gl.reshape(gl.permute(gl.reshape(pairs, [BLOCK_K // 64, 4, 4, 2, 8]), (0, 3, 1, 2, 4)), [BLOCK_K // 2, 8])
+    lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p],
                                        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
     x = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [BLOCK_K, 8])
     return gl.convert_layout(x, BL, assert_trivial=True)
@@ -160,26 +190,25 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, ti
     if e < E:
         offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, gl.SliceLayout(0, PL))
         token = gl.load(order_ptr + offs_m, mask=m_ok, other=0) // K
-        zptrs = zp_ptr + gl_act_offsets(token, D, BLOCK_D, PL)
-        zmask = gl.expand_dims(m_ok, 0)
+        zptrs = zp_ptr + gl_act_offsets(token, D, BLOCK_D, PL)     # rows past the tile read token 0, never stored
         i0 = gl.program_id(1) * BLOCK_R
         woff, soff = gl_word_offsets(e.to(gl.int64) * I + i0, D, W, BLOCK_D // 128, WL)
         w1p, w3p, s1p, s3p = w1_ptr + woff, w3_ptr + woff, s1_ptr + soff, s3_ptr + soff
         w1, w3, s1, s3 = gl.load(w1p), gl.load(w3p), gl.load(s1p), gl.load(s3p)
-        z = gl.load(zptrs, mask=zmask, other=0)
+        z = gl.load(zptrs)
         gate = gl.zeros([BLOCK_R, 8], gl.float32, MMA)
         up = gl.zeros([BLOCK_R, 8], gl.float32, MMA)
         for d0 in range(0, D, BLOCK_D):
             dn = gl.where(d0 + BLOCK_D < D, d0 + BLOCK_D, 0)
             w1_n, w3_n = gl.load(w1p + dn // 8), gl.load(w3p + dn // 8)
             s1_n, s3_n = gl.load(s1p + dn // 32), gl.load(s3p + dn // 32)
-            z_n = gl.load(zptrs + dn // 2, mask=zmask, other=0)
+            z_n = gl.load(zptrs + dn // 2)
             x = gl_act_operand(z, BLOCK_D, BL)
             gate = mma_v2(gl_decoded_tile(w1, s1, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, gate)
             up = mma_v2(gl_decoded_tile(w3, s3, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, up)
             w1, w3, s1, s3, z = w1_n, w3_n, s1_n, s3_n, z_n
         h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
-        col = mx_permuted_col(i0 + gl.arange(0, BLOCK_R, gl.SliceLayout(1, MMA)), BLOCK_K2, True)
+        col = gl_permuted_col(i0 + gl.arange(0, BLOCK_R, gl.SliceLayout(1, MMA)), BLOCK_K2)
         offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, gl.SliceLayout(0, MMA))
         gl.store(hp_ptr + gl.expand_dims(offs_mo.to(gl.int64) * I, 0) + gl.expand_dims(col, 1),
                  h.to(hp_ptr.dtype.element_ty), mask=gl.expand_dims(m_ok_o, 0) & gl.expand_dims(col < I, 1))
@@ -202,18 +231,17 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, til
     e = gl.load(tile_expert_ptr + tile)
     if e < E:
         offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, gl.SliceLayout(0, PL))
-        hptrs = hp_ptr + gl_act_offsets(offs_m, I, BLOCK_K2, PL)
-        hmask = gl.expand_dims(m_ok, 0)
+        hptrs = hp_ptr + gl_act_offsets(gl.where(m_ok, offs_m, 0), I, BLOCK_K2, PL)   # rows past the tile: row 0
         n0 = gl.program_id(1) * BLOCK_R
         woff, soff = gl_word_offsets(e.to(gl.int64) * D + n0, I, W, BLOCK_K2 // 128, WL)
         w2p, s2p = w2_ptr + woff, s2_ptr + soff
         w2, s2 = gl.load(w2p), gl.load(s2p)
-        h = gl.load(hptrs, mask=hmask, other=0)
+        h = gl.load(hptrs)
         acc = gl.zeros([BLOCK_R, 8], gl.float32, MMA)
         for i0 in range(0, I, BLOCK_K2):
             nx = gl.where(i0 + BLOCK_K2 < I, i0 + BLOCK_K2, 0)
             w2_n, s2_n = gl.load(w2p + nx // 8), gl.load(s2p + nx // 32)
-            h_n = gl.load(hptrs + nx // 2, mask=hmask, other=0)
+            h_n = gl.load(hptrs + nx // 2)
             acc = mma_v2(gl_decoded_tile(w2, s2, TWO_MULS, BLOCK_R, BLOCK_K2, AL), gl_act_operand(h, BLOCK_K2, BL), acc)
             w2, s2, h = w2_n, s2_n, h_n
         offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, gl.SliceLayout(0, MMA))
