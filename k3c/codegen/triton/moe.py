@@ -20,6 +20,8 @@ moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (n
   `moe_down_mx_kernel` (k3c.codegen.triton.moe_mxfp4), which read the packed E2M1 words and E8M0 scales and
   decode each weight tile in registers straight into the MMA, so HBM carries 4.25 bits per weight; decode (few
   rows per expert: BLOCK_M = 16) streams the packed weights, prefill (BLOCK_M = 128) feeds the tensor cores.
+  With bf16 activations on a GPU, 8-token decode tiles run the Gluon versions (k3c.codegen.triton.moe_mxfp4_gluon:
+  the next K tile's words prefetched in registers, no shared memory; `gluon_decode_ok`).
   Two GEMM kernels rather than one: a single fused act(z W1ᵀ, z W3ᵀ) W2ᵀ program would have to either hold all
   of D in registers or recompute h per output block (re-reading W1/W3 D/BLOCK_N times); split, every expert
   weight is read once per token tile and the grid covers I and D, which decode (few tokens) needs to fill the GPU.

@@ -15,9 +15,12 @@ Layouts (W = num_warps, BLOCK_R = 16·W weight rows, BLOCK_M = 8 token rows, `mm
 the words are a [W, 2, 8, 4, CH, 4] tensor (weight row 16w + 8h + g, thread-in-quad t, word t·CC + 4·ch + c,
 CH = CC/4) in a BlockedLayout whose lanes are (g, t) and warps w; each word decodes (`mxfp4_word_bf16`, the same
 PTX as the Triton kernels, so bitwise the same values) to 4 bf16 pairs, which joined, permuted and reshaped are
-the [BLOCK_R, BLOCK_K] A operand. The activations are the B operand [BLOCK_K, 8], loaded straight from the
-`mx_permute`d z / h (16 bytes per thread per 32 columns). The E8M0 scale bytes of a word's 32-value group,
-(t·CC + 4·ch + c) // 4 = t·CH + ch, are CH consecutive bytes per thread and row.
+the [BLOCK_R, BLOCK_K] A operand. The activations are the B operand [BLOCK_K, 8], loaded straight from z / h
+in `gl_permute` order (the v2 order with each thread's pairs of two 32-column chunks interleaved, as Triton's
+`mma.sync` lowering pairs them: 16 bytes per thread = two instructions' B registers, no moves), carried as
+32-bit pairs, and rows past the tile read a valid row instead of being masked (no zero fill; their columns of
+the product are never stored). The E8M0 scale bytes of a word's 32-value group, (t·CC + 4·ch + c) // 4 =
+t·CH + ch, are CH consecutive bytes per thread and row.
 
 Scope: bf16 activations on a GPU, decode tiles (8 token rows), K tiles of 128..512 (CC a multiple of 4), weight
 rows a multiple of BLOCK_R (`gluon_decode_ok`); the Triton kernels cover the rest (and the interpreter: Gluon has
@@ -176,8 +179,8 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, ti
                            D: gl.constexpr, I: gl.constexpr, ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr,
                            BLOCK_R: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_K2: gl.constexpr):
     """`moe_up_mx_kernel` (bf16, V2) for one 8-row tile and BLOCK_R intermediate columns: h = act(z W1[e]ᵀ,
-    z W3[e]ᵀ) into hp [N·k, I] in `mx_permute` (v2) order of BLOCK_K2. zp: z [N, D] (bf16 read as i32 pairs)
-    `mx_permute`d (v2) by BLOCK_D; w1/w3 i32 words [E, I, D/8], s1/s3 u8 [E, I, D/32]. Each iteration loads
+    z W3[e]ᵀ) into hp [N·k, I] in `gl_permute` order of BLOCK_K2. zp: z [N, D] (bf16 read as i32 pairs)
+    `gl_permute`d by BLOCK_D; w1/w3 i32 words [E, I, D/8], s1/s3 u8 [E, I, D/32]. Each iteration loads
     the next K tile (the last one wraps to tile 0: unused, cached) before it decodes this one."""
     W: gl.constexpr = BLOCK_R // 16
     WL: gl.constexpr = gl_layouts(W, BLOCK_D)[0]
@@ -219,7 +222,7 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, til
                              tile_row_end_ptr, y_slot_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
                              TWO_MULS: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_K2: gl.constexpr):
     """`moe_down_mx_kernel` (bf16, V2) for one 8-row tile and BLOCK_R output columns: y_slot[(token, slot)] =
-    (h W2[e]ᵀ) · weight; hp [N·k, I] (bf16 read as i32 pairs) in `mx_permute` (v2) order of BLOCK_K2, w2 i32
+    (h W2[e]ᵀ) · weight; hp [N·k, I] (bf16 read as i32 pairs) in `gl_permute` order of BLOCK_K2, w2 i32
     words [E, D, I/8], s2 u8 [E, D, I/32]; the next K tile prefetched as in the up kernel."""
     W: gl.constexpr = BLOCK_R // 16
     WL: gl.constexpr = gl_layouts(W, BLOCK_K2)[0]
