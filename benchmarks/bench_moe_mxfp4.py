@@ -3,18 +3,20 @@ E8M0 scales, decoded in registers) side by side with bf16 experts, at K3.1 Pro's
 D = 3584, expert inner I = 3072, top-16), bf16 activations.
 
 Run on a CUDA machine:
-    python benchmarks/bench_moe_mxfp4.py [--experts 32,896] [--out DIR] [--quick] [--no-prefill] [--no-bf16]
+    python benchmarks/bench_moe_mxfp4.py [--experts 32,896] [--out DIR] [--quick] [--no-prefill] [--no-bf16] [--gluon]
 Rows: decode at batch 1 and 16 (a few rows per expert: the kernels stream the weights) and, for the first E,
 prefill at 16 × 2048 tokens (grouped GEMM). Decode reports the expert-weight bytes the step must read (every
 touched expert's w1, w3, w2, scales included) over the time of the two GEMM kernels plus the slot sum ("kernels":
 schedule precomputed) and of the whole op ("op": schedule and the activations' K permutation included), as GB/s
 and as a fraction of the measured 4.2 TB/s HBM rate (KINDS.md); prefill reports 6·N·k·D·I FLOP over the op's time
 as TFLOP/s (vs 790 bf16). Timing: triton.testing.do_bench_cudagraph (mean of CUDA-graph replays), falling back to
-do_bench. Formats: "bf16" (the dense kernels on the dequantized weights) and "mxfp4" (`moe_up_mx_kernel` /
-`moe_down_mx_kernel`, a sweep of `mx_config`, the launcher's default for the weights' largest scale byte first,
-as a compiled artifact of this checkpoint runs it). Each MXFP4 row's output is compared with the bf16 kernels fed
-the dequantized weights (max relative difference) and, at a small shape, with `moe_experts_ref` (the default and
-an `mma.sync` configuration), while the MXFP4 variants compile in --compile-workers processes. Results:
+do_bench. Formats: "bf16" (the dense kernels on the dequantized weights), "mxfp4" (the Triton kernels
+`moe_up_mx_kernel` / `moe_down_mx_kernel`, `gluon=False`: a sweep of `mx_config`, the launcher's default for the
+weights' largest scale byte first) and, with --gluon at decode, "mxfp4-gluon" (the Gluon decode kernels a compiled
+artifact runs for the decode default, `GLUON_SWEEP`; compared bitwise with the Triton default's output). Each MXFP4
+row's output is compared with the bf16 kernels fed the dequantized weights (max relative difference) and, at a
+small shape, with `moe_experts_ref` (the default and an `mma.sync` configuration), while the MXFP4 variants compile
+in --compile-workers processes. Results:
 OUT/moe_mxfp4_bench.json, rewritten after every row (a run cut short keeps what it measured).
 """
 
