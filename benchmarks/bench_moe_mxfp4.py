@@ -3,18 +3,20 @@ E8M0 scales, decoded in registers) side by side with bf16 experts, at K3.1 Pro's
 D = 3584, expert inner I = 3072, top-16), bf16 activations.
 
 Run on a CUDA machine:
-    python benchmarks/bench_moe_mxfp4.py [--experts 32,896] [--out DIR] [--quick] [--no-prefill] [--no-bf16]
+    python benchmarks/bench_moe_mxfp4.py [--experts 32,896] [--out DIR] [--quick] [--no-prefill] [--no-bf16] [--gluon]
 Rows: decode at batch 1 and 16 (a few rows per expert: the kernels stream the weights) and, for the first E,
 prefill at 16 × 2048 tokens (grouped GEMM). Decode reports the expert-weight bytes the step must read (every
 touched expert's w1, w3, w2, scales included) over the time of the two GEMM kernels plus the slot sum ("kernels":
 schedule precomputed) and of the whole op ("op": schedule and the activations' K permutation included), as GB/s
 and as a fraction of the measured 4.2 TB/s HBM rate (KINDS.md); prefill reports 6·N·k·D·I FLOP over the op's time
 as TFLOP/s (vs 790 bf16). Timing: triton.testing.do_bench_cudagraph (mean of CUDA-graph replays), falling back to
-do_bench. Formats: "bf16" (the dense kernels on the dequantized weights) and "mxfp4" (`moe_up_mx_kernel` /
-`moe_down_mx_kernel`, a sweep of `mx_config`, the launcher's default for the weights' largest scale byte first,
-as a compiled artifact of this checkpoint runs it). Each MXFP4 row's output is compared with the bf16 kernels fed
-the dequantized weights (max relative difference) and, at a small shape, with `moe_experts_ref` (the default and
-an `mma.sync` configuration), while the MXFP4 variants compile in --compile-workers processes. Results:
+do_bench. Formats: "bf16" (the dense kernels on the dequantized weights), "mxfp4" (the Triton kernels
+`moe_up_mx_kernel` / `moe_down_mx_kernel`, `gluon=False`: a sweep of `mx_config`, the launcher's default for the
+weights' largest scale byte first) and, with --gluon at decode, "mxfp4-gluon" (the Gluon decode kernels a compiled
+artifact runs for the decode default, `GLUON_SWEEP`; compared bitwise with the Triton default's output). Each MXFP4
+row's output is compared with the bf16 kernels fed the dequantized weights (max relative difference) and, at a
+small shape, with `moe_experts_ref` (the default and an `mma.sync` configuration), while the MXFP4 variants compile
+in --compile-workers processes. Results:
 OUT/moe_mxfp4_bench.json, rewritten after every row (a run cut short keeps what it measured).
 """
 
@@ -118,12 +120,17 @@ def resolved_sweep(phase, rows, E, scale_max, quick):
     return [c for c in sweep if c is None or tuple(c) != default]
 
 
+# Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon, next K tile prefetched in registers): None = the
+# launcher's default configuration; with --gluon each runs beside the Triton kernels (gluon=False) of the sweep
+GLUON_SWEEP = [None, (8, 64, 256, 4, 2, False, None)]
+
+
 def warm_one(job):
     """Compile (by one launch on stand-in weights: every expert's view is the same small block, and every slot
     chooses expert 0, the one the kernels then read, so any E costs a few MB) the MXFP4 kernels of one
     (E, mx_config), so the timed launches find them in Triton's on-disk cache: a binary depends on dtypes,
     pointer alignment and constexprs, never on the tensors' sizes."""
-    E, cfg = job
+    E, cfg, gluon = job
     dev = "cuda"
 
     def experts(R, C):
@@ -137,7 +144,7 @@ def warm_one(job):
     ids = torch.zeros(1, K, dtype=torch.int64, device=dev)
     try:
         launch_moe_experts(z, torch.ones(1, K, device=dev), ids, w1, w3, w2, s1, s3, s2, y=torch.empty_like(z),
-                           mx_config=cfg, **ACT)
+                           mx_config=cfg, gluon=gluon, **ACT)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001  (reported again, per row, by the timed launch)
         print(f"  compile {E} {cfg}: failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})", flush=True)
@@ -170,11 +177,14 @@ def run_case(results, out_path, phase, N, E, dense, mx, bytes_per_expert, args, 
         launch_moe_experts(z, wt, ids, *dense, y=y_ref, **ACT)
     rows = N * K
     sweep = resolved_sweep(phase, rows, E, scale_max, args.quick)
-    variants = [("mxfp4", mx, {"mx_config": c, "scale_max": scale_max}) for c in sweep]
+    variants = [("mxfp4", mx, {"mx_config": c, "scale_max": scale_max, "gluon": False}) for c in sweep]
+    if args.gluon and phase == "decode":
+        variants += [("mxfp4-gluon", mx, {"mx_config": c, "scale_max": scale_max, "gluon": None}) for c in GLUON_SWEEP]
     variants = ([("bf16", dense, {})] if dense is not None else []) + variants
+    y_triton = None
     for fmt, ws, kw in variants:
         cfg = kw.get("mx_config")                 # the launcher's BLOCK_M choices (moe.launch_moe_experts)
-        bm = (cfg or mx_default_config(rows, E, scale_max))[0] if fmt == "mxfp4" else 16 if rows < 16 * E else 64
+        bm = (cfg or mx_default_config(rows, E, scale_max))[0] if fmt != "bf16" else 16 if rows < 16 * E else 64
         sched = moe_schedule(ids, E, bm)
         y = torch.empty_like(z)
         try:
@@ -184,21 +194,25 @@ def run_case(results, out_path, phase, N, E, dense, mx, bytes_per_expert, args, 
                 continue
             diff = None if fmt == "bf16" or y_ref is None else rel(y, y_ref)
             y_ref = y.clone() if y_ref is None else y_ref
+            if fmt == "mxfp4" and cfg is None:
+                y_triton = y.clone()          # the Triton kernels' default: gluon rows compare bitwise with it
+            same = None if fmt != "mxfp4-gluon" or y_triton is None or (cfg is not None and tuple(cfg) != tuple(
+                mx_default_config(rows, E, scale_max))) else (y - y_triton).abs().max().item()
             t_k, how = bench(lambda: launch_moe_experts(z, wt, ids, *ws, y=y, schedule=sched, **kw, **ACT))
             t_op, _ = bench(lambda: launch_moe_experts(z, wt, ids, *ws, y=y, **kw, **ACT))
         except Exception as e:  # noqa: BLE001  (a configuration the compiler rejects)
             print(f"  {fmt} {cfg}: failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})", flush=True)
             continue
         row = {"phase": phase, "E": E, "N": N, "format": fmt, "mx_config": cfg, "touched": touched, "timing": how,
-               "resolved_config": list(cfg or mx_default_config(rows, E, scale_max)) if fmt == "mxfp4" else None,
-               "kernels_s": t_k, "op_s": t_op, "max_rel_vs_bf16": diff}
+               "resolved_config": list(cfg or mx_default_config(rows, E, scale_max)) if fmt != "bf16" else None,
+               "kernels_s": t_k, "op_s": t_op, "max_rel_vs_bf16": diff, "max_abs_vs_triton_default": same}
         if phase == "decode":
             nbytes = touched * bytes_per_expert[fmt != "bf16"]
             row.update(weight_bytes=nbytes, kernels_GBps=nbytes / t_k / 1e9, op_GBps=nbytes / t_op / 1e9,
                        kernels_hbm_frac=nbytes / t_k / HBM_BYTES_PER_S, op_hbm_frac=nbytes / t_op / HBM_BYTES_PER_S)
             print(f"  E {E} N {N} {fmt:10s} {str(cfg):28s} kernels {t_k * 1e6:7.1f} us ({row['kernels_GBps']:5.0f} "
                   f"GB/s, {row['kernels_hbm_frac']:4.0%} HBM)  op {t_op * 1e6:7.1f} us ({row['op_hbm_frac']:4.0%})  "
-                  f"{nbytes / 1e6:.0f} MB  diff {diff if diff is None else f'{diff:.1e}'}", flush=True)
+                  f"{nbytes / 1e6:.0f} MB  diff {diff if diff is None else f'{diff:.1e}'} vs triton {same}", flush=True)
         else:
             flop = 6 * N * K * D * I
             row.update(flop=flop, TFLOPs=flop / t_op / 1e12, bf16_peak_frac=flop / t_op / BF16_FLOP_PER_S)
@@ -223,6 +237,7 @@ def main():
     ap.add_argument("--launch-only", action="store_true", help="one launch per configuration, for a profiler")
     ap.add_argument("--configs", default=None, help="comma-separated indices into the decode sweep to keep")
     ap.add_argument("--no-check", action="store_true", help="skip the small-shape check against the reference")
+    ap.add_argument("--gluon", action="store_true", help="decode: the Gluon kernels (GLUON_SWEEP) beside")
     ap.add_argument("--compile-workers", type=int, default=8, help="processes compiling the MXFP4 variants first")
     args = ap.parse_args()
     if args.configs:
@@ -237,8 +252,10 @@ def main():
     cases = [(E, "decode", int(n)) for E in experts for n in args.decode_batches.split(",")]
     cases += [] if args.no_prefill else [(experts[0], "prefill", args.prefill_tokens)]
     scale_max = SCALES[1]          # the weights' largest scale byte, as `k3c compile` records it
-    jobs = sorted({(E, tuple(c or mx_default_config(N * K, E, scale_max))) for E, phase, N in cases
+    jobs = sorted({(E, tuple(c or mx_default_config(N * K, E, scale_max)), False) for E, phase, N in cases
                    for c in resolved_sweep(phase, N * K, E, scale_max, args.quick)}, key=str) if dev == "cuda" else []
+    jobs += [(E, tuple(c or mx_default_config(N * K, E, scale_max)), None) for E, phase, N in cases
+             for c in GLUON_SWEEP if args.gluon and phase == "decode" and dev == "cuda"]
     results["diff_vs"] = "the launcher's default MXFP4 output" if args.no_bf16 else "the bf16 experts' output"
     results["check_small_rel"] = {} if args.launch_only else warm(jobs, args.compile_workers, dev, not args.no_check)
     print(f"MXFP4 kernels vs moe_experts_ref (small shape), max rel: {results['check_small_rel']}", flush=True)

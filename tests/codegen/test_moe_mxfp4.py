@@ -7,7 +7,9 @@ import triton
 import triton.language as tl
 
 from k3c.codegen.triton import moe
-from k3c.codegen.triton.moe_mxfp4 import mx_block_k, mx_permute, mx_permuted_col, mxfp4_scales, mxfp4_weight_tile
+from k3c.codegen.triton.moe_mxfp4 import (mx_block_k, mx_default_config, mx_permute, mx_permuted_col, mxfp4_scales,
+                                         mxfp4_weight_tile)
+from k3c.codegen.triton.moe_mxfp4_gluon import gl_permute, gl_permuted_col, gluon_decode_ok
 from k3c.ir.formats import mxfp4_dequantize
 from k3c.ir.ops import get_op
 
@@ -189,3 +191,72 @@ def test_launch_mma_v2_order_matches_reference():
     moe.launch_moe_experts(*args, y=y, mx_config=(8, 32, 64, 2, 1, True, None), **attrs)
     (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"}, z, wt, ids, w1, w3, w2, s1, s3, s2)
     torch.testing.assert_close(y.cpu(), want, rtol=1e-4, atol=1e-5)
+
+
+@triton.jit
+def _gl_col_kernel(out_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    k = tl.arange(0, K)
+    tl.store(out_ptr + gl_permuted_col(k, BLOCK_K), k)
+
+
+def test_gl_permute_order():
+    """The Gluon kernels' activation order (`gl_permute`): column 64b + 16t + 4q + 2s + e of a K tile holds
+    k = 8·(t·CC + 2b + s) + 4e + q, CC = BLOCK_K/32 (written independently of the code); `gl_permuted_col` (the
+    up kernel's h columns) is its inverse, two K tiles of 128."""
+    K, bk = 256, 128
+    CC = bk // 32
+    want = torch.empty(K, dtype=torch.long)
+    for tile in range(K // bk):
+        for b in range(CC // 2):
+            for t in range(4):
+                for q in range(4):
+                    for s in (0, 1):
+                        for e in (0, 1):
+                            want[tile * bk + 64 * b + 16 * t + 4 * q + 2 * s + e] = \
+                                tile * bk + 8 * (t * CC + 2 * b + s) + 4 * e + q
+    x = torch.arange(2 * K).reshape(2, K)
+    assert torch.equal(gl_permute(x, bk), x[:, want])
+    out = torch.empty(K, dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
+    _gl_col_kernel[(1,)](out, K=K, BLOCK_K=bk)
+    assert torch.equal(out.long().cpu(), want)
+
+
+def test_gluon_decode_ok():
+    """The Gluon decode kernels take the decode default at K3.1 Pro's expert shapes (8-token tiles, 32 rows on 2
+    warps, 256-wide K tiles), not 16-token tiles, partial weight-row blocks or K tiles under 128."""
+    D, I = 3584, 3072
+    assert gluon_decode_ok(mx_default_config(16, 896, 122), D, I, 256, 256)
+    assert gluon_decode_ok((8, 64, 256, 4, 2, False, None), D, I, 256, 256)
+    assert not gluon_decode_ok(mx_default_config(256, 32, 122), D, I, 256, 256)       # 16-row wgmma tiles
+    assert not gluon_decode_ok((8, 64, 256, 2, 2, False, None), D, I, 256, 256)       # 32 rows per warp
+    assert not gluon_decode_ok((8, 32, 256, 2, 2, False, None), D, 160, 256, 32)      # I = 5 · 32, K tile 32
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("mx_config", [(8, 32, 256, 2, 2, False, None), (8, 16, 128, 1, 2, True, None)])
+@pytest.mark.parametrize("N", [1, 5])
+def test_gluon_matches_triton_and_reference(N, mx_config):
+    """The Gluon decode kernels (bf16, K tiles prefetched in registers) against the Triton kernels of the same
+    configuration, bitwise (the same decoded values and `mma.sync` sums in the same order), and against the
+    reference up to bf16 rounding of z and h; two K tiles over D and I, one and two multiplies."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    k, E, D, I = 4, 6, 512 if mx_config[2] == 256 else 256, 256
+    assert gluon_decode_ok(mx_config, D, I, mx_block_k(D, mx_config[2]), mx_block_k(I, mx_config[2]))
+    (w1, s1), (w3, s3), (w2, s2) = [(torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, device="cuda",
+                                                   generator=gen),
+                                     torch.randint(118, 124, (E, R, C // 32), dtype=torch.uint8, device="cuda",
+                                                   generator=gen)) for R, C in ((I, D), (I, D), (D, I))]
+    z = (torch.randn(N, D, device="cuda", generator=gen) * 0.5).bfloat16()
+    ids = torch.rand(N, E, device="cuda", generator=gen).argsort(-1)[:, :k].contiguous()
+    wt = torch.rand(N, k, device="cuda", generator=gen)
+    attrs = {"act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
+    y, y_triton = torch.full_like(z, float("nan")), torch.full_like(z, float("nan"))
+    moe.launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, mx_config=mx_config, **attrs)
+    moe.launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y_triton, mx_config=mx_config, gluon=False,
+                           **attrs)
+    assert torch.equal(y.view(torch.int16), y_triton.view(torch.int16))
+    (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"},
+                                        *(t.cpu() for t in (z.float(), wt, ids, w1, w3, w2, s1, s3, s2)))
+    err = ((y.float().cpu() - want).abs().max() / want.abs().max()).item()
+    assert err <= 1e-2, err

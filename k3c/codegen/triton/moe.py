@@ -20,6 +20,8 @@ moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (n
   `moe_down_mx_kernel` (k3c.codegen.triton.moe_mxfp4), which read the packed E2M1 words and E8M0 scales and
   decode each weight tile in registers straight into the MMA, so HBM carries 4.25 bits per weight; decode (few
   rows per expert: BLOCK_M = 16) streams the packed weights, prefill (BLOCK_M = 128) feeds the tensor cores.
+  With bf16 activations on a GPU, 8-token decode tiles run the Gluon versions (k3c.codegen.triton.moe_mxfp4_gluon:
+  the next K tile's words prefetched in registers, no shared memory; `gluon_decode_ok`).
   Two GEMM kernels rather than one: a single fused act(z W1ᵀ, z W3ᵀ) W2ᵀ program would have to either hold all
   of D in registers or recompute h per output block (re-reading W1/W3 D/BLOCK_N times); split, every expert
   weight is read once per token tile and the grid covers I and D, which decode (few tokens) needs to fill the GPU.
@@ -43,6 +45,10 @@ from k3c.codegen.triton.moe_mxfp4 import (ONE_MUL_MAX_SCALE, moe_down_mx_kernel,
                                          mx_block_k, mx_default_config, mx_mma_v2, mx_permute, mx_permuted_col,
                                          mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile,
                                          mxfp4_word_bf16)
+from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_M, gl_act_offsets, gl_act_operand,
+                                               gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
+                                               gl_permuted_col, gl_tile_rows, gl_word_offsets, gluon_decode_ok,
+                                               moe_down_mx_gluon_kernel, moe_up_mx_gluon_kernel)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 
@@ -238,7 +244,7 @@ def moe_schedule(ids, E, BLOCK_M, use_kernel=None):
 
 
 def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, situ_linear_beta,
-                       blocks=None, schedule=None, mx_config=None, scratch=None, scale_max=255):
+                       blocks=None, schedule=None, mx_config=None, scratch=None, scale_max=255, gluon=None):
     """z [N, D] (unit-stride rows any stride apart: read in place), weights f32 [N, k], ids int [N, k] (< 0: unused),
     w1/w3 [E, I, D], w2 [E, D, I] -> y [N, D].
 
@@ -251,8 +257,10 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     are allocated here. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config` (MXFP4:
     BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg) and a precomputed `schedule`
     (`moe_schedule(ids, E, BLOCK_M)`). scale_max: an upper bound on the MXFP4 scale bytes (the node's `scale_max`,
-    read from the checkpoint; 255: unknown), which picks the decoding (`mx_default_config`). Raises ValueError on
-    mismatched shapes.
+    read from the checkpoint; 255: unknown), which picks the decoding (`mx_default_config`). gluon: None runs the
+    Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon: next K tile prefetched in registers) for bf16 z on a
+    GPU wherever `gluon_decode_ok` takes the configuration, False never (the Triton kernels; benchmarks). Raises
+    ValueError on mismatched shapes.
     """
     N, D = z.shape
     E, I = w1.shape[:2]
@@ -276,12 +284,27 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     y_slot = take_scratch(scratch, "y_slot", (rows, D), torch.float32, z.device)
     h = take_scratch(scratch, "h", (rows, I), z.dtype, z.device)
     if mx:
-        BLOCK_M, BLOCK_R, most_k, warps, stages, two_muls, maxnreg = mx_config or mx_default_config(rows, E, scale_max)
+        cfg = mx_config or mx_default_config(rows, E, scale_max)
+        BLOCK_M, BLOCK_R, most_k, warps, stages, two_muls, maxnreg = cfg
         BK1, BK2 = mx_block_k(D, most_k), mx_block_k(I, most_k)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
         max_tiles = schedule[1].shape[0]
-        fast, v2 = z.dtype == torch.bfloat16, mx_mma_v2(warps)
-        zp = mx_permute(z, BK1, out=take_scratch(scratch, "z_perm", (N, D), z.dtype, z.device), v2=v2)
+        fast = z.dtype == torch.bfloat16
+        gl_run = gluon is not False and fast and z.is_cuda and gluon_decode_ok(cfg, D, I, BK1, BK2)
+        zp = take_scratch(scratch, "z_perm", (N, D), z.dtype, z.device)
+        if gl_run:
+            zp = gl_permute(z, BK1, out=zp)
+            moe_up_mx_gluon_kernel[(max_tiles, I // BLOCK_R)](
+                zp.view(torch.int32), w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
+                float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ",
+                TWO_MULS=two_muls, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2, num_warps=warps)
+            moe_down_mx_gluon_kernel[(max_tiles, D // BLOCK_R)](
+                h.view(torch.int32), w2.view(torch.int32), scales[2], weights, *schedule, y_slot, E=E, D=D, I=I,
+                TWO_MULS=two_muls, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, num_warps=warps)
+            moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
+            return
+        v2 = mx_mma_v2(warps)
+        zp = mx_permute(z, BK1, out=zp, v2=v2)
         opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
         moe_up_mx_kernel[(max_tiles, triton.cdiv(I, BLOCK_R))](
             zp, w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
@@ -358,7 +381,8 @@ def emit_moe_experts(group: KernelGroup) -> str:
               ("SITU_LINEAR_BETA", float(a["situ_linear_beta"]), "activation_situ_linear_beta"),
               ("SCHEDULE_KERNEL_MAX_ROWS", SCHEDULE_KERNEL_MAX_ROWS, "one-launch tile schedule up to these rows"),
               ("SCALE_MAX", int(a["scale_max"]), "largest MXFP4 scale byte of the checkpoint (255: unknown)"),
-              ("ONE_MUL_MAX_SCALE", ONE_MUL_MAX_SCALE, "one-multiply MXFP4 decoding up to this scale byte")]
+              ("ONE_MUL_MAX_SCALE", ONE_MUL_MAX_SCALE, "one-multiply MXFP4 decoding up to this scale byte"),
+              ("GLUON_BLOCK_M", GLUON_BLOCK_M, "token rows of the Gluon decode tiles")]
     args = ", ".join(f"inputs[{i}]" for i in ip)
     mx = a["weight_format"] == "mxfp4"
     body = ("def launch(inputs, outputs, sizes, scratch=None):\n"
@@ -371,5 +395,8 @@ def emit_moe_experts(group: KernelGroup) -> str:
                    [take_scratch, tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
                     mx_default_config, mx_mma_v2, mx_block_k, mx_permute, mx_permuted_col, mxfp4_word_bf16,
                     mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel,
-                    moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule],
+                    moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule, gluon_decode_ok, gl_layouts,
+                    gl_permute, gl_permuted_col, gl_axis_layout, gl_word_offsets, gl_act_offsets, gl_act_operand,
+                    gl_decoded_tile, gl_tile_rows,
+                    moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel],
                    launch_moe_experts, body)

@@ -1,0 +1,252 @@
+"""Gluon decode kernels of MXFP4 `moe_experts` (k3c.codegen.triton.moe_mxfp4's `mma.sync` decode path, with the
+packed words prefetched one K tile ahead in registers).
+
+Why Gluon: the Triton decode kernels stream each K tile's packed words through shared memory (cp.async, one
+buffer: 2 stages), so every tile waits for its own load behind the barrier that frees the buffer (BENCHMARKS.md,
+"MXFP4 round (mx20)"). Here each thread loads exactly the 32-bit words it decodes, in the layout the `mma.sync`
+A operand wants after decoding (`mx_permute(..., v2=True)` K order: thread t of a quad holds words t·CC .. t·CC +
+CC − 1 of rows g and g + 8 of its warp's 16, CC = BLOCK_K/32, two 16-byte loads per row), and the next tile's
+words, scale bytes and activations are loaded before the current tile is decoded (loop-carried registers): no
+shared memory, no barrier, no layout conversion (the decoded tile's layout is asserted equal to the MMA
+operand's, `convert_layout(..., assert_trivial=True)`). Plain Triton cannot state this: a loop-carried load
+there is converted through shared memory.
+
+Layouts (W = num_warps, BLOCK_R = 16·W weight rows, BLOCK_M = 8 token rows, `mma.sync` m16n8k16 with kWidth 8):
+the words are a [W, 2, 8, 4, CH, 4] tensor (weight row 16w + 8h + g, thread-in-quad t, word t·CC + 4·ch + c,
+CH = CC/4) in a BlockedLayout whose lanes are (g, t) and warps w; each word decodes (`mxfp4_word_bf16`, the same
+PTX as the Triton kernels, so bitwise the same values) to 4 bf16 pairs, which joined, permuted and reshaped are
+the [BLOCK_R, BLOCK_K] A operand. The activations are the B operand [BLOCK_K, 8], loaded straight from z / h
+in `gl_permute` order (the v2 order with each thread's pairs of two 32-column chunks interleaved, as Triton's
+`mma.sync` lowering pairs them: 16 bytes per thread = two instructions' B registers, no moves), carried as
+32-bit pairs, and rows past the tile read a valid row instead of being masked (no zero fill; their columns of
+the product are never stored). The E8M0 scale bytes of a word's 32-value group, (t·CC + 4·ch + c) // 4 =
+t·CH + ch, are CH consecutive bytes per thread and row.
+
+Scope: bf16 activations on a GPU, decode tiles (8 token rows), K tiles of 128..512 (CC a multiple of 4), weight
+rows a multiple of BLOCK_R (`gluon_decode_ok`); the Triton kernels cover the rest (and the interpreter: Gluon has
+none). Public API: `GLUON_BLOCK_M`, `gluon_decode_ok`, the jit helpers (pasted into the
+emitted modules) and `moe_up_mx_gluon_kernel`, `moe_down_mx_gluon_kernel`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from k3c.codegen.triton.moe_act import glu
+from k3c.codegen.triton.moe_mxfp4 import mxfp4_word_bf16
+
+#: token rows per tile (the `mma.sync` N)
+GLUON_BLOCK_M = 8
+
+
+def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> bool:
+    """Whether the Gluon kernels take a bf16 MXFP4 launch on a GPU with `mx_config` (BLOCK_M, BLOCK_R, largest
+    BLOCK_K, num_warps, ...: `mx_default_config`) over latent D and expert inner I with K tiles bk1 (over D) and
+    bk2 (over I): 8-row token tiles, 16 weight rows per warp, every weight-row block full, K tiles of 128..512."""
+    block_m, block_r, _, warps = mx_config[:4]
+    return block_m == GLUON_BLOCK_M and block_r == 16 * warps and I % block_r == 0 and D % block_r == 0 and \
+        all(bk in (128, 256, 512) for bk in (bk1, bk2))
+
+
+@gluon.constexpr_function
+def gl_layouts(W, BLOCK_K):
+    """(words [W, 2, 8, 4, CH, 4] layout, MMA accumulator, A operand, B operand, activation pairs) for W warps and
+    K tiles of BLOCK_K = 128·CH (module docstring); the pairs: i32 [BLOCK_K/2, 8] in `gl_permute` memory order,
+    thread t of a quad holding pairs 8t .. 8t + 7 of every 32 (two 16-byte loads), so the prefetched
+    activations are carried across the loop as 32-bit words (carried bf16 values cost a PRMT per pair)."""
+    CH = BLOCK_K // 128
+    words = gl.BlockedLayout([1, 2, 1, 1, CH, 4], [1, 1, 8, 4, 1, 1], [W, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0])
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
+    pairs = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [4, 0]] + [[32 << i, 0] for i in range((BLOCK_K // 64).bit_length() - 1)],
+        lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[[0, 0]] * (W.bit_length() - 1),
+        block_bases=[], shape=[BLOCK_K // 2, 8])
+    return (words, mma, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8),
+            gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8), pairs)
+
+
+def gl_permute(x: torch.Tensor, block_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, K] -> the same values [N, K] in the Gluon kernels' activation order: `mx_permute`'s `mma.sync` (v2)
+    order with, in every 64 columns (its 32-column chunks 2b and 2b + 1), thread t's 8 columns of both chunks
+    interleaved by pairs: column 64b + 16t + 4q + 2s + e holds the v2 column 32·(2b + s) + 8t + 2q + e, i.e.
+    in-tile k = 8·(t·CC + 2b + s) + 4e + q. Triton's `mma.sync` lowering (kWidth 8) feeds one instruction the
+    same pair of both chunks, so each 16-byte load gives two instructions' B registers in place (no moves). A
+    contiguous copy (into `out`, contiguous [N, K] of x's dtype, when given)."""
+    N, K = x.shape
+    src = x.reshape(N, K // block_k, 4, block_k // 64, 2, 2, 4).permute(0, 1, 3, 2, 6, 4, 5)
+    if out is None:
+        return src.reshape(N, K)
+    out.view(src.shape).copy_(src)
+    return out
+
+
+@triton.jit
+def gl_permuted_col(k, BLOCK_K: tl.constexpr):
+    """`gl_permute`'s column of natural column k (int tensor)."""
+    r = k % BLOCK_K
+    CC: tl.constexpr = BLOCK_K // 32
+    t = r // (8 * CC)
+    cc = (r // 8) % CC
+    return k - r + 64 * (cc // 2) + 16 * t + 4 * (r % 4) + 2 * (cc % 2) + (r // 4) % 2
+
+
+@gluon.constexpr_function
+def gl_axis_layout(layout, rank, d):
+    """The 1-D layout of dim d of a rank-`rank` layout (every other dim sliced off, the last first)."""
+    for k in reversed(range(rank)):
+        if k != d:
+            layout = gl.SliceLayout(k, layout)
+    return layout
+
+
+@gluon.jit
+def gl_word_offsets(row0, KDIM: gl.constexpr, W: gl.constexpr, CH: gl.constexpr, WL: gl.constexpr):
+    """(word offsets [W, 2, 8, 4, CH, 4] (WL) of K tile 0 of weight rows row0 + 16w + 8h + g in i32 words
+    [.., KDIM/8], their scale-byte offsets [W, 2, 8, 4, CH] (SliceLayout(5, WL)) in bytes [.., KDIM/32])."""
+    w = gl.expand_dims(gl.arange(0, W, gl_axis_layout(WL, 6, 0)), (1, 2, 3, 4, 5))
+    h = gl.expand_dims(gl.arange(0, 2, gl_axis_layout(WL, 6, 1)), (0, 2, 3, 4, 5))
+    g = gl.expand_dims(gl.arange(0, 8, gl_axis_layout(WL, 6, 2)), (0, 1, 3, 4, 5))
+    t = gl.expand_dims(gl.arange(0, 4, gl_axis_layout(WL, 6, 3)), (0, 1, 2, 4, 5))
+    ch = gl.expand_dims(gl.arange(0, CH, gl_axis_layout(WL, 6, 4)), (0, 1, 2, 3, 5))
+    c = gl.expand_dims(gl.arange(0, 4, gl_axis_layout(WL, 6, 5)), (0, 1, 2, 3, 4))
+    woff = (row0 + 16 * w + 8 * h + g) * (KDIM // 8) + t * (4 * CH) + ch * 4 + c
+    SL: gl.constexpr = gl.SliceLayout(5, WL)
+    w = gl.expand_dims(gl.arange(0, W, gl_axis_layout(SL, 5, 0)), (1, 2, 3, 4))
+    h = gl.expand_dims(gl.arange(0, 2, gl_axis_layout(SL, 5, 1)), (0, 2, 3, 4))
+    g = gl.expand_dims(gl.arange(0, 8, gl_axis_layout(SL, 5, 2)), (0, 1, 3, 4))
+    t = gl.expand_dims(gl.arange(0, 4, gl_axis_layout(SL, 5, 3)), (0, 1, 2, 4))
+    ch = gl.expand_dims(gl.arange(0, CH, gl_axis_layout(SL, 5, 4)), (0, 1, 2, 3))
+    soff = (row0 + 16 * w + 8 * h + g) * (KDIM // 32) + t * CH + ch
+    return woff, soff
+
+
+@gluon.jit
+def gl_act_offsets(rows_m, KDIM: gl.constexpr, BLOCK_K: gl.constexpr, PL: gl.constexpr):
+    """Offsets [BLOCK_K/2, 8] (PL: `gl_layouts`' pairs) of K tile 0 of activation rows rows_m [8]
+    (SliceLayout(0, PL)) in bf16 pairs (i32) [.., KDIM/2]."""
+    k = gl.arange(0, BLOCK_K // 2, gl.SliceLayout(1, PL))
+    return gl.expand_dims(rows_m.to(gl.int64) * (KDIM // 2), 0) + gl.expand_dims(k, 1)
+
+
+@gluon.jit
+def gl_act_operand(pairs, BLOCK_K: gl.constexpr, BL: gl.constexpr):
+    """The bf16 B operand [BLOCK_K, 8] (BL) of activation pairs i32 [BLOCK_K/2, 8] in `gl_permute` order
+    (`gl_layouts`' pairs): pair 32b + 8t + 2q + s of the memory is pair 4t + q of 32-column chunk 2b + s."""
+    p = gl.reshape(gl.permute(gl.reshape(pairs, [BLOCK_K // 64, 4, 4, 2, 8]), (0, 3, 1, 2, 4)), [BLOCK_K // 2, 8])
+    lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p],
+                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+    x = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [BLOCK_K, 8])
+    return gl.convert_layout(x, BL, assert_trivial=True)
+
+
+@gluon.jit
+def gl_decoded_tile(words, s, TWO_MULS: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_K: gl.constexpr, AL: gl.constexpr):
+    """The bf16 A operand [BLOCK_R, BLOCK_K] (`mma.sync` K order) of packed words [W, 2, 8, 4, CH, 4] (i32) with
+    their groups' E8M0 bytes s [W, 2, 8, 4, CH] (u8): `mxfp4_word_bf16` per word, joined into each thread's
+    8 consecutive columns 32·cc + 8t + j (j = 2q + e: code q + 4e of word cc)."""
+    s = s.to(gl.int32)
+    if TWO_MULS:
+        bits = gl.where(s == 0, 0x40, gl.where(s == 255, 0x7FC0, s << 7))
+    else:
+        bits = (s + 126) << 7
+    mult = gl.expand_dims(bits.to(gl.uint16).to(gl.bfloat16, bitcast=True), 5)
+    mult, words = gl.broadcast(mult, words)
+    v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(words, mult, TWO_MULS)
+    # [W, 2, 8, 4(t), CH, 4, e, p, a]: each join appends the last dim; column j = 4a + 2p + e
+    v = gl.join(gl.join(gl.join(v0, v4), gl.join(v1, v5)), gl.join(gl.join(v2, v6), gl.join(v3, v7)))
+    tile = gl.reshape(gl.permute(v, (0, 1, 2, 4, 5, 3, 8, 7, 6)), [BLOCK_R, BLOCK_K])
+    return gl.convert_layout(tile, AL, assert_trivial=True)
+
+
+@gluon.jit
+def gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, layout: gl.constexpr):
+    """The sorted-row offsets [8] of schedule tile `tile` in `layout` and their mask."""
+    offs_m = gl.load(tile_row0_ptr + tile) + gl.arange(0, 8, layout)
+    return offs_m, offs_m < gl.load(tile_row_end_ptr + tile)
+
+
+@gluon.jit
+def moe_up_mx_gluon_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
+                           tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, E: gl.constexpr, K: gl.constexpr,
+                           D: gl.constexpr, I: gl.constexpr, ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr,
+                           BLOCK_R: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_K2: gl.constexpr):
+    """`moe_up_mx_kernel` (bf16, V2) for one 8-row tile and BLOCK_R intermediate columns: h = act(z W1[e]ᵀ,
+    z W3[e]ᵀ) into hp [N·k, I] in `gl_permute` order of BLOCK_K2. zp: z [N, D] (bf16 read as i32 pairs)
+    `gl_permute`d by BLOCK_D; w1/w3 i32 words [E, I, D/8], s1/s3 u8 [E, I, D/32]. Each iteration loads
+    the next K tile (the last one wraps to tile 0: unused, cached) before it decodes this one."""
+    W: gl.constexpr = BLOCK_R // 16
+    WL: gl.constexpr = gl_layouts(W, BLOCK_D)[0]
+    MMA: gl.constexpr = gl_layouts(W, BLOCK_D)[1]
+    AL: gl.constexpr = gl_layouts(W, BLOCK_D)[2]
+    BL: gl.constexpr = gl_layouts(W, BLOCK_D)[3]
+    PL: gl.constexpr = gl_layouts(W, BLOCK_D)[4]
+    tile = gl.program_id(0)
+    e = gl.load(tile_expert_ptr + tile)
+    if e < E:
+        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, gl.SliceLayout(0, PL))
+        token = gl.load(order_ptr + offs_m, mask=m_ok, other=0) // K
+        zptrs = zp_ptr + gl_act_offsets(token, D, BLOCK_D, PL)     # rows past the tile read token 0, never stored
+        i0 = gl.program_id(1) * BLOCK_R
+        woff, soff = gl_word_offsets(e.to(gl.int64) * I + i0, D, W, BLOCK_D // 128, WL)
+        w1p, w3p, s1p, s3p = w1_ptr + woff, w3_ptr + woff, s1_ptr + soff, s3_ptr + soff
+        w1, w3, s1, s3 = gl.load(w1p), gl.load(w3p), gl.load(s1p), gl.load(s3p)
+        z = gl.load(zptrs)
+        gate = gl.zeros([BLOCK_R, 8], gl.float32, MMA)
+        up = gl.zeros([BLOCK_R, 8], gl.float32, MMA)
+        for d0 in range(0, D, BLOCK_D):
+            dn = gl.where(d0 + BLOCK_D < D, d0 + BLOCK_D, 0)
+            w1_n, w3_n = gl.load(w1p + dn // 8), gl.load(w3p + dn // 8)
+            s1_n, s3_n = gl.load(s1p + dn // 32), gl.load(s3p + dn // 32)
+            z_n = gl.load(zptrs + dn // 2)
+            x = gl_act_operand(z, BLOCK_D, BL)
+            gate = gl.nvidia.ampere.mma_v2(gl_decoded_tile(w1, s1, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, gate)
+            up = gl.nvidia.ampere.mma_v2(gl_decoded_tile(w3, s3, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, up)
+            w1, w3, s1, s3, z = w1_n, w3_n, s1_n, s3_n, z_n
+        h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
+        col = gl_permuted_col(i0 + gl.arange(0, BLOCK_R, gl.SliceLayout(1, MMA)), BLOCK_K2)
+        offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, gl.SliceLayout(0, MMA))
+        gl.store(hp_ptr + gl.expand_dims(offs_mo.to(gl.int64) * I, 0) + gl.expand_dims(col, 1),
+                 h.to(hp_ptr.dtype.element_ty), mask=gl.expand_dims(m_ok_o, 0) & gl.expand_dims(col < I, 1))
+
+
+@gluon.jit
+def moe_down_mx_gluon_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
+                             tile_row_end_ptr, y_slot_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
+                             TWO_MULS: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_K2: gl.constexpr):
+    """`moe_down_mx_kernel` (bf16, V2) for one 8-row tile and BLOCK_R output columns: y_slot[(token, slot)] =
+    (h W2[e]ᵀ) · weight; hp [N·k, I] (bf16 read as i32 pairs) in `gl_permute` order of BLOCK_K2, w2 i32
+    words [E, D, I/8], s2 u8 [E, D, I/32]; the next K tile prefetched as in the up kernel."""
+    W: gl.constexpr = BLOCK_R // 16
+    WL: gl.constexpr = gl_layouts(W, BLOCK_K2)[0]
+    MMA: gl.constexpr = gl_layouts(W, BLOCK_K2)[1]
+    AL: gl.constexpr = gl_layouts(W, BLOCK_K2)[2]
+    BL: gl.constexpr = gl_layouts(W, BLOCK_K2)[3]
+    PL: gl.constexpr = gl_layouts(W, BLOCK_K2)[4]
+    tile = gl.program_id(0)
+    e = gl.load(tile_expert_ptr + tile)
+    if e < E:
+        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, gl.SliceLayout(0, PL))
+        hptrs = hp_ptr + gl_act_offsets(gl.where(m_ok, offs_m, 0), I, BLOCK_K2, PL)   # rows past the tile: row 0
+        n0 = gl.program_id(1) * BLOCK_R
+        woff, soff = gl_word_offsets(e.to(gl.int64) * D + n0, I, W, BLOCK_K2 // 128, WL)
+        w2p, s2p = w2_ptr + woff, s2_ptr + soff
+        w2, s2 = gl.load(w2p), gl.load(s2p)
+        h = gl.load(hptrs)
+        acc = gl.zeros([BLOCK_R, 8], gl.float32, MMA)
+        for i0 in range(0, I, BLOCK_K2):
+            nx = gl.where(i0 + BLOCK_K2 < I, i0 + BLOCK_K2, 0)
+            w2_n, s2_n = gl.load(w2p + nx // 8), gl.load(s2p + nx // 32)
+            h_n = gl.load(hptrs + nx // 2)
+            acc = gl.nvidia.ampere.mma_v2(gl_decoded_tile(w2, s2, TWO_MULS, BLOCK_R, BLOCK_K2, AL),
+                                          gl_act_operand(h, BLOCK_K2, BL), acc)
+            w2, s2, h = w2_n, s2_n, h_n
+        offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, gl.SliceLayout(0, MMA))
+        slot = gl.load(order_ptr + offs_mo, mask=m_ok_o, other=0)
+        weight = gl.load(weights_ptr + slot, mask=m_ok_o, other=0.0)
+        offs_n = n0 + gl.arange(0, BLOCK_R, gl.SliceLayout(1, MMA))
+        gl.store(y_slot_ptr + gl.expand_dims(slot * D, 0) + gl.expand_dims(offs_n, 1), acc * gl.expand_dims(weight, 0),
+                 mask=gl.expand_dims(m_ok_o, 0) & gl.expand_dims(offs_n < D, 1))
