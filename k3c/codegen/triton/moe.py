@@ -43,8 +43,8 @@ from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_sc
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile,
                                          mx_block_k, mx_default_config, mx_mma_v2, mx_permute, mx_permuted_col,
-                                         mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile,
-                                         mxfp4_word_bf16)
+                                         mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32,
+                                         mxfp4_weight_tile, mxfp4_word_bf16)
 from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_M, gl_act_offsets, gl_act_operand,
                                                gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
                                                gl_permuted_col, gl_tile_rows, gl_word_offsets, gluon_decode_ok,
@@ -394,9 +394,9 @@ def emit_moe_experts(group: KernelGroup) -> str:
     return _module(group, f"grouped expert GEMMs ({what})", consts,
                    [take_scratch, tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
                     mx_default_config, mx_mma_v2, mx_block_k, mx_permute, mx_permuted_col, mxfp4_word_bf16,
-                    mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel,
-                    moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule, gluon_decode_ok, gl_layouts,
-                    gl_permute, gl_permuted_col, gl_axis_layout, gl_word_offsets, gl_act_offsets, gl_act_operand,
-                    gl_decoded_tile, gl_tile_rows,
-                    moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel],
+                    mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile,
+                    moe_up_mx_kernel, moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule,
+                    gluon_decode_ok, gl_layouts, gl_permute, gl_permuted_col, gl_axis_layout, gl_word_offsets,
+                    gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_tile_rows, moe_up_mx_gluon_kernel,
+                    moe_down_mx_gluon_kernel],
                    launch_moe_experts, body)

@@ -187,6 +187,20 @@ def mxfp4_scales(s_ptr, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexp
 
 
 @triton.jit
+def mxfp4_scale_bf16(s, TWO_MULS: tl.constexpr):
+    """The bf16 multiplier `mxfp4_word_bf16` takes for E8M0 scale bytes s (u8 / int tensor): with TWO_MULS the
+    scale 2^(s-127) itself (s = 0: the bf16 subnormal 2^-127; 255: NaN); else 2^(s-1), the scale times the
+    decoding's exponent bias 2^126 in one factor (a normal bf16 for s ≤ ONE_MUL_MAX_SCALE). Also called from the Gluon
+    kernels (k3c.codegen.triton.moe_mxfp4_gluon)."""
+    s = s.to(tl.int32)
+    if TWO_MULS:
+        bits = tl.where(s == 0, 0x40, tl.where(s == 255, 0x7FC0, s << 7))
+    else:
+        bits = (s + 126) << 7
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, TWO_MULS: tl.constexpr,
                     V2: tl.constexpr):
     """The bf16 tile [R, BLOCK_K] (module docstring's column order, V2: `mma.sync`'s) of rows `rows` (i64 [R], masked by
@@ -198,12 +212,7 @@ def mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.co
     word = (rows * (KDIM // 8) + k0 // 8)[:, None, None] + (tl.arange(0, 4) * CC)[None, :, None] + \
         tl.arange(0, CC)[None, None, :]
     w = tl.load(w_ptr + word, mask=r_ok[:, None, None], other=0)
-    s = s.to(tl.int32)
-    if TWO_MULS:
-        bits = tl.where(s == 0, 0x40, tl.where(s == 255, 0x7FC0, s << 7))
-    else:
-        bits = (s + 126) << 7
-    mult = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    mult = mxfp4_scale_bf16(s, TWO_MULS)
     v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(w, mult, TWO_MULS)
     # [R, t, cc, e, p, cl] with code s = 2·cl + p, pair element e: code s + 4e
     v = tl.join(tl.join(tl.join(v0, v4), tl.join(v1, v5)), tl.join(tl.join(v2, v6), tl.join(v3, v7)))

@@ -37,7 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from k3c.codegen.triton.moe_act import glu
-from k3c.codegen.triton.moe_mxfp4 import mxfp4_word_bf16
+from k3c.codegen.triton.moe_mxfp4 import mxfp4_scale_bf16, mxfp4_word_bf16
 
 #: token rows per tile (the `mma.sync` N)
 GLUON_BLOCK_M = 8
@@ -148,12 +148,7 @@ def gl_decoded_tile(words, s, TWO_MULS: gl.constexpr, BLOCK_R: gl.constexpr, BLO
     """The bf16 A operand [BLOCK_R, BLOCK_K] (`mma.sync` K order) of packed words [W, 2, 8, 4, CH, 4] (i32) with
     their groups' E8M0 bytes s [W, 2, 8, 4, CH] (u8): `mxfp4_word_bf16` per word, joined into each thread's
     8 consecutive columns 32·cc + 8t + j (j = 2q + e: code q + 4e of word cc)."""
-    s = s.to(gl.int32)
-    if TWO_MULS:
-        bits = gl.where(s == 0, 0x40, gl.where(s == 255, 0x7FC0, s << 7))
-    else:
-        bits = (s + 126) << 7
-    mult = gl.expand_dims(bits.to(gl.uint16).to(gl.bfloat16, bitcast=True), 5)
+    mult = gl.expand_dims(mxfp4_scale_bf16(s, TWO_MULS), 5)
     mult, words = gl.broadcast(mult, words)
     v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(words, mult, TWO_MULS)
     # [W, 2, 8, 4(t), CH, 4, e, p, a]: each join appends the last dim; column j = 4a + 2p + e
