@@ -146,6 +146,21 @@ def test_word_decoding_equals_portable(two_muls, v2):
     assert torch.equal(decode(w, s, torch.bfloat16, True, two_muls, v2).view(torch.int16), want)
 
 
+def _bf16_case(seed, N, k, E, D, I, device="cuda"):
+    """A random bf16 MXFP4 launch: z [N, D] bf16, routing weights [N, k] and ids [N, k] of E experts, (w1, w3, w2,
+    s1, s3, s2) packed u8 [E, rows, cols/2] with scale bytes 118..123 (one-multiply range) [E, rows, cols/32],
+    and the SiTU attrs."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    (w1, s1), (w3, s3), (w2, s2) = [(torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, device=device,
+                                                   generator=gen),
+                                     torch.randint(118, 124, (E, R, C // 32), dtype=torch.uint8, device=device,
+                                                   generator=gen)) for R, C in ((I, D), (I, D), (D, I))]
+    z = (torch.randn(N, D, device=device, generator=gen) * 0.5).bfloat16()
+    ids = torch.rand(N, E, device=device, generator=gen).argsort(-1)[:, :k].contiguous()
+    wt = torch.rand(N, k, device=device, generator=gen)
+    return z, wt, ids, (w1, w3, w2, s1, s3, s2), {"act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
+
+
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("mx_config", [None, (8, 64, 256, 2, 2, False, None), (8, 32, 256, 2, 2, False, None)])
@@ -154,16 +169,7 @@ def test_launch_bf16_matches_reference(N, mx_config):
     """bf16 activations (the PTX path), decode (N = 1) and 64-row tiles (N = 40), I with a 32-wide K tile, the
     launcher's configuration and an `mma.sync` one: the reference's dequantize-then-GEMM up to bf16 rounding of z
     and h."""
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    k, E, D, I = 4, 6, 256, 160
-    (w1, s1), (w3, s3), (w2, s2) = [(torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, device="cuda",
-                                                   generator=gen),
-                                     torch.randint(118, 124, (E, R, C // 32), dtype=torch.uint8, device="cuda",
-                                                   generator=gen)) for R, C in ((I, D), (I, D), (D, I))]
-    z = (torch.randn(N, D, device="cuda", generator=gen) * 0.5).bfloat16()
-    ids = torch.rand(N, E, device="cuda", generator=gen).argsort(-1)[:, :k].contiguous()
-    wt = torch.rand(N, k, device="cuda", generator=gen)
-    attrs = {"act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
+    z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(1, N, 4, 6, 256, 160)
     y = torch.full_like(z, float("nan"))
     moe.launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, mx_config=mx_config, **attrs)
     (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"},
@@ -240,17 +246,9 @@ def test_gluon_matches_triton_and_reference(N, mx_config):
     """The Gluon decode kernels (bf16, K tiles prefetched in registers) against the Triton kernels of the same
     configuration, bitwise (the same decoded values and `mma.sync` sums in the same order), and against the
     reference up to bf16 rounding of z and h; two K tiles over D and I, one and two multiplies."""
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    k, E, D, I = 4, 6, 512 if mx_config[2] == 256 else 256, 256
+    D, I = 512 if mx_config[2] == 256 else 256, 256
     assert gluon_decode_ok(mx_config, D, I, mx_block_k(D, mx_config[2]), mx_block_k(I, mx_config[2]))
-    (w1, s1), (w3, s3), (w2, s2) = [(torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, device="cuda",
-                                                   generator=gen),
-                                     torch.randint(118, 124, (E, R, C // 32), dtype=torch.uint8, device="cuda",
-                                                   generator=gen)) for R, C in ((I, D), (I, D), (D, I))]
-    z = (torch.randn(N, D, device="cuda", generator=gen) * 0.5).bfloat16()
-    ids = torch.rand(N, E, device="cuda", generator=gen).argsort(-1)[:, :k].contiguous()
-    wt = torch.rand(N, k, device="cuda", generator=gen)
-    attrs = {"act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
+    z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(2, N, 4, 6, D, I)
     y, y_triton = torch.full_like(z, float("nan")), torch.full_like(z, float("nan"))
     moe.launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, mx_config=mx_config, **attrs)
     moe.launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y_triton, mx_config=mx_config, gluon=False,
