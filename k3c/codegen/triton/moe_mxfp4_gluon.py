@@ -219,8 +219,9 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, ti
             r1 = gl.allocate_shared_memory(gl.int32, [RING] + woff.shape, RL)
             r3 = gl.allocate_shared_memory(gl.int32, [RING] + woff.shape, RL)
             for p in gl.static_range(RING - 1):
-                gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r1.index(p), w1p + p * (BLOCK_D // 8))
-                gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r3.index(p), w3p + p * (BLOCK_D // 8))
+                if p * BLOCK_D < D:
+                    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r1.index(p), w1p + p * (BLOCK_D // 8))
+                    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r3.index(p), w3p + p * (BLOCK_D // 8))
                 gl.nvidia.ampere.async_copy.commit_group()
         else:
             w1, w3 = gl.load(w1p), gl.load(w3p)
@@ -231,16 +232,19 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, ti
             dn = gl.where(d0 + BLOCK_D < D, d0 + BLOCK_D, 0)
             if RING:
                 it = d0 // BLOCK_D
-                dr = d0 + (RING - 1) * BLOCK_D
-                dr = gl.where(dr < D, dr, 0)
-                gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r1.index((it + RING - 1) % RING), w1p + dr // 8)
-                gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r3.index((it + RING - 1) % RING), w3p + dr // 8)
+                dr = d0 + (RING - 1) * BLOCK_D           # past the end: no copy (a zero fill, never read)
+                nxt = (it + RING - 1) % RING
+                gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r1.index(nxt), w1p + gl.where(dr < D, dr, 0) // 8,
+                                                                        mask=dr < D)
+                gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r3.index(nxt), w3p + gl.where(dr < D, dr, 0) // 8,
+                                                                        mask=dr < D)
                 gl.nvidia.ampere.async_copy.commit_group()
                 gl.nvidia.ampere.async_copy.wait_group(RING - 1)
                 c1, c3 = r1.index(it % RING).load(WL), r3.index(it % RING).load(WL)
             else:
                 c1, c3 = w1, w3
-                w1, w3 = gl.load(w1p + dn // 8), gl.load(w3p + dn // 8)
+                w1 = gl.load(w1p + dn // 8, mask=d0 + BLOCK_D < D)     # past the end: no load
+                w3 = gl.load(w3p + dn // 8, mask=d0 + BLOCK_D < D)
             s1_n, s3_n = gl.load(s1p + dn // 32), gl.load(s3p + dn // 32)
             if ACT_PREFETCH:
                 z_n = gl.load(zptrs + dn // 2)
@@ -285,7 +289,8 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, til
             RL: gl.constexpr = gl_ring_layout(W, BLOCK_K2 // 128)
             r2 = gl.allocate_shared_memory(gl.int32, [RING] + woff.shape, RL)
             for p in gl.static_range(RING - 1):
-                gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r2.index(p), w2p + p * (BLOCK_K2 // 8))
+                if p * BLOCK_K2 < I:
+                    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r2.index(p), w2p + p * (BLOCK_K2 // 8))
                 gl.nvidia.ampere.async_copy.commit_group()
         else:
             w2 = gl.load(w2p)
@@ -296,14 +301,14 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, til
             if RING:
                 it = i0 // BLOCK_K2
                 ir = i0 + (RING - 1) * BLOCK_K2
-                ir = gl.where(ir < I, ir, 0)
-                gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r2.index((it + RING - 1) % RING), w2p + ir // 8)
+                gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r2.index((it + RING - 1) % RING),
+                                                                        w2p + gl.where(ir < I, ir, 0) // 8, mask=ir < I)
                 gl.nvidia.ampere.async_copy.commit_group()
                 gl.nvidia.ampere.async_copy.wait_group(RING - 1)
                 c2 = r2.index(it % RING).load(WL)
             else:
                 c2 = w2
-                w2 = gl.load(w2p + nx // 8)
+                w2 = gl.load(w2p + nx // 8, mask=i0 + BLOCK_K2 < I)
             s2_n = gl.load(s2p + nx // 32)
             if ACT_PREFETCH:
                 h_n = gl.load(hptrs + nx // 2)
