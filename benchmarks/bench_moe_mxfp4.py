@@ -122,7 +122,7 @@ def resolved_sweep(phase, rows, E, scale_max, quick):
 
 # Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon, next K tile prefetched in registers): None = the
 # launcher's default configuration; with --gluon each runs beside the Triton kernels (gluon=False) of the sweep
-GLUON_SWEEP = [None, (8, 16, 256, 1, 2, False, None)]
+GLUON_SWEEP = [None, (8, 16, 256, 1, 1, False, None)]
 
 
 def warm_one(job):

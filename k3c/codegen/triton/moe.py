@@ -47,8 +47,9 @@ from k3c.codegen.triton.moe_mxfp4 import (ONE_MUL_MAX_SCALE, moe_down_mx_kernel,
                                          mxfp4_weight_tile, mxfp4_word_bf16)
 from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_offsets, gl_act_operand,
                                                gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
-                                               gl_permuted_col, gl_tile_rows, gl_word_offsets, gluon_decode_ok,
-                                               moe_down_mx_gluon_kernel, moe_up_mx_gluon_kernel)
+                                               gl_permuted_col, gl_ring_copy, gl_ring_layout, gl_tile_rows,
+                                               gl_word_offsets, gluon_decode_ok, moe_down_mx_gluon_kernel,
+                                               moe_up_mx_gluon_kernel)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 
@@ -299,11 +300,10 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
                 zp.view(torch.int32), w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
                 float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ",
                 TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2,
-                ACT_PREFETCH=stages == 2, RING=stages - 10 if stages > 10 else 0, **opts)
+                STAGES=stages, **opts)
             moe_down_mx_gluon_kernel[(max_tiles, D // BLOCK_R)](
                 h.view(torch.int32), w2.view(torch.int32), scales[2], weights, *schedule, y_slot, E=E, D=D, I=I,
-                TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, ACT_PREFETCH=stages == 2,
-                RING=stages - 10 if stages > 10 else 0, **opts)
+                TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, STAGES=stages, **opts)
             moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
             return
         v2 = mx_mma_v2(warps)
@@ -400,6 +400,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile,
                     moe_up_mx_kernel, moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule,
                     gluon_decode_ok, gl_layouts, gl_permute, gl_permuted_col, gl_axis_layout, gl_word_offsets,
-                    gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_tile_rows, moe_up_mx_gluon_kernel,
+                    gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_tile_rows, gl_ring_layout, gl_ring_copy,
+                    moe_up_mx_gluon_kernel,
                     moe_down_mx_gluon_kernel],
                    launch_moe_experts, body)

@@ -71,7 +71,7 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     where the one-multiply decoding is exact too (4-6 % less time with 16-row tiles)."""
     two = scale_max > ONE_MUL_MAX_SCALE
     if rows < 4 * E:
-        return (8, 64, 256, 2, 3, two, None) if two else (8, 32, 256, 2, 2, two, None)
+        return (8, 64, 256, 2, 3, two, None) if two else (8, 32, 256, 2, 1, two, None)
     if rows < 16 * E:
         return (16, 64, 256, 4, 3, two, None)
     return (32, 64, 256, 4, 3, two, None) if rows < 64 * E else (128, 128, 128, 8, 3, two, None)

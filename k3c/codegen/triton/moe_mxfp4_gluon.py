@@ -188,16 +188,28 @@ def gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BM: gl.constexpr, layout
 
 
 @gluon.jit
+def gl_ring_copy(ring, wp, k0, stage, KDIM: gl.constexpr):
+    """cp.async the packed words of the K tile at column k0 (words wp + k0/8: `gl_word_offsets`' pointers) into
+    stage `stage` of `ring`, 16 bytes per thread; a tile past KDIM is not read (its stage is zero-filled and
+    never decoded)."""
+    k0 = gl.to_tensor(k0)
+    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(ring.index(stage), wp + gl.where(k0 < KDIM, k0, 0) // 8,
+                                                            mask=k0 < KDIM)
+
+
+@gluon.jit
 def moe_up_mx_gluon_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
                            tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, E: gl.constexpr, K: gl.constexpr,
                            D: gl.constexpr, I: gl.constexpr, ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr,
                            BLOCK_M: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_D: gl.constexpr,
-                           BLOCK_K2: gl.constexpr, ACT_PREFETCH: gl.constexpr, RING: gl.constexpr = 0):
+                           BLOCK_K2: gl.constexpr, STAGES: gl.constexpr):
     """`moe_up_mx_kernel` (bf16, V2) for one BLOCK_M-row tile (8 or 16) and BLOCK_R intermediate columns:
     h = act(z W1[e]ᵀ, z W3[e]ᵀ) into hp [N·k, I] in `gl_permute` order of BLOCK_K2. zp: z [N, D] (bf16 read as
-    i32 pairs) `gl_permute`d by BLOCK_D; w1/w3 i32 words [E, I, D/8], s1/s3 u8 [E, I, D/32]. Each iteration
-    loads the next K tile's words and scales (the last one wraps to tile 0: unused, cached) before it decodes
-    this one, and its activations too with ACT_PREFETCH (else they are loaded where used: fewer registers)."""
+    i32 pairs) `gl_permute`d by BLOCK_D; w1/w3 i32 words [E, I, D/8], s1/s3 u8 [E, I, D/32]. The packed words
+    stream through STAGES K tiles (module docstring, "Word stream"): STAGES 1 loads the next tile's words and
+    activations into registers before decoding this one; STAGES ≥ 2 keeps STAGES − 1 tiles of words in flight
+    by cp.async into a shared ring and loads each tile's activations where they are used. Scale bytes: the
+    next tile's in registers (the last one wraps to tile 0: unused)."""
     W: gl.constexpr = BLOCK_R // 16
     WL: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[0]
     MMA: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[1]
@@ -214,47 +226,36 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, ti
         woff, soff = gl_word_offsets(e.to(gl.int64) * I + i0, D, W, BLOCK_D // 128, WL)
         w1p, w3p, s1p, s3p = w1_ptr + woff, w3_ptr + woff, s1_ptr + soff, s3_ptr + soff
         s1, s3 = gl.load(s1p), gl.load(s3p)
-        if RING:
-            RL: gl.constexpr = gl_ring_layout(W, BLOCK_D // 128)
-            r1 = gl.allocate_shared_memory(gl.int32, [RING] + woff.shape, RL)
-            r3 = gl.allocate_shared_memory(gl.int32, [RING] + woff.shape, RL)
-            for p in gl.static_range(RING - 1):
-                if p * BLOCK_D < D:
-                    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r1.index(p), w1p + p * (BLOCK_D // 8))
-                    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r3.index(p), w3p + p * (BLOCK_D // 8))
+        if STAGES > 1:
+            r1 = gl.allocate_shared_memory(gl.int32, [STAGES] + woff.shape, gl_ring_layout(W, BLOCK_D // 128))
+            r3 = gl.allocate_shared_memory(gl.int32, [STAGES] + woff.shape, gl_ring_layout(W, BLOCK_D // 128))
+            for p in gl.static_range(STAGES - 1):
+                gl_ring_copy(r1, w1p, p * BLOCK_D, p, D)
+                gl_ring_copy(r3, w3p, p * BLOCK_D, p, D)
                 gl.nvidia.ampere.async_copy.commit_group()
         else:
-            w1, w3 = gl.load(w1p), gl.load(w3p)
-        z = gl.load(zptrs)
+            w1, w3, z = gl.load(w1p), gl.load(w3p), gl.load(zptrs)
         gate = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
         up = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
         for d0 in range(0, D, BLOCK_D):
             dn = gl.where(d0 + BLOCK_D < D, d0 + BLOCK_D, 0)
-            if RING:
+            if STAGES > 1:
                 it = d0 // BLOCK_D
-                dr = d0 + (RING - 1) * BLOCK_D           # past the end: no copy (a zero fill, never read)
-                nxt = (it + RING - 1) % RING
-                gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r1.index(nxt), w1p + gl.where(dr < D, dr, 0) // 8,
-                                                                        mask=dr < D)
-                gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r3.index(nxt), w3p + gl.where(dr < D, dr, 0) // 8,
-                                                                        mask=dr < D)
+                gl_ring_copy(r1, w1p, d0 + (STAGES - 1) * BLOCK_D, (it + STAGES - 1) % STAGES, D)
+                gl_ring_copy(r3, w3p, d0 + (STAGES - 1) * BLOCK_D, (it + STAGES - 1) % STAGES, D)
                 gl.nvidia.ampere.async_copy.commit_group()
-                gl.nvidia.ampere.async_copy.wait_group(RING - 1)
-                c1, c3 = r1.index(it % RING).load(WL), r3.index(it % RING).load(WL)
+                gl.nvidia.ampere.async_copy.wait_group(STAGES - 1)
+                c1, c3 = r1.index(it % STAGES).load(WL), r3.index(it % STAGES).load(WL)
+                x = gl_act_operand(gl.load(zptrs + d0 // 2), BLOCK_D, BL)
             else:
-                c1, c3 = w1, w3
+                c1, c3, x = w1, w3, gl_act_operand(z, BLOCK_D, BL)
                 w1 = gl.load(w1p + dn // 8, mask=d0 + BLOCK_D < D)     # past the end: no load
                 w3 = gl.load(w3p + dn // 8, mask=d0 + BLOCK_D < D)
+                z = gl.load(zptrs + dn // 2)
             s1_n, s3_n = gl.load(s1p + dn // 32), gl.load(s3p + dn // 32)
-            if ACT_PREFETCH:
-                z_n = gl.load(zptrs + dn // 2)
-            else:
-                z = gl.load(zptrs + d0 // 2)
-                z_n = z
-            x = gl_act_operand(z, BLOCK_D, BL)
             gate = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c1, s1, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, gate)
             up = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c3, s3, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, up)
-            s1, s3, z = s1_n, s3_n, z_n
+            s1, s3 = s1_n, s3_n
         h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
         col = gl_permuted_col(i0 + gl.arange(0, BLOCK_R, gl.SliceLayout(1, MMA)), BLOCK_K2)
         offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, MMA))
@@ -266,10 +267,10 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, ti
 def moe_down_mx_gluon_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
                              tile_row_end_ptr, y_slot_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
                              TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_R: gl.constexpr,
-                             BLOCK_K2: gl.constexpr, ACT_PREFETCH: gl.constexpr, RING: gl.constexpr = 0):
+                             BLOCK_K2: gl.constexpr, STAGES: gl.constexpr):
     """`moe_down_mx_kernel` (bf16, V2) for one BLOCK_M-row tile and BLOCK_R output columns: y_slot[(token, slot)]
     = (h W2[e]ᵀ) · weight; hp [N·k, I] (bf16 read as i32 pairs) in `gl_permute` order of BLOCK_K2, w2 i32
-    words [E, D, I/8], s2 u8 [E, D, I/32]; the next K tile prefetched as in the up kernel."""
+    words [E, D, I/8], s2 u8 [E, D, I/32]; the words stream through STAGES K tiles as in the up kernel."""
     W: gl.constexpr = BLOCK_R // 16
     WL: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[0]
     MMA: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[1]
@@ -285,39 +286,29 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, til
         woff, soff = gl_word_offsets(e.to(gl.int64) * D + n0, I, W, BLOCK_K2 // 128, WL)
         w2p, s2p = w2_ptr + woff, s2_ptr + soff
         s2 = gl.load(s2p)
-        if RING:
-            RL: gl.constexpr = gl_ring_layout(W, BLOCK_K2 // 128)
-            r2 = gl.allocate_shared_memory(gl.int32, [RING] + woff.shape, RL)
-            for p in gl.static_range(RING - 1):
-                if p * BLOCK_K2 < I:
-                    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r2.index(p), w2p + p * (BLOCK_K2 // 8))
+        if STAGES > 1:
+            r2 = gl.allocate_shared_memory(gl.int32, [STAGES] + woff.shape, gl_ring_layout(W, BLOCK_K2 // 128))
+            for p in gl.static_range(STAGES - 1):
+                gl_ring_copy(r2, w2p, p * BLOCK_K2, p, I)
                 gl.nvidia.ampere.async_copy.commit_group()
         else:
-            w2 = gl.load(w2p)
-        h = gl.load(hptrs)
+            w2, h = gl.load(w2p), gl.load(hptrs)
         acc = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
         for i0 in range(0, I, BLOCK_K2):
             nx = gl.where(i0 + BLOCK_K2 < I, i0 + BLOCK_K2, 0)
-            if RING:
+            if STAGES > 1:
                 it = i0 // BLOCK_K2
-                ir = i0 + (RING - 1) * BLOCK_K2
-                gl.nvidia.ampere.async_copy.async_copy_global_to_shared(r2.index((it + RING - 1) % RING),
-                                                                        w2p + gl.where(ir < I, ir, 0) // 8, mask=ir < I)
+                gl_ring_copy(r2, w2p, i0 + (STAGES - 1) * BLOCK_K2, (it + STAGES - 1) % STAGES, I)
                 gl.nvidia.ampere.async_copy.commit_group()
-                gl.nvidia.ampere.async_copy.wait_group(RING - 1)
-                c2 = r2.index(it % RING).load(WL)
+                gl.nvidia.ampere.async_copy.wait_group(STAGES - 1)
+                c2, x = r2.index(it % STAGES).load(WL), gl_act_operand(gl.load(hptrs + i0 // 2), BLOCK_K2, BL)
             else:
-                c2 = w2
-                w2 = gl.load(w2p + nx // 8, mask=i0 + BLOCK_K2 < I)
+                c2, x = w2, gl_act_operand(h, BLOCK_K2, BL)
+                w2 = gl.load(w2p + nx // 8, mask=i0 + BLOCK_K2 < I)     # past the end: no load
+                h = gl.load(hptrs + nx // 2)
             s2_n = gl.load(s2p + nx // 32)
-            if ACT_PREFETCH:
-                h_n = gl.load(hptrs + nx // 2)
-            else:
-                h = gl.load(hptrs + i0 // 2)
-                h_n = h
-            acc = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c2, s2, TWO_MULS, BLOCK_R, BLOCK_K2, AL),
-                                          gl_act_operand(h, BLOCK_K2, BL), acc)
-            s2, h = s2_n, h_n
+            acc = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c2, s2, TWO_MULS, BLOCK_R, BLOCK_K2, AL), x, acc)
+            s2 = s2_n
         offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, MMA))
         slot = gl.load(order_ptr + offs_mo, mask=m_ok_o, other=0)
         weight = gl.load(weights_ptr + slot, mask=m_ok_o, other=0.0)
