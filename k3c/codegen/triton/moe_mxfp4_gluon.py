@@ -1,35 +1,44 @@
-"""Gluon decode kernels of MXFP4 `moe_experts` (k3c.codegen.triton.moe_mxfp4's `mma.sync` decode path, with the
-packed words prefetched one K tile ahead in registers).
+"""Gluon decode kernels of MXFP4 `moe_experts` (k3c.codegen.triton.moe_mxfp4's `mma.sync` decode path): each
+thread loads exactly the packed words it decodes, and the words stream ahead of the decoding either in registers
+or through a cp.async ring in shared memory.
 
-Why Gluon: the Triton decode kernels stream each K tile's packed words through shared memory (cp.async, one
-buffer: 2 stages), so every tile waits for its own load behind the barrier that frees the buffer (BENCHMARKS.md,
-"MXFP4 round (mx20)"). Here each thread loads exactly the 32-bit words it decodes, in the layout the `mma.sync`
-A operand wants after decoding (`mx_permute(..., v2=True)` K order: thread t of a quad holds words t·CC .. t·CC +
-CC − 1 of rows g and g + 8 of its warp's 16, CC = BLOCK_K/32, two 16-byte loads per row), and the next tile's
-words, scale bytes and activations are loaded before the current tile is decoded (loop-carried registers): no
-shared memory, no barrier, no layout conversion (the decoded tile's layout is asserted equal to the MMA
-operand's, `convert_layout(..., assert_trivial=True)`). Plain Triton cannot state this: a loop-carried load
-there is converted through shared memory.
+Why Gluon: the Triton decode kernels stream each K tile's packed words through shared memory laid out for
+Triton's own conversion (cp.async, one buffer: 2 stages), so every tile waits for its own load behind the
+barrier that frees the buffer (BENCHMARKS.md, "MXFP4 round (mx20)"). Here each thread owns the 32-bit words it
+decodes, in the layout the `mma.sync` A operand wants after decoding (`mx_permute(..., v2=True)` K order:
+thread t of a quad holds words t·CC .. t·CC + CC − 1 of rows g and g + 8 of its warp's 16, CC = BLOCK_K/32, two
+16-byte loads per row), so the decoded tile is the MMA operand as it is (`convert_layout(...,
+assert_trivial=True)` compiles only if no data moves). Plain Triton cannot state this: a loop-carried load there
+is converted through shared memory.
+
+Word stream (num_stages of the launch's mx_config, the kernels' STAGES): 1 loads the next K tile's words,
+scale bytes and activations into registers at the top of each iteration (loop-carried: no shared memory, no
+barrier; but ptxas issues those loads where the current tile's registers free up, about three quarters through
+the tile, so they are in flight for a quarter of it). STAGES ≥ 2 keeps STAGES − 1 tiles in flight: each thread
+cp.asyncs its own 16-byte words into a ring of STAGES tiles (`gl_ring_layout`: a warp's 16-byte chunks
+consecutive, no bank conflict) at the top of the iteration, waits for the oldest group and reads the current
+tile back with `LDS.128`; the copies cost no registers, so the kernels need 56-100 instead of 80-165 (the
+two barriers Gluon's membar analysis adds per iteration synchronise a CTA's 1-2 warps only). The activations
+are then loaded where used (L1-resident). A tile past the end of K is never read (masked load, zero-filled
+copy).
 
 Layouts (W = num_warps, BLOCK_R = 16·W weight rows, BLOCK_M = 8 or 16 token rows, `mma.sync` m16n8k16 with
-kWidth 8: one or two instructions per k16 step):
-the words are a [W, 2, 8, 4, CH, 4] tensor (weight row 16w + 8h + g, thread-in-quad t, word t·CC + 4·ch + c,
-CH = CC/4) in a BlockedLayout whose lanes are (g, t) and warps w; each word decodes (`mxfp4_word_bf16`, the same
-PTX as the Triton kernels, so bitwise the same values) to 4 bf16 pairs, which joined, permuted and reshaped are
-the [BLOCK_R, BLOCK_K] A operand, decoded once for all BLOCK_M tokens. The activations are the B operand
-[BLOCK_K, BLOCK_M] (thread (g, t) holds token columns g and, at 16, g + 8), loaded straight from z / h
-in `gl_permute` order (the v2 order with each thread's pairs of two 32-column chunks interleaved, as Triton's
-`mma.sync` lowering pairs them: 16 bytes per thread = two instructions' B registers, no moves), carried as
-32-bit pairs (or, with num_stages 1, loaded where used: L1-resident, 31-36 fewer registers), and rows
-past the tile read a valid row instead of being masked (no zero fill; their columns of
-the product are never stored). The E8M0 scale bytes of a word's 32-value group, (t·CC + 4·ch + c) // 4 =
-t·CH + ch, are CH consecutive bytes per thread and row.
+kWidth 8: one or two instructions per k16 step): the words are a [W, 2, 8, 4, CH, 4] tensor (weight row 16w +
+8h + g, thread-in-quad t, word t·CC + 4·ch + c, CH = CC/4) in a BlockedLayout whose lanes are (g, t) and warps
+w; each word decodes (`mxfp4_word_bf16`, the same PTX as the Triton kernels, so bitwise the same values) to 4
+bf16 pairs, which joined, permuted and reshaped are the [BLOCK_R, BLOCK_K] A operand, decoded once for all
+BLOCK_M tokens. The activations are the B operand [BLOCK_K, BLOCK_M] (thread (g, t) holds token columns g and,
+at 16, g + 8), loaded straight from z / h in `gl_permute` order (the v2 order with each thread's pairs of two
+32-column chunks interleaved, as Triton's `mma.sync` lowering pairs them: 16 bytes per thread = two
+instructions' B registers, no moves) as 32-bit pairs (carried bf16 values cost a PRMT per pair); rows past the
+tile read a valid row instead of being masked (no zero fill; their columns of the product are never stored).
+The E8M0 scale bytes of a word's 32-value group, (t·CC + 4·ch + c) // 4 = t·CH + ch, are CH consecutive bytes
+per thread and row.
 
-Scope: bf16 activations on a GPU, decode tiles (8 or 16 token rows), K tiles of 128..512 (CC a multiple of 4), weight
-rows a multiple of BLOCK_R (`gluon_decode_ok`); the Triton kernels cover the rest (and the interpreter: Gluon has
-none). Public API: `GLUON_BLOCK_MS`, `gluon_decode_ok`, the jit helpers (pasted into the
-emitted modules) and `moe_up_mx_gluon_kernel`, `moe_down_mx_gluon_kernel`.
-"""
+Scope: bf16 activations on a GPU, 1 or 2 warps, decode tiles of 8 or 16 token rows, K tiles of 128..512 (CC a
+multiple of 4), weight rows a multiple of BLOCK_R (`gluon_decode_ok`); the Triton kernels cover the rest (and
+the interpreter: Gluon has none). Public API: `GLUON_BLOCK_MS`, `gluon_decode_ok`, the jit helpers (pasted into
+the emitted modules) and `moe_up_mx_gluon_kernel`, `moe_down_mx_gluon_kernel`."""
 
 from __future__ import annotations
 
@@ -51,9 +60,8 @@ def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> boo
     BLOCK_K, num_warps, num_stages, ...: `mx_default_config`) over latent D and expert inner I with K tiles bk1
     (over D) and bk2 (over I): 8- or 16-row token tiles, 1 or 2 warps (the `mma.sync` path, `mx_mma_v2`), 16
     weight rows per warp, every weight-row block full, K
-    tiles of 128..512. For these kernels num_stages counts the K tiles of activations in registers: 2 prefetches
-    the next tile's with its words, 1 loads each tile's where it is used (fewer registers; the words are always
-    prefetched)."""
+    tiles of 128..512. For these kernels num_stages is the word stream's depth (module docstring): 1 prefetches
+    the next K tile in registers, ≥ 2 keeps num_stages − 1 tiles in flight through a cp.async ring."""
     block_m, block_r, _, warps = mx_config[:4]
     return block_m in GLUON_BLOCK_MS and warps in (1, 2) and block_r == 16 * warps and I % block_r == 0 and D % block_r == 0 and \
         all(bk in (128, 256, 512) for bk in (bk1, bk2))
