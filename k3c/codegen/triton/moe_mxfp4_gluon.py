@@ -19,8 +19,8 @@ cp.asyncs its own 16-byte words into a ring of STAGES tiles (`gl_ring_layout`: a
 consecutive, no bank conflict) at the top of the iteration, waits for the oldest group and reads the current
 tile back with `LDS.128`; the copies cost no registers, so the kernels need 56-100 instead of 80-165 (the
 two barriers Gluon's membar analysis adds per iteration synchronise a CTA's 1-2 warps only). The activations
-are then loaded where used (L1-resident). A tile past the end of K is never read (masked load, zero-filled
-copy).
+are then loaded where used (L1-resident). The ring never reads a tile past the end of K (a masked, zero-filled
+copy); STAGES 1 keeps mx23's wrap of the last prefetch to tile 0.
 
 Layouts (W = num_warps, BLOCK_R = 16·W weight rows, BLOCK_M = 8 or 16 token rows, `mma.sync` m16n8k16 with
 kWidth 8: one or two instructions per k16 step): the words are a [W, 2, 8, 4, CH, 4] tensor (weight row 16w +
@@ -257,8 +257,7 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, ti
                 x = gl_act_operand(gl.load(zptrs + d0 // 2), BLOCK_D, BL)
             else:
                 c1, c3, x = w1, w3, gl_act_operand(z, BLOCK_D, BL)
-                w1 = gl.load(w1p + dn // 8, mask=d0 + BLOCK_D < D)     # past the end: no load
-                w3 = gl.load(w3p + dn // 8, mask=d0 + BLOCK_D < D)
+                w1, w3 = gl.load(w1p + dn // 8), gl.load(w3p + dn // 8)   # the last wraps to tile 0: unused
                 z = gl.load(zptrs + dn // 2)
             s1_n, s3_n = gl.load(s1p + dn // 32), gl.load(s3p + dn // 32)
             gate = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c1, s1, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, gate)
@@ -312,7 +311,7 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, til
                 c2, x = r2.index(it % STAGES).load(WL), gl_act_operand(gl.load(hptrs + i0 // 2), BLOCK_K2, BL)
             else:
                 c2, x = w2, gl_act_operand(h, BLOCK_K2, BL)
-                w2 = gl.load(w2p + nx // 8, mask=i0 + BLOCK_K2 < I)     # past the end: no load
+                w2 = gl.load(w2p + nx // 8)                          # the last wraps to tile 0: unused
                 h = gl.load(hptrs + nx // 2)
             s2_n = gl.load(s2p + nx // 32)
             acc = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c2, s2, TWO_MULS, BLOCK_R, BLOCK_K2, AL), x, acc)
