@@ -122,7 +122,7 @@ def resolved_sweep(phase, rows, E, scale_max, quick):
 
 # Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon, next K tile prefetched in registers): None = the
 # launcher's default configuration; with --gluon each runs beside the Triton kernels (gluon=False) of the sweep
-GLUON_SWEEP = [None, (8, 64, 256, 4, 2, False, None)]
+GLUON_SWEEP = [None, (8, 16, 256, 1, 1, False, None)]
 
 
 def warm_one(job):
@@ -238,10 +238,17 @@ def main():
     ap.add_argument("--configs", default=None, help="comma-separated indices into the decode sweep to keep")
     ap.add_argument("--no-check", action="store_true", help="skip the small-shape check against the reference")
     ap.add_argument("--gluon", action="store_true", help="decode: the Gluon kernels (GLUON_SWEEP) beside")
+    ap.add_argument("--gluon-configs", default=None,
+                    help="';'-separated Gluon mx_configs replacing GLUON_SWEEP, each 'BLOCK_M,BLOCK_R,BLOCK_K,warps,"
+                         "stages,two_muls,maxnreg' (two_muls 0/1, maxnreg 0: none; 'default': the launcher's)")
     ap.add_argument("--compile-workers", type=int, default=8, help="processes compiling the MXFP4 variants first")
     args = ap.parse_args()
     if args.configs:
         MX_SWEEP["decode"][:] = [MX_SWEEP["decode"][int(i)] for i in args.configs.split(",")]
+    if args.gluon_configs:
+        GLUON_SWEEP[:] = [None if c == "default" else (*map(int, c.split(",")[:5]), bool(int(c.split(",")[5])),
+                                                        int(c.split(",")[6]) or None)
+                          for c in args.gluon_configs.split(";")]
     dev = args.device
     name = torch.cuda.get_device_name() if dev == "cuda" else dev
     results = {"device": name, "torch": torch.__version__, "triton": triton.__version__,

@@ -229,23 +229,29 @@ def test_gl_permute_order():
 
 def test_gluon_decode_ok():
     """The Gluon decode kernels take the decode default at K3.1 Pro's expert shapes (8-token tiles, 32 rows on 2
-    warps, 256-wide K tiles), not 16-token tiles, partial weight-row blocks or K tiles under 128."""
+    warps, 256-wide K tiles) and 16-token tiles, not 32-token tiles, partial weight-row blocks, 32 rows per warp
+    or K tiles under 128."""
     D, I = 3584, 3072
     assert gluon_decode_ok(mx_default_config(16, 896, 122), D, I, 256, 256)
-    assert gluon_decode_ok((8, 64, 256, 4, 2, False, None), D, I, 256, 256)
-    assert not gluon_decode_ok(mx_default_config(256, 32, 122), D, I, 256, 256)       # 16-row wgmma tiles
+    assert gluon_decode_ok((16, 32, 256, 2, 3, False, None), D, I, 256, 256)
+    assert not gluon_decode_ok((16, 64, 256, 4, 3, False, None), D, I, 256, 256)      # 4 warps: wgmma tiles
+    assert not gluon_decode_ok((32, 64, 256, 4, 3, False, None), D, I, 256, 256)      # 32-token tiles
     assert not gluon_decode_ok((8, 64, 256, 2, 2, False, None), D, I, 256, 256)       # 32 rows per warp
     assert not gluon_decode_ok((8, 32, 256, 2, 2, False, None), D, 160, 256, 32)      # I = 5 · 32, K tile 32
 
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("mx_config", [(8, 32, 256, 2, 2, False, None), (8, 16, 128, 1, 2, True, None)])
-@pytest.mark.parametrize("N", [1, 5])
+@pytest.mark.parametrize("mx_config", [(8, 32, 256, 2, 1, False, None), (8, 16, 128, 1, 1, True, None),
+                                       (8, 32, 256, 2, 2, False, 80), (8, 32, 256, 2, 4, True, None),
+                                       (16, 32, 256, 2, 1, False, None), (16, 16, 128, 1, 3, True, None)])
+@pytest.mark.parametrize("N", [1, 5, 12])
 def test_gluon_matches_triton_and_reference(N, mx_config):
     """The Gluon decode kernels (bf16, K tiles prefetched in registers) against the Triton kernels of the same
     configuration, bitwise (the same decoded values and `mma.sync` sums in the same order), and against the
-    reference up to bf16 rounding of z and h; two K tiles over D and I, one and two multiplies."""
+    reference up to bf16 rounding of z and h; two K tiles over D and I, one and two multiplies, 8- and 16-token
+    tiles (N = 12: 48 rows over 6 experts, so 16-token tiles fill both n8 halves), the words prefetched in
+    registers (num_stages 1) or streamed through a cp.async ring of 2-4 stages, a register cap."""
     D, I = 512 if mx_config[2] == 256 else 256, 256
     assert gluon_decode_ok(mx_config, D, I, mx_block_k(D, mx_config[2]), mx_block_k(I, mx_config[2]))
     z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(2, N, 4, 6, D, I)

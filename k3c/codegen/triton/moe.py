@@ -45,10 +45,11 @@ from k3c.codegen.triton.moe_mxfp4 import (ONE_MUL_MAX_SCALE, moe_down_mx_kernel,
                                          mx_block_k, mx_default_config, mx_mma_v2, mx_permute, mx_permuted_col,
                                          mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32,
                                          mxfp4_weight_tile, mxfp4_word_bf16)
-from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_M, gl_act_offsets, gl_act_operand,
+from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_offsets, gl_act_operand,
                                                gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
-                                               gl_permuted_col, gl_tile_rows, gl_word_offsets, gluon_decode_ok,
-                                               moe_down_mx_gluon_kernel, moe_up_mx_gluon_kernel)
+                                               gl_permuted_col, gl_ring_copy, gl_ring_layout, gl_tile_rows,
+                                               gl_word_offsets, gluon_decode_ok, moe_down_mx_gluon_kernel,
+                                               moe_up_mx_gluon_kernel)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 
@@ -294,13 +295,15 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         zp = take_scratch(scratch, "z_perm", (N, D), z.dtype, z.device)
         if gl_run:
             zp = gl_permute(z, BK1, out=zp)
+            opts = dict(num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
             moe_up_mx_gluon_kernel[(max_tiles, I // BLOCK_R)](
                 zp.view(torch.int32), w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
                 float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ",
-                TWO_MULS=two_muls, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2, num_warps=warps)
+                TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2,
+                STAGES=stages, **opts)
             moe_down_mx_gluon_kernel[(max_tiles, D // BLOCK_R)](
                 h.view(torch.int32), w2.view(torch.int32), scales[2], weights, *schedule, y_slot, E=E, D=D, I=I,
-                TWO_MULS=two_muls, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, num_warps=warps)
+                TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, STAGES=stages, **opts)
             moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
             return
         v2 = mx_mma_v2(warps)
@@ -382,7 +385,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
               ("SCHEDULE_KERNEL_MAX_ROWS", SCHEDULE_KERNEL_MAX_ROWS, "one-launch tile schedule up to these rows"),
               ("SCALE_MAX", int(a["scale_max"]), "largest MXFP4 scale byte of the checkpoint (255: unknown)"),
               ("ONE_MUL_MAX_SCALE", ONE_MUL_MAX_SCALE, "one-multiply MXFP4 decoding up to this scale byte"),
-              ("GLUON_BLOCK_M", GLUON_BLOCK_M, "token rows of the Gluon decode tiles")]
+              ("GLUON_BLOCK_MS", GLUON_BLOCK_MS, "token rows of the Gluon decode tiles")]
     args = ", ".join(f"inputs[{i}]" for i in ip)
     mx = a["weight_format"] == "mxfp4"
     body = ("def launch(inputs, outputs, sizes, scratch=None):\n"
@@ -397,6 +400,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile,
                     moe_up_mx_kernel, moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule,
                     gluon_decode_ok, gl_layouts, gl_permute, gl_permuted_col, gl_axis_layout, gl_word_offsets,
-                    gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_tile_rows, moe_up_mx_gluon_kernel,
+                    gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_tile_rows, gl_ring_layout, gl_ring_copy,
+                    moe_up_mx_gluon_kernel,
                     moe_down_mx_gluon_kernel],
                    launch_moe_experts, body)

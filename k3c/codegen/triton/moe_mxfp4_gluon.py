@@ -1,32 +1,44 @@
-"""Gluon decode kernels of MXFP4 `moe_experts` (k3c.codegen.triton.moe_mxfp4's `mma.sync` decode path, with the
-packed words prefetched one K tile ahead in registers).
+"""Gluon decode kernels of MXFP4 `moe_experts` (k3c.codegen.triton.moe_mxfp4's `mma.sync` decode path): each
+thread loads exactly the packed words it decodes, and the words stream ahead of the decoding either in registers
+or through a cp.async ring in shared memory.
 
-Why Gluon: the Triton decode kernels stream each K tile's packed words through shared memory (cp.async, one
-buffer: 2 stages), so every tile waits for its own load behind the barrier that frees the buffer (BENCHMARKS.md,
-"MXFP4 round (mx20)"). Here each thread loads exactly the 32-bit words it decodes, in the layout the `mma.sync`
-A operand wants after decoding (`mx_permute(..., v2=True)` K order: thread t of a quad holds words t·CC .. t·CC +
-CC − 1 of rows g and g + 8 of its warp's 16, CC = BLOCK_K/32, two 16-byte loads per row), and the next tile's
-words, scale bytes and activations are loaded before the current tile is decoded (loop-carried registers): no
-shared memory, no barrier, no layout conversion (the decoded tile's layout is asserted equal to the MMA
-operand's, `convert_layout(..., assert_trivial=True)`). Plain Triton cannot state this: a loop-carried load
-there is converted through shared memory.
+Why Gluon: the Triton decode kernels stream each K tile's packed words through shared memory laid out for
+Triton's own conversion (cp.async, one buffer: 2 stages), so every tile waits for its own load behind the
+barrier that frees the buffer (BENCHMARKS.md, "MXFP4 round (mx20)"). Here each thread owns the 32-bit words it
+decodes, in the layout the `mma.sync` A operand wants after decoding (`mx_permute(..., v2=True)` K order:
+thread t of a quad holds words t·CC .. t·CC + CC − 1 of rows g and g + 8 of its warp's 16, CC = BLOCK_K/32, two
+16-byte loads per row), so the decoded tile is the MMA operand as it is (`convert_layout(...,
+assert_trivial=True)` compiles only if no data moves). Plain Triton cannot state this: a loop-carried load there
+is converted through shared memory.
 
-Layouts (W = num_warps, BLOCK_R = 16·W weight rows, BLOCK_M = 8 token rows, `mma.sync` m16n8k16 with kWidth 8):
-the words are a [W, 2, 8, 4, CH, 4] tensor (weight row 16w + 8h + g, thread-in-quad t, word t·CC + 4·ch + c,
-CH = CC/4) in a BlockedLayout whose lanes are (g, t) and warps w; each word decodes (`mxfp4_word_bf16`, the same
-PTX as the Triton kernels, so bitwise the same values) to 4 bf16 pairs, which joined, permuted and reshaped are
-the [BLOCK_R, BLOCK_K] A operand. The activations are the B operand [BLOCK_K, 8], loaded straight from z / h
-in `gl_permute` order (the v2 order with each thread's pairs of two 32-column chunks interleaved, as Triton's
-`mma.sync` lowering pairs them: 16 bytes per thread = two instructions' B registers, no moves), carried as
-32-bit pairs, and rows past the tile read a valid row instead of being masked (no zero fill; their columns of
-the product are never stored). The E8M0 scale bytes of a word's 32-value group, (t·CC + 4·ch + c) // 4 =
-t·CH + ch, are CH consecutive bytes per thread and row.
+Word stream (num_stages of the launch's mx_config, the kernels' STAGES): 1 loads the next K tile's words,
+scale bytes and activations into registers at the top of each iteration (loop-carried: no shared memory, no
+barrier; but ptxas issues those loads where the current tile's registers free up, about three quarters through
+the tile, so they are in flight for a quarter of it). STAGES ≥ 2 keeps STAGES − 1 tiles in flight: each thread
+cp.asyncs its own 16-byte words into a ring of STAGES tiles (`gl_ring_layout`: a warp's 16-byte chunks
+consecutive, no bank conflict) at the top of the iteration, waits for the oldest group and reads the current
+tile back with `LDS.128`; the copies cost no registers, so the kernels need 56-100 instead of 80-165 (the
+two barriers Gluon's membar analysis adds per iteration synchronise a CTA's 1-2 warps only). The activations
+are then loaded where used (L1-resident). The ring never reads a tile past the end of K (a masked, zero-filled
+copy); STAGES 1 keeps mx23's wrap of the last prefetch to tile 0.
 
-Scope: bf16 activations on a GPU, decode tiles (8 token rows), K tiles of 128..512 (CC a multiple of 4), weight
-rows a multiple of BLOCK_R (`gluon_decode_ok`); the Triton kernels cover the rest (and the interpreter: Gluon has
-none). Public API: `GLUON_BLOCK_M`, `gluon_decode_ok`, the jit helpers (pasted into the
-emitted modules) and `moe_up_mx_gluon_kernel`, `moe_down_mx_gluon_kernel`.
-"""
+Layouts (W = num_warps, BLOCK_R = 16·W weight rows, BLOCK_M = 8 or 16 token rows, `mma.sync` m16n8k16 with
+kWidth 8: one or two instructions per k16 step): the words are a [W, 2, 8, 4, CH, 4] tensor (weight row 16w +
+8h + g, thread-in-quad t, word t·CC + 4·ch + c, CH = CC/4) in a BlockedLayout whose lanes are (g, t) and warps
+w; each word decodes (`mxfp4_word_bf16`, the same PTX as the Triton kernels, so bitwise the same values) to 4
+bf16 pairs, which joined, permuted and reshaped are the [BLOCK_R, BLOCK_K] A operand, decoded once for all
+BLOCK_M tokens. The activations are the B operand [BLOCK_K, BLOCK_M] (thread (g, t) holds token columns g and,
+at 16, g + 8), loaded straight from z / h in `gl_permute` order (the v2 order with each thread's pairs of two
+32-column chunks interleaved, as Triton's `mma.sync` lowering pairs them: 16 bytes per thread = two
+instructions' B registers, no moves) as 32-bit pairs (carried bf16 values cost a PRMT per pair); rows past the
+tile read a valid row instead of being masked (no zero fill; their columns of the product are never stored).
+The E8M0 scale bytes of a word's 32-value group, (t·CC + 4·ch + c) // 4 = t·CH + ch, are CH consecutive bytes
+per thread and row.
+
+Scope: bf16 activations on a GPU, 1 or 2 warps, decode tiles of 8 or 16 token rows, K tiles of 128..512 (CC a
+multiple of 4), weight rows a multiple of BLOCK_R (`gluon_decode_ok`); the Triton kernels cover the rest (and
+the interpreter: Gluon has none). Public API: `GLUON_BLOCK_MS`, `gluon_decode_ok`, the jit helpers (pasted into
+the emitted modules) and `moe_up_mx_gluon_kernel`, `moe_down_mx_gluon_kernel`."""
 
 from __future__ import annotations
 
@@ -39,32 +51,37 @@ from triton.experimental.gluon import language as gl
 from k3c.codegen.triton.moe_act import glu
 from k3c.codegen.triton.moe_mxfp4 import mxfp4_scale_bf16, mxfp4_word_bf16
 
-#: token rows per tile (the `mma.sync` N)
-GLUON_BLOCK_M = 8
+#: token rows per tile the kernels take (the `mma.sync` N: one or two n8 instructions per k16 step)
+GLUON_BLOCK_MS = (8, 16)
 
 
 def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> bool:
     """Whether the Gluon kernels take a bf16 MXFP4 launch on a GPU with `mx_config` (BLOCK_M, BLOCK_R, largest
-    BLOCK_K, num_warps, ...: `mx_default_config`) over latent D and expert inner I with K tiles bk1 (over D) and
-    bk2 (over I): 8-row token tiles, 16 weight rows per warp, every weight-row block full, K tiles of 128..512."""
+    BLOCK_K, num_warps, num_stages, ...: `mx_default_config`) over latent D and expert inner I with K tiles bk1
+    (over D) and bk2 (over I): 8- or 16-row token tiles, 1 or 2 warps (the `mma.sync` path, `mx_mma_v2`), 16
+    weight rows per warp, every weight-row block full, K
+    tiles of 128..512. For these kernels num_stages is the word stream's depth (module docstring): 1 prefetches
+    the next K tile in registers, ≥ 2 keeps num_stages − 1 tiles in flight through a cp.async ring."""
     block_m, block_r, _, warps = mx_config[:4]
-    return block_m == GLUON_BLOCK_M and block_r == 16 * warps and I % block_r == 0 and D % block_r == 0 and \
+    return block_m in GLUON_BLOCK_MS and warps in (1, 2) and block_r == 16 * warps and I % block_r == 0 and D % block_r == 0 and \
         all(bk in (128, 256, 512) for bk in (bk1, bk2))
 
 
 @gluon.constexpr_function
-def gl_layouts(W, BLOCK_K):
-    """(words [W, 2, 8, 4, CH, 4] layout, MMA accumulator, A operand, B operand, activation pairs) for W warps and
-    K tiles of BLOCK_K = 128·CH (module docstring); the pairs: i32 [BLOCK_K/2, 8] in `gl_permute` memory order,
-    thread t of a quad holding pairs 8t .. 8t + 7 of every 32 (two 16-byte loads), so the prefetched
-    activations are carried across the loop as 32-bit words (carried bf16 values cost a PRMT per pair)."""
+def gl_layouts(W, BLOCK_K, BM):
+    """(words [W, 2, 8, 4, CH, 4] layout, MMA accumulator, A operand, B operand, activation pairs) for W warps,
+    K tiles of BLOCK_K = 128·CH and BM = 8 or 16 token columns (module docstring); the pairs: i32 [BLOCK_K/2, BM]
+    in `gl_permute` memory order, thread t of a quad holding pairs 8t .. 8t + 7 of every 32 (two 16-byte loads)
+    of token columns g (and g + 8), so the prefetched activations are carried across the loop as 32-bit words
+    (carried bf16 values cost a PRMT per pair)."""
     CH = BLOCK_K // 128
     words = gl.BlockedLayout([1, 2, 1, 1, CH, 4], [1, 1, 8, 4, 1, 1], [W, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0])
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
     pairs = gl.DistributedLinearLayout(
-        reg_bases=[[1, 0], [2, 0], [4, 0]] + [[32 << i, 0] for i in range((BLOCK_K // 64).bit_length() - 1)],
+        reg_bases=[[1, 0], [2, 0], [4, 0]] + [[32 << i, 0] for i in range((BLOCK_K // 64).bit_length() - 1)] +
+        [[0, 8 << i] for i in range((BM // 8).bit_length() - 1)],
         lane_bases=[[8, 0], [16, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[[0, 0]] * (W.bit_length() - 1),
-        block_bases=[], shape=[BLOCK_K // 2, 8])
+        block_bases=[], shape=[BLOCK_K // 2, BM])
     return (words, mma, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8),
             gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8), pairs)
 
@@ -103,6 +120,19 @@ def gl_axis_layout(layout, rank, d):
     return layout
 
 
+@gluon.constexpr_function
+def gl_ring_layout(W, CH):
+    """Shared layout of one K tile of packed words [W, 2, 8, 4, CH, 4] (i32; dims warp w, h, g, t, ch, c) in a
+    ring of stages: a thread's 4 words of one (h, ch) (16 bytes, one cp.async) at 4·lane (lane = 4g + t), so the
+    16-byte accesses of a warp's threads are consecutive (no bank conflict); then ch, h and w."""
+    def basis(d, v):
+        return [v if i == d else 0 for i in range(6)]
+    bases = [basis(5, 1), basis(5, 2), basis(3, 1), basis(3, 2), basis(2, 1), basis(2, 2), basis(2, 4)]
+    bases += [basis(4, 1 << i) for i in range(CH.bit_length() - 1)] + [basis(1, 1)]
+    bases += [basis(0, 1 << i) for i in range(W.bit_length() - 1)]
+    return gl.SharedLinearLayout(offset_bases=bases)
+
+
 @gluon.jit
 def gl_word_offsets(row0, KDIM: gl.constexpr, W: gl.constexpr, CH: gl.constexpr, WL: gl.constexpr):
     """(word offsets [W, 2, 8, 4, CH, 4] (WL) of K tile 0 of weight rows row0 + 16w + 8h + g in i32 words
@@ -126,7 +156,7 @@ def gl_word_offsets(row0, KDIM: gl.constexpr, W: gl.constexpr, CH: gl.constexpr,
 
 @gluon.jit
 def gl_act_offsets(rows_m, KDIM: gl.constexpr, BLOCK_K: gl.constexpr, PL: gl.constexpr):
-    """Offsets [BLOCK_K/2, 8] (PL: `gl_layouts`' pairs) of K tile 0 of activation rows rows_m [8]
+    """Offsets [BLOCK_K/2, BM] (PL: `gl_layouts`' pairs) of K tile 0 of activation rows rows_m [BM]
     (SliceLayout(0, PL)) in bf16 pairs (i32) [.., KDIM/2]."""
     k = gl.arange(0, BLOCK_K // 2, gl.SliceLayout(1, PL))
     return gl.expand_dims(rows_m.to(gl.int64) * (KDIM // 2), 0) + gl.expand_dims(k, 1)
@@ -134,12 +164,13 @@ def gl_act_offsets(rows_m, KDIM: gl.constexpr, BLOCK_K: gl.constexpr, PL: gl.con
 
 @gluon.jit
 def gl_act_operand(pairs, BLOCK_K: gl.constexpr, BL: gl.constexpr):
-    """The bf16 B operand [BLOCK_K, 8] (BL) of activation pairs i32 [BLOCK_K/2, 8] in `gl_permute` order
+    """The bf16 B operand [BLOCK_K, BM] (BL) of activation pairs i32 [BLOCK_K/2, BM] in `gl_permute` order
     (`gl_layouts`' pairs): pair 32b + 8t + 2q + s of the memory is pair 4t + q of 32-column chunk 2b + s."""
-    p = gl.reshape(gl.permute(gl.reshape(pairs, [BLOCK_K // 64, 4, 4, 2, 8]), (0, 3, 1, 2, 4)), [BLOCK_K // 2, 8])
+    BM: gl.constexpr = pairs.shape[1]
+    p = gl.reshape(gl.permute(gl.reshape(pairs, [BLOCK_K // 64, 4, 4, 2, BM]), (0, 3, 1, 2, 4)), [BLOCK_K // 2, BM])
     lo, hi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [p],
                                        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
-    x = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [BLOCK_K, 8])
+    x = gl.reshape(gl.permute(gl.join(lo, hi), (0, 2, 1)), [BLOCK_K, BM])
     return gl.convert_layout(x, BL, assert_trivial=True)
 
 
@@ -158,52 +189,83 @@ def gl_decoded_tile(words, s, TWO_MULS: gl.constexpr, BLOCK_R: gl.constexpr, BLO
 
 
 @gluon.jit
-def gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, layout: gl.constexpr):
-    """The sorted-row offsets [8] of schedule tile `tile` in `layout` and their mask."""
-    offs_m = gl.load(tile_row0_ptr + tile) + gl.arange(0, 8, layout)
+def gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BM: gl.constexpr, layout: gl.constexpr):
+    """The sorted-row offsets [BM] of schedule tile `tile` in `layout` and their mask."""
+    offs_m = gl.load(tile_row0_ptr + tile) + gl.arange(0, BM, layout)
     return offs_m, offs_m < gl.load(tile_row_end_ptr + tile)
+
+
+@gluon.jit
+def gl_ring_copy(ring, wp, k0, stage, KDIM: gl.constexpr):
+    """cp.async the packed words of the K tile at column k0 (words wp + k0/8: `gl_word_offsets`' pointers) into
+    stage `stage` of `ring`, 16 bytes per thread; a tile past KDIM is not read (its stage is zero-filled and
+    never decoded)."""
+    k0 = gl.to_tensor(k0)
+    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(ring.index(stage), wp + gl.where(k0 < KDIM, k0, 0) // 8,
+                                                            mask=k0 < KDIM)
 
 
 @gluon.jit
 def moe_up_mx_gluon_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
                            tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, E: gl.constexpr, K: gl.constexpr,
                            D: gl.constexpr, I: gl.constexpr, ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr,
-                           BLOCK_R: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_K2: gl.constexpr):
-    """`moe_up_mx_kernel` (bf16, V2) for one 8-row tile and BLOCK_R intermediate columns: h = act(z W1[e]ᵀ,
-    z W3[e]ᵀ) into hp [N·k, I] in `gl_permute` order of BLOCK_K2. zp: z [N, D] (bf16 read as i32 pairs)
-    `gl_permute`d by BLOCK_D; w1/w3 i32 words [E, I, D/8], s1/s3 u8 [E, I, D/32]. Each iteration loads
-    the next K tile (the last one wraps to tile 0: unused, cached) before it decodes this one."""
+                           BLOCK_M: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_D: gl.constexpr,
+                           BLOCK_K2: gl.constexpr, STAGES: gl.constexpr):
+    """`moe_up_mx_kernel` (bf16, V2) for one BLOCK_M-row tile (8 or 16) and BLOCK_R intermediate columns:
+    h = act(z W1[e]ᵀ, z W3[e]ᵀ) into hp [N·k, I] in `gl_permute` order of BLOCK_K2. zp: z [N, D] (bf16 read as
+    i32 pairs) `gl_permute`d by BLOCK_D; w1/w3 i32 words [E, I, D/8], s1/s3 u8 [E, I, D/32]. The packed words
+    stream through STAGES K tiles (module docstring, "Word stream"): STAGES 1 loads the next tile's words and
+    activations into registers before decoding this one; STAGES ≥ 2 keeps STAGES − 1 tiles of words in flight
+    by cp.async into a shared ring and loads each tile's activations where they are used. Scale bytes: the
+    next tile's in registers (the last one wraps to tile 0: unused)."""
     W: gl.constexpr = BLOCK_R // 16
-    WL: gl.constexpr = gl_layouts(W, BLOCK_D)[0]
-    MMA: gl.constexpr = gl_layouts(W, BLOCK_D)[1]
-    AL: gl.constexpr = gl_layouts(W, BLOCK_D)[2]
-    BL: gl.constexpr = gl_layouts(W, BLOCK_D)[3]
-    PL: gl.constexpr = gl_layouts(W, BLOCK_D)[4]
+    WL: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[0]
+    MMA: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[1]
+    AL: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[2]
+    BL: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[3]
+    PL: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[4]
     tile = gl.program_id(0)
     e = gl.load(tile_expert_ptr + tile)
     if e < E:
-        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, gl.SliceLayout(0, PL))
+        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, PL))
         token = gl.load(order_ptr + offs_m, mask=m_ok, other=0) // K
         zptrs = zp_ptr + gl_act_offsets(token, D, BLOCK_D, PL)     # rows past the tile read token 0, never stored
         i0 = gl.program_id(1) * BLOCK_R
         woff, soff = gl_word_offsets(e.to(gl.int64) * I + i0, D, W, BLOCK_D // 128, WL)
         w1p, w3p, s1p, s3p = w1_ptr + woff, w3_ptr + woff, s1_ptr + soff, s3_ptr + soff
-        w1, w3, s1, s3 = gl.load(w1p), gl.load(w3p), gl.load(s1p), gl.load(s3p)
-        z = gl.load(zptrs)
-        gate = gl.zeros([BLOCK_R, 8], gl.float32, MMA)
-        up = gl.zeros([BLOCK_R, 8], gl.float32, MMA)
+        s1, s3 = gl.load(s1p), gl.load(s3p)
+        if STAGES > 1:
+            r1 = gl.allocate_shared_memory(gl.int32, [STAGES] + woff.shape, gl_ring_layout(W, BLOCK_D // 128))
+            r3 = gl.allocate_shared_memory(gl.int32, [STAGES] + woff.shape, gl_ring_layout(W, BLOCK_D // 128))
+            for p in gl.static_range(STAGES - 1):
+                gl_ring_copy(r1, w1p, p * BLOCK_D, p, D)
+                gl_ring_copy(r3, w3p, p * BLOCK_D, p, D)
+                gl.nvidia.ampere.async_copy.commit_group()
+        else:
+            w1, w3, z = gl.load(w1p), gl.load(w3p), gl.load(zptrs)
+        gate = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
+        up = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
         for d0 in range(0, D, BLOCK_D):
             dn = gl.where(d0 + BLOCK_D < D, d0 + BLOCK_D, 0)
-            w1_n, w3_n = gl.load(w1p + dn // 8), gl.load(w3p + dn // 8)
+            if STAGES > 1:
+                it = d0 // BLOCK_D
+                gl_ring_copy(r1, w1p, d0 + (STAGES - 1) * BLOCK_D, (it + STAGES - 1) % STAGES, D)
+                gl_ring_copy(r3, w3p, d0 + (STAGES - 1) * BLOCK_D, (it + STAGES - 1) % STAGES, D)
+                gl.nvidia.ampere.async_copy.commit_group()
+                gl.nvidia.ampere.async_copy.wait_group(STAGES - 1)
+                c1, c3 = r1.index(it % STAGES).load(WL), r3.index(it % STAGES).load(WL)
+                x = gl_act_operand(gl.load(zptrs + d0 // 2), BLOCK_D, BL)
+            else:
+                c1, c3, x = w1, w3, gl_act_operand(z, BLOCK_D, BL)
+                w1, w3 = gl.load(w1p + dn // 8), gl.load(w3p + dn // 8)   # the last wraps to tile 0: unused
+                z = gl.load(zptrs + dn // 2)
             s1_n, s3_n = gl.load(s1p + dn // 32), gl.load(s3p + dn // 32)
-            z_n = gl.load(zptrs + dn // 2)
-            x = gl_act_operand(z, BLOCK_D, BL)
-            gate = gl.nvidia.ampere.mma_v2(gl_decoded_tile(w1, s1, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, gate)
-            up = gl.nvidia.ampere.mma_v2(gl_decoded_tile(w3, s3, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, up)
-            w1, w3, s1, s3, z = w1_n, w3_n, s1_n, s3_n, z_n
+            gate = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c1, s1, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, gate)
+            up = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c3, s3, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, up)
+            s1, s3 = s1_n, s3_n
         h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
         col = gl_permuted_col(i0 + gl.arange(0, BLOCK_R, gl.SliceLayout(1, MMA)), BLOCK_K2)
-        offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, gl.SliceLayout(0, MMA))
+        offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, MMA))
         gl.store(hp_ptr + gl.expand_dims(offs_mo.to(gl.int64) * I, 0) + gl.expand_dims(col, 1),
                  h.to(hp_ptr.dtype.element_ty), mask=gl.expand_dims(m_ok_o, 0) & gl.expand_dims(col < I, 1))
 
@@ -211,35 +273,50 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, ti
 @gluon.jit
 def moe_down_mx_gluon_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
                              tile_row_end_ptr, y_slot_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
-                             TWO_MULS: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_K2: gl.constexpr):
-    """`moe_down_mx_kernel` (bf16, V2) for one 8-row tile and BLOCK_R output columns: y_slot[(token, slot)] =
-    (h W2[e]ᵀ) · weight; hp [N·k, I] (bf16 read as i32 pairs) in `gl_permute` order of BLOCK_K2, w2 i32
-    words [E, D, I/8], s2 u8 [E, D, I/32]; the next K tile prefetched as in the up kernel."""
+                             TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_R: gl.constexpr,
+                             BLOCK_K2: gl.constexpr, STAGES: gl.constexpr):
+    """`moe_down_mx_kernel` (bf16, V2) for one BLOCK_M-row tile and BLOCK_R output columns: y_slot[(token, slot)]
+    = (h W2[e]ᵀ) · weight; hp [N·k, I] (bf16 read as i32 pairs) in `gl_permute` order of BLOCK_K2, w2 i32
+    words [E, D, I/8], s2 u8 [E, D, I/32]; the words stream through STAGES K tiles as in the up kernel."""
     W: gl.constexpr = BLOCK_R // 16
-    WL: gl.constexpr = gl_layouts(W, BLOCK_K2)[0]
-    MMA: gl.constexpr = gl_layouts(W, BLOCK_K2)[1]
-    AL: gl.constexpr = gl_layouts(W, BLOCK_K2)[2]
-    BL: gl.constexpr = gl_layouts(W, BLOCK_K2)[3]
-    PL: gl.constexpr = gl_layouts(W, BLOCK_K2)[4]
+    WL: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[0]
+    MMA: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[1]
+    AL: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[2]
+    BL: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[3]
+    PL: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[4]
     tile = gl.program_id(0)
     e = gl.load(tile_expert_ptr + tile)
     if e < E:
-        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, gl.SliceLayout(0, PL))
+        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, PL))
         hptrs = hp_ptr + gl_act_offsets(gl.where(m_ok, offs_m, 0), I, BLOCK_K2, PL)   # rows past the tile: row 0
         n0 = gl.program_id(1) * BLOCK_R
         woff, soff = gl_word_offsets(e.to(gl.int64) * D + n0, I, W, BLOCK_K2 // 128, WL)
         w2p, s2p = w2_ptr + woff, s2_ptr + soff
-        w2, s2 = gl.load(w2p), gl.load(s2p)
-        h = gl.load(hptrs)
-        acc = gl.zeros([BLOCK_R, 8], gl.float32, MMA)
+        s2 = gl.load(s2p)
+        if STAGES > 1:
+            r2 = gl.allocate_shared_memory(gl.int32, [STAGES] + woff.shape, gl_ring_layout(W, BLOCK_K2 // 128))
+            for p in gl.static_range(STAGES - 1):
+                gl_ring_copy(r2, w2p, p * BLOCK_K2, p, I)
+                gl.nvidia.ampere.async_copy.commit_group()
+        else:
+            w2, h = gl.load(w2p), gl.load(hptrs)
+        acc = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
         for i0 in range(0, I, BLOCK_K2):
             nx = gl.where(i0 + BLOCK_K2 < I, i0 + BLOCK_K2, 0)
-            w2_n, s2_n = gl.load(w2p + nx // 8), gl.load(s2p + nx // 32)
-            h_n = gl.load(hptrs + nx // 2)
-            acc = gl.nvidia.ampere.mma_v2(gl_decoded_tile(w2, s2, TWO_MULS, BLOCK_R, BLOCK_K2, AL),
-                                          gl_act_operand(h, BLOCK_K2, BL), acc)
-            w2, s2, h = w2_n, s2_n, h_n
-        offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, gl.SliceLayout(0, MMA))
+            if STAGES > 1:
+                it = i0 // BLOCK_K2
+                gl_ring_copy(r2, w2p, i0 + (STAGES - 1) * BLOCK_K2, (it + STAGES - 1) % STAGES, I)
+                gl.nvidia.ampere.async_copy.commit_group()
+                gl.nvidia.ampere.async_copy.wait_group(STAGES - 1)
+                c2, x = r2.index(it % STAGES).load(WL), gl_act_operand(gl.load(hptrs + i0 // 2), BLOCK_K2, BL)
+            else:
+                c2, x = w2, gl_act_operand(h, BLOCK_K2, BL)
+                w2 = gl.load(w2p + nx // 8)                          # the last wraps to tile 0: unused
+                h = gl.load(hptrs + nx // 2)
+            s2_n = gl.load(s2p + nx // 32)
+            acc = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c2, s2, TWO_MULS, BLOCK_R, BLOCK_K2, AL), x, acc)
+            s2 = s2_n
+        offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, MMA))
         slot = gl.load(order_ptr + offs_mo, mask=m_ok_o, other=0)
         weight = gl.load(weights_ptr + slot, mask=m_ok_o, other=0.0)
         offs_n = n0 + gl.arange(0, BLOCK_R, gl.SliceLayout(1, MMA))
