@@ -401,6 +401,5 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     moe_up_mx_kernel, moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule,
                     gluon_decode_ok, gl_layouts, gl_permute, gl_permuted_col, gl_axis_layout, gl_word_offsets,
                     gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_tile_rows, gl_ring_layout, gl_ring_copy,
-                    moe_up_mx_gluon_kernel,
-                    moe_down_mx_gluon_kernel],
+                    moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel],
                    launch_moe_experts, body)

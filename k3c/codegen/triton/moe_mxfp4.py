@@ -63,7 +63,8 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     `moe_experts` node's checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md,
     benchmarks/bench_moe_mxfp4.py). Decode with < 4 rows per expert on average (batch 1; batch 16 of 896 experts):
     8-row tiles on 2 warps, so `mma.sync` (`mx_mma_v2`); one multiply: 32 weight rows (16 per warp), 1 stage (on
-    the GPU the Gluon kernels with the next K tile prefetched in registers, mx23's measured kernel), equal to 64 rows at batch 1 and 3.5 % less time at batch 16 of 896 experts; two
+    the GPU the Gluon kernels, the next K tile prefetched in registers: mx23's measured kernel), equal to 64 rows
+    at batch 1 and 3.5 % less time at batch 16 of 896 experts; two
     multiplies: 64 rows, 3 stages. 4-16 rows per expert (batch 16 of 32 experts, where about 40 % of the experts
     hold more than 8 rows, whose weights 8-row tiles read twice): 16-row `wgmma` tiles; < 64 rows per expert
     (measured at 32, batch 64 of 32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there): 32-row

@@ -59,12 +59,12 @@ def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> boo
     """Whether the Gluon kernels take a bf16 MXFP4 launch on a GPU with `mx_config` (BLOCK_M, BLOCK_R, largest
     BLOCK_K, num_warps, num_stages, ...: `mx_default_config`) over latent D and expert inner I with K tiles bk1
     (over D) and bk2 (over I): 8- or 16-row token tiles, 1 or 2 warps (the `mma.sync` path, `mx_mma_v2`), 16
-    weight rows per warp, every weight-row block full, K
-    tiles of 128..512. For these kernels num_stages is the word stream's depth (module docstring): 1 prefetches
-    the next K tile in registers, ≥ 2 keeps num_stages − 1 tiles in flight through a cp.async ring."""
+    weight rows per warp, every weight-row block full, K tiles of 128..512. For these kernels num_stages is the
+    word stream's depth (module docstring): 1 prefetches the next K tile in registers, ≥ 2 keeps num_stages − 1
+    tiles in flight through a cp.async ring."""
     block_m, block_r, _, warps = mx_config[:4]
-    return block_m in GLUON_BLOCK_MS and warps in (1, 2) and block_r == 16 * warps and I % block_r == 0 and D % block_r == 0 and \
-        all(bk in (128, 256, 512) for bk in (bk1, bk2))
+    return block_m in GLUON_BLOCK_MS and warps in (1, 2) and block_r == 16 * warps and I % block_r == 0 and \
+        D % block_r == 0 and all(bk in (128, 256, 512) for bk in (bk1, bk2))
 
 
 @gluon.constexpr_function
