@@ -12,14 +12,15 @@ triton wheel's bundled cuobjdump. Counts are of the code, not of executed instru
 """
 
 import argparse
+import importlib.util
 import os
-import subprocess
 import sys
-import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+# k3c.codegen.triton.offline of this checkout, loaded by path: --tree may import k3c from another checkout
+_spec = importlib.util.spec_from_file_location(
+    "k3c_offline", os.path.join(os.path.dirname(__file__), "..", "k3c", "codegen", "triton", "offline.py"))
+offline = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(offline)
 
 FP32_ARGS = {"conv_w_q", "conv_w_k", "conv_w_v", "A_log", "dt_bias", "ws_glast", "conv_in"}
 
@@ -34,22 +35,11 @@ def stats(fn, consts, num_warps, maxnreg=None):
         else:
             sig[name] = "*i32" if name == "lengths" else "*fp32" if name in FP32_ARGS else "*bf16"
     # pointers and integer arguments divisible by 16, as a launch at K3 shapes specializes them ("D")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if sig[name] != "constexpr"}
-    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=1, maxnreg=maxnreg))
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-        fh.write(kernel.asm["cubin"])
-        fh.flush()
-        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", fh.name], capture_output=True,
-                               text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", fh.name], capture_output=True, text=True,
-                              check=True).stdout
-    fields = dict(f.split(":") for line in usage.splitlines() if "REG:" in line for f in line.split())
-    n_sass = sum(1 for line in sass.splitlines() if line.strip().startswith("/*") and line.strip().endswith("*/")
-                 and ";" in line)
-    return dict(registers=int(fields["REG"]), stack_bytes=int(fields["STACK"]), smem=kernel.metadata.shared,
-                sass=n_sass, converts=kernel.asm["ttgir"].count("convert_layout"))
+    kernel = offline.compile_for(fn, sig, consts, num_warps=num_warps, num_stages=1, maxnreg=maxnreg,
+                         divisible=[n for n in fn.arg_names if sig[n] != "constexpr"])
+    usage = offline.resources(kernel.asm["cubin"])
+    return dict(registers=usage["REG"], stack_bytes=usage["STACK"], smem=kernel.metadata.shared,
+                sass=len(offline.sass(kernel.asm["cubin"])), converts=kernel.asm["ttgir"].count("convert_layout"))
 
 
 def main():

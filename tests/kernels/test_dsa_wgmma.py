@@ -127,3 +127,55 @@ def test_captured_wgmma_kernel_loads_without_compiling(tmp_path):
         suffixes = {p.suffix for p in fresh.rglob("*") if p.is_file()}
     assert ".ttgir" not in suffixes and ".llir" not in suffixes and ".cubin" in suffixes, suffixes
     assert torch.equal(first, again)
+
+
+
+AOT_WGMMA = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("emitted_mla_attention", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+from k3c.codegen.triton.offline import compile_for, resources, sass
+splits = int(sys.argv[2])
+out = "*fp32" if splits > 1 else "*bf16"     # split-K partials are f32; one split writes o in q's dtype
+sig = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i64", o_ptr=out, lse_ptr=out, len_ptr="*i32", S="i32",
+           keys_per_split="i32", dense_max="i32", stride_kb="i32", stride_ks="i32", qk_scale="fp32")
+consts = dict(H=64, DV=512, DR=64, TOPK=2048, SPLITS=splits, LEN_FROM_PTR=True, BLOCK_S=module.WGMMA_BLOCK_S,
+              STAGES=module.WGMMA_STAGES)
+c = compile_for(module.mla_sparse_decode_wgmma_kernel, sig, consts, num_warps=8,
+                divisible=[n for n in sig if n.endswith("_ptr")] + ["stride_kb", "stride_ks"])
+ops = [ins.split()[1] if ins.startswith("@") else ins.split()[0] for _, ins in sass(c.asm["cubin"])]
+print(resources(c.asm["cubin"])["LOCAL"], c.metadata.shared, sum(o.startswith("LDGSTS") for o in ops),
+      sum(o.startswith("HGMMA") for o in ops))
+"""
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_wgmma_kernel_compiles_for_sm90(splits, tmp_path):
+    # Gluon has no interpreter: the kernel as an artifact holds it (an emitted mla_attention module, its helpers
+    # pasted with it) compiled for sm_90a ahead of time (no GPU; a process without TRITON_INTERPRET) with the
+    # installed Triton, at K3's shapes. The cp.async gathers exist (Gluon renamed that builtin and the barrier
+    # between Triton 3.6 and 3.9: k3c.codegen.triton.gl_common), wgmma is used, nothing spills, and the ring of
+    # WGMMA_STAGES slots of 64 keys x 576 bf16 plus q (64 heads x 576) fits the 227 KB a CTA may have
+    import os
+    import subprocess
+    import sys
+
+    from k3c.ir.graph import Graph
+    from k3c.ir.kernels import KernelGroup
+    from k3c.ir.types import TensorType
+
+    g = Graph()
+    ins = [g.add_input(f"in{i}", TensorType(s, "bf16" if i < 2 else "i64"))
+           for i, s in enumerate([(2, 1, 64, 576), (2, 4096, 576), (2, 1, 2048)])]
+    outs = g.add_node("mla_attention", ins, {"absorbed": True, "scale": 576 ** -0.5, "v_dim": 512}, name_hint="mla")
+    path = tmp_path / "k0001_mla_attention.py"
+    path.write_text(attention.emit_mla_attention(KernelGroup("k0001_mla_attention", "triton", "mla_attention",
+                                                             [g.nodes[0]], ins, outs)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", AOT_WGMMA, str(path), str(splits)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    spills, shared, copies, wgmma = map(int, run.stdout.split())
+    assert spills == 0 and copies > 0 and wgmma > 0
+    assert (attention.WGMMA_STAGES * attention.WGMMA_BLOCK_S + 64) * 576 * 2 <= shared <= 227 * 1024

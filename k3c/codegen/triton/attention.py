@@ -38,6 +38,7 @@ from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_sc
 from k3c.codegen.triton.dsa_attention import mla_sparse_decode_kernel
 from k3c.codegen.triton.dsa_attention_wgmma import (_gather_tile, _slot_pos, mla_sparse_decode_wgmma_kernel,
                                                    sparse_wgmma_ok)
+from k3c.codegen.triton.gl_common import gl_async_copy, gl_async_load_named, gl_barrier_named, gl_thread_barrier
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 
@@ -342,7 +343,8 @@ def emit_mla_attention(group: KernelGroup) -> str:
         '               lengths=sizes.get("lengths"), scratch=scratch)\n')
     title = f"mla_attention ({'absorbed' if a['absorbed'] else 'unabsorbed'}{', DSA idx' if has_idx else ''})"
     return _module(group, title, consts, [take_scratch, split_rows, mla_attention_kernel, mla_sparse_decode_kernel,
-                                          sparse_wgmma_ok, _slot_pos, _gather_tile, mla_sparse_decode_wgmma_kernel,
+                                          sparse_wgmma_ok, gl_async_load_named, gl_async_copy, gl_barrier_named,
+                                          gl_thread_barrier, _slot_pos, _gather_tile, mla_sparse_decode_wgmma_kernel,
                                           mla_combine_kernel], launch_mla, body, takes_views=True)
 
 

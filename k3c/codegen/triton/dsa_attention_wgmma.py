@@ -19,6 +19,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from k3c.codegen.triton.gl_common import gl_async_copy, gl_thread_barrier
+
 
 def sparse_wgmma_ok(q, kv, DV):
     """Whether `mla_sparse_decode_wgmma_kernel` runs this launch: a CUDA sm_90 device, bf16 / fp16 q and kv (rows
@@ -49,12 +51,10 @@ def _gather_tile(kv_ptr, smem_v, smem_r, b, pos_v, pos_r, stride_kb, stride_ks, 
     position -1 is zero-filled."""
     cv = gl.arange(0, DV, layout=gl.SliceLayout(0, LV))
     rows_v = b * stride_kb + gl.where(pos_v >= 0, pos_v, 0) * stride_ks
-    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(
-        smem_v, kv_ptr + rows_v[:, None] + cv[None, :], mask=(pos_v >= 0)[:, None] & (cv < DV)[None, :])
+    gl_async_copy(smem_v, kv_ptr + rows_v[:, None] + cv[None, :], (pos_v >= 0)[:, None] & (cv < DV)[None, :])
     cr = gl.arange(0, DR, layout=gl.SliceLayout(0, LR))
     rows_r = b * stride_kb + gl.where(pos_r >= 0, pos_r, 0) * stride_ks + DV
-    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(
-        smem_r, kv_ptr + rows_r[:, None] + cr[None, :], mask=(pos_r >= 0)[:, None] & (cr < DR)[None, :])
+    gl_async_copy(smem_r, kv_ptr + rows_r[:, None] + cr[None, :], (pos_r >= 0)[:, None] & (cr < DR)[None, :])
     gl.nvidia.ampere.async_copy.commit_group()
 
 
@@ -125,7 +125,7 @@ def mla_sparse_decode_wgmma_kernel(
     s_zero = gl.zeros([BLOCK_M, BLOCK_S], gl.float32, layout=L_S)
     n_tiles = gl.cdiv(end - start, BLOCK_S)
     for i in range(n_tiles):
-        gl.thread_barrier()                                  # every warp is done with tile i - 1's slot
+        gl_thread_barrier()                                  # every warp is done with tile i - 1's slot
         nxt = i + STAGES - 1
         _gather_tile(kv_ptr, ring_v.index(nxt % STAGES), ring_r.index(nxt % STAGES), b, pos_v, pos_r, stride_kb,
                      stride_ks, DV, DR, LV, LR)
@@ -136,7 +136,7 @@ def mla_sparse_decode_wgmma_kernel(
                            gl.SliceLayout(0, L_S)) >= 0
         gl.nvidia.ampere.async_copy.wait_group(STAGES - 1)   # this thread's copies of tile i have landed,
         gl.nvidia.hopper.fence_async_shared()                # visible to wgmma (q's stores too, at i = 0)
-        gl.thread_barrier()                                  # ... and every thread's
+        gl_thread_barrier()                                  # ... and every thread's
         kv_v = ring_v.index(i % STAGES)
         kv_r = ring_r.index(i % STAGES)
         s = gl.nvidia.hopper.warpgroup_mma(q_v_s, kv_v.permute((1, 0)), s_zero, use_acc=False, is_async=True)

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_scratch
+from k3c.codegen.triton.gl_common import gl_async_copy, gl_async_load_named
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile,
                                          mx_block_k, mx_default_config, mx_mma_v2, mx_permute, mx_permuted_col,
@@ -400,6 +401,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile,
                     moe_up_mx_kernel, moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule,
                     gluon_decode_ok, gl_layouts, gl_permute, gl_permuted_col, gl_axis_layout, gl_word_offsets,
-                    gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_tile_rows, gl_ring_layout, gl_ring_copy,
+                    gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_tile_rows, gl_ring_layout,
+                    gl_async_load_named, gl_async_copy, gl_ring_copy,
                     moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel],
                    launch_moe_experts, body)

@@ -48,6 +48,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from k3c.codegen.triton.gl_common import gl_async_copy
 from k3c.codegen.triton.moe_act import glu
 from k3c.codegen.triton.moe_mxfp4 import mxfp4_scale_bf16, mxfp4_word_bf16
 
@@ -201,8 +202,7 @@ def gl_ring_copy(ring, wp, k0, stage, KDIM: gl.constexpr):
     stage `stage` of `ring`, 16 bytes per thread; a tile past KDIM is not read (its stage is zero-filled and
     never decoded)."""
     k0 = gl.to_tensor(k0)
-    gl.nvidia.ampere.async_copy.async_copy_global_to_shared(ring.index(stage), wp + gl.where(k0 < KDIM, k0, 0) // 8,
-                                                            mask=k0 < KDIM)
+    gl_async_copy(ring.index(stage), wp + gl.where(k0 < KDIM, k0, 0) // 8, k0 < KDIM)
 
 
 @gluon.jit

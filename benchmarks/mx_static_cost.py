@@ -1,0 +1,194 @@
+"""Static cost of the MXFP4 decode kernels (k3c.codegen.triton.moe_mxfp4_gluon), compiled offline for the H200:
+no GPU needed. For each mx_config it compiles the Gluon up / down kernels at K3.1 Pro's expert shapes for sm_90a
+(k3c.codegen.triton.offline: `triton.compile` with an explicit `GPUTarget`, Triton's own ptxas and cuobjdump),
+and reports:
+
+- registers per thread, spilled bytes, shared memory per CTA (the launch's `maxnreg` applies);
+- the SASS of the K loop (the kernel's one backward branch): instructions per iteration, per weight and per
+  thread, and the count of global loads (`LDG`), cp.async copies (`LDGSTS`), shared loads (`LDS`), barriers
+  (`BAR`), `HMMA`s and moves (`MOV`, `IMAD.MOV`, `PRMT`);
+- where in the loop body the first and last 16-byte global load (`LDG.E.128`) and cp.async copy are issued
+  (0 = the loop's top, 1 = its back branch): a "prefetch" issued at 0.75 is in flight for a quarter of an
+  iteration;
+- CTAs per SM by registers and shared memory (sm_90: 65,536 registers an SM, allocated per warp in units of
+  256; 228 KB of shared memory an SM, 1 KB reserved per CTA; at most 32 CTAs and 64 warps; the CUDA occupancy
+  calculator's rules) and, for each (experts, batch), the CTAs the two launches run under uniform random
+  top-16 routing (seed 0, `moe_schedule`'s tiles × weight-row blocks) and the waves that makes on 132 SMs.
+
+Run (CPU; the device's Triton for numbers that match it: `pip install --target /tmp/t36 triton==3.6.0`):
+    PYTHONPATH=/tmp/t36 python benchmarks/mx_static_cost.py [--configs "8,32,256,2,1,0,0;..."]
+        [--experts 32,896] [--batches 1,16] [--module ARTIFACT/kernels/kNNNN_moe_experts.py] [--out DIR]
+Configs as `bench_moe_mxfp4.py --gluon-configs`: BLOCK_M, BLOCK_R, BLOCK_K, warps, stages, two_muls (0/1),
+maxnreg (0: none). --module: compile the kernels of an emitted MXFP4 `moe_experts` module (what an artifact
+runs) instead of k3c's. Writes OUT/mx_static_cost.json and prints a table. A config `gluon_decode_ok` refuses
+is reported as such, not compiled.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from k3c.codegen.triton.moe import moe_schedule  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4 import mx_block_k  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4_gluon import (  # noqa: E402
+    gluon_decode_ok,
+    moe_down_mx_gluon_kernel,
+    moe_up_mx_gluon_kernel,
+)
+from k3c.codegen.triton.offline import compile_for, resources, sass  # noqa: E402
+
+D, I, K = 3584, 3072, 16       # K3.1 Pro: routed_expert_hidden_size, moe_intermediate_size, experts per token
+SMS = 132                      # H200 streaming multiprocessors
+SM_REGISTERS, SM_SHARED, CTA_RESERVED, SM_CTAS, SM_WARPS = 65536, 228 * 1024, 1024, 32, 64
+DEFAULT_CONFIGS = "8,32,256,2,1,0,0;8,32,256,2,2,0,0;8,32,256,2,3,0,0;16,32,256,2,1,0,0;16,32,256,2,3,0,0"
+
+#: pointer arguments' element types, by name (the rest of the arguments are fp32 scalars or constexprs)
+POINTERS = {"zp_ptr": "*i32", "hp_ptr": "*i32", "w1_ptr": "*i32", "w3_ptr": "*i32", "w2_ptr": "*i32",
+            "s1_ptr": "*u8", "s3_ptr": "*u8", "s2_ptr": "*u8", "order_ptr": "*i64", "tile_expert_ptr": "*i64",
+            "tile_row0_ptr": "*i64", "tile_row_end_ptr": "*i64", "weights_ptr": "*fp32", "y_slot_ptr": "*fp32"}
+#: hp is an i32 view of bf16 h in the down kernel, a bf16 output in the up kernel (`output_bf16`)
+UP_OUTPUT = {"hp_ptr": "*bf16"}
+BRANCH = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
+
+
+def parse_config(text):
+    """'BM,BR,BK,W,S,TWO,MAXNREG' -> the launcher's mx_config tuple (two_muls bool, maxnreg None for 0)."""
+    try:
+        v = [int(x) for x in text.split(",")]
+    except ValueError:
+        v = []
+    if len(v) != 7:
+        raise SystemExit(f"--configs: {text!r}: expected 7 comma-separated integers "
+                         "(BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg)")
+    return (*v[:5], bool(v[5]), v[6] or None)
+
+
+def emitted_kernels(path):
+    """(up, down) Gluon kernels of the emitted `moe_experts` module at `path`."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--module {path}: no such file (expected an artifact's kernels/kNNNN_moe_experts.py)")
+    spec = importlib.util.spec_from_file_location("emitted_moe_experts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "moe_up_mx_gluon_kernel"):
+        raise SystemExit(f"--module {path}: no moe_up_mx_gluon_kernel (not an MXFP4 moe_experts module)")
+    return module.moe_up_mx_gluon_kernel, module.moe_down_mx_gluon_kernel
+
+
+def compile_kernel(kernel, constexprs, warps, maxnreg, output_bf16):
+    """`kernel` compiled for sm_90a with `constexprs`, every pointer 16-byte aligned (the launcher's tensors are)."""
+    signature = {n: (UP_OUTPUT.get(n) if output_bf16 else None) or POINTERS.get(n, "fp32") for n in kernel.arg_names}
+    return compile_for(kernel, signature, constexprs, num_warps=warps, maxnreg=maxnreg)
+
+
+def loop_stats(code, weights_per_thread):
+    """Counts over the K loop: the body between the target of the kernel's longest backward branch and that
+    branch. `weights_per_thread`: the weights one thread decodes per iteration (its warp's 16 rows of each
+    matrix × BLOCK_K / 32 lanes)."""
+    loops = [(int(m.group(1), 16), a) for a, ins in code if (m := BRANCH.search(ins)) and int(m.group(1), 16) <= a]
+    if not loops:
+        return None
+    top, end = max(loops, key=lambda t: t[1] - t[0])
+    body = [ins for a, ins in code if top <= a <= end]
+    op = [ins.split()[1] if ins.startswith("@") else ins.split()[0] for ins in body]
+
+    def count(prefix):
+        return sum(o.startswith(prefix) for o in op)
+
+    n = len(body)
+
+    def span(prefixes):
+        at = [i for i, o in enumerate(op) if o.startswith(prefixes)]
+        return [round(at[0] / n, 2), round(at[-1] / n, 2)] if at else None
+
+    return {"instructions": n, "per_weight": round(n / weights_per_thread, 3),
+            "LDG": count("LDG"), "LDGSTS": count("LDGSTS"), "LDS": count("LDS"), "BAR": count("BAR"),
+            "HMMA": count("HMMA"), "moves": count("MOV") + count("IMAD.MOV") + count("PRMT"),
+            "LDG128_at": span(("LDG.E.128",)), "LDGSTS_at": span(("LDGSTS",))}
+
+
+def ctas_per_sm(regs, shared, warps):
+    """Resident CTAs an SM holds (module docstring's sm_90 limits)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = (SM_REGISTERS // per_warp) // warps if per_warp else SM_CTAS
+    by_shared = SM_SHARED // (shared + CTA_RESERVED)
+    return min(by_regs, by_shared, SM_CTAS, SM_WARPS // warps)
+
+
+def real_tiles(E, batch, block_m):
+    """Schedule tiles holding rows for `batch` tokens routed uniformly at random (seed 0) to K of E experts."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.rand(batch, E, generator=gen).argsort(-1)[:, :K].contiguous()
+    tile_expert = moe_schedule(ids, E, block_m, use_kernel=False)[1]
+    return int((tile_expert < E).sum())
+
+
+def analyse(cfg, experts, batches, kernels):
+    bm, br, most_k, warps, stages, two, maxnreg = cfg
+    bk1, bk2 = mx_block_k(D, most_k), mx_block_k(I, most_k)
+    row = {"config": list(cfg)}
+    if not gluon_decode_ok(cfg, D, I, bk1, bk2):
+        return {**row, "refused": "gluon_decode_ok"}
+    common = dict(TWO_MULS=two, BLOCK_M=bm, BLOCK_R=br, BLOCK_K2=bk2, STAGES=stages, E=max(experts), D=D, I=I)
+    up, down = kernels
+    launches = {"up": (up, dict(common, K=K, ACT_SITU=True, BLOCK_D=bk1), 2 * bk1, I),
+                "down": (down, common, bk2, D)}
+    for name, (kernel, constexprs, columns, out_rows) in launches.items():
+        c = compile_kernel(kernel, constexprs, warps, maxnreg, output_bf16=name == "up")
+        usage = resources(c.asm["cubin"])
+        regs, spills = usage["REG"], usage["LOCAL"]
+        shared = max(usage["SHARED"], c.metadata.shared)        # Triton's dynamic shared memory (the ring)
+        fit = ctas_per_sm(regs, shared, warps)
+        waves = {f"E{E}_B{b}": round(real_tiles(E, b, bm) * (out_rows // br) / (fit * SMS), 2)
+                 for E in experts for b in batches}
+        row[name] = {"registers": regs, "spills": spills, "shared": shared, "ctas_per_sm": fit, "waves": waves,
+                     "loop": loop_stats(sass(c.asm["cubin"]), 16 * columns // 32)}
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="';'-separated mx_configs (module docstring)")
+    ap.add_argument("--experts", default="32,896", help="experts E for the waves, comma-separated")
+    ap.add_argument("--batches", default="1,16", help="decode batches for the waves, comma-separated")
+    ap.add_argument("--module", default=None, help="an emitted MXFP4 moe_experts module whose kernels to compile")
+    ap.add_argument("--out", default=None, help="directory for mx_static_cost.json")
+    args = ap.parse_args()
+    experts = [int(x) for x in args.experts.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    kernels = emitted_kernels(args.module) if args.module else (moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel)
+    rows = [analyse(parse_config(c), experts, batches, kernels) for c in args.configs.split(";")]
+    result = {"triton": triton.__version__, "target": "sm_90a", "module": args.module, "shape": {"D": D, "I": I, "k": K}, "rows": rows}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "mx_static_cost.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"triton {triton.__version__}, sm_90a, D {D}, I {I}, top-{K}; the K loop per warp and iteration "
+          "(/weight: per weight a thread decodes; LDG.128 / LDGSTS at: where the first and last issue, 0 top .. "
+          "1 end)")
+    print("config          kernel regs spill  smem CTA/SM instr /weight LDG LDGSTS LDS BAR moves LDG.128 at  "
+          "LDGSTS at   waves")
+    for r in rows:
+        name = ",".join("-" if v is None else str(int(v)) for v in r["config"])
+        if "refused" in r:
+            print(f"{name:15s} refused by {r['refused']}")
+            continue
+        for k in ("up", "down"):
+            s, lp = r[k], r[k]["loop"] or {}
+            at = " ".join(f"{'-'.join(map(str, lp.get(c) or ['-'])):10s}" for c in ("LDG128_at", "LDGSTS_at"))
+            print(f"{name:15s} {k:6s} {s['registers']:4d} {s['spills']:5d} {s['shared']:5d} {s['ctas_per_sm']:6d} "
+                  f"{lp.get('instructions', 0):5d} {lp.get('per_weight', 0):7.3f} {lp.get('LDG', 0):3d} "
+                  f"{lp.get('LDGSTS', 0):6d} {lp.get('LDS', 0):3d} {lp.get('BAR', 0):3d} {lp.get('moves', 0):5d} "
+                  f"{at} "
+                  + " ".join(f"{e}:{w}" for e, w in s["waves"].items()))
+
+
+if __name__ == "__main__":
+    main()

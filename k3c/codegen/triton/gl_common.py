@@ -1,0 +1,44 @@
+"""Gluon helpers shared by k3c's Gluon kernels (`moe_mxfp4_gluon`, `dsa_attention_wgmma`) and pasted with them
+into the emitted modules.
+
+Gluon (`triton.experimental.gluon`) is experimental and renames its builtins between releases; the device tool's
+Triton is 3.6 and pyproject pins 3.9 (TOOLCHAIN.md). What differs is resolved here at compile time, by a
+constexpr branch: only the taken side is traced, so the other release's name is never looked up.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@gluon.constexpr_function
+def gl_async_load_named():
+    """Whether this Triton names Gluon's cp.async `async_load` (3.9, whose `async_copy_global_to_shared` raises)
+    rather than `async_copy_global_to_shared` (3.6): the same (smem, pointer, mask) builtin."""
+    return hasattr(gl.nvidia.ampere.async_copy, "async_load")
+
+
+@gluon.jit
+def gl_async_copy(smem, pointer, mask):
+    """cp.async of `pointer` (a tensor of global addresses in smem's shape) into the shared-memory descriptor
+    `smem`, lanes where `mask` is false zero-filled (sm_80+: `cp.async`, 16 bytes a copy where the layout gives a
+    thread 16 contiguous bytes). Completes asynchronously: `commit_group` / `wait_group` order it."""
+    if gl_async_load_named():
+        gl.nvidia.ampere.async_copy.async_load(smem, pointer, mask=mask)
+    else:
+        gl.nvidia.ampere.async_copy.async_copy_global_to_shared(smem, pointer, mask=mask)
+
+
+@gluon.constexpr_function
+def gl_barrier_named():
+    """Whether this Triton names Gluon's CTA barrier `barrier` (3.9) rather than `thread_barrier` (3.6)."""
+    return hasattr(gl, "barrier")
+
+
+@gluon.jit
+def gl_thread_barrier():
+    """Synchronise the CTA's threads (`bar.sync 0`): every shared-memory access issued before it by any thread
+    is complete after it."""
+    if gl_barrier_named():
+        gl.barrier()
+    else:
+        gl.thread_barrier()
