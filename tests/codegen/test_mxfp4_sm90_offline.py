@@ -1,8 +1,10 @@
-"""The Gluon MXFP4 decode kernels compile for the H200 (sm_90a) on a CPU machine, with the installed Triton, and
-the code has the shape their design states (k3c.codegen.triton.moe_mxfp4_gluon, "Word stream"). Gluon has no
-interpreter, so without this a CPU run never compiles them: the cp.async builtin was renamed between Triton 3.6
-(the device's) and 3.9 (pyproject's), which only a GPU run would have shown. The kernels are compiled by
-benchmarks/mx_static_cost.py in a process without TRITON_INTERPRET (Triton's bundled ptxas and cuobjdump)."""
+"""The MXFP4 expert kernels compiled for the H200 (sm_90a) on a CPU machine, with the installed Triton, in a process
+without TRITON_INTERPRET (Triton's bundled ptxas and cuobjdump; k3c.codegen.triton.offline).
+
+The Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon) have no interpreter, so without this a CPU run never
+compiles them: the cp.async builtin was renamed between Triton 3.6 (the device's) and 3.9 (pyproject's), which only
+a GPU run would have shown. They are compiled by benchmarks/mx_static_cost.py, and their code has the shape the
+design states ("Word stream"). The Triton kernels get the MMA their K order assumes."""
 
 import importlib.util
 import json
@@ -88,3 +90,47 @@ def test_emitted_module_kernels_compile(tmp_path):
                                                      ins, outs)))
     rows = compile_offline(tmp_path, CONFIGS[1:], "--module", str(path))
     assert all(r["up"]["spills"] == 0 and r["down"]["loop"]["LDGSTS"] > 0 for r in rows.values())
+
+
+MMA_KIND = """
+import json, sys
+from k3c.codegen.triton.moe_mxfp4 import (moe_down_mx_kernel, moe_up_mx_kernel, mx_block_k, mx_default_config,
+                                         mx_mma_v2)
+from k3c.codegen.triton.offline import compile_for, sass
+D, I, K = 3584, 3072, 16
+ptr = dict(zp_ptr="*bf16", hp_ptr="*bf16", w1_ptr="*i32", w3_ptr="*i32", w2_ptr="*i32", s1_ptr="*u8", s3_ptr="*u8",
+           s2_ptr="*u8", order_ptr="*i64", tile_expert_ptr="*i64", tile_row0_ptr="*i64", tile_row_end_ptr="*i64",
+           weights_ptr="*fp32", y_slot_ptr="*fp32", SITU_BETA="fp32", SITU_LINEAR_BETA="fp32")
+out = {}
+for rows, E in json.loads(sys.argv[1]):
+    bm, br, most_k, warps, stages, two, maxnreg = mx_default_config(rows, E, 128)
+    common = dict(E=E, D=D, I=I, FAST=True, TWO_MULS=two, BLOCK_M=bm, BLOCK_R=br, BLOCK_K2=mx_block_k(I, most_k),
+                  DOT_PRECISION="tf32", V2=mx_mma_v2(warps))
+    kinds = []
+    for kernel, consts in ((moe_up_mx_kernel, dict(common, K=K, ACT_SITU=True, BLOCK_D=mx_block_k(D, most_k))),
+                           (moe_down_mx_kernel, common)):
+        c = compile_for(kernel, ptr, consts, num_warps=warps, num_stages=stages, maxnreg=maxnreg)
+        ops = {ins.split()[0] for _, ins in sass(c.asm["cubin"])}
+        kinds.append(sorted({o.split(".")[0] for o in ops} & {"HMMA", "HGMMA"}))
+    out[f"{rows},{E}"] = [mx_mma_v2(warps), kinds]
+print(json.dumps(out))
+"""
+
+
+def test_triton_mxfp4_tiles_get_the_mma_their_k_order_assumes():
+    # the Triton MXFP4 kernels store the decoded weights and the activations in the K order of the MMA they expect
+    # (`mx_mma_v2`: mma.sync for 1-2 warps, wgmma for 4+); Triton picks the MMA by the tile, warps and its version,
+    # and a mismatch still computes the same sums but through shared memory. At every regime of
+    # `mx_default_config` (decode of 896 experts, batch 16 and 64 of 32 experts, prefill), compiled for sm_90a with
+    # the installed Triton, the SASS holds exactly the MMA the order assumes
+    import json
+
+    regimes = [(16, 896), (256, 32), (1024, 32), (32768, 32)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", MMA_KIND, json.dumps(regimes)], capture_output=True, text=True,
+                         env=env, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout)
+    assert set(got) == {f"{r},{e}" for r, e in regimes}
+    for key, (v2, kinds) in got.items():
+        assert kinds == [["HMMA"] if v2 else ["HGMMA"]] * 2, key
