@@ -70,6 +70,17 @@ def parse_config(text):
     return (*v[:5], bool(v[5]), v[6] or None)
 
 
+def int_list(text):
+    """'32,896' -> [32, 896] (argparse type: a clear usage error otherwise)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
+    return values
+
+
 def emitted_kernels(path):
     """(up, down) Gluon kernels of the emitted `moe_experts` module at `path`."""
     if not os.path.isfile(path):
@@ -156,13 +167,12 @@ def analyse(cfg, experts, batches, kernels):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="';'-separated mx_configs (module docstring)")
-    ap.add_argument("--experts", default="32,896", help="experts E for the waves, comma-separated")
-    ap.add_argument("--batches", default="1,16", help="decode batches for the waves, comma-separated")
+    ap.add_argument("--experts", type=int_list, default="32,896", help="experts E for the waves, comma-separated")
+    ap.add_argument("--batches", type=int_list, default="1,16", help="decode batches for the waves, comma-separated")
     ap.add_argument("--module", default=None, help="an emitted MXFP4 moe_experts module whose kernels to compile")
     ap.add_argument("--out", default=None, help="directory for mx_static_cost.json")
     args = ap.parse_args()
-    experts = [int(x) for x in args.experts.split(",")]
-    batches = [int(x) for x in args.batches.split(",")]
+    experts, batches = args.experts, args.batches
     kernels = emitted_kernels(args.module) if args.module else (moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel)
     rows = [analyse(parse_config(c), experts, batches, kernels) for c in args.configs.split(";")]
     result = {"triton": triton.__version__, "target": "sm_90a", "module": args.module, "shape": {"D": D, "I": I, "k": K}, "rows": rows}
