@@ -20,8 +20,9 @@ moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (n
   `moe_down_mx_kernel` (k3c.codegen.triton.moe_mxfp4), which read the packed E2M1 words and E8M0 scales and
   decode each weight tile in registers straight into the MMA, so HBM carries 4.25 bits per weight; decode (few
   rows per expert: BLOCK_M = 16) streams the packed weights, prefill (BLOCK_M = 128) feeds the tensor cores.
-  With bf16 activations on a GPU, 8-token decode tiles run the Gluon versions (k3c.codegen.triton.moe_mxfp4_gluon:
-  the next K tile's words prefetched in registers, no shared memory; `gluon_decode_ok`).
+  With bf16 activations on a GPU, 8- and 16-token decode tiles on 1-2 warps run the Gluon versions
+  (k3c.codegen.triton.moe_mxfp4_gluon: num_stages 1 prefetches the next K tile's words in registers, ≥ 2 streams
+  them through a cp.async ring; `gluon_decode_ok`).
   Two GEMM kernels rather than one: a single fused act(z W1ᵀ, z W3ᵀ) W2ᵀ program would have to either hold all
   of D in registers or recompute h per output block (re-reading W1/W3 D/BLOCK_N times); split, every expert
   weight is read once per token tile and the grid covers I and D, which decode (few tokens) needs to fill the GPU.
@@ -260,9 +261,8 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg) and a precomputed `schedule`
     (`moe_schedule(ids, E, BLOCK_M)`). scale_max: an upper bound on the MXFP4 scale bytes (the node's `scale_max`,
     read from the checkpoint; 255: unknown), which picks the decoding (`mx_default_config`). gluon: None runs the
-    Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon: next K tile prefetched in registers) for bf16 z on a
-    GPU wherever `gluon_decode_ok` takes the configuration, False never (the Triton kernels; benchmarks). Raises
-    ValueError on mismatched shapes.
+    Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon) for bf16 z on a GPU wherever `gluon_decode_ok`
+    takes the configuration, False never (the Triton kernels; benchmarks). Raises ValueError on mismatched shapes.
     """
     N, D = z.shape
     E, I = w1.shape[:2]
