@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from k3c import __version__
-from k3c.context import ENTRIES, CompileContext
+from k3c.context import ENTRIES, CompileContext, check_dsa_index_keys_for
 from k3c.errors import ConfigError, UnsupportedError
 from k3c.frontend import build_meta_model, import_model
 from k3c.ir import serialize
@@ -119,9 +119,7 @@ def _compile(opts: CompileOptions, progress) -> dict:
                          max_seq=opts.max_seq, max_prefill=opts.max_prefill, tp=opts.tp, ep=opts.ep,
                          backend=opts.backend, experts_dtype=fmt, kda_state_dtype=opts.kda_state_dtype,
                          dsa_index_keys=opts.dsa_index_keys).resolve()
-    if opts.dsa_index_keys != "bf16" and not cfg.dsa_layers:
-        raise ConfigError(f"--dsa-index-keys {opts.dsa_index_keys} (dsa_index_keys): {cfg.name} has no DSA layers "
-                          f"(config: dsa_config.dsa_layers), so there is no index-key cache to store; leave it at bf16")
+    check_dsa_index_keys_for(cfg, opts.dsa_index_keys)
     if cfg.max_position_embeddings and opts.max_seq > cfg.max_position_embeddings:
         raise ConfigError(f"--max-seq {opts.max_seq} exceeds the model's context of {cfg.max_position_embeddings} "
                           f"tokens (config: max_position_embeddings)")

@@ -63,6 +63,16 @@ def check_dsa_index_keys(keys: str) -> str:
     return keys
 
 
+def check_dsa_index_keys_for(cfg, keys: str) -> str:
+    """`check_dsa_index_keys`, and ConfigError for a storage other than bf16 on a model `cfg` (a
+    models.config.K3Config) without DSA layers: it has no index-key cache to store."""
+    check_dsa_index_keys(keys)
+    if keys != "bf16" and not cfg.dsa_layers:
+        raise ConfigError(f"--dsa-index-keys {keys} (dsa_index_keys): {cfg.name} has no DSA layers "
+                          f"(config: dsa_config.dsa_layers), so there is no index-key cache to store; leave it at bf16")
+    return keys
+
+
 @dataclass(frozen=True)
 class CompileContext:
     """Options of one compile (see the module docstring).

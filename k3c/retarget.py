@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from k3c.context import DSA_RERANK_EXTRA, check_dsa_index_keys, check_kda_state
+from k3c.context import DSA_RERANK_EXTRA, check_dsa_index_keys_for, check_kda_state
 from k3c.errors import ConfigError
 from k3c.ir.formats import MXFP4_BITS
 from k3c.memory.pools import cache_pools, pools_total_bytes
@@ -47,7 +47,7 @@ class Estimate:
     pools: dict
     memory_bytes: int
     fits: bool
-    min_gpus: int
+    min_gpus: int | None
     decode_batch: int
     decode_context: int
     decode_bytes_per_gpu: float
@@ -104,7 +104,7 @@ def weights(cfg: K3Config, tp: int = 1, experts_dtype: str | None = None) -> Wei
 
 def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 1, max_seq: int = 1 << 20,
              context: int | None = None, dtype: str = "bfloat16", experts_dtype: str | None = None,
-             kda_state_dtype: str = "f32", dsa_index_keys: str = "fp8") -> Estimate:
+             kda_state_dtype: str = "f32", dsa_index_keys: str | None = None) -> Estimate:
     """Memory per GPU and a decode-step roofline for `cfg` on `tp` GPUs of `target` (see the module docstring).
 
     max_batch / max_seq bound the caches; the decode step is estimated at batch `max_batch` and `context` cached
@@ -112,12 +112,12 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     `kda_state_dtype` ("f32" | "bf16", `k3c compile --kda-state`); the DSA index keys as `dsa_index_keys` ("fp8":
     e4m3 + one f32 scale per key, K3-SPEC.md's sizes; "fp8-rerank": + a 4-bit residual per element, the scan
     reading the fp8 part and the re-rank the topk + E candidates' residuals; "bf16"; `k3c compile
-    --dsa-index-keys`, whose default is bf16).
+    --dsa-index-keys`, whose default is bf16; None: fp8 for a model with DSA layers, else bf16).
     Raises ConfigError for tp < 1, bounds < 1, max_seq beyond the model's context, a context outside [0, max_seq],
-    a bad experts, KDA state or index-key dtype.
+    a bad experts, KDA state or index-key dtype, index keys other than bf16 on a model without DSA layers.
     """
     check_kda_state(kda_state_dtype)
-    check_dsa_index_keys(dsa_index_keys)
+    dsa_index_keys = check_dsa_index_keys_for(cfg, dsa_index_keys or ("fp8" if cfg.dsa_layers else "bf16"))
     fp8_keys = dsa_index_keys != "bf16"
     residuals = dsa_index_keys == "fp8-rerank"
     target = load_target(target)
@@ -171,7 +171,7 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     compute_s, memory_s = flops_gpu / target.peak(dtype, measured=True), bytes_gpu / target.bandwidth(measured=True)
     step = max(compute_s, memory_s) + comm
     mem = int(target.measured.get("memory_bytes", target.memory_bytes))
-    min_gpus = next((n for n in range(1, 4097) if weight_bytes / n + pool_bytes <= mem), 0)
+    min_gpus = next((n for n in range(1, 4097) if weight_bytes / n + pool_bytes <= mem), None)
     return Estimate(cfg.name, target.name, tp, w.params, int(active), weight_gpu, pool_bytes,
                     {k_: p.to_json() for k_, p in pools.items()}, mem, weight_gpu + pool_bytes <= mem, min_gpus,
                     B, L, bytes_gpu, flops_gpu, comm, step, "compute" if compute_s > memory_s else "memory",

@@ -121,7 +121,9 @@ def _shard_files(path: Path) -> list[Path]:
     return [path / f for f in files]
 
 
-def _read_shard(shard: Path, cfg: K3Config, expected: dict, found: dict) -> None:
+def _read_shard(shard: Path, cfg: K3Config, expected: dict, found: dict, weight_map: dict | None) -> None:
+    """Add the model tensors of `shard` to `found`; with the index's `weight_map`, each must be mapped to this
+    shard (a consumer that reads one tensor through the index would miss it otherwise)."""
     with open_shard(shard) as f:
         for key in f.keys():
             if key.startswith(_IGNORED) or (cfg.checkpoint_prefix and not key.startswith(cfg.checkpoint_prefix)):
@@ -129,6 +131,10 @@ def _read_shard(shard: Path, cfg: K3Config, expected: dict, found: dict) -> None
             if key not in expected:
                 raise CheckpointError(f"{shard}: unexpected tensor '{key}' of shape {f.get_slice(key).get_shape()} "
                                       f"(not part of a {cfg.model_type} model with this config)")
+            if weight_map is not None and weight_map.get(key) != shard.name:
+                where = f"maps it to {weight_map[key]}" if key in weight_map else "does not list it"
+                raise CheckpointError(f"{shard.parent / 'model.safetensors.index.json'}: tensor '{key}' is in "
+                                      f"{shard.name} but the weight_map {where}")
             found[key] = f.get_tensor(key)
 
 
@@ -138,7 +144,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
     MXFP4 experts are dequantized; A_log may be stored longer than H (zero-padded, e.g. Kimi Linear's [1,1,H,1]):
     its first H values are used. Parameters are cast to `dtype` except the fp32 ones (A_log, dt_bias, convs,
     o_norm). Raises CheckpointError for a missing, extra (non-vision), mis-shaped or non-finite tensor, naming the
-    key with expected and found shapes; ConfigError for a bad config.json.
+    key with expected and found shapes, or one the index's weight_map places in another shard; ConfigError for a
+    bad config.json.
     """
     from models.k3 import K3ForCausalLM
 
@@ -146,9 +153,10 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
     cfg = K3Config.from_pretrained(path)
     expected = expected_tensors(cfg)
     found: dict[str, torch.Tensor] = {}
+    weight_map = index_weight_map(path)
     for shard in _shard_files(path):
         try:
-            _read_shard(shard, cfg, expected, found)
+            _read_shard(shard, cfg, expected, found, weight_map)
         except SafetensorError as e:  # truncated or corrupt file: name it instead of a traceback
             raise CheckpointError(f"{shard}: not a readable safetensors file ({e})") from None
     missing = sorted(set(expected) - set(found))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -50,6 +51,17 @@ def test_memory_fit_and_min_gpus(k3):
     total = weights(k3).nbytes
     assert total / n + e16.pool_bytes_per_gpu <= e16.memory_bytes < total / (n - 1) + e16.pool_bytes_per_gpu
 
+
+
+def test_caches_beyond_one_gpu_give_no_gpu_count(k3):
+    # the weights split over GPUs but each GPU keeps its caches whole: when those alone exceed a GPU's memory no
+    # count holds the model (None, not 0), and `k3c plan` says so instead of "at least 0 GPUs"
+    e = estimate(k3, "h200", tp=8, max_batch=8)
+    assert e.pool_bytes_per_gpu > e.memory_bytes and e.min_gpus is None
+    run = subprocess.run([sys.executable, "-m", "k3c.cli", "plan", "k3", "--tp", "8", "--max-batch", "8"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert run.returncode == 0, run.stderr
+    assert "no GPU count holds it" in run.stdout and "at least 0" not in run.stdout
 
 def test_decode_roofline_scales_with_gpus_and_context(k3):
     a, b = estimate(k3, "h200", tp=8, context=4096), estimate(k3, "h200", tp=16, context=4096)
@@ -129,3 +141,16 @@ def test_plan_counts_fp8_index_keys_with_their_scales_and_residuals():
     assert rr.pool_bytes_per_gpu - fp8.pool_bytes_per_gpu == n * 64 and "dsa_index_residuals" not in fp8.pools
     extra = 24 * 2 * (2048 + DSA_RERANK_EXTRA) * (128 + 64 + 4)     # the re-ranked candidates' keys per decode step
     assert (rr.decode_bytes_per_gpu - fp8.decode_bytes_per_gpu) * 16 == pytest.approx(extra)
+
+
+def test_index_key_storage_only_for_models_with_dsa_layers(k3):
+    # K3 (gated MLA, no DSA): the default stores no index keys and says nothing of them; asking for fp8 keys is the
+    # ConfigError `k3c compile` gives, and so is `k3c check` (one rule: k3c.context.check_dsa_index_keys_for)
+    assert "dsa_index_keys" not in estimate(k3, "h200", tp=16).pools
+    with pytest.raises(ConfigError, match=r"k3 has no DSA layers \(config: dsa_config\.dsa_layers\)"):
+        estimate(k3, "h200", tp=16, dsa_index_keys="fp8")
+    pro = K3Config.from_pretrained("k3.1-pro")
+    assert estimate(pro, "h200", tp=16).pools["dsa_index_keys"]["bytes"] == 24 * (1 << 20) * 128   # fp8 default
+    run = subprocess.run([sys.executable, "-m", "k3c.cli", "check", "k3-tiny", "--dsa-index-keys", "fp8"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "k3-tiny has no DSA layers" in run.stderr

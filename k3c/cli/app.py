@@ -45,10 +45,13 @@ def compiling() -> None:
     gc.disable()
 
 
-def check_writable(path: Path, flag: str) -> None:
+def check_writable(path: Path, flag: str, file: bool = False) -> None:
     """Raise K3CError (naming `flag` and `path`) unless `path` can be created: its parent is a directory that accepts
-    a new entry. Probed with a temporary file, since permission bits tell neither root's rights nor a read-only or
-    virtual file system; called before the work, so a bad output location fails in a second, not after it."""
+    a new entry (and, with `file`, path is not a directory: an output file's name). Probed with a temporary file,
+    since permission bits tell neither root's rights nor a read-only or virtual file system; called before the
+    work, so a bad output location fails in a second, not after it."""
+    if file and path.is_dir():
+        raise K3CError(f"{flag} {path}: is a directory; give a file name")
     parent = path.parent
     if not parent.is_dir():
         raise K3CError(f"{flag} {path}: {parent} is not a directory")

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from k3c.cli.app import app, check_dump_dir, check_writable, compiling, err, out, progress_bars
-from k3c.errors import K3CError
+from k3c.errors import CheckpointError, K3CError
 
 INIT_MAX_BYTES = 4 * 2**30  # `k3c init` is for small models: a random full-size checkpoint is ~1e12 parameters
 
@@ -16,7 +16,7 @@ INIT_MAX_BYTES = 4 * 2**30  # `k3c init` is for small models: a random full-size
 @app.command()
 def init(preset: str = typer.Argument(..., help="a tiny preset (k3-tiny, k3.1-pro-tiny, kimi-linear-tiny) or config"),
          out_dir: Path = typer.Option(..., "-o", "--out", help="checkpoint directory to write (must not exist)"),
-         seed: int = typer.Option(0, help="random seed (the same seed writes the same checkpoint)"),
+         seed: int = typer.Option(0, help="random seed, 0 .. 2^64 - 1 (the same seed writes the same checkpoint)"),
          dtype: str = typer.Option("f32", help="f32 (runs on CPU) or bf16")):
     """Write a random checkpoint of PRESET in the published layout (config.json, sharded safetensors, index):
     the first step of `k3c init k3-tiny -o ck && k3c compile ck -o art && k3c run art`."""
@@ -24,6 +24,8 @@ def init(preset: str = typer.Argument(..., help="a tiny preset (k3-tiny, k3.1-pr
 
     if dtype not in ("f32", "bf16"):
         raise K3CError(f"--dtype {dtype}: expected f32 or bf16")
+    if not 0 <= seed < 2 ** 64:      # torch's generator takes 64 bits: others would alias a seed in range
+        raise K3CError(f"--seed {seed}: expected 0 .. 2^64 - 1")
     if out_dir.exists():
         raise K3CError(f"-o {out_dir}: already exists; choose a new directory")
     check_writable(out_dir, "-o")
@@ -61,7 +63,13 @@ def _checkpoint_dtype(path: Path) -> str:
     key = next((k for k in sorted(shards) if k.endswith("embed_tokens.weight")), None)
     if key is None:
         raise K3CError(f"{path}: no embed_tokens.weight in the checkpoint; pass --dtype")
-    with open_shard(path / shards[key]) as f:
+    shard = path / shards[key]
+    if not shard.is_file():
+        raise CheckpointError(f"{path}: shard {shards[key]} (holding {key} by the index) is missing")
+    with open_shard(shard) as f:
+        if key not in f.keys():
+            raise CheckpointError(f"{path / 'model.safetensors.index.json'}: weight_map puts {key} in {shards[key]}, "
+                                  "which does not hold it")
         return "bf16" if f.get_slice(key).get_dtype() == "BF16" else "f32"
 
 
@@ -118,10 +126,10 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
         raise K3CError(f"{out_dir}: exists and is not a k3c artifact; --force only replaces artifacts")
     check_writable(out_dir, "-o")
     check_dump_dir(dump)
+    if report is not None:
+        check_writable(report, "--report", file=True)
     if report is not None and report.exists() and not force:
         raise K3CError(f"--report {report}: already exists (pass --force to overwrite it)")
-    if report is not None:
-        check_writable(report, "--report")
     compiling()
     from k3c.compile import CompileOptions, compile_model
 
@@ -162,9 +170,9 @@ def report_cmd(artifact: Path = typer.Argument(..., help="artifact directory com
                force: bool = typer.Option(False, "--force", help="overwrite an existing -o file")):
     """Write the compile report of ARTIFACT as one self-contained HTML page: passes and per-pass IR diffs, kernels
     with their roofline, the memory timeline, per-layer and per-entry totals, the compile options."""
+    check_writable(output, "-o", file=True)
     if output.exists() and not force:
         raise K3CError(f"-o {output}: already exists (pass --force to overwrite it)")
-    check_writable(output, "-o")
     from k3c.report.html import write
 
     write(artifact, output)

@@ -118,12 +118,10 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
         raise K3CError("--layer and --collapse apply to --format dot, svg and onnx")
     if layer is not None and collapse:
         raise K3CError("--layer and --collapse exclude each other")
-    if output is not None and output.is_dir():
-        raise K3CError(f"-o {output}: is a directory; give a file name")
+    if output is not None:
+        check_writable(output, "-o", file=True)
     if output is not None and output.exists() and not force:
         raise K3CError(f"-o {output}: already exists (pass --force to overwrite it)")
-    if output is not None:
-        check_writable(output, "-o")
     check_dump_dir(dump)
     if entry not in ("prefill", "decode"):
         raise K3CError(f"--entry {entry}: expected prefill or decode")
@@ -186,7 +184,7 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
           dsa_index_keys: str = typer.Option("bf16", "--dsa-index-keys", help="DSA index keys stored as bf16, "
                                              "fp8 (e4m3 + one f32 scale per key) or fp8-rerank (+ 4-bit residuals)")):
     """Per-pass numeric validation: interpret the graph before and after every pass on random inputs."""
-    from k3c.context import CompileContext, check_dsa_index_keys, check_kda_state
+    from k3c.context import CompileContext, check_dsa_index_keys, check_dsa_index_keys_for, check_kda_state
     from k3c.frontend import import_model
     from k3c.passes.pipeline import make_numeric_check, run_pipeline
     from models.checkpoint import quantize_experts_
@@ -198,6 +196,7 @@ def check(model: str = typer.Argument(..., help="a tiny preset or a small config
     check_kda_state(kda_state)
     check_dsa_index_keys(dsa_index_keys)
     cfg = K3Config.from_pretrained(model)
+    check_dsa_index_keys_for(cfg, dsa_index_keys)
     if cfg.hidden_size > 1024:
         raise K3CError(f"{model}: check interprets the model on random weights; use a tiny preset or small config")
     experts_dtype = experts_dtype or ("mxfp4" if cfg.expert_quantization == "mxfp4" else "bf16")

@@ -18,9 +18,10 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
          experts_dtype: str = typer.Option(None, "--experts-dtype",
                                            help="routed experts stored as mxfp4 or bf16 [default: as the checkpoint]"),
          kda_state: str = typer.Option("f32", "--kda-state", help="KDA recurrent state stored as f32 or bf16"),
-         dsa_index_keys: str = typer.Option("fp8", "--dsa-index-keys", help="DSA index keys stored as fp8 (e4m3 + "
+         dsa_index_keys: str = typer.Option(None, "--dsa-index-keys", help="DSA index keys stored as fp8 (e4m3 + "
                                             "one f32 scale per key, as K3-SPEC sizes them), fp8-rerank (+ a 4-bit "
-                                            "residual per element: exact re-rank of the top candidates) or bf16"),
+                                            "residual per element: exact re-rank of the top candidates) or bf16 "
+                                            "[default: fp8 for a model with DSA layers]"),
          json_out: bool = typer.Option(False, "--json", help="print JSON instead of a table")):
     """What MODEL needs on N GPUs of TARGET: memory per GPU and a decode-step roofline (no hardware needed)."""
     import json
@@ -41,7 +42,8 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
     e0 = rows[0]
     t = Table(title=f"{cfg.name} on {e0.target}: {e0.params / 1e9:,.1f} billion parameters ({e0.active_params_per_token / 1e9:.1f} "
                     f"billion active); caches for {max_batch} x {max_seq:,} tokens, "
-                    f"KDA state {kda_state}, DSA index keys {dsa_index_keys}")
+                    f"KDA state {kda_state}"
+                    + (f", DSA index keys {dsa_index_keys or 'fp8'}" if cfg.dsa_layers else ""))
     for col in ("GPUs", "weights/GPU", "caches/GPU", "total/GPU", "fits", "decode step", "bound", "tokens/s"):
         t.add_column(col, justify="right")
     gib = lambda b: f"{b / 2**30:,.1f} GiB"  # noqa: E731
@@ -49,6 +51,8 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
         t.add_row(str(r.tp), gib(r.weight_bytes_per_gpu), gib(r.pool_bytes_per_gpu),
                   gib(r.weight_bytes_per_gpu + r.pool_bytes_per_gpu), "[green]yes[/]" if r.fits else "[red]no[/]",
                   f"{r.decode_step_s * 1e3:.2f} ms", r.decode_bound, f"{r.decode_tokens_per_s:,.0f}")
-    t.caption = (f"memory per GPU {gib(e0.memory_bytes)}; at least {e0.min_gpus} GPUs needed; decode at batch "
+    need = (f"at least {e0.min_gpus} GPUs needed" if e0.min_gpus is not None else
+            f"no GPU count holds it: the caches alone need {gib(e0.pool_bytes_per_gpu)} per GPU at tp {e0.tp}")
+    t.caption = (f"memory per GPU {gib(e0.memory_bytes)}; {need}; decode at batch "
                  f"{e0.decode_batch}, context {e0.decode_context:,}: roofline with measured bandwidth/peak (k3c/retarget.py)")
     out.print(t)

@@ -28,24 +28,30 @@ _NEEDED = ("manifest.json", "plan.json", "schedule.json", "report.json", "report
            "report/options.json")
 
 
-def _read(art: Path) -> dict:
+def _read(art: Path):
+    """(the artifact, opened by `read_artifact`: every file read below is checked against the manifest's sha256,
+    so a corrupted one is an ArtifactError naming it; {name: parsed JSON} of the `_NEEDED` files)."""
     if not (art / "manifest.json").is_file():
         raise ArtifactError(f"{art}: not a k3c artifact (no manifest.json)")
-    missing = [f for f in _NEEDED if not (art / f).is_file()]
+    from k3c.runtime.artifact import read_artifact   # torch: after the cheap check
+
+    artifact = read_artifact(art, verify=False)
+    missing = [f for f in _NEEDED[1:] if f not in artifact.files]
     if missing:
         raise ArtifactError(f"{art}: no {missing[0]}; compile with `k3c compile --report` to keep the report data")
-    return {f.rsplit("/", 1)[-1].removesuffix(".json"): json.loads((art / f).read_text()) for f in _NEEDED}
+    return artifact, {f.rsplit("/", 1)[-1].removesuffix(".json"): artifact.manifest if f == "manifest.json" else
+                      artifact.read_json(f) for f in _NEEDED}
 
 
 def _capped(lines: list[str]) -> tuple[list[str], int]:
     return lines[:MAX_LINES], max(0, len(lines) - MAX_LINES)
 
 
-def _steps(art: Path, steps: list[dict]) -> list[dict]:
+def _steps(artifact, steps: list[dict]) -> list[dict]:
     """Per step: the capped IR text, the capped diff to the previous step, and +/- line counts."""
     out, prev = [], None
     for s in steps:
-        text = (art / s["ir"]).read_text().splitlines()
+        text = artifact.read_text(s["ir"]).splitlines()
         diff = [] if prev is None else list(difflib.unified_diff(prev, text, "before", "after", lineterm="", n=1))[2:]
         ir, ir_more = _capped(text)
         shown, diff_more = _capped(diff)
@@ -73,7 +79,7 @@ def _totals(kernels: list[dict]) -> tuple[list[dict], dict]:
 def build(art: str | Path) -> str:
     """The report page of artifact directory `art` as HTML text (deterministic for a given artifact)."""
     art = Path(art)
-    d = _read(art)
+    artifact, d = _read(art)
     target = target_from_dict(d["manifest"]["target"], source=f"{art}/manifest.json: target")
     opts = d["options"]
     peak = target.peak(opts["dtype"], True)
@@ -87,7 +93,7 @@ def build(art: str | Path) -> str:
         layers, total = _totals(kernels)
         ops = sorted({op for s in steps for op in s["ops"]})
         entries.append({
-            "name": entry, "steps": _steps(art, steps), "ops": ops, "kernels": kernels, "layers": layers,
+            "name": entry, "steps": _steps(artifact, steps), "ops": ops, "kernels": kernels, "layers": layers,
             "total": total, "plan": plan, "bounds": bounds, "memory_svg": mem, "peak_bytes": peak_bytes,
             "roofline_svg": roofline_svg(kernels, peak, bw, f"{opts['model']} {entry} on {target.name}"),
             "cost": d["report"]["entries"][entry]["total"]})

@@ -300,6 +300,38 @@ def test_missing_shard(dense_copy):
     assert shard in msg
 
 
+
+@pytest.mark.parametrize("edit", ["moved", "unlisted"])
+def test_index_that_misplaces_a_tensor(dense_copy, edit):
+    # the index's weight_map must say where each tensor is: one that names the wrong shard (or omits the tensor)
+    # is named with the index file, as a reader that opens one tensor through the index would otherwise miss it
+    path = dense_copy / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    shard = index["weight_map"][KEY]
+    other = next(f for f in sorted(set(index["weight_map"].values())) if f != shard)
+    if edit == "moved":
+        index["weight_map"][KEY] = other
+    else:
+        del index["weight_map"][KEY]
+    path.write_text(json.dumps(index))
+    msg = _error(dense_copy)
+    assert "model.safetensors.index.json" in msg and KEY in msg and shard in msg
+
+
+def test_cli_dtype_detection_names_a_misplaced_embedding(dense_copy, tmp_path):
+    # `k3c compile` without --dtype reads the embedding's dtype through the index: a wrong shard there is a
+    # CheckpointError naming the index, the tensor and the shard, not a safetensors error
+    from k3c.cli.build import _checkpoint_dtype
+
+    path = dense_copy / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    key = next(k for k in index["weight_map"] if k.endswith("embed_tokens.weight"))
+    index["weight_map"][key] = next(f for f in sorted(set(index["weight_map"].values()))
+                                    if f != index["weight_map"][key])
+    path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"index\.json: weight_map puts {key} in {index['weight_map'][key]}"):
+        _checkpoint_dtype(dense_copy)
+
 def test_mxfp4_missing_scale(ckpts, tmp_path):
     path = tmp_path / "mx"
     shutil.copytree(ckpts["k3-tiny", "mxfp4"][0], path)

@@ -131,12 +131,40 @@ def test_full_size_plan_only_report(tmp_path):
     check_report(tmp_path / "pro.html", art, tmp_path)
 
 
-def test_artifact_without_report_data_is_one_clear_error(tmp_path):
+@pytest.fixture(scope="module")
+def plan_only_artifacts(tmp_path_factory):
+    """k3-tiny compiled plan-only with and without --report (a few seconds each)."""
+    from k3c.compile import CompileOptions, compile_model
+
+    root = tmp_path_factory.mktemp("plan_only")
+    for name, report in (("with", True), ("without", False)):
+        compile_model(CompileOptions("k3-tiny", root / name, max_seq=64, max_prefill=16, plan_only=True,
+                                     report=report))
+    return root
+
+
+def test_artifact_without_report_data_is_one_clear_error(plan_only_artifacts, tmp_path):
     from k3c.errors import ArtifactError
     from k3c.report.html import build
 
-    (tmp_path / "manifest.json").write_text("{}")
-    for f in ("plan.json", "schedule.json", "report.json"):
-        (tmp_path / f).write_text("{}")
     with pytest.raises(ArtifactError, match=r"no report/passes\.json; compile with `k3c compile --report`"):
+        build(plan_only_artifacts / "without")
+    with pytest.raises(ArtifactError, match=r"not a k3c artifact \(no manifest\.json\)"):
         build(tmp_path)
+
+
+@pytest.mark.parametrize("rel,cut", [("report/passes.json", "half"), ("report/kernels.json", "byte")])
+def test_corrupted_report_data_is_refused_by_its_hash(plan_only_artifacts, tmp_path, rel, cut):
+    # a report file cut short or with one byte changed: the manifest's sha256 names it, as `k3c run` does, instead
+    # of a JSON error or a KeyError from the renderer
+    import shutil
+
+    from k3c.errors import ArtifactError
+    from k3c.report.html import build
+
+    art = shutil.copytree(plan_only_artifacts / "with", tmp_path / "art")
+    data = (art / rel).read_bytes()
+    (art / rel).write_bytes(data[:len(data) // 2] if cut == "half" else data.replace(b"generated", b"gendrated"))
+    with pytest.raises(ArtifactError, match=rf"{rel} is corrupted \(sha256 differs from the manifest\)"):
+        build(art)
+    build(plan_only_artifacts / "with")                     # the intact artifact renders
