@@ -82,6 +82,11 @@ class Backend(ABC):
     def claims(self, kind: str, nodes: list[Node]) -> bool:
         """Whether this backend implements a launch of `kind` made of `nodes`."""
 
+    def why_not(self, kind: str, nodes: list[Node]) -> str | None:
+        """Why this backend does not claim a launch it might be expected to (a dtype it has no kernels for, ...),
+        for the error when no backend claims it; None: nothing to add."""
+        return None
+
     def emit(self, groups: list[KernelGroup], ctx) -> Emission:
         """Artifact files for `groups` (all of this backend's groups of the artifact, every entry point)."""
         return Emission()

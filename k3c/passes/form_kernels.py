@@ -142,8 +142,8 @@ def fuse_attn_res_rows(graph: Graph, groups: list[tuple[str, list[Node]]]) -> li
 def assign_backends(proposal: list[tuple[str, list[Node]]], backends) -> list[tuple[str, str, list[Node]]]:
     """(backend, kind, nodes) per launch: each proposed group goes to the first of `backends` that claims it; a
     fused group no backend claims is split into its nodes, each offered as a group of one of the same kind and
-    then as a single op (kind = the op's name). Raises UnsupportedError naming the op and the backends when no
-    backend claims a node."""
+    then as a single op (kind = the op's name). Raises UnsupportedError naming the op, the backends and their
+    reasons (`Backend.why_not`) when no backend claims a node."""
     out: list[tuple[str, str, list[Node]]] = []
     for kind, nodes in proposal:
         owner = next((b.name for b in backends if b.claims(kind, nodes)), None)
@@ -157,8 +157,10 @@ def assign_backends(proposal: list[tuple[str, list[Node]]], backends) -> list[tu
                     out.append((owner, k, [node]))
                     break
             else:
+                why = [f"{b.name}: {r}" for b in backends if (r := b.why_not(kind, [node]))]
                 raise UnsupportedError(f"no backend implements {describe(node)} (kind {kind}; backends in claim "
-                                       f"order: {', '.join(b.name for b in backends)})")
+                                       f"order: {', '.join(b.name for b in backends)})"
+                                       + "".join(f"; {w}" for w in why))
     return out
 
 

@@ -238,7 +238,8 @@ def test_bad_values_and_tvm_refusal(plan_art):
         import_model(PRESET, "decode", dsa_index_keys="e4m3")
     opts, path = plan_art       # the CPU target's kernels are TVM's, which score bf16/f32 keys only
     with pytest.raises(UnsupportedError, match=r"^no backend implements dsa_index_topk .* backends in claim order: "
-                                               r"tvm, library"):
+                                               r"tvm, library.*; tvm: it has no e4m3 \(fp8\) kernels: fp8 DSA index "
+                                               r"keys \(--dsa-index-keys fp8 / fp8-rerank\) need a GPU target"):
         compile_model(CompileOptions(**{**vars(opts), "out": path.parent / "cpu", "target": "cpu-x86-64"}))
     mla = path.parent / "mla"   # a model without DSA layers has no index-key cache: refused before anything is written
     with pytest.raises(ConfigError, match=r"^--dsa-index-keys fp8-rerank \(dsa_index_keys\): k3-tiny has no DSA "

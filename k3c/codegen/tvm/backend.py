@@ -40,7 +40,13 @@ class TvmBackend(Backend):
     def claims(self, kind: str, nodes: list[Node]) -> bool:
         if kind == "linear" and not (self.device == "cpu" and len(nodes) == 1 and is_gemv(nodes[0])):
             return False  # GEMMs and GPU linears: library calls
-        return kind in kinds() and all(v.type.dtype != "f8e4m3" for n in nodes for v in list(n.inputs) + n.outputs)
+        return kind in kinds() and not _fp8(nodes)
+
+    def why_not(self, kind: str, nodes: list[Node]) -> str | None:
+        if kind in kinds() and _fp8(nodes):
+            return ("it has no e4m3 (fp8) kernels: fp8 DSA index keys (--dsa-index-keys fp8 / fp8-rerank) need a "
+                    "GPU target (Triton); keep --dsa-index-keys bf16 on a CPU target")
+        return None
 
     def _symbol_of(self, group: KernelGroup) -> str:
         text = self._text.get(group.name)
@@ -61,3 +67,7 @@ class TvmBackend(Backend):
         files = build_cpu(funcs, self.target.arch) if self.device == "cpu" else cuda_source(funcs)
         out.files.update((f"kernels/{rel}", data) for rel, data in files.items())
         return out
+
+
+def _fp8(nodes: list[Node]) -> bool:
+    return any(v.type.dtype == "f8e4m3" for n in nodes for v in list(n.inputs) + n.outputs)
