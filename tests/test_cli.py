@@ -66,6 +66,7 @@ def test_argument_errors_answer_before_torch(tmp_path):
                           (["inspect", "k3-tiny", "--entry", "both"], "--entry both: expected prefill or decode"),
                           (["run", str(tmp_path / "none")], "no such artifact"),
                           (["finalize", str(tmp_path / "none")], "no such artifact"),
+                          (["pack", str(tmp_path / "none")], "no such artifact"),
                           (["report", str(tmp_path), "-o", str(tmp_path / "r.html")], "not a k3c artifact")]:
         out, err = probe(*args)
         assert message in err and "HEAVY [] 2" in out and len(err.strip().splitlines()) == 1, (args, out, err)

@@ -1,5 +1,6 @@
-"""`k3c run` and `k3c finalize`, the commands of the machine that runs an artifact: prefill a prompt and decode
-greedily (a multi-rank artifact as one process per rank), and compile an artifact's kernels into it once."""
+"""`k3c run`, `k3c finalize` and `k3c pack`, the commands of the machine that runs an artifact: prefill a prompt and
+decode greedily (a multi-rank artifact as one process per rank), compile an artifact's kernels into it once, and
+pack it into one file."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-from k3c.cli.app import app, check_artifact_exists, err, out, progress_bars
+from k3c.cli.app import app, check_artifact_exists, check_writable, err, out, progress_bars
 from k3c.errors import K3CError
 
 DEFAULT_PROMPT = "1,2,3,4,5,6,7,8"
@@ -118,3 +119,20 @@ def finalize(artifact: Path = typer.Argument(..., help="artifact directory"),
     else:
         out.print(f"{artifact}: added {r['files']} files ({r['bytes'] / 2**20:.1f} MiB) of compiled kernels for "
                   f"{r['tag']} in {r['seconds']:.1f} s")
+
+
+@app.command()
+def pack(artifact: Path = typer.Argument(..., help="artifact directory (or .k3c file) to pack"),
+         output: Path = typer.Option(None, "-o", "--output", help="the .k3c file to write [default: ARTIFACT.k3c]"),
+         force: bool = typer.Option(False, "--force", help="replace an existing -o file")):
+    """Pack a verified artifact into one deterministic .k3c file (a tar: manifest first, files sorted, no
+    timestamps or owners), which `k3c run` and `k3c.load` read like the directory."""
+    check_artifact_exists(artifact)
+    dest = output if output is not None else artifact.parent / (artifact.name + ".k3c")
+    check_writable(dest, "-o", file=True)
+    if dest.exists() and not force:
+        raise K3CError(f"-o {dest}: already exists (pass --force to overwrite it)")
+    from k3c.runtime.artifact import pack as _pack
+
+    path = _pack(artifact, dest, force=force)
+    out.print(f"wrote {path} ({path.stat().st_size / 2**20:,.1f} MiB)")

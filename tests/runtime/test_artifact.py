@@ -248,3 +248,25 @@ def test_runtime_module_imports_no_compiler_code():
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     third_party = {m for m in imported if m.split(".")[0] not in sys.stdlib_module_names and m != "__future__"}
     assert third_party == {"torch", "safetensors", "safetensors.torch", "k3c", "k3c.errors", "k3c.runtime.encoding"}
+
+
+def test_pack_from_the_command_line(tmp_path):
+    # `k3c pack ART`: ART.k3c, byte-equal to the Python API's; a second pack refuses to overwrite it (one line,
+    # exit 2) unless --force; -o naming a directory is refused before anything is written
+    import subprocess
+    import sys
+
+    out = _write(tmp_path / "art")
+    want = pack(out, tmp_path / "api.k3c")
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "k3c.cli", "pack", *map(str, args)], capture_output=True,
+                              text=True, timeout=300)
+
+    r = cli(out)
+    assert r.returncode == 0 and (tmp_path / "art.k3c").read_bytes() == want.read_bytes(), r.stderr
+    r = cli(out)
+    assert r.returncode == 2 and "-o " in r.stderr and "already exists (pass --force" in r.stderr
+    assert cli(out, "--force").returncode == 0
+    r = cli(out, "-o", tmp_path)
+    assert r.returncode == 2 and "is a directory; give a file name" in r.stderr
