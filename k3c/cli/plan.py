@@ -27,6 +27,7 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
     import json
 
     from k3c.retarget import estimate
+    from k3c.targets import load_target
     from models.config import K3Config
 
     try:
@@ -44,15 +45,17 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
                     f"billion active); caches for {max_batch} x {max_seq:,} tokens, "
                     f"KDA state {kda_state}"
                     + (f", DSA index keys {dsa_index_keys or 'fp8'}" if cfg.dsa_layers else ""))
-    for col in ("GPUs", "weights/GPU", "caches/GPU", "total/GPU", "fits", "decode step", "bound", "tokens/s"):
+    unit = "device" if load_target(target).kind == "cpu" else "GPU"
+    for col in (f"{unit}s", f"weights/{unit}", f"caches/{unit}", f"total/{unit}", "fits", "decode step", "bound",
+                "tokens/s"):
         t.add_column(col, justify="right")
     gib = lambda b: f"{b / 2**30:,.1f} GiB"  # noqa: E731
     for r in rows:
         t.add_row(str(r.tp), gib(r.weight_bytes_per_gpu), gib(r.pool_bytes_per_gpu),
                   gib(r.weight_bytes_per_gpu + r.pool_bytes_per_gpu), "[green]yes[/]" if r.fits else "[red]no[/]",
                   f"{r.decode_step_s * 1e3:.2f} ms", r.decode_bound, f"{r.decode_tokens_per_s:,.0f}")
-    need = (f"at least {e0.min_gpus} GPUs needed" if e0.min_gpus is not None else
-            f"no GPU count holds it: the caches alone need {gib(e0.pool_bytes_per_gpu)} per GPU at tp {e0.tp}")
-    t.caption = (f"memory per GPU {gib(e0.memory_bytes)}; {need}; decode at batch "
+    need = (f"at least {e0.min_gpus} {unit}s needed" if e0.min_gpus is not None else
+            f"no {unit} count holds it: the caches alone need {gib(e0.pool_bytes_per_gpu)} per {unit} at tp {e0.tp}")
+    t.caption = (f"memory per {unit} {gib(e0.memory_bytes)}; {need}; decode at batch "
                  f"{e0.decode_batch}, context {e0.decode_context:,}: roofline with measured bandwidth/peak (k3c/retarget.py)")
     out.print(t)

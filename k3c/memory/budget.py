@@ -25,11 +25,13 @@ from k3c.runtime.checks import format_bytes
 
 @dataclass(frozen=True)
 class Budget:
-    """Bytes per rank by item ("weights", "arena", "pools.kv", ...) against `capacity` bytes of `target`."""
+    """Bytes per rank by item ("weights", "arena", "pools.kv", ...) against `capacity` bytes of `target`, whose
+    devices the messages call `unit`s ("GPU"; "device" for a CPU target)."""
 
     target: str
     capacity: int
     items: dict[str, int]
+    unit: str = "GPU"
 
     @property
     def need(self) -> int:
@@ -65,13 +67,13 @@ class Budget:
             return None
         n = self.min_gpus
         if plan_only and n is not None:
-            return f"{self.describe()}: a plan for at least {n} GPUs (weights split, caches and arena whole)"
+            return f"{self.describe()}: a plan for at least {n} {self.unit}s (weights split, caches and arena whole)"
         if allow_oversize:
             return f"{self.describe()}: written anyway (--allow-oversize)"
         fix = "lower --max-batch / --max-seq / --max-prefill, or pass --allow-oversize to write the plan anyway"
         if plan_only:
-            raise ConfigError(f"--plan-only: {self.describe()}; caches and arena alone exceed one device, so no GPU "
-                              f"count holds it: {fix}")
+            raise ConfigError(f"--plan-only: {self.describe()}; caches and arena alone exceed one device, so no "
+                              f"{self.unit} count holds it: {fix}")
         raise ConfigError(f"{self.describe()}; the artifact runs on one device: {fix}")
 
 
@@ -83,4 +85,4 @@ def budget(target, weights: int, arena: int, pools: dict[str, dict]) -> Budget:
         key = "pools." + name.rsplit(".", 1)[-1]
         items[key] = items.get(key, 0) + int(p["bytes"])
     capacity = int(target.measured.get("memory_bytes", target.memory_bytes))
-    return Budget(target.name, capacity, items)
+    return Budget(target.name, capacity, items, "device" if target.kind == "cpu" else "GPU")

@@ -32,6 +32,10 @@ def test_plan_only_artifact_is_a_plan_for_the_fewest_gpus_that_hold_it():
     # weights split over n GPUs, arena + pools whole: 1000/5 + 100 = 300 fits, 1000/4 + 100 = 350 does not
     assert not b.fits and b.min_gpus == 5
     assert "a plan for at least 5 GPUs" in b.check(plan_only=True, allow_oversize=False)
+    # a CPU target's budget counts devices (`budget` sets the unit from the target's kind)
+    cpu = budget(load_target("cpu-x86-64"), 1000, 10, {})
+    assert cpu.unit == "device" and budget(load_target("h200"), 1000, 10, {}).unit == "GPU"
+    assert "at least 5 devices" in Budget("cpu", 300, b.items, "device").check(plan_only=True, allow_oversize=False)
     assert b.to_json() == {"target": "h200", "capacity": 300, "need": 1100, "fits": False, "min_gpus": 5,
                            "items": {"arena": 10, "pools.kv": 90, "weights": 1000}}
 
