@@ -125,7 +125,7 @@ def test_triton_mxfp4_tiles_get_the_mma_their_k_order_assumes():
     # the installed Triton, the SASS holds exactly the MMA the order assumes
     import json
 
-    regimes = [(16, 896), (256, 32), (1024, 32), (32768, 32)]
+    regimes = [(16, 896), (256, 32), (1024, 32), (32768, 32)]   # 8-row Gluon-form tiles to 16 E, then 32, 128
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", MMA_KIND, json.dumps(regimes)], capture_output=True, text=True,
                          env=env, timeout=600, cwd=ROOT)

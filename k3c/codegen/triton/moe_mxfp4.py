@@ -60,19 +60,22 @@ ONE_MUL_MAX_SCALE = 128
 def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls,
     maxnreg) for `rows` (token, slot) pairs over E experts whose scale bytes are at most `scale_max` (the
-    `moe_experts` node's checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md,
-    benchmarks/bench_moe_mxfp4.py). Decode with < 4 rows per expert on average (batch 1; batch 16 of 896 experts):
-    8-row tiles on 2 warps, so `mma.sync` (`mx_mma_v2`); one multiply: 32 weight rows (16 per warp), 1 stage (on
-    the GPU the Gluon kernels, the next K tile prefetched in registers: mx23's measured kernel), equal to 64 rows
-    at batch 1 and 3.5 % less time at batch 16 of 896 experts; two
-    multiplies: 64 rows, 3 stages. 4-16 rows per expert (batch 16 of 32 experts, where about 40 % of the experts
-    hold more than 8 rows, whose weights 8-row tiles read twice): 16-row `wgmma` tiles; < 64 rows per expert
-    (measured at 32, batch 64 of 32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there): 32-row
-    tiles; prefill: 128 × 128 tiles. two_muls (exact for every E8M0 scale) unless scale_max ≤ ONE_MUL_MAX_SCALE,
-    where the one-multiply decoding is exact too (4-6 % less time with 16-row tiles)."""
+    `moe_experts` node's checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md "MXFP4 round
+    (mx26)", benchmarks/bench_moe_mxfp4.py). One multiply, < 16 rows per expert on average (batch 1; batch 16 of
+    896 or of 32 experts): 8-row tiles, 32 weight rows on 2 warps (`mma.sync`, `mx_mma_v2`), 1 stage: on the GPU
+    the Gluon kernels with the next K tile prefetched in registers (mx23's kernel). At batch 16 of 32 experts (8
+    rows per expert, about 40 % of the experts holding more, whose weights 8-row tiles read twice) it took 240.5 us
+    against 245.2 for 16-token Gluon tiles and 250.8 for 16-row `wgmma` tiles; the cp.async ring (num_stages ≥ 2)
+    lost everywhere (166-184 us against 107 at batch 1). Two multiplies: 8-row tiles, 64 rows, 3 stages below 4
+    rows per expert, then 16-row `wgmma` tiles. < 64 rows per expert (measured at 32, batch 64 of 32 experts: 476
+    us against 1040 us for the prefill tiles, 3/4 empty there): 32-row tiles; prefill: 128 × 128 tiles. two_muls
+    (exact for every E8M0 scale) unless scale_max ≤ ONE_MUL_MAX_SCALE, where the one-multiply decoding is exact
+    too (4-6 % less time with 16-row tiles)."""
     two = scale_max > ONE_MUL_MAX_SCALE
+    if not two and rows < 16 * E:
+        return (8, 32, 256, 2, 1, two, None)
     if rows < 4 * E:
-        return (8, 64, 256, 2, 3, two, None) if two else (8, 32, 256, 2, 1, two, None)
+        return (8, 64, 256, 2, 3, two, None)
     if rows < 16 * E:
         return (16, 64, 256, 4, 3, two, None)
     return (32, 64, 256, 4, 3, two, None) if rows < 64 * E else (128, 128, 128, 8, 3, two, None)
