@@ -21,8 +21,8 @@ tile back with `LDS.128`; the copies cost no registers, so the kernels need 56-1
 two barriers Gluon's membar analysis adds per iteration synchronise a CTA's 1-2 warps only). The activations
 are then loaded where used (L1-resident). The ring never reads a tile past the end of K (a masked, zero-filled
 copy); STAGES 1 keeps mx23's wrap of the last prefetch to tile 0. Measured on the H200 (BENCHMARKS.md "MXFP4 round
-(mx26)"), the ring is 55-70 % slower than STAGES 1, which stays the default: each iteration waits for its
-activations' L2 round trip.
+(mx26)"), the ring is 55-70 % slower than STAGES 1, which stays the default (not yet profiled; likely each
+iteration waiting for its activations' L2 round trip).
 
 Layouts (W = num_warps, BLOCK_R = 16·W weight rows, BLOCK_M = 8 or 16 token rows, `mma.sync` m16n8k16 with
 kWidth 8: one or two instructions per k16 step): the words are a [W, 2, 8, 4, CH, 4] tensor (weight row 16w +
