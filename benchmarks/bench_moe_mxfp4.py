@@ -32,7 +32,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton.moe import launch_moe_experts, moe_schedule  # noqa: E402
-from k3c.codegen.triton.moe_mxfp4 import mx_default_config  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text, mx_default_config  # noqa: E402
 from k3c.ir.formats import mxfp4_dequantize  # noqa: E402
 from k3c.ir.ops.model_moe import moe_experts_ref  # noqa: E402
 
@@ -122,7 +122,7 @@ def resolved_sweep(phase, rows, E, scale_max, quick):
 
 # Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon, next K tile prefetched in registers): None = the
 # launcher's default configuration; with --gluon each runs beside the Triton kernels (gluon=False) of the sweep
-GLUON_SWEEP = [None, (8, 16, 256, 1, 1, False, None)]
+GLUON_SWEEP = [None, (8, 32, 256, 2, 1, False, None)]
 
 
 def warm_one(job):
@@ -240,15 +240,17 @@ def main():
     ap.add_argument("--gluon", action="store_true", help="decode: the Gluon kernels (GLUON_SWEEP) beside")
     ap.add_argument("--gluon-configs", default=None,
                     help="';'-separated Gluon mx_configs replacing GLUON_SWEEP, each 'BLOCK_M,BLOCK_R,BLOCK_K,warps,"
-                         "stages,two_muls,maxnreg' (two_muls 0/1, maxnreg 0: none; 'default': the launcher's)")
+                         "stages,two_muls,maxnreg' (two_muls 0/1, maxnreg 0: none or UP/DOWN; 'default': the "
+                         "launcher's)")
     ap.add_argument("--compile-workers", type=int, default=8, help="processes compiling the MXFP4 variants first")
     args = ap.parse_args()
     if args.configs:
         MX_SWEEP["decode"][:] = [MX_SWEEP["decode"][int(i)] for i in args.configs.split(",")]
     if args.gluon_configs:
-        GLUON_SWEEP[:] = [None if c == "default" else (*map(int, c.split(",")[:5]), bool(int(c.split(",")[5])),
-                                                        int(c.split(",")[6]) or None)
-                          for c in args.gluon_configs.split(";")]
+        try:
+            GLUON_SWEEP[:] = [None if c == "default" else mx_config_from_text(c) for c in args.gluon_configs.split(";")]
+        except ValueError as e:
+            ap.error(f"--gluon-configs: {e}")
     dev = args.device
     name = torch.cuda.get_device_name() if dev == "cuda" else dev
     results = {"device": name, "torch": torch.__version__, "triton": triton.__version__,

@@ -5,9 +5,9 @@ and reports:
 
 - registers per thread, spilled bytes, shared memory per CTA (the launch's `maxnreg` applies);
 - the SASS of the K loop (the kernel's one backward branch): instructions per iteration, per weight and per
-  thread, and the count of global loads (`LDG`), cp.async copies (`LDGSTS`), shared loads (`LDS`), barriers
-  (`BAR`), `HMMA`s and moves (`MOV`, `IMAD.MOV`, `PRMT`);
-- where in the loop body the first and last 16-byte global load (`LDG.E.128`) and cp.async copy are issued
+  thread, and the count of global loads (`LDG`), cp.async copies (`LDGSTS`), TMA copies (`UTMALDG`), shared
+  loads (`LDS`), barriers (`BAR`), `HMMA`s and moves (`MOV`, `IMAD.MOV`, `PRMT`);
+- where in the loop body the first and last 16-byte global load (`LDG.E.128`) and TMA copy are issued
   (0 = the loop's top, 1 = its back branch): a "prefetch" issued at 0.75 is in flight for a quarter of an
   iteration;
 - CTAs per SM by registers and shared memory (sm_90: 65,536 registers an SM, allocated per warp in units of
@@ -18,10 +18,10 @@ and reports:
 Run (CPU; the device's Triton for numbers that match it: `pip install --target /tmp/t36 triton==3.6.0`):
     PYTHONPATH=/tmp/t36 python benchmarks/mx_static_cost.py [--configs "8,32,256,2,1,0,0;..."]
         [--experts 32,896] [--batches 1,16] [--module ARTIFACT/kernels/kNNNN_moe_experts.py] [--out DIR]
-Configs as `bench_moe_mxfp4.py --gluon-configs`: BLOCK_M, BLOCK_R, BLOCK_K, warps, stages, two_muls (0/1),
-maxnreg (0: none). --module: compile the kernels of an emitted MXFP4 `moe_experts` module (what an artifact
-runs) instead of k3c's. Writes OUT/mx_static_cost.json and prints a table. A config `gluon_decode_ok` refuses
-is reported as such, not compiled.
+Configs as `bench_moe_mxfp4.py --gluon-configs` (`mx_config_from_text`): BLOCK_M, BLOCK_R, BLOCK_K, warps,
+stages (≥ 2: the TMA ring), two_muls (0/1), maxnreg (0: none; "UP/DOWN": one per kernel). --module: compile
+the kernels of an emitted MXFP4 `moe_experts` module (what an artifact runs) instead of k3c's. Writes
+OUT/mx_static_cost.json and prints a table. A config `gluon_decode_ok` refuses is reported as such, not compiled.
 """
 
 import argparse
@@ -36,8 +36,10 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton.moe import moe_schedule  # noqa: E402
-from k3c.codegen.triton.moe_mxfp4 import mx_block_k  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4 import mx_block_k, mx_config_from_text  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import (  # noqa: E402
+    gl_act_ahead,
+    gl_word_descs,
     gluon_decode_ok,
     moe_down_mx_gluon_kernel,
     moe_up_mx_gluon_kernel,
@@ -47,10 +49,10 @@ from k3c.codegen.triton.offline import compile_for, resources, sass  # noqa: E40
 D, I, K = 3584, 3072, 16       # K3.1 Pro: routed_expert_hidden_size, moe_intermediate_size, experts per token
 SMS = 132                      # H200 streaming multiprocessors
 SM_REGISTERS, SM_SHARED, CTA_RESERVED, SM_CTAS, SM_WARPS = 65536, 228 * 1024, 1024, 32, 64
-DEFAULT_CONFIGS = "8,32,256,2,1,0,0;8,32,256,2,2,0,0;8,32,256,2,3,0,0;16,32,256,2,1,0,0;16,32,256,2,3,0,0"
+DEFAULT_CONFIGS = "8,32,256,2,1,0,0;8,32,256,2,2,0,0/80;8,32,256,2,3,0,0;16,32,256,2,1,0,0;16,32,256,2,2,0,0"
 
 #: pointer arguments' element types, by name (the rest of the arguments are fp32 scalars or constexprs)
-POINTERS = {"zp_ptr": "*i32", "hp_ptr": "*i32", "w1_ptr": "*i32", "w3_ptr": "*i32", "w2_ptr": "*i32",
+POINTERS = {"zp_ptr": "*i32", "hp_ptr": "*i32", "w1": "*i32", "w3": "*i32", "w2": "*i32",
             "s1_ptr": "*u8", "s3_ptr": "*u8", "s2_ptr": "*u8", "order_ptr": "*i64", "tile_expert_ptr": "*i64",
             "tile_row0_ptr": "*i64", "tile_row_end_ptr": "*i64", "weights_ptr": "*fp32", "y_slot_ptr": "*fp32"}
 #: hp is an i32 view of bf16 h in the down kernel, a bf16 output in the up kernel (`output_bf16`)
@@ -59,15 +61,11 @@ BRANCH = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
 
 
 def parse_config(text):
-    """'BM,BR,BK,W,S,TWO,MAXNREG' -> the launcher's mx_config tuple (two_muls bool, maxnreg None for 0)."""
+    """'BM,BR,BK,W,S,TWO,MAXNREG' -> the launcher's mx_config tuple; a clear usage error otherwise."""
     try:
-        v = [int(x) for x in text.split(",")]
-    except ValueError:
-        v = []
-    if len(v) != 7:
-        raise SystemExit(f"--configs: {text!r}: expected 7 comma-separated integers "
-                         "(BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg)")
-    return (*v[:5], bool(v[5]), v[6] or None)
+        return mx_config_from_text(text)
+    except ValueError as e:
+        raise SystemExit(f"--configs: {e}") from None
 
 
 def int_list(text):
@@ -93,17 +91,31 @@ def emitted_kernels(path):
     return module.moe_up_mx_gluon_kernel, module.moe_down_mx_gluon_kernel
 
 
+def word_descriptor_type(block_r, block_k):
+    """Triton's signature type of the TMA descriptor `gl_word_descs` builds for [block_r, block_k/8]-word boxes."""
+    from triton.runtime.jit import mangle_type
+
+    return mangle_type(gl_word_descs(torch.zeros(1, block_r, block_k, dtype=torch.uint8), block_r, block_k))
+
+
 def compile_kernel(kernel, constexprs, warps, maxnreg, output_bf16):
-    """`kernel` compiled for sm_90a with `constexprs`, every pointer 16-byte aligned (the launcher's tensors are)."""
+    """`kernel` compiled for sm_90a with `constexprs`, every pointer 16-byte aligned (the launcher's tensors are);
+    with the TMA ring (STAGES ≥ 2) the words are descriptors."""
     signature = {n: (UP_OUTPUT.get(n) if output_bf16 else None) or POINTERS.get(n, "fp32") for n in kernel.arg_names}
-    return compile_for(kernel, signature, constexprs, num_warps=warps, maxnreg=maxnreg)
+    if constexprs["STAGES"] > 1:
+        bk = constexprs.get("BLOCK_D", constexprs["BLOCK_K2"])
+        signature.update({w: word_descriptor_type(constexprs["BLOCK_R"], bk) for w in ("w1", "w3", "w2")})
+    divisible = [n for n, t in signature.items() if t.startswith("*")]
+    return compile_for(kernel, signature, constexprs, num_warps=warps, maxnreg=maxnreg, divisible=divisible)
 
 
 def loop_stats(code, weights_per_thread):
-    """Counts over the K loop: the body between the target of the kernel's longest backward branch and that
-    branch. `weights_per_thread`: the weights one thread decodes per iteration (its warp's 16 rows of each
-    matrix × BLOCK_K / 32 lanes)."""
-    loops = [(int(m.group(1), 16), a) for a, ins in code if (m := BRANCH.search(ins)) and int(m.group(1), 16) <= a]
+    """Counts over the K loop: the body between the target of the kernel's longest conditional backward branch
+    and that branch (an unconditional one is the return from an out-of-line block, such as the mbarrier wait's
+    retry loop, into the loop body). `weights_per_thread`: the weights one thread decodes per iteration (its
+    warp's 16 rows of each matrix × BLOCK_K / 32 lanes)."""
+    loops = [(int(m.group(1), 16), a) for a, ins in code
+             if ins.startswith("@") and (m := BRANCH.search(ins)) and int(m.group(1), 16) <= a]
     if not loops:
         return None
     top, end = max(loops, key=lambda t: t[1] - t[0])
@@ -120,9 +132,9 @@ def loop_stats(code, weights_per_thread):
         return [round(at[0] / n, 2), round(at[-1] / n, 2)] if at else None
 
     return {"instructions": n, "per_weight": round(n / weights_per_thread, 3),
-            "LDG": count("LDG"), "LDGSTS": count("LDGSTS"), "LDS": count("LDS"), "BAR": count("BAR"),
-            "HMMA": count("HMMA"), "moves": count("MOV") + count("IMAD.MOV") + count("PRMT"),
-            "LDG128_at": span(("LDG.E.128",)), "LDGSTS_at": span(("LDGSTS",))}
+            "LDG": count("LDG"), "LDGSTS": count("LDGSTS"), "UTMALDG": count("UTMALDG"), "LDS": count("LDS"),
+            "BAR": count("BAR"), "HMMA": count("HMMA"), "moves": count("MOV") + count("IMAD.MOV") + count("PRMT"),
+            "LDG128_at": span(("LDG.E.128",)), "TMA_at": span(("UTMALDG",))}
 
 
 def ctas_per_sm(regs, shared, warps):
@@ -149,10 +161,12 @@ def analyse(cfg, experts, batches, kernels):
         return {**row, "refused": "gluon_decode_ok"}
     common = dict(TWO_MULS=two, BLOCK_M=bm, BLOCK_R=br, BLOCK_K2=bk2, STAGES=stages, E=max(experts), D=D, I=I)
     up, down = kernels
-    launches = {"up": (up, dict(common, K=K, ACT_SITU=True, BLOCK_D=bk1), 2 * bk1, I),
-                "down": (down, common, bk2, D)}
+    act_up, act_down = gl_act_ahead(stages, bm)
+    launches = {"up": (up, dict(common, K=K, ACT_SITU=True, BLOCK_D=bk1, ACT_AHEAD=act_up), 2 * bk1, I),
+                "down": (down, dict(common, ACT_AHEAD=act_down), bk2, D)}
+    caps = dict(zip(("up", "down"), maxnreg if isinstance(maxnreg, tuple) else (maxnreg, maxnreg)))
     for name, (kernel, constexprs, columns, out_rows) in launches.items():
-        c = compile_kernel(kernel, constexprs, warps, maxnreg, output_bf16=name == "up")
+        c = compile_kernel(kernel, constexprs, warps, caps[name], output_bf16=name == "up")
         usage = resources(c.asm["cubin"])
         regs, spills = usage["REG"], usage["LOCAL"]
         shared = max(usage["SHARED"], c.metadata.shared)        # Triton's dynamic shared memory (the ring)
@@ -175,27 +189,29 @@ def main():
     experts, batches = args.experts, args.batches
     kernels = emitted_kernels(args.module) if args.module else (moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel)
     rows = [analyse(parse_config(c), experts, batches, kernels) for c in args.configs.split(";")]
-    result = {"triton": triton.__version__, "target": "sm_90a", "module": args.module, "shape": {"D": D, "I": I, "k": K}, "rows": rows}
+    result = {"triton": triton.__version__, "target": "sm_90a", "module": args.module,
+              "shape": {"D": D, "I": I, "k": K}, "rows": rows}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "mx_static_cost.json"), "w") as f:
             json.dump(result, f, indent=1)
     print(f"triton {triton.__version__}, sm_90a, D {D}, I {I}, top-{K}; the K loop per warp and iteration "
-          "(/weight: per weight a thread decodes; LDG.128 / LDGSTS at: where the first and last issue, 0 top .. "
+          "(/weight: per weight a thread decodes; LDG.128 / TMA at: where the first and last issue, 0 top .. "
           "1 end)")
-    print("config          kernel regs spill  smem CTA/SM instr /weight LDG LDGSTS LDS BAR moves LDG.128 at  "
-          "LDGSTS at   waves")
+    print("config          kernel regs spill  smem CTA/SM instr /weight LDG TMA LDS BAR moves LDG.128 at  "
+          "TMA at      waves")
     for r in rows:
-        name = ",".join("-" if v is None else str(int(v)) for v in r["config"])
+        name = ",".join("-" if v is None else "/".join(str(int(x or 0)) for x in v) if isinstance(v, (tuple, list))
+                        else str(int(v)) for v in r["config"])
         if "refused" in r:
             print(f"{name:15s} refused by {r['refused']}")
             continue
         for k in ("up", "down"):
             s, lp = r[k], r[k]["loop"] or {}
-            at = " ".join(f"{'-'.join(map(str, lp.get(c) or ['-'])):10s}" for c in ("LDG128_at", "LDGSTS_at"))
+            at = " ".join(f"{'-'.join(map(str, lp.get(c) or ['-'])):10s}" for c in ("LDG128_at", "TMA_at"))
             print(f"{name:15s} {k:6s} {s['registers']:4d} {s['spills']:5d} {s['shared']:5d} {s['ctas_per_sm']:6d} "
                   f"{lp.get('instructions', 0):5d} {lp.get('per_weight', 0):7.3f} {lp.get('LDG', 0):3d} "
-                  f"{lp.get('LDGSTS', 0):6d} {lp.get('LDS', 0):3d} {lp.get('BAR', 0):3d} {lp.get('moves', 0):5d} "
+                  f"{lp.get('UTMALDG', 0):3d} {lp.get('LDS', 0):3d} {lp.get('BAR', 0):3d} {lp.get('moves', 0):5d} "
                   f"{at} "
                   + " ".join(f"{e}:{w}" for e, w in s["waves"].items()))
 

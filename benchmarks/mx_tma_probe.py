@@ -1,19 +1,20 @@
-"""Probe (H200): the MXFP4 decode kernels with the packed words streamed by TMA into a ring of shared-memory stages
-(mbarrier completion), against the library's Gluon kernels (k3c.codegen.triton.moe_mxfp4_gluon: words prefetched
-in registers, the launch default, or through a per-thread cp.async ring).
+"""Probe (H200) of the MXFP4 decode kernels' knobs (k3c.codegen.triton.moe_mxfp4_gluon), beyond the mx_configs
+`bench_moe_mxfp4.py` sweeps: the word stream (num_stages 1: the next K tile's words prefetched in registers; ≥ 2:
+a TMA ring of that many shared-memory stages), whether each kernel prefetches its activations one tile ahead
+(`ACT_AHEAD`, which the launcher sets by `gl_act_ahead`) and a register cap per kernel. Every variant's output is
+compared with the launcher's default first (the decoding and MMA order are the same: bitwise equal).
 
-Why: the register prefetch reaches 75 % of HBM only where there are many waves (batch 16 of 896 experts) and ptxas
-issues its loads late in the K loop (BENCHMARKS.md "MXFP4 round (mx26)"); the cp.async ring, which issues them
-early, lost by 55-70 % for a reason not yet profiled. Here one thread per CTA issues a TMA box per matrix and K
-tile ([BLOCK_R rows, BLOCK_K/8 words], 128-byte swizzle: a warp's 16-byte reads are free of bank conflicts),
-STAGES − 1 tiles ahead; the activations and scale bytes are prefetched in registers one tile ahead as in the
-register kernels. The decoding and MMAs are the library's (`gl_decoded_tile`, `mma_v2`, same K order), so the
-outputs must be bitwise those of the library's kernels, which the probe checks before it times anything.
+    python3 benchmarks/mx_tma_probe.py --out DIR [--experts 32,896] [--batches 1,16]
+        [--variants "BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN;..."] [--workers 16] [--launch-only]
+Writes DIR/mx_tma_probe.json: per (E, N, variant) the max |difference| from the default's output and the time of
+up, down and the whole op (permutation, up, down, slot sum; do_bench_cudagraph), with the expert bytes read over
+that time as a fraction of the measured 4.2 TB/s. Variants compile in --workers processes first; --launch-only
+launches each variant once and times nothing (a profiler's target: run it under ncu with --workers 0).
 
-    python3 benchmarks/mx_tma_probe.py --out DIR [--experts 32,896] [--batches 1,16] [--stages 2,3,4]
-Writes DIR/mx_tma_probe.json: per (E, N, variant) the max |difference| from the default kernels' output and the
-time of up, down and the whole op (do_bench_cudagraph), with the expert bytes read over that time as a fraction
-of the measured 4.2 TB/s.
+Raw results: benchmarks/results_mx_tma_probe_run*.json. Run 1 (BENCHMARKS.md "MXFP4 round (mx27)") was measured
+with this script's first version, whose own copies of the TMA kernels became the library's; its variant names
+map onto --variants as "lib,BM,BR,S" = "BM,BR,S,1,1,0,0" (S 1; S 2 was mx26's cp.async ring, since removed) and
+"tma,BM,BR,S[,A[,CAP]]" = "BM,BR,S,A,A,CAP,CAP" (A 0 when left out).
 """
 
 import argparse
@@ -25,256 +26,60 @@ import sys
 import torch
 import triton
 import triton.testing
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from k3c.codegen.triton.gl_common import gl_thread_barrier  # noqa: E402
 from k3c.codegen.triton.moe import launch_moe_experts, moe_schedule, moe_sum_kernel  # noqa: E402
-from k3c.codegen.triton.moe_act import glu  # noqa: E402
-from k3c.codegen.triton.moe_mxfp4_gluon import (gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_layouts,  # noqa: E402
-                                               gl_permute, gl_permuted_col, gl_tile_rows, gl_word_offsets,
-                                               moe_down_mx_gluon_kernel, moe_up_mx_gluon_kernel)
+from k3c.codegen.triton.moe_mxfp4_gluon import (gl_permute, gl_word_descs, moe_down_mx_gluon_kernel,  # noqa: E402
+                                               moe_up_mx_gluon_kernel)
 
 HBM = 4.2e12
 D, I, K = 3584, 3072, 16
 ACT = dict(act="situ", situ_beta=4.0, situ_linear_beta=25.0)
 
 
-@gluon.constexpr_function
-def gl_words2d_layout(W, BLOCK_K):
-    """[16W, BLOCK_K/8] i32: the words `gl_layouts`' [W, 2, 8, 4, CH, 4] layout gives each thread (row 16w + 8h + g,
-    word 4·CH·t + 4·ch + c), as a 2-D layout a shared tile can be loaded into."""
-    CH = BLOCK_K // 128
-    reg = [[0, 1], [0, 2]] + [[0, 4 << i] for i in range(CH.bit_length() - 1)] + [[8, 0]]
-    lane = [[0, 4 * CH], [0, 8 * CH], [1, 0], [2, 0], [4, 0]]
-    warp = [[16 << i, 0] for i in range(W.bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
-                                      shape=[16 * W, BLOCK_K // 8])
+class ExpertsOp:
+    """The library's Gluon kernels (k3c.codegen.triton.moe_mxfp4_gluon) with every knob explicit: num_stages (1:
+    words prefetched in registers; ≥ 2: a TMA ring), whether each kernel prefetches its activations one tile
+    ahead, and a register cap per kernel."""
 
-
-@gluon.jit
-def gl_stage_words(stage, W: gl.constexpr, CH: gl.constexpr, W2: gl.constexpr, WL: gl.constexpr):
-    """The words [W, 2, 8, 4, CH, 4] (WL) of one shared stage [16W, 32·CH] i32."""
-    w = stage.load(W2)
-    return gl.convert_layout(gl.reshape(w, [W, 2, 8, 4, CH, 4]), WL, assert_trivial=True)
-
-
-@gluon.jit
-def gl_tma_tile(desc, row, t, bar, dst, pred):
-    """TMA box t along K of rows row.. of `desc` into `dst`, completing on `bar` (expected bytes set by caller)."""
-    tma.async_copy_global_to_shared(desc, [row, t * desc.block_type.shape[1]], bar, dst, pred)
-
-
-@gluon.jit
-def up_tma_kernel(zp_ptr, w1_desc, w3_desc, s1_ptr, s3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
-                  tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, E: gl.constexpr, K: gl.constexpr,
-                  D: gl.constexpr, I: gl.constexpr, ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_K2: gl.constexpr,
-                  STAGES: gl.constexpr, ACT_AHEAD: gl.constexpr):
-    W: gl.constexpr = BLOCK_R // 16
-    CH: gl.constexpr = BLOCK_D // 128
-    NT: gl.constexpr = D // BLOCK_D
-    WL: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[0]
-    MMA: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[1]
-    AL: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[2]
-    BL: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[3]
-    PL: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[4]
-    W2: gl.constexpr = gl_words2d_layout(W, BLOCK_D)
-    BYTES: gl.constexpr = 2 * BLOCK_R * BLOCK_D // 2
-    tile = gl.program_id(0)
-    e = gl.load(tile_expert_ptr + tile)
-    if e < E:
-        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, PL))
-        token = gl.load(order_ptr + offs_m, mask=m_ok, other=0) // K
-        zptrs = zp_ptr + gl_act_offsets(token, D, BLOCK_D, PL)
-        i0 = gl.program_id(1) * BLOCK_R
-        row = (e * I + i0).to(gl.int32)
-        woff, soff = gl_word_offsets(e.to(gl.int64) * I + i0, D, W, CH, WL)
-        s1p, s3p = s1_ptr + soff, s3_ptr + soff
-        r1 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_D // 8], w1_desc.layout)
-        r3 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_D // 8], w3_desc.layout)
-        bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(STAGES):
-            mbarrier.init(bar.index(b), count=1)
-        fence_async_shared()
-        for p in gl.static_range(STAGES - 1):
-            mbarrier.expect(bar.index(p), BYTES, pred=p < NT)
-            gl_tma_tile(w1_desc, row, p, bar.index(p), r1.index(p), p < NT)
-            gl_tma_tile(w3_desc, row, p, bar.index(p), r3.index(p), p < NT)
-        s1, s3 = gl.load(s1p), gl.load(s3p)
-        if ACT_AHEAD:
-            z = gl.load(zptrs)
-        gate = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
-        up = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
-        for it in range(NT):
-            d0 = it * BLOCK_D
-            dn = gl.where(d0 + BLOCK_D < D, d0 + BLOCK_D, 0)
-            nt = it + STAGES - 1
-            sn = nt % STAGES
-            pass
-            mbarrier.expect(bar.index(sn), BYTES, pred=nt < NT)
-            gl_tma_tile(w1_desc, row, nt, bar.index(sn), r1.index(sn), nt < NT)
-            gl_tma_tile(w3_desc, row, nt, bar.index(sn), r3.index(sn), nt < NT)
-            if ACT_AHEAD:
-                x = gl_act_operand(z, BLOCK_D, BL)
-                z = gl.load(zptrs + dn // 2)
-            else:
-                x = gl_act_operand(gl.load(zptrs + d0 // 2), BLOCK_D, BL)
-            s1_n, s3_n = gl.load(s1p + dn // 32), gl.load(s3p + dn // 32)
-            s = it % STAGES
-            mbarrier.wait(bar.index(s), (it // STAGES) & 1)
-            c1 = gl_stage_words(r1.index(s), W, CH, W2, WL)
-            c3 = gl_stage_words(r3.index(s), W, CH, W2, WL)
-            gate = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c1, s1, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, gate)
-            up = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c3, s3, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, up)
-            s1, s3 = s1_n, s3_n
-        h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
-        col = gl_permuted_col(i0 + gl.arange(0, BLOCK_R, gl.SliceLayout(1, MMA)), BLOCK_K2)
-        offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, MMA))
-        gl.store(hp_ptr + gl.expand_dims(offs_mo.to(gl.int64) * I, 0) + gl.expand_dims(col, 1),
-                 h.to(hp_ptr.dtype.element_ty), mask=gl.expand_dims(m_ok_o, 0) & gl.expand_dims(col < I, 1))
-
-
-@gluon.jit
-def down_tma_kernel(hp_ptr, w2_desc, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
-                    tile_row_end_ptr, y_slot_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
-                    TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_K2: gl.constexpr,
-                    STAGES: gl.constexpr, ACT_AHEAD: gl.constexpr):
-    W: gl.constexpr = BLOCK_R // 16
-    CH: gl.constexpr = BLOCK_K2 // 128
-    NT: gl.constexpr = I // BLOCK_K2
-    WL: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[0]
-    MMA: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[1]
-    AL: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[2]
-    BL: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[3]
-    PL: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[4]
-    W2: gl.constexpr = gl_words2d_layout(W, BLOCK_K2)
-    BYTES: gl.constexpr = BLOCK_R * BLOCK_K2 // 2
-    tile = gl.program_id(0)
-    e = gl.load(tile_expert_ptr + tile)
-    if e < E:
-        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, PL))
-        hptrs = hp_ptr + gl_act_offsets(gl.where(m_ok, offs_m, 0), I, BLOCK_K2, PL)
-        n0 = gl.program_id(1) * BLOCK_R
-        row = (e * D + n0).to(gl.int32)
-        woff, soff = gl_word_offsets(e.to(gl.int64) * D + n0, I, W, CH, WL)
-        s2p = s2_ptr + soff
-        r2 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_K2 // 8], w2_desc.layout)
-        bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for b in gl.static_range(STAGES):
-            mbarrier.init(bar.index(b), count=1)
-        fence_async_shared()
-        for p in gl.static_range(STAGES - 1):
-            mbarrier.expect(bar.index(p), BYTES, pred=p < NT)
-            gl_tma_tile(w2_desc, row, p, bar.index(p), r2.index(p), p < NT)
-        s2 = gl.load(s2p)
-        if ACT_AHEAD:
-            hh = gl.load(hptrs)
-        acc = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
-        for it in range(NT):
-            i0 = it * BLOCK_K2
-            nx = gl.where(i0 + BLOCK_K2 < I, i0 + BLOCK_K2, 0)
-            nt = it + STAGES - 1
-            sn = nt % STAGES
-            gl_thread_barrier()
-            mbarrier.expect(bar.index(sn), BYTES, pred=nt < NT)
-            gl_tma_tile(w2_desc, row, nt, bar.index(sn), r2.index(sn), nt < NT)
-            if ACT_AHEAD:
-                x = gl_act_operand(hh, BLOCK_K2, BL)
-                hh = gl.load(hptrs + nx // 2)
-            else:
-                x = gl_act_operand(gl.load(hptrs + i0 // 2), BLOCK_K2, BL)
-            s2_n = gl.load(s2p + nx // 32)
-            s = it % STAGES
-            mbarrier.wait(bar.index(s), (it // STAGES) & 1)
-            c2 = gl_stage_words(r2.index(s), W, CH, W2, WL)
-            acc = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c2, s2, TWO_MULS, BLOCK_R, BLOCK_K2, AL), x, acc)
-            s2 = s2_n
-        offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, MMA))
-        slot = gl.load(order_ptr + offs_mo, mask=m_ok_o, other=0)
-        weight = gl.load(weights_ptr + slot, mask=m_ok_o, other=0.0)
-        offs_n = n0 + gl.arange(0, BLOCK_R, gl.SliceLayout(1, MMA))
-        gl.store(y_slot_ptr + gl.expand_dims(slot * D, 0) + gl.expand_dims(offs_n, 1), acc * gl.expand_dims(weight, 0),
-                 mask=gl.expand_dims(m_ok_o, 0) & gl.expand_dims(offs_n < D, 1))
-
-
-def word_desc(w, block_r, block_k):
-    """TMA descriptor of MXFP4 words w u8 [E, R, C/2] viewed as i32 [E·R, C/8], box [block_r, block_k/8]."""
-    E, R, half = w.shape
-    lay = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    return TensorDescriptor.from_tensor(w.view(torch.int32).view(E * R, half // 4), [block_r, block_k // 8], lay)
-
-
-class TmaOp:
-    """The MXFP4 `moe_experts` op with the TMA kernels: z [N, D] bf16 -> y [N, D] (permute, up, down, slot sum)."""
-
-    def __init__(self, w1, w3, w2, s1, s3, s2, block_m, block_r, stages, act_ahead=0, maxnreg=0):
-        self.w = (w1, w3, w2)
-        self.s = (s1, s3, s2)
-        self.bm, self.br, self.stages, self.warps = block_m, block_r, stages, block_r // 16
-        self.E = w1.shape[0]
-        self.opts = dict(ACT_AHEAD=bool(act_ahead), num_warps=self.warps, **({"maxnreg": maxnreg} if maxnreg else {}))
-        self.descs = (word_desc(w1, block_r, 256), word_desc(w3, block_r, 256), word_desc(w2, block_r, 256))
-
-    def up(self, zp, sched, h):
-        E = self.E
-        up_tma_kernel[(sched[1].shape[0], I // self.br)](
-            zp.view(torch.int32), self.descs[0], self.descs[1], self.s[0], self.s[1], *sched, h,
-            ACT["situ_beta"], ACT["situ_linear_beta"], E=E, K=K, D=D, I=I, ACT_SITU=True, TWO_MULS=False,
-            BLOCK_M=self.bm, BLOCK_R=self.br, BLOCK_D=256, BLOCK_K2=256, STAGES=self.stages, **self.opts)
-
-    def down(self, h, sched, weights, y_slot):
-        E = self.E
-        down_tma_kernel[(sched[1].shape[0], D // self.br)](
-            h.view(torch.int32), self.descs[2], self.s[2], weights, *sched, y_slot, E=E, D=D, I=I, TWO_MULS=False,
-            BLOCK_M=self.bm, BLOCK_R=self.br, BLOCK_K2=256, STAGES=self.stages, **self.opts)
-
-
-class LibOp:
-    """The library's Gluon kernels called directly (STAGES 1: register prefetch; ≥ 2: cp.async ring)."""
-
-    def __init__(self, w1, w3, w2, s1, s3, s2, block_m, block_r, stages, act_ahead=0, maxnreg=0):
-        self.w = tuple(w.view(torch.int32) for w in (w1, w3, w2))
-        self.s = (s1, s3, s2)
+    def __init__(self, w1, w3, w2, s1, s3, s2, block_m, block_r, stages, act_up, act_down, cap_up, cap_down):
+        self.E, self.s = w1.shape[0], (s1, s3, s2)
         self.bm, self.br, self.stages = block_m, block_r, stages
-        self.E = w1.shape[0]
+        self.w = tuple(gl_word_descs(w, block_r, 256) if stages > 1 else w.view(torch.int32) for w in (w1, w3, w2))
+        self.up_opts, self.down_opts = (dict(ACT_AHEAD=bool(act), num_warps=block_r // 16,
+                                             **({"maxnreg": cap} if cap else {}))
+                                        for act, cap in ((act_up, cap_up), (act_down, cap_down)))
 
     def up(self, zp, sched, h):
         moe_up_mx_gluon_kernel[(sched[1].shape[0], I // self.br)](
             zp.view(torch.int32), self.w[0], self.w[1], self.s[0], self.s[1], *sched, h,
-            ACT["situ_beta"], ACT["situ_linear_beta"], E=self.E, K=K, D=D, I=I, ACT_SITU=True,
-            TWO_MULS=False, BLOCK_M=self.bm, BLOCK_R=self.br, BLOCK_D=256, BLOCK_K2=256, STAGES=self.stages,
-            num_warps=self.br // 16)
+            ACT["situ_beta"], ACT["situ_linear_beta"], E=self.E, K=K, D=D, I=I, ACT_SITU=True, TWO_MULS=False,
+            BLOCK_M=self.bm, BLOCK_R=self.br, BLOCK_D=256, BLOCK_K2=256, STAGES=self.stages, **self.up_opts)
 
     def down(self, h, sched, weights, y_slot):
         moe_down_mx_gluon_kernel[(sched[1].shape[0], D // self.br)](
-            h.view(torch.int32), self.w[2], self.s[2], weights, *sched, y_slot, E=self.E, D=D, I=I,
-            TWO_MULS=False, BLOCK_M=self.bm, BLOCK_R=self.br, BLOCK_K2=256, STAGES=self.stages,
-            num_warps=self.br // 16)
+            h.view(torch.int32), self.w[2], self.s[2], weights, *sched, y_slot, E=self.E, D=D, I=I, TWO_MULS=False,
+            BLOCK_M=self.bm, BLOCK_R=self.br, BLOCK_K2=256, STAGES=self.stages, **self.down_opts)
 
 
 def parse_variant(spec):
-    """'lib,BM,BR,STAGES' or 'tma,BM,BR,STAGES,ACT_AHEAD,MAXNREG' -> (name, class, kwargs)."""
-    f = spec.split(",")
-    cls = {"lib": LibOp, "tma": TmaOp}[f[0]]
-    kw = dict(block_m=int(f[1]), block_r=int(f[2]), stages=int(f[3]),
-              act_ahead=int(f[4]) if len(f) > 4 else 0, maxnreg=int(f[5]) if len(f) > 5 else 0)
-    return spec, cls, kw
+    """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN' (caps 0: none) -> (spec, ExpertsOp keyword arguments)."""
+    f = [int(x) for x in spec.split(",")]
+    if len(f) != 7:
+        raise SystemExit(f"--variants: {spec!r}: expected BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN")
+    return spec, dict(zip(("block_m", "block_r", "stages", "act_up", "act_down", "cap_up", "cap_down"), f))
 
 
 def warm_one(job):
     """Compile one variant for E experts (all tiles skipped: one stand-in expert), so timed runs hit the cache."""
     E, spec = job
-    _, cls, kw = parse_variant(spec)
+    _, kw = parse_variant(spec)
     dev = "cuda"
     w1 = torch.zeros(1, I, D // 2, dtype=torch.uint8, device=dev)
     w2 = torch.zeros(1, D, I // 2, dtype=torch.uint8, device=dev)
     s1 = torch.zeros(1, I, D // 32, dtype=torch.uint8, device=dev)
     s2 = torch.zeros(1, D, I // 32, dtype=torch.uint8, device=dev)
-    op = cls(w1, w1, w2, s1, s1, s2, **kw)
+    op = ExpertsOp(w1, w1, w2, s1, s1, s2, **kw)
     op.E = E
     sched = (torch.zeros(16, dtype=torch.int64, device=dev), torch.full((1,), E, dtype=torch.int64, device=dev),
              torch.zeros(1, dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int64, device=dev))
@@ -297,9 +102,9 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--experts", default="32,896")
     ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--variants", default="lib,8,32,1;lib,8,32,2;tma,8,32,2;tma,8,32,3;tma,8,32,4;tma,8,16,2;"
-                    "tma,8,16,4;tma,8,32,2,1;tma,8,32,4,1;tma,16,32,2;tma,16,32,4",
-                    help="';'-separated 'lib,BM,BR,STAGES' / 'tma,BM,BR,STAGES,ACT_AHEAD,MAXNREG' (BM 16: N > 1 only)")
+    ap.add_argument("--variants", default="8,32,1,1,1,0,0;8,32,2,1,0,0,80;8,32,2,1,1,0,0;8,16,2,1,0,0,0;"
+                    "8,32,3,1,0,0,80;16,32,2,0,0,0,0",
+                    help="';'-separated 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN' (BM 16: N > 1 only)")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--launch-only", action="store_true", help="one launch per variant, nothing timed (for ncu)")
     a = ap.parse_args()
@@ -326,13 +131,12 @@ def main():
             touched = int(torch.unique(ids).numel())
             nbytes = touched * per_expert
             y_ref = torch.empty_like(z)
-            launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y_ref, mx_config=(8, 32, 256, 2, 1, False, None),
-                               scale_max=122, **ACT)
-            for name, cls, kw in map(parse_variant, specs):
+            launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y_ref, scale_max=122, **ACT)
+            for name, kw in map(parse_variant, specs):
                 if kw["block_m"] > 8 and N == 1:
                     continue
                 try:
-                    op = cls(w1, w3, w2, s1, s3, s2, **kw)
+                    op = ExpertsOp(w1, w3, w2, s1, s3, s2, **kw)
                     sched = moe_schedule(ids, E, kw["block_m"])
                     zp = gl_permute(z, 256)
                     h = torch.empty(N * K, I, dtype=torch.bfloat16, device=dev)

@@ -243,15 +243,17 @@ def test_gluon_decode_ok():
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("mx_config", [(8, 32, 256, 2, 1, False, None), (8, 16, 128, 1, 1, True, None),
-                                       (8, 32, 256, 2, 2, False, 80), (8, 32, 256, 2, 4, True, None),
-                                       (16, 32, 256, 2, 1, False, None), (16, 16, 128, 1, 3, True, None)])
+                                       (8, 32, 256, 2, 2, False, (None, 80)), (8, 32, 256, 2, 4, True, None),
+                                       (16, 32, 256, 2, 1, False, None), (16, 16, 128, 1, 3, True, None),
+                                       (16, 32, 256, 2, 2, False, 96)])
 @pytest.mark.parametrize("N", [1, 5, 12])
 def test_gluon_matches_triton_and_reference(N, mx_config):
     """The Gluon decode kernels (bf16, K tiles prefetched in registers) against the Triton kernels of the same
     configuration, bitwise (the same decoded values and `mma.sync` sums in the same order), and against the
     reference up to bf16 rounding of z and h; two K tiles over D and I, one and two multiplies, 8- and 16-token
     tiles (N = 12: 48 rows over 6 experts, so 16-token tiles fill both n8 halves), the words prefetched in
-    registers (num_stages 1) or streamed through a cp.async ring of 2-4 stages, a register cap."""
+    registers (num_stages 1) or streamed by TMA through a ring of 2-4 stages (128- and 64-byte swizzles: K tiles
+    of 256 and 128), register caps (one for the down kernel alone: the decode default)."""
     D, I = 512 if mx_config[2] == 256 else 256, 256
     assert gluon_decode_ok(mx_config, D, I, mx_block_k(D, mx_config[2]), mx_block_k(I, mx_config[2]))
     z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(2, N, 4, 6, D, I)

@@ -2,9 +2,9 @@
 without TRITON_INTERPRET (Triton's bundled ptxas and cuobjdump; k3c.codegen.triton.offline).
 
 The Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon) have no interpreter, so without this a CPU run never
-compiles them: the cp.async builtin was renamed between Triton 3.6 (the device's) and 3.9 (pyproject's), which only
-a GPU run would have shown. They are compiled by benchmarks/mx_static_cost.py, and their code has the shape the
-design states ("Word stream"). The Triton kernels get the MMA their K order assumes."""
+compiles them: Gluon's cp.async and TMA builtins were renamed between Triton 3.6 (the device's) and 3.9
+(pyproject's), which only a GPU run would have shown. They are compiled by benchmarks/mx_static_cost.py, and their
+code has the shape the design states ("Word stream"). The Triton kernels get the MMA their K order assumes."""
 
 import importlib.util
 import json
@@ -16,20 +16,20 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 SCRIPT = os.path.join(ROOT, "benchmarks", "mx_static_cost.py")
-# (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages, two_muls, maxnreg): the decode default (registers), the ring at
-# 2 stages, 16-token tiles on a 3-stage ring with both multiplies
-CONFIGS = [(8, 32, 256, 2, 1, 0, 0), (8, 32, 256, 2, 2, 0, 0), (16, 32, 256, 2, 3, 1, 0)]
+# mx_configs as the script takes them (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages, two_muls, maxnreg): mx23's register
+# prefetch, the decode default (a 2-stage TMA ring, the down kernel capped at 80 registers), 16-token tiles on a
+# 3-stage ring with both multiplies
+CONFIGS = ["8,32,256,2,1,0,0", "8,32,256,2,2,0,0/80", "16,32,256,2,3,1,0"]
 
 
 def compile_offline(out, configs, *extra):
-    """benchmarks/mx_static_cost.py over `configs` into directory `out`: {config: row}."""
+    """benchmarks/mx_static_cost.py over `configs` into directory `out`: {config text: row}, in order."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    text = ";".join(",".join(map(str, c)) for c in configs)
-    run = subprocess.run([sys.executable, SCRIPT, "--configs", text, "--experts", "32", "--batches", "1",
-                          "--out", str(out), *extra], capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run([sys.executable, SCRIPT, "--configs", ";".join(configs), "--experts", "32", "--batches",
+                          "1", "--out", str(out), *extra], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     with open(out / "mx_static_cost.json") as f:
-        return {tuple(int(v or 0) for v in r["config"]): r for r in json.load(f)["rows"]}
+        return dict(zip(configs, json.load(f)["rows"]))
 
 
 @pytest.fixture(scope="module")
@@ -37,27 +37,35 @@ def static_cost(tmp_path_factory):
     return compile_offline(tmp_path_factory.mktemp("mx_static"), CONFIGS)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"bm{c[0]}-stages{c[4]}")
+def test_default_decode_config_is_compiled_here():
+    from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text, mx_default_config
+
+    assert mx_config_from_text(CONFIGS[1]) == mx_default_config(16, 896, 128)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
 def test_gluon_kernels_compile_for_sm90_without_spills(static_cost, config):
     row = static_cost[config]
-    _, block_r, block_k, _, stages = config[:5]
+    block_m, block_r, block_k, warps, stages = map(int, config.split(",")[:5])
     # K3.1 Pro: BLOCK_K 256 divides D = 3584 and I = 3072; one ring stage holds BLOCK_R rows × BLOCK_K / 8
     # 32-bit words of each streamed matrix (up: w1 and w3, down: w2)
     for kernel, matrices in (("up", 2), ("down", 1)):
         r = row[kernel]
         assert r["spills"] == 0
         loop = r["loop"]
-        ring = matrices * stages * block_r * block_k // 8 * 4 if stages > 1 else 0
         if stages == 1:
-            # mx23's register prefetch: no shared memory, no cp.async
-            assert r["shared"] == 0 and loop["LDGSTS"] == 0 and loop["BAR"] == 0
+            # mx23's register prefetch: no shared memory, no copies into it
+            assert r["shared"] == 0 and loop["LDGSTS"] == loop["UTMALDG"] == loop["BAR"] == 0
         else:
-            assert r["shared"] >= ring
-            # each thread copies its own 16-byte words: the tile's bytes over the CTA's threads, 16 at a time
-            assert loop["LDGSTS"] == matrices * block_r * block_k // 2 // (32 * config[3]) // 16
-            # issued at the top of the iteration, so each tile is in flight for stages - 1 whole iterations
-            assert loop["LDGSTS_at"][1] <= 0.1
-        assert loop["HMMA"] == matrices * block_k // 16 * config[0] // 8
+            assert r["shared"] >= matrices * stages * block_r * block_k // 8 * 4
+            # one TMA box per matrix and K tile, issued before the tile's decoding; no per-thread copies
+            assert loop["UTMALDG"] == matrices and loop["LDGSTS"] == 0 and loop["TMA_at"][1] <= 0.5
+            # each thread reads back exactly its words: 2 rows × BLOCK_K / 32 words, 16 bytes a load
+            assert loop["LDS"] == matrices * 2 * (block_k // 32) // 4
+        assert loop["HMMA"] == matrices * block_k // 16 * block_m // 8
+    if config.endswith("/80"):
+        # the cap is the down kernel's alone: the up kernel keeps the registers its activations need
+        assert row["down"]["registers"] <= 80 < row["up"]["registers"]
 
 
 def test_occupancy_rule_matches_ncu():
@@ -89,7 +97,7 @@ def test_emitted_module_kernels_compile(tmp_path):
     path.write_text(moe.emit_moe_experts(KernelGroup("k0001_moe_experts", "triton", "moe_experts", [g.nodes[0]],
                                                      ins, outs)))
     rows = compile_offline(tmp_path, CONFIGS[1:], "--module", str(path))
-    assert all(r["up"]["spills"] == 0 and r["down"]["loop"]["LDGSTS"] > 0 for r in rows.values())
+    assert all(r["up"]["spills"] == 0 and r["down"]["loop"]["UTMALDG"] == 1 for r in rows.values())
 
 
 MMA_KIND = """
@@ -107,9 +115,11 @@ for rows, E in json.loads(sys.argv[1]):
     common = dict(E=E, D=D, I=I, FAST=True, TWO_MULS=two, BLOCK_M=bm, BLOCK_R=br, BLOCK_K2=mx_block_k(I, most_k),
                   DOT_PRECISION="tf32", V2=mx_mma_v2(warps))
     kinds = []
-    for kernel, consts in ((moe_up_mx_kernel, dict(common, K=K, ACT_SITU=True, BLOCK_D=mx_block_k(D, most_k))),
-                           (moe_down_mx_kernel, common)):
-        c = compile_for(kernel, ptr, consts, num_warps=warps, num_stages=stages, maxnreg=maxnreg)
+    caps = maxnreg if isinstance(maxnreg, tuple) else (maxnreg, maxnreg)
+    for cap, kernel, consts in ((caps[0], moe_up_mx_kernel, dict(common, K=K, ACT_SITU=True,
+                                                                 BLOCK_D=mx_block_k(D, most_k))),
+                                (caps[1], moe_down_mx_kernel, common)):
+        c = compile_for(kernel, ptr, consts, num_warps=warps, num_stages=stages, maxnreg=cap)
         ops = {ins.split()[0] for _, ins in sass(c.asm["cubin"])}
         kinds.append(sorted({o.split(".")[0] for o in ops} & {"HMMA", "HGMMA"}))
     out[f"{rows},{E}"] = [mx_mma_v2(warps), kinds]

@@ -42,3 +42,23 @@ def gl_thread_barrier():
         gl.barrier()
     else:
         gl.thread_barrier()
+
+
+@gluon.constexpr_function
+def gl_tma_load_named():
+    """Whether this Triton names Gluon's TMA load `tma.async_load` (3.9, whose `async_copy_global_to_shared`
+    raises) rather than `tma.async_copy_global_to_shared` (3.6): the same (descriptor, coordinates, mbarrier,
+    smem, pred) builtin."""
+    return hasattr(gl.nvidia.hopper.tma, "async_load")
+
+
+@gluon.jit
+def gl_tma_load(desc, coord, bar, smem, pred):
+    """TMA copy of the box of tensor descriptor `desc` at element coordinates `coord` into the shared-memory
+    descriptor `smem` (sm_90+: `cp.async.bulk.tensor`, issued by one thread), its bytes completing on mbarrier
+    `bar` (the caller sets the expected byte count: `mbarrier.expect`); nothing is issued where `pred` is false.
+    Out-of-bounds box elements are zero-filled."""
+    if gl_tma_load_named():
+        gl.nvidia.hopper.tma.async_load(desc, coord, bar, smem, pred)
+    else:
+        gl.nvidia.hopper.tma.async_copy_global_to_shared(desc, coord, bar, smem, pred)

@@ -22,7 +22,7 @@ moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (n
   rows per expert: BLOCK_M = 16) streams the packed weights, prefill (BLOCK_M = 128) feeds the tensor cores.
   With bf16 activations on a GPU, 8- and 16-token decode tiles on 1-2 warps run the Gluon versions
   (k3c.codegen.triton.moe_mxfp4_gluon: num_stages 1 prefetches the next K tile's words in registers, ≥ 2 streams
-  them through a cp.async ring; `gluon_decode_ok`).
+  them through a TMA ring in shared memory; `gluon_decode_ok`).
   Two GEMM kernels rather than one: a single fused act(z W1ᵀ, z W3ᵀ) W2ᵀ program would have to either hold all
   of D in registers or recompute h per output block (re-reading W1/W3 D/BLOCK_N times); split, every expert
   weight is read once per token tile and the grid covers I and D, which decode (few tokens) needs to fill the GPU.
@@ -41,17 +41,17 @@ import triton.language as tl
 
 from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_scratch
-from k3c.codegen.triton.gl_common import gl_async_copy, gl_async_load_named
+from k3c.codegen.triton.gl_common import gl_tma_load, gl_tma_load_named
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile,
                                          mx_block_k, mx_default_config, mx_mma_v2, mx_permute, mx_permuted_col,
                                          mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32,
                                          mxfp4_weight_tile, mxfp4_word_bf16)
-from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_offsets, gl_act_operand,
+from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl_act_offsets, gl_act_operand,
                                                gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
-                                               gl_permuted_col, gl_ring_copy, gl_ring_layout, gl_tile_rows,
-                                               gl_word_offsets, gluon_decode_ok, moe_down_mx_gluon_kernel,
-                                               moe_up_mx_gluon_kernel)
+                                               gl_permuted_col, gl_ring_fill, gl_ring_init, gl_stage_words,
+                                               gl_tile_rows, gl_word_descs, gl_word_offsets, gl_words2d_layout,
+                                               gluon_decode_ok, moe_down_mx_gluon_kernel, moe_up_mx_gluon_kernel)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 
@@ -258,7 +258,8 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     [N·k, D] and, MXFP4, z_perm [N, D] (z in the kernels' K order): the planned buffers of `scratch` (name ->
     tensor, `moe_experts_scratch`), else allocated here; the sort permutation and tile schedule (i64, O(N·k + E))
     are allocated here. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config` (MXFP4:
-    BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg) and a precomputed `schedule`
+    BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg: None, a register cap for both
+    kernels or a pair (up, down)) and a precomputed `schedule`
     (`moe_schedule(ids, E, BLOCK_M)`). scale_max: an upper bound on the MXFP4 scale bytes (the node's `scale_max`,
     read from the checkpoint; 255: unknown), which picks the decoding (`mx_default_config`). gluon: None runs the
     Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon) for bf16 z on a GPU wherever `gluon_decode_ok`
@@ -291,34 +292,40 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         BK1, BK2 = mx_block_k(D, most_k), mx_block_k(I, most_k)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
         max_tiles = schedule[1].shape[0]
+        mr_up, mr_down = maxnreg if isinstance(maxnreg, (tuple, list)) else (maxnreg, maxnreg)
         fast = z.dtype == torch.bfloat16
         gl_run = gluon is not False and fast and z.is_cuda and gluon_decode_ok(cfg, D, I, BK1, BK2)
         zp = take_scratch(scratch, "z_perm", (N, D), z.dtype, z.device)
         if gl_run:
             zp = gl_permute(z, BK1, out=zp)
-            opts = dict(num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
+            act_up, act_down = gl_act_ahead(stages, BLOCK_M)
+            if stages > 1:      # the TMA ring: the words by descriptor
+                w1a, w3a, w2a = (gl_word_descs(w, BLOCK_R, bk) for w, bk in ((w1, BK1), (w3, BK1), (w2, BK2)))
+            else:
+                w1a, w3a, w2a = (w.view(torch.int32) for w in (w1, w3, w2))
             moe_up_mx_gluon_kernel[(max_tiles, I // BLOCK_R)](
-                zp.view(torch.int32), w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
+                zp.view(torch.int32), w1a, w3a, scales[0], scales[1], *schedule, h,
                 float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ",
                 TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2,
-                STAGES=stages, **opts)
+                STAGES=stages, ACT_AHEAD=act_up, num_warps=warps, **({"maxnreg": mr_up} if mr_up else {}))
             moe_down_mx_gluon_kernel[(max_tiles, D // BLOCK_R)](
-                h.view(torch.int32), w2.view(torch.int32), scales[2], weights, *schedule, y_slot, E=E, D=D, I=I,
-                TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, STAGES=stages, **opts)
+                h.view(torch.int32), w2a, scales[2], weights, *schedule, y_slot, E=E, D=D, I=I,
+                TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, STAGES=stages,
+                ACT_AHEAD=act_down, num_warps=warps, **({"maxnreg": mr_down} if mr_down else {}))
             moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
             return
         v2 = mx_mma_v2(warps)
         zp = mx_permute(z, BK1, out=zp, v2=v2)
-        opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+        opts = dict(num_warps=warps, num_stages=stages)
         moe_up_mx_kernel[(max_tiles, triton.cdiv(I, BLOCK_R))](
             zp, w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
             float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ", FAST=fast,
             TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2,
-            DOT_PRECISION=precision, V2=v2, **opts)
+            DOT_PRECISION=precision, V2=v2, **opts, **({"maxnreg": mr_up} if mr_up else {}))
         moe_down_mx_kernel[(max_tiles, triton.cdiv(D, BLOCK_R))](
             h, w2.view(torch.int32), scales[2], weights, *schedule, y_slot, E=E, D=D, I=I, FAST=fast,
             TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, DOT_PRECISION=precision, V2=v2,
-            **opts)
+            **opts, **({"maxnreg": mr_down} if mr_down else {}))
     else:
         BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N = blocks or (16 if rows < 16 * E else 64, 64, 64, 64)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
@@ -400,8 +407,8 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     mx_default_config, mx_mma_v2, mx_block_k, mx_permute, mx_permuted_col, mxfp4_word_bf16,
                     mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile,
                     moe_up_mx_kernel, moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule,
-                    gluon_decode_ok, gl_layouts, gl_permute, gl_permuted_col, gl_axis_layout, gl_word_offsets,
-                    gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_tile_rows, gl_ring_layout,
-                    gl_async_load_named, gl_async_copy, gl_ring_copy,
+                    gluon_decode_ok, gl_act_ahead, gl_layouts, gl_permute, gl_permuted_col, gl_axis_layout,
+                    gl_word_offsets, gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_tile_rows, gl_words2d_layout,
+                    gl_word_descs, gl_stage_words, gl_tma_load_named, gl_tma_load, gl_ring_fill, gl_ring_init,
                     moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel],
                    launch_moe_experts, body)

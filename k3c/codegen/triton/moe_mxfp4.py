@@ -39,8 +39,9 @@ decoder wants; reshaped (no data movement) to one byte per word. A byte gather p
 too narrow for cp.async: it became a synchronous global load plus a shared-memory layout conversion (two CTA
 barriers per matrix) in every K iteration, 7-14 % of the decode time (BENCHMARKS.md).
 
-Public API: `ONE_MUL_MAX_SCALE`, `mx_default_config(rows, E, scale_max)`, `mx_mma_v2(num_warps)`, `mx_block_k(K)`,
-`mx_permute(x, block_k, out, v2)`, the jit helpers and `moe_up_mx_kernel`, `moe_down_mx_kernel` (launched by
+Public API: `ONE_MUL_MAX_SCALE`, `mx_default_config(rows, E, scale_max)`, `mx_config_from_text(text)`,
+`mx_mma_v2(num_warps)`, `mx_block_k(K)`, `mx_permute(x, block_k, out, v2)`, the jit helpers and
+`moe_up_mx_kernel`, `moe_down_mx_kernel` (launched by
 `launch_moe_experts`).
 """
 
@@ -60,25 +61,44 @@ ONE_MUL_MAX_SCALE = 128
 def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls,
     maxnreg) for `rows` (token, slot) pairs over E experts whose scale bytes are at most `scale_max` (the
-    `moe_experts` node's checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md "MXFP4 round
-    (mx26)", benchmarks/bench_moe_mxfp4.py). One multiply, < 16 rows per expert on average (batch 1; batch 16 of
-    896 or of 32 experts): 8-row tiles, 32 weight rows on 2 warps (`mma.sync`, `mx_mma_v2`), 1 stage: on the GPU
-    the Gluon kernels with the next K tile prefetched in registers (mx23's kernel). At batch 16 of 32 experts (8
-    rows per expert, about 40 % of the experts holding more, whose weights 8-row tiles read twice) it took 240.5 us
-    against 245.2 for 16-token Gluon tiles and 250.8 for 16-row `wgmma` tiles; the cp.async ring (num_stages ≥ 2)
-    lost everywhere (166-184 us against 107 at batch 1). Two multiplies: 8-row tiles, 64 rows, 3 stages below 4
-    rows per expert, then 16-row `wgmma` tiles. < 64 rows per expert (measured at 32, batch 64 of 32 experts: 476
-    us against 1040 us for the prefill tiles, 3/4 empty there): 32-row tiles; prefill: 128 × 128 tiles. two_muls
-    (exact for every E8M0 scale) unless scale_max ≤ ONE_MUL_MAX_SCALE, where the one-multiply decoding is exact
-    too (4-6 % less time with 16-row tiles)."""
+    `moe_experts` node's checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md "MXFP4 rounds
+    (mx26)" and "(mx27)", benchmarks/bench_moe_mxfp4.py, benchmarks/mx_tma_probe.py). One multiply, < 16 rows per
+    expert on average (batch 1; batch 16 of 896 or of 32 experts): 8-row tiles, 32 weight rows on 2 warps
+    (`mma.sync`, `mx_mma_v2`), 2 stages: on the GPU the Gluon kernels with the words streamed by a 2-stage TMA
+    ring, the down kernel capped at 80 registers (maxnreg (up, down) = (None, 80)). At batch 1 of 32 and 896
+    experts they took 89-90 us (up with activations one tile ahead 60.1 us, down capped 29.3 us) against 98.5 us
+    for mx23's register prefetch (num_stages 1); at batch 16 of 32 experts 230.6 against 238.5, of 896 1216
+    against 1266; deeper rings, 16-row weight blocks and 16-token tiles measured slower or equal. Two multiplies:
+    8-row tiles, 64 rows, 3 stages below 4 rows per expert, then 16-row `wgmma` tiles. < 64 rows per expert
+    (measured at 32, batch 64 of 32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there):
+    32-row tiles; prefill: 128 × 128 tiles. two_muls (exact for every E8M0 scale) unless scale_max ≤
+    ONE_MUL_MAX_SCALE, where the one-multiply decoding is exact too (4-6 % less time with 16-row tiles)."""
     two = scale_max > ONE_MUL_MAX_SCALE
     if not two and rows < 16 * E:
-        return (8, 32, 256, 2, 1, two, None)
+        return (8, 32, 256, 2, 2, two, (None, 80))
     if rows < 4 * E:
         return (8, 64, 256, 2, 3, two, None)
     if rows < 16 * E:
         return (16, 64, 256, 4, 3, two, None)
     return (32, 64, 256, 4, 3, two, None) if rows < 64 * E else (128, 128, 128, 8, 3, two, None)
+
+
+def mx_config_from_text(text: str) -> tuple:
+    """An mx_config from its benchmark-flag form 'BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg' (two_muls
+    0/1; maxnreg 0: none, or 'UP/DOWN' for one cap per kernel, 0 for none), e.g. '8,32,256,2,2,0,0/80' ->
+    (8, 32, 256, 2, 2, False, (None, 80)). Raises ValueError naming the text otherwise."""
+    f = text.split(",")
+    try:
+        if len(f) != 7:
+            raise ValueError
+        head = [int(x) for x in f[:6]]
+        caps = [int(x) or None for x in f[6].split("/")]
+        if len(caps) not in (1, 2):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{text!r}: expected BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg (7 integers; "
+                         "maxnreg may be UP/DOWN)") from None
+    return (*head[:5], bool(head[5]), caps[0] if len(caps) == 1 else tuple(caps))
 
 
 def mx_mma_v2(num_warps: int) -> bool:

@@ -1,6 +1,6 @@
 """Gluon decode kernels of MXFP4 `moe_experts` (k3c.codegen.triton.moe_mxfp4's `mma.sync` decode path): each
-thread loads exactly the packed words it decodes, and the words stream ahead of the decoding either in registers
-or through a cp.async ring in shared memory.
+thread decodes exactly the packed words it is given, and the words stream ahead of the decoding either in registers
+or through a TMA ring in shared memory.
 
 Why Gluon: the Triton decode kernels stream each K tile's packed words through shared memory laid out for
 Triton's own conversion (cp.async, one buffer: 2 stages), so every tile waits for its own load behind the
@@ -14,15 +14,14 @@ is converted through shared memory.
 Word stream (num_stages of the launch's mx_config, the kernels' STAGES): 1 loads the next K tile's words,
 scale bytes and activations into registers at the top of each iteration (loop-carried: no shared memory, no
 barrier; but ptxas issues those loads where the current tile's registers free up, about three quarters through
-the tile, so they are in flight for a quarter of it). STAGES ≥ 2 keeps STAGES − 1 tiles in flight: each thread
-cp.asyncs its own 16-byte words into a ring of STAGES tiles (`gl_ring_layout`: a warp's 16-byte chunks
-consecutive, no bank conflict) at the top of the iteration, waits for the oldest group and reads the current
-tile back with `LDS.128`; the copies cost no registers, so the kernels need 56-100 instead of 80-165 (the
-two barriers Gluon's membar analysis adds per iteration synchronise a CTA's 1-2 warps only). The activations
-are then loaded where used (L1-resident). The ring never reads a tile past the end of K (a masked, zero-filled
-copy); STAGES 1 keeps mx23's wrap of the last prefetch to tile 0. Measured on the H200 (BENCHMARKS.md "MXFP4 round
-(mx26)"), the ring is 55-70 % slower than STAGES 1, which stays the default (not yet profiled; likely each
-iteration waiting for its activations' L2 round trip).
+the tile, so they are in flight for a quarter of it). STAGES ≥ 2 keeps STAGES − 1 tiles in flight in a ring of
+STAGES shared-memory stages filled by TMA: one thread issues a [BLOCK_R, BLOCK_K/8]-word box per matrix and tile
+(`w1` / `w3` / `w2` are then TMA descriptors, `gl_word_descs`), completing on the stage's mbarrier; the box is
+stored with a BLOCK_K/2-byte swizzle, so a warp's 16-byte reads of its words (`gl_words2d_layout`: the same words
+per thread as registers) are free of bank conflicts. The copies cost no registers and no per-thread instructions.
+The scale bytes stay one tile ahead in registers; where the activations go is `gl_act_ahead`'s measured rule.
+Measured on the H200 (BENCHMARKS.md "MXFP4 round (mx27)"), the TMA ring beats the register prefetch at batch 1
+and 16, bitwise equal; the per-thread cp.async ring it replaces was 55-70 % slower (mx26).
 
 Layouts (W = num_warps, BLOCK_R = 16·W weight rows, BLOCK_M = 8 or 16 token rows, `mma.sync` m16n8k16 with
 kWidth 8: one or two instructions per k16 step): the words are a [W, 2, 8, 4, CH, 4] tensor (weight row 16w +
@@ -38,9 +37,11 @@ The E8M0 scale bytes of a word's 32-value group, (t·CC + 4·ch + c) // 4 = t·C
 per thread and row.
 
 Scope: bf16 activations on a GPU, 1 or 2 warps, decode tiles of 8 or 16 token rows, K tiles of 128..512 (CC a
-multiple of 4), weight rows a multiple of BLOCK_R (`gluon_decode_ok`); the Triton kernels cover the rest (and
-the interpreter: Gluon has none). Public API: `GLUON_BLOCK_MS`, `gluon_decode_ok`, the jit helpers (pasted into
-the emitted modules) and `moe_up_mx_gluon_kernel`, `moe_down_mx_gluon_kernel`."""
+multiple of 4; the TMA ring ≤ 256: a swizzled box row is at most 128 bytes), weight rows a multiple of BLOCK_R
+(`gluon_decode_ok`); the Triton kernels cover the rest (and the interpreter: Gluon has none). Public API:
+`GLUON_BLOCK_MS`, `gluon_decode_ok`, `gl_act_ahead`, `gl_word_descs`, the jit helpers (pasted into the emitted
+modules) and
+`moe_up_mx_gluon_kernel`, `moe_down_mx_gluon_kernel`."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from k3c.codegen.triton.gl_common import gl_async_copy
+from k3c.codegen.triton.gl_common import gl_tma_load
 from k3c.codegen.triton.moe_act import glu
 from k3c.codegen.triton.moe_mxfp4 import mxfp4_scale_bf16, mxfp4_word_bf16
 
@@ -62,12 +63,21 @@ def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> boo
     """Whether the Gluon kernels take a bf16 MXFP4 launch on a GPU with `mx_config` (BLOCK_M, BLOCK_R, largest
     BLOCK_K, num_warps, num_stages, ...: `mx_default_config`) over latent D and expert inner I with K tiles bk1
     (over D) and bk2 (over I): 8- or 16-row token tiles, 1 or 2 warps (the `mma.sync` path, `mx_mma_v2`), 16
-    weight rows per warp, every weight-row block full, K tiles of 128..512. For these kernels num_stages is the
-    word stream's depth (module docstring): 1 prefetches the next K tile in registers, ≥ 2 keeps num_stages − 1
-    tiles in flight through a cp.async ring."""
-    block_m, block_r, _, warps = mx_config[:4]
+    weight rows per warp, every weight-row block full, K tiles of 128..512 (≤ 256 for the TMA ring). For these
+    kernels num_stages is the word stream's depth (module docstring): 1 prefetches the next K tile in registers,
+    ≥ 2 keeps num_stages − 1 tiles in flight through a TMA ring."""
+    block_m, block_r, _, warps, stages = mx_config[:5]
     return block_m in GLUON_BLOCK_MS and warps in (1, 2) and block_r == 16 * warps and I % block_r == 0 and \
-        D % block_r == 0 and all(bk in (128, 256, 512) for bk in (bk1, bk2))
+        D % block_r == 0 and all(bk in ((128, 256, 512) if stages == 1 else (128, 256)) for bk in (bk1, bk2))
+
+
+def gl_act_ahead(stages: int, block_m: int) -> tuple[bool, bool]:
+    """(up, down): whether each kernel prefetches its activations one K tile ahead in registers (else it loads
+    them at the top of their iteration). Measured on the H200 (BENCHMARKS.md "MXFP4 round (mx27)"): with the
+    register word stream (stages 1) both do; with the TMA ring the up kernel does at 8-token tiles (batch 1: 60.2
+    against 65.5 us; at 16 tokens its registers would double) and the down kernel never (its loads hit L1/L2;
+    prefetching costs 29 registers and 5-10 % of its time)."""
+    return (stages == 1 or block_m == 8, stages == 1)
 
 
 @gluon.constexpr_function
@@ -121,19 +131,6 @@ def gl_axis_layout(layout, rank, d):
         if k != d:
             layout = gl.SliceLayout(k, layout)
     return layout
-
-
-@gluon.constexpr_function
-def gl_ring_layout(W, CH):
-    """Shared layout of one K tile of packed words [W, 2, 8, 4, CH, 4] (i32; dims warp w, h, g, t, ch, c) in a
-    ring of stages: a thread's 4 words of one (h, ch) (16 bytes, one cp.async) at 4·lane (lane = 4g + t), so the
-    16-byte accesses of a warp's threads are consecutive (no bank conflict); then ch, h and w."""
-    def basis(d, v):
-        return [v if i == d else 0 for i in range(6)]
-    bases = [basis(5, 1), basis(5, 2), basis(3, 1), basis(3, 2), basis(2, 1), basis(2, 2), basis(2, 4)]
-    bases += [basis(4, 1 << i) for i in range(CH.bit_length() - 1)] + [basis(1, 1)]
-    bases += [basis(0, 1 << i) for i in range(W.bit_length() - 1)]
-    return gl.SharedLinearLayout(offset_bases=bases)
 
 
 @gluon.jit
@@ -198,29 +195,79 @@ def gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BM: gl.constexpr, layout
     return offs_m, offs_m < gl.load(tile_row_end_ptr + tile)
 
 
-@gluon.jit
-def gl_ring_copy(ring, wp, k0, stage, KDIM: gl.constexpr):
-    """cp.async the packed words of the K tile at column k0 (words wp + k0/8: `gl_word_offsets`' pointers) into
-    stage `stage` of `ring`, 16 bytes per thread; a tile past KDIM is not read (its stage is zero-filled and
-    never decoded)."""
-    k0 = gl.to_tensor(k0)
-    gl_async_copy(ring.index(stage), wp + gl.where(k0 < KDIM, k0, 0) // 8, k0 < KDIM)
+@gluon.constexpr_function
+def gl_words2d_layout(W, BLOCK_K):
+    """[16W, BLOCK_K/8] i32 (a TMA stage: weight row, word): the words `gl_layouts`' [W, 2, 8, 4, CH, 4] layout
+    gives each thread (row 16w + 8h + g, word 4·CH·t + 4·ch + c), as a 2-D layout a shared stage loads into (4
+    consecutive words per thread: `LDS.128`)."""
+    CH = BLOCK_K // 128
+    reg = [[0, 1], [0, 2]] + [[0, 4 << i] for i in range(CH.bit_length() - 1)] + [[8, 0]]
+    lane = [[0, 4 * CH], [0, 8 * CH], [1, 0], [2, 0], [4, 0]]
+    warp = [[16 << i, 0] for i in range(W.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
+                                      shape=[16 * W, BLOCK_K // 8])
+
+
+def gl_word_descs(w: torch.Tensor, block_r: int, block_k: int):
+    """TMA descriptor of MXFP4 words w u8 [E, R, C/2] (contiguous, 16-byte aligned) as i32 [E·R, C/8] with
+    [block_r, block_k/8]-word boxes stored with a block_k/2-byte swizzle (`gl_words2d_layout` reads them free of
+    bank conflicts). Raises ValueError for a w TMA cannot address."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    E, R, half = w.shape
+    if not w.is_contiguous() or w.data_ptr() % 16 or half % 16:
+        raise ValueError(f"moe_experts: MXFP4 words {list(w.shape)} must be contiguous, 16-byte aligned rows of a "
+                         "multiple of 16 bytes for the TMA ring (mx_config num_stages ≥ 2)")
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=block_k // 2, element_bitwidth=32, rank=2)
+    return TensorDescriptor.from_tensor(w.view(torch.int32).view(E * R, half // 4), [block_r, block_k // 8], layout)
 
 
 @gluon.jit
-def moe_up_mx_gluon_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
+def gl_stage_words(stage, W: gl.constexpr, CH: gl.constexpr, WL: gl.constexpr):
+    """The words [W, 2, 8, 4, CH, 4] (WL) of one TMA stage [16W, 32·CH] i32."""
+    words = stage.load(gl_words2d_layout(W, 128 * CH))
+    return gl.convert_layout(gl.reshape(words, [W, 2, 8, 4, CH, 4]), WL, assert_trivial=True)
+
+
+@gluon.jit
+def gl_ring_fill(d1, d3, r1, r3, bar, row, t, NT: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr):
+    """TMA K tile t (< NT, else nothing) of weight rows row.. of d1 (and, PAIR, d3) into stage t % STAGES of
+    ring r1 (r3), completing on that stage's mbarrier of `bar`."""
+    stage = t % STAGES
+    ok = t < NT
+    BYTES: gl.constexpr = (2 if PAIR else 1) * d1.block_type.nbytes
+    gl.nvidia.hopper.mbarrier.expect(bar.index(stage), BYTES, ok)
+    gl_tma_load(d1, [row, t * d1.block_type.shape[1]], bar.index(stage), r1.index(stage), ok)
+    if PAIR:
+        gl_tma_load(d3, [row, t * d3.block_type.shape[1]], bar.index(stage), r3.index(stage), ok)
+
+
+@gluon.jit
+def gl_ring_init(STAGES: gl.constexpr):
+    """STAGES mbarriers (one arrival: the expect), initialised and fenced for the TMA."""
+    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], gl.nvidia.hopper.mbarrier.MBarrierLayout())
+    for b in gl.static_range(STAGES):
+        gl.nvidia.hopper.mbarrier.init(bar.index(b), count=1)
+    gl.nvidia.hopper.fence_async_shared()
+    return bar
+
+
+@gluon.jit
+def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
                            tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, E: gl.constexpr, K: gl.constexpr,
                            D: gl.constexpr, I: gl.constexpr, ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr,
                            BLOCK_M: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_D: gl.constexpr,
-                           BLOCK_K2: gl.constexpr, STAGES: gl.constexpr):
+                           BLOCK_K2: gl.constexpr, STAGES: gl.constexpr, ACT_AHEAD: gl.constexpr):
     """`moe_up_mx_kernel` (bf16, V2) for one BLOCK_M-row tile (8 or 16) and BLOCK_R intermediate columns:
     h = act(z W1[e]ᵀ, z W3[e]ᵀ) into hp [N·k, I] in `gl_permute` order of BLOCK_K2. zp: z [N, D] (bf16 read as
-    i32 pairs) `gl_permute`d by BLOCK_D; w1/w3 i32 words [E, I, D/8], s1/s3 u8 [E, I, D/32]. The packed words
-    stream through STAGES K tiles (module docstring, "Word stream"): STAGES 1 loads the next tile's words and
-    activations into registers before decoding this one; STAGES ≥ 2 keeps STAGES − 1 tiles of words in flight
-    by cp.async into a shared ring and loads each tile's activations where they are used. Scale bytes: the
-    next tile's in registers (the last one wraps to tile 0: unused)."""
+    i32 pairs) `gl_permute`d by BLOCK_D; s1/s3 u8 [E, I, D/32]; w1/w3: STAGES 1, pointers to i32 words
+    [E, I, D/8], loaded one K tile ahead into registers; STAGES ≥ 2, their TMA descriptors (`gl_word_descs`,
+    boxes [BLOCK_R, BLOCK_D/8]) streaming STAGES − 1 tiles ahead through a shared ring (module docstring, "Word
+    stream"). ACT_AHEAD: the activations one tile ahead in registers, else loaded at the top of their iteration
+    (`gl_act_ahead`). Scale bytes: the next tile's in registers (the last one wraps to tile 0: unused)."""
     W: gl.constexpr = BLOCK_R // 16
+    CH: gl.constexpr = BLOCK_D // 128
+    NT: gl.constexpr = D // BLOCK_D
     WL: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[0]
     MMA: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[1]
     AL: gl.constexpr = gl_layouts(W, BLOCK_D, BLOCK_M)[2]
@@ -233,35 +280,41 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, ti
         token = gl.load(order_ptr + offs_m, mask=m_ok, other=0) // K
         zptrs = zp_ptr + gl_act_offsets(token, D, BLOCK_D, PL)     # rows past the tile read token 0, never stored
         i0 = gl.program_id(1) * BLOCK_R
-        woff, soff = gl_word_offsets(e.to(gl.int64) * I + i0, D, W, BLOCK_D // 128, WL)
-        w1p, w3p, s1p, s3p = w1_ptr + woff, w3_ptr + woff, s1_ptr + soff, s3_ptr + soff
+        woff, soff = gl_word_offsets(e.to(gl.int64) * I + i0, D, W, CH, WL)
+        s1p, s3p = s1_ptr + soff, s3_ptr + soff
         s1, s3 = gl.load(s1p), gl.load(s3p)
         if STAGES > 1:
-            r1 = gl.allocate_shared_memory(gl.int32, [STAGES] + woff.shape, gl_ring_layout(W, BLOCK_D // 128))
-            r3 = gl.allocate_shared_memory(gl.int32, [STAGES] + woff.shape, gl_ring_layout(W, BLOCK_D // 128))
+            row = (e * I + i0).to(gl.int32)
+            r1 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_D // 8], w1.layout)
+            r3 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_D // 8], w3.layout)
+            bar = gl_ring_init(STAGES)
             for p in gl.static_range(STAGES - 1):
-                gl_ring_copy(r1, w1p, p * BLOCK_D, p, D)
-                gl_ring_copy(r3, w3p, p * BLOCK_D, p, D)
-                gl.nvidia.ampere.async_copy.commit_group()
+                gl_ring_fill(w1, w3, r1, r3, bar, row, p, NT, STAGES, True)
         else:
-            w1, w3, z = gl.load(w1p), gl.load(w3p), gl.load(zptrs)
+            w1p, w3p = w1 + woff, w3 + woff
+            c1_n, c3_n = gl.load(w1p), gl.load(w3p)
+        if ACT_AHEAD:
+            z = gl.load(zptrs)
         gate = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
         up = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
-        for d0 in range(0, D, BLOCK_D):
+        for it in range(NT):
+            d0 = it * BLOCK_D
             dn = gl.where(d0 + BLOCK_D < D, d0 + BLOCK_D, 0)
             if STAGES > 1:
-                it = d0 // BLOCK_D
-                gl_ring_copy(r1, w1p, d0 + (STAGES - 1) * BLOCK_D, (it + STAGES - 1) % STAGES, D)
-                gl_ring_copy(r3, w3p, d0 + (STAGES - 1) * BLOCK_D, (it + STAGES - 1) % STAGES, D)
-                gl.nvidia.ampere.async_copy.commit_group()
-                gl.nvidia.ampere.async_copy.wait_group(STAGES - 1)
-                c1, c3 = r1.index(it % STAGES).load(WL), r3.index(it % STAGES).load(WL)
-                x = gl_act_operand(gl.load(zptrs + d0 // 2), BLOCK_D, BL)
+                gl_ring_fill(w1, w3, r1, r3, bar, row, it + STAGES - 1, NT, STAGES, True)
             else:
-                c1, c3, x = w1, w3, gl_act_operand(z, BLOCK_D, BL)
-                w1, w3 = gl.load(w1p + dn // 8), gl.load(w3p + dn // 8)   # the last wraps to tile 0: unused
+                c1, c3 = c1_n, c3_n
+                c1_n, c3_n = gl.load(w1p + dn // 8), gl.load(w3p + dn // 8)   # the last wraps to tile 0: unused
+            if ACT_AHEAD:
+                x = gl_act_operand(z, BLOCK_D, BL)
                 z = gl.load(zptrs + dn // 2)
+            else:
+                x = gl_act_operand(gl.load(zptrs + d0 // 2), BLOCK_D, BL)
             s1_n, s3_n = gl.load(s1p + dn // 32), gl.load(s3p + dn // 32)
+            if STAGES > 1:
+                gl.nvidia.hopper.mbarrier.wait(bar.index(it % STAGES), (it // STAGES) & 1)
+                c1 = gl_stage_words(r1.index(it % STAGES), W, CH, WL)
+                c3 = gl_stage_words(r3.index(it % STAGES), W, CH, WL)
             gate = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c1, s1, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, gate)
             up = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c3, s3, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, up)
             s1, s3 = s1_n, s3_n
@@ -273,14 +326,17 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, ti
 
 
 @gluon.jit
-def moe_down_mx_gluon_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
+def moe_down_mx_gluon_kernel(hp_ptr, w2, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
                              tile_row_end_ptr, y_slot_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
                              TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_R: gl.constexpr,
-                             BLOCK_K2: gl.constexpr, STAGES: gl.constexpr):
+                             BLOCK_K2: gl.constexpr, STAGES: gl.constexpr, ACT_AHEAD: gl.constexpr):
     """`moe_down_mx_kernel` (bf16, V2) for one BLOCK_M-row tile and BLOCK_R output columns: y_slot[(token, slot)]
-    = (h W2[e]ᵀ) · weight; hp [N·k, I] (bf16 read as i32 pairs) in `gl_permute` order of BLOCK_K2, w2 i32
-    words [E, D, I/8], s2 u8 [E, D, I/32]; the words stream through STAGES K tiles as in the up kernel."""
+    = (h W2[e]ᵀ) · weight; hp [N·k, I] (bf16 read as i32 pairs) in `gl_permute` order of BLOCK_K2, s2 u8
+    [E, D, I/32]; w2 as the up kernel's w1: i32 words [E, D, I/8] with STAGES 1, else their TMA descriptor;
+    ACT_AHEAD as in the up kernel."""
     W: gl.constexpr = BLOCK_R // 16
+    CH: gl.constexpr = BLOCK_K2 // 128
+    NT: gl.constexpr = I // BLOCK_K2
     WL: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[0]
     MMA: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[1]
     AL: gl.constexpr = gl_layouts(W, BLOCK_K2, BLOCK_M)[2]
@@ -292,30 +348,38 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, til
         offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, PL))
         hptrs = hp_ptr + gl_act_offsets(gl.where(m_ok, offs_m, 0), I, BLOCK_K2, PL)   # rows past the tile: row 0
         n0 = gl.program_id(1) * BLOCK_R
-        woff, soff = gl_word_offsets(e.to(gl.int64) * D + n0, I, W, BLOCK_K2 // 128, WL)
-        w2p, s2p = w2_ptr + woff, s2_ptr + soff
+        woff, soff = gl_word_offsets(e.to(gl.int64) * D + n0, I, W, CH, WL)
+        s2p = s2_ptr + soff
         s2 = gl.load(s2p)
         if STAGES > 1:
-            r2 = gl.allocate_shared_memory(gl.int32, [STAGES] + woff.shape, gl_ring_layout(W, BLOCK_K2 // 128))
+            row = (e * D + n0).to(gl.int32)
+            r2 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_K2 // 8], w2.layout)
+            bar = gl_ring_init(STAGES)
             for p in gl.static_range(STAGES - 1):
-                gl_ring_copy(r2, w2p, p * BLOCK_K2, p, I)
-                gl.nvidia.ampere.async_copy.commit_group()
+                gl_ring_fill(w2, w2, r2, r2, bar, row, p, NT, STAGES, False)
         else:
-            w2, h = gl.load(w2p), gl.load(hptrs)
+            w2p = w2 + woff
+            c2_n = gl.load(w2p)
+        if ACT_AHEAD:
+            h = gl.load(hptrs)
         acc = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
-        for i0 in range(0, I, BLOCK_K2):
+        for it in range(NT):
+            i0 = it * BLOCK_K2
             nx = gl.where(i0 + BLOCK_K2 < I, i0 + BLOCK_K2, 0)
             if STAGES > 1:
-                it = i0 // BLOCK_K2
-                gl_ring_copy(r2, w2p, i0 + (STAGES - 1) * BLOCK_K2, (it + STAGES - 1) % STAGES, I)
-                gl.nvidia.ampere.async_copy.commit_group()
-                gl.nvidia.ampere.async_copy.wait_group(STAGES - 1)
-                c2, x = r2.index(it % STAGES).load(WL), gl_act_operand(gl.load(hptrs + i0 // 2), BLOCK_K2, BL)
+                gl_ring_fill(w2, w2, r2, r2, bar, row, it + STAGES - 1, NT, STAGES, False)
             else:
-                c2, x = w2, gl_act_operand(h, BLOCK_K2, BL)
-                w2 = gl.load(w2p + nx // 8)                          # the last wraps to tile 0: unused
+                c2 = c2_n
+                c2_n = gl.load(w2p + nx // 8)                        # the last wraps to tile 0: unused
+            if ACT_AHEAD:
+                x = gl_act_operand(h, BLOCK_K2, BL)
                 h = gl.load(hptrs + nx // 2)
+            else:
+                x = gl_act_operand(gl.load(hptrs + i0 // 2), BLOCK_K2, BL)
             s2_n = gl.load(s2p + nx // 32)
+            if STAGES > 1:
+                gl.nvidia.hopper.mbarrier.wait(bar.index(it % STAGES), (it // STAGES) & 1)
+                c2 = gl_stage_words(r2.index(it % STAGES), W, CH, WL)
             acc = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c2, s2, TWO_MULS, BLOCK_R, BLOCK_K2, AL), x, acc)
             s2 = s2_n
         offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, MMA))
