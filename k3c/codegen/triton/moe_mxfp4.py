@@ -65,10 +65,11 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     (mx26)" and "(mx27)", benchmarks/bench_moe_mxfp4.py, benchmarks/mx_tma_probe.py). One multiply, < 16 rows per
     expert on average (batch 1; batch 16 of 896 or of 32 experts): 8-row tiles, 32 weight rows on 2 warps
     (`mma.sync`, `mx_mma_v2`), 2 stages: on the GPU the Gluon kernels with the words streamed by a 2-stage TMA
-    ring, the down kernel capped at 80 registers (maxnreg (up, down) = (None, 80)). At batch 1 of 32 and 896
-    experts they took 89-90 us (up with activations one tile ahead 60.1 us, down capped 29.3 us) against 98.5 us
-    for mx23's register prefetch (num_stages 1); at batch 16 of 32 experts 230.6 against 238.5, of 896 1216
-    against 1266; deeper rings, 16-row weight blocks and 16-token tiles measured slower or equal. Two multiplies:
+    ring, the down kernel capped at 80 registers (maxnreg (up, down) = (None, 80)). Its two kernels were measured in
+    mx27's probe (their K loops are the probe's instruction for instruction on the device's Triton): at batch 1 of
+    32 experts up 60.2 us (activations one tile ahead) + down 29.3 us (capped) against 62.8 + 35.7 for mx23's
+    register prefetch (num_stages 1); at batch 16 of 32 experts 151.9 + 78.7 against 152.9 + 85.6, of 896 818.8 +
+    404.3 against 831.7 + 434.2; deeper rings, 16-row weight blocks and 16-token tiles were slower. Two multiplies:
     8-row tiles, 64 rows, 3 stages below 4 rows per expert, then 16-row `wgmma` tiles. < 64 rows per expert
     (measured at 32, batch 64 of 32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there):
     32-row tiles; prefill: 128 × 128 tiles. two_muls (exact for every E8M0 scale) unless scale_max ≤
