@@ -64,9 +64,12 @@ class ExpertsOp:
 
 def parse_variant(spec):
     """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN' (caps 0: none) -> (spec, ExpertsOp keyword arguments)."""
-    f = [int(x) for x in spec.split(",")]
+    try:
+        f = [int(x) for x in spec.split(",")]
+    except ValueError:
+        f = []
     if len(f) != 7:
-        raise SystemExit(f"--variants: {spec!r}: expected BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN")
+        raise SystemExit(f"--variants: {spec!r}: expected 7 integers BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN")
     return spec, dict(zip(("block_m", "block_r", "stages", "act_up", "act_down", "cap_up", "cap_down"), f))
 
 
@@ -108,10 +111,14 @@ def main():
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--launch-only", action="store_true", help="one launch per variant, nothing timed (for ncu)")
     a = ap.parse_args()
+    specs = a.variants.split(";")
+    for spec in specs:
+        parse_variant(spec)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (the Gluon kernels have no interpreter)")
     dev = "cuda"
     res = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": []}
     os.makedirs(a.out, exist_ok=True)
-    specs = a.variants.split(";")
     jobs = [(E, v) for E in map(int, a.experts.split(",")) for v in specs]
     if a.workers > 0:          # 0: compile in the timed process (a profiler then sees only the real launches)
         with multiprocessing.get_context("spawn").Pool(min(a.workers, len(jobs))) as pool:

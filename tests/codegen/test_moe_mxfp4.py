@@ -7,9 +7,9 @@ import triton
 import triton.language as tl
 
 from k3c.codegen.triton import moe
-from k3c.codegen.triton.moe_mxfp4 import (mx_block_k, mx_default_config, mx_permute, mx_permuted_col, mxfp4_scales,
-                                         mxfp4_weight_tile)
-from k3c.codegen.triton.moe_mxfp4_gluon import gl_permute, gl_permuted_col, gluon_decode_ok
+from k3c.codegen.triton.moe_mxfp4 import (mx_block_k, mx_config_from_text, mx_default_config, mx_permute,
+                                         mx_permuted_col, mxfp4_scales, mxfp4_weight_tile)
+from k3c.codegen.triton.moe_mxfp4_gluon import gl_permute, gl_permuted_col, gl_word_descs, gluon_decode_ok
 from k3c.ir.formats import mxfp4_dequantize
 from k3c.ir.ops import get_op
 
@@ -238,6 +238,32 @@ def test_gluon_decode_ok():
     assert not gluon_decode_ok((32, 64, 256, 4, 3, False, None), D, I, 256, 256)      # 32-token tiles
     assert not gluon_decode_ok((8, 64, 256, 2, 2, False, None), D, I, 256, 256)       # 32 rows per warp
     assert not gluon_decode_ok((8, 32, 256, 2, 2, False, None), D, 160, 256, 32)      # I = 5 · 32, K tile 32
+    # the TMA ring (num_stages ≥ 2) reads a K tile as one swizzled box row of at most 128 bytes: K tiles ≤ 256;
+    # the register stream takes 512
+    assert gluon_decode_ok((8, 32, 512, 2, 1, False, None), 4096, 4096, 512, 512)
+    assert not gluon_decode_ok((8, 32, 512, 2, 2, False, None), 4096, 4096, 512, 512)
+
+
+def test_mx_config_text():
+    assert mx_config_from_text("8,32,256,2,2,0,0/80") == (8, 32, 256, 2, 2, False, (None, 80))
+    assert mx_config_from_text("16,32,256,2,1,1,96") == (16, 32, 256, 2, 1, True, 96)
+    assert mx_config_from_text("8,32,256,2,1,0,0")[6] is None
+    for bad in ("8,32,256,2,2,0", "8,32,256,2,2,0,0/80/72", "8,32,x,2,2,0,0", ""):
+        with pytest.raises(ValueError, match="BLOCK_M,BLOCK_R,BLOCK_K"):
+            mx_config_from_text(bad)
+
+
+def test_word_descriptors():
+    # w u8 [E, R, C/2] as i32 words [E·R, C/8], [BLOCK_R, BLOCK_K/8]-word boxes, one K tile row = BLOCK_K/2 bytes,
+    # swizzled by that width; the descriptor is host data, built here without a GPU
+    w = torch.zeros(3, 64, 512, dtype=torch.uint8)
+    d = gl_word_descs(w, 32, 256)
+    assert list(d.shape) == [192, 128] and list(d.block_shape) == [32, 32] and d.layout.swizzle_byte_width == 128
+    assert gl_word_descs(w, 16, 128).layout.swizzle_byte_width == 64
+    with pytest.raises(ValueError, match=r"MXFP4 words \[3, 64, 256\] must be contiguous"):
+        gl_word_descs(w[:, :, ::2], 32, 256)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gl_word_descs(w.view(-1)[1:1 + 3 * 64 * 480].view(3, 64, 480), 32, 256)
 
 
 @cuda
