@@ -96,6 +96,14 @@ def test_emitted_module_kernels_compile(tmp_path):
     path = tmp_path / "k0001_moe_experts.py"
     path.write_text(moe.emit_moe_experts(KernelGroup("k0001_moe_experts", "triton", "moe_experts", [g.nodes[0]],
                                                      ins, outs)))
+    # its host side too: the launcher builds the TMA descriptors with the module's own helper
+    spec = importlib.util.spec_from_file_location("emitted_moe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import torch
+
+    desc = module.gl_word_descs(torch.zeros(E, I, D // 2, dtype=torch.uint8), 32, 256)
+    assert list(desc.shape) == [E * I, D // 8] and list(desc.block_shape) == [32, 32]
     rows = compile_offline(tmp_path, CONFIGS[1:], "--module", str(path))
     assert all(r["up"]["spills"] == 0 and r["down"]["loop"]["UTMALDG"] == 1 for r in rows.values())
 
