@@ -19,7 +19,9 @@ Run (CPU; the device's Triton for numbers that match it: `pip install --target /
     PYTHONPATH=/tmp/t36 python benchmarks/mx_static_cost.py [--configs "8,32,256,2,1,0,0;..."]
         [--experts 32,896] [--batches 1,16] [--module ARTIFACT/kernels/kNNNN_moe_experts.py] [--out DIR]
 Configs as `bench_moe_mxfp4.py --gluon-configs` (`mx_config_from_text`): BLOCK_M, BLOCK_R, BLOCK_K, warps,
-stages (≥ 2: the TMA ring), two_muls (0/1), maxnreg (0: none; "UP/DOWN": one per kernel). --module: compile
+stages (≥ 2: the TMA ring), two_muls (0/1), maxnreg (0: none; "UP/DOWN": one per kernel) and optionally the
+activation prefetch modes "UP/DOWN" (`gl_act_ahead`; 2 unrolls the K loop by two: the counts are then per K tile,
+half the body's, and the load positions are over the whole two-tile body). --module: compile
 the kernels of an emitted MXFP4 `moe_experts` module (what an artifact runs) instead of k3c's. Writes
 OUT/mx_static_cost.json and prints a table. A config `gluon_decode_ok` refuses is reported as such, not compiled.
 """
@@ -109,11 +111,12 @@ def compile_kernel(kernel, constexprs, warps, maxnreg, output_bf16):
     return compile_for(kernel, signature, constexprs, num_warps=warps, maxnreg=maxnreg, divisible=divisible)
 
 
-def loop_stats(code, weights_per_thread):
-    """Counts over the K loop: the body between the target of the kernel's longest conditional backward branch
-    and that branch (an unconditional one is the return from an out-of-line block, such as the mbarrier wait's
-    retry loop, into the loop body). `weights_per_thread`: the weights one thread decodes per iteration (its
-    warp's 16 rows of each matrix × BLOCK_K / 32 lanes)."""
+def loop_stats(code, weights_per_thread, tiles=1):
+    """Counts per K tile over the K loop: the body between the target of the kernel's longest conditional
+    backward branch and that branch (an unconditional one is the return from an out-of-line block, such as the
+    mbarrier wait's retry loop, into the loop body), which holds `tiles` K tiles (2: the loop unrolled by two,
+    activation prefetch mode 2). `weights_per_thread`: the weights one thread decodes per K tile (its warp's 16
+    rows of each matrix × BLOCK_K / 32 lanes)."""
     loops = [(int(m.group(1), 16), a) for a, ins in code
              if ins.startswith("@") and (m := BRANCH.search(ins)) and int(m.group(1), 16) <= a]
     if not loops:
@@ -123,15 +126,16 @@ def loop_stats(code, weights_per_thread):
     op = [ins.split()[1] if ins.startswith("@") else ins.split()[0] for ins in body]
 
     def count(prefix):
-        return sum(o.startswith(prefix) for o in op)
+        c = sum(o.startswith(prefix) for o in op)
+        return c // tiles if c % tiles == 0 else round(c / tiles, 1)
 
     n = len(body)
 
-    def span(prefixes):
+    def span(prefixes):         # where in the body (0 .. 1; ptxas interleaves the tiles of an unrolled body)
         at = [i for i, o in enumerate(op) if o.startswith(prefixes)]
         return [round(at[0] / n, 2), round(at[-1] / n, 2)] if at else None
 
-    return {"instructions": n, "per_weight": round(n / weights_per_thread, 3),
+    return {"instructions": round(n / tiles, 1), "per_weight": round(n / tiles / weights_per_thread, 3),
             "LDG": count("LDG"), "LDGSTS": count("LDGSTS"), "UTMALDG": count("UTMALDG"), "LDS": count("LDS"),
             "BAR": count("BAR"), "HMMA": count("HMMA"), "moves": count("MOV") + count("IMAD.MOV") + count("PRMT"),
             "LDG128_at": span(("LDG.E.128",)), "TMA_at": span(("UTMALDG",))}
@@ -154,18 +158,19 @@ def real_tiles(E, batch, block_m):
 
 
 def analyse(cfg, experts, batches, kernels):
-    bm, br, most_k, warps, stages, two, maxnreg = cfg
+    bm, br, most_k, warps, stages, two, maxnreg = cfg[:7]
     bk1, bk2 = mx_block_k(D, most_k), mx_block_k(I, most_k)
     row = {"config": list(cfg)}
     if not gluon_decode_ok(cfg, D, I, bk1, bk2):
         return {**row, "refused": "gluon_decode_ok"}
     common = dict(TWO_MULS=two, BLOCK_M=bm, BLOCK_R=br, BLOCK_K2=bk2, STAGES=stages, E=max(experts), D=D, I=I)
     up, down = kernels
-    act_up, act_down = gl_act_ahead(stages, bm)
+    act_up, act_down = gl_act_ahead(cfg)
     launches = {"up": (up, dict(common, K=K, ACT_SITU=True, BLOCK_D=bk1, ACT_AHEAD=act_up), 2 * bk1, I),
                 "down": (down, dict(common, ACT_AHEAD=act_down), bk2, D)}
     caps = dict(zip(("up", "down"), maxnreg if isinstance(maxnreg, tuple) else (maxnreg, maxnreg)))
     for name, (kernel, constexprs, columns, out_rows) in launches.items():
+        tiles = 2 if constexprs["ACT_AHEAD"] == 2 else 1
         c = compile_kernel(kernel, constexprs, warps, caps[name], output_bf16=name == "up")
         usage = resources(c.asm["cubin"])
         regs, spills = usage["REG"], usage["LOCAL"]
@@ -174,7 +179,7 @@ def analyse(cfg, experts, batches, kernels):
         waves = {f"E{E}_B{b}": round(real_tiles(E, b, bm) * (out_rows // br) / (fit * SMS), 2)
                  for E in experts for b in batches}
         row[name] = {"registers": regs, "spills": spills, "shared": shared, "ctas_per_sm": fit, "waves": waves,
-                     "loop": loop_stats(sass(c.asm["cubin"]), 16 * columns // 32)}
+                     "loop": loop_stats(sass(c.asm["cubin"]), 16 * columns // 32, tiles)}
     return row
 
 
@@ -195,7 +200,7 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "mx_static_cost.json"), "w") as f:
             json.dump(result, f, indent=1)
-    print(f"triton {triton.__version__}, sm_90a, D {D}, I {I}, top-{K}; the K loop per warp and iteration "
+    print(f"triton {triton.__version__}, sm_90a, D {D}, I {I}, top-{K}; the K loop per warp and K tile "
           "(/weight: per weight a thread decodes; LDG.128 / TMA at: where the first and last issue, 0 top .. "
           "1 end)")
     print("config          kernel regs spill  smem CTA/SM instr /weight LDG TMA LDS BAR moves LDG.128 at  "
@@ -210,8 +215,8 @@ def main():
             s, lp = r[k], r[k]["loop"] or {}
             at = " ".join(f"{'-'.join(map(str, lp.get(c) or ['-'])):10s}" for c in ("LDG128_at", "TMA_at"))
             print(f"{name:15s} {k:6s} {s['registers']:4d} {s['spills']:5d} {s['shared']:5d} {s['ctas_per_sm']:6d} "
-                  f"{lp.get('instructions', 0):5d} {lp.get('per_weight', 0):7.3f} {lp.get('LDG', 0):3d} "
-                  f"{lp.get('UTMALDG', 0):3d} {lp.get('LDS', 0):3d} {lp.get('BAR', 0):3d} {lp.get('moves', 0):5d} "
+                  f"{lp.get('instructions', 0):5.0f} {lp.get('per_weight', 0):7.3f} {lp.get('LDG', 0):3g} "
+                  f"{lp.get('UTMALDG', 0):3g} {lp.get('LDS', 0):3g} {lp.get('BAR', 0):3g} {lp.get('moves', 0):5g} "
                   f"{at} "
                   + " ".join(f"{e}:{w}" for e, w in s["waves"].items()))
 

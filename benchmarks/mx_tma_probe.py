@@ -1,7 +1,8 @@
 """Probe (H200) of the MXFP4 decode kernels' knobs (k3c.codegen.triton.moe_mxfp4_gluon), beyond the mx_configs
 `bench_moe_mxfp4.py` sweeps: the word stream (num_stages 1: the next K tile's words prefetched in registers; ≥ 2:
-a TMA ring of that many shared-memory stages), whether each kernel prefetches its activations one tile ahead
-(`ACT_AHEAD`, which the launcher sets by `gl_act_ahead`) and a register cap per kernel. Every variant's output is
+a TMA ring of that many shared-memory stages), how each kernel gets its activations (`ACT_AHEAD` 0: at use, 1:
+one tile ahead in registers carried across the loop, 2: one tile ahead, the loop unrolled by two; the launcher
+sets it by `gl_act_ahead`) and a register cap per kernel. Every variant's output is
 compared with the launcher's default first (the decoding and MMA order are the same: bitwise equal).
 
     python3 benchmarks/mx_tma_probe.py --out DIR [--experts 32,896] [--batches 1,16]
@@ -46,7 +47,7 @@ class ExpertsOp:
         self.E, self.s = w1.shape[0], (s1, s3, s2)
         self.bm, self.br, self.stages = block_m, block_r, stages
         self.w = tuple(gl_word_descs(w, block_r, 256) if stages > 1 else w.view(torch.int32) for w in (w1, w3, w2))
-        self.up_opts, self.down_opts = (dict(ACT_AHEAD=bool(act), num_warps=block_r // 16,
+        self.up_opts, self.down_opts = (dict(ACT_AHEAD=int(act), num_warps=block_r // 16,
                                              **({"maxnreg": cap} if cap else {}))
                                         for act, cap in ((act_up, cap_up), (act_down, cap_down)))
 
@@ -63,13 +64,15 @@ class ExpertsOp:
 
 
 def parse_variant(spec):
-    """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN' (caps 0: none) -> (spec, ExpertsOp keyword arguments)."""
+    """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN' (ACT 0..2; caps 0: none) -> (spec, ExpertsOp keyword
+    arguments)."""
     try:
         f = [int(x) for x in spec.split(",")]
     except ValueError:
         f = []
-    if len(f) != 7:
-        raise SystemExit(f"--variants: {spec!r}: expected 7 integers BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN")
+    if len(f) != 7 or not {f[3], f[4]} <= {0, 1, 2}:
+        raise SystemExit(f"--variants: {spec!r}: expected 7 integers BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN "
+                         "(ACT_UP, ACT_DOWN: 0, 1 or 2)")
     return spec, dict(zip(("block_m", "block_r", "stages", "act_up", "act_down", "cap_up", "cap_down"), f))
 
 

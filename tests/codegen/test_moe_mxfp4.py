@@ -9,7 +9,8 @@ import triton.language as tl
 from k3c.codegen.triton import moe
 from k3c.codegen.triton.moe_mxfp4 import (mx_block_k, mx_config_from_text, mx_default_config, mx_permute,
                                          mx_permuted_col, mxfp4_scales, mxfp4_weight_tile)
-from k3c.codegen.triton.moe_mxfp4_gluon import gl_permute, gl_permuted_col, gl_word_descs, gluon_decode_ok
+from k3c.codegen.triton.moe_mxfp4_gluon import (gl_act_ahead, gl_permute, gl_permuted_col, gl_word_descs,
+                                               gluon_decode_ok)
 from k3c.ir.formats import mxfp4_dequantize
 from k3c.ir.ops import get_op
 
@@ -242,13 +243,35 @@ def test_gluon_decode_ok():
     # the register stream takes 512
     assert gluon_decode_ok((8, 32, 512, 2, 1, False, None), 4096, 4096, 512, 512)
     assert not gluon_decode_ok((8, 32, 512, 2, 2, False, None), 4096, 4096, 512, 512)
+    # activation prefetch mode 2 unrolls a kernel's K loop by two: K3.1 Pro has 14 K tiles of 256 over D and 12
+    # over I; an odd count (D = 3 · 256, the up kernel's) is refused for the kernel that would unroll
+    unrolled = (8, 32, 256, 2, 2, False, (None, 80), (2, 2))
+    assert gluon_decode_ok(unrolled, D, I, 256, 256)
+    assert not gluon_decode_ok(unrolled, 768, I, 256, 256)
+    assert gluon_decode_ok(unrolled[:7] + ((1, 2),), 768, I, 256, 256)
+
+
+def test_act_ahead_modes():
+    # the rule measured in mx27: register word stream: both kernels one tile ahead (carried); TMA ring: the up
+    # kernel carried at 8-token tiles, at use at 16; the down kernel at use
+    assert gl_act_ahead((8, 32, 256, 2, 1, False, None)) == (1, 1)
+    assert gl_act_ahead((8, 32, 256, 2, 2, False, (None, 80))) == (1, 0)
+    assert gl_act_ahead((16, 32, 256, 2, 3, False, None)) == (0, 0)
+    # an explicit 8th field wins over the rule, None keeps it
+    assert gl_act_ahead((16, 32, 256, 2, 3, False, None, (2, 1))) == (2, 1)
+    assert gl_act_ahead((8, 32, 256, 2, 2, False, None, None)) == (1, 0)
+    for bad in ((3, 0), (1,), (0, -1)):
+        with pytest.raises(ValueError, match="prefetch modes"):
+            gl_act_ahead((8, 32, 256, 2, 2, False, None, bad))
 
 
 def test_mx_config_text():
     assert mx_config_from_text("8,32,256,2,2,0,0/80") == (8, 32, 256, 2, 2, False, (None, 80))
     assert mx_config_from_text("16,32,256,2,1,1,96") == (16, 32, 256, 2, 1, True, 96)
     assert mx_config_from_text("8,32,256,2,1,0,0")[6] is None
-    for bad in ("8,32,256,2,2,0", "8,32,256,2,2,0,0/80/72", "8,32,x,2,2,0,0", ""):
+    assert mx_config_from_text("8,32,256,2,2,0,0/80,2/0") == (8, 32, 256, 2, 2, False, (None, 80), (2, 0))
+    for bad in ("8,32,256,2,2,0", "8,32,256,2,2,0,0/80/72", "8,32,x,2,2,0,0", "", "8,32,256,2,2,0,0,3/0",
+                "8,32,256,2,2,0,0,2", "8,32,256,2,2,0,0,2/0,1"):
         with pytest.raises(ValueError, match="BLOCK_M,BLOCK_R,BLOCK_K"):
             mx_config_from_text(bad)
 
@@ -271,7 +294,9 @@ def test_word_descriptors():
 @pytest.mark.parametrize("mx_config", [(8, 32, 256, 2, 1, False, None), (8, 16, 128, 1, 1, True, None),
                                        (8, 32, 256, 2, 2, False, (None, 80)), (8, 32, 256, 2, 4, True, None),
                                        (16, 32, 256, 2, 1, False, None), (16, 16, 128, 1, 3, True, None),
-                                       (16, 32, 256, 2, 2, False, 96)])
+                                       (16, 32, 256, 2, 2, False, 96), (8, 32, 256, 2, 2, False, (80, 80), (2, 0)),
+                                       (8, 32, 128, 2, 2, False, None, (2, 2)), (8, 32, 128, 2, 1, True, None, (2, 2)),
+                                       (16, 16, 128, 1, 3, False, None, (2, 2))])
 @pytest.mark.parametrize("N", [1, 5, 12])
 def test_gluon_matches_triton_and_reference(N, mx_config):
     """The Gluon decode kernels (bf16, K tiles prefetched in registers) against the Triton kernels of the same
@@ -279,8 +304,11 @@ def test_gluon_matches_triton_and_reference(N, mx_config):
     reference up to bf16 rounding of z and h; two K tiles over D and I, one and two multiplies, 8- and 16-token
     tiles (N = 12: 48 rows over 6 experts, so 16-token tiles fill both n8 halves), the words prefetched in
     registers (num_stages 1) or streamed by TMA through a ring of 2-4 stages (128- and 64-byte swizzles: K tiles
-    of 256 and 128), register caps (one for the down kernel alone: the decode default)."""
-    D, I = 512 if mx_config[2] == 256 else 256, 256
+    of 256 and 128), register caps (one for the down kernel alone: the decode default), and the activations
+    prefetched with the K loop unrolled by two (mode 2, `gl_act_ahead`: four K tiles over D and I, so the
+    unrolled loop runs twice)."""
+    bk = mx_config[2]
+    D, I = (4 * bk, 4 * bk) if len(mx_config) > 7 else (512 if bk == 256 else 256, 256)
     assert gluon_decode_ok(mx_config, D, I, mx_block_k(D, mx_config[2]), mx_block_k(I, mx_config[2]))
     z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(2, N, 4, 6, D, I)
     y, y_triton = torch.full_like(z, float("nan")), torch.full_like(z, float("nan"))

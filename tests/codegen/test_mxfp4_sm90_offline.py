@@ -18,8 +18,9 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 SCRIPT = os.path.join(ROOT, "benchmarks", "mx_static_cost.py")
 # mx_configs as the script takes them (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages, two_muls, maxnreg): mx23's register
 # prefetch, the decode default (a 2-stage TMA ring, the down kernel capped at 80 registers), 16-token tiles on a
-# 3-stage ring with both multiplies
-CONFIGS = ["8,32,256,2,1,0,0", "8,32,256,2,2,0,0/80", "16,32,256,2,3,1,0"]
+# 3-stage ring with both multiplies, the default with both kernels' activations prefetched by the unrolled loop
+# (`gl_act_ahead` mode 2)
+CONFIGS = ["8,32,256,2,1,0,0", "8,32,256,2,2,0,0/80", "16,32,256,2,3,1,0", "8,32,256,2,2,0,0/80,2/2"]
 
 
 def compile_offline(out, configs, *extra):
@@ -47,6 +48,7 @@ def test_default_decode_config_is_compiled_here():
 def test_gluon_kernels_compile_for_sm90_without_spills(static_cost, config):
     row = static_cost[config]
     block_m, block_r, block_k, warps, stages = map(int, config.split(",")[:5])
+    tiles = 2 if config.endswith(",2/2") else 1             # K tiles in the loop body (counts are per tile)
     # K3.1 Pro: BLOCK_K 256 divides D = 3584 and I = 3072; one ring stage holds BLOCK_R rows × BLOCK_K / 8
     # 32-bit words of each streamed matrix (up: w1 and w3, down: w2)
     for kernel, matrices in (("up", 2), ("down", 1)):
@@ -59,13 +61,29 @@ def test_gluon_kernels_compile_for_sm90_without_spills(static_cost, config):
         else:
             assert r["shared"] >= matrices * stages * block_r * block_k // 8 * 4
             # one TMA box per matrix and K tile, issued before the tile's decoding; no per-thread copies
-            assert loop["UTMALDG"] == matrices and loop["LDGSTS"] == 0 and loop["TMA_at"][1] <= 0.5
+            assert loop["UTMALDG"] == matrices and loop["LDGSTS"] == 0 and loop["TMA_at"][1] <= 1 - 0.5 / tiles
             # each thread reads back exactly its words: 2 rows × BLOCK_K / 32 words, 16 bytes a load
             assert loop["LDS"] == matrices * 2 * (block_k // 32) // 4
         assert loop["HMMA"] == matrices * block_k // 16 * block_m // 8
     if config.endswith("/80"):
         # the cap is the down kernel's alone: the up kernel keeps the registers its activations need
         assert row["down"]["registers"] <= 80 < row["up"]["registers"]
+
+
+def test_unrolled_activation_prefetch_needs_no_copies(static_cost):
+    # mode 1 carries the next tile's activations across the loop: each thread's 32 registers of them (8 tokens ×
+    # 256 bf16 of K per warp: 128 bytes a thread) are copied at the back edge, so the up kernel's K loop holds at
+    # least 32 moves a tile; mode 2 (the loop unrolled by two, each register set reloaded after its last use)
+    # drops those copies, for the same registers, loads and MMAs (Triton 3.6: 83 -> 16 moves, 3.9: 74 -> 20.5)
+    carried, unrolled = static_cost["8,32,256,2,2,0,0/80"]["up"], static_cost["8,32,256,2,2,0,0/80,2/2"]["up"]
+    assert carried["loop"]["moves"] >= 32 and unrolled["loop"]["moves"] <= carried["loop"]["moves"] - 32
+    assert unrolled["loop"]["instructions"] <= carried["loop"]["instructions"] - 32
+    assert unrolled["registers"] <= carried["registers"] and unrolled["spills"] == 0
+    for key in ("HMMA", "LDG", "UTMALDG", "LDS"):
+        assert unrolled["loop"][key] == carried["loop"][key]
+    # the down kernel prefetches too (mode 0 loads at use) within its 80-register cap, without spilling
+    down = static_cost["8,32,256,2,2,0,0/80,2/2"]["down"]
+    assert down["registers"] <= 80 and down["spills"] == 0 and down["loop"]["moves"] <= 24
 
 
 def test_occupancy_rule_matches_ncu():

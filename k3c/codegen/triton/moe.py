@@ -259,8 +259,8 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     tensor, `moe_experts_scratch`), else allocated here; the sort permutation and tile schedule (i64, O(N·k + E))
     are allocated here. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config` (MXFP4:
     BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg: None, a register cap for both
-    kernels or a pair (up, down)) and a precomputed `schedule`
-    (`moe_schedule(ids, E, BLOCK_M)`). scale_max: an upper bound on the MXFP4 scale bytes (the node's `scale_max`,
+    kernels or a pair (up, down); optionally the Gluon kernels' activation prefetch modes, `gl_act_ahead`) and a
+    precomputed `schedule` (`moe_schedule(ids, E, BLOCK_M)`). scale_max: an upper bound on the MXFP4 scale bytes (the node's `scale_max`,
     read from the checkpoint; 255: unknown), which picks the decoding (`mx_default_config`). gluon: None runs the
     Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon) for bf16 z on a GPU wherever `gluon_decode_ok`
     takes the configuration, False never (the Triton kernels; benchmarks). Raises ValueError on mismatched shapes.
@@ -288,7 +288,7 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     h = take_scratch(scratch, "h", (rows, I), z.dtype, z.device)
     if mx:
         cfg = mx_config or mx_default_config(rows, E, scale_max)
-        BLOCK_M, BLOCK_R, most_k, warps, stages, two_muls, maxnreg = cfg
+        BLOCK_M, BLOCK_R, most_k, warps, stages, two_muls, maxnreg = cfg[:7]
         BK1, BK2 = mx_block_k(D, most_k), mx_block_k(I, most_k)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
         max_tiles = schedule[1].shape[0]
@@ -298,7 +298,7 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         zp = take_scratch(scratch, "z_perm", (N, D), z.dtype, z.device)
         if gl_run:
             zp = gl_permute(z, BK1, out=zp)
-            act_up, act_down = gl_act_ahead(stages, BLOCK_M)
+            act_up, act_down = gl_act_ahead(cfg)
             if stages > 1:      # the TMA ring: the words by descriptor
                 w1a, w3a, w2a = (gl_word_descs(w, BLOCK_R, bk) for w, bk in ((w1, BK1), (w3, BK1), (w2, BK2)))
             else:

@@ -60,9 +60,10 @@ ONE_MUL_MAX_SCALE = 128
 
 def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls,
-    maxnreg) for `rows` (token, slot) pairs over E experts whose scale bytes are at most `scale_max` (the
-    `moe_experts` node's checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md "MXFP4 rounds
-    (mx26)" and "(mx27)", benchmarks/bench_moe_mxfp4.py, benchmarks/mx_tma_probe.py). One multiply, < 16 rows per
+    maxnreg; an optional 8th field, the Gluon kernels' activation prefetch modes `gl_act_ahead`) for `rows`
+    (token, slot) pairs over E experts whose scale bytes are at most `scale_max` (the `moe_experts` node's
+    checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md "MXFP4 rounds (mx26)" and
+    "(mx27)", benchmarks/bench_moe_mxfp4.py, benchmarks/mx_tma_probe.py). One multiply, < 16 rows per
     expert on average (batch 1; batch 16 of 896 or of 32 experts): 8-row tiles, 32 weight rows on 2 warps
     (`mma.sync`, `mx_mma_v2`), 2 stages: on the GPU the Gluon kernels with the words streamed by a 2-stage TMA
     ring, the down kernel capped at 80 registers (maxnreg (up, down) = (None, 80)). Its two kernels were measured in
@@ -85,21 +86,24 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
 
 
 def mx_config_from_text(text: str) -> tuple:
-    """An mx_config from its benchmark-flag form 'BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg' (two_muls
-    0/1; maxnreg 0: none, or 'UP/DOWN' for one cap per kernel, 0 for none), e.g. '8,32,256,2,2,0,0/80' ->
-    (8, 32, 256, 2, 2, False, (None, 80)). Raises ValueError naming the text otherwise."""
+    """An mx_config from its benchmark-flag form 'BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg[,act]'
+    (two_muls 0/1; maxnreg 0: none, or 'UP/DOWN' for one cap per kernel, 0 for none; act, optional: the Gluon
+    kernels' activation prefetch modes 'UP/DOWN', each 0..2, `gl_act_ahead`), e.g. '8,32,256,2,2,0,0/80' ->
+    (8, 32, 256, 2, 2, False, (None, 80)) and '8,32,256,2,2,0,0/80,2/0' -> (..., (None, 80), (2, 0)). Raises
+    ValueError naming the text otherwise."""
     f = text.split(",")
     try:
-        if len(f) != 7:
+        if len(f) not in (7, 8):
             raise ValueError
         head = [int(x) for x in f[:6]]
         caps = [int(x) or None for x in f[6].split("/")]
-        if len(caps) not in (1, 2):
+        act = tuple(int(x) for x in f[7].split("/")) if len(f) == 8 else ()
+        if len(caps) not in (1, 2) or len(f) == 8 and (len(act) != 2 or not set(act) <= {0, 1, 2}):
             raise ValueError
     except ValueError:
-        raise ValueError(f"{text!r}: expected BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg (7 integers; "
-                         "maxnreg may be UP/DOWN)") from None
-    return (*head[:5], bool(head[5]), caps[0] if len(caps) == 1 else tuple(caps))
+        raise ValueError(f"{text!r}: expected BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg[,act] (7 "
+                         "integers, maxnreg may be UP/DOWN; act: UP/DOWN, each 0, 1 or 2)") from None
+    return (*head[:5], bool(head[5]), caps[0] if len(caps) == 1 else tuple(caps), *((act,) if act else ()))
 
 
 def mx_mma_v2(num_warps: int) -> bool:

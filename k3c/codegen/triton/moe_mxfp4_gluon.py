@@ -19,7 +19,8 @@ STAGES shared-memory stages filled by TMA: one thread issues a [BLOCK_R, BLOCK_K
 (`w1` / `w3` / `w2` are then TMA descriptors, `gl_word_descs`), completing on the stage's mbarrier; the box is
 stored with a BLOCK_K/2-byte swizzle, so a warp's 16-byte reads of its words (`gl_words2d_layout`: the same words
 per thread as registers) are free of bank conflicts. The copies cost no registers and no per-thread instructions.
-The scale bytes stay one tile ahead in registers; where the activations go is `gl_act_ahead`'s measured rule.
+The scale bytes stay one tile ahead in registers; the activations load at use or one tile ahead, as
+`gl_act_ahead` says (mode 2 unrolls the K loop by two so that the prefetched registers need no copies).
 Measured on the H200 (BENCHMARKS.md "MXFP4 round (mx27)"), the TMA ring beats the register prefetch at batch 1
 and 16, bitwise equal; the per-thread cp.async ring it replaces was 55-70 % slower (mx26).
 
@@ -63,21 +64,33 @@ def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> boo
     """Whether the Gluon kernels take a bf16 MXFP4 launch on a GPU with `mx_config` (BLOCK_M, BLOCK_R, largest
     BLOCK_K, num_warps, num_stages, ...: `mx_default_config`) over latent D and expert inner I with K tiles bk1
     (over D) and bk2 (over I): 8- or 16-row token tiles, 1 or 2 warps (the `mma.sync` path, `mx_mma_v2`), 16
-    weight rows per warp, every weight-row block full, K tiles of 128..512 (≤ 256 for the TMA ring). For these
-    kernels num_stages is the word stream's depth (module docstring): 1 prefetches the next K tile in registers,
-    ≥ 2 keeps num_stages − 1 tiles in flight through a TMA ring."""
+    weight rows per warp, every weight-row block full, K tiles of 128..512 (≤ 256 for the TMA ring), and an even
+    number of K tiles in a kernel whose activation prefetch mode (`gl_act_ahead`) is 2. For these kernels
+    num_stages is the word stream's depth (module docstring): 1 prefetches the next K tile in registers, ≥ 2 keeps
+    num_stages − 1 tiles in flight through a TMA ring."""
     block_m, block_r, _, warps, stages = mx_config[:5]
+    paired = ((D // bk1) % 2 == 0, (I // bk2) % 2 == 0)
     return block_m in GLUON_BLOCK_MS and warps in (1, 2) and block_r == 16 * warps and I % block_r == 0 and \
-        D % block_r == 0 and all(bk in ((128, 256, 512) if stages == 1 else (128, 256)) for bk in (bk1, bk2))
+        D % block_r == 0 and all(bk in ((128, 256, 512) if stages == 1 else (128, 256)) for bk in (bk1, bk2)) and \
+        all(mode < 2 or even for mode, even in zip(gl_act_ahead(mx_config), paired))
 
 
-def gl_act_ahead(stages: int, block_m: int) -> tuple[bool, bool]:
-    """(up, down): whether each kernel prefetches its activations one K tile ahead in registers (else it loads
-    them at the top of their iteration). Measured on the H200 (BENCHMARKS.md "MXFP4 round (mx27)"): with the
-    register word stream (stages 1) both do; with the TMA ring the up kernel does at 8-token tiles (batch 1: 60.2
-    against 65.5 us; at 16 tokens its registers would double) and the down kernel never (its loads hit L1/L2;
-    prefetching costs 29 registers and 5-10 % of its time)."""
-    return (stages == 1 or block_m == 8, stages == 1)
+def gl_act_ahead(mx_config: tuple) -> tuple[int, int]:
+    """(up, down): how each Gluon kernel of `mx_config` gets a K tile's activations and scale bytes. 0: the
+    activations at the top of the tile's iteration, the scale bytes one tile ahead. 1: both one tile ahead in
+    registers carried across the loop, which ptxas copies into fresh registers at the back edge (83 moves a tile
+    in the up kernel against 16 with 2; benchmarks/mx_static_cost.py). 2: both one tile ahead, the K loop unrolled
+    by two so that two register sets take turns, each reloaded after its last use: no copies; an even number of K
+    tiles (`gluon_decode_ok`). The config's optional 8th field is the pair; else the rule measured on the H200
+    (BENCHMARKS.md "MXFP4 round (mx27)"): with the register word stream (num_stages 1) both 1; with the TMA ring
+    the up kernel 1 at 8-token tiles (batch 1: 60.2 against 65.5 us for 0; at 16 tokens its registers would
+    double) and the down kernel 0 (mode 1 cost it 29 registers and 5-10 % of its time). Raises ValueError for a
+    mode outside 0..2."""
+    modes = mx_config[7] if len(mx_config) > 7 and mx_config[7] is not None else \
+        (int(mx_config[4] == 1 or mx_config[0] == 8), int(mx_config[4] == 1))
+    if len(modes) != 2 or any(m not in (0, 1, 2) for m in modes):
+        raise ValueError(f"mx_config {tuple(mx_config)}: activation prefetch modes (up, down) must be 0, 1 or 2")
+    return int(modes[0]), int(modes[1])
 
 
 @gluon.constexpr_function
@@ -263,8 +276,8 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
     i32 pairs) `gl_permute`d by BLOCK_D; s1/s3 u8 [E, I, D/32]; w1/w3: STAGES 1, pointers to i32 words
     [E, I, D/8], loaded one K tile ahead into registers; STAGES ≥ 2, their TMA descriptors (`gl_word_descs`,
     boxes [BLOCK_R, BLOCK_D/8]) streaming STAGES − 1 tiles ahead through a shared ring (module docstring, "Word
-    stream"). ACT_AHEAD: the activations one tile ahead in registers, else loaded at the top of their iteration
-    (`gl_act_ahead`). Scale bytes: the next tile's in registers (the last one wraps to tile 0: unused)."""
+    stream"). ACT_AHEAD 0, 1 or 2: where the activations and scale bytes of a K tile come from (`gl_act_ahead`);
+    a prefetch of the tile past the last wraps to tile 0 (unused)."""
     W: gl.constexpr = BLOCK_R // 16
     CH: gl.constexpr = BLOCK_D // 128
     NT: gl.constexpr = D // BLOCK_D
@@ -297,27 +310,39 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
             z = gl.load(zptrs)
         gate = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
         up = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
-        for it in range(NT):
-            d0 = it * BLOCK_D
-            dn = gl.where(d0 + BLOCK_D < D, d0 + BLOCK_D, 0)
-            if STAGES > 1:
-                gl_ring_fill(w1, w3, r1, r3, bar, row, it + STAGES - 1, NT, STAGES, True)
-            else:
-                c1, c3 = c1_n, c3_n
-                c1_n, c3_n = gl.load(w1p + dn // 8), gl.load(w3p + dn // 8)   # the last wraps to tile 0: unused
-            if ACT_AHEAD:
-                x = gl_act_operand(z, BLOCK_D, BL)
-                z = gl.load(zptrs + dn // 2)
-            else:
-                x = gl_act_operand(gl.load(zptrs + d0 // 2), BLOCK_D, BL)
-            s1_n, s3_n = gl.load(s1p + dn // 32), gl.load(s3p + dn // 32)
-            if STAGES > 1:
-                gl.nvidia.hopper.mbarrier.wait(bar.index(it % STAGES), (it // STAGES) & 1)
-                c1 = gl_stage_words(r1.index(it % STAGES), W, CH, WL)
-                c3 = gl_stage_words(r3.index(it % STAGES), W, CH, WL)
-            gate = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c1, s1, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, gate)
-            up = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c3, s3, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, up)
-            s1, s3 = s1_n, s3_n
+        UNROLL: gl.constexpr = 2 if ACT_AHEAD == 2 else 1
+        gl.static_assert(NT % UNROLL == 0, "ACT_AHEAD 2 takes an even number of K tiles")
+        for j in range(NT // UNROLL):
+            for u in gl.static_range(UNROLL):
+                it = j * UNROLL + u
+                d0 = it * BLOCK_D
+                dn = gl.where(d0 + BLOCK_D < D, d0 + BLOCK_D, 0)
+                if STAGES > 1:
+                    gl_ring_fill(w1, w3, r1, r3, bar, row, it + STAGES - 1, NT, STAGES, True)
+                else:
+                    c1, c3 = c1_n, c3_n
+                    c1_n, c3_n = gl.load(w1p + dn // 8), gl.load(w3p + dn // 8)   # the last wraps to tile 0: unused
+                if ACT_AHEAD == 2:      # two register sets, a (z, s1, s3) and b, each loaded after its last use
+                    if u == 0:
+                        x, t1, t3 = gl_act_operand(z, BLOCK_D, BL), s1, s3
+                        zb, s1b, s3b = gl.load(zptrs + dn // 2), gl.load(s1p + dn // 32), gl.load(s3p + dn // 32)
+                    else:
+                        x, t1, t3 = gl_act_operand(zb, BLOCK_D, BL), s1b, s3b
+                        z, s1, s3 = gl.load(zptrs + dn // 2), gl.load(s1p + dn // 32), gl.load(s3p + dn // 32)
+                else:
+                    if ACT_AHEAD:
+                        x = gl_act_operand(z, BLOCK_D, BL)
+                        z = gl.load(zptrs + dn // 2)
+                    else:
+                        x = gl_act_operand(gl.load(zptrs + d0 // 2), BLOCK_D, BL)
+                    t1, t3 = s1, s3
+                    s1, s3 = gl.load(s1p + dn // 32), gl.load(s3p + dn // 32)
+                if STAGES > 1:
+                    gl.nvidia.hopper.mbarrier.wait(bar.index(it % STAGES), (it // STAGES) & 1)
+                    c1 = gl_stage_words(r1.index(it % STAGES), W, CH, WL)
+                    c3 = gl_stage_words(r3.index(it % STAGES), W, CH, WL)
+                gate = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c1, t1, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, gate)
+                up = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c3, t3, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, up)
         h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
         col = gl_permuted_col(i0 + gl.arange(0, BLOCK_R, gl.SliceLayout(1, MMA)), BLOCK_K2)
         offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, MMA))
@@ -363,25 +388,37 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2, s2_ptr, weights_ptr, order_ptr, tile_ex
         if ACT_AHEAD:
             h = gl.load(hptrs)
         acc = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
-        for it in range(NT):
-            i0 = it * BLOCK_K2
-            nx = gl.where(i0 + BLOCK_K2 < I, i0 + BLOCK_K2, 0)
-            if STAGES > 1:
-                gl_ring_fill(w2, w2, r2, r2, bar, row, it + STAGES - 1, NT, STAGES, False)
-            else:
-                c2 = c2_n
-                c2_n = gl.load(w2p + nx // 8)                        # the last wraps to tile 0: unused
-            if ACT_AHEAD:
-                x = gl_act_operand(h, BLOCK_K2, BL)
-                h = gl.load(hptrs + nx // 2)
-            else:
-                x = gl_act_operand(gl.load(hptrs + i0 // 2), BLOCK_K2, BL)
-            s2_n = gl.load(s2p + nx // 32)
-            if STAGES > 1:
-                gl.nvidia.hopper.mbarrier.wait(bar.index(it % STAGES), (it // STAGES) & 1)
-                c2 = gl_stage_words(r2.index(it % STAGES), W, CH, WL)
-            acc = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c2, s2, TWO_MULS, BLOCK_R, BLOCK_K2, AL), x, acc)
-            s2 = s2_n
+        UNROLL: gl.constexpr = 2 if ACT_AHEAD == 2 else 1
+        gl.static_assert(NT % UNROLL == 0, "ACT_AHEAD 2 takes an even number of K tiles")
+        for j in range(NT // UNROLL):
+            for u in gl.static_range(UNROLL):
+                it = j * UNROLL + u
+                i0 = it * BLOCK_K2
+                nx = gl.where(i0 + BLOCK_K2 < I, i0 + BLOCK_K2, 0)
+                if STAGES > 1:
+                    gl_ring_fill(w2, w2, r2, r2, bar, row, it + STAGES - 1, NT, STAGES, False)
+                else:
+                    c2 = c2_n
+                    c2_n = gl.load(w2p + nx // 8)                        # the last wraps to tile 0: unused
+                if ACT_AHEAD == 2:      # as in the up kernel: register sets a (h, s2) and b
+                    if u == 0:
+                        x, t2 = gl_act_operand(h, BLOCK_K2, BL), s2
+                        hb, s2b = gl.load(hptrs + nx // 2), gl.load(s2p + nx // 32)
+                    else:
+                        x, t2 = gl_act_operand(hb, BLOCK_K2, BL), s2b
+                        h, s2 = gl.load(hptrs + nx // 2), gl.load(s2p + nx // 32)
+                else:
+                    if ACT_AHEAD:
+                        x = gl_act_operand(h, BLOCK_K2, BL)
+                        h = gl.load(hptrs + nx // 2)
+                    else:
+                        x = gl_act_operand(gl.load(hptrs + i0 // 2), BLOCK_K2, BL)
+                    t2 = s2
+                    s2 = gl.load(s2p + nx // 32)
+                if STAGES > 1:
+                    gl.nvidia.hopper.mbarrier.wait(bar.index(it % STAGES), (it // STAGES) & 1)
+                    c2 = gl_stage_words(r2.index(it % STAGES), W, CH, WL)
+                acc = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c2, t2, TWO_MULS, BLOCK_R, BLOCK_K2, AL), x, acc)
         offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, MMA))
         slot = gl.load(order_ptr + offs_mo, mask=m_ok_o, other=0)
         weight = gl.load(weights_ptr + slot, mask=m_ok_o, other=0.0)

@@ -1,0 +1,58 @@
+"""benchmarks/mx_round.py's decisions, without a GPU: which probe variant wins, the mx_config it stands for, and
+the copy of `mx_default_config` that makes the end-to-end benchmark run it."""
+
+import importlib.util
+import os
+import types
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+spec = importlib.util.spec_from_file_location("mx_round", os.path.join(ROOT, "benchmarks", "mx_round.py"))
+mx_round = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mx_round)
+
+
+def row(variant, N, up, down, diff=0.0):
+    return {"variant": variant, "N": N, "up_us": up, "down_us": down, "max_abs_diff": diff}
+
+
+def test_choose_takes_the_fastest_bitwise_equal_variant_of_a_batch():
+    rows = [row("a", 1, 60, 30), row("a", 16, 150, 80),
+            row("b", 1, 55, 30), row("b", 16, 140, 80),
+            row("c", 1, 50, 20, 1e-3), row("c", 16, 100, 60, 1e-3),    # fastest but not bitwise equal
+            row("d", 16, 130, 70),                                    # 16-token tiles: batch 16 only
+            {"variant": "e", "N": 1, "error": "spill"}]
+    assert mx_round.choose(rows, 1) == "b"
+    assert mx_round.choose(rows, 16) == "d"
+    assert mx_round.choose(rows, 64) is None
+
+
+def test_default_variant_is_the_launchers_decode_default():
+    from k3c.codegen.triton.moe_mxfp4 import mx_default_config
+
+    # mx27's default: 8-token tiles of 32 rows on a 2-stage TMA ring, the up kernel's activations carried one
+    # tile ahead, the down kernel's loaded at use and capped at 80 registers
+    assert mx_round.default_variant() == "8,32,2,1,0,0,80"
+    assert mx_round.variant_config("8,32,2,1,0,0,80")[:7] == mx_default_config(16, 32, 122)
+    assert mx_round.variant_config("8,32,2,2,2,80,80") == (8, 32, 256, 2, 2, False, (80, 80), (2, 2))
+
+
+def test_patched_default_returns_the_winners_for_decode_only():
+    path = os.path.join(ROOT, "k3c", "codegen", "triton", "moe_mxfp4.py")
+    with open(path) as f:
+        source = f.read()
+    from k3c.codegen.triton.moe_mxfp4 import mx_default_config
+
+    small, large = mx_round.variant_config("8,32,2,2,0,80,80"), mx_round.variant_config("16,32,2,0,0,128,80")
+    for pair in ((small, small), (small, large)):
+        module = types.ModuleType("patched_moe_mxfp4")
+        exec(compile(mx_round.patched_default(source, *pair), path, "exec"), module.__dict__)
+        assert module.mx_default_config(16, 32, 122) == pair[0]                 # batch 1: 0.5 rows per expert
+        assert module.mx_default_config(16 * 16, 896, 122) == pair[0]          # batch 16 of 896: 0.29
+        assert module.mx_default_config(16 * 16, 32, 122) == pair[1]           # batch 16 of 32: 8
+        # two multiplies (scale bytes above 128) and prefill keep their configurations
+        for rows, scale_max in ((16, 255), (4096, 122)):
+            assert module.mx_default_config(rows, 32, scale_max) == mx_default_config(rows, 32, scale_max)
+    with pytest.raises(ValueError, match="not found exactly once"):
+        mx_round.patched_default(source.replace("if not two and rows < 16 * E:", "if rows < 16 * E:"), small, small)
