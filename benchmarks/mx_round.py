@@ -15,8 +15,9 @@ session: every phase has a wall-clock share, and what finished is written before
 4. `tests`: the GPU tests of the Gluon kernels (`pytest -m gpu tests/codegen/test_moe_mxfp4.py -k gluon_matches`).
 
     python3 benchmarks/mx_round.py --out DIR [--variants "...;..."] [--budget 570] [--skip tests,e2e]
-Writes DIR/mx_round.json (per phase: seconds, return code; the probe's table, the winner per batch and its mx_config, the
-end-to-end expert read rate at batch 1 and 16 as a fraction of 4.2 TB/s) beside each phase's own output.
+Writes DIR/mx_round.json (per phase: seconds, return code; the probe's table, the winner per batch and its
+mx_config, the end-to-end expert read rate at batch 1 and 16 as a fraction of 4.2 TB/s) beside each phase's own
+output.
 """
 
 import argparse
@@ -41,9 +42,12 @@ BATCHES = (1, 16)
 #: candidates after mx27 (benchmarks/mx_static_cost.py, Triton 3.6, BENCHMARKS.md "MXFP4 round (mx28)"): the
 #: activations' unrolled prefetch (mode 2: the up kernel's K tile in 622 instructions against 711), with register
 #: caps for one wave at batch 1 (80: 12 CTAs per SM, 690), in the down kernel too, the register word stream with
-#: mode 2 (no CTA barriers: 592, capped 670); at batch 16, 16-token tiles (32 tiles of 32 experts against 43)
+#: mode 2 (no CTA barriers: 592, capped 670), 128-wide K tiles (fewer registers: 80 without moves; the register
+#: stream's up kernel at 610 per 256 of K, 12 CTAs an SM); at batch 16, 16-token tiles (32 tiles of 32 experts
+#: against 43)
 VARIANTS = ("8,32,2,2,0,0,80;8,32,2,2,0,80,80;8,32,2,2,0,96,80;8,32,2,2,2,0,80;8,32,2,2,2,80,80;8,32,2,1,0,80,80;"
-            "8,32,1,2,2,0,0;8,32,1,2,2,80,80;16,32,2,0,0,128,80;16,32,1,2,2,128,96;16,32,2,2,0,168,80")
+            "8,32,1,2,2,0,0;8,32,1,2,2,80,80;8,32,2,2,0,80,80,128;8,32,2,2,2,72,72,128;8,32,1,2,2,80,80,128;"
+            "16,32,2,0,0,128,80;16,32,1,2,2,128,96;16,32,2,2,0,168,80")
 E2E_SKIP = "finalize,first_logits,long,eager,torch_compile,bf16_build,numerics"
 DEFAULT_RETURN = re.compile(r"(    if not two and rows < 16 \* E:\n        return )(\(.*\))\n")
 
@@ -57,9 +61,12 @@ def default_variant():
 
 
 def variant_config(spec):
-    """Probe variant text -> the mx_config tuple the launcher takes (256-wide K tiles, one multiply)."""
-    bm, br, stages, up, down, cap_up, cap_down = map(int, spec.split(","))
-    return (bm, br, 256, br // 16, stages, False, (cap_up or None, cap_down or None), (up, down))
+    """Probe variant text (mx_tma_probe.py's 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]') -> the mx_config
+    tuple the launcher takes (one multiply; K tiles of BK, default 256)."""
+    f = list(map(int, spec.split(",")))
+    bm, br, stages, up, down, cap_up, cap_down = f[:7]
+    return (bm, br, f[7] if len(f) > 7 else 256, br // 16, stages, False, (cap_up or None, cap_down or None),
+            (up, down))
 
 
 def choose(rows, batch):

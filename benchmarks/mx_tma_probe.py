@@ -6,7 +6,7 @@ sets it by `gl_act_ahead`) and a register cap per kernel. Every variant's output
 compared with the launcher's default first (the decoding and MMA order are the same: bitwise equal).
 
     python3 benchmarks/mx_tma_probe.py --out DIR [--experts 32,896] [--batches 1,16]
-        [--variants "BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN;..."] [--workers 16] [--launch-only]
+        [--variants "BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK];..."] [--workers 16] [--launch-only]
 Writes DIR/mx_tma_probe.json: per (E, N, variant) the max |difference| from the default's output and the time of
 up, down and the whole op (permutation, up, down, slot sum; do_bench_cudagraph), with the expert bytes read over
 that time as a fraction of the measured 4.2 TB/s. Variants compile in --workers processes first; --launch-only
@@ -43,10 +43,12 @@ class ExpertsOp:
     words prefetched in registers; ≥ 2: a TMA ring), whether each kernel prefetches its activations one tile
     ahead, and a register cap per kernel."""
 
-    def __init__(self, w1, w3, w2, s1, s3, s2, block_m, block_r, stages, act_up, act_down, cap_up, cap_down):
+    def __init__(self, w1, w3, w2, s1, s3, s2, block_m, block_r, stages, act_up, act_down, cap_up, cap_down,
+                 block_k=256):
         self.E, self.s = w1.shape[0], (s1, s3, s2)
-        self.bm, self.br, self.stages = block_m, block_r, stages
-        self.w = tuple(gl_word_descs(w, block_r, 256) if stages > 1 else w.view(torch.int32) for w in (w1, w3, w2))
+        self.bm, self.br, self.stages, self.bk = block_m, block_r, stages, block_k
+        self.w = tuple(gl_word_descs(w, block_r, block_k) if stages > 1 else w.view(torch.int32)
+                       for w in (w1, w3, w2))
         self.up_opts, self.down_opts = (dict(ACT_AHEAD=int(act), num_warps=block_r // 16,
                                              **({"maxnreg": cap} if cap else {}))
                                         for act, cap in ((act_up, cap_up), (act_down, cap_down)))
@@ -55,25 +57,25 @@ class ExpertsOp:
         moe_up_mx_gluon_kernel[(sched[1].shape[0], I // self.br)](
             zp.view(torch.int32), self.w[0], self.w[1], self.s[0], self.s[1], *sched, h,
             ACT["situ_beta"], ACT["situ_linear_beta"], E=self.E, K=K, D=D, I=I, ACT_SITU=True, TWO_MULS=False,
-            BLOCK_M=self.bm, BLOCK_R=self.br, BLOCK_D=256, BLOCK_K2=256, STAGES=self.stages, **self.up_opts)
+            BLOCK_M=self.bm, BLOCK_R=self.br, BLOCK_D=self.bk, BLOCK_K2=self.bk, STAGES=self.stages, **self.up_opts)
 
     def down(self, h, sched, weights, y_slot):
         moe_down_mx_gluon_kernel[(sched[1].shape[0], D // self.br)](
             h.view(torch.int32), self.w[2], self.s[2], weights, *sched, y_slot, E=self.E, D=D, I=I, TWO_MULS=False,
-            BLOCK_M=self.bm, BLOCK_R=self.br, BLOCK_K2=256, STAGES=self.stages, **self.down_opts)
+            BLOCK_M=self.bm, BLOCK_R=self.br, BLOCK_K2=self.bk, STAGES=self.stages, **self.down_opts)
 
 
 def parse_variant(spec):
-    """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN' (ACT 0..2; caps 0: none) -> (spec, ExpertsOp keyword
-    arguments)."""
+    """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]' (ACT 0..2; caps 0: none; BK, the K tile of both
+    kernels, 128 or 256, default 256) -> (spec, ExpertsOp keyword arguments)."""
     try:
         f = [int(x) for x in spec.split(",")]
     except ValueError:
         f = []
-    if len(f) != 7 or not {f[3], f[4]} <= {0, 1, 2}:
-        raise SystemExit(f"--variants: {spec!r}: expected 7 integers BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN "
-                         "(ACT_UP, ACT_DOWN: 0, 1 or 2)")
-    return spec, dict(zip(("block_m", "block_r", "stages", "act_up", "act_down", "cap_up", "cap_down"), f))
+    if len(f) not in (7, 8) or not {f[3], f[4]} <= {0, 1, 2} or len(f) == 8 and f[7] not in (128, 256):
+        raise SystemExit(f"--variants: {spec!r}: expected 7 or 8 integers BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,"
+                         "CAP_DOWN[,BK] (ACT_UP, ACT_DOWN: 0, 1 or 2; BK: 128 or 256)")
+    return spec, dict(zip(("block_m", "block_r", "stages", "act_up", "act_down", "cap_up", "cap_down", "block_k"), f))
 
 
 def warm_one(job):
@@ -148,13 +150,13 @@ def main():
                 try:
                     op = ExpertsOp(w1, w3, w2, s1, s3, s2, **kw)
                     sched = moe_schedule(ids, E, kw["block_m"])
-                    zp = gl_permute(z, 256)
+                    zp = gl_permute(z, kw.get("block_k", 256))
                     h = torch.empty(N * K, I, dtype=torch.bfloat16, device=dev)
                     y_slot = torch.empty(N * K, D, dtype=torch.float32, device=dev)
                     y = torch.empty_like(z)
 
                     def whole():
-                        gl_permute(z, 256, out=zp)
+                        gl_permute(z, op.bk, out=zp)
                         op.up(zp, sched, h)
                         op.down(h, sched, wt, y_slot)
                         moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)

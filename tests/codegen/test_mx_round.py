@@ -36,6 +36,20 @@ def test_default_variant_is_the_launchers_decode_default():
     assert mx_round.default_variant() == "8,32,2,1,0,0,80"
     assert mx_round.variant_config("8,32,2,1,0,0,80")[:7] == mx_default_config(16, 32, 122)
     assert mx_round.variant_config("8,32,2,2,2,80,80") == (8, 32, 256, 2, 2, False, (80, 80), (2, 2))
+    assert mx_round.variant_config("8,32,1,2,2,80,0,128") == (8, 32, 128, 2, 1, False, (80, None), (2, 2))
+    # every candidate is a configuration the Gluon kernels take at K3.1 Pro's shapes (mode 2: even K tile counts)
+    from k3c.codegen.triton.moe_mxfp4 import mx_block_k
+    from k3c.codegen.triton.moe_mxfp4_gluon import gluon_decode_ok
+
+    probe_spec = importlib.util.spec_from_file_location("mx_tma_probe", os.path.join(ROOT, "benchmarks",
+                                                                                     "mx_tma_probe.py"))
+    probe = importlib.util.module_from_spec(probe_spec)
+    probe_spec.loader.exec_module(probe)
+    for spec in mx_round.VARIANTS.split(";"):
+        assert probe.parse_variant(spec)[1]["block_k"] == mx_round.variant_config(spec)[2] if spec.count(",") == 7 \
+            else "block_k" not in probe.parse_variant(spec)[1]
+        cfg = mx_round.variant_config(spec)
+        assert gluon_decode_ok(cfg, 3584, 3072, mx_block_k(3584, cfg[2]), mx_block_k(3072, cfg[2])), spec
 
 
 def test_patched_default_returns_the_winners_for_decode_only():
