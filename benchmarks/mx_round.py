@@ -39,15 +39,16 @@ from k3c.codegen.triton.moe_mxfp4_gluon import gl_act_ahead  # noqa: E402
 HBM = 4.2e12
 E, K = 32, 16                   # bench_e2e's routed experts and experts per token
 BATCHES = (1, 16)
-#: candidates after mx27 (benchmarks/mx_static_cost.py, Triton 3.6, BENCHMARKS.md "MXFP4 round (mx28)"): the
-#: activations' unrolled prefetch (mode 2: the up kernel's K tile in 622 instructions against 711), with register
-#: caps for one wave at batch 1 (80: 12 CTAs per SM, 690), in the down kernel too, the register word stream with
-#: mode 2 (no CTA barriers: 592, capped 670), 128-wide K tiles (fewer registers: 80 without moves; the register
-#: stream's up kernel at 610 per 256 of K, 12 CTAs an SM); at batch 16, 16-token tiles (32 tiles of 32 experts
-#: against 43)
-VARIANTS = ("8,32,2,2,0,0,80;8,32,2,2,0,80,80;8,32,2,2,0,96,80;8,32,2,2,2,0,80;8,32,2,2,2,80,80;8,32,2,1,0,80,80;"
-            "8,32,1,2,2,0,0;8,32,1,2,2,80,80;8,32,2,2,0,80,80,128;8,32,2,2,2,72,72,128;8,32,1,2,2,80,80,128;"
-            "16,32,2,0,0,128,80;16,32,1,2,2,128,96;16,32,2,2,0,168,80")
+#: candidates after mx27 (benchmarks/mx_static_cost.py, Triton 3.6, BENCHMARKS.md "MXFP4 round (mx28)"): mx27 ran
+#: the schedulers about half the time (latency-bound, 4 warps each), so more resident warps at about the same
+#: instructions: the activations' unrolled prefetch (mode 2: the up kernel's 256 of K in 622 instructions against
+#: 711), register caps (80: 12 CTAs an SM, one wave at batch 1), 128-wide K tiles (64 registers, 16 CTAs an SM, for
+#: 680-724 instructions; the register word stream has no CTA barriers), 1-warp CTAs; at batch 16, 16-token tiles
+#: (32 tiles of 32 experts against 43 of 8 tokens)
+VARIANTS = ("8,32,2,2,0,0,80;8,32,2,2,0,80,80;8,32,2,2,2,80,80;8,32,2,1,0,80,80;8,32,1,2,2,80,80;"
+            "8,32,2,2,0,80,80,128;8,32,2,2,2,72,72,128;8,32,1,2,2,80,80,128;8,32,1,2,2,64,64,128;"
+            "8,32,2,0,0,64,64,128;8,32,2,2,2,64,64,128;8,16,1,2,2,64,64,128;"
+            "16,32,2,0,0,128,80;16,32,1,2,2,128,96;16,32,1,2,2,80,80,128;16,32,1,2,2,96,96,128")
 E2E_SKIP = "finalize,first_logits,long,eager,torch_compile,bf16_build,numerics"
 DEFAULT_RETURN = re.compile(r"(    if not two and rows < 16 \* E:\n        return )(\(.*\))\n")
 
@@ -131,7 +132,7 @@ def main():
     alone = skip >= {"e2e", "tests"}
     res["phases"]["probe"] = run([sys.executable, "benchmarks/mx_tma_probe.py", "--out", probe_out, "--experts",
                                   str(E), "--batches", ",".join(map(str, BATCHES)), "--variants", ";".join(specs)],
-                                 t_end - time.time() if alone else 0.4 * a.budget, os.path.join(a.out, "probe.log"))
+                                 t_end - time.time() if alone else 0.45 * a.budget, os.path.join(a.out, "probe.log"))
     try:
         with open(os.path.join(probe_out, "mx_tma_probe.json")) as f:
             rows = json.load(f)["rows"]
@@ -159,7 +160,7 @@ def main():
             keep = [p for p in env.get("PYTHONPATH", "").split(":") if p and os.path.abspath(p) != ROOT]
             env["PYTHONPATH"] = ":".join(keep + [cwd])
         e2e_out = os.path.join(a.out, "e2e")
-        left = t_end - time.time() - (0 if "tests" in skip else 0.2 * a.budget)
+        left = t_end - time.time() - (0 if "tests" in skip else 0.15 * a.budget)
         res["phases"]["e2e"] = run([sys.executable, "benchmarks/bench_e2e.py", "--out", e2e_out, "--experts",
                                     "mxfp4", "--skip", E2E_SKIP], left, os.path.join(a.out, "e2e.log"), cwd, env)
         res["e2e_config"] = "default" if cwd == ROOT else winners
