@@ -10,7 +10,9 @@ compared with the launcher's default first (the decoding and MMA order are the s
 Writes DIR/mx_tma_probe.json: per (E, N, variant) the max |difference| from the default's output and the time of
 up, down and the whole op (permutation, up, down, slot sum; do_bench_cudagraph), with the expert bytes read over
 that time as a fraction of the measured 4.2 TB/s. Variants compile in --workers processes first; --launch-only
-launches each variant once and times nothing (a profiler's target: run it under ncu with --workers 0).
+launches each variant once and times nothing (a profiler's target: run it under ncu with --workers 0). A variant
+of another K tile (BK) sums each output over K in another order, so it differs from the default by rounding
+(`ref_max_abs`, the default output's largest magnitude, gives the scale); any other variant is bitwise equal.
 
 Raw results: benchmarks/results_mx_tma_probe_run*.json. Run 1 (BENCHMARKS.md "MXFP4 round (mx27)") was measured
 with this script's first version, whose own copies of the TMA kernels became the library's; its variant names
@@ -174,6 +176,7 @@ def main():
                     continue
                 up_b = touched * (w1[0].numel() + s1[0].numel()) * 2
                 row = {"E": E, "N": N, "variant": name, "touched": touched, "max_abs_diff": diff,
+                       "ref_max_abs": y_ref.float().abs().max().item(),
                        "up_us": t_up * 1e6, "down_us": t_down * 1e6, "op_us": t_all * 1e6,
                        "kernels_frac": nbytes / (t_up + t_down) / HBM, "up_frac": up_b / t_up / HBM,
                        "down_frac": (nbytes - up_b) / t_down / HBM, "op_frac": nbytes / t_all / HBM}

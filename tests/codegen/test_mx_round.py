@@ -13,19 +13,25 @@ mx_round = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mx_round)
 
 
-def row(variant, N, up, down, diff=0.0):
-    return {"variant": variant, "N": N, "up_us": up, "down_us": down, "max_abs_diff": diff}
+def row(variant, N, up, down, diff=0.0, ref=2.0):
+    return {"variant": variant, "N": N, "up_us": up, "down_us": down, "max_abs_diff": diff, "ref_max_abs": ref}
 
 
-def test_choose_takes_the_fastest_bitwise_equal_variant_of_a_batch():
-    rows = [row("a", 1, 60, 30), row("a", 16, 150, 80),
-            row("b", 1, 55, 30), row("b", 16, 140, 80),
-            row("c", 1, 50, 20, 1e-3), row("c", 16, 100, 60, 1e-3),    # fastest but not bitwise equal
-            row("d", 16, 130, 70),                                    # 16-token tiles: batch 16 only
-            {"variant": "e", "N": 1, "error": "spill"}]
-    assert mx_round.choose(rows, 1) == "b"
-    assert mx_round.choose(rows, 16) == "d"
+def test_choose_takes_the_fastest_variant_that_agrees_with_the_default():
+    a, b, c, d = "8,32,2,1,0,0,80", "8,32,2,2,0,80,80", "8,32,2,2,2,80,80", "16,32,2,0,0,128,80"
+    rows = [row(a, 1, 60, 30), row(a, 16, 150, 80),
+            row(b, 1, 55, 30), row(b, 16, 140, 80),
+            row(c, 1, 50, 20, 1e-3), row(c, 16, 100, 60, 1e-3),      # fastest, but the same K order: not bitwise
+            row(d, 16, 130, 70),                                      # 16-token tiles: batch 16 only
+            {"variant": "8,32,1,2,2,0,0", "N": 1, "error": "spill"}]
+    assert mx_round.choose(rows, 1) == b
+    assert mx_round.choose(rows, 16) == d
     assert mx_round.choose(rows, 64) is None
+    # 128-wide K tiles sum in another order: a few bf16 roundings of the largest output (2.0) are agreement,
+    # a wrong value is not
+    k128 = "8,32,1,2,2,64,64,128"
+    assert mx_round.choose(rows + [row(k128, 1, 40, 20, 2 ** -6)], 1) == k128
+    assert mx_round.choose(rows + [row(k128, 1, 40, 20, 0.1)], 1) == b
 
 
 def test_default_variant_is_the_launchers_decode_default():
