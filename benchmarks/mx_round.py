@@ -2,17 +2,19 @@
 the fastest, check the Gluon kernels against the Triton ones. Made for a device budget that may allow one call a
 session: every phase has a wall-clock share, and what finished is written before the next starts.
 
-1. `probe`: benchmarks/mx_tma_probe.py over --variants (its 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN' form) at
-   the end-to-end benchmark's expert count (32) and decode batches 1 and 16. The launcher's default for that
-   shape is always among them.
+1. `probe`: benchmarks/mx_tma_probe.py over --variants (its 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]'
+   form, checked before any GPU work) at the end-to-end benchmark's expert count (32) and decode batches 1 and 16.
+   The launcher's default for that shape is always among them.
 2. `choose`: per batch, the variant with the least up + down kernel time among those that agree with the default
-   (bitwise; within bf16 rounding for another K tile, which sums in another order); 16-token tiles are timed at
-   batch 16 only.
+   (bitwise; within bf16 rounding for another K tile, which sums in another order), if it beats the default's
+   time by at least 2 % (run-to-run noise: the end-to-end run that follows has no default beside it); 16-token
+   tiles are timed at batch 16 only.
 3. `e2e`: benchmarks/bench_e2e.py --experts mxfp4 (decode phases only) from this checkout when the default wins at
    both batches, else from a copy under --scratch whose `mx_default_config` returns the winners for the decode
    case, batch 1's below 4 rows per expert and batch 16's from there (`patched_default`; 32 experts: 0.5 and 8
    rows per expert): the artifact's emitted `moe_experts` module carries that source, so the copy's artifact runs
-   them. The checkout itself is never modified.
+   them. Before the run, a process with the run's environment confirms it imports the copy and sees the winners.
+   The checkout itself is never modified.
 4. `tests`: the GPU tests of the Gluon kernels (`pytest -m gpu tests/codegen/test_moe_mxfp4.py -k gluon_matches`).
 
     python3 benchmarks/mx_round.py --out DIR [--variants "...;..."] [--budget 570] [--skip tests,e2e]
@@ -26,20 +28,24 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
 
 import torch
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.realpath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 from k3c.codegen.triton.moe_mxfp4 import mx_default_config  # noqa: E402
-from k3c.codegen.triton.moe_mxfp4_gluon import gl_act_ahead  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4 import mx_block_k  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4_gluon import gl_act_ahead, gluon_decode_ok  # noqa: E402
 
 HBM = 4.2e12
 E, K = 32, 16                   # bench_e2e's routed experts and experts per token
+D, I = 3584, 3072               # K3.1 Pro's expert shapes (bench_e2e's full widths)
 BATCHES = (1, 16)
+MARGIN = 0.02                   # how much faster than the default a winner must be
 #: candidates after mx27 (benchmarks/mx_static_cost.py, Triton 3.6, BENCHMARKS.md "MXFP4 round (mx28)"): mx27 ran
 #: the schedulers about half the time (latency-bound, 4 warps each), so more resident warps at about the same
 #: instructions: the activations' unrolled prefetch (mode 2: the up kernel's 256 of K in 622 instructions against
@@ -56,32 +62,49 @@ DEFAULT_RETURN = re.compile(r"(    if not two and rows < 16 \* E:\n        retur
 
 def default_variant():
     """The probe variant text of the launcher's decode default at batch 1 of E experts (one multiply)."""
-    bm, br, _, _, stages, _, caps = mx_default_config(K, E, 122)[:7]
-    up, down = gl_act_ahead(mx_default_config(K, E, 122))
+    cfg = mx_default_config(K, E, 122)
+    bm, br, bk, _, stages, _, caps = cfg[:7]
+    up, down = gl_act_ahead(cfg)
     cap_up, cap_down = caps if isinstance(caps, tuple) else (caps, caps)
-    return f"{bm},{br},{stages},{up},{down},{cap_up or 0},{cap_down or 0}"
+    return f"{bm},{br},{stages},{up},{down},{cap_up or 0},{cap_down or 0}" + ("" if bk == 256 else f",{bk}")
 
 
 def variant_config(spec):
     """Probe variant text (mx_tma_probe.py's 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]') -> the mx_config
-    tuple the launcher takes (one multiply; K tiles of BK, default 256)."""
-    f = list(map(int, spec.split(",")))
+    tuple the launcher takes (one multiply; K tiles of BK, default 256). Raises ValueError naming the text for
+    anything else, or for a configuration the Gluon kernels refuse at K3.1 Pro's shapes (`gluon_decode_ok`)."""
+    try:
+        f = [int(x) for x in spec.split(",")]
+    except ValueError:
+        f = []
+    if len(f) not in (7, 8) or not {f[3], f[4]} <= {0, 1, 2} or len(f) == 8 and f[7] not in (128, 256):
+        raise ValueError(f"variant {spec!r}: expected BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK] (ACT 0..2, "
+                         "BK 128 or 256)")
     bm, br, stages, up, down, cap_up, cap_down = f[:7]
-    return (bm, br, f[7] if len(f) > 7 else 256, br // 16, stages, False, (cap_up or None, cap_down or None),
-            (up, down))
+    bk = f[7] if len(f) > 7 else 256
+    cfg = (bm, br, bk, br // 16, stages, False, (cap_up or None, cap_down or None), (up, down))
+    if not gluon_decode_ok(cfg, D, I, mx_block_k(D, bk), mx_block_k(I, bk)):
+        raise ValueError(f"variant {spec!r}: the Gluon decode kernels do not take {cfg} (gluon_decode_ok)")
+    return cfg
 
 
-def choose(rows, batch, default_bk=256):
-    """The variant (text) with the least up + down time at `batch` among the rows without an error that agree
-    with the default: bitwise (max_abs_diff 0) where the variant's K tile is the default's `default_bk`, else
-    within 1/64 of the default output's largest magnitude (`ref_max_abs`: a few bf16 roundings; another K tile
-    sums in another order). None if there is none."""
+def choose(rows, batch, base, margin=MARGIN):
+    """The variant (text) to run at `batch`: the fastest (up + down time) among the rows without an error that
+    agree with the default output (bitwise where the variant's K tile is the default variant `base`'s, else
+    within 1/64 of the default output's largest magnitude, `ref_max_abs`: a few bf16 roundings; another K tile
+    sums in another order), if it beats `base`'s time there by `margin`; else `base`."""
+    base_bk = variant_config(base)[2]
+
     def agrees(r):
-        same_order = variant_config(r["variant"])[2] == default_bk
-        return r["max_abs_diff"] == 0 if same_order else r["max_abs_diff"] <= r.get("ref_max_abs", 0) / 64
+        if variant_config(r["variant"])[2] == base_bk:
+            return r["max_abs_diff"] == 0
+        return r["max_abs_diff"] <= r.get("ref_max_abs", 0) / 64
 
     ok = {r["variant"]: r["up_us"] + r["down_us"] for r in rows if r["N"] == batch and "error" not in r and agrees(r)}
-    return min(ok, key=ok.get) if ok else None
+    if not ok:
+        return base
+    best = min(ok, key=ok.get)
+    return best if base not in ok or ok[best] <= (1 - margin) * ok[base] else base
 
 
 def patched_default(source, small, large):
@@ -100,45 +123,82 @@ def patched_default(source, small, large):
 
 
 def run(cmd, seconds, log, cwd=ROOT, env=None):
-    """`cmd` with a wall-clock limit, its output into `log`: (return code or 'timeout', seconds taken)."""
+    """`cmd` with a wall-clock limit, its output into `log`: (return code or 'timeout', seconds taken). It runs in
+    a session of its own, so a timeout kills its whole process group (the probe's compile workers too)."""
     t0 = time.time()
     with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=max(seconds, 1)
-                                ).returncode
+            rc = p.wait(timeout=max(seconds, 1))
         except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
             rc = "timeout"
     return rc, round(time.time() - t0, 1)
+
+
+def prepare_copy(scratch, small, large):
+    """A copy of the checkout at `scratch` whose `mx_default_config` returns `small` / `large` (`patched_default`)
+    and the environment that imports k3c from it: (cwd, env). Raises RuntimeError if a process with that
+    environment does not import the copy or does not see the winners."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(ROOT, scratch, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", ".gpu_*"))
+    path = os.path.join(scratch, "k3c", "codegen", "triton", "moe_mxfp4.py")
+    with open(path) as f:
+        source = f.read()
+    with open(path, "w") as f:
+        f.write(patched_default(source, small, large))
+    env = dict(os.environ)
+    keep = [p for p in env.get("PYTHONPATH", "").split(":") if p and os.path.realpath(p) != ROOT]
+    env["PYTHONPATH"] = ":".join([scratch] + keep)
+    probe = ("import json, k3c; from k3c.codegen.triton.moe_mxfp4 import mx_default_config as f; "
+             f"print(json.dumps([k3c.__file__, f({K}, {E}, 122), f({16 * K}, {E}, 122)]))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=scratch, env=env, capture_output=True, text=True)
+    seen = json.loads(out.stdout) if out.returncode == 0 else None
+    want = json.loads(json.dumps([small, large]))
+    if not seen or not os.path.realpath(seen[0]).startswith(os.path.realpath(scratch) + os.sep) or seen[1:] != want:
+        raise RuntimeError(f"the copy at {scratch} is not what a run imports: {seen or out.stderr[-500:]}")
+    return scratch, env
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--variants", default=VARIANTS, help="';'-separated probe variants (mx_tma_probe.py's form)")
+    ap.add_argument("--variants", default=VARIANTS,
+                    help="';'-separated probe variants 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]'")
     ap.add_argument("--budget", type=float, default=570, help="seconds for the whole round")
-    ap.add_argument("--scratch", default="/tmp/k3c_mx_round", help="where a patched copy of the checkout goes")
+    ap.add_argument("--scratch", default="/tmp/k3c_mx_round",
+                    help="where a patched copy of the checkout goes (outside it; replaced)")
     ap.add_argument("--skip", default="", help="comma-separated phases to skip: e2e, tests")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     if skip - {"e2e", "tests"}:
         ap.error(f"--skip {a.skip!r}: phases are e2e, tests")
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA GPU (the Gluon kernels have no interpreter)")
+    out, scratch = os.path.realpath(a.out), os.path.realpath(a.scratch)
+    if os.path.commonpath([scratch, ROOT]) in (scratch, ROOT):       # the checkout, above it or inside it
+        ap.error(f"--scratch {a.scratch!r}: must lie outside the checkout {ROOT} (it is replaced by a copy)")
     base = default_variant()
     specs = [base] + [v for v in a.variants.split(";") if v and v != base]
+    for spec in specs:
+        try:
+            variant_config(spec)
+        except ValueError as err:
+            ap.error(f"--variants: {err}")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (the Gluon kernels have no interpreter)")
     t_end = time.time() + a.budget
-    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(out, exist_ok=True)
     res = {"default": base, "variants": specs, "phases": {}}
 
     def save():
-        with open(os.path.join(a.out, "mx_round.json"), "w") as f:
+        with open(os.path.join(out, "mx_round.json"), "w") as f:
             json.dump(res, f, indent=1)
 
-    probe_out = os.path.join(a.out, "probe")
+    probe_out = os.path.join(out, "probe")
     alone = skip >= {"e2e", "tests"}
     res["phases"]["probe"] = run([sys.executable, "benchmarks/mx_tma_probe.py", "--out", probe_out, "--experts",
                                   str(E), "--batches", ",".join(map(str, BATCHES)), "--variants", ";".join(specs)],
-                                 t_end - time.time() if alone else 0.45 * a.budget, os.path.join(a.out, "probe.log"))
+                                 t_end - time.time() if alone else 0.45 * a.budget, os.path.join(out, "probe.log"))
     try:
         with open(os.path.join(probe_out, "mx_tma_probe.json")) as f:
             rows = json.load(f)["rows"]
@@ -146,43 +206,39 @@ def main():
         rows = []
     res["probe"] = [{k: r.get(k) for k in ("N", "variant", "max_abs_diff", "ref_max_abs", "up_us", "down_us",
                                            "kernels_frac", "error")} for r in rows]
-    winners = {b: choose(rows, b) or base for b in BATCHES}
+    winners = {b: choose(rows, b, base) for b in BATCHES}
     res["winners"] = winners
     res["winner_configs"] = {b: list(variant_config(v)) for b, v in winners.items()}
     save()
     print(f"probe: {len(rows)} rows, default {base}, winners {winners}", flush=True)
 
     if "e2e" not in skip:
-        cwd, env = ROOT, dict(os.environ)
-        if set(winners.values()) != {base}:
-            cwd = a.scratch
-            shutil.rmtree(cwd, ignore_errors=True)
-            shutil.copytree(ROOT, cwd, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", ".gpu_*"))
-            path = os.path.join(cwd, "k3c", "codegen", "triton", "moe_mxfp4.py")
-            with open(path) as f:
-                source = f.read()
-            with open(path, "w") as f:
-                f.write(patched_default(source, *(variant_config(winners[b]) for b in BATCHES)))
-            keep = [p for p in env.get("PYTHONPATH", "").split(":") if p and os.path.abspath(p) != ROOT]
-            env["PYTHONPATH"] = ":".join(keep + [cwd])
-        e2e_out = os.path.join(a.out, "e2e")
-        left = t_end - time.time() - (0 if "tests" in skip else 0.15 * a.budget)
-        res["phases"]["e2e"] = run([sys.executable, "benchmarks/bench_e2e.py", "--out", e2e_out, "--experts",
-                                    "mxfp4", "--skip", E2E_SKIP], left, os.path.join(a.out, "e2e.log"), cwd, env)
-        res["e2e_config"] = "default" if cwd == ROOT else winners
+        cwd, env = ROOT, None
         try:
-            with open(os.path.join(e2e_out, "bench_e2e_mxfp4.json")) as f:
-                rates = json.load(f).get("expert_read_tbps", {})
-            res["expert_read_frac"] = {b: v * 1e12 / HBM if v else None for b, v in rates.items()}
-        except (OSError, ValueError):
-            res["expert_read_frac"] = None
+            if set(winners.values()) != {base}:
+                cwd, env = prepare_copy(scratch, *(variant_config(winners[b]) for b in BATCHES))
+        except (OSError, ValueError, RuntimeError) as err:
+            res["phases"]["e2e"] = f"not run: {type(err).__name__}: {err}"
+            cwd = None
+        if cwd:
+            e2e_out = os.path.join(out, "e2e")
+            left = t_end - time.time() - (0 if "tests" in skip else 0.15 * a.budget)
+            res["phases"]["e2e"] = run([sys.executable, "benchmarks/bench_e2e.py", "--out", e2e_out, "--experts",
+                                        "mxfp4", "--skip", E2E_SKIP], left, os.path.join(out, "e2e.log"), cwd, env)
+            res["e2e_config"] = "default" if cwd == ROOT else winners
+            try:
+                with open(os.path.join(e2e_out, "bench_e2e_mxfp4.json")) as f:
+                    rates = json.load(f).get("expert_read_tbps", {})
+                res["expert_read_frac"] = {b: v * 1e12 / HBM if v else None for b, v in rates.items()}
+            except (OSError, ValueError):
+                res["expert_read_frac"] = None
+            print(f"e2e ({res['e2e_config']}): expert read {res['expert_read_frac']}", flush=True)
         save()
-        print(f"e2e ({res['e2e_config']}): expert read {res['expert_read_frac']}", flush=True)
 
     if "tests" not in skip:
         res["phases"]["tests"] = run([sys.executable, "-m", "pytest", "-q", "-m", "gpu",
                                       "tests/codegen/test_moe_mxfp4.py", "-k", "gluon_matches"],
-                                     t_end - time.time(), os.path.join(a.out, "tests.log"))
+                                     t_end - time.time(), os.path.join(out, "tests.log"))
         save()
     print(json.dumps(res["phases"]), flush=True)
 

@@ -2,8 +2,8 @@
 `bench_moe_mxfp4.py` sweeps: the word stream (num_stages 1: the next K tile's words prefetched in registers; ≥ 2:
 a TMA ring of that many shared-memory stages), how each kernel gets its activations (`ACT_AHEAD` 0: at use, 1:
 one tile ahead in registers carried across the loop, 2: one tile ahead, the loop unrolled by two; the launcher
-sets it by `gl_act_ahead`) and a register cap per kernel. Every variant's output is
-compared with the launcher's default first (the decoding and MMA order are the same: bitwise equal).
+sets it by `gl_act_ahead`), a register cap per kernel and the K tile. Every variant's output is first compared
+with the launcher's default.
 
     python3 benchmarks/mx_tma_probe.py --out DIR [--experts 32,896] [--batches 1,16]
         [--variants "BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK];..."] [--workers 16] [--launch-only]
@@ -42,8 +42,8 @@ ACT = dict(act="situ", situ_beta=4.0, situ_linear_beta=25.0)
 
 class ExpertsOp:
     """The library's Gluon kernels (k3c.codegen.triton.moe_mxfp4_gluon) with every knob explicit: num_stages (1:
-    words prefetched in registers; ≥ 2: a TMA ring), whether each kernel prefetches its activations one tile
-    ahead, and a register cap per kernel."""
+    words prefetched in registers; ≥ 2: a TMA ring), each kernel's activation prefetch mode (`gl_act_ahead`) and
+    register cap, and the K tile of both."""
 
     def __init__(self, w1, w3, w2, s1, s3, s2, block_m, block_r, stages, act_up, act_down, cap_up, cap_down,
                  block_k=256):
@@ -114,7 +114,8 @@ def main():
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--variants", default="8,32,1,1,1,0,0;8,32,2,1,0,0,80;8,32,2,1,1,0,0;8,16,2,1,0,0,0;"
                     "8,32,3,1,0,0,80;16,32,2,0,0,0,0",
-                    help="';'-separated 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN' (BM 16: N > 1 only)")
+                    help="';'-separated 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]' (ACT 0..2, caps 0: "
+                         "none, BK 128 or 256, default 256; BM 16: N > 1 only)")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--launch-only", action="store_true", help="one launch per variant, nothing timed (for ncu)")
     a = ap.parse_args()

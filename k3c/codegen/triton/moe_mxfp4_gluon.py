@@ -11,16 +11,18 @@ thread t of a quad holds words t·CC .. t·CC + CC − 1 of rows g and g + 8 of 
 assert_trivial=True)` compiles only if no data moves). Plain Triton cannot state this: a loop-carried load there
 is converted through shared memory.
 
-Word stream (num_stages of the launch's mx_config, the kernels' STAGES): 1 loads the next K tile's words,
-scale bytes and activations into registers at the top of each iteration (loop-carried: no shared memory, no
-barrier; but ptxas issues those loads where the current tile's registers free up, about three quarters through
-the tile, so they are in flight for a quarter of it). STAGES ≥ 2 keeps STAGES − 1 tiles in flight in a ring of
-STAGES shared-memory stages filled by TMA: one thread issues a [BLOCK_R, BLOCK_K/8]-word box per matrix and tile
-(`w1` / `w3` / `w2` are then TMA descriptors, `gl_word_descs`), completing on the stage's mbarrier; the box is
-stored with a BLOCK_K/2-byte swizzle, so a warp's 16-byte reads of its words (`gl_words2d_layout`: the same words
-per thread as registers) are free of bank conflicts. The copies cost no registers and no per-thread instructions.
+Word stream (num_stages of the launch's mx_config, the kernels' STAGES): 1 loads the next K tile's words and
+scale bytes (and, by `gl_act_ahead`'s rule, activations) into registers at the top of each iteration
+(loop-carried: no shared memory, no barrier; but ptxas issues those loads where the current tile's registers free
+up, about three quarters through the tile, so they are in flight for a quarter of it). STAGES ≥ 2 keeps
+STAGES − 1 tiles in flight in a ring of STAGES shared-memory stages filled by TMA: one thread issues a
+[BLOCK_R, BLOCK_K/8]-word box per matrix and tile (`w1` / `w3` / `w2` are then TMA descriptors, `gl_word_descs`),
+completing on the stage's mbarrier; the box is stored with a BLOCK_K/2-byte swizzle, so a warp's 16-byte reads of
+its words (`gl_words2d_layout`: the same words per thread as registers) are free of bank conflicts. The copies
+cost no registers and no per-thread instructions.
 The scale bytes stay one tile ahead in registers; the activations load at use or one tile ahead, as
-`gl_act_ahead` says (mode 2 unrolls the K loop by two so that the prefetched registers need no copies).
+`gl_act_ahead` says (mode 2 unrolls the K loop by two so that the prefetched activations and scale bytes need
+no copies; the register word stream's words are still carried).
 Measured on the H200 (BENCHMARKS.md "MXFP4 round (mx27)"), the TMA ring beats the register prefetch at batch 1
 and 16, bitwise equal; the per-thread cp.async ring it replaces was 55-70 % slower (mx26).
 
@@ -67,7 +69,7 @@ def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> boo
     weight rows per warp, every weight-row block full, K tiles of 128..512 (≤ 256 for the TMA ring), and an even
     number of K tiles in a kernel whose activation prefetch mode (`gl_act_ahead`) is 2. For these kernels
     num_stages is the word stream's depth (module docstring): 1 prefetches the next K tile in registers, ≥ 2 keeps
-    num_stages − 1 tiles in flight through a TMA ring."""
+    num_stages − 1 tiles in flight through a TMA ring. Raises ValueError for prefetch modes outside 0..2."""
     block_m, block_r, _, warps, stages = mx_config[:5]
     paired = ((D // bk1) % 2 == 0, (I // bk2) % 2 == 0)
     return block_m in GLUON_BLOCK_MS and warps in (1, 2) and block_r == 16 * warps and I % block_r == 0 and \
@@ -80,12 +82,12 @@ def gl_act_ahead(mx_config: tuple) -> tuple[int, int]:
     activations at the top of the tile's iteration, the scale bytes one tile ahead. 1: both one tile ahead in
     registers carried across the loop, which ptxas copies into fresh registers at the back edge (83 moves a tile
     in the up kernel against 16 with 2; benchmarks/mx_static_cost.py). 2: both one tile ahead, the K loop unrolled
-    by two so that two register sets take turns, each reloaded after its last use: no copies; an even number of K
-    tiles (`gluon_decode_ok`). The config's optional 8th field is the pair; else the rule measured on the H200
-    (BENCHMARKS.md "MXFP4 round (mx27)"): with the register word stream (num_stages 1) both 1; with the TMA ring
-    the up kernel 1 at 8-token tiles (batch 1: 60.2 against 65.5 us for 0; at 16 tokens its registers would
-    double) and the down kernel 0 (mode 1 cost it 29 registers and 5-10 % of its time). Raises ValueError for a
-    mode outside 0..2."""
+    by two so that two register sets take turns, each reloaded after its last use: no copies of them; an even
+    number of K tiles (`gluon_decode_ok`). The config's optional 8th field is the pair; else the rule measured on
+    the H200 (BENCHMARKS.md "MXFP4 round (mx27)"): with the register word stream (num_stages 1) both 1; with the
+    TMA ring the up kernel 1 at 8-token tiles (batch 1: 60.2 against 65.5 us for 0; at 16 tokens its registers
+    would double) and the down kernel 0 (mode 1 cost it 29 registers and 5-10 % of its time). Raises ValueError
+    for a mode outside 0..2."""
     modes = mx_config[7] if len(mx_config) > 7 and mx_config[7] is not None else \
         (int(mx_config[4] == 1 or mx_config[0] == 8), int(mx_config[4] == 1))
     if len(modes) != 2 or any(m not in (0, 1, 2) for m in modes):
