@@ -18,9 +18,9 @@ session: every phase has a wall-clock share, and what finished is written before
 4. `tests`: the GPU tests of the Gluon kernels (`pytest -m gpu tests/codegen/test_moe_mxfp4.py -k gluon_matches`).
 
     python3 benchmarks/mx_round.py --out DIR [--variants "...;..."] [--budget 570] [--skip tests,e2e]
-Writes DIR/mx_round.json (per phase: seconds, return code; the probe's table, the winner per batch and its
-mx_config, the end-to-end expert read rate at batch 1 and 16 as a fraction of 4.2 TB/s) beside each phase's own
-output.
+Writes DIR/mx_round.json (the device; per phase: seconds, return code; the probe's table, the winner per batch and
+its mx_config, the end-to-end expert read rate at batch 1 and 16 as a fraction of 4.2 TB/s, the H200's: on another
+GPU the fractions only compare the variants) beside each phase's own output.
 """
 
 import argparse
@@ -188,7 +188,7 @@ def main():
         ap.error("needs a CUDA GPU (the Gluon kernels have no interpreter)")
     t_end = time.time() + a.budget
     os.makedirs(out, exist_ok=True)
-    res = {"default": base, "variants": specs, "phases": {}}
+    res = {"device": torch.cuda.get_device_name(), "default": base, "variants": specs, "phases": {}}
 
     def save():
         with open(os.path.join(out, "mx_round.json"), "w") as f:
