@@ -36,10 +36,11 @@ import time
 import torch
 
 ROOT = os.path.realpath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 from k3c.codegen.triton.moe_mxfp4 import mx_default_config  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4 import mx_block_k  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import gl_act_ahead, gluon_decode_ok  # noqa: E402
+from mx_tma_probe import parse_variant  # noqa: E402
 
 HBM = 4.2e12
 E, K = 32, 16                   # bench_e2e's routed experts and experts per token
@@ -70,19 +71,13 @@ def default_variant():
 
 
 def variant_config(spec):
-    """Probe variant text (mx_tma_probe.py's 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]') -> the mx_config
-    tuple the launcher takes (one multiply; K tiles of BK, default 256). Raises ValueError naming the text for
-    anything else, or for a configuration the Gluon kernels refuse at K3.1 Pro's shapes (`gluon_decode_ok`)."""
-    try:
-        f = [int(x) for x in spec.split(",")]
-    except ValueError:
-        f = []
-    if len(f) not in (7, 8) or not {f[3], f[4]} <= {0, 1, 2} or len(f) == 8 and f[7] not in (128, 256):
-        raise ValueError(f"variant {spec!r}: expected BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK] (ACT 0..2, "
-                         "BK 128 or 256)")
-    bm, br, stages, up, down, cap_up, cap_down = f[:7]
-    bk = f[7] if len(f) > 7 else 256
-    cfg = (bm, br, bk, br // 16, stages, False, (cap_up or None, cap_down or None), (up, down))
+    """Probe variant text (mx_tma_probe.py's `parse_variant`: 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]')
+    -> the mx_config tuple the launcher takes (one multiply). Raises ValueError naming the text for anything else,
+    or for a configuration the Gluon kernels refuse at K3.1 Pro's shapes (`gluon_decode_ok`)."""
+    v = parse_variant(spec)[1]
+    bk, br = v["block_k"], v["block_r"]
+    cfg = (v["block_m"], br, bk, br // 16, v["stages"], False, (v["cap_up"] or None, v["cap_down"] or None),
+           (v["act_up"], v["act_down"]))
     if not gluon_decode_ok(cfg, D, I, mx_block_k(D, bk), mx_block_k(I, bk)):
         raise ValueError(f"variant {spec!r}: the Gluon decode kernels do not take {cfg} (gluon_decode_ok)")
     return cfg

@@ -67,17 +67,22 @@ class ExpertsOp:
             BLOCK_M=self.bm, BLOCK_R=self.br, BLOCK_K2=self.bk, STAGES=self.stages, **self.down_opts)
 
 
+#: the fields of a variant, in its text's order (the 8th, the K tile, optional: 256)
+FIELDS = ("block_m", "block_r", "stages", "act_up", "act_down", "cap_up", "cap_down", "block_k")
+
+
 def parse_variant(spec):
     """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]' (ACT 0..2; caps 0: none; BK, the K tile of both
-    kernels, 128 or 256, default 256) -> (spec, ExpertsOp keyword arguments)."""
+    kernels, 128 or 256, default 256) -> (spec, ExpertsOp keyword arguments, every field given). Raises ValueError
+    naming the text otherwise."""
     try:
         f = [int(x) for x in spec.split(",")]
     except ValueError:
         f = []
     if len(f) not in (7, 8) or not {f[3], f[4]} <= {0, 1, 2} or len(f) == 8 and f[7] not in (128, 256):
-        raise SystemExit(f"--variants: {spec!r}: expected 7 or 8 integers BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,"
+        raise ValueError(f"variant {spec!r}: expected 7 or 8 integers BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,"
                          "CAP_DOWN[,BK] (ACT_UP, ACT_DOWN: 0, 1 or 2; BK: 128 or 256)")
-    return spec, dict(zip(("block_m", "block_r", "stages", "act_up", "act_down", "cap_up", "cap_down", "block_k"), f))
+    return spec, dict(zip(FIELDS, f + [256] * (8 - len(f))))
 
 
 def warm_one(job):
@@ -121,7 +126,10 @@ def main():
     a = ap.parse_args()
     specs = a.variants.split(";")
     for spec in specs:
-        parse_variant(spec)
+        try:
+            parse_variant(spec)
+        except ValueError as err:
+            ap.error(f"--variants: {err}")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the Gluon kernels have no interpreter)")
     dev = "cuda"
@@ -153,7 +161,7 @@ def main():
                 try:
                     op = ExpertsOp(w1, w3, w2, s1, s3, s2, **kw)
                     sched = moe_schedule(ids, E, kw["block_m"])
-                    zp = gl_permute(z, kw.get("block_k", 256))
+                    zp = gl_permute(z, kw["block_k"])
                     h = torch.empty(N * K, I, dtype=torch.bfloat16, device=dev)
                     y_slot = torch.empty(N * K, D, dtype=torch.float32, device=dev)
                     y = torch.empty_like(z)
