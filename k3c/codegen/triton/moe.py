@@ -261,9 +261,10 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg: None, a register cap for both
     kernels or a pair (up, down); optionally the Gluon kernels' activation prefetch modes, `gl_act_ahead`) and a
     precomputed `schedule` (`moe_schedule(ids, E, BLOCK_M)`). scale_max: an upper bound on the MXFP4 scale bytes
-    (the node's `scale_max`, read from the checkpoint; 255: unknown), which picks the decoding (`mx_default_config`). gluon: None runs the
-    Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon) for bf16 z on a GPU wherever `gluon_decode_ok`
-    takes the configuration, False never (the Triton kernels; benchmarks). Raises ValueError on mismatched shapes.
+    (the node's `scale_max`, read from the checkpoint; 255: unknown), which picks the decoding
+    (`mx_default_config`). gluon: None runs the Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon) for bf16
+    z on a GPU wherever `gluon_decode_ok` takes the configuration, False never (the Triton kernels; benchmarks).
+    Raises ValueError on mismatched shapes.
     """
     N, D = z.shape
     E, I = w1.shape[:2]
