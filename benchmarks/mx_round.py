@@ -3,24 +3,29 @@ the fastest, check the Gluon kernels against the Triton ones. Made for a device 
 session: every phase has a wall-clock share, and what finished is written before the next starts.
 
 1. `probe`: benchmarks/mx_tma_probe.py over --variants (its 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]'
-   form, checked before any GPU work) at the end-to-end benchmark's expert count (32) and decode batches 1 and 16.
-   The launcher's default for that shape is always among them.
-2. `choose`: per batch, the variant with the least up + down kernel time among those that agree with the default
+   form, BR, STAGES and BK each one value or 'UP/DOWN'; checked before any GPU work) at the end-to-end
+   benchmark's expert count (32) and decode batches 1 and 16. The launcher's default for that shape is always
+   among them.
+2. `probe_mix`: the up and down kernels are separate launches whose fields are their own (`mx_kernels`), so the
+   fastest up kernel of one variant may join the fastest down kernel of another (`best_mix`, same token tile).
+   Where that sum beats every timed variant by 1 %, the mix is timed itself, beside the default, in a second
+   probe.
+3. `choose`: per batch, the variant with the least up + down kernel time among those that agree with the default
    (bitwise; within bf16 rounding for another K tile, which sums in another order), if it beats the default's
    time by at least 2 % (run-to-run noise: the end-to-end run that follows has no default beside it); 16-token
    tiles are timed at batch 16 only.
-3. `e2e`: benchmarks/bench_e2e.py --experts mxfp4 (decode phases only) from this checkout when the default wins at
+4. `e2e`: benchmarks/bench_e2e.py --experts mxfp4 (decode phases only) from this checkout when the default wins at
    both batches, else from a copy under --scratch whose `mx_default_config` returns the winners for the decode
    case, batch 1's below 4 rows per expert and batch 16's from there (`patched_default`; 32 experts: 0.5 and 8
    rows per expert): the artifact's emitted `moe_experts` module carries that source, so the copy's artifact runs
    them. Before the run, a process with the run's environment confirms it imports the copy and sees the winners.
    The checkout itself is never modified.
-4. `tests`: the GPU tests of the Gluon kernels (`pytest -m gpu tests/codegen/test_moe_mxfp4.py -k gluon_matches`).
+5. `tests`: the GPU tests of the Gluon kernels (`pytest -m gpu tests/codegen/test_moe_mxfp4.py -k gluon_matches`).
 
     python3 benchmarks/mx_round.py --out DIR [--variants "...;..."] [--budget 570] [--skip tests,e2e]
-Writes DIR/mx_round.json (the device; per phase: seconds, return code; the probe's table, the winner per batch and
-its mx_config, the end-to-end expert read rate at batch 1 and 16 as a fraction of 4.2 TB/s, the H200's: on another
-GPU the fractions only compare the variants) beside each phase's own output.
+Writes DIR/mx_round.json (the device; per phase: seconds, return code; the probes' table, the mixes timed, the
+winner per batch and its mx_config, the end-to-end expert read rate at batch 1 and 16 as a fraction of 4.2 TB/s,
+the H200's: on another GPU the fractions only compare the variants) beside each phase's own output.
 """
 
 import argparse
@@ -37,8 +42,7 @@ import torch
 
 ROOT = os.path.realpath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
-from k3c.codegen.triton.moe_mxfp4 import mx_default_config  # noqa: E402
-from k3c.codegen.triton.moe_mxfp4 import mx_block_k  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4 import mx_block_k, mx_default_config, mx_kernels  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import gl_act_ahead, gluon_decode_ok  # noqa: E402
 from mx_tma_probe import parse_variant  # noqa: E402
 
@@ -61,45 +65,96 @@ E2E_SKIP = "finalize,first_logits,long,eager,torch_compile,bf16_build,numerics"
 DEFAULT_RETURN = re.compile(r"(    if not two and rows < 16 \* E:\n        return )(\(.*\))\n")
 
 
+def kernel_fields(spec):
+    """(BM, up, down) of a probe variant's text: each kernel's (BR, STAGES, ACT, CAP, BK), CAP 0 for none.
+    Raises ValueError naming the text (mx_tma_probe.py's `parse_variant`)."""
+    v = parse_variant(spec)[1]
+    return v["block_m"], *((v["block_r"][j], v["stages"][j], v["act_" + k], v["cap_" + k], v["block_k"][j])
+                           for j, k in enumerate(("up", "down")))
+
+
+def variant_text(bm, up, down):
+    """The probe variant text of `kernel_fields`' (BM, up, down): a field shared by the kernels written once."""
+    def pair(a, b):
+        return str(a) if a == b else f"{a}/{b}"
+
+    (br1, s1, a1, c1, bk1), (br2, s2, a2, c2, bk2) = up, down
+    bk = pair(bk1, bk2)
+    return f"{bm},{pair(br1, br2)},{pair(s1, s2)},{a1},{a2},{c1},{c2}" + ("" if bk == "256" else f",{bk}")
+
+
 def default_variant():
     """The probe variant text of the launcher's decode default at batch 1 of E experts (one multiply)."""
     cfg = mx_default_config(K, E, 122)
-    bm, br, bk, _, stages, _, caps = cfg[:7]
-    up, down = gl_act_ahead(cfg)
-    cap_up, cap_down = caps if isinstance(caps, tuple) else (caps, caps)
-    return f"{bm},{br},{stages},{up},{down},{cap_up or 0},{cap_down or 0}" + ("" if bk == 256 else f",{bk}")
+    (br1, bk1, _, s1, c1), (br2, bk2, _, s2, c2) = mx_kernels(cfg)
+    a1, a2 = gl_act_ahead(cfg)
+    return variant_text(cfg[0], (br1, s1, a1, c1 or 0, bk1), (br2, s2, a2, c2 or 0, bk2))
 
 
 def variant_config(spec):
-    """Probe variant text (mx_tma_probe.py's `parse_variant`: 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]')
-    -> the mx_config tuple the launcher takes (one multiply). Raises ValueError naming the text for anything else,
-    or for a configuration the Gluon kernels refuse at K3.1 Pro's shapes (`gluon_decode_ok`)."""
-    v = parse_variant(spec)[1]
-    bk, br = v["block_k"], v["block_r"]
-    cfg = (v["block_m"], br, bk, br // 16, v["stages"], False, (v["cap_up"] or None, v["cap_down"] or None),
-           (v["act_up"], v["act_down"]))
-    if not gluon_decode_ok(cfg, D, I, mx_block_k(D, bk), mx_block_k(I, bk)):
+    """Probe variant text (mx_tma_probe.py's `parse_variant`: 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]',
+    BR, STAGES and BK each one value or 'UP/DOWN') -> the mx_config tuple the launcher takes (one multiply; a
+    field the kernels share is one value, else an (up, down) pair: `mx_kernels`). Raises ValueError naming the
+    text for anything else, or for a configuration the Gluon kernels refuse at K3.1 Pro's shapes
+    (`gluon_decode_ok`)."""
+    bm, up, down = kernel_fields(spec)
+
+    def one(j, f=int):
+        a, b = f(up[j]), f(down[j])
+        return a if a == b else (a, b)
+
+    cfg = (bm, one(0), one(4), one(0, lambda br: br // 16), one(1), False, (up[3] or None, down[3] or None),
+           (up[2], down[2]))
+    (_, most1, *_), (_, most2, *_) = mx_kernels(cfg)
+    if not gluon_decode_ok(cfg, D, I, mx_block_k(D, most1), mx_block_k(I, most2)):
         raise ValueError(f"variant {spec!r}: the Gluon decode kernels do not take {cfg} (gluon_decode_ok)")
     return cfg
 
 
-def choose(rows, batch, base, margin=MARGIN):
-    """The variant (text) to run at `batch`: the fastest (up + down time) among the rows without an error that
-    agree with the default output (bitwise where the variant's K tile is the default variant `base`'s, else
-    within 1/64 of the default output's largest magnitude, `ref_max_abs`: a few bf16 roundings; another K tile
-    sums in another order), if it beats `base`'s time there by `margin`; else `base`."""
-    base_bk = variant_config(base)[2]
+def agreeing(rows, batch, base):
+    """{variant: (up us, down us)} of the rows at `batch` without an error that agree with the default output:
+    bitwise where the variant's K tiles are the default variant `base`'s, else within 1/64 of the default
+    output's largest magnitude (`ref_max_abs`: a few bf16 roundings; another K tile sums in another order). A
+    variant timed twice (a second probe) keeps its last row."""
+    def k_tiles(spec):
+        _, up, down = kernel_fields(spec)
+        return up[4], down[4]
 
     def agrees(r):
-        if variant_config(r["variant"])[2] == base_bk:
+        if k_tiles(r["variant"]) == k_tiles(base):
             return r["max_abs_diff"] == 0
         return r["max_abs_diff"] <= r.get("ref_max_abs", 0) / 64
 
-    ok = {r["variant"]: r["up_us"] + r["down_us"] for r in rows if r["N"] == batch and "error" not in r and agrees(r)}
+    return {r["variant"]: (r["up_us"], r["down_us"]) for r in rows
+            if r["N"] == batch and "error" not in r and agrees(r)}
+
+
+def choose(rows, batch, base, margin=MARGIN):
+    """The variant (text) to run at `batch`: the fastest (up + down time) of `agreeing`'s, if it beats `base`'s
+    time there by `margin`; else `base`."""
+    ok = {v: sum(t) for v, t in agreeing(rows, batch, base).items()}
     if not ok:
         return base
     best = min(ok, key=ok.get)
     return best if base not in ok or ok[best] <= (1 - margin) * ok[base] else base
+
+
+def best_mix(rows, batch, base, gain=MARGIN / 2):
+    """A variant not yet timed that joins the fastest agreeing up kernel to the fastest agreeing down kernel of
+    the same token tile (the two are separate launches: each kernel's fields are its own, `mx_kernels`), if the
+    sum of their times beats every timed variant at `batch` by `gain`; else None. The mix is a prediction: it
+    wins only once timed itself (`choose`). Every check of `gluon_decode_ok` is per kernel, so the mix of two
+    variants it takes is one it takes."""
+    ok = agreeing(rows, batch, base)
+    if not ok:
+        return None
+    mixes = {}
+    for bm in {kernel_fields(v)[0] for v in ok}:
+        same = [v for v in ok if kernel_fields(v)[0] == bm]
+        up_v, down_v = min(same, key=lambda v: ok[v][0]), min(same, key=lambda v: ok[v][1])
+        mixes[variant_text(bm, kernel_fields(up_v)[1], kernel_fields(down_v)[2])] = ok[up_v][0] + ok[down_v][1]
+    mix = min(mixes, key=mixes.get)
+    return None if mix in ok or mixes[mix] > (1 - gain) * min(map(sum, ok.values())) else mix
 
 
 def patched_default(source, small, large):
@@ -189,23 +244,33 @@ def main():
         with open(os.path.join(out, "mx_round.json"), "w") as f:
             json.dump(res, f, indent=1)
 
-    probe_out = os.path.join(out, "probe")
     alone = skip >= {"e2e", "tests"}
-    res["phases"]["probe"] = run([sys.executable, "benchmarks/mx_tma_probe.py", "--out", probe_out, "--experts",
-                                  str(E), "--batches", ",".join(map(str, BATCHES)), "--variants", ";".join(specs)],
-                                 t_end - time.time() if alone else 0.45 * a.budget, os.path.join(out, "probe.log"))
-    try:
-        with open(os.path.join(probe_out, "mx_tma_probe.json")) as f:
-            rows = json.load(f)["rows"]
-    except (OSError, ValueError, KeyError):
-        rows = []
+
+    def probe(name, variants, batches, seconds):
+        """mx_tma_probe.py over `variants` at `batches` into OUT/name: its rows (none if it failed)."""
+        res["phases"][name] = run([sys.executable, "benchmarks/mx_tma_probe.py", "--out", os.path.join(out, name),
+                                   "--experts", str(E), "--batches", ",".join(map(str, batches)), "--variants",
+                                   ";".join(variants)], seconds, os.path.join(out, f"{name}.log"))
+        try:
+            with open(os.path.join(out, name, "mx_tma_probe.json")) as f:
+                return json.load(f)["rows"]
+        except (OSError, ValueError, KeyError):
+            return []
+
+    rows = probe("probe", specs, BATCHES, (0.85 if alone else 0.45) * a.budget)
+    mixes = {b: best_mix(rows, b, base) for b in BATCHES}
+    todo = sorted({m for m in mixes.values() if m})
+    if todo:        # time the mixes beside the default in one process; their rows and the default's come last
+        res["mixes"] = mixes
+        rows += probe("probe_mix", [base] + todo, [b for b in BATCHES if mixes[b]],
+                      t_end - time.time() if alone else min(0.12 * a.budget, t_end - time.time()))
     res["probe"] = [{k: r.get(k) for k in ("N", "variant", "max_abs_diff", "ref_max_abs", "up_us", "down_us",
                                            "kernels_frac", "error")} for r in rows]
     winners = {b: choose(rows, b, base) for b in BATCHES}
     res["winners"] = winners
     res["winner_configs"] = {b: list(variant_config(v)) for b, v in winners.items()}
     save()
-    print(f"probe: {len(rows)} rows, default {base}, winners {winners}", flush=True)
+    print(f"probe: {len(rows)} rows, default {base}, mixes {todo}, winners {winners}", flush=True)
 
     if "e2e" not in skip:
         cwd, env = ROOT, None

@@ -19,11 +19,12 @@ Run (CPU; the device's Triton for numbers that match it: `pip install --target /
     PYTHONPATH=/tmp/t36 python benchmarks/mx_static_cost.py [--configs "8,32,256,2,1,0,0;..."]
         [--experts 32,896] [--batches 1,16] [--module ARTIFACT/kernels/kNNNN_moe_experts.py] [--out DIR]
 Configs as `bench_moe_mxfp4.py --gluon-configs` (`mx_config_from_text`): BLOCK_M, BLOCK_R, BLOCK_K, warps,
-stages (≥ 2: the TMA ring), two_muls (0/1), maxnreg (0: none; "UP/DOWN": one per kernel) and optionally the
-activation prefetch modes "UP/DOWN" (`gl_act_ahead`; 2 unrolls the K loop by two: the counts are then per K tile,
-half the body's, and the load positions are over the whole two-tile body). --module: compile
-the kernels of an emitted MXFP4 `moe_experts` module (what an artifact runs) instead of k3c's. Writes
-OUT/mx_static_cost.json and prints a table. A config `gluon_decode_ok` refuses is reported as such, not compiled.
+stages (≥ 2: the TMA ring), two_muls (0/1), maxnreg (0: none) and optionally the activation prefetch modes
+"UP/DOWN" (`gl_act_ahead`; 2 unrolls the K loop by two: the counts are then per K tile, half the body's, and the
+load positions are over the whole two-tile body); BLOCK_R, BLOCK_K, warps, stages and maxnreg may be "UP/DOWN",
+one value per kernel (`mx_kernels`). --module: compile the kernels of an emitted MXFP4 `moe_experts` module (what
+an artifact runs) instead of k3c's. Writes OUT/mx_static_cost.json and prints a table. A config `gluon_decode_ok`
+refuses is reported as such, not compiled.
 """
 
 import argparse
@@ -38,7 +39,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton.moe import moe_schedule  # noqa: E402
-from k3c.codegen.triton.moe_mxfp4 import mx_block_k, mx_config_from_text  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4 import mx_block_k, mx_config_from_text, mx_kernels  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import (  # noqa: E402
     gl_act_ahead,
     gl_word_descs,
@@ -158,20 +159,22 @@ def real_tiles(E, batch, block_m):
 
 
 def analyse(cfg, experts, batches, kernels):
-    bm, br, most_k, warps, stages, two, maxnreg = cfg[:7]
-    bk1, bk2 = mx_block_k(D, most_k), mx_block_k(I, most_k)
+    bm, two = cfg[0], cfg[5]
+    kernel_cfgs = dict(zip(("up", "down"), mx_kernels(cfg)))
+    bk1, bk2 = mx_block_k(D, kernel_cfgs["up"][1]), mx_block_k(I, kernel_cfgs["down"][1])
     row = {"config": list(cfg)}
     if not gluon_decode_ok(cfg, D, I, bk1, bk2):
         return {**row, "refused": "gluon_decode_ok"}
-    common = dict(TWO_MULS=two, BLOCK_M=bm, BLOCK_R=br, BLOCK_K2=bk2, STAGES=stages, E=max(experts), D=D, I=I)
+    common = dict(TWO_MULS=two, BLOCK_M=bm, BLOCK_K2=bk2, E=max(experts), D=D, I=I)
     up, down = kernels
     act_up, act_down = gl_act_ahead(cfg)
     launches = {"up": (up, dict(common, K=K, ACT_SITU=True, BLOCK_D=bk1, ACT_AHEAD=act_up), 2 * bk1, I),
                 "down": (down, dict(common, ACT_AHEAD=act_down), bk2, D)}
-    caps = dict(zip(("up", "down"), maxnreg if isinstance(maxnreg, tuple) else (maxnreg, maxnreg)))
     for name, (kernel, constexprs, columns, out_rows) in launches.items():
+        br, _, warps, stages, cap = kernel_cfgs[name]
+        constexprs.update(BLOCK_R=br, STAGES=stages)
         tiles = 2 if constexprs["ACT_AHEAD"] == 2 else 1
-        c = compile_kernel(kernel, constexprs, warps, caps[name], output_bf16=name == "up")
+        c = compile_kernel(kernel, constexprs, warps, cap, output_bf16=name == "up")
         usage = resources(c.asm["cubin"])
         regs, spills = usage["REG"], usage["LOCAL"]
         shared = max(usage["SHARED"], c.metadata.shared)        # Triton's dynamic shared memory (the ring)

@@ -41,48 +41,56 @@ ACT = dict(act="situ", situ_beta=4.0, situ_linear_beta=25.0)
 
 
 class ExpertsOp:
-    """The library's Gluon kernels (k3c.codegen.triton.moe_mxfp4_gluon) with every knob explicit: num_stages (1:
-    words prefetched in registers; ≥ 2: a TMA ring), each kernel's activation prefetch mode (`gl_act_ahead`) and
-    register cap, and the K tile of both."""
+    """The library's Gluon kernels (k3c.codegen.triton.moe_mxfp4_gluon) with every knob explicit, each kernel's
+    own: weight rows (16 a warp), num_stages (1: words prefetched in registers; ≥ 2: a TMA ring), activation
+    prefetch mode (`gl_act_ahead`), register cap and K tile; block_r, stages and block_k are (up, down) pairs."""
 
     def __init__(self, w1, w3, w2, s1, s3, s2, block_m, block_r, stages, act_up, act_down, cap_up, cap_down,
-                 block_k=256):
+                 block_k=(256, 256)):
         self.E, self.s = w1.shape[0], (s1, s3, s2)
         self.bm, self.br, self.stages, self.bk = block_m, block_r, stages, block_k
-        self.w = tuple(gl_word_descs(w, block_r, block_k) if stages > 1 else w.view(torch.int32)
-                       for w in (w1, w3, w2))
-        self.up_opts, self.down_opts = (dict(ACT_AHEAD=int(act), num_warps=block_r // 16,
+        self.w = tuple(gl_word_descs(w, self.br[j], self.bk[j]) if self.stages[j] > 1 else w.view(torch.int32)
+                       for w, j in ((w1, 0), (w3, 0), (w2, 1)))
+        self.up_opts, self.down_opts = (dict(ACT_AHEAD=int(act), num_warps=br // 16,
                                              **({"maxnreg": cap} if cap else {}))
-                                        for act, cap in ((act_up, cap_up), (act_down, cap_down)))
+                                        for act, cap, br in ((act_up, cap_up, block_r[0]),
+                                                             (act_down, cap_down, block_r[1])))
 
     def up(self, zp, sched, h):
-        moe_up_mx_gluon_kernel[(sched[1].shape[0], I // self.br)](
+        moe_up_mx_gluon_kernel[(sched[1].shape[0], I // self.br[0])](
             zp.view(torch.int32), self.w[0], self.w[1], self.s[0], self.s[1], *sched, h,
             ACT["situ_beta"], ACT["situ_linear_beta"], E=self.E, K=K, D=D, I=I, ACT_SITU=True, TWO_MULS=False,
-            BLOCK_M=self.bm, BLOCK_R=self.br, BLOCK_D=self.bk, BLOCK_K2=self.bk, STAGES=self.stages, **self.up_opts)
+            BLOCK_M=self.bm, BLOCK_R=self.br[0], BLOCK_D=self.bk[0], BLOCK_K2=self.bk[1], STAGES=self.stages[0],
+            **self.up_opts)
 
     def down(self, h, sched, weights, y_slot):
-        moe_down_mx_gluon_kernel[(sched[1].shape[0], D // self.br)](
+        moe_down_mx_gluon_kernel[(sched[1].shape[0], D // self.br[1])](
             h.view(torch.int32), self.w[2], self.s[2], weights, *sched, y_slot, E=self.E, D=D, I=I, TWO_MULS=False,
-            BLOCK_M=self.bm, BLOCK_R=self.br, BLOCK_K2=self.bk, STAGES=self.stages, **self.down_opts)
+            BLOCK_M=self.bm, BLOCK_R=self.br[1], BLOCK_K2=self.bk[1], STAGES=self.stages[1], **self.down_opts)
 
 
 #: the fields of a variant, in its text's order (the 8th, the K tile, optional: 256)
 FIELDS = ("block_m", "block_r", "stages", "act_up", "act_down", "cap_up", "cap_down", "block_k")
+#: the fields that may be 'UP/DOWN', one value per kernel (parsed as (up, down) pairs)
+PAIRED = ("block_r", "stages", "block_k")
 
 
 def parse_variant(spec):
-    """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]' (ACT 0..2; caps 0: none; BK, the K tile of both
-    kernels, 128 or 256, default 256) -> (spec, ExpertsOp keyword arguments, every field given). Raises ValueError
-    naming the text otherwise."""
+    """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]' (ACT 0..2; caps 0: none; BK, the K tile, 128 or 256,
+    default 256; BR, STAGES and BK each one value for both kernels or 'UP/DOWN') -> (spec, ExpertsOp keyword
+    arguments, every field given: BR, STAGES and BK as (up, down) pairs). Raises ValueError naming the text
+    otherwise."""
     try:
-        f = [int(x) for x in spec.split(",")]
+        f = [tuple(int(x) for x in field.split("/")) for field in spec.split(",")]
     except ValueError:
         f = []
-    if len(f) not in (7, 8) or not {f[3], f[4]} <= {0, 1, 2} or len(f) == 8 and f[7] not in (128, 256):
-        raise ValueError(f"variant {spec!r}: expected 7 or 8 integers BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,"
-                         "CAP_DOWN[,BK] (ACT_UP, ACT_DOWN: 0, 1 or 2; BK: 128 or 256)")
-    return spec, dict(zip(FIELDS, f + [256] * (8 - len(f))))
+    f += [(256,)] * (len(f) == 7)
+    kw = dict(zip(FIELDS, f))
+    if len(f) != 8 or not all(len(v) == 1 or k in PAIRED and len(v) == 2 for k, v in kw.items()) or \
+            not {*kw["act_up"], *kw["act_down"]} <= {0, 1, 2} or not set(kw["block_k"]) <= {128, 256}:
+        raise ValueError(f"variant {spec!r}: expected 7 or 8 fields BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK] "
+                         "(integers; BR, STAGES and BK may be UP/DOWN; ACT_UP, ACT_DOWN: 0, 1 or 2; BK: 128 or 256)")
+    return spec, {k: (v * (3 - len(v)) if k in PAIRED else v[0]) for k, v in kw.items()}
 
 
 def warm_one(job):
@@ -120,7 +128,7 @@ def main():
     ap.add_argument("--variants", default="8,32,1,1,1,0,0;8,32,2,1,0,0,80;8,32,2,1,1,0,0;8,16,2,1,0,0,0;"
                     "8,32,3,1,0,0,80;16,32,2,0,0,0,0",
                     help="';'-separated 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]' (ACT 0..2, caps 0: "
-                         "none, BK 128 or 256, default 256; BM 16: N > 1 only)")
+                         "none, BK 128 or 256, default 256; BR, STAGES, BK may be UP/DOWN; BM 16: N > 1 only)")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--launch-only", action="store_true", help="one launch per variant, nothing timed (for ncu)")
     a = ap.parse_args()
@@ -161,13 +169,13 @@ def main():
                 try:
                     op = ExpertsOp(w1, w3, w2, s1, s3, s2, **kw)
                     sched = moe_schedule(ids, E, kw["block_m"])
-                    zp = gl_permute(z, kw["block_k"])
+                    zp = gl_permute(z, kw["block_k"][0])
                     h = torch.empty(N * K, I, dtype=torch.bfloat16, device=dev)
                     y_slot = torch.empty(N * K, D, dtype=torch.float32, device=dev)
                     y = torch.empty_like(z)
 
                     def whole():
-                        gl_permute(z, op.bk, out=zp)
+                        gl_permute(z, op.bk[0], out=zp)
                         op.up(zp, sched, h)
                         op.down(h, sched, wt, y_slot)
                         moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)

@@ -7,8 +7,8 @@ import triton
 import triton.language as tl
 
 from k3c.codegen.triton import moe
-from k3c.codegen.triton.moe_mxfp4 import (mx_block_k, mx_config_from_text, mx_default_config, mx_permute,
-                                         mx_permuted_col, mxfp4_scales, mxfp4_weight_tile)
+from k3c.codegen.triton.moe_mxfp4 import (mx_block_k, mx_config_from_text, mx_default_config, mx_kernels,
+                                         mx_permute, mx_permuted_col, mxfp4_scales, mxfp4_weight_tile)
 from k3c.codegen.triton.moe_mxfp4_gluon import (gl_act_ahead, gl_permute, gl_permuted_col, gl_word_descs,
                                                gluon_decode_ok)
 from k3c.ir.formats import mxfp4_dequantize
@@ -179,10 +179,15 @@ def test_launch_bf16_matches_reference(N, mx_config):
     assert err <= 1e-2, err
 
 
-def test_launch_mma_v2_order_matches_reference():
+@pytest.mark.parametrize("mx_config", [(8, 32, 64, 2, 1, True, None),
+                                       (8, (32, 64), (64, 32), (2, 4), (1, 2), True, (None, 96)),
+                                       (8, (64, 32), (32, 64), (4, 2), 1, True, None)])
+def test_launch_mma_v2_order_matches_reference(mx_config):
     """The `mma.sync` K order end to end (fp32 activations, so the portable decoding; 2 warps: `mx_mma_v2`):
     z permuted in that order, h written by the up kernel in it and read back by the down kernel, two K tiles of
-    two 32-value groups each: equal to the reference's dequantize-then-GEMM in fp32."""
+    two 32-value groups each: equal to the reference's dequantize-then-GEMM in fp32. Then each kernel with its
+    own fields (`mx_kernels`): weight rows, K tile, warps and so MMA order, stages, register cap; the up kernel
+    writes h in the down kernel's order (its K tile, `mma.sync` or `wgmma`), which is what the down kernel reads."""
     gen = torch.Generator().manual_seed(3)
     N, k, E, D, I = 3, 2, 3, 128, 64
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -195,7 +200,7 @@ def test_launch_mma_v2_order_matches_reference():
     attrs = {"act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
     args = [t.to(dev) for t in (z, wt, ids, w1, w3, w2, s1, s3, s2)]
     y = torch.full_like(args[0], float("nan"))
-    moe.launch_moe_experts(*args, y=y, mx_config=(8, 32, 64, 2, 1, True, None), **attrs)
+    moe.launch_moe_experts(*args, y=y, mx_config=mx_config, **attrs)
     (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"}, z, wt, ids, w1, w3, w2, s1, s3, s2)
     torch.testing.assert_close(y.cpu(), want, rtol=1e-4, atol=1e-5)
 
@@ -249,6 +254,15 @@ def test_gluon_decode_ok():
     assert gluon_decode_ok(unrolled, D, I, 256, 256)
     assert not gluon_decode_ok(unrolled, 768, I, 256, 256)
     assert gluon_decode_ok(unrolled[:7] + ((1, 2),), 768, I, 256, 256)
+    # each kernel is checked with its own fields (`mx_kernels`): up 16 rows on 1 warp, register stream, 512-wide K
+    # tiles; down 32 rows on 2 warps, TMA ring, 256
+    mixed = (8, (16, 32), (512, 256), (1, 2), (1, 2), False, None)
+    assert gluon_decode_ok(mixed, 4096, 4096, 512, 256)
+    assert not gluon_decode_ok(mixed[:4] + (2,) + mixed[5:], 4096, 4096, 512, 256)          # a ring takes ≤ 256
+    assert not gluon_decode_ok(mixed[:3] + ((1, 1),) + mixed[4:], 4096, 4096, 512, 256)     # 32 rows on 1 warp
+    # mode 2 needs an even K tile count in its own kernel only: 3 tiles of 256 over D = 768 (up), 4 over I
+    assert gluon_decode_ok((8, 32, (128, 256), 2, 2, False, None, (2, 2)), 768, 1024, 128, 256)
+    assert not gluon_decode_ok((8, 32, (256, 128), 2, 2, False, None, (2, 2)), 768, 1024, 256, 128)
 
 
 def test_act_ahead_modes():
@@ -270,8 +284,16 @@ def test_mx_config_text():
     assert mx_config_from_text("16,32,256,2,1,1,96") == (16, 32, 256, 2, 1, True, 96)
     assert mx_config_from_text("8,32,256,2,1,0,0")[6] is None
     assert mx_config_from_text("8,32,256,2,2,0,0/80,2/0") == (8, 32, 256, 2, 2, False, (None, 80), (2, 0))
+    # one value per kernel (`mx_kernels`): BLOCK_R, BLOCK_K, warps, stages, maxnreg; BLOCK_M and two_muls shared
+    mixed = mx_config_from_text("8,32/16,128/256,2/1,1/2,0,80/0,2/0")
+    assert mixed == (8, (32, 16), (128, 256), (2, 1), (1, 2), False, (80, None), (2, 0))
+    assert mx_kernels(mixed) == ((32, 128, 2, 1, 80), (16, 256, 1, 2, None))
+    assert mx_kernels(mx_default_config(16, 896, 122)) == ((32, 256, 2, 2, None), (32, 256, 2, 2, 80))
+    with pytest.raises(ValueError, match="field 2 must be one value or an"):
+        mx_kernels((8, 32, (128, 256, 64), 2, 2, False, None))
     for bad in ("8,32,256,2,2,0", "8,32,256,2,2,0,0/80/72", "8,32,x,2,2,0,0", "", "8,32,256,2,2,0,0,3/0",
-                "8,32,256,2,2,0,0,2", "8,32,256,2,2,0,0,2/0,1"):
+                "8,32,256,2,2,0,0,2", "8,32,256,2,2,0,0,2/0,1", "8/16,32,256,2,2,0,0", "8,32,256,2,2,0/1,0",
+                "8,32,128/256/512,2,2,0,0"):
         with pytest.raises(ValueError, match="BLOCK_M,BLOCK_R,BLOCK_K"):
             mx_config_from_text(bad)
 
@@ -296,7 +318,9 @@ def test_word_descriptors():
                                        (16, 32, 256, 2, 1, False, None), (16, 16, 128, 1, 3, True, None),
                                        (16, 32, 256, 2, 2, False, 96), (8, 32, 256, 2, 2, False, (80, 80), (2, 0)),
                                        (8, 32, 128, 2, 2, False, None, (2, 2)), (8, 32, 128, 2, 1, True, None, (2, 2)),
-                                       (16, 16, 128, 1, 3, False, None, (2, 2))])
+                                       (16, 16, 128, 1, 3, False, None, (2, 2)),
+                                       (8, 32, (128, 256), 2, (1, 2), False, (80, 80), (2, 0)),
+                                       (16, (16, 32), 128, (1, 2), (3, 1), True, None)])
 @pytest.mark.parametrize("N", [1, 5, 12])
 def test_gluon_matches_triton_and_reference(N, mx_config):
     """The Gluon decode kernels (bf16, K tiles prefetched in registers) against the Triton kernels of the same
@@ -306,10 +330,11 @@ def test_gluon_matches_triton_and_reference(N, mx_config):
     registers (num_stages 1) or streamed by TMA through a ring of 2-4 stages (128- and 64-byte swizzles: K tiles
     of 256 and 128), register caps (one for the down kernel alone: the decode default), and the activations
     prefetched with the K loop unrolled by two (mode 2, `gl_act_ahead`: four K tiles over D and I, so the
-    unrolled loop runs twice)."""
-    bk = mx_config[2]
-    D, I = (4 * bk, 4 * bk) if len(mx_config) > 7 else (512 if bk == 256 else 256, 256)
-    assert gluon_decode_ok(mx_config, D, I, mx_block_k(D, mx_config[2]), mx_block_k(I, mx_config[2]))
+    unrolled loop runs twice), and kernels with fields of their own (`mx_kernels`: the up kernel's register
+    stream of 128-wide K tiles beside the down kernel's TMA ring of 256)."""
+    (_, bk1, *_), (_, bk2, *_) = mx_kernels(mx_config)
+    D, I = (4 * bk1, 4 * bk2) if len(mx_config) > 7 else (512 if bk1 == 256 else 256, 256)
+    assert gluon_decode_ok(mx_config, D, I, mx_block_k(D, bk1), mx_block_k(I, bk2))
     z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(2, N, 4, 6, D, I)
     y, y_triton = torch.full_like(z, float("nan")), torch.full_like(z, float("nan"))
     moe.launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, mx_config=mx_config, **attrs)

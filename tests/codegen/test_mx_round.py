@@ -36,6 +36,31 @@ def test_choose_takes_the_fastest_variant_that_agrees_with_the_default():
     assert mx_round.choose(rows + [row(k128, 1, 40, 20, 0.1)], 1, a) == b
 
 
+def test_best_mix_joins_one_variants_up_kernel_to_anothers_down_kernel():
+    # the up kernel of "reg" (register stream, 128-wide K tiles) is the fastest, the down kernel of "ring" (TMA
+    # ring, capped) too: their mix is predicted at 50 + 24 us against 79 for the best whole variant
+    base, reg, ring = "8,32,2,1,0,0,80", "8,32,1,2,2,80,80,128", "8,32,2,2,0,80,80"
+    rows = [row(base, 1, 60, 30), row(reg, 1, 50, 30, 2 ** -7), row(ring, 1, 55, 24)]
+    mix = mx_round.best_mix(rows, 1, base)
+    assert mix == "8,32,1/2,2,0,80,80,128/256"
+    assert mx_round.variant_config(mix) == (8, 32, (128, 256), 2, (1, 2), False, (80, 80), (2, 0))
+    assert mx_round.kernel_fields(mix) == (8, (32, 1, 2, 80, 128), (32, 2, 0, 80, 256))
+    # a prediction until timed: the choice is the best whole variant; timed (its row last), the mix wins
+    assert mx_round.choose(rows, 1, base) == ring
+    assert mx_round.choose(rows + [row(mix, 1, 51, 25, 2 ** -7)], 1, base) == mix
+    # timed and slower than predicted: the whole variant stays
+    assert mx_round.choose(rows + [row(mix, 1, 56, 26, 2 ** -7)], 1, base) == ring
+    # nothing to time: the fastest kernels come from one variant, the mix was timed, or it gains under 1 %
+    assert mx_round.best_mix([row(base, 1, 60, 30), row(ring, 1, 55, 24)], 1, base) is None
+    assert mx_round.best_mix(rows + [row(mix, 1, 56, 26, 2 ** -7)], 1, base) is None
+    assert mx_round.best_mix([row(reg, 1, 50, 30, 2 ** -7), row(ring, 1, 55, 29.6)], 1, base) is None  # 79.6, 80
+    # only variants that agree with the default, and only kernels of one token tile, are joined
+    assert mx_round.best_mix([row(base, 1, 60, 30), row(reg, 1, 50, 30, 0.1), row(ring, 1, 55, 24)], 1, base) is None
+    wide = "16,32,2,0,0,128,80"
+    assert mx_round.best_mix([row(base, 16, 150, 80), row(wide, 16, 120, 90)], 16, base) is None
+    assert mx_round.best_mix([row(base, 1, 60, 30), row(wide, 1, 40, 20)], 16, base) is None   # other batch
+
+
 def test_default_variant_is_the_launchers_decode_default():
     from k3c.codegen.triton.moe_mxfp4 import mx_default_config
 
@@ -45,8 +70,12 @@ def test_default_variant_is_the_launchers_decode_default():
     assert mx_round.variant_config("8,32,2,1,0,0,80")[:7] == mx_default_config(16, 32, 122)
     assert mx_round.variant_config("8,32,2,2,2,80,80") == (8, 32, 256, 2, 2, False, (80, 80), (2, 2))
     assert mx_round.variant_config("8,32,1,2,2,80,0,128") == (8, 32, 128, 2, 1, False, (80, None), (2, 2))
+    # fields of one kernel each: 32 rows on 2 warps and 16 on 1, register stream and ring, K tiles 128 and 256
+    assert mx_round.variant_config("8,32/16,1/2,2,0,80,80,128/256") == \
+        (8, (32, 16), (128, 256), (2, 1), (1, 2), False, (80, 80), (2, 0))
+    assert mx_round.variant_text(*mx_round.kernel_fields("8,32/32,2/2,1,0,0,80,256/256")) == "8,32,2,1,0,0,80"
     for bad in ("8,32,2,3,0,0,80", "8,32,2,1,0,0,80,64", "8,32,2,1,0,0", "8,32,2,1,0,0,80,256,1", "8,x,2,1,0,0,80",
-                "8,64,2,1,0,0,80"):                                   # the last: 32 weight rows a warp
+                "8,64,2,1,0,0,80", "8,32/64,2,1,0,0,80"):             # the last two: 32 weight rows a warp
         with pytest.raises(ValueError, match="variant"):
             mx_round.variant_config(bad)
     # every candidate is a configuration the Gluon kernels take at K3.1 Pro's shapes (mode 2: even K tile counts)
@@ -104,3 +133,53 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path, args, message):
     run = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "mx_round.py"), "--out", str(out), *args],
                          cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 2 and message in run.stderr and not out.exists()
+
+
+def test_the_round_times_the_mix_and_runs_the_end_to_end_benchmark_under_it(tmp_path, monkeypatch):
+    # the whole round without a GPU: the phases' processes are replaced by ones that write what the real ones
+    # write. First probe: "reg" has the fastest up kernel, "ring" the fastest down kernel at batch 1; at batch 16
+    # "wide" (16-token tiles) is fastest whole and no mix gains. The second probe times the batch-1 mix beside the
+    # default; the end-to-end run then gets the mix for batch 1 and "wide" for batch 16
+    import json
+    import sys
+
+    base, reg, ring, wide = "8,32,2,1,0,0,80", "8,32,1,2,2,80,80,128", "8,32,2,2,0,80,80", "16,32,2,0,0,128,80"
+    mix = "8,32,1/2,2,0,80,80,128/256"
+    times = {(base, 1): (60, 30), (reg, 1): (50, 30), (ring, 1): (55, 24), (mix, 1): (51, 24),
+             (base, 16): (150, 80), (reg, 16): (150, 80), (ring, 16): (150, 79), (wide, 16): (120, 70)}
+    calls = []
+
+    def fake_run(cmd, seconds, log, cwd=mx_round.ROOT, env=None):
+        script = os.path.basename(cmd[1]) if cmd[1].endswith(".py") else "pytest"
+        calls.append((script, seconds))
+        arg = dict(zip(cmd[2::2], cmd[3::2]))
+        if script == "mx_tma_probe.py":
+            rows = [row(v, b, *times[v, b], 0.0 if v in (base, ring, wide) else 2 ** -7)
+                    for b in map(int, arg["--batches"].split(",")) for v in arg["--variants"].split(";")
+                    if (v, b) in times]
+            os.makedirs(arg["--out"])
+            with open(os.path.join(arg["--out"], "mx_tma_probe.json"), "w") as f:
+                json.dump({"rows": rows}, f)
+        elif script == "bench_e2e.py":
+            os.makedirs(arg["--out"])
+            with open(os.path.join(arg["--out"], "bench_e2e_mxfp4.json"), "w") as f:
+                json.dump({"expert_read_tbps": {"B1": 3.36, "B16": 2.94}}, f)
+        return 0, 1.0
+
+    copies = []
+    monkeypatch.setattr(mx_round, "run", fake_run)
+    monkeypatch.setattr(mx_round, "prepare_copy", lambda scratch, *cfgs: copies.append(cfgs) or (scratch, {}))
+    monkeypatch.setattr(mx_round.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx_round.torch.cuda, "get_device_name", lambda: "NVIDIA H200 (stand-in)")
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["mx_round.py", "--out", str(out), "--scratch", str(tmp_path / "copy"),
+                                      "--variants", ";".join((reg, ring, wide))])
+    mx_round.main()
+    res = json.loads((out / "mx_round.json").read_text())
+    assert [c[0] for c in calls] == ["mx_tma_probe.py", "mx_tma_probe.py", "bench_e2e.py", "pytest"]
+    assert calls[0][1] == pytest.approx(0.45 * 570) and calls[1][1] <= 0.12 * 570
+    assert res["mixes"] == {"1": mix, "16": None}
+    assert res["winners"] == {"1": mix, "16": wide}
+    assert copies == [(mx_round.variant_config(mix), mx_round.variant_config(wide))]
+    assert res["expert_read_frac"] == {"B1": pytest.approx(0.8), "B16": pytest.approx(0.7)}
+    assert set(res["phases"]) == {"probe", "probe_mix", "e2e", "tests"}

@@ -142,7 +142,7 @@ for rows, E in json.loads(sys.argv[1]):
                   DOT_PRECISION="tf32", V2=mx_mma_v2(warps))
     kinds = []
     caps = maxnreg if isinstance(maxnreg, tuple) else (maxnreg, maxnreg)
-    for cap, kernel, consts in ((caps[0], moe_up_mx_kernel, dict(common, K=K, ACT_SITU=True,
+    for cap, kernel, consts in ((caps[0], moe_up_mx_kernel, dict(common, K=K, ACT_SITU=True, V2_H=mx_mma_v2(warps),
                                                                  BLOCK_D=mx_block_k(D, most_k))),
                                 (caps[1], moe_down_mx_kernel, common)):
         c = compile_for(kernel, ptr, consts, num_warps=warps, num_stages=stages, maxnreg=cap)

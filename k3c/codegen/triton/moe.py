@@ -44,9 +44,9 @@ from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_sc
 from k3c.codegen.triton.gl_common import gl_tma_load, gl_tma_load_named
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile,
-                                         mx_block_k, mx_default_config, mx_mma_v2, mx_permute, mx_permuted_col,
-                                         mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32,
-                                         mxfp4_weight_tile, mxfp4_word_bf16)
+                                         mx_block_k, mx_default_config, mx_kernels, mx_mma_v2, mx_permute,
+                                         mx_permuted_col, mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16,
+                                         mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
 from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl_act_offsets, gl_act_operand,
                                                gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
                                                gl_permuted_col, gl_ring_fill, gl_ring_init, gl_stage_words,
@@ -258,8 +258,9 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     [N·k, D] and, MXFP4, z_perm [N, D] (z in the kernels' K order): the planned buffers of `scratch` (name ->
     tensor, `moe_experts_scratch`), else allocated here; the sort permutation and tile schedule (i64, O(N·k + E))
     are allocated here. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config` (MXFP4:
-    BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg: None, a register cap for both
-    kernels or a pair (up, down); optionally the Gluon kernels' activation prefetch modes, `gl_act_ahead`) and a
+    BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg (None: no register cap);
+    optionally the Gluon kernels' activation prefetch modes, `gl_act_ahead`; BLOCK_R to num_stages and maxnreg
+    each one value or an (up, down) pair, `mx_kernels`) and a
     precomputed `schedule` (`moe_schedule(ids, E, BLOCK_M)`). scale_max: an upper bound on the MXFP4 scale bytes
     (the node's `scale_max`, read from the checkpoint; 255: unknown), which picks the decoding
     (`mx_default_config`). gluon: None runs the Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon) for bf16
@@ -289,44 +290,44 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     h = take_scratch(scratch, "h", (rows, I), z.dtype, z.device)
     if mx:
         cfg = mx_config or mx_default_config(rows, E, scale_max)
-        BLOCK_M, BLOCK_R, most_k, warps, stages, two_muls, maxnreg = cfg[:7]
-        BK1, BK2 = mx_block_k(D, most_k), mx_block_k(I, most_k)
+        BLOCK_M, two_muls = cfg[0], cfg[5]
+        (BR1, most1, warps1, stages1, mr_up), (BR2, most2, warps2, stages2, mr_down) = mx_kernels(cfg)
+        BK1, BK2 = mx_block_k(D, most1), mx_block_k(I, most2)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
         max_tiles = schedule[1].shape[0]
-        mr_up, mr_down = maxnreg if isinstance(maxnreg, (tuple, list)) else (maxnreg, maxnreg)
         fast = z.dtype == torch.bfloat16
         gl_run = gluon is not False and fast and z.is_cuda and gluon_decode_ok(cfg, D, I, BK1, BK2)
         zp = take_scratch(scratch, "z_perm", (N, D), z.dtype, z.device)
+        up_opts = dict(num_warps=warps1, **({"maxnreg": mr_up} if mr_up else {}))
+        down_opts = dict(num_warps=warps2, **({"maxnreg": mr_down} if mr_down else {}))
         if gl_run:
             zp = gl_permute(z, BK1, out=zp)
             act_up, act_down = gl_act_ahead(cfg)
-            if stages > 1:      # the TMA ring: the words by descriptor
-                w1a, w3a, w2a = (gl_word_descs(w, BLOCK_R, bk) for w, bk in ((w1, BK1), (w3, BK1), (w2, BK2)))
-            else:
-                w1a, w3a, w2a = (w.view(torch.int32) for w in (w1, w3, w2))
-            moe_up_mx_gluon_kernel[(max_tiles, I // BLOCK_R)](
+            # num_stages ≥ 2: the TMA ring, which takes the words by descriptor
+            w1a, w3a = (gl_word_descs(w, BR1, BK1) if stages1 > 1 else w.view(torch.int32) for w in (w1, w3))
+            w2a = gl_word_descs(w2, BR2, BK2) if stages2 > 1 else w2.view(torch.int32)
+            moe_up_mx_gluon_kernel[(max_tiles, I // BR1)](
                 zp.view(torch.int32), w1a, w3a, scales[0], scales[1], *schedule, h,
                 float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ",
-                TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2,
-                STAGES=stages, ACT_AHEAD=act_up, num_warps=warps, **({"maxnreg": mr_up} if mr_up else {}))
-            moe_down_mx_gluon_kernel[(max_tiles, D // BLOCK_R)](
+                TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BR1, BLOCK_D=BK1, BLOCK_K2=BK2,
+                STAGES=stages1, ACT_AHEAD=act_up, **up_opts)
+            moe_down_mx_gluon_kernel[(max_tiles, D // BR2)](
                 h.view(torch.int32), w2a, scales[2], weights, *schedule, y_slot, E=E, D=D, I=I,
-                TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, STAGES=stages,
-                ACT_AHEAD=act_down, num_warps=warps, **({"maxnreg": mr_down} if mr_down else {}))
+                TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BR2, BLOCK_K2=BK2, STAGES=stages2,
+                ACT_AHEAD=act_down, **down_opts)
             moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
             return
-        v2 = mx_mma_v2(warps)
-        zp = mx_permute(z, BK1, out=zp, v2=v2)
-        opts = dict(num_warps=warps, num_stages=stages)
-        moe_up_mx_kernel[(max_tiles, triton.cdiv(I, BLOCK_R))](
+        v2_up, v2_down = mx_mma_v2(warps1), mx_mma_v2(warps2)
+        zp = mx_permute(z, BK1, out=zp, v2=v2_up)
+        moe_up_mx_kernel[(max_tiles, triton.cdiv(I, BR1))](
             zp, w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
             float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ", FAST=fast,
-            TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_D=BK1, BLOCK_K2=BK2,
-            DOT_PRECISION=precision, V2=v2, **opts, **({"maxnreg": mr_up} if mr_up else {}))
-        moe_down_mx_kernel[(max_tiles, triton.cdiv(D, BLOCK_R))](
+            TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BR1, BLOCK_D=BK1, BLOCK_K2=BK2,
+            DOT_PRECISION=precision, V2=v2_up, V2_H=v2_down, num_stages=stages1, **up_opts)
+        moe_down_mx_kernel[(max_tiles, triton.cdiv(D, BR2))](
             h, w2.view(torch.int32), scales[2], weights, *schedule, y_slot, E=E, D=D, I=I, FAST=fast,
-            TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K2=BK2, DOT_PRECISION=precision, V2=v2,
-            **opts, **({"maxnreg": mr_down} if mr_down else {}))
+            TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BR2, BLOCK_K2=BK2, DOT_PRECISION=precision, V2=v2_down,
+            num_stages=stages2, **down_opts)
     else:
         BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N = blocks or (16 if rows < 16 * E else 64, 64, 64, 64)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
@@ -405,9 +406,10 @@ def emit_moe_experts(group: KernelGroup) -> str:
     what = f"{'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'}{', MXFP4 weights' if mx else ''}"
     return _module(group, f"grouped expert GEMMs ({what})", consts,
                    [take_scratch, tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
-                    mx_default_config, mx_mma_v2, mx_block_k, mx_permute, mx_permuted_col, mxfp4_word_bf16,
-                    mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile,
-                    moe_up_mx_kernel, moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule,
+                    mx_default_config, mx_kernels, mx_mma_v2, mx_block_k, mx_permute, mx_permuted_col,
+                    mxfp4_word_bf16, mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32,
+                    mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel, _max_i32,
+                    moe_schedule_kernel, moe_schedule,
                     gluon_decode_ok, gl_act_ahead, gl_layouts, gl_permute, gl_permuted_col, gl_axis_layout,
                     gl_word_offsets, gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_tile_rows, gl_words2d_layout,
                     gl_word_descs, gl_stage_words, gl_tma_load_named, gl_tma_load, gl_ring_fill, gl_ring_init,

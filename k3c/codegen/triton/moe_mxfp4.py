@@ -40,9 +40,9 @@ too narrow for cp.async: it became a synchronous global load plus a shared-memor
 barriers per matrix) in every K iteration, 7-14 % of the decode time (BENCHMARKS.md).
 
 Public API: `ONE_MUL_MAX_SCALE`, `mx_default_config(rows, E, scale_max)`, `mx_config_from_text(text)`,
-`mx_mma_v2(num_warps)`, `mx_block_k(K)`, `mx_permute(x, block_k, out, v2)`, the jit helpers and
-`moe_up_mx_kernel`, `moe_down_mx_kernel` (launched by
-`launch_moe_experts`).
+`mx_kernels(mx_config)` (the up and down kernels' own fields of an mx_config), `mx_mma_v2(num_warps)`,
+`mx_block_k(K)`, `mx_permute(x, block_k, out, v2)`, the jit helpers and `moe_up_mx_kernel`, `moe_down_mx_kernel`
+(launched by `launch_moe_experts`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ ONE_MUL_MAX_SCALE = 128
 
 def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls,
-    maxnreg; an optional 8th field, the Gluon kernels' activation prefetch modes `gl_act_ahead`) for `rows`
+    maxnreg; an optional 8th field, the Gluon kernels' activation prefetch modes `gl_act_ahead`; BLOCK_R to
+    num_stages, maxnreg and the 8th may be (up, down) pairs, `mx_kernels`) for `rows`
     (token, slot) pairs over E experts whose scale bytes are at most `scale_max` (the `moe_experts` node's
     checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md "MXFP4 rounds (mx26)" and
     "(mx27)", benchmarks/bench_moe_mxfp4.py, benchmarks/mx_tma_probe.py). One multiply, < 16 rows per
@@ -87,23 +88,47 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
 
 def mx_config_from_text(text: str) -> tuple:
     """An mx_config from its benchmark-flag form 'BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg[,act]'
-    (two_muls 0/1; maxnreg 0: none, or 'UP/DOWN' for one cap per kernel, 0 for none; act, optional: the Gluon
-    kernels' activation prefetch modes 'UP/DOWN', each 0..2, `gl_act_ahead`), e.g. '8,32,256,2,2,0,0/80' ->
-    (8, 32, 256, 2, 2, False, (None, 80)) and '8,32,256,2,2,0,0/80,2/0' -> (..., (None, 80), (2, 0)). Raises
-    ValueError naming the text otherwise."""
+    (two_muls 0/1; maxnreg 0: none; act, optional: the Gluon kernels' activation prefetch modes, each 0..2,
+    `gl_act_ahead`). BLOCK_R, BLOCK_K, warps, stages and maxnreg may each be 'UP/DOWN', one value per kernel
+    (`mx_kernels`); act is always 'UP/DOWN'. E.g. '8,32,256,2,2,0,0/80' -> (8, 32, 256, 2, 2, False, (None, 80)),
+    '8,32,256,2,2,0,0/80,2/0' -> (..., (None, 80), (2, 0)) and '8,32,128/256,2,1/2,0,80' -> (8, 32, (128, 256),
+    2, (1, 2), False, 80). Raises ValueError naming the text otherwise."""
     f = text.split(",")
     try:
         if len(f) not in (7, 8):
             raise ValueError
-        head = [int(x) for x in f[:6]]
-        caps = [int(x) or None for x in f[6].split("/")]
-        act = tuple(int(x) for x in f[7].split("/")) if len(f) == 8 else ()
-        if len(caps) not in (1, 2) or len(f) == 8 and (len(act) != 2 or not set(act) <= {0, 1, 2}):
+        v = [tuple(int(x) for x in field.split("/")) for field in f]
+        if any(len(x) not in (1, 2) for x in v) or len(v[0]) > 1 or len(v[5]) > 1 or \
+                len(f) == 8 and (len(v[7]) != 2 or not set(v[7]) <= {0, 1, 2}):
             raise ValueError
     except ValueError:
         raise ValueError(f"{text!r}: expected BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg[,act] (7 "
-                         "integers, maxnreg may be UP/DOWN; act: UP/DOWN, each 0, 1 or 2)") from None
-    return (*head[:5], bool(head[5]), caps[0] if len(caps) == 1 else tuple(caps), *((act,) if act else ()))
+                         "integers; BLOCK_R, BLOCK_K, warps, stages and maxnreg may be UP/DOWN; act: UP/DOWN, "
+                         "each 0, 1 or 2)") from None
+
+    def one(x):
+        return x[0] if len(x) == 1 else x
+
+    caps = tuple(c or None for c in v[6])
+    return (*(one(x) for x in v[:5]), bool(v[5][0]), one(caps), *((v[7],) if len(f) == 8 else ()))
+
+
+def mx_kernels(mx_config: tuple) -> tuple[tuple, tuple]:
+    """(up, down): each expert kernel's (BLOCK_R, largest BLOCK_K, num_warps, num_stages, maxnreg) in `mx_config`,
+    whose BLOCK_R, BLOCK_K, num_warps, num_stages and maxnreg fields are each one value for both kernels or an
+    (up, down) pair. The two are separate launches; they share BLOCK_M (one tile schedule) and two_muls, and the
+    up kernel writes h in the down kernel's K order (its K tile and MMA). Raises ValueError for a pair of another
+    length."""
+    def split(i):
+        x = mx_config[i]
+        if not isinstance(x, (tuple, list)):
+            return x, x
+        if len(x) != 2:
+            raise ValueError(f"mx_config {tuple(mx_config)}: field {i} must be one value or an (up, down) pair")
+        return tuple(x)
+
+    up, down = zip(*(split(i) for i in (1, 2, 3, 4, 6)))
+    return up, down
 
 
 def mx_mma_v2(num_warps: int) -> bool:
@@ -298,11 +323,12 @@ def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_exp
                      tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, E: tl.constexpr, K: tl.constexpr,
                      D: tl.constexpr, I: tl.constexpr, ACT_SITU: tl.constexpr, FAST: tl.constexpr,
                      TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
+                     BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr,
+                     V2_H: tl.constexpr):
     """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one tile of sorted rows and BLOCK_R intermediate columns. zp: z [N, D]
     `mx_permute`d by BLOCK_D; w1/w3 the packed bytes as i32 words [E, I, D/8], scales s1/s3 u8 [E, I, D/32];
-    hp [N·k, I] written in `mx_permute` order of BLOCK_K2 (the down kernel's K tile). V2: both in the `mma.sync`
-    order (`mx_mma_v2` of the launch's warps)."""
+    hp [N·k, I] written in `mx_permute` order of BLOCK_K2 (the down kernel's K tile). V2: z and the weights in
+    the `mma.sync` order (`mx_mma_v2` of this launch's warps); V2_H: h in it (`mx_mma_v2` of the down kernel's)."""
     e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
                                         BLOCK_M)
     if e < E:
@@ -321,7 +347,7 @@ def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_exp
             w = mxfp4_weight_tile(w3_ptr, s3, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2)
             up = tl.dot(w.to(z.dtype), z, up, input_precision=DOT_PRECISION)
         h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
-        col = mx_permuted_col(offs_i, BLOCK_K2, V2)
+        col = mx_permuted_col(offs_i, BLOCK_K2, V2_H)
         tl.store(hp_ptr + offs_m.to(tl.int64)[None, :] * I + col[:, None], h.to(hp_ptr.dtype.element_ty),
                  mask=i_ok[:, None] & m_ok[None, :])
 

@@ -56,7 +56,7 @@ from triton.experimental.gluon import language as gl
 
 from k3c.codegen.triton.gl_common import gl_tma_load
 from k3c.codegen.triton.moe_act import glu
-from k3c.codegen.triton.moe_mxfp4 import mxfp4_scale_bf16, mxfp4_word_bf16
+from k3c.codegen.triton.moe_mxfp4 import mx_kernels, mxfp4_scale_bf16, mxfp4_word_bf16
 
 #: token rows per tile the kernels take (the `mma.sync` N: one or two n8 instructions per k16 step)
 GLUON_BLOCK_MS = (8, 16)
@@ -64,17 +64,22 @@ GLUON_BLOCK_MS = (8, 16)
 
 def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> bool:
     """Whether the Gluon kernels take a bf16 MXFP4 launch on a GPU with `mx_config` (BLOCK_M, BLOCK_R, largest
-    BLOCK_K, num_warps, num_stages, ...: `mx_default_config`) over latent D and expert inner I with K tiles bk1
-    (over D) and bk2 (over I): 8- or 16-row token tiles, 1 or 2 warps (the `mma.sync` path, `mx_mma_v2`), 16
-    weight rows per warp, every weight-row block full, K tiles of 128..512 (≤ 256 for the TMA ring), and an even
-    number of K tiles in a kernel whose activation prefetch mode (`gl_act_ahead`) is 2. For these kernels
+    BLOCK_K, num_warps, num_stages, ...: `mx_default_config`; per-kernel fields as `mx_kernels` splits them) over
+    latent D and expert inner I with K tiles bk1 (over D: the up kernel) and bk2 (over I: the down kernel): 8- or
+    16-row token tiles and, for each kernel, 1 or 2 warps (the `mma.sync` path, `mx_mma_v2`), 16 weight rows per
+    warp, every weight-row block full (up: I rows, down: D), K tiles of 128..512 (≤ 256 for the TMA ring), and an
+    even number of K tiles where its activation prefetch mode (`gl_act_ahead`) is 2. For these kernels
     num_stages is the word stream's depth (module docstring): 1 prefetches the next K tile in registers, ≥ 2 keeps
-    num_stages − 1 tiles in flight through a TMA ring. Raises ValueError for prefetch modes outside 0..2."""
-    block_m, block_r, _, warps, stages = mx_config[:5]
-    paired = ((D // bk1) % 2 == 0, (I // bk2) % 2 == 0)
-    return block_m in GLUON_BLOCK_MS and warps in (1, 2) and block_r == 16 * warps and I % block_r == 0 and \
-        D % block_r == 0 and all(bk in ((128, 256, 512) if stages == 1 else (128, 256)) for bk in (bk1, bk2)) and \
-        all(mode < 2 or even for mode, even in zip(gl_act_ahead(mx_config), paired))
+    num_stages − 1 tiles in flight through a TMA ring. Raises ValueError for prefetch modes outside 0..2 or a
+    per-kernel field that is not a pair."""
+    def ok(kernel, rows, k, bk, mode):
+        block_r, _, warps, stages, _ = kernel
+        return warps in (1, 2) and block_r == 16 * warps and rows % block_r == 0 and \
+            bk in ((128, 256, 512) if stages == 1 else (128, 256)) and (mode < 2 or (k // bk) % 2 == 0)
+
+    up, down = mx_kernels(mx_config)
+    mode_up, mode_down = gl_act_ahead(mx_config)
+    return mx_config[0] in GLUON_BLOCK_MS and ok(up, I, D, bk1, mode_up) and ok(down, D, I, bk2, mode_down)
 
 
 def gl_act_ahead(mx_config: tuple) -> tuple[int, int]:
@@ -84,12 +89,15 @@ def gl_act_ahead(mx_config: tuple) -> tuple[int, int]:
     in the up kernel against 16 with 2; benchmarks/mx_static_cost.py). 2: both one tile ahead, the K loop unrolled
     by two so that two register sets take turns, each reloaded after its last use: no copies of them; an even
     number of K tiles (`gluon_decode_ok`). The config's optional 8th field is the pair; else the rule measured on
-    the H200 (BENCHMARKS.md "MXFP4 round (mx27)"): with the register word stream (num_stages 1) both 1; with the
-    TMA ring the up kernel 1 at 8-token tiles (batch 1: 60.2 against 65.5 us for 0; at 16 tokens its registers
-    would double) and the down kernel 0 (mode 1 cost it 29 registers and 5-10 % of its time). Raises ValueError
-    for a mode outside 0..2."""
-    modes = mx_config[7] if len(mx_config) > 7 and mx_config[7] is not None else \
-        (int(mx_config[4] == 1 or mx_config[0] == 8), int(mx_config[4] == 1))
+    the H200 (BENCHMARKS.md "MXFP4 round (mx27)"), per kernel by its own num_stages (`mx_kernels`): with the
+    register word stream (num_stages 1) 1; with the TMA ring the up kernel 1 at 8-token tiles (batch 1: 60.2
+    against 65.5 us for 0; at 16 tokens its registers would double) and the down kernel 0 (mode 1 cost it 29
+    registers and 5-10 % of its time). Raises ValueError for a mode outside 0..2."""
+    if len(mx_config) > 7 and mx_config[7] is not None:
+        modes = mx_config[7]
+    else:
+        up, down = mx_kernels(mx_config)
+        modes = (int(up[3] == 1 or mx_config[0] == 8), int(down[3] == 1))
     if len(modes) != 2 or any(m not in (0, 1, 2) for m in modes):
         raise ValueError(f"mx_config {tuple(mx_config)}: activation prefetch modes (up, down) must be 0, 1 or 2")
     return int(modes[0]), int(modes[1])
