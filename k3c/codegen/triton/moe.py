@@ -259,8 +259,8 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     tensor, `moe_experts_scratch`), else allocated here; the sort permutation and tile schedule (i64, O(N·k + E))
     are allocated here. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config` (MXFP4:
     BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg (None: no register cap);
-    optionally the Gluon kernels' activation prefetch modes, `gl_act_ahead`; BLOCK_R to num_stages and maxnreg
-    each one value or an (up, down) pair, `mx_kernels`) and a
+    optionally the Gluon kernels' activation prefetch modes, `gl_act_ahead`; BLOCK_R, BLOCK_K, num_warps,
+    num_stages and maxnreg each one value or an (up, down) pair, `mx_kernels`) and a
     precomputed `schedule` (`moe_schedule(ids, E, BLOCK_M)`). scale_max: an upper bound on the MXFP4 scale bytes
     (the node's `scale_max`, read from the checkpoint; 255: unknown), which picks the decoding
     (`mx_default_config`). gluon: None runs the Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon) for bf16

@@ -60,8 +60,8 @@ ONE_MUL_MAX_SCALE = 128
 
 def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls,
-    maxnreg; an optional 8th field, the Gluon kernels' activation prefetch modes `gl_act_ahead`; BLOCK_R to
-    num_stages, maxnreg and the 8th may be (up, down) pairs, `mx_kernels`) for `rows`
+    maxnreg; an optional 8th field, the Gluon kernels' activation prefetch modes `gl_act_ahead`; BLOCK_R,
+    BLOCK_K, num_warps, num_stages and maxnreg may be (up, down) pairs, `mx_kernels`) for `rows`
     (token, slot) pairs over E experts whose scale bytes are at most `scale_max` (the `moe_experts` node's
     checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md "MXFP4 rounds (mx26)" and
     "(mx27)", benchmarks/bench_moe_mxfp4.py, benchmarks/mx_tma_probe.py). One multiply, < 16 rows per
