@@ -26,6 +26,7 @@ from models.config import K3Config
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # OCP MX spec, Table 5 (FP4 E2M1)
 MX_GROUP = 32
+E8M0_NAN = 0xFF     # OCP MX spec v1.0, §5.4.1: E8M0 has no infinities or zero; its one NaN is 0xFF
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 _IGNORED = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 
@@ -143,9 +144,9 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
 
     MXFP4 experts are dequantized; A_log may be stored longer than H (zero-padded, e.g. Kimi Linear's [1,1,H,1]):
     its first H values are used. Parameters are cast to `dtype` except the fp32 ones (A_log, dt_bias, convs,
-    o_norm). Raises CheckpointError for a missing, extra (non-vision), mis-shaped or non-finite tensor, naming the
-    key with expected and found shapes, or one the index's weight_map places in another shard; ConfigError for a
-    bad config.json.
+    o_norm). Raises CheckpointError for a missing, extra (non-vision), mis-shaped or non-finite tensor (an MXFP4
+    scale byte 255 is NaN), naming the key with expected and found shapes, or one the index's weight_map places in
+    another shard; ConfigError for a bad config.json.
     """
     from models.k3 import K3ForCausalLM
 
@@ -174,6 +175,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
             raise CheckpointError(f"{path}: tensor '{key}' has dtype {t.dtype}, expected {want}")
         if t.is_floating_point() and not torch.isfinite(t.float()).all():
             raise CheckpointError(f"{path}: tensor '{key}' contains NaN or Inf values")
+        _check_scale_bytes(path, key, t)
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
     state = {}
@@ -192,13 +194,22 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
     return model.cast_(dtype).to(device)
 
 
+def _check_scale_bytes(path: Path, key: str, t: torch.Tensor) -> None:
+    """Raise CheckpointError if `key` is an MXFP4 scale tensor (`...weight_scale`, uint8 E8M0) holding the NaN
+    byte 0xFF: its 32 weights would decode to NaN (the non-finite check of the dense tensors, for the scales)."""
+    if key.endswith(".weight_scale") and not t.is_floating_point() and bool((t == E8M0_NAN).any()):
+        n = int((t == E8M0_NAN).sum())
+        raise CheckpointError(f"{path}: tensor '{key}' holds {n} E8M0 scale byte(s) 255, which encode NaN; "
+                              "expected 0..254")
+
+
 def load_mxfp4_experts(path: str | Path) -> dict[str, torch.Tensor]:
     """The MXFP4 routed experts of checkpoint `path` as stored, stacked over experts: model parameter key +
     ".weight_packed" -> uint8 [E, R, C/2] and + ".weight_scale" -> uint8 [E, R, C/32] (e.g.
     `layers.3.mlp.experts.w1.weight_packed`), the bits of the checkpoint's `...experts.<e>.w1.weight_packed`.
 
     Reads only those tensors. Raises CheckpointError when the checkpoint does not store MXFP4 experts or one is
-    missing or mis-shaped (`load_checkpoint` checks the rest).
+    missing, mis-shaped or a scale byte is 255 (NaN) (`load_checkpoint` checks the rest).
     """
     path = Path(path)
     cfg = K3Config.from_pretrained(path)
@@ -217,6 +228,7 @@ def load_mxfp4_experts(path: str | Path) -> dict[str, torch.Tensor]:
         if t is None or tuple(t.shape) != shape or t.dtype != dtype:
             got = "missing" if t is None else f"{t.dtype}{list(t.shape)}"
             raise CheckpointError(f"{path}: tensor '{key}' is {got}, expected {dtype}{list(shape)}")
+        _check_scale_bytes(path, key, t)
         m = _EXPERT.match(key[len(cfg.checkpoint_prefix):])
         per.setdefault(f"{m.group(1)}.{m.group(3)}.{m.group(4)}", {})[int(m.group(2))] = t
     return {k: torch.stack([v[e] for e in range(len(v))]) for k, v in sorted(per.items())}

@@ -292,6 +292,31 @@ def test_non_finite_weights(dense_copy, bad):
     assert KEY in msg and ("NaN" in msg or "Inf" in msg)
 
 
+def test_nan_mxfp4_scale_byte(ckpts, tmp_path):
+    # E8M0 byte 255 is NaN (OCP MX v1.0): its 32 weights would decode to NaN. Both loaders refuse it by key, as
+    # they refuse a NaN in a dense tensor; 254 (2^127) is a finite scale and loads
+    path = tmp_path / "mx"
+    shutil.copytree(ckpts["k3-tiny", "mxfp4"][0], path)
+    key = next(k for k in _all_tensors(path) if k.endswith("experts.3.w2.weight_scale"))
+
+    def set_byte(value):
+        def edit(ts):
+            if key in ts:
+                t = ts[key].clone()
+                t[1, 0] = value
+                ts[key] = t
+        return edit
+
+    _rewrite(path, set_byte(255))
+    msg = _error(path)
+    assert key in msg and "255" in msg and "NaN" in msg
+    with pytest.raises(CheckpointError, match=f"{key}.*1 E8M0 scale byte"):
+        load_mxfp4_experts(path)
+    _rewrite(path, set_byte(254))
+    stacked = key.removeprefix("language_model.").replace(".experts.3.", ".experts.")     # expert 3 of the stack
+    assert load_mxfp4_experts(path)[stacked][3, 1, 0] == 254
+
+
 def test_missing_shard(dense_copy):
     index = json.loads((dense_copy / "model.safetensors.index.json").read_text())["weight_map"]
     shard = index[KEY]

@@ -102,6 +102,22 @@ def test_checkpoint_with_nan_weights_is_refused(tmp_path):
     assert rc == 2 and key in err and "NaN" in err and not (tmp_path / "out").exists()
 
 
+def test_checkpoint_with_a_nan_mxfp4_scale_is_refused(tmp_path):
+    # E8M0 byte 255 encodes NaN: the compile names the scale tensor and writes nothing
+    from safetensors.torch import load_file, save_file
+
+    save_random_checkpoint(K3Config.from_pretrained("k3-tiny"), tmp_path / "c", seed=0, expert_format="mxfp4")
+    for shard in sorted((tmp_path / "c").glob("*.safetensors")):
+        t = load_file(str(shard))
+        keys = sorted(k for k in t if k.endswith(".weight_scale"))
+        if keys:
+            t[keys[0]] = t[keys[0]].clone().fill_(255)
+            save_file(t, str(shard), metadata={"format": "pt"})
+            break
+    rc, err = k3c_cli("compile", tmp_path / "c", "-o", tmp_path / "out", "--target", "cpu-x86-64")
+    assert rc == 2 and keys[0] in err and "NaN" in err and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("victim", ["kernel", "weights"])
 def test_changed_byte_in_artifact_is_detected(art, tmp_path, victim):
     a = _copy(art / "art", tmp_path / "a")
