@@ -59,6 +59,8 @@ def test_argument_errors_answer_before_torch(tmp_path):
                            f"--seed {2 ** 64}: expected 0 .. 2^64 - 1"),
                           (["init", "k3-tiny", "-o", str(tmp_path / "ck"), "--seed", "-1"],
                            "--seed -1: expected 0 .. 2^64 - 1"),
+                          (["init", "k3-tiny", "-o", str(tmp_path / "ck"), "--experts-dtype", "fp3"],
+                           "--experts-dtype fp3: expected mxfp4 or bf16"),
                           (["compile", "k3-tiny", "-o", str(tmp_path / "a"), "--plan-only", "--force", "--report",
                             str(tmp_path)], f"--report {tmp_path}: is a directory; give a file name"),
                           (["report", str(tmp_path), "-o", str(tmp_path)], f"-o {tmp_path}: is a directory"),
@@ -70,6 +72,37 @@ def test_argument_errors_answer_before_torch(tmp_path):
                           (["report", str(tmp_path), "-o", str(tmp_path / "r.html")], "not a k3c artifact")]:
         out, err = probe(*args)
         assert message in err and "HEAVY [] 2" in out and len(err.strip().splitlines()) == 1, (args, out, err)
+
+
+def test_init_writes_mxfp4_experts_on_request(tmp_path):
+    # the tiny presets' configs have dense experts; --experts-dtype mxfp4 writes them as the published checkpoints
+    # do (compressed-tensors MXFP4: u8 packed pairs + u8 E8M0 scales per 32, a quantization_config), and bf16 a
+    # dense copy of an MXFP4 config
+    import json
+
+    from safetensors import safe_open
+
+    def run(*args):
+        r = subprocess.run([sys.executable, "-c", "from k3c.cli import main; main()", "init", *map(str, args)],
+                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    def experts(path):
+        out = {}
+        for shard in path.glob("*.safetensors"):
+            with safe_open(str(shard), "pt") as f:
+                out.update({k.rsplit(".", 1)[-1]: f.get_slice(k).get_dtype() for k in f.keys()
+                            if ".experts.0.w1." in k})
+        return out
+
+    assert "MXFP4 experts" in run("k3-tiny", "-o", tmp_path / "mx", "--experts-dtype", "mxfp4")
+    assert experts(tmp_path / "mx") == {"weight_packed": "U8", "weight_scale": "U8"}
+    text = json.loads((tmp_path / "mx" / "config.json").read_text())["text_config"]
+    assert text["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    assert "f32 experts" in run(tmp_path / "mx" / "config.json", "-o", tmp_path / "dense", "--experts-dtype", "bf16")
+    assert experts(tmp_path / "dense") == {"weight": "F32"}
+    assert "quantization_config" not in json.loads((tmp_path / "dense" / "config.json").read_text())["text_config"]
 
 
 def test_init_refuses_a_full_size_checkpoint(tmp_path):

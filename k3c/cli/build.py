@@ -17,13 +17,19 @@ INIT_MAX_BYTES = 4 * 2**30  # `k3c init` is for small models: a random full-size
 def init(preset: str = typer.Argument(..., help="a tiny preset (k3-tiny, k3.1-pro-tiny, kimi-linear-tiny) or config"),
          out_dir: Path = typer.Option(..., "-o", "--out", help="checkpoint directory to write (must not exist)"),
          seed: int = typer.Option(0, help="random seed, 0 .. 2^64 - 1 (the same seed writes the same checkpoint)"),
-         dtype: str = typer.Option("f32", help="f32 (runs on CPU) or bf16")):
+         dtype: str = typer.Option("f32", help="f32 (runs on CPU) or bf16"),
+         experts_dtype: str = typer.Option(None, "--experts-dtype",
+                                           help="routed experts: mxfp4 (compressed-tensors MXFP4, as the published "
+                                                "K3 checkpoints store them) or bf16 (dense, stored in --dtype) "
+                                                "[default: as PRESET's config]")):
     """Write a random checkpoint of PRESET in the published layout (config.json, sharded safetensors, index):
     the first step of `k3c init k3-tiny -o ck && k3c compile ck -o art && k3c run art`."""
     from models.config import K3Config
 
     if dtype not in ("f32", "bf16"):
         raise K3CError(f"--dtype {dtype}: expected f32 or bf16")
+    if experts_dtype not in (None, "mxfp4", "bf16"):
+        raise K3CError(f"--experts-dtype {experts_dtype}: expected mxfp4 or bf16")
     if not 0 <= seed < 2 ** 64:      # torch's generator takes 64 bits: others would alias a seed in range
         raise K3CError(f"--seed {seed}: expected 0 .. 2^64 - 1")
     if out_dir.exists():
@@ -43,10 +49,14 @@ def init(preset: str = typer.Argument(..., help="a tiny preset (k3-tiny, k3.1-pr
 
     with progress_bars() as progress:
         progress(f"writing {cfg.name}", 0, None)
-        save_random_checkpoint(cfg, out_dir, seed=seed, dtype={"f32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        fmt = {None: None, "mxfp4": "mxfp4", "bf16": "dense"}[experts_dtype]
+        torch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        model = save_random_checkpoint(cfg, out_dir, seed=seed, dtype=torch_dtype, expert_format=fmt)
     files = sorted(p.name for p in out_dir.iterdir())
     size = sum(p.stat().st_size for p in out_dir.iterdir())
-    out.print(f"wrote {out_dir}: {cfg.name}, {dtype}, seed {seed}; {len(files)} files, {size / 2**20:,.1f} MiB")
+    experts = "MXFP4" if model.config.expert_quantization == "mxfp4" else dtype
+    out.print(f"wrote {out_dir}: {cfg.name}, {dtype}, {experts} experts, seed {seed}; {len(files)} files, "
+              f"{size / 2**20:,.1f} MiB")
 
 
 def _checkpoint_dtype(path: Path) -> str:
