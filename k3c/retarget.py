@@ -138,12 +138,16 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     weight_bytes, expert_bytes, per_expert = w.nbytes, w.expert_bytes, w.bytes_per_expert_layer
     E, k = cfg.num_experts, cfg.num_experts_per_token
     active = w.params - w.expert_params + w.expert_params * k // E
-    pools = cache_pools(max_batch=max_batch, max_seq=max_seq, kda_layers=n_kda, kda_heads=-(-cfg.kda_num_heads // tp),
-                        kda_head_dim=cfg.kda_head_dim, kda_conv_kernel=cfg.conv_kernel_size, global_layers=n_global,
-                        kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim, dsa_layers=n_dsa,
-                        index_head_dim=cfg.index_head_dim, state_dtype=kda_state_dtype,
-                        index_dtype="float8_e4m3fn" if fp8_keys else "bfloat16",
-                        index_scale_dtype="float32" if fp8_keys else None, index_residuals=residuals)
+
+    def pools_at(ranks):        # one rank's caches: the KDA heads split over the ranks, the latent caches whole
+        return cache_pools(max_batch=max_batch, max_seq=max_seq, kda_layers=n_kda,
+                           kda_heads=-(-cfg.kda_num_heads // ranks), kda_head_dim=cfg.kda_head_dim,
+                           kda_conv_kernel=cfg.conv_kernel_size, global_layers=n_global, kv_lora_rank=cfg.kv_lora_rank,
+                           qk_rope_head_dim=cfg.qk_rope_head_dim, dsa_layers=n_dsa, index_head_dim=cfg.index_head_dim,
+                           state_dtype=kda_state_dtype, index_dtype="float8_e4m3fn" if fp8_keys else "bfloat16",
+                           index_scale_dtype="float32" if fp8_keys else None, index_residuals=residuals)
+
+    pools = pools_at(tp)
     pool_bytes = pools_total_bytes(pools)
     weight_gpu = w.bytes_per_rank
     # decode step, per GPU
@@ -171,7 +175,8 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     compute_s, memory_s = flops_gpu / target.peak(dtype, measured=True), bytes_gpu / target.bandwidth(measured=True)
     step = max(compute_s, memory_s) + comm
     mem = int(target.measured.get("memory_bytes", target.memory_bytes))
-    min_gpus = next((n for n in range(1, 4097) if weight_bytes / n + pool_bytes <= mem), None)
+    # the fewest GPUs whose share of the weights and own caches fit: the same answer whatever `tp` was asked
+    min_gpus = next((n for n in range(1, 4097) if weight_bytes / n + pools_total_bytes(pools_at(n)) <= mem), None)
     return Estimate(cfg.name, target.name, tp, w.params, int(active), weight_gpu, pool_bytes,
                     {k_: p.to_json() for k_, p in pools.items()}, mem, weight_gpu + pool_bytes <= mem, min_gpus,
                     B, L, bytes_gpu, flops_gpu, comm, step, "compute" if compute_s > memory_s else "memory",
