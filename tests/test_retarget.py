@@ -66,6 +66,16 @@ def test_caches_beyond_one_gpu_give_no_gpu_count(k3):
     assert run.returncode == 0, run.stderr
     assert "no GPU count holds it" in run.stdout and "at least 0" not in run.stdout
 
+
+def test_cli_plan_piped_keeps_its_headers():
+    # stdout is a pipe without COLUMNS: the table is laid out wide enough for its headers, not cut to 80 columns
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    run = subprocess.run([sys.executable, "-m", "k3c.cli", "plan", "k3.1-pro"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    assert all(h in run.stdout for h in ("weights/GPU", "caches/GPU", "total/GPU", "decode step")), run.stdout
+    assert "at least 14 GPUs needed" in " ".join(run.stdout.split())       # the caption wraps
+
 def test_decode_roofline_scales_with_gpus_and_context(k3):
     a, b = estimate(k3, "h200", tp=8, context=4096), estimate(k3, "h200", tp=16, context=4096)
     assert b.decode_step_s < a.decode_step_s and a.decode_bound == "memory"
@@ -82,6 +92,9 @@ def test_cli_plan_bad_tp_is_one_line_error():
     r = subprocess.run([sys.executable, "-m", "k3c.cli", "plan", "k3", "--tp", "x"], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "--tp" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "k3c.cli", "plan", "k3", "--experts-dtype", "fp3"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --experts-dtype fp3: expected mxfp4 or bf16"
 
 
 def test_estimate_refuses_bounds_the_model_or_the_caches_cannot_have():

@@ -19,7 +19,8 @@ from k3c.errors import K3CError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="k3c: ahead-of-time compiler for the Kimi K3 family")
 err = Console(stderr=True)
-out = Console()
+# piped or redirected, stdout has no width to fit: rich would cut tables (the `k3c plan` headers) to 80 columns
+out = Console(width=None if os.isatty(1) or "COLUMNS" in os.environ else 160)
 
 
 @contextmanager
@@ -54,7 +55,8 @@ def check_writable(path: Path, flag: str, file: bool = False) -> None:
         raise K3CError(f"{flag} {path}: is a directory; give a file name")
     parent = path.parent
     if not parent.is_dir():
-        raise K3CError(f"{flag} {path}: {parent} is not a directory")
+        why = "is not a directory" if parent.exists() else "does not exist (k3c creates no parent directories)"
+        raise K3CError(f"{flag} {path}: {parent} {why}")
     try:
         fd, probe = tempfile.mkstemp(dir=parent, prefix=".k3c-probe-")
     except OSError as e:

@@ -128,6 +128,8 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
     check_dsa_index_keys(dsa_index_keys)
     if dtype not in ("auto", "bf16", "f32"):
         raise K3CError(f"--dtype {dtype}: expected auto, bf16 or f32")
+    if max_seq < 1:         # before --max-prefill's default follows it, so the error names the flag given
+        raise K3CError(f"--max-seq {max_seq}: expected at least 1")
     if dtype == "auto":
         dtype = _checkpoint_dtype(Path(model)) if Path(model).is_dir() and not plan_only else "bf16"
     if out_dir.exists() and not force:

@@ -30,6 +30,8 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
     from k3c.targets import load_target
     from models.config import K3Config
 
+    if experts_dtype not in (None, "mxfp4", "bf16"):      # worded as `k3c compile` and `k3c check` word it
+        raise K3CError(f"--experts-dtype {experts_dtype}: expected mxfp4 or bf16")
     try:
         tps = [int(x) for x in tp.split(",")]
     except ValueError:
