@@ -42,7 +42,7 @@ from k3c.ir.ops import get_op
 from k3c.ir.printer import print_graph
 from k3c.ir.types import evaluate, nbytes, torch_dtype
 from k3c.memory.budget import budget
-from k3c.parallel import check_layout, communication
+from k3c.parallel import check_layout, communication, param_split
 from k3c.passes.derived import materialize_params
 from k3c.passes.pack_experts import EXPERT_DTYPES
 from k3c.passes.pipeline import PHASES, run_pipeline
@@ -155,7 +155,8 @@ def _compile(opts: CompileOptions, progress) -> dict:
         pools = _pools(graphs["decode"], opts)
         params = {k: v.type for g in graphs.values() for k, v in _read_params(g).items()}
         fit = budget(ctx.target, sum(nbytes(t) for t in params.values()),
-                     max(g.memory_plan.arena_bytes for g in graphs.values()), pools)
+                     max(g.memory_plan.arena_bytes for g in graphs.values()), pools,
+                     replicated=sum(nbytes(t) for k, t in params.items() if not param_split(k, ctx.ep).sharded))
         summary["warning"] = fit.check(opts.plan_only, opts.allow_oversize)
         groups = {e: kernel_groups(g) for e, g in graphs.items()}
         schedules, costs = {}, {}

@@ -5,9 +5,11 @@ and a roofline estimate of one decode step. Assumptions, each stated where it is
 - weights are split over `tp` GPUs by the layout the compiler uses (`k3c.parallel`: column/row-parallel
   attention, KDA and dense projections, vocabulary-parallel embedding and lm_head, routed experts partitioned
   (ep = tp), norms, low-rank down projections, router and DSA indexer replicated); a tp that layout cannot split
-  is refused as `k3c compile --tp` refuses it; routed experts are stored as MXFP4 (4 bits + one E8M0 byte per 32 values = 4.25 bits) when the config's
-  `quantization_config` says so (as `k3c compile` keeps them; `experts_dtype` "bf16" sizes a dequantized build),
-  fp32 for the published fp32 parameters, bf16 for the rest;
+  is refused as `k3c compile --tp` refuses it; routed experts are stored as MXFP4 (4 bits + one E8M0 byte per 32
+  values = 4.25 bits) when the config's `quantization_config` says so (as `k3c compile` keeps them;
+  `experts_dtype` "bf16" sizes a dequantized build), fp32 for the published fp32 parameters, bf16 for the rest;
+- the fewest GPUs (`min_gpus`): each holds the replicated weights whole, its share of the rest and its own caches
+  (the KDA heads split, the latent caches whole); `min_tp`: the fewest of at least that many the layout splits;
 - a decode step reads every non-expert weight once, and the experts that the batch touches: with uniform routing,
   the expected number of distinct experts of E chosen by B tokens taking k each is E·(1 − (1 − k/E)^B);
 - caches: KDA state read + written (in `kda_state_dtype`: f32 by default, bf16 half the bytes), MLA latent read
@@ -47,7 +49,8 @@ class Estimate:
     pools: dict
     memory_bytes: int
     fits: bool
-    min_gpus: int | None
+    min_gpus: int | None        # the fewest GPUs whose memory holds it (any count)
+    min_tp: int | None          # the fewest of at least that many that `k3c compile --tp` splits it over
     decode_batch: int
     decode_context: int
     decode_bytes_per_gpu: float
@@ -71,6 +74,11 @@ class Weights:
     expert_bytes: int
     bytes_per_expert_layer: float  # one routed expert of one MoE layer (w1 + w2 + w3)
     bytes_per_rank: int = 0  # at the `tp` given to `weights`, split as `k3c.parallel.param_split` says
+    replicated_bytes: int = 0  # whole on every rank (`param_split`'s REPLICATED): a rank holds these + the rest / tp
+
+    def rank_bytes(self, ranks: int) -> float:
+        """One rank's bytes over `ranks` ranks: the replicated tensors whole, the others split."""
+        return self.replicated_bytes + (self.nbytes - self.replicated_bytes) / ranks
 
 
 def weights(cfg: K3Config, tp: int = 1, experts_dtype: str | None = None) -> Weights:
@@ -95,7 +103,9 @@ def weights(cfg: K3Config, tp: int = 1, experts_dtype: str | None = None) -> Wei
         else:
             b = n * (4 if name.endswith(FP32_PARAM_SUFFIXES) else 2)
         w.nbytes += int(b)
-        per_rank += b / tp if param_split(name, ep=tp).sharded else b
+        sharded = param_split(name, ep=tp).sharded
+        per_rank += b / tp if sharded else b
+        w.replicated_bytes += 0 if sharded else int(b)
     w.bytes_per_rank = int(per_rank)
     moe_layers = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
     w.bytes_per_expert_layer /= max(moe_layers, 1)
@@ -129,7 +139,8 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
                           f"(config: max_position_embeddings)")
     context = max_seq if context is None else context
     if not 0 <= context <= max_seq:
-        raise ConfigError(f"context {context}: the cached tokens of the decode estimate must be in [0, max_seq {max_seq}]")
+        raise ConfigError(f"context {context}: the cached tokens of the decode estimate must be in [0, max_seq "
+                          f"{max_seq}]")
     kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
     n_kda, n_dsa = kinds.count("kda"), kinds.count("dsa")
     n_global = len(kinds) - n_kda
@@ -175,12 +186,26 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     compute_s, memory_s = flops_gpu / target.peak(dtype, measured=True), bytes_gpu / target.bandwidth(measured=True)
     step = max(compute_s, memory_s) + comm
     mem = int(target.measured.get("memory_bytes", target.memory_bytes))
-    # the fewest GPUs whose share of the weights and own caches fit: the same answer whatever `tp` was asked
-    min_gpus = next((n for n in range(1, 4097) if weight_bytes / n + pools_total_bytes(pools_at(n)) <= mem), None)
+    # the fewest GPUs whose share of the weights (replicated tensors whole) and own caches fit: one answer whatever
+    # `tp` was asked; then the fewest of at least that many that the compiler's layout splits the model over
+    min_gpus = next((n for n in range(1, 4097) if w.rank_bytes(n) + pools_total_bytes(pools_at(n)) <= mem), None)
+    min_tp = None if min_gpus is None else next((n for n in range(min_gpus, 4097) if _splits(cfg, n)), None)
     return Estimate(cfg.name, target.name, tp, w.params, int(active), weight_gpu, pool_bytes,
-                    {k_: p.to_json() for k_, p in pools.items()}, mem, weight_gpu + pool_bytes <= mem, min_gpus,
+                    {k_: p.to_json() for k_, p in pools.items()}, mem, weight_gpu + pool_bytes <= mem, min_gpus, min_tp,
                     B, L, bytes_gpu, flops_gpu, comm, step, "compute" if compute_s > memory_s else "memory",
                     B / step)
+
+
+def _splits(cfg: K3Config, ranks: int) -> bool:
+    """Whether `k3c compile --tp ranks` splits `cfg`, its experts partitioned (--ep ranks) or split over their
+    width (--ep 1) (`check_layout`; either gives a rank the same bytes)."""
+    for ep in (ranks, 1):
+        try:
+            check_layout(cfg, ranks, ep)
+            return True
+        except ConfigError:
+            pass
+    return False
 
 
 __all__ = ["Estimate", "MXFP4_BITS", "Weights", "estimate", "weights"]

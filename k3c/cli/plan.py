@@ -56,8 +56,12 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
         t.add_row(str(r.tp), gib(r.weight_bytes_per_gpu), gib(r.pool_bytes_per_gpu),
                   gib(r.weight_bytes_per_gpu + r.pool_bytes_per_gpu), "[green]yes[/]" if r.fits else "[red]no[/]",
                   f"{r.decode_step_s * 1e3:.2f} ms", r.decode_bound, f"{r.decode_tokens_per_s:,.0f}")
-    need = (f"at least {e0.min_gpus} {unit}s needed" if e0.min_gpus is not None else
-            f"no {unit} count holds it: the caches alone need {gib(e0.pool_bytes_per_gpu)} per {unit} at tp {e0.tp}")
+    if e0.min_gpus is None:
+        need = f"no {unit} count holds it: the caches alone need {gib(e0.pool_bytes_per_gpu)} per {unit} at tp {e0.tp}"
+    else:
+        need = f"at least {e0.min_gpus} {unit}s needed" + (
+            "" if e0.min_tp == e0.min_gpus else f" (the fewest --tp from there: {e0.min_tp})" if e0.min_tp else
+            f" (no --tp of {e0.min_gpus} or more splits {cfg.name})")
     t.caption = (f"memory per {unit} {gib(e0.memory_bytes)}; {need}; decode at batch "
                  f"{e0.decode_batch}, context {e0.decode_context:,}: roofline with measured bandwidth/peak (k3c/retarget.py)")
     out.print(t)

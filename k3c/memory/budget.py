@@ -6,10 +6,10 @@ target's memory (the measured figure where the target has one, as `k3c.retarget`
 
 The rule (`Budget.check`):
 - a runnable artifact (with weights, one rank) must fit one device: weights + arena + pools <= capacity;
-- a plan-only artifact is a plan for however many GPUs hold it: weights split over n GPUs, arena and pools
-  whole on each (they are per sequence; `k3c plan` estimates the finer split), so it fits some n iff
-  arena + pools < capacity, and the fewest is n = ceil(weights / (capacity - arena - pools)); one that fits no
-  GPU count is refused;
+- a plan-only artifact is a plan for however many GPUs hold it: the sharded weights split over n GPUs, the
+  replicated ones (`k3c.parallel.param_split`), arena and pools whole on each (the caches are per sequence;
+  `k3c plan` estimates the finer split), so it fits some n iff replicated + arena + pools < capacity, and the
+  fewest is n = ceil(sharded / (capacity - replicated - arena - pools)); one that fits no GPU count is refused;
 - `--allow-oversize` writes the artifact anyway (for planning); the overflow is still recorded in plan.json.
 Errors: ConfigError naming the target, the need, the capacity and the biggest items.
 """
@@ -26,12 +26,14 @@ from k3c.runtime.checks import format_bytes
 @dataclass(frozen=True)
 class Budget:
     """Bytes per rank by item ("weights", "arena", "pools.kv", ...) against `capacity` bytes of `target`, whose
-    devices the messages call `unit`s ("GPU"; "device" for a CPU target)."""
+    devices the messages call `unit`s ("GPU"; "device" for a CPU target); `replicated`: the bytes of "weights"
+    that every rank holds whole when the weights are split."""
 
     target: str
     capacity: int
     items: dict[str, int]
     unit: str = "GPU"
+    replicated: int = 0
 
     @property
     def need(self) -> int:
@@ -44,11 +46,13 @@ class Budget:
 
     @property
     def min_gpus(self) -> int | None:
-        """The fewest devices that hold it with the weights split over them; None if no count does."""
-        rest = self.need - self.items.get("weights", 0)
-        if rest >= self.capacity:
+        """The fewest devices that hold it with the sharded weights split over them (the module's rule); None if
+        no count does."""
+        weights = self.items.get("weights", 0)
+        whole = self.need - weights + self.replicated
+        if whole >= self.capacity:
             return None
-        return max(1, math.ceil(self.items.get("weights", 0) / (self.capacity - rest)))
+        return max(1, math.ceil((weights - self.replicated) / (self.capacity - whole)))
 
     def to_json(self) -> dict:
         """plan.json's `budget`: capacity, need, fits, min_gpus and the items, in bytes."""
@@ -67,7 +71,8 @@ class Budget:
             return None
         n = self.min_gpus
         if plan_only and n is not None:
-            return f"{self.describe()}: a plan for at least {n} {self.unit}s (weights split, caches and arena whole)"
+            return (f"{self.describe()}: a plan for at least {n} {self.unit}s (weights split, replicated ones, "
+                    "caches and arena whole)")
         if allow_oversize:
             return f"{self.describe()}: written anyway (--allow-oversize)"
         fix = "lower --max-batch / --max-seq / --max-prefill, or pass --allow-oversize to write the plan anyway"
@@ -77,12 +82,13 @@ class Budget:
         raise ConfigError(f"{self.describe()}; the artifact runs on one device: {fix}")
 
 
-def budget(target, weights: int, arena: int, pools: dict[str, dict]) -> Budget:
+def budget(target, weights: int, arena: int, pools: dict[str, dict], replicated: int = 0) -> Budget:
     """The Budget of an artifact for `target` (a `k3c.targets.Target`): `weights` and `arena` in bytes, `pools`
-    as plan.json records them (name -> {"bytes", ...}), summed per kind (pools.kv, pools.kda_state, ...)."""
+    as plan.json records them (name -> {"bytes", ...}), summed per kind (pools.kv, pools.kda_state, ...);
+    `replicated`: the bytes of `weights` every rank holds whole (`Budget.min_gpus`)."""
     items = {"weights": int(weights), "arena": int(arena)}
     for name, p in pools.items():
         key = "pools." + name.rsplit(".", 1)[-1]
         items[key] = items.get(key, 0) + int(p["bytes"])
     capacity = int(target.measured.get("memory_bytes", target.memory_bytes))
-    return Budget(target.name, capacity, items, "device" if target.kind == "cpu" else "GPU")
+    return Budget(target.name, capacity, items, "device" if target.kind == "cpu" else "GPU", int(replicated))

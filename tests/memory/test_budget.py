@@ -38,6 +38,10 @@ def test_plan_only_artifact_is_a_plan_for_the_fewest_gpus_that_hold_it():
     assert "at least 5 devices" in Budget("cpu", 300, b.items, "device").check(plan_only=True, allow_oversize=False)
     assert b.to_json() == {"target": "h200", "capacity": 300, "need": 1100, "fits": False, "min_gpus": 5,
                            "items": {"arena": 10, "pools.kv": 90, "weights": 1000}}
+    # 40 bytes of the weights replicated (norms, router ...): each GPU holds them whole, so 960/5 + 40 + 100 = 332
+    # no longer fits; 960/6 + 140 = 300 does. Replicated weights that fill a GPU with the caches: no count holds it
+    assert Budget("h200", 300, b.items, replicated=40).min_gpus == 6
+    assert Budget("h200", 300, b.items, replicated=200).min_gpus is None
 
 
 def test_plan_only_artifact_that_no_gpu_count_holds_is_refused_unless_allowed():
