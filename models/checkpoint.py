@@ -26,7 +26,6 @@ from models.config import K3Config
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # OCP MX spec, Table 5 (FP4 E2M1)
 MX_GROUP = 32
-E8M0_NAN = 0xFF     # OCP MX spec v1.0, §5.4.1: E8M0 has no infinities or zero; its one NaN is 0xFF
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|weight_packed|weight_scale)$")
 _IGNORED = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 
@@ -144,9 +143,9 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
 
     MXFP4 experts are dequantized; A_log may be stored longer than H (zero-padded, e.g. Kimi Linear's [1,1,H,1]):
     its first H values are used. Parameters are cast to `dtype` except the fp32 ones (A_log, dt_bias, convs,
-    o_norm). Raises CheckpointError for a missing, extra (non-vision), mis-shaped or non-finite tensor (an MXFP4
-    scale byte 255 is NaN), naming the key with expected and found shapes, or one the index's weight_map places in
-    another shard; ConfigError for a bad config.json.
+    o_norm). Raises CheckpointError for a missing, extra (non-vision), mis-shaped or non-finite tensor (MXFP4
+    experts whose scales make a value NaN or Inf: `mxfp4_nonfinite`), naming the key with expected and found
+    shapes, or one the index's weight_map places in another shard; ConfigError for a bad config.json.
     """
     from models.k3 import K3ForCausalLM
 
@@ -175,7 +174,9 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
             raise CheckpointError(f"{path}: tensor '{key}' has dtype {t.dtype}, expected {want}")
         if t.is_floating_point() and not torch.isfinite(t.float()).all():
             raise CheckpointError(f"{path}: tensor '{key}' contains NaN or Inf values")
-        _check_scale_bytes(path, key, t)
+    for key, t in found.items():
+        if key.endswith(".weight_packed"):
+            _check_mxfp4_finite(path, key, t, found[key.replace("weight_packed", "weight_scale")])
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
     state = {}
@@ -194,13 +195,29 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, device
     return model.cast_(dtype).to(device)
 
 
-def _check_scale_bytes(path: Path, key: str, t: torch.Tensor) -> None:
-    """Raise CheckpointError if `key` is an MXFP4 scale tensor (`...weight_scale`, uint8 E8M0) holding the NaN
-    byte 0xFF: its 32 weights would decode to NaN (the non-finite check of the dense tensors, for the scales)."""
-    if key.endswith(".weight_scale") and not t.is_floating_point() and bool((t == E8M0_NAN).any()):
-        n = int((t == E8M0_NAN).sum())
-        raise CheckpointError(f"{path}: tensor '{key}' holds {n} E8M0 scale byte(s) 255, which encode NaN; "
-                              "expected 0..254")
+def mxfp4_nonfinite(packed: torch.Tensor, scale: torch.Tensor) -> int:
+    """How many values of MXFP4 rows (uint8 packed [R, C/2], uint8 E8M0 scale [R, C/32]) are not finite in f32
+    (and bf16, which has f32's exponent range): all 32 of a group whose scale byte is 255 (the one NaN of
+    E8M0, OCP Microscaling Formats v1.0), and those whose E2M1 magnitude times 2^(s − 127) reaches 2^128: magnitudes ≥ 4 at s = 253, ≥ 2
+    at s = 254 (the largest, 6, stays finite up to s = 252). Reads only the groups with s ≥ 253."""
+    rows, groups = (scale >= 253).nonzero(as_tuple=True)
+    if rows.numel() == 0:
+        return 0
+    s = scale[rows, groups].long()
+    pairs = packed.reshape(packed.shape[0], -1, MX_GROUP // 2)[rows, groups]          # [G, 16] bytes
+    magnitude = E2M1_VALUES.to(packed.device)[torch.stack([pairs & 7, (pairs >> 4) & 7], -1).long()]
+    limit = torch.where(s == 253, 4.0, torch.where(s == 254, 2.0, 0.0))               # 255: every value
+    return int((magnitude.reshape(len(s), -1) >= limit[:, None]).sum())
+
+
+def _check_mxfp4_finite(path: Path, packed_key: str, packed: torch.Tensor, scale: torch.Tensor) -> None:
+    """Raise CheckpointError naming the scale tensor of `packed_key` if its scales make values non-finite
+    (`mxfp4_nonfinite`): the check of the dense tensors' NaN and Inf, for MXFP4 experts."""
+    n = mxfp4_nonfinite(packed, scale)
+    if n:
+        scale_key = packed_key.replace("weight_packed", "weight_scale")
+        raise CheckpointError(f"{path}: tensor '{scale_key}' makes {n} value(s) of '{packed_key}' NaN or Inf: "
+                              "E8M0 byte 255 is NaN, and 253 / 254 overflow times E2M1 magnitudes ≥ 4 / ≥ 2")
 
 
 def load_mxfp4_experts(path: str | Path) -> dict[str, torch.Tensor]:
@@ -209,7 +226,8 @@ def load_mxfp4_experts(path: str | Path) -> dict[str, torch.Tensor]:
     `layers.3.mlp.experts.w1.weight_packed`), the bits of the checkpoint's `...experts.<e>.w1.weight_packed`.
 
     Reads only those tensors. Raises CheckpointError when the checkpoint does not store MXFP4 experts or one is
-    missing, mis-shaped or a scale byte is 255 (NaN) (`load_checkpoint` checks the rest).
+    missing, mis-shaped, or its scales make a value NaN or Inf (`mxfp4_nonfinite`; `load_checkpoint` checks the
+    rest).
     """
     path = Path(path)
     cfg = K3Config.from_pretrained(path)
@@ -228,9 +246,11 @@ def load_mxfp4_experts(path: str | Path) -> dict[str, torch.Tensor]:
         if t is None or tuple(t.shape) != shape or t.dtype != dtype:
             got = "missing" if t is None else f"{t.dtype}{list(t.shape)}"
             raise CheckpointError(f"{path}: tensor '{key}' is {got}, expected {dtype}{list(shape)}")
-        _check_scale_bytes(path, key, t)
         m = _EXPERT.match(key[len(cfg.checkpoint_prefix):])
         per.setdefault(f"{m.group(1)}.{m.group(3)}.{m.group(4)}", {})[int(m.group(2))] = t
+    for key in expected:
+        if key.endswith(".weight_packed"):
+            _check_mxfp4_finite(path, key, found[key], found[key.replace("weight_packed", "weight_scale")])
     return {k: torch.stack([v[e] for e in range(len(v))]) for k, v in sorted(per.items())}
 
 

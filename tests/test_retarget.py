@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -68,6 +69,15 @@ def test_caches_beyond_one_gpu_give_no_gpu_count(k3):
                          capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
     assert run.returncode == 0, run.stderr
     assert "no GPU count holds it" in run.stdout and "at least 0" not in run.stdout
+
+
+def test_cli_plan_on_a_target_without_an_interconnect_plans_one_device():
+    # the default GPU counts (1,2,4,8,16) need an interconnect; a CPU target has none, so its default is one device
+    run = subprocess.run([sys.executable, "-m", "k3c.cli", "plan", "k3-tiny", "--target", "cpu-x86-64", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)
+    assert [r["tp"] for r in rows] == [1] and rows[0]["min_gpus"] == 1
 
 
 def test_cli_plan_piped_keeps_its_headers():

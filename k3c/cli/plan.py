@@ -11,7 +11,8 @@ from k3c.errors import K3CError
 @app.command()
 def plan(model: str = typer.Argument(..., help="preset name, config.json or checkpoint directory"),
          target: str = typer.Option("h200", help="target preset (h200, h100-sxm, b200, mi300x, ...) or a target JSON file"),
-         tp: str = typer.Option("1,2,4,8,16", help="GPU count(s), comma-separated"),
+         tp: str = typer.Option(None, help="GPU count(s), comma-separated [default: 1,2,4,8,16; 1 for a target "
+                                           "without an interconnect, such as a CPU]"),
          max_batch: int = typer.Option(1, help="sequences the caches are sized for (and the decode batch)"),
          max_seq: int = typer.Option(1 << 20, help="tokens per sequence the caches are sized for"),
          context: int = typer.Option(None, help="cached tokens for the decode estimate (default max-seq)"),
@@ -32,6 +33,8 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
 
     if experts_dtype not in (None, "mxfp4", "bf16"):      # worded as `k3c compile` and `k3c check` word it
         raise K3CError(f"--experts-dtype {experts_dtype}: expected mxfp4 or bf16")
+    if tp is None:
+        tp = "1,2,4,8,16" if load_target(target).interconnect_bandwidth else "1"
     try:
         tps = [int(x) for x in tp.split(",")]
     except ValueError:
@@ -59,7 +62,7 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
     if e0.min_gpus is None:
         need = f"no {unit} count holds it: the caches alone need {gib(e0.pool_bytes_per_gpu)} per {unit} at tp {e0.tp}"
     else:
-        need = f"at least {e0.min_gpus} {unit}s needed" + (
+        need = f"at least {e0.min_gpus} {unit}{'s' * (e0.min_gpus != 1)} needed" + (
             "" if e0.min_tp == e0.min_gpus else f" (the fewest --tp from there: {e0.min_tp})" if e0.min_tp else
             f" (no --tp of {e0.min_gpus} or more splits {cfg.name})")
     t.caption = (f"memory per {unit} {gib(e0.memory_bytes)}; {need}; decode at batch "

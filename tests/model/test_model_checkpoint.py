@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from k3c.errors import CheckpointError
 from models.checkpoint import (E2M1_VALUES, expected_tensors, load_checkpoint, load_mxfp4_experts, mxfp4_dequantize,
-                               mxfp4_quantize, quantize_experts_, save_random_checkpoint)
+                               mxfp4_nonfinite, mxfp4_quantize, quantize_experts_, save_random_checkpoint)
 from models.layers import FP32_PARAM_SUFFIXES
 
 SHARD = 256 * 1024  # small shards so a tiny model spans several files
@@ -292,29 +292,51 @@ def test_non_finite_weights(dense_copy, bad):
     assert KEY in msg and ("NaN" in msg or "Inf" in msg)
 
 
-def test_nan_mxfp4_scale_byte(ckpts, tmp_path):
-    # E8M0 byte 255 is NaN (OCP MX v1.0): its 32 weights would decode to NaN. Both loaders refuse it by key, as
-    # they refuse a NaN in a dense tensor; 254 (2^127) is a finite scale and loads
+def test_mxfp4_scales_that_make_a_value_nan_or_inf(ckpts, tmp_path):
+    # E8M0 byte 255 is NaN (OCP MX v1.0), and 2^(s - 127) times an E2M1 magnitude overflows f32 and bf16 at
+    # 2^128: s = 254 with magnitudes 2 and up, 253 with 4 and up. Both loaders refuse such a group by its scale
+    # tensor, as they refuse a NaN in a dense tensor; the same bytes with small magnitudes load
     path = tmp_path / "mx"
     shutil.copytree(ckpts["k3-tiny", "mxfp4"][0], path)
-    key = next(k for k in _all_tensors(path) if k.endswith("experts.3.w2.weight_scale"))
+    packed_key = next(k for k in _all_tensors(path) if k.endswith("experts.3.w2.weight_packed"))
+    scale_key = packed_key.replace("weight_packed", "weight_scale")
+    stacked = packed_key.removeprefix("language_model.").replace(".experts.3.", ".experts.")   # expert 3 of it
 
-    def set_byte(value):
+    def set_group(scale, byte):     # row 1, group 0: scale byte, every pair of its 32 codes = `byte`
         def edit(ts):
-            if key in ts:
-                t = ts[key].clone()
-                t[1, 0] = value
-                ts[key] = t
+            if scale_key in ts:
+                t = ts[scale_key].clone()
+                t[1, 0] = scale
+                ts[scale_key] = t
+            if packed_key in ts:
+                t = ts[packed_key].clone()
+                t[1, :16] = byte
+                ts[packed_key] = t
         return edit
 
-    _rewrite(path, set_byte(255))
-    msg = _error(path)
-    assert key in msg and "255" in msg and "NaN" in msg
-    with pytest.raises(CheckpointError, match=f"{key}.*1 E8M0 scale byte"):
-        load_mxfp4_experts(path)
-    _rewrite(path, set_byte(254))
-    stacked = key.removeprefix("language_model.").replace(".experts.3.", ".experts.")     # expert 3 of the stack
-    assert load_mxfp4_experts(path)[stacked][3, 1, 0] == 254
+    # (scale byte, both codes of each byte: 0x33 = +1.5, 0x44 = +2, 0x55 = +3, 0x66 = +4, 0x8F = -6 and 0) -> bad
+    for scale, byte, bad in ((255, 0x00, 32), (254, 0x33, 0), (254, 0x44, 32), (253, 0x55, 0), (253, 0x66, 32),
+                             (253, 0x8F, 16), (252, 0x77, 0)):
+        _rewrite(path, set_group(scale, byte))
+        if bad:
+            msg = _error(path)
+            assert scale_key in msg and packed_key in msg and f"makes {bad} value(s)" in msg, msg
+            with pytest.raises(CheckpointError, match=f"'{scale_key}' makes {bad} value"):
+                load_mxfp4_experts(path)
+        else:
+            assert load_mxfp4_experts(path)[stacked.replace("packed", "scale")][3, 1, 0] == scale
+            assert torch.isfinite(next(p for n, p in load_checkpoint(path).named_parameters()
+                                       if n == stacked.removesuffix(".weight_packed"))).all()
+
+
+def test_mxfp4_nonfinite_counts_what_dequantizing_makes_non_finite():
+    # against the reference decoding in f32 (`mxfp4_dequantize`), over random codes and the scale bytes near the top
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (64, 64), dtype=torch.uint8, generator=gen)
+    scale = torch.randint(248, 256, (64, 4), dtype=torch.uint8, generator=gen)
+    want = int((~torch.isfinite(mxfp4_dequantize(packed, scale))).sum())
+    assert want > 0 and mxfp4_nonfinite(packed, scale) == want
+    assert mxfp4_nonfinite(packed, scale.clamp(max=252)) == 0
 
 
 def test_missing_shard(dense_copy):
