@@ -256,10 +256,16 @@ def load_mxfp4_experts(path: str | Path) -> dict[str, torch.Tensor]:
 
 def quantize_experts_(model) -> dict[str, torch.Tensor]:
     """Round the routed experts of `model` (a K3ForCausalLM) to MXFP4 in place (`mxfp4_quantize`, then the
-    dequantized values in the parameters' dtype) and return their packed form keyed like `load_mxfp4_experts`."""
+    dequantized values in the parameters' dtype) and return their packed form keyed like `load_mxfp4_experts`.
+    Raises CheckpointError naming the expert matrix and its row length when that is not a multiple of 32."""
     out = {}
     for name, p in model.named_parameters():
         if re.match(r"^.*\.experts\.w[123]$", name):
+            if p.shape[-1] % MX_GROUP:
+                width = "moe_intermediate_size" if name.endswith("w2") else "the experts' input width"
+                raise CheckpointError(f"{name} {list(p.shape)}: MXFP4 stores each row in groups of {MX_GROUP} "
+                                      f"values, and these rows ({width}) are {p.shape[-1]} long; use dense experts "
+                                      "(--experts-dtype bf16)")
             packed, scale = mxfp4_quantize(p.detach().float().flatten(0, 1))
             out[name + ".weight_packed"] = packed.reshape(*p.shape[:2], -1)
             out[name + ".weight_scale"] = scale.reshape(*p.shape[:2], -1)

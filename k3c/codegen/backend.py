@@ -127,11 +127,11 @@ def backend_class(name: str) -> type[Backend]:
 def claim_order(target, preferred: str | None = None) -> tuple[str, ...]:
     """Backend names in the order they may claim groups on `target`: the target's own order (`Target.backends`,
     else `DEFAULT_ORDER` by kind) with `preferred` first and `ALWAYS` last. Raises ConfigError for a preferred
-    backend that generates no code (library, view) or is unknown."""
+    backend that is unknown or generates no code (library, view, collective), naming those that do."""
     order = tuple(getattr(target, "backends", ()) or DEFAULT_ORDER[target.kind])
     order += tuple(n for n in ALWAYS if n not in order)
     if preferred is not None:
-        if not backend_class(preferred).generates:
+        if preferred not in MODULES or not backend_class(preferred).generates:     # --backend: what a user may pick
             raise ConfigError(f"--backend {preferred}: expected a code-generating backend "
                               f"({', '.join(n for n in MODULES if backend_class(n).generates)})")
         order = (preferred,) + tuple(n for n in order if n != preferred)

@@ -329,6 +329,20 @@ def test_mxfp4_scales_that_make_a_value_nan_or_inf(ckpts, tmp_path):
                                        if n == stacked.removesuffix(".weight_packed"))).all()
 
 
+def test_mxfp4_experts_need_rows_in_groups_of_32(tmp_path):
+    # a config whose expert rows are not whole 32-value groups: the error names the matrix, its row length and the
+    # way out, and nothing is written
+    from models.config import K3Config
+
+    raw = json.loads(json.dumps(K3Config.from_pretrained("k3-tiny").raw))
+    raw["text_config"]["moe_intermediate_size"] = 48
+    cfg = K3Config.from_dict(raw, source="test", name="k3-tiny-48")
+    with pytest.raises(CheckpointError, match=r"experts\.w2 \[\d+, \d+, 48\].*moe_intermediate_size.*are 48 long; "
+                                              r"use dense experts \(--experts-dtype bf16\)"):
+        save_random_checkpoint(cfg, tmp_path / "c", expert_format="mxfp4")
+    assert not (tmp_path / "c").exists()
+
+
 def test_mxfp4_nonfinite_counts_what_dequantizing_makes_non_finite():
     # against the reference decoding in f32 (`mxfp4_dequantize`), over random codes and the scale bytes near the top
     gen = torch.Generator().manual_seed(0)
