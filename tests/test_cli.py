@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import k3c
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +114,32 @@ def test_init_writes_mxfp4_experts_on_request(tmp_path):
 def test_init_refuses_a_full_size_checkpoint(tmp_path):
     out, err = probe("init", "kimi-linear-48b", "-o", str(tmp_path / "c"))
     assert "GiB (init writes at most 4 GiB)" in err and out.rstrip().endswith(" 2") and not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("library", ["converts", "swallows"])
+def test_sigterm_exits_143_whatever_a_library_makes_of_it(monkeypatch, library):
+    """TVM turns the handler's SystemExit(143), raised inside a Python callback it called, into RuntimeError('143');
+    another library may catch it and go on. Either way the command exits 143 (seen first in CI: a compile exited 0)."""
+    import signal
+
+    import k3c.cli as cli
+    from k3c import termination
+
+    monkeypatch.setattr(termination, "_requested", None)
+
+    def command(standalone_mode):
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        except SystemExit as e:
+            if library == "converts":
+                raise RuntimeError(str(e.code)) from None
+        return 0
+
+    monkeypatch.setattr(cli, "app", command)
+    with pytest.raises(SystemExit) as exc:
+        cli.main()
+    assert exc.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is not cli._exit_on_sigterm  # the caller's handler is back
 
 
 def test_sigterm_removes_the_unfinished_artifact(tmp_path):

@@ -28,21 +28,40 @@ import sys
 import typer
 
 from k3c.cli import ir, build, run, plan  # noqa: F401, I001  (registers the commands; --help lists them in this order)
+from k3c import termination
 from k3c.cli.app import app, err
 from k3c.errors import K3CError
 
 
 def _exit_on_sigterm(signum, frame) -> None:
     """SIGTERM (what `timeout`, `kill` and schedulers send) unwinds the command as Ctrl-C does, so the staging
-    directory of an unfinished artifact or checkpoint is removed; exit status 128 + 15, the shell's."""
-    sys.exit(128 + signum)
+    directory of an unfinished artifact or checkpoint is removed; exit status 128 + 15, the shell's. The request is
+    also recorded (`k3c.termination`), so that foreign code that turns the exception into another one, or swallows
+    it, cannot make the command commit or exit otherwise."""
+    termination.request(signum)
 
 
 def main() -> None:
     """Entry point: run the app, printing a usage error (unknown option, bad value), a K3CError and an OSError on a
-    path the user gave as one line each, exit 2. SIGTERM ends the command cleanly (`_exit_on_sigterm`)."""
+    path the user gave as one line each, exit 2. SIGTERM ends the command cleanly, exit 143 (`_exit_on_sigterm`),
+    whatever the exception became on its way out."""
     gc_was_on = gc.isenabled()
     sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        _run_app()
+        termination.check()
+    except BaseException:
+        signum = termination.requested()
+        if signum is None:
+            raise
+        sys.exit(128 + signum)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        if gc_was_on:  # a command may pause it (`app.compiling`); a caller running main() in process gets it back
+            gc.enable()
+
+
+def _run_app() -> None:
     try:
         code = app(standalone_mode=False)  # click's errors come here instead of its boxed usage text
         if isinstance(code, int) and code:  # typer.Exit(code) of a command
@@ -63,7 +82,3 @@ def main() -> None:
         where = f"{e.filename}: " if e.filename else ""
         err.print(f"[red]error:[/] {where}{e.strerror or e}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)
-        if gc_was_on:  # a command may pause it (`app.compiling`); a caller running main() in process gets it back
-            gc.enable()

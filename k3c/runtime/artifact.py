@@ -32,7 +32,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from k3c import __version__
+from k3c import __version__, termination
 from k3c.errors import ArtifactError
 from k3c.runtime.encoding import canonical_json, safetensors_chunks
 
@@ -178,21 +178,22 @@ class ArtifactWriter:
                       "target": target, "tp": tp, "bounds": bounds, "entry_points": entry_points}
             if extra:
                 fields["extra"] = extra
-            self._write(BUILD, [canonical_json(fields, BUILD)])
-            missing = [f for f in REQUIRED_FILES if f not in self._hashes]
-            if missing:
-                raise ArtifactError(f"artifact {self.out_dir} lacks required file(s): {', '.join(missing)}")
-            manifest = {**fields, "files": dict(sorted(self._hashes.items()))}
-            data = canonical_json(manifest, MANIFEST)
-            staging = self._ensure_staging()
-            (staging / MANIFEST).write_bytes(data)
-            self._check_target()
-            self._swap_in(staging)
+            with termination.deferred():  # a SIGTERM stops the commit before it starts, or acts after it
+                self._write(BUILD, [canonical_json(fields, BUILD)])
+                missing = [f for f in REQUIRED_FILES if f not in self._hashes]
+                if missing:
+                    raise ArtifactError(f"artifact {self.out_dir} lacks required file(s): {', '.join(missing)}")
+                manifest = {**fields, "files": dict(sorted(self._hashes.items()))}
+                data = canonical_json(manifest, MANIFEST)
+                staging = self._ensure_staging()
+                (staging / MANIFEST).write_bytes(data)
+                self._check_target()
+                self._swap_in(staging)
+                self._done = True
+                self._cleanup.detach()
         except BaseException:
             self.abort()
             raise
-        self._done = True
-        self._cleanup.detach()
         return self.out_dir
 
     def _swap_in(self, staging: Path) -> None:

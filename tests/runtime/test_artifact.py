@@ -182,6 +182,46 @@ def test_failure_mid_commit_keeps_old_dir(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
+def test_termination_swallowed_by_a_library_stops_the_commit(tmp_path, monkeypatch):
+    """A SIGTERM whose SystemExit a library caught (or turned into another error) is still recorded: the commit
+    refuses to start, leaves the old artifact as it was and no staging directory, and exits 128 + 15."""
+    from k3c import termination
+
+    out = _write(tmp_path / "art", plan={"arena_bytes": 1})
+    before = _tree(out)
+    monkeypatch.setattr(termination, "_requested", None)
+    try:
+        termination.request(15)
+    except SystemExit as e:  # what a library's `except BaseException: pass` does
+        assert e.code == 143
+    with pytest.raises(SystemExit) as exc:
+        _write(out, force=True, plan={"arena_bytes": 2})
+    assert exc.value.code == 143
+    assert _tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_termination_during_the_swap_acts_after_it(tmp_path, monkeypatch):
+    """A SIGTERM between the two renames of a replacing commit (old artifact moved aside, new one not yet in) is
+    held until the swap is done: the new artifact is whole, no old or staging directory is left, then exit 143."""
+    from k3c import termination
+
+    out = _write(tmp_path / "art", plan={"arena_bytes": 1})
+    monkeypatch.setattr(termination, "_requested", None)
+    real_rename = os.rename
+
+    def rename_then_signal(src, dst):
+        real_rename(src, dst)
+        if ".old-" in str(dst):
+            termination.request(15)  # what the SIGTERM handler calls
+
+    monkeypatch.setattr(A.os, "rename", rename_then_signal)
+    with pytest.raises(SystemExit) as exc:
+        _write(out, force=True, plan={"arena_bytes": 2})
+    assert exc.value.code == 143
+    assert read_artifact(out).plan == {"arena_bytes": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
 def test_bad_file_names_are_refused(tmp_path):
     with ArtifactWriter(tmp_path / "art") as w:
         for bad in ["../escape", "/abs", "manifest.json", "a//b", "./x", ""]:
