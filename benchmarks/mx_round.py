@@ -4,18 +4,18 @@ session: every phase has a wall-clock share, and what finished is written before
 
 1. `probe`: benchmarks/mx_tma_probe.py over --variants (its 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]'
    form, BR, STAGES and BK each one value or 'UP/DOWN'; checked before any GPU work) at the end-to-end
-   benchmark's expert count (32) and decode batches 1 and 16. The launcher's default for that shape is always
-   among them.
+   benchmark's expert count (32) and decode batches 1 and 16. The launcher's defaults at those batches (one
+   variant or two: `default_variant`) are always among them.
 2. `probe_mix`: the up and down kernels are separate launches whose fields are their own (`mx_kernels`), so the
    fastest up kernel of one variant may join the fastest down kernel of another (`best_mix`, same token tile).
-   Where that sum beats every timed variant by 1 %, the mix is timed itself, beside the default, in a second
+   Where that sum beats every timed variant by 1 %, the mix is timed itself, beside the defaults, in a second
    probe.
-3. `choose`: per batch, the variant with the least up + down kernel time among those that agree with the default
-   (bitwise; within bf16 rounding for another K tile, which sums in another order), if it beats the default's
+3. `choose`: per batch, the variant with the least up + down kernel time among those that agree with that batch's
+   default (bitwise; within bf16 rounding for another K tile, which sums in another order), if it beats its
    time by at least 2 % (run-to-run noise: the end-to-end run that follows has no default beside it); 16-token
    tiles are timed at batch 16 only.
-4. `e2e`: benchmarks/bench_e2e.py --experts mxfp4 (decode phases only) from this checkout when the default wins at
-   both batches, else from a copy under --scratch whose `mx_default_config` returns the winners for the decode
+4. `e2e`: benchmarks/bench_e2e.py --experts mxfp4 (decode phases only) from this checkout when each batch's default wins
+   there, else from a copy under --scratch whose `mx_default_config` returns the winners for the decode
    case, batch 1's below 4 rows per expert and batch 16's from there (`patched_default`; 32 experts: 0.5 and 8
    rows per expert): the artifact's emitted `moe_experts` module carries that source, so the copy's artifact runs
    them. Before the run, a process with the run's environment confirms it imports the copy and sees the winners.
@@ -86,9 +86,9 @@ def variant_text(bm, up, down):
     return f"{bm},{pair(br1, br2)},{pair(s1, s2)},{a1},{a2},{c1},{c2}" + ("" if bk == "256" else f",{bk}")
 
 
-def default_variant():
-    """The probe variant text of the launcher's decode default at batch 1 of E experts (one multiply)."""
-    cfg = mx_default_config(K, E, 122)
+def default_variant(batch):
+    """The probe variant text of the launcher's decode default at `batch` tokens over E experts (one multiply)."""
+    cfg = mx_default_config(batch * K, E, 122)
     (br1, bk1, _, s1, c1), (br2, bk2, _, s2, c2) = mx_kernels(cfg)
     a1, a2 = gl_act_ahead(cfg)
     return variant_text(cfg[0], (br1, s1, a1, c1 or 0, bk1), (br2, s2, a2, c2 or 0, bk2))
@@ -129,7 +129,7 @@ def agreeing(rows, batch, base):
         return r["max_abs_diff"] <= r.get("ref_max_abs", 0) / 64
 
     return {r["variant"]: (r["up_us"], r["down_us"]) for r in rows
-            if r["N"] == batch and "error" not in r and agrees(r)}
+            if r["N"] == batch and not r.get("error") and agrees(r)}
 
 
 def choose(rows, batch, base, margin=MARGIN):
@@ -230,8 +230,9 @@ def main():
     out, scratch = os.path.realpath(a.out), os.path.realpath(a.scratch)
     if os.path.commonpath([scratch, ROOT]) in (scratch, ROOT):       # the checkout, above it or inside it
         ap.error(f"--scratch {a.scratch!r}: must lie outside the checkout {ROOT} (it is replaced by a copy)")
-    base = default_variant()
-    specs = [base] + [v for v in a.variants.split(";") if v and v != base]
+    base = {b: default_variant(b) for b in BATCHES}
+    defaults = list(dict.fromkeys(base.values()))
+    specs = defaults + [v for v in a.variants.split(";") if v and v not in defaults]
     for spec in specs:
         try:
             variant_config(spec)
@@ -261,15 +262,15 @@ def main():
             return []
 
     rows = probe("probe", specs, BATCHES, (0.85 if alone else 0.45) * a.budget)
-    mixes = {b: best_mix(rows, b, base) for b in BATCHES}
+    mixes = {b: best_mix(rows, b, base[b]) for b in BATCHES}
     todo = sorted({m for m in mixes.values() if m})
-    if todo:        # time the mixes beside the default in one process; their rows and the default's come last
+    if todo:        # time the mixes beside the defaults in one process; their rows and the defaults' come last
         res["mixes"] = mixes
-        rows += probe("probe_mix", [base] + todo, [b for b in BATCHES if mixes[b]],
+        rows += probe("probe_mix", defaults + todo, [b for b in BATCHES if mixes[b]],
                       t_end - time.time() if alone else min(0.12 * a.budget, t_end - time.time()))
     res["probe"] = [{k: r.get(k) for k in ("N", "variant", "max_abs_diff", "ref_max_abs", "up_us", "down_us",
                                            "kernels_frac", "error")} for r in rows]
-    winners = {b: choose(rows, b, base) for b in BATCHES}
+    winners = {b: choose(rows, b, base[b]) for b in BATCHES}
     res["winners"] = winners
     res["winner_configs"] = {b: list(variant_config(v)) for b, v in winners.items()}
     save()
@@ -278,7 +279,7 @@ def main():
     if "e2e" not in skip:
         cwd, env = ROOT, None
         try:
-            if set(winners.values()) != {base}:
+            if winners != base:
                 cwd, env = prepare_copy(scratch, *(variant_config(winners[b]) for b in BATCHES))
         except (OSError, ValueError, RuntimeError) as err:
             res["phases"]["e2e"] = f"not run: {type(err).__name__}: {err}"

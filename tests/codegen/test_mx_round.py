@@ -33,6 +33,9 @@ def test_choose_takes_the_fastest_variant_that_agrees_with_the_default():
     # a wrong value is not
     k128 = "8,32,1,2,2,64,64,128"
     assert mx_round.choose(rows + [row(k128, 1, 40, 20, 2 ** -6)], 1, a) == k128
+    # rows as mx_round.json keeps them (every key, "error": None where the variant ran) count as timed
+    saved = [{"error": None, **r} for r in rows if "error" not in r]
+    assert mx_round.choose(saved, 1, a) == b and mx_round.choose(saved, 16, a) == d
     assert mx_round.choose(rows + [row(k128, 1, 40, 20, 0.1)], 1, a) == b
 
 
@@ -66,8 +69,11 @@ def test_default_variant_is_the_launchers_decode_default():
 
     # mx27's default: 8-token tiles of 32 rows on a 2-stage TMA ring, the up kernel's activations carried one
     # tile ahead, the down kernel's loaded at use and capped at 80 registers
-    assert mx_round.default_variant() == "8,32,2,1,0,0,80"
-    assert mx_round.variant_config("8,32,2,1,0,0,80")[:7] == mx_default_config(16, 32, 122)
+    assert mx_round.default_variant(1) == "8,32,2,1,0,0,80"
+    assert mx_round.default_variant(16) == "8,32,2,2,0,0,80"
+    assert mx_round.variant_config("8,32,2,1,0,0,80") == mx_default_config(16, 32, 122)
+    # run L's default from 4 rows per expert on: the up kernel's K loop unrolled by two (mode 2)
+    assert mx_round.variant_config("8,32,2,2,0,0,80") == mx_default_config(16 * 16, 32, 122)
     assert mx_round.variant_config("8,32,2,2,2,80,80") == (8, 32, 256, 2, 2, False, (80, 80), (2, 2))
     assert mx_round.variant_config("8,32,1,2,2,80,0,128") == (8, 32, 128, 2, 1, False, (80, None), (2, 2))
     # fields of one kernel each: 32 rows on 2 warps and 16 on 1, register stream and ring, K tiles 128 and 256
@@ -144,9 +150,11 @@ def test_the_round_times_the_mix_and_runs_the_end_to_end_benchmark_under_it(tmp_
     import sys
 
     base, reg, ring, wide = "8,32,2,1,0,0,80", "8,32,1,2,2,80,80,128", "8,32,2,2,0,80,80", "16,32,2,0,0,128,80"
+    base16 = "8,32,2,2,0,0,80"                                  # the default from 4 rows per expert on
     mix = "8,32,1/2,2,0,80,80,128/256"
     times = {(base, 1): (60, 30), (reg, 1): (50, 30), (ring, 1): (55, 24), (mix, 1): (51, 24),
-             (base, 16): (150, 80), (reg, 16): (150, 80), (ring, 16): (150, 79), (wide, 16): (120, 70)}
+             (base16, 1): (62, 30), (base, 16): (152, 80), (base16, 16): (150, 80), (reg, 16): (150, 80),
+             (ring, 16): (150, 79), (wide, 16): (120, 70)}
     calls = []
 
     def fake_run(cmd, seconds, log, cwd=mx_round.ROOT, env=None):
@@ -154,7 +162,7 @@ def test_the_round_times_the_mix_and_runs_the_end_to_end_benchmark_under_it(tmp_
         calls.append((script, seconds))
         arg = dict(zip(cmd[2::2], cmd[3::2]))
         if script == "mx_tma_probe.py":
-            rows = [row(v, b, *times[v, b], 0.0 if v in (base, ring, wide) else 2 ** -7)
+            rows = [row(v, b, *times[v, b], 0.0 if v in (base, base16, ring, wide) else 2 ** -7)
                     for b in map(int, arg["--batches"].split(",")) for v in arg["--variants"].split(";")
                     if (v, b) in times]
             os.makedirs(arg["--out"])
@@ -178,6 +186,7 @@ def test_the_round_times_the_mix_and_runs_the_end_to_end_benchmark_under_it(tmp_
     res = json.loads((out / "mx_round.json").read_text())
     assert [c[0] for c in calls] == ["mx_tma_probe.py", "mx_tma_probe.py", "bench_e2e.py", "pytest"]
     assert calls[0][1] == pytest.approx(0.45 * 570) and calls[1][1] <= 0.12 * 570
+    assert res["default"] == {"1": base, "16": base16} and res["variants"][:2] == [base, base16]
     assert res["mixes"] == {"1": mix, "16": None}
     assert res["winners"] == {"1": mix, "16": wide}
     assert copies == [(mx_round.variant_config(mix), mx_round.variant_config(wide))]

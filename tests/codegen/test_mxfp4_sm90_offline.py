@@ -39,9 +39,19 @@ def static_cost(tmp_path_factory):
 
 
 def test_default_decode_config_is_compiled_here():
-    from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text, mx_default_config
+    """Each kernel of the decode defaults (below and from 4 rows per expert) is one compiled here: its fields and
+    its activation prefetch mode."""
+    from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text, mx_default_config, mx_kernels
+    from k3c.codegen.triton.moe_mxfp4_gluon import gl_act_ahead
 
-    assert mx_config_from_text(CONFIGS[1]) == mx_default_config(16, 896, 128)
+    def kernels(config):
+        return [(*fields, act) for fields, act in zip(mx_kernels(config), gl_act_ahead(config))]
+
+    small, large = mx_default_config(16, 896, 128), mx_default_config(16 * 16, 32, 128)
+    assert small != large and small[:7] == large[:7]
+    compiled = [kernels(mx_config_from_text(c)) for c in CONFIGS]
+    assert kernels(small) == compiled[1]
+    assert kernels(large)[0] == compiled[3][0] and kernels(large)[1] == compiled[1][1]
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -137,7 +147,7 @@ ptr = dict(zp_ptr="*bf16", hp_ptr="*bf16", w1_ptr="*i32", w3_ptr="*i32", w2_ptr=
            weights_ptr="*fp32", y_slot_ptr="*fp32", SITU_BETA="fp32", SITU_LINEAR_BETA="fp32")
 out = {}
 for rows, E in json.loads(sys.argv[1]):
-    bm, br, most_k, warps, stages, two, maxnreg = mx_default_config(rows, E, 128)
+    bm, br, most_k, warps, stages, two, maxnreg = mx_default_config(rows, E, 128)[:7]
     common = dict(E=E, D=D, I=I, FAST=True, TWO_MULS=two, BLOCK_M=bm, BLOCK_R=br, BLOCK_K2=mx_block_k(I, most_k),
                   DOT_PRECISION="tf32", V2=mx_mma_v2(warps))
     kinds = []

@@ -71,14 +71,16 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     mx27's probe (their K loops are the probe's instruction for instruction on the device's Triton): at batch 1 of
     32 experts up 60.2 us (activations one tile ahead) + down 29.3 us (capped) against 62.8 + 35.7 for mx23's
     register prefetch (num_stages 1); at batch 16 of 32 experts 151.9 + 78.7 against 152.9 + 85.6, of 896 818.8 +
-    404.3 against 831.7 + 434.2; deeper rings, 16-row weight blocks and 16-token tiles were slower. Two multiplies:
+    404.3 against 831.7 + 434.2; deeper rings, 16-row weight blocks and 16-token tiles were slower. From 4 rows
+    per expert on, the up kernel's activations are prefetched with its K loop unrolled by two (`gl_act_ahead` mode
+    2; run L, mx_round: batch 16 of 32 experts up 145.1 against 152.4 us). Two multiplies:
     8-row tiles, 64 rows, 3 stages below 4 rows per expert, then 16-row `wgmma` tiles. < 64 rows per expert
     (measured at 32, batch 64 of 32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there):
     32-row tiles; prefill: 128 × 128 tiles. two_muls (exact for every E8M0 scale) unless scale_max ≤
     ONE_MUL_MAX_SCALE, where the one-multiply decoding is exact too (4-6 % less time with 16-row tiles)."""
     two = scale_max > ONE_MUL_MAX_SCALE
     if not two and rows < 16 * E:
-        return (8, 32, 256, 2, 2, two, (None, 80))
+        return (8, 32, 256, 2, 2, two, (None, 80), (1, 0) if rows < 4 * E else (2, 0))
     if rows < 4 * E:
         return (8, 64, 256, 2, 3, two, None)
     if rows < 16 * E:
