@@ -38,13 +38,17 @@ def bounds_bindings(entry: str, max_batch: int, max_seq: int, max_prefill: int) 
     """Symbol values {"B", "T", "L"} at the compile bounds for `entry` (one of `ENTRIES`).
 
     T is the tokens of one call (max_prefill for the prefill entries, 1 for decode); L the context already cached, so that
-    L + T = max_seq. Raises ConfigError (naming the flags) unless 1 <= max_prefill <= max_seq and max_batch >= 1.
+    L + T = max_seq. Raises ConfigError (naming the flags) unless 1 <= max_prefill <= max_seq and max_batch >= 1,
+    all below 2^31.
     """
     if entry not in ENTRIES:
         raise ConfigError(f"entry {entry!r}: expected one of {', '.join(ENTRIES)}")
     if min(max_batch, max_seq, max_prefill) < 1 or max_prefill > max_seq:
         raise ConfigError(f"bounds must satisfy 1 <= --max-prefill ({max_prefill}) <= --max-seq ({max_seq}) and "
                           f"--max-batch ({max_batch}) >= 1")
+    for flag, value in (("--max-batch", max_batch), ("--max-seq", max_seq), ("--max-prefill", max_prefill)):
+        if value >= 2 ** 31:  # token positions and rows are int32 in the kernels
+            raise ConfigError(f"{flag} {value}: must be below 2^31 (token positions and rows are 32-bit)")
     T = 1 if entry == "decode" else max_prefill
     return {"B": max_batch, "T": T, "L": max_seq - T}
 

@@ -1,35 +1,37 @@
-"""Termination requests (SIGTERM) that foreign code cannot lose, and commits they cannot tear.
+"""Termination requests (SIGTERM, Ctrl-C) that foreign code cannot lose, and commits they cannot tear.
 
 A Python signal handler raises in whichever frame is running. When that frame is a Python callback called from
 C++ (a TVM pass, torch.export's tracer), the exception comes back to Python as another type (TVM turns
 `SystemExit(143)` into `RuntimeError: 143`), or a library catches it and goes on, and the compile would commit its
-artifact and exit 0. So the request is recorded as well as raised:
+artifact and exit 0. And a signal between the two renames that replace an artifact (`--force`) would leave the old
+one moved aside and the new one not in. So:
 
-- `request(signum)` (the handler's body) records it and raises SystemExit(128 + signum), unless a commit is running
-  (`deferred()`), where it only records;
-- `deferred()` wraps a commit: it refuses to start once a request is recorded, and raises the recorded request when
-  the commit is done, so a request stops a commit before its first rename or takes effect after its last;
-- `requested()` tells the command line, whatever exception reached it, to exit 128 + signum.
+- `request(signum)`, the command line's handler, records the request and raises SystemExit(128 + signum);
+- `requested()` tells the command line, whatever exception reached it, to exit 128 + signum;
+- `deferred()` wraps a commit (renames into place): it refuses to start once a request is recorded, holds SIGINT
+  and SIGTERM while it runs, and delivers a held one to the handler the process had when it is done. A signal
+  thus stops a commit before its first rename or acts after its last.
 
-The state is process-wide, as the signal is.
+The state is process-wide, as signals are.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
 _requested: int | None = None
-_deferring = 0
+HELD = (signal.SIGINT, signal.SIGTERM)
 
 
 def request(signum: int) -> None:
     """Record a termination request (a signal number) and raise SystemExit(128 + signum), the shell's status for
-    a process ended by that signal; inside `deferred()` only record it."""
+    a process ended by that signal."""
     global _requested
     _requested = signum
-    if not _deferring:
-        raise SystemExit(128 + signum)
+    raise SystemExit(128 + signum)
 
 
 def requested() -> int | None:
@@ -45,13 +47,19 @@ def check() -> None:
 
 @contextmanager
 def deferred() -> Iterator[None]:
-    """Run the block with requests recorded but not raised; raise a request recorded before or during it (before
-    the block starts, or after it ends). Nests."""
-    global _deferring
+    """Run the block with SIGINT and SIGTERM held (in the main thread, where Python runs handlers; elsewhere a
+    signal cannot interrupt the block); then deliver the first one held to the handler in place before. Raises
+    SystemExit at entry if a request is recorded (`check`), before the block starts."""
     check()
-    _deferring += 1
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    before = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in HELD}
     try:
         yield
     finally:
-        _deferring -= 1
-    check()
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        if held:
+            signal.raise_signal(held[0])

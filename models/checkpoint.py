@@ -85,7 +85,7 @@ def expected_tensors(cfg: K3Config) -> dict[str, tuple[tuple[int, ...], torch.dt
 def index_weight_map(path: Path) -> dict[str, str] | None:
     """The `weight_map` (tensor name -> shard file name) of checkpoint directory `path`'s
     model.safetensors.index.json, or None without one. Raises CheckpointError naming the index when it is not JSON
-    with a 'weight_map' object of file names."""
+    with a 'weight_map' object of plain file names (no directories: a shard lies in `path`)."""
     index = path / "model.safetensors.index.json"
     if not index.is_file():
         return None
@@ -95,6 +95,10 @@ def index_weight_map(path: Path) -> dict[str, str] | None:
         weight_map = None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object of tensor name -> shard file name")
+    for key, name in weight_map.items():
+        if name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise CheckpointError(f"{index}: weight_map maps '{key}' to {name!r}; shard names are plain file names "
+                                  f"in the checkpoint directory {path}")
     return weight_map
 
 

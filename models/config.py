@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from k3c.errors import ConfigError
+
+
+def _short(value: Any) -> str:
+    """repr(value), cut to 60 characters (a 10**30 or a long list stays one readable line)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 PUBLISHED = {
@@ -40,25 +48,33 @@ class _Fields:
         return f"{self.path}.{key}" if self.path else key
 
     def get(self, key: str, kind: str, default: Any = _MISSING) -> Any:
-        """Read `key` as `kind` in {int, pos_int, nonneg_int, float, pos_float, bool, str, int_list, obj}."""
+        """Read `key` as `kind` in {int, pos_int, nonneg_int, float, pos_float, bool, str, int_list, obj}; integers
+        are below 2^31 in magnitude, floats finite. Raises ConfigError naming the source, the field and the kind."""
         if key not in self.data or (self.data[key] is None and default is not _MISSING):
             if default is _MISSING:
                 raise ConfigError(f"{self.source}: missing field '{self._name(key)}' (expected {kind})")
             return default
         value = self.data[key]
+        def integer(v):  # sizes and indices: a bound that torch's shapes and int32 offsets keep
+            return isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2 ** 31
+
+        def number(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
         ok = {
-            "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-            "pos_int": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-            "nonneg_int": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-            "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-            "pos_float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+            "int": integer,
+            "pos_int": lambda v: integer(v) and v > 0,
+            "nonneg_int": lambda v: integer(v) and v >= 0,
+            "float": number,
+            "pos_float": lambda v: number(v) and v > 0,
             "bool": lambda v: isinstance(v, bool),
             "str": lambda v: isinstance(v, str),
-            "int_list": lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+            "int_list": lambda v: isinstance(v, list) and all(integer(x) for x in v),
             "obj": lambda v: isinstance(v, dict),
         }[kind]
         if not ok(value):
-            raise ConfigError(f"{self.source}: field '{self._name(key)}' must be {kind}, found {value!r}")
+            bound = " (finite)" if kind.endswith("float") else " (below 2^31)" if "int" in kind else ""
+            raise ConfigError(f"{self.source}: field '{self._name(key)}' must be {kind}{bound}, found {_short(value)}")
         return float(value) if kind in ("float", "pos_float") else value
 
     def sub(self, key: str, optional: bool = False) -> "_Fields | None":
@@ -274,10 +290,14 @@ class K3Config:
         if not path.is_file():
             raise ConfigError(f"{key}: not a preset ({', '.join(sorted(PRESETS))}), config.json or checkpoint directory")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-        return cls.from_dict(data, source=str(path), name=path.parent.name or path.stem)
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                              "a config.json is UTF-8 JSON") from None
+        name = path.parent.name if path.name == "config.json" else path.stem
+        return cls.from_dict(data, source=str(path), name=name or path.stem)
 
 
 def _check_layers(source: str, name: str, layers: list[int], n_layers: int) -> None:

@@ -70,6 +70,8 @@ def test_argument_errors_answer_before_torch(tmp_path):
                           (["compile", "k3-tiny", "-o", str(tmp_path / "a"), "--plan-only", "--force", "--report",
                             str(tmp_path)], f"--report {tmp_path}: is a directory; give a file name"),
                           (["report", str(tmp_path), "-o", str(tmp_path)], f"-o {tmp_path}: is a directory"),
+                          (["compile", "k3-tiny", "-o", "", "--force"], "-o '.': give a path to a new directory"),
+                          (["init", "k3-tiny", "-o", ""], "-o '.': give a path to a new directory"),
                           (["inspect", "no-such-model"], "not a preset"),
                           (["inspect", "k3-tiny", "--entry", "both"], "--entry both: expected prefill or decode"),
                           (["run", str(tmp_path / "none")], "no such artifact"),

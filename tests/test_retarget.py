@@ -71,6 +71,18 @@ def test_caches_beyond_one_gpu_give_no_gpu_count(k3):
     assert "no GPU count holds it" in run.stdout and "at least 0" not in run.stdout
 
 
+def test_cli_plan_default_counts_are_those_that_split_the_model():
+    # k3-tiny has 4 attention heads: of the default counts 1,2,4,8,16 only 1, 2 and 4 split it; a count given
+    # explicitly that does not is an error naming the field
+    run = subprocess.run([sys.executable, "-m", "k3c.cli", "plan", "k3-tiny", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert [r["tp"] for r in json.loads(run.stdout)] == [1, 2, 4]
+    run = subprocess.run([sys.executable, "-m", "k3c.cli", "plan", "k3-tiny", "--tp", "8"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--tp 8 does not divide num_attention_heads = 4 of k3-tiny" in run.stderr
+
+
 def test_cli_plan_on_a_target_without_an_interconnect_plans_one_device():
     # the default GPU counts (1,2,4,8,16) need an interconnect; a CPU target has none, so its default is one device
     run = subprocess.run([sys.executable, "-m", "k3c.cli", "plan", "k3-tiny", "--target", "cpu-x86-64", "--json"],

@@ -51,6 +51,8 @@ def check_writable(path: Path, flag: str, file: bool = False) -> None:
     a new entry (and, with `file`, path is not a directory: an output file's name). Probed with a temporary file,
     since permission bits tell neither root's rights nor a read-only or virtual file system; called before the
     work, so a bad output location fails in a second, not after it."""
+    if str(path) in ("", "."):    # Path("") is ".": an empty -o would name the current directory
+        raise K3CError(f"{flag} {str(path)!r}: give a path to a new " + ("file" if file else "directory"))
     if file and path.is_dir():
         raise K3CError(f"{flag} {path}: is a directory; give a file name")
     parent = path.parent

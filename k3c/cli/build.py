@@ -32,9 +32,9 @@ def init(preset: str = typer.Argument(..., help="a tiny preset (k3-tiny, k3.1-pr
         raise K3CError(f"--experts-dtype {experts_dtype}: expected mxfp4 or bf16")
     if not 0 <= seed < 2 ** 64:      # torch's generator takes 64 bits: others would alias a seed in range
         raise K3CError(f"--seed {seed}: expected 0 .. 2^64 - 1")
+    check_writable(out_dir, "-o")
     if out_dir.exists():
         raise K3CError(f"-o {out_dir}: already exists; choose a new directory")
-    check_writable(out_dir, "-o")
     cfg = K3Config.from_pretrained(preset)
     import torch
 
@@ -56,7 +56,7 @@ def init(preset: str = typer.Argument(..., help="a tiny preset (k3-tiny, k3.1-pr
     size = sum(p.stat().st_size for p in out_dir.iterdir())
     experts = "MXFP4" if model.config.expert_quantization == "mxfp4" else dtype
     out.print(f"wrote {out_dir}: {cfg.name}, {dtype}, {experts} experts, seed {seed}; {len(files)} files, "
-              f"{size / 2**20:,.1f} MiB")
+              f"{size / 2**20:,.1f} MiB", soft_wrap=True)
 
 
 def _checkpoint_dtype(path: Path) -> str:
@@ -132,11 +132,11 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
         raise K3CError(f"--max-seq {max_seq}: expected at least 1")
     if dtype == "auto":
         dtype = _checkpoint_dtype(Path(model)) if Path(model).is_dir() and not plan_only else "bf16"
+    check_writable(out_dir, "-o")
     if out_dir.exists() and not force:
         raise K3CError(f"{out_dir}: already exists (pass --force to replace it)")
     if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file())):
         raise K3CError(f"{out_dir}: exists and is not a k3c artifact; --force only replaces artifacts")
-    check_writable(out_dir, "-o")
     check_dump_dir(dump)
     if report is not None:
         check_writable(report, "--report", file=True)
@@ -150,7 +150,6 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
                           backend, report=report is not None, ep=ep, allow_oversize=allow_oversize,
                           experts_dtype=experts_dtype, all_logits=all_logits, kda_state_dtype=kda_state,
                           dsa_index_keys=dsa_index_keys)
-    err.print("k3c compile " + " ".join(f"{k}={v}" for k, v in vars(opts).items()), highlight=False, soft_wrap=True)
     with progress_bars() as progress:
         s = compile_model(opts, progress=progress)
         if report is not None:
@@ -166,14 +165,14 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
               f"(lower bound {mib(s['lower_bound']['prefill'])}), decode {mib(s['arena']['decode'])}; pools "
               + ", ".join(f"{k} {mib(v)}" for k, v in s["pools"].items())
               + f"; roofline decode step {s['time']['decode'] * 1e3:.3f} ms; {s['seconds']:.1f} s"
-              + (f"; report {report}" if report is not None else ""))
+              + (f"; report {report}" if report is not None else ""), soft_wrap=True)
     if s["warning"]:
         err.print(f"[yellow]warning:[/] {s['warning']}", highlight=False, soft_wrap=True)
     if tp > 1:
         c = s["communication"]
         out.print(f"per rank and decode step at --max-batch {max_batch}: {mib(c['bytes'])} on the wire (plain "
                   f"all-reduces: {mib(c['plain_allreduce_bytes'])}); AttnRes state not duplicated: "
-                  f"{mib(c['attn_res_state_bytes_not_duplicated'])}")
+                  f"{mib(c['attn_res_state_bytes_not_duplicated'])}", soft_wrap=True)
 
 
 @app.command("report")

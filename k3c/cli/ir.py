@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from k3c.atomic import replacing
 from k3c.cli.app import app, check_dump_dir, check_writable, compiling, err, out, progress_bars
 from k3c.errors import K3CError
 
@@ -136,7 +137,7 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
         if output is None:
             out.print(table, line, sep="\n", soft_wrap=True)
         else:
-            with output.open("w") as fh:
+            with replacing(output) as tmp, tmp.open("w") as fh:
                 Console(file=fh, width=120).print(table, line, sep="\n", soft_wrap=True)
             err.print(f"wrote {output}")
         return
@@ -149,7 +150,8 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
         model_proto = (onnx_export.block_to_onnx(graph, [views.layer_block(graph, layer)], name) if layer is not None
                        else onnx_export.block_to_onnx(graph, views.collapse(graph), name) if collapse
                        else onnx_export.to_onnx(graph, name))
-        onnx.save(model_proto, output)
+        with replacing(output) as tmp:
+            onnx.save(model_proto, tmp)
         err.print(f"wrote {output}: {len(model_proto.graph.node)} ONNX nodes")
         return
     if fmt in ("dot", "svg"):
@@ -158,7 +160,9 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
         text = (nx.block_dot(graph, views.layer_block(graph, layer)) if layer is not None
                 else nx.collapsed_dot(graph) if collapse else nx.to_dot(graph))
         if fmt == "svg":
-            nx.render(text, output, "svg")
+            output = output.with_suffix(".svg")                 # where graphviz writes it
+            with replacing(output) as tmp:
+                nx.render(text, tmp, "svg")
             err.print(f"wrote {output}")
             return
     else:
@@ -169,7 +173,8 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
     if output is None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
     else:
-        output.write_text(text)
+        with replacing(output) as tmp:
+            tmp.write_text(text)
         err.print(f"wrote {output}")
 
 

@@ -11,8 +11,8 @@ from k3c.errors import K3CError
 @app.command()
 def plan(model: str = typer.Argument(..., help="preset name, config.json or checkpoint directory"),
          target: str = typer.Option("h200", help="target preset (h200, h100-sxm, b200, mi300x, ...) or a target JSON file"),
-         tp: str = typer.Option(None, help="GPU count(s), comma-separated [default: 1,2,4,8,16; 1 for a target "
-                                           "without an interconnect, such as a CPU]"),
+         tp: str = typer.Option(None, help="GPU count(s), comma-separated [default: those of 1,2,4,8,16 that "
+                                           "split the model; 1 for a target without an interconnect, such as a CPU]"),
          max_batch: int = typer.Option(1, help="sequences the caches are sized for (and the decode batch)"),
          max_seq: int = typer.Option(1 << 20, help="tokens per sequence the caches are sized for"),
          context: int = typer.Option(None, help="cached tokens for the decode estimate (default max-seq)"),
@@ -33,13 +33,14 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
 
     if experts_dtype not in (None, "mxfp4", "bf16"):      # worded as `k3c compile` and `k3c check` word it
         raise K3CError(f"--experts-dtype {experts_dtype}: expected mxfp4 or bf16")
-    if tp is None:
-        tp = "1,2,4,8,16" if load_target(target).interconnect_bandwidth else "1"
     try:
-        tps = [int(x) for x in tp.split(",")]
+        tps = [int(x) for x in tp.split(",")] if tp is not None else None
     except ValueError:
         raise K3CError(f"--tp {tp!r}: expected comma-separated integers such as 8 or 1,2,4,8") from None
     cfg = K3Config.from_pretrained(model)
+    if tps is None:         # the default counts that split this model (`check_layout`), as `estimate` splits it
+        tps = [n for n in ((1, 2, 4, 8, 16) if load_target(target).interconnect_bandwidth else (1,))
+               if n == 1 or _splits(cfg, n)]
     rows = [estimate(cfg, target, n, max_batch, max_seq, context, experts_dtype=experts_dtype,
                      kda_state_dtype=kda_state, dsa_index_keys=dsa_index_keys) for n in tps]
     if json_out:
@@ -68,3 +69,15 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
     t.caption = (f"memory per {unit} {gib(e0.memory_bytes)}; {need}; decode at batch "
                  f"{e0.decode_batch}, context {e0.decode_context:,}: roofline with measured bandwidth/peak (k3c/retarget.py)")
     out.print(t)
+
+
+def _splits(cfg, tp: int) -> bool:
+    """Whether `tp` GPUs split `cfg` as `k3c.retarget.estimate` splits it (experts partitioned: --ep tp)."""
+    from k3c.errors import ConfigError
+    from k3c.parallel import check_layout
+
+    try:
+        check_layout(cfg, tp, tp)
+        return True
+    except ConfigError:
+        return False

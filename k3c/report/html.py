@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jinja2
 
+from k3c.atomic import replacing
 from k3c.errors import ArtifactError
 from k3c.report.plots import memory_svg, roofline_svg
 from k3c.targets import target_from_dict
@@ -106,9 +107,12 @@ def build(art: str | Path) -> str:
 
 
 def write(art: str | Path, out: str | Path) -> Path:
-    """Write the report page of `art` to `out`; returns the path."""
+    """Write the report page of `art` to `out`, replacing a file there whole or not at all (`replacing`); returns
+    the path."""
     out = Path(out)
-    out.write_text(build(art))
+    page = build(art)
+    with replacing(out) as tmp:
+        tmp.write_text(page)
     return out
 
 

@@ -33,6 +33,7 @@ import safetensors.torch
 import torch
 
 from k3c import __version__, termination
+from k3c.atomic import replacing
 from k3c.errors import ArtifactError
 from k3c.runtime.encoding import canonical_json, safetensors_chunks
 
@@ -121,7 +122,7 @@ class ArtifactWriter:
         except BaseException as err:
             path.unlink(missing_ok=True)  # a half-written file must not stay in the staging directory
             if isinstance(err, OSError):
-                raise ArtifactError(f"cannot write artifact file {relpath}: {err}") from None
+                raise ArtifactError(f"cannot write artifact file {relpath} of {self.out_dir}: {err}") from None
             raise
         self._hashes[relpath] = digest.hexdigest()
 
@@ -471,19 +472,14 @@ def pack(src: str | os.PathLike, out: str | os.PathLike | None = None, force: bo
     dest = Path(out) if out is not None else src_path.parent / (src_path.name + ".k3c")
     if dest.exists() and not force:
         raise ArtifactError(f"{dest} already exists; pass force=True to replace it")
-    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex}"
-    try:
-        with open(tmp, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for rel in [MANIFEST] + sorted(art.files):
-                info = tarfile.TarInfo(rel)
-                info.size, info.mode, info.mtime = art._source.size(rel), 0o644, 0
-                info.uid = info.gid = 0
-                info.uname = info.gname = ""
-                with art._source.open(rel) as data:
-                    tar.addfile(info, data)
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with replacing(dest) as tmp, open(tmp, "wb") as f, \
+            tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for rel in [MANIFEST] + sorted(art.files):
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode, info.mtime = art._source.size(rel), 0o644, 0
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            with art._source.open(rel) as data:
+                tar.addfile(info, data)
     return dest
 

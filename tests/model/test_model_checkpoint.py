@@ -379,6 +379,18 @@ def test_index_that_misplaces_a_tensor(dense_copy, edit):
     assert "model.safetensors.index.json" in msg and KEY in msg and shard in msg
 
 
+@pytest.mark.parametrize("name", ["../other/{shard}", "sub/{shard}", "..", ""])
+def test_index_that_points_outside_the_directory(dense_copy, name):
+    # a shard is a file of the checkpoint directory: a path in the weight_map is refused by name, before any
+    # shard is opened (with "../", a shard of another checkpoint could be read)
+    path = dense_copy / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    index["weight_map"][KEY] = name.format(shard=index["weight_map"][KEY])
+    path.write_text(json.dumps(index))
+    msg = _error(dense_copy)
+    assert f"{path}: weight_map maps '{KEY}' to {index['weight_map'][KEY]!r}; shard names are plain file names" in msg
+
+
 def test_cli_dtype_detection_names_a_misplaced_embedding(dense_copy, tmp_path):
     # `k3c compile` without --dtype reads the embedding's dtype through the index: a wrong shard there is a
     # CheckpointError naming the index, the tensor and the shard, not a safetensors error

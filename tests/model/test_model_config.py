@@ -114,7 +114,9 @@ def test_wrong_type_names_its_path(field, value):
 
 
 @pytest.mark.parametrize("field,value", [("vocab_size", "big"), ("rms_norm_eps", "1e-5"), ("tie_word_embeddings", 0),
-                                         ("hidden_act", "gelu"), ("attn_res_block_size", 0), ("num_experts", 2.5)])
+                                         ("hidden_act", "gelu"), ("attn_res_block_size", 0), ("num_experts", 2.5),
+                                         ("hidden_size", 10 ** 30), ("hidden_size", 2 ** 31),
+                                         ("rms_norm_eps", float("inf")), ("routed_scaling_factor", float("nan"))])
 def test_wrong_value_of_text_fields(field, value):
     data = _k3()
     data["text_config"][field] = value
@@ -179,6 +181,20 @@ def test_from_pretrained_invalid_json(tmp_path):
     with pytest.raises(ConfigError) as e:  # through the checkpoint directory form too
         K3Config.from_pretrained(tmp_path)
     assert str(path) in str(e.value)
+
+
+def test_config_that_is_not_utf8_is_named(tmp_path):
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'config.json'}: not UTF-8 text \\(byte 0xff at offset 0\\)"):
+        K3Config.from_pretrained(tmp_path)
+
+
+def test_a_config_file_names_the_model_by_its_own_name(tmp_path):
+    (tmp_path / "mine.json").write_text(json.dumps(_k3()))
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(_k3()))
+    assert K3Config.from_pretrained(tmp_path / "mine.json").name == "mine"
+    assert K3Config.from_pretrained(tmp_path / "ck").name == K3Config.from_pretrained(tmp_path / "ck/config.json").name == "ck"
 
 
 def test_checkpoint_directory_without_config_is_named(tmp_path):

@@ -110,7 +110,8 @@ def test_tiny_report_from_the_cli(tmp_path):
     k3c("init", "k3.1-pro-tiny", "-o", "ck", cwd=tmp_path)
     r = k3c("compile", "ck", "-o", "art", "--max-seq", "64", "--max-prefill", "16", "--report", "r.html",
             cwd=tmp_path)
-    assert "dtype=f32" in r.stderr
+    assert json.loads((tmp_path / "art" / "manifest.json").read_text())["extra"]["dtype"] == "f32"
+    assert r.stdout.startswith("wrote art: ") and r.stdout.count("\n") == 1   # one line, piped: never wrapped
     assert build(tmp_path / "art") == (tmp_path / "r.html").read_text()
     dom = check_report(tmp_path / "r.html", tmp_path / "art", tmp_path)
     passes = json.loads((tmp_path / "art" / "report" / "passes.json").read_text())

@@ -200,24 +200,35 @@ def test_termination_swallowed_by_a_library_stops_the_commit(tmp_path, monkeypat
     assert _tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
-def test_termination_during_the_swap_acts_after_it(tmp_path, monkeypatch):
-    """A SIGTERM between the two renames of a replacing commit (old artifact moved aside, new one not yet in) is
-    held until the swap is done: the new artifact is whole, no old or staging directory is left, then exit 143."""
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_signal_during_the_swap_acts_after_it(tmp_path, monkeypatch, signum):
+    """A signal between the two renames of a replacing commit (old artifact moved aside, new one not yet in) is
+    held until the swap is done: the new artifact is whole, no old or staging directory is left, then the handler
+    the process had runs (the command line's: exit 143; Python's default for Ctrl-C: KeyboardInterrupt)."""
+    import signal
+
     from k3c import termination
 
     out = _write(tmp_path / "art", plan={"arena_bytes": 1})
     monkeypatch.setattr(termination, "_requested", None)
+    sig = getattr(signal, signum)
+    handler = (lambda s, f: termination.request(s)) if signum == "SIGTERM" else signal.default_int_handler
+    before = signal.signal(sig, handler)
     real_rename = os.rename
 
     def rename_then_signal(src, dst):
         real_rename(src, dst)
         if ".old-" in str(dst):
-            termination.request(15)  # what the SIGTERM handler calls
+            signal.raise_signal(sig)
 
     monkeypatch.setattr(A.os, "rename", rename_then_signal)
-    with pytest.raises(SystemExit) as exc:
-        _write(out, force=True, plan={"arena_bytes": 2})
-    assert exc.value.code == 143
+    try:
+        with pytest.raises(SystemExit if signum == "SIGTERM" else KeyboardInterrupt) as exc:
+            _write(out, force=True, plan={"arena_bytes": 2})
+    finally:
+        signal.signal(sig, before)
+    assert signum == "SIGINT" or exc.value.code == 143
+    assert signal.getsignal(sig) is before
     assert read_artifact(out).plan == {"arena_bytes": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
@@ -287,7 +298,8 @@ def test_runtime_module_imports_no_compiler_code():
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     third_party = {m for m in imported if m.split(".")[0] not in sys.stdlib_module_names and m != "__future__"}
-    assert third_party == {"torch", "safetensors", "safetensors.torch", "k3c", "k3c.errors", "k3c.runtime.encoding"}
+    assert third_party == {"torch", "safetensors", "safetensors.torch", "k3c", "k3c.atomic", "k3c.errors",
+                           "k3c.runtime.encoding"}
 
 
 def test_pack_from_the_command_line(tmp_path):

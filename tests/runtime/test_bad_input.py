@@ -203,8 +203,10 @@ def test_inspect_output_paths(tmp_path):
 
 
 def test_max_seq_beyond_the_model_context_is_refused(tmp_path):
-    rc, err = k3c_cli("compile", "k3-tiny", "-o", tmp_path / "o", "--plan-only", "--max-seq", "99999999999")
+    rc, err = k3c_cli("compile", "k3-tiny", "-o", tmp_path / "o", "--plan-only", "--max-seq", "2000000000")
     assert rc == 2 and "max_position_embeddings" in err and not (tmp_path / "o").exists()
+    rc, err = k3c_cli("compile", "k3-tiny", "-o", tmp_path / "o", "--plan-only", "--max-batch", "9" * 23)
+    assert rc == 2 and f"--max-batch {'9' * 23}: must be below 2^31" in err and not (tmp_path / "o").exists()
 
 
 def test_output_locations_that_cannot_be_written_fail_before_compiling(art, tmp_path):
