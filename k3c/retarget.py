@@ -123,8 +123,9 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     e4m3 + one f32 scale per key, K3-SPEC.md's sizes; "fp8-rerank": + a 4-bit residual per element, the scan
     reading the fp8 part and the re-rank the topk + E candidates' residuals; "bf16"; `k3c compile
     --dsa-index-keys`, whose default is bf16; None: fp8 for a model with DSA layers, else bf16).
-    Raises ConfigError for tp < 1, bounds < 1, max_seq beyond the model's context, a context outside [0, max_seq],
-    a bad experts, KDA state or index-key dtype, index keys other than bf16 on a model without DSA layers.
+    Raises ConfigError for tp < 1, bounds < 1 or >= 2^31, max_seq beyond the model's context, a context outside
+    [0, max_seq], a bad experts, KDA state or index-key dtype, index keys other than bf16 on a model without DSA
+    layers.
     """
     check_kda_state(kda_state_dtype)
     dsa_index_keys = check_dsa_index_keys_for(cfg, dsa_index_keys or ("fp8" if cfg.dsa_layers else "bf16"))
@@ -133,6 +134,8 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     target = load_target(target)
     if tp < 1 or max_batch < 1 or max_seq < 1:
         raise ConfigError(f"tp ({tp}), max_batch ({max_batch}) and max_seq ({max_seq}) must be >= 1")
+    if max(tp, max_batch, max_seq) >= 2 ** 31:  # as `k3c compile` bounds them (`bounds_bindings`)
+        raise ConfigError(f"tp ({tp}), max_batch ({max_batch}) and max_seq ({max_seq}) must be below 2^31")
     check_layout(cfg, tp, tp)
     if cfg.max_position_embeddings and max_seq > cfg.max_position_embeddings:
         raise ConfigError(f"max_seq {max_seq} exceeds the model's context of {cfg.max_position_embeddings} tokens "

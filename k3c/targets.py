@@ -11,6 +11,7 @@ A JSON file with the fields of `Target.to_dict()` defines a new target (`load_ta
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -83,6 +84,21 @@ class Target:
                 "backends": list(self.backends)}
 
 
+def _figure(value) -> bool:
+    """A target figure: a number (not a bool) that is finite and > 0 as a float (10**400 is not)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return 0 < float(value) < math.inf
+    except OverflowError:
+        return False
+
+
+def _short(value) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def target_from_dict(data: Any, source: str = "target") -> Target:
     """Build a Target from JSON data, checking every field. Raises ConfigError naming `source` and the field."""
     if not isinstance(data, dict):
@@ -99,16 +115,16 @@ def target_from_dict(data: Any, source: str = "target") -> Target:
     if data["kind"] not in KINDS:
         raise ConfigError(f"{source}: field 'kind' is '{data['kind']}', expected one of {list(KINDS)}")
     for key in ("memory_bytes", "hbm_bandwidth", "interconnect_bandwidth"):
-        if data.get(key) is not None and data[key] <= 0:
-            raise ConfigError(f"{source}: field '{key}' must be > 0, got {data[key]}")
+        if data.get(key) is not None and not _figure(data[key]):
+            raise ConfigError(f"{source}: field '{key}' must be a finite number > 0, got {_short(data[key])}")
     peaks = {}
     for dtype, value in data["peak_flops"].items():
         try:
             name = flops_dtype(dtype)
         except UnsupportedError as err:
             raise ConfigError(f"{source}: field 'peak_flops.{dtype}': {err}") from None
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{source}: field 'peak_flops.{dtype}' must be a number > 0, got {value!r}")
+        if not _figure(value):
+            raise ConfigError(f"{source}: field 'peak_flops.{dtype}' must be a finite number > 0, got {_short(value)}")
         peaks[name] = float(value)
     if not peaks:
         raise ConfigError(f"{source}: field 'peak_flops' is empty")
@@ -117,8 +133,8 @@ def target_from_dict(data: Any, source: str = "target") -> Target:
         base, _, dtype = key.partition(".")
         ok = (base in ("memory_bytes", "hbm_bandwidth", "interconnect_bandwidth") and not dtype) or (
             base == "peak_flops" and dtype in DTYPES)
-        if not ok or not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{source}: field 'measured.{key}' is not a known figure with a value > 0")
+        if not ok or not _figure(value):
+            raise ConfigError(f"{source}: field 'measured.{key}' is not a known figure with a finite value > 0")
         measured[key] = value
     if not all(isinstance(v, str) for v in data.get("sources", {}).values()):
         raise ConfigError(f"{source}: field 'sources' must map names to strings")
@@ -151,11 +167,13 @@ def load_target(name_or_path: str | Path | Target) -> Target:
     if not key.endswith(".json") and not path.exists():
         raise ConfigError(f"unknown target '{key}': not a preset ({', '.join(sorted(PRESETS))}) nor a JSON file")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as err:
         raise ConfigError(f"{path}: cannot read target file: {err.strerror or err}") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:  # not UTF-8; a 4300-digit number; deep nesting
+        raise ConfigError(f"{path}: not a target JSON file ({type(err).__name__}: {_short(str(err))})") from None
     return target_from_dict(data, source=str(path))
 
 

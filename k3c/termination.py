@@ -1,4 +1,4 @@
-"""Termination requests (SIGTERM, Ctrl-C) that foreign code cannot lose, and commits they cannot tear.
+"""Termination requests (SIGTERM, SIGHUP, Ctrl-C) that foreign code cannot lose, and commits they cannot tear.
 
 A Python signal handler raises in whichever frame is running. When that frame is a Python callback called from
 C++ (a TVM pass, torch.export's tracer), the exception comes back to Python as another type (TVM turns
@@ -8,8 +8,9 @@ one moved aside and the new one not in. So:
 
 - `request(signum)`, the command line's handler, records the request and raises SystemExit(128 + signum);
 - `requested()` tells the command line, whatever exception reached it, to exit 128 + signum;
-- `deferred()` wraps a commit (renames into place): it refuses to start once a request is recorded, holds SIGINT
-  and SIGTERM while it runs, and delivers a held one to the handler the process had when it is done. A signal
+- `deferred()` wraps a commit (renames into place): it refuses to start once a request is recorded, holds the
+  signals that end a process (`HELD`) while it runs, and delivers a held one to the handler the process had when
+  it is done. A signal
   thus stops a commit before its first rename or acts after its last.
 
 The state is process-wide, as signals are.
@@ -23,7 +24,8 @@ from contextlib import contextmanager
 from typing import Iterator
 
 _requested: int | None = None
-HELD = (signal.SIGINT, signal.SIGTERM)
+#: what a commit holds: Ctrl-C, `kill` / `timeout` / schedulers, a closed terminal or ssh session, Ctrl-\\
+HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 def request(signum: int) -> None:
@@ -47,7 +49,7 @@ def check() -> None:
 
 @contextmanager
 def deferred() -> Iterator[None]:
-    """Run the block with SIGINT and SIGTERM held (in the main thread, where Python runs handlers; elsewhere a
+    """Run the block with the `HELD` signals held (in the main thread, where Python runs handlers; elsewhere a
     signal cannot interrupt the block); then deliver the first one held to the handler in place before. Raises
     SystemExit at entry if a request is recorded (`check`), before the block starts."""
     check()

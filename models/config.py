@@ -58,8 +58,13 @@ class _Fields:
         def integer(v):  # sizes and indices: a bound that torch's shapes and int32 offsets keep
             return isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2 ** 31
 
-        def number(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        def number(v):  # finite as a float: an integer literal of 400 digits is not
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                return False
+            try:
+                return math.isfinite(float(v))
+            except OverflowError:
+                return False
 
         ok = {
             "int": integer,
@@ -296,6 +301,8 @@ class K3Config:
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
                               "a config.json is UTF-8 JSON") from None
+        except (ValueError, RecursionError) as e:  # a number of more than 4300 digits; nesting deeper than Python's
+            raise ConfigError(f"{path}: not a config JSON file ({type(e).__name__}: {_short(str(e))})") from None
         name = path.parent.name if path.name == "config.json" else path.stem
         return cls.from_dict(data, source=str(path), name=name or path.stem)
 

@@ -4,6 +4,7 @@ the compiler (the CLI imports them inside the commands, after the arguments are 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,8 @@ def test_argument_errors_answer_before_torch(tmp_path):
                           (["report", str(tmp_path), "-o", str(tmp_path)], f"-o {tmp_path}: is a directory"),
                           (["compile", "k3-tiny", "-o", "", "--force"], "-o '.': give a path to a new directory"),
                           (["init", "k3-tiny", "-o", ""], "-o '.': give a path to a new directory"),
+                          (["compile", "k3-tiny", "-o", str(tmp_path / "a"), "--plan-only", "--report",
+                            str(tmp_path / "a" / "r.html")], "r.html: inside the artifact"),
                           (["inspect", "no-such-model"], "not a preset"),
                           (["inspect", "k3-tiny", "--entry", "both"], "--entry both: expected prefill or decode"),
                           (["run", str(tmp_path / "none")], "no such artifact"),
@@ -118,30 +121,41 @@ def test_init_refuses_a_full_size_checkpoint(tmp_path):
     assert "GiB (init writes at most 4 GiB)" in err and out.rstrip().endswith(" 2") and not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGHUP"])
 @pytest.mark.parametrize("library", ["converts", "swallows"])
-def test_sigterm_exits_143_whatever_a_library_makes_of_it(monkeypatch, library):
+def test_sigterm_exits_143_whatever_a_library_makes_of_it(monkeypatch, library, signum):
     """TVM turns the handler's SystemExit(143), raised inside a Python callback it called, into RuntimeError('143');
-    another library may catch it and go on. Either way the command exits 143 (seen first in CI: a compile exited 0)."""
+    another library may catch it and go on. Either way the command exits 128 + signum (seen first in CI: a compile
+    exited 0). SIGHUP (a closed terminal) is handled as SIGTERM is."""
     import signal
 
     import k3c.cli as cli
     from k3c import termination
 
     monkeypatch.setattr(termination, "_requested", None)
+    sig = getattr(signal, signum)
 
     def command(standalone_mode):
         try:
-            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(sig)
         except SystemExit as e:
             if library == "converts":
                 raise RuntimeError(str(e.code)) from None
         return 0
 
     monkeypatch.setattr(cli, "app", command)
-    with pytest.raises(SystemExit) as exc:
+    outer = signal.signal(sig, signal.SIG_DFL)   # as a shell starts a command (make under nohup ignores SIGHUP)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            cli.main()
+        assert exc.value.code == 128 + sig
+        assert signal.getsignal(sig) is signal.SIG_DFL          # the caller's handler is back
+        signal.signal(sig, signal.SIG_IGN)                      # under nohup (SIGHUP) the signal stays ignored
+        monkeypatch.setattr(termination, "_requested", None)
         cli.main()
-    assert exc.value.code == 128 + signal.SIGTERM
-    assert signal.getsignal(signal.SIGTERM) is not cli._exit_on_sigterm  # the caller's handler is back
+        assert termination.requested() is None and signal.getsignal(sig) is signal.SIG_IGN
+    finally:
+        signal.signal(sig, outer)
 
 
 def test_sigterm_removes_the_unfinished_artifact(tmp_path):
@@ -167,3 +181,16 @@ def test_sigterm_removes_the_unfinished_artifact(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 128 + signal.SIGTERM
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="needs the graphviz `dot` binary")
+def test_inspect_svg_goes_to_its_svg_name_and_keeps_an_existing_one(tmp_path):
+    """graphviz draws into NAME.svg whatever suffix -o has: that file is the one checked for --force, and the
+    drawing is written whole (no temporary or DOT source left beside it)."""
+    cmd = [sys.executable, "-m", "k3c.cli", "inspect", "k3-tiny", "--format", "svg", "--collapse", "-o", "g.png"]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.svg"]
+    assert (tmp_path / "g.svg").read_text().startswith("<?xml") and "</svg>" in (tmp_path / "g.svg").read_text()
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 2 and "-o g.svg: already exists" in run.stderr

@@ -71,6 +71,13 @@ def test_caches_beyond_one_gpu_give_no_gpu_count(k3):
     assert "no GPU count holds it" in run.stdout and "at least 0" not in run.stdout
 
 
+def test_bounds_beyond_2_31_are_refused(k3):
+    # as `k3c compile` refuses them: a batch of 10**23 would otherwise print figures in yottabytes
+    for kw in (dict(max_batch=2 ** 31), dict(max_seq=10 ** 23), dict(tp=2 ** 40)):
+        with pytest.raises(ConfigError, match="must be below 2\\^31"):
+            estimate(k3, "h200", **{"tp": 8, **kw})
+
+
 def test_cli_plan_default_counts_are_those_that_split_the_model():
     # k3-tiny has 4 attention heads: of the default counts 1,2,4,8,16 only 1, 2 and 4 split it; a count given
     # explicitly that does not is an error naming the field

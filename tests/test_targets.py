@@ -59,6 +59,10 @@ def test_json_target(tmp_path):
     ({"hbm_bandwidth": "fast"}, "field 'hbm_bandwidth'"),
     ({"speed": 3}, "unknown field 'speed'"),
     ({"measured": {"hbm_bw": 1e12}}, "measured.hbm_bw"),
+    ({"memory_bytes": float("inf")}, "field 'memory_bytes' must be a finite number > 0, got inf"),
+    ({"memory_bytes": 10 ** 400}, "field 'memory_bytes' must be a finite number > 0, got 1000"),
+    ({"peak_flops": {"bf16": float("nan")}}, "peak_flops.bf16' must be a finite number"),
+    ({"measured": {"hbm_bandwidth": 10 ** 400}}, "measured.hbm_bandwidth' is not a known figure with a finite"),
 ])
 def test_json_target_errors_name_file_and_field(tmp_path, patch, match):
     data = {"name": "chip", "kind": "cuda", "arch": "sm_90", "memory_bytes": 1e9, "hbm_bandwidth": 1e12,
@@ -78,6 +82,10 @@ def test_missing_field_bad_json_and_unknown_name(tmp_path):
     path.write_text("{nope")
     with pytest.raises(ConfigError, match="invalid JSON at line 1"):
         load_target(path)
+    for text in (b"\xff\xfe{}", b"[" * 100000, b'{"memory_bytes": ' + b"9" * 5000 + b"}"):  # not UTF-8; deep; huge
+        path.write_bytes(text)
+        with pytest.raises(ConfigError, match="t.json: not a target JSON file"):
+            load_target(path)
     with pytest.raises(ConfigError, match="not a preset .*h200"):
         load_target("h300")
     with pytest.raises(ConfigError, match="cannot read"):

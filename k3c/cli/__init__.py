@@ -34,19 +34,21 @@ from k3c.errors import K3CError
 
 
 def _exit_on_sigterm(signum, frame) -> None:
-    """SIGTERM (what `timeout`, `kill` and schedulers send) unwinds the command as Ctrl-C does, so the staging
-    directory of an unfinished artifact or checkpoint is removed; exit status 128 + 15, the shell's. The request is
-    also recorded (`k3c.termination`), so that foreign code that turns the exception into another one, or swallows
-    it, cannot make the command commit or exit otherwise."""
+    """SIGTERM (what `timeout`, `kill` and schedulers send) and SIGHUP (a closed terminal or ssh session) unwind the
+    command as Ctrl-C does, so the staging directory of an unfinished artifact or checkpoint is removed; exit
+    status 128 + signum, the shell's (143, 129). The request is also recorded (`k3c.termination`), so that foreign
+    code that turns the exception into another one, or swallows it, cannot make the command commit or exit
+    otherwise."""
     termination.request(signum)
 
 
 def main() -> None:
     """Entry point: run the app, printing a usage error (unknown option, bad value), a K3CError and an OSError on a
-    path the user gave as one line each, exit 2. SIGTERM ends the command cleanly, exit 143 (`_exit_on_sigterm`),
-    whatever the exception became on its way out."""
+    path the user gave as one line each, exit 2. SIGTERM and SIGHUP end the command cleanly, exit 143 or 129
+    (`_exit_on_sigterm`), whatever the exception became on its way out; one ignored (`nohup`) stays ignored."""
     gc_was_on = gc.isenabled()
-    sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    before = {s: signal.signal(s, _exit_on_sigterm) for s in (signal.SIGTERM, signal.SIGHUP)
+              if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         _run_app()
         termination.check()
@@ -56,7 +58,8 @@ def main() -> None:
             raise
         sys.exit(128 + signum)
     finally:
-        signal.signal(signal.SIGTERM, sigterm)
+        for s, handler in before.items():
+            signal.signal(s, handler)
         if gc_was_on:  # a command may pause it (`app.compiling`); a caller running main() in process gets it back
             gc.enable()
 

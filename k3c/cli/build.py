@@ -133,6 +133,9 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
     if dtype == "auto":
         dtype = _checkpoint_dtype(Path(model)) if Path(model).is_dir() and not plan_only else "bf16"
     check_writable(out_dir, "-o")
+    if report is not None and report.resolve().is_relative_to(out_dir.resolve()):
+        raise K3CError(f"--report {report}: inside the artifact {out_dir}, whose files are all listed in its "
+                       "manifest; write the page beside it")
     if out_dir.exists() and not force:
         raise K3CError(f"{out_dir}: already exists (pass --force to replace it)")
     if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "manifest.json").is_file())):

@@ -119,6 +119,8 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
         raise K3CError("--layer and --collapse apply to --format dot, svg and onnx")
     if layer is not None and collapse:
         raise K3CError("--layer and --collapse exclude each other")
+    if output is not None and fmt == "svg":
+        output = output.with_suffix(".svg")                     # the file graphviz's drawing goes to
     if output is not None:
         check_writable(output, "-o", file=True)
     if output is not None and output.exists() and not force:
@@ -160,9 +162,9 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
         text = (nx.block_dot(graph, views.layer_block(graph, layer)) if layer is not None
                 else nx.collapsed_dot(graph) if collapse else nx.to_dot(graph))
         if fmt == "svg":
-            output = output.with_suffix(".svg")                 # where graphviz writes it
+            svg = nx.render(text, "svg")
             with replacing(output) as tmp:
-                nx.render(text, tmp, "svg")
+                tmp.write_bytes(svg)
             err.print(f"wrote {output}")
             return
     else:

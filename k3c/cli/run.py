@@ -128,7 +128,8 @@ def pack(artifact: Path = typer.Argument(..., help="artifact directory (or .k3c 
     """Pack a verified artifact into one deterministic .k3c file (a tar: manifest first, files sorted, no
     timestamps or owners), which `k3c run` and `k3c.load` read like the directory."""
     check_artifact_exists(artifact)
-    dest = output if output is not None else artifact.parent / (artifact.name + ".k3c")
+    whole = artifact.resolve()                                  # "." inside the artifact: its own name
+    dest = output if output is not None else whole.with_name(whole.name + ".k3c")
     check_writable(dest, "-o", file=True)
     if dest.exists() and not force:
         raise K3CError(f"-o {dest}: already exists (pass --force to overwrite it)")

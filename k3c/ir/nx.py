@@ -7,13 +7,13 @@ output (`"out:NAME"`); an edge u -> v carries `values` (names) and `types` (stri
 `block_dot(g, block)`: one layer (`k3c.ir.views.layer_block`) with the values entering and leaving it;
 `collapsed_dot(g)`: the whole model with one box per layer (`k3c.ir.views.collapse`). Every drawing has a legend
 of the op-kind colours.
-`render(dot_source, path, fmt)`: needs the `dot` binary (Debian package graphviz); raises `UnsupportedError`.
+`render(dot_source, fmt)` (the drawing's bytes): needs the `dot` binary (Debian package graphviz); raises
+`UnsupportedError`.
 """
 
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import networkx
 
@@ -159,8 +159,9 @@ def _draw(G: networkx.DiGraph, name: str, count_edges: bool = False) -> str:
     return "\n".join(lines + legend(d["kind"] for _, d in G.nodes(data=True)) + ["}"]) + "\n"
 
 
-def render(dot_source: str, path: str | Path, fmt: str = "svg") -> Path:
-    """Render DOT source to `path` (+ suffix) with the graphviz package; returns the written file path.
+def render(dot_source: str, fmt: str = "svg") -> bytes:
+    """The drawing of DOT source in format `fmt` (svg, png, pdf), made by the graphviz package's `dot` process
+    (`graphviz.Source.pipe`: no file is written; the caller writes the bytes where it wants them).
 
     Raises `UnsupportedError` when the `dot` binary is not installed.
     """
@@ -169,6 +170,4 @@ def render(dot_source: str, path: str | Path, fmt: str = "svg") -> Path:
                                "the DOT source can still be written with to_dot()")
     import graphviz
 
-    out = graphviz.Source(dot_source).render(outfile=str(Path(path).with_suffix("." + fmt)), format=fmt,
-                                            cleanup=True)
-    return Path(out)
+    return graphviz.Source(dot_source).pipe(format=fmt)

@@ -468,8 +468,8 @@ def pack(src: str | os.PathLike, out: str | os.PathLike | None = None, force: bo
     format. Written to a temporary file and renamed in. Raises ArtifactError: src fails verification, or `out`
     exists and not `force`."""
     art = read_artifact(src)
-    src_path = Path(src)
-    dest = Path(out) if out is not None else src_path.parent / (src_path.name + ".k3c")
+    src_path = Path(src).resolve()      # "." or "art/..": the directory's own name
+    dest = Path(out) if out is not None else src_path.with_name(src_path.name + ".k3c")
     if dest.exists() and not force:
         raise ArtifactError(f"{dest} already exists; pass force=True to replace it")
     with replacing(dest) as tmp, open(tmp, "wb") as f, \

@@ -116,7 +116,8 @@ def test_wrong_type_names_its_path(field, value):
 @pytest.mark.parametrize("field,value", [("vocab_size", "big"), ("rms_norm_eps", "1e-5"), ("tie_word_embeddings", 0),
                                          ("hidden_act", "gelu"), ("attn_res_block_size", 0), ("num_experts", 2.5),
                                          ("hidden_size", 10 ** 30), ("hidden_size", 2 ** 31),
-                                         ("rms_norm_eps", float("inf")), ("routed_scaling_factor", float("nan"))])
+                                         ("rms_norm_eps", float("inf")), ("routed_scaling_factor", float("nan")),
+                                         ("rms_norm_eps", 10 ** 400)])
 def test_wrong_value_of_text_fields(field, value):
     data = _k3()
     data["text_config"][field] = value
@@ -189,12 +190,21 @@ def test_config_that_is_not_utf8_is_named(tmp_path):
         K3Config.from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("text", [b"[" * 100000, b'{"text_config": {"hidden_size": ' + b"9" * 5000 + b"}}"])
+def test_config_json_python_cannot_hold_is_named(tmp_path, text):
+    # nesting deeper than Python's recursion limit; an integer of more than 4300 digits (int's string limit)
+    (tmp_path / "config.json").write_bytes(text)
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'config.json'}: not a config JSON file"):
+        K3Config.from_pretrained(tmp_path)
+
+
 def test_a_config_file_names_the_model_by_its_own_name(tmp_path):
     (tmp_path / "mine.json").write_text(json.dumps(_k3()))
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "config.json").write_text(json.dumps(_k3()))
     assert K3Config.from_pretrained(tmp_path / "mine.json").name == "mine"
-    assert K3Config.from_pretrained(tmp_path / "ck").name == K3Config.from_pretrained(tmp_path / "ck/config.json").name == "ck"
+    assert K3Config.from_pretrained(tmp_path / "ck").name == "ck"
+    assert K3Config.from_pretrained(tmp_path / "ck" / "config.json").name == "ck"
 
 
 def test_checkpoint_directory_without_config_is_named(tmp_path):

@@ -200,11 +200,11 @@ def test_termination_swallowed_by_a_library_stops_the_commit(tmp_path, monkeypat
     assert _tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
-@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT", "SIGHUP"])
 def test_signal_during_the_swap_acts_after_it(tmp_path, monkeypatch, signum):
     """A signal between the two renames of a replacing commit (old artifact moved aside, new one not yet in) is
     held until the swap is done: the new artifact is whole, no old or staging directory is left, then the handler
-    the process had runs (the command line's: exit 143; Python's default for Ctrl-C: KeyboardInterrupt)."""
+    the process had runs (the command line's: exit 143 / 129; Python's default for Ctrl-C: KeyboardInterrupt)."""
     import signal
 
     from k3c import termination
@@ -212,7 +212,7 @@ def test_signal_during_the_swap_acts_after_it(tmp_path, monkeypatch, signum):
     out = _write(tmp_path / "art", plan={"arena_bytes": 1})
     monkeypatch.setattr(termination, "_requested", None)
     sig = getattr(signal, signum)
-    handler = (lambda s, f: termination.request(s)) if signum == "SIGTERM" else signal.default_int_handler
+    handler = signal.default_int_handler if signum == "SIGINT" else lambda s, f: termination.request(s)
     before = signal.signal(sig, handler)
     real_rename = os.rename
 
@@ -223,11 +223,11 @@ def test_signal_during_the_swap_acts_after_it(tmp_path, monkeypatch, signum):
 
     monkeypatch.setattr(A.os, "rename", rename_then_signal)
     try:
-        with pytest.raises(SystemExit if signum == "SIGTERM" else KeyboardInterrupt) as exc:
+        with pytest.raises(KeyboardInterrupt if signum == "SIGINT" else SystemExit) as exc:
             _write(out, force=True, plan={"arena_bytes": 2})
     finally:
         signal.signal(sig, before)
-    assert signum == "SIGINT" or exc.value.code == 143
+    assert signum == "SIGINT" or exc.value.code == 128 + sig
     assert signal.getsignal(sig) is before
     assert read_artifact(out).plan == {"arena_bytes": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
@@ -243,7 +243,7 @@ def test_bad_file_names_are_refused(tmp_path):
             w.add_bytes("kernels/a", b"")
 
 
-def test_pack_is_deterministic_and_readable(tmp_path):
+def test_pack_is_deterministic_and_readable(tmp_path, monkeypatch):
     out = _write(tmp_path / "art")
     packed = pack(out)
     assert packed == tmp_path / "art.k3c"
@@ -257,6 +257,9 @@ def test_pack_is_deterministic_and_readable(tmp_path):
     assert torch.equal(art.load_tensors("weights/rank0.safetensors")["idx"], _tensors()["idx"])
     with pytest.raises(ArtifactError, match="already exists"):
         pack(out)
+    monkeypatch.chdir(out)                 # `k3c pack .` inside the artifact: beside it, named as it is
+    assert pack(".", force=True) == tmp_path / "art.k3c"
+    assert sorted(read_artifact(out).files) == sorted(read_artifact(packed).files)
     # a changed byte inside the archive is caught too
     data = bytearray(packed.read_bytes())
     pos = data.index(bytes(range(256)))
