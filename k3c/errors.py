@@ -5,6 +5,13 @@ once, in the CLI, where it is printed as a single line. Anything else escaping i
 """
 
 
+def shown(value) -> str:
+    """repr(`value`) as an error message quotes it, cut to 60 characters (a 10**400 or a long list stays one
+    readable line)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class K3CError(Exception):
     """Base of every error k3c raises on purpose."""
 

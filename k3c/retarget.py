@@ -192,17 +192,18 @@ def estimate(cfg: K3Config, target: Target | str, tp: int = 1, max_batch: int = 
     # the fewest GPUs whose share of the weights (replicated tensors whole) and own caches fit: one answer whatever
     # `tp` was asked; then the fewest of at least that many that the compiler's layout splits the model over
     min_gpus = next((n for n in range(1, 4097) if w.rank_bytes(n) + pools_total_bytes(pools_at(n)) <= mem), None)
-    min_tp = None if min_gpus is None else next((n for n in range(min_gpus, 4097) if _splits(cfg, n)), None)
+    min_tp = None if min_gpus is None else next((n for n in range(min_gpus, 4097) if splits(cfg, n)), None)
     return Estimate(cfg.name, target.name, tp, w.params, int(active), weight_gpu, pool_bytes,
                     {k_: p.to_json() for k_, p in pools.items()}, mem, weight_gpu + pool_bytes <= mem, min_gpus, min_tp,
                     B, L, bytes_gpu, flops_gpu, comm, step, "compute" if compute_s > memory_s else "memory",
                     B / step)
 
 
-def _splits(cfg: K3Config, ranks: int) -> bool:
-    """Whether `k3c compile --tp ranks` splits `cfg`, its experts partitioned (--ep ranks) or split over their
-    width (--ep 1) (`check_layout`; either gives a rank the same bytes)."""
-    for ep in (ranks, 1):
+def splits(cfg: K3Config, ranks: int, eps: tuple[int, ...] | None = None) -> bool:
+    """Whether `k3c compile --tp ranks` splits `cfg` with one of the expert-parallel degrees `eps` (`check_layout`);
+    default: its experts partitioned (--ep ranks) or split over their width (--ep 1), which give a rank the same
+    bytes. `estimate` splits with --ep ranks: `splits(cfg, ranks, (ranks,))`."""
+    for ep in eps or (ranks, 1):
         try:
             check_layout(cfg, ranks, ep)
             return True
@@ -211,4 +212,4 @@ def _splits(cfg: K3Config, ranks: int) -> bool:
     return False
 
 
-__all__ = ["Estimate", "MXFP4_BITS", "Weights", "estimate", "weights"]
+__all__ = ["Estimate", "MXFP4_BITS", "Weights", "estimate", "splits", "weights"]

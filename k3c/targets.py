@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from k3c.errors import ConfigError, UnsupportedError
+from k3c.errors import ConfigError, UnsupportedError, shown
 
 KINDS = ("cuda", "rocm", "cpu")
 DTYPES = ("float64", "float32", "tfloat32", "bfloat16", "float16", "float8", "float4", "int8")
@@ -94,11 +94,6 @@ def _figure(value) -> bool:
         return False
 
 
-def _short(value) -> str:
-    text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def target_from_dict(data: Any, source: str = "target") -> Target:
     """Build a Target from JSON data, checking every field. Raises ConfigError naming `source` and the field."""
     if not isinstance(data, dict):
@@ -116,7 +111,7 @@ def target_from_dict(data: Any, source: str = "target") -> Target:
         raise ConfigError(f"{source}: field 'kind' is '{data['kind']}', expected one of {list(KINDS)}")
     for key in ("memory_bytes", "hbm_bandwidth", "interconnect_bandwidth"):
         if data.get(key) is not None and not _figure(data[key]):
-            raise ConfigError(f"{source}: field '{key}' must be a finite number > 0, got {_short(data[key])}")
+            raise ConfigError(f"{source}: field '{key}' must be a finite number > 0, got {shown(data[key])}")
     peaks = {}
     for dtype, value in data["peak_flops"].items():
         try:
@@ -124,7 +119,8 @@ def target_from_dict(data: Any, source: str = "target") -> Target:
         except UnsupportedError as err:
             raise ConfigError(f"{source}: field 'peak_flops.{dtype}': {err}") from None
         if not _figure(value):
-            raise ConfigError(f"{source}: field 'peak_flops.{dtype}' must be a finite number > 0, got {_short(value)}")
+            raise ConfigError(f"{source}: field 'peak_flops.{dtype}' must be a finite number > 0, "
+                              f"got {shown(value)}")
         peaks[name] = float(value)
     if not peaks:
         raise ConfigError(f"{source}: field 'peak_flops' is empty")
@@ -173,7 +169,7 @@ def load_target(name_or_path: str | Path | Target) -> Target:
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as err:  # not UTF-8; a 4300-digit number; deep nesting
-        raise ConfigError(f"{path}: not a target JSON file ({type(err).__name__}: {_short(str(err))})") from None
+        raise ConfigError(f"{path}: not a target JSON file ({shown(err)})") from None
     return target_from_dict(data, source=str(path))
 
 

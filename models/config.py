@@ -17,13 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3c.errors import ConfigError
-
-
-def _short(value: Any) -> str:
-    """repr(value), cut to 60 characters (a 10**30 or a long list stays one readable line)."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+from k3c.errors import ConfigError, shown
 
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -79,7 +73,7 @@ class _Fields:
         }[kind]
         if not ok(value):
             bound = " (finite)" if kind.endswith("float") else " (below 2^31)" if "int" in kind else ""
-            raise ConfigError(f"{self.source}: field '{self._name(key)}' must be {kind}{bound}, found {_short(value)}")
+            raise ConfigError(f"{self.source}: field '{self._name(key)}' must be {kind}{bound}, found {shown(value)}")
         return float(value) if kind in ("float", "pos_float") else value
 
     def sub(self, key: str, optional: bool = False) -> "_Fields | None":
@@ -302,7 +296,7 @@ class K3Config:
             raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
                               "a config.json is UTF-8 JSON") from None
         except (ValueError, RecursionError) as e:  # a number of more than 4300 digits; nesting deeper than Python's
-            raise ConfigError(f"{path}: not a config JSON file ({type(e).__name__}: {_short(str(e))})") from None
+            raise ConfigError(f"{path}: not a config JSON file ({shown(e)})") from None
         name = path.parent.name if path.name == "config.json" else path.stem
         return cls.from_dict(data, source=str(path), name=name or path.stem)
 

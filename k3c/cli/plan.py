@@ -27,7 +27,7 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
     """What MODEL needs on N GPUs of TARGET: memory per GPU and a decode-step roofline (no hardware needed)."""
     import json
 
-    from k3c.retarget import estimate
+    from k3c.retarget import estimate, splits
     from k3c.targets import load_target
     from models.config import K3Config
 
@@ -40,7 +40,7 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
     cfg = K3Config.from_pretrained(model)
     if tps is None:         # the default counts that split this model (`check_layout`), as `estimate` splits it
         tps = [n for n in ((1, 2, 4, 8, 16) if load_target(target).interconnect_bandwidth else (1,))
-               if n == 1 or _splits(cfg, n)]
+               if splits(cfg, n, (n,))]
     rows = [estimate(cfg, target, n, max_batch, max_seq, context, experts_dtype=experts_dtype,
                      kda_state_dtype=kda_state, dsa_index_keys=dsa_index_keys) for n in tps]
     if json_out:
@@ -70,14 +70,3 @@ def plan(model: str = typer.Argument(..., help="preset name, config.json or chec
                  f"{e0.decode_batch}, context {e0.decode_context:,}: roofline with measured bandwidth/peak (k3c/retarget.py)")
     out.print(t)
 
-
-def _splits(cfg, tp: int) -> bool:
-    """Whether `tp` GPUs split `cfg` as `k3c.retarget.estimate` splits it (experts partitioned: --ep tp)."""
-    from k3c.errors import ConfigError
-    from k3c.parallel import check_layout
-
-    try:
-        check_layout(cfg, tp, tp)
-        return True
-    except ConfigError:
-        return False

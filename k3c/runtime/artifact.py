@@ -34,7 +34,7 @@ import torch
 
 from k3c import __version__, termination
 from k3c.atomic import replacing
-from k3c.errors import ArtifactError
+from k3c.errors import ArtifactError, shown
 from k3c.runtime.encoding import canonical_json, safetensors_chunks
 
 FORMAT_VERSION = 2  # the artifact format this runtime writes and reads; bump on any incompatible change
@@ -452,13 +452,8 @@ def _check_manifest_fields(p: Path, manifest: dict, hashed: Any) -> None:
     diff = _first_difference(fields, hashed, "")
     if diff:
         field, found, want = diff
-        raise ArtifactError(f"{p}: {MANIFEST} field {field[1:]} is {_short(found)} but the hashed {BUILD} records "
-                            f"{_short(want)} (the manifest was edited); restore it or recompile")
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+        raise ArtifactError(f"{p}: {MANIFEST} field {field[1:]} is {shown(found)} but the hashed {BUILD} records "
+                            f"{shown(want)} (the manifest was edited); restore it or recompile")
 
 
 def pack(src: str | os.PathLike, out: str | os.PathLike | None = None, force: bool = False) -> Path:
