@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from k3c import __version__
+from k3c.atomic import name_too_long
 from k3c.errors import K3CError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="k3c: ahead-of-time compiler for the Kimi K3 family")
@@ -48,11 +49,15 @@ def compiling() -> None:
 
 def check_writable(path: Path, flag: str, file: bool = False) -> None:
     """Raise K3CError (naming `flag` and `path`) unless `path` can be created: its parent is a directory that accepts
-    a new entry (and, with `file`, path is not a directory: an output file's name). Probed with a temporary file,
-    since permission bits tell neither root's rights nor a read-only or virtual file system; called before the
-    work, so a bad output location fails in a second, not after it."""
+    a new entry, its name is no longer than that directory's file system allows (`k3c.atomic.name_too_long`), and,
+    with `file`, path is not a directory (an output file's name). Probed with a temporary file, since permission
+    bits tell neither root's rights nor a read-only or virtual file system; called before the work, so a bad output
+    location fails in a second, not after it."""
     if str(path) in ("", "."):    # Path("") is ".": an empty -o would name the current directory
         raise K3CError(f"{flag} {str(path)!r}: give a path to a new " + ("file" if file else "directory"))
+    too_long = name_too_long(path)  # first: stat of such a name fails too
+    if too_long:
+        raise K3CError(f"{flag} {path}: {too_long}")
     if file and path.is_dir():
         raise K3CError(f"{flag} {path}: is a directory; give a file name")
     parent = path.parent

@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 
 from k3c.cli.app import app, check_artifact_exists, check_writable, err, out, progress_bars
-from k3c.errors import K3CError
+from k3c.errors import K3CError, shown
 
 DEFAULT_PROMPT = "1,2,3,4,5,6,7,8"
 
@@ -31,13 +31,11 @@ def run(artifact: Path = typer.Argument(..., help="artifact directory or .k3c fi
         ids = [int(x) for x in tokens.split(",")]
     except ValueError:
         raise K3CError(f"--tokens {tokens!r}: expected comma-separated integers") from None
-    bad = [x for x in ids if not 0 <= x < 2**63]
-    if bad:
-        raise K3CError(f"--tokens: {bad[0]} is not a token id (ids are integers >= 0)")
     if decode_steps < 1:
         raise K3CError(f"--decode-steps {decode_steps}: generate at least one token")
     check_artifact_exists(artifact)
-    tp = _artifact_tp(artifact)
+    tp, vocab = _artifact_facts(artifact)
+    _check_token_ids(ids, vocab)
     if tp > 1 and "WORLD_SIZE" not in os.environ:  # not under torchrun: start the ranks here
         import torch.multiprocessing as mp
 
@@ -56,10 +54,29 @@ def run(artifact: Path = typer.Argument(..., help="artifact directory or .k3c fi
     err.print(line + (f"; {tp} ranks" if tp > 1 else ""))
 
 
-def _artifact_tp(artifact: Path) -> int:
+def _artifact_facts(artifact: Path) -> tuple[int, int | None]:
+    """(tensor-parallel degree, vocabulary size) of the verified artifact's manifest (`extra.vocab_size`, checked
+    against the hashed build.json); vocabulary None when the manifest does not record one. Raises ArtifactError."""
     from k3c.runtime.artifact import read_artifact
 
-    return int(read_artifact(artifact).manifest.get("tp", 1))
+    manifest = read_artifact(artifact).manifest
+    extra = manifest.get("extra")
+    vocab = extra.get("vocab_size") if isinstance(extra, dict) else None
+    known = isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0
+    return int(manifest.get("tp", 1)), vocab if known else None
+
+
+def _check_token_ids(ids: list[int], vocab: int | None) -> None:
+    """Raise K3CError naming the first of `ids` outside the vocabulary [0, vocab) (negative, or vocab or more: a
+    2^63 that no int64 holds included), as one line. Vocabulary None (not in the manifest): ids must fit in int64,
+    and the session checks them against the vocabulary it derives."""
+    bound = vocab if vocab is not None else 2**63
+    bad = next((x for x in ids if not 0 <= x < bound), None)
+    if bad is None:
+        return
+    if vocab is None:
+        raise K3CError(f"--tokens: token id {shown(bad)} is out of range (ids are 0 .. 2^63 - 1)")
+    raise K3CError(f"--tokens: token id {shown(bad)} is out of range for the model's vocabulary [0, {vocab})")
 
 
 def _rank_main(rank, artifact, ids, decode_steps, device, cuda_graphs, tmp) -> None:

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import tarfile
-import uuid
 import weakref
 from functools import cached_property
 from pathlib import Path, PurePosixPath
@@ -33,7 +32,7 @@ import safetensors.torch
 import torch
 
 from k3c import __version__, termination
-from k3c.atomic import replacing
+from k3c.atomic import name_too_long, replacing, temporary_sibling
 from k3c.errors import ArtifactError, shown
 from k3c.runtime.encoding import canonical_json, safetensors_chunks
 
@@ -73,6 +72,9 @@ class ArtifactWriter:
 
     def _check_target(self) -> None:
         out = self.out_dir
+        why = name_too_long(out)
+        if why:
+            raise ArtifactError(f"cannot create the artifact {out}: {why}")
         if not (out.exists() or out.is_symlink()):
             return
         if not self.force:
@@ -82,13 +84,14 @@ class ArtifactWriter:
 
     def _ensure_staging(self) -> Path:
         if self._staging is None:
-            staging = self.out_dir.parent / f".{self.out_dir.name}.tmp-{uuid.uuid4().hex}"
+            staging = temporary_sibling(self.out_dir, "tmp", keep_suffix=False)
             try:
                 self.out_dir.parent.mkdir(parents=True, exist_ok=True)
                 staging.mkdir()
-            except OSError as err:
+            except OSError as err:  # named: a parent that cannot be made; never the staging directory
+                where = err.filename if err.filename not in (None, str(staging), staging) else None
                 raise ArtifactError(f"cannot create the artifact {self.out_dir}: {err.strerror or err}"
-                                    + (f" ({err.filename})" if err.filename else "")) from None
+                                    + (f" ({where})" if where else "")) from None
             self._staging = staging
             self._cleanup = weakref.finalize(self, shutil.rmtree, self._staging, True)
         return self._staging
@@ -108,7 +111,8 @@ class ArtifactWriter:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            raise ArtifactError(f"cannot add artifact file {relpath}: {err}") from None
+            raise ArtifactError(f"cannot add artifact file {relpath} of {self.out_dir}: "
+                                f"{err.strerror or err}") from None
         return path
 
     def _write(self, relpath: str, chunks: Iterable[bytes | memoryview]) -> None:
@@ -122,7 +126,8 @@ class ArtifactWriter:
         except BaseException as err:
             path.unlink(missing_ok=True)  # a half-written file must not stay in the staging directory
             if isinstance(err, OSError):
-                raise ArtifactError(f"cannot write artifact file {relpath} of {self.out_dir}: {err}") from None
+                raise ArtifactError(f"cannot write artifact file {relpath} of {self.out_dir}: "
+                                    f"{err.strerror or err}") from None
             raise
         self._hashes[relpath] = digest.hexdigest()
 
@@ -148,7 +153,8 @@ class ArtifactWriter:
             except OSError:
                 shutil.copyfile(src, path)
         except OSError as err:
-            raise ArtifactError(f"cannot add artifact file {relpath}: {err}") from None
+            raise ArtifactError(f"cannot add artifact file {relpath} of {self.out_dir} from {src}: "
+                                f"{err.strerror or err}") from None
         self._hashes[relpath] = sha256
 
     def add_tensors(self, relpath: str, tensors: Mapping[str, torch.Tensor],
@@ -164,7 +170,8 @@ class ArtifactWriter:
         compile bounds (max_batch, max_seq, ...); entry_points: name -> description (prefill, decode);
         extra: optional JSON data stored as manifest["extra"]. The same fields also go to the hashed `build.json`.
         Raises ArtifactError: a required file (plan.json, schedule.json, report.json) is missing, build.json was
-        added by the caller, a bad field, or out_dir appeared meanwhile.
+        added by the caller, a bad field, out_dir appeared meanwhile, or an OSError writing the manifest or renaming
+        (named by out_dir, never by the staging directory; out_dir is then as it was).
         """
         if self._done:
             raise ArtifactError(f"artifact {self.out_dir} is already committed or aborted")
@@ -192,6 +199,9 @@ class ArtifactWriter:
                 self._swap_in(staging)
                 self._done = True
                 self._cleanup.detach()
+        except OSError as err:
+            self.abort()
+            raise ArtifactError(f"cannot write the artifact {self.out_dir}: {err.strerror or err}") from None
         except BaseException:
             self.abort()
             raise
@@ -202,7 +212,7 @@ class ArtifactWriter:
         if not (out.exists() or out.is_symlink()):
             os.rename(staging, out)
             return
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex}"
+        old = temporary_sibling(out, "old", keep_suffix=False)
         os.rename(out, old)
         try:
             os.rename(staging, out)

@@ -30,9 +30,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
+
+from k3c.atomic import temporary_sibling
 
 PREFIX = "kernels/cache"
 _GROUP = "__grp__"
@@ -144,6 +145,6 @@ def collect(root: Path, device) -> dict[str, bytes]:
 
 def _write_atomic(dest: Path, data: bytes) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex}"
+    tmp = temporary_sibling(dest)
     tmp.write_bytes(data)
     os.replace(tmp, dest)

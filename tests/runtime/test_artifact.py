@@ -170,8 +170,9 @@ def test_failure_mid_commit_keeps_old_dir(tmp_path, monkeypatch):
         return real_rename(src, dst)
 
     monkeypatch.setattr(A.os, "rename", flaky_rename)
-    with pytest.raises(OSError, match="disk on fire"):
+    with pytest.raises(ArtifactError) as exc:   # named by the artifact asked for, not by its staging directory
         _write(out, force=True, plan={"arena_bytes": 2})
+    assert str(exc.value) == f"cannot write the artifact {out}: disk on fire"
     monkeypatch.undo()
     assert _tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["art"]
     with pytest.raises(ArtifactError, match="lacks required file.*report.json"):  # commit checks, then cleans up
@@ -180,6 +181,20 @@ def test_failure_mid_commit_keeps_old_dir(tmp_path, monkeypatch):
             w.add_json("schedule.json", {})
             w.commit(**MANIFEST_FIELDS)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_a_long_artifact_name_is_written_or_refused_up_front(tmp_path):
+    """A directory name at the file system's limit is written and replaced (staging and set-aside names are short);
+    one beyond it is refused before anything is written, naming it."""
+    from k3c.atomic import name_max
+
+    limit = name_max(tmp_path)
+    out = _write(tmp_path / ("a" * limit), plan={"arena_bytes": 1})
+    _write(out, force=True, plan={"arena_bytes": 2})
+    assert read_artifact(out).plan == {"arena_bytes": 2} and sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    too_long = tmp_path / ("b" * (limit + 1))
+    with pytest.raises(ArtifactError, match=f"cannot create the artifact {too_long}: its file name is {limit + 1} "):
+        ArtifactWriter(too_long)
 
 
 def test_termination_swallowed_by_a_library_stops_the_commit(tmp_path, monkeypatch):
