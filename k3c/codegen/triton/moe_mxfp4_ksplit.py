@@ -9,8 +9,7 @@ W·128 bytes are read together. The words, their decoding, the activations' orde
 are `moe_mxfp4_gluon`'s (its layouts with the warp dimension on the K chunks instead of the rows), run as a
 batched MMA [W, 16, BM] (warp w: chunk w's partial sums); the W partial sums are added once, at the end
 (`gl.sum` over the warps, through shared memory). Chunks past K (D = 3584 is 14 chunks: W = 4 leaves half the
-last step empty) read zeros: the TMA fills boxes outside the words with zeros and their scale bytes and
-activations load as 0.
+last step empty) copy the last chunk again and load their activations as 0, so they add 0 (`ks_fill`).
 
 Each warp's activations are its own chunk's: in the up kernel one step ahead in registers (`gl_act_ahead` modes
 1 and 2), in the down kernel at use; the scale bytes one step ahead. Scope (`moe_mxfp4_gluon.gluon_decode_ok`,
@@ -112,20 +111,22 @@ def ks_decoded_tile(words, s, TWO_MULS: gl.constexpr, AL: gl.constexpr):
 
 
 @gluon.jit
-def ks_fill(d1, d3, r1, r3, bar, row, t, NT: gl.constexpr, STAGES: gl.constexpr, W: gl.constexpr,
-            PAIR: gl.constexpr):
-    """Step t (< NT, else nothing) of weight rows row .. row + 15: the W boxes [16, 32 words] of chunks t·W ..
-    of d1 (and, PAIR, d3), issued back to back into rows 16b .. of stage t % STAGES of ring r1 (r3) [STAGES, 16·W,
-    32], completing on its mbarrier."""
+def ks_fill(d1, d3, r1, r3, bar, row, t, NT: gl.constexpr, NC: gl.constexpr, STAGES: gl.constexpr,
+            W: gl.constexpr, PAIR: gl.constexpr):
+    """Step t (< NT, else nothing) of weight rows row .. row + 15: the W boxes [16, 32 words] of chunks t·W .. of
+    d1 (and, PAIR, d3), issued back to back into rows 16b .. of stage t % STAGES of ring r1 (r3) [STAGES, 16·W,
+    32], completing on its mbarrier. A chunk past K (≥ NC) copies chunk NC − 1 again (in bounds, so the step's
+    byte count is whole; from L2, the step has just asked for it): its activations load as 0, so it adds 0."""
     stage = t % STAGES
     ok = t < NT
-    BYTES: gl.constexpr = (2 if PAIR else 1) * W * d1.block_type.nbytes
     BOX: gl.constexpr = d1.block_type.shape[1]       # 32 words: a chunk of 256 values
+    BYTES: gl.constexpr = (2 if PAIR else 1) * W * d1.block_type.nbytes
     gl.nvidia.hopper.mbarrier.expect(bar.index(stage), BYTES, ok)
     for b in gl.static_range(W):
-        gl_tma_load(d1, [row, (t * W + b) * BOX], bar.index(stage), r1.index(stage).slice(16 * b, 16), ok)
+        col = gl.minimum(gl.to_tensor(t * W + b), NC - 1) * BOX
+        gl_tma_load(d1, [row, col], bar.index(stage), r1.index(stage).slice(16 * b, 16), ok)
         if PAIR:
-            gl_tma_load(d3, [row, (t * W + b) * BOX], bar.index(stage), r3.index(stage).slice(16 * b, 16), ok)
+            gl_tma_load(d3, [row, col], bar.index(stage), r3.index(stage).slice(16 * b, 16), ok)
 
 
 @gluon.jit
@@ -175,7 +176,7 @@ def moe_up_mx_ksplit_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_expe
         r3 = gl.allocate_shared_memory(gl.int32, [STAGES, 16 * W, CHUNK // 8], w3.layout)
         bar = gl_ring_init(STAGES)
         for p in gl.static_range(STAGES - 1):
-            ks_fill(w1, w3, r1, r3, bar, row, p, NT, STAGES, W, True)
+            ks_fill(w1, w3, r1, r3, bar, row, p, NT, NC, STAGES, W, True)
         z = gl.load(zp_ptr + zoff, mask=zc < NC, other=0)
         s1 = gl.load(s1_ptr + soff, mask=sc < NC, other=0)
         s3 = gl.load(s3_ptr + soff, mask=sc < NC, other=0)
@@ -185,7 +186,7 @@ def moe_up_mx_ksplit_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_expe
             for j in range(NT // 2):
                 for u in gl.static_range(2):
                     it = 2 * j + u
-                    ks_fill(w1, w3, r1, r3, bar, row, it + STAGES - 1, NT, STAGES, W, True)
+                    ks_fill(w1, w3, r1, r3, bar, row, it + STAGES - 1, NT, NC, STAGES, W, True)
                     nx = gl.where(it + 1 < NT, it + 1, 0)   # the last prefetch wraps to step 0: unused
                     if u == 0:
                         x, t1, t3 = ks_act_operand(z, BL), s1, s3
@@ -203,7 +204,7 @@ def moe_up_mx_ksplit_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_expe
                                       TWO_MULS, AL, WL)
         else:
             for it in range(NT):
-                ks_fill(w1, w3, r1, r3, bar, row, it + STAGES - 1, NT, STAGES, W, True)
+                ks_fill(w1, w3, r1, r3, bar, row, it + STAGES - 1, NT, NC, STAGES, W, True)
                 x, t1, t3 = ks_act_operand(z, BL), s1, s3
                 nx = gl.where(it + 1 < NT, it + 1, 0)       # the last prefetch wraps to step 0: unused
                 z = ks_load(zp_ptr + zoff + nx * (W * CHUNK // 2), zc + nx * W, NC)
@@ -245,11 +246,11 @@ def moe_down_mx_ksplit_kernel(hp_ptr, w2, s2_ptr, weights_ptr, order_ptr, tile_e
         r2 = gl.allocate_shared_memory(gl.int32, [STAGES, 16 * W, CHUNK // 8], w2.layout)
         bar = gl_ring_init(STAGES)
         for p in gl.static_range(STAGES - 1):
-            ks_fill(w2, w2, r2, r2, bar, row, p, NT, STAGES, W, False)
+            ks_fill(w2, w2, r2, r2, bar, row, p, NT, NC, STAGES, W, False)
         s2 = gl.load(s2_ptr + soff, mask=sc < NC, other=0)
         acc = gl.zeros([W, 16, BLOCK_M], gl.float32, MMA)
         for it in range(NT):
-            ks_fill(w2, w2, r2, r2, bar, row, it + STAGES - 1, NT, STAGES, W, False)
+            ks_fill(w2, w2, r2, r2, bar, row, it + STAGES - 1, NT, NC, STAGES, W, False)
             x = ks_act_operand(ks_load(hp_ptr + hoff + it * (W * CHUNK // 2), hc + it * W, NC), BL)
             t2 = s2
             nx = gl.where(it + 1 < NT, it + 1, 0)
