@@ -49,7 +49,7 @@ from k3c.codegen.triton.moe_mxfp4_gluon import (gl_act_ahead, gl_layouts, gl_per
                                                gl_ring_init, gl_stage_words, gl_word_descs,
                                                moe_up_mx_gluon_kernel)
 from k3c.codegen.triton.moe_mxfp4_ksplit import moe_down_mx_ksplit_kernel, moe_up_mx_ksplit_kernel  # noqa: E402
-from mx_round import E2E_SKIP, default_variant, prepare_copy, run  # noqa: E402
+from mx_round import default_variant, prepare_copy, run_e2e  # noqa: E402
 from mx_tma_probe import ExpertsOp, parse_variant  # noqa: E402
 
 HBM = 4.2e12
@@ -349,15 +349,7 @@ def e2e(res, out, seconds, scratch):
         res["e2e"] = "not run: the default wins"
         return
     cwd, env = prepare_copy(scratch, chosen[1]["config"], chosen[16]["config"])
-    e2e_out = os.path.join(out, "e2e")
-    res["e2e"] = run([sys.executable, "benchmarks/bench_e2e.py", "--out", e2e_out, "--experts", "mxfp4", "--skip",
-                      E2E_SKIP], seconds, os.path.join(out, "e2e.log"), cwd, env)
-    try:
-        with open(os.path.join(e2e_out, "bench_e2e_mxfp4.json")) as f:
-            rates = json.load(f).get("expert_read_tbps", {})
-        res["expert_read_frac"] = {b: v * 1e12 / HBM if v else None for b, v in rates.items()}
-    except (OSError, ValueError):
-        res["expert_read_frac"] = None
+    res["e2e"], res["expert_read_frac"] = run_e2e(out, seconds, cwd, env)
     print(f"e2e: {res['e2e']}, expert read {res['expert_read_frac']}", flush=True)
 
 

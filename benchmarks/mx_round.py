@@ -214,6 +214,21 @@ def prepare_copy(scratch, small, large):
     return scratch, env
 
 
+def run_e2e(out, seconds, cwd, env):
+    """benchmarks/bench_e2e.py --experts mxfp4 (decode phases: E2E_SKIP) from the checkout `cwd` with `env`, its
+    output under OUT/e2e, its log OUT/e2e.log: (`run`'s (return code, seconds), the expert read rate at batch 1
+    and 16 as fractions of HBM, None if it wrote none)."""
+    e2e_out = os.path.join(out, "e2e")
+    phase = run([sys.executable, "benchmarks/bench_e2e.py", "--out", e2e_out, "--experts", "mxfp4", "--skip",
+                 E2E_SKIP], seconds, os.path.join(out, "e2e.log"), cwd, env)
+    try:
+        with open(os.path.join(e2e_out, "bench_e2e_mxfp4.json")) as f:
+            rates = json.load(f).get("expert_read_tbps", {})
+        return phase, {b: v * 1e12 / HBM if v else None for b, v in rates.items()}
+    except (OSError, ValueError):
+        return phase, None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -285,17 +300,9 @@ def main():
             res["phases"]["e2e"] = f"not run: {type(err).__name__}: {err}"
             cwd = None
         if cwd:
-            e2e_out = os.path.join(out, "e2e")
             left = t_end - time.time() - (0 if "tests" in skip else 0.15 * a.budget)
-            res["phases"]["e2e"] = run([sys.executable, "benchmarks/bench_e2e.py", "--out", e2e_out, "--experts",
-                                        "mxfp4", "--skip", E2E_SKIP], left, os.path.join(out, "e2e.log"), cwd, env)
+            res["phases"]["e2e"], res["expert_read_frac"] = run_e2e(out, left, cwd, env)
             res["e2e_config"] = "default" if cwd == ROOT else winners
-            try:
-                with open(os.path.join(e2e_out, "bench_e2e_mxfp4.json")) as f:
-                    rates = json.load(f).get("expert_read_tbps", {})
-                res["expert_read_frac"] = {b: v * 1e12 / HBM if v else None for b, v in rates.items()}
-            except (OSError, ValueError):
-                res["expert_read_frac"] = None
             print(f"e2e ({res['e2e_config']}): expert read {res['expert_read_frac']}", flush=True)
         save()
 

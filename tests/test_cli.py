@@ -89,28 +89,11 @@ def test_argument_errors_answer_before_torch(tmp_path):
         assert message in err and "HEAVY [] 2" in out and len(err.strip().splitlines()) == 1, (args, out, err)
 
 
-def cli(*args) -> tuple[int, list[str]]:
-    """Run `k3c ARGS` in this process, as `main()` would from a shell: (exit status, the lines on stderr)."""
-    import contextlib
-    import io
-    from unittest import mock
-
-    from k3c.cli import main
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
-            mock.patch.object(sys, "argv", ["k3c", *map(str, args)]):
-        try:
-            main()
-            rc = 0
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, err.getvalue().splitlines()
-
-
 def test_run_names_a_token_id_outside_the_vocabulary(tmp_path):
     """Negative, at least the vocabulary size, or beyond int64 (2^63): one line naming the id and the range, before
     the artifact is loaded."""
+    from cli_inprocess import cli
+
     from k3c.runtime.artifact import ArtifactWriter
 
     with ArtifactWriter(tmp_path / "art") as w:   # a manifest is all the check reads: no model is loaded
@@ -120,7 +103,7 @@ def test_run_names_a_token_id_outside_the_vocabulary(tmp_path):
     for bad, named in [(2**63, str(2**63)), (2**64 + 5, str(2**64 + 5)), (-1, "-1"), (-(2**63) - 1, str(-(2**63) - 1)),
                        (1000, "1000"), (10**100, "1" + "0" * 56 + "...")]:
         rc, err = cli("run", tmp_path / "art", "--tokens", f"1,{bad},2")
-        assert (rc, err) == (2, [f"error: --tokens: token id {named} is out of range for the model's vocabulary "
+        assert (rc, err.splitlines()) == (2, [f"error: --tokens: token id {named} is out of range for the model's vocabulary "
                                  "[0, 1000)"]), bad
 
 

@@ -3,13 +3,9 @@ nothing is left half-written. The CLI runs in this process (`cli`), as `main()` 
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
-import sys
-from unittest import mock
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -21,25 +17,11 @@ from k3c.compile import CompileOptions, compile_model  # noqa: E402
 from k3c.errors import ArtifactError, RuntimeInputError  # noqa: E402
 from models.config import K3Config  # noqa: E402
 from models.k3 import save_random_checkpoint  # noqa: E402
+
+from cli_inprocess import cli  # noqa: E402
 from runtime_sizes import MAX_BATCH, MAX_PREFILL, MAX_SEQ  # noqa: E402
 
 pytestmark = pytest.mark.slow  # compiles artifacts and runs them: `make test`, not `make test-quick`
-
-
-def cli(*args) -> tuple[int, str]:
-    """Run `k3c ARGS` in this process (no interpreter start-up: ~3 s a call on a 2-core CPU); (exit status, stderr).
-    An exception other than K3CError escapes, as it would end the command with a traceback."""
-    from k3c.cli import main
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
-            mock.patch.object(sys, "argv", ["k3c", *map(str, args)]):
-        try:
-            main()
-            rc = 0
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, err.getvalue()
 
 
 def k3c_cli(*args) -> tuple[int, str]:
