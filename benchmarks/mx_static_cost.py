@@ -44,11 +44,9 @@ from k3c.codegen.triton.moe_mxfp4_gluon import (  # noqa: E402
     gl_act_ahead,
     gl_word_descs,
     gluon_decode_ok,
-    ksplit_kernel,
     moe_down_mx_gluon_kernel,
     moe_up_mx_gluon_kernel,
 )
-from k3c.codegen.triton.moe_mxfp4_ksplit import moe_down_mx_ksplit_kernel, moe_up_mx_ksplit_kernel  # noqa: E402
 from k3c.codegen.triton.offline import compile_for, resources, sass  # noqa: E402
 
 D, I, K = 3584, 3072, 16       # K3.1 Pro: routed_expert_hidden_size, moe_intermediate_size, experts per token
@@ -85,7 +83,7 @@ def int_list(text):
 
 
 def emitted_kernels(path):
-    """(up, down, K-split up, K-split down) Gluon kernels of the emitted `moe_experts` module at `path`."""
+    """(up, down) Gluon kernels of the emitted `moe_experts` module at `path`."""
     if not os.path.isfile(path):
         raise SystemExit(f"--module {path}: no such file (expected an artifact's kernels/kNNNN_moe_experts.py)")
     spec = importlib.util.spec_from_file_location("emitted_moe_experts", path)
@@ -93,8 +91,7 @@ def emitted_kernels(path):
     spec.loader.exec_module(module)
     if not hasattr(module, "moe_up_mx_gluon_kernel"):
         raise SystemExit(f"--module {path}: no moe_up_mx_gluon_kernel (not an MXFP4 moe_experts module)")
-    return (module.moe_up_mx_gluon_kernel, module.moe_down_mx_gluon_kernel, module.moe_up_mx_ksplit_kernel,
-            module.moe_down_mx_ksplit_kernel)
+    return module.moe_up_mx_gluon_kernel, module.moe_down_mx_gluon_kernel
 
 
 def word_descriptor_type(block_r, block_k):
@@ -104,14 +101,13 @@ def word_descriptor_type(block_r, block_k):
     return mangle_type(gl_word_descs(torch.zeros(1, block_r, block_k, dtype=torch.uint8), block_r, block_k))
 
 
-def compile_kernel(kernel, constexprs, warps, maxnreg, output_bf16, box=None):
+def compile_kernel(kernel, constexprs, warps, maxnreg, output_bf16):
     """`kernel` compiled for sm_90a with `constexprs`, every pointer 16-byte aligned (the launcher's tensors are);
-    with the TMA ring (STAGES ≥ 2) the words are descriptors of [rows, K tile] boxes `box` (default: BLOCK_R and
-    BLOCK_D or BLOCK_K2 of `constexprs`)."""
+    with the TMA ring (STAGES ≥ 2) the words are descriptors."""
     signature = {n: (UP_OUTPUT.get(n) if output_bf16 else None) or POINTERS.get(n, "fp32") for n in kernel.arg_names}
     if constexprs["STAGES"] > 1:
-        box = box or (constexprs["BLOCK_R"], constexprs.get("BLOCK_D", constexprs["BLOCK_K2"]))
-        signature.update({w: word_descriptor_type(*box) for w in ("w1", "w3", "w2")})
+        bk = constexprs.get("BLOCK_D", constexprs["BLOCK_K2"])
+        signature.update({w: word_descriptor_type(constexprs["BLOCK_R"], bk) for w in ("w1", "w3", "w2")})
     divisible = [n for n, t in signature.items() if t.startswith("*")]
     return compile_for(kernel, signature, constexprs, num_warps=warps, maxnreg=maxnreg, divisible=divisible)
 
@@ -169,24 +165,16 @@ def analyse(cfg, experts, batches, kernels):
     row = {"config": list(cfg)}
     if not gluon_decode_ok(cfg, D, I, bk1, bk2):
         return {**row, "refused": "gluon_decode_ok"}
-    common = dict(TWO_MULS=two, BLOCK_M=bm, E=max(experts), D=D, I=I)
-    up, down, ks_up, ks_down = kernels
+    common = dict(TWO_MULS=two, BLOCK_M=bm, BLOCK_K2=bk2, E=max(experts), D=D, I=I)
+    up, down = kernels
     act_up, act_down = gl_act_ahead(cfg)
-    launches = {"up": (up, dict(common, K=K, ACT_SITU=True, BLOCK_D=bk1, BLOCK_K2=bk2, ACT_AHEAD=act_up), 2 * bk1,
-                       I),
-                "down": (down, dict(common, BLOCK_K2=bk2, ACT_AHEAD=act_down), bk2, D)}
+    launches = {"up": (up, dict(common, K=K, ACT_SITU=True, BLOCK_D=bk1, ACT_AHEAD=act_up), 2 * bk1, I),
+                "down": (down, dict(common, ACT_AHEAD=act_down), bk2, D)}
     for name, (kernel, constexprs, columns, out_rows) in launches.items():
         br, _, warps, stages, cap = kernel_cfgs[name]
+        constexprs.update(BLOCK_R=br, STAGES=stages)
         tiles = 2 if constexprs["ACT_AHEAD"] == 2 else 1
-        if ksplit_kernel(kernel_cfgs[name]):    # 16 rows on `warps` warps, each a 256-wide chunk of a step
-            kernel = ks_up if name == "up" else ks_down
-            drop = ("BLOCK_D",) if name == "up" else ("BLOCK_K2", "ACT_AHEAD")    # its h is in 256-wide chunks
-            constexprs = {k: v for k, v in constexprs.items() if k not in drop}
-            constexprs.update(W=warps, STAGES=stages)
-            c = compile_kernel(kernel, constexprs, warps, cap, output_bf16=name == "up", box=(16, 256))
-        else:
-            constexprs.update(BLOCK_R=br, STAGES=stages)
-            c = compile_kernel(kernel, constexprs, warps, cap, output_bf16=name == "up")
+        c = compile_kernel(kernel, constexprs, warps, cap, output_bf16=name == "up")
         usage = resources(c.asm["cubin"])
         regs, spills = usage["REG"], usage["LOCAL"]
         shared = max(usage["SHARED"], c.metadata.shared)        # Triton's dynamic shared memory (the ring)
@@ -207,8 +195,7 @@ def main():
     ap.add_argument("--out", default=None, help="directory for mx_static_cost.json")
     args = ap.parse_args()
     experts, batches = args.experts, args.batches
-    kernels = emitted_kernels(args.module) if args.module else (moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel,
-                                                                moe_up_mx_ksplit_kernel, moe_down_mx_ksplit_kernel)
+    kernels = emitted_kernels(args.module) if args.module else (moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel)
     rows = [analyse(parse_config(c), experts, batches, kernels) for c in args.configs.split(";")]
     result = {"triton": triton.__version__, "target": "sm_90a", "module": args.module,
               "shape": {"D": D, "I": I, "k": K}, "rows": rows}

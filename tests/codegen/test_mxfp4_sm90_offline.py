@@ -21,10 +21,6 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "mx_static_cost.py")
 # 3-stage ring with both multiplies, the default with both kernels' activations prefetched by the unrolled loop
 # (`gl_act_ahead` mode 2)
 CONFIGS = ["8,32,256,2,1,0,0", "8,32,256,2,2,0,0/80", "16,32,256,2,3,1,0", "8,32,256,2,2,0,0/80,2/2"]
-# the K-split kernels (k3c.codegen.triton.moe_mxfp4_ksplit: 16 rows shared by the warps): both kernels on 2 warps
-# (the up kernel's activations by the unrolled prefetch, D = 14 chunks: 7 steps, the last peeled), and a 4-warp up
-# kernel (4 steps, the last half past D) beside the row-split down kernel
-KS_CONFIGS = ["8,16,256,2,2,0,0/80,2/0", "8,16/32,256,4/2,2,1,0/80,1/0"]
 
 
 def compile_offline(out, configs, *extra):
@@ -39,7 +35,7 @@ def compile_offline(out, configs, *extra):
 
 @pytest.fixture(scope="module")
 def static_cost(tmp_path_factory):
-    return compile_offline(tmp_path_factory.mktemp("mx_static"), CONFIGS + KS_CONFIGS)
+    return compile_offline(tmp_path_factory.mktemp("mx_static"), CONFIGS)
 
 
 def test_default_decode_config_is_compiled_here():
@@ -82,24 +78,6 @@ def test_gluon_kernels_compile_for_sm90_without_spills(static_cost, config):
     if config.endswith("/80"):
         # the cap is the down kernel's alone: the up kernel keeps the registers its activations need
         assert row["down"]["registers"] <= 80 < row["up"]["registers"]
-
-
-@pytest.mark.parametrize("config", KS_CONFIGS)
-def test_ksplit_kernels_compile_for_sm90_without_spills(static_cost, config):
-    # a K step is W boxes [16 rows, 32 words] a matrix, issued back to back by one thread (W·128 contiguous bytes of
-    # each row); each warp reads back its own box (2 rows × 8 words a thread: 4 LDS.128 a matrix) and does one
-    # chunk's MMAs (256 / 16 k-steps × BLOCK_M / 8); the row-split kernel beside it keeps its single box
-    row = static_cost[config]
-    fields = [f.split("/") for f in config.split(",")]
-    for j, (kernel, matrices) in enumerate((("up", 2), ("down", 1))):
-        r, warps = row[kernel], int(fields[3][min(j, len(fields[3]) - 1)])
-        split = int(fields[1][min(j, len(fields[1]) - 1)]) == 16
-        assert r["spills"] == 0
-        loop = r["loop"]
-        assert loop["UTMALDG"] == matrices * (warps if split else 1) and loop["LDGSTS"] == 0
-        assert loop["LDS"] == matrices * 4 and loop["HMMA"] == matrices * 16
-        if split:
-            assert r["shared"] >= matrices * 2 * 16 * warps * 32 * 4
 
 
 def test_unrolled_activation_prefetch_needs_no_copies(static_cost):
@@ -154,9 +132,8 @@ def test_emitted_module_kernels_compile(tmp_path):
 
     desc = module.gl_word_descs(torch.zeros(E, I, D // 2, dtype=torch.uint8), 32, 256)
     assert list(desc.shape) == [E * I, D // 8] and list(desc.block_shape) == [32, 32]
-    rows = compile_offline(tmp_path, CONFIGS[1:] + KS_CONFIGS[:1], "--module", str(path))
-    assert all(r["up"]["spills"] == 0 and r["down"]["loop"]["UTMALDG"] in (1, 2) for r in rows.values())
-    assert rows[KS_CONFIGS[0]]["up"]["loop"]["UTMALDG"] == 4        # the K-split kernels, pasted with their helpers
+    rows = compile_offline(tmp_path, CONFIGS[1:], "--module", str(path))
+    assert all(r["up"]["spills"] == 0 and r["down"]["loop"]["UTMALDG"] == 1 for r in rows.values())
 
 
 MMA_KIND = """

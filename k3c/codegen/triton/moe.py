@@ -22,8 +22,7 @@ moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (n
   rows per expert: BLOCK_M = 16) streams the packed weights, prefill (BLOCK_M = 128) feeds the tensor cores.
   With bf16 activations on a GPU, 8- and 16-token decode tiles on 1-2 warps run the Gluon versions
   (k3c.codegen.triton.moe_mxfp4_gluon: num_stages 1 prefetches the next K tile's words in registers, ≥ 2 streams
-  them through a TMA ring in shared memory; `gluon_decode_ok`), and 16 weight rows on more warps the K-split ones
-  (k3c.codegen.triton.moe_mxfp4_ksplit: the warps split each K step, `ksplit_kernel`).
+  them through a TMA ring in shared memory; `gluon_decode_ok`).
   Two GEMM kernels rather than one: a single fused act(z W1ᵀ, z W3ᵀ) W2ᵀ program would have to either hold all
   of D in registers or recompute h per output block (re-reading W1/W3 D/BLOCK_N times); split, every expert
   weight is read once per token tile and the grid covers I and D, which decode (few tokens) needs to fill the GPU.
@@ -52,11 +51,7 @@ from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl
                                                gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
                                                gl_permuted_col, gl_ring_fill, gl_ring_init, gl_stage_words,
                                                gl_tile_rows, gl_word_descs, gl_word_offsets, gl_words2d_layout,
-                                               gluon_decode_ok, ksplit_kernel, moe_down_mx_gluon_kernel,
-                                               moe_up_mx_gluon_kernel)
-from k3c.codegen.triton.moe_mxfp4_ksplit import (ks_act_offsets, ks_act_operand, ks_decoded_tile, ks_fill,
-                                                ks_layouts, ks_load, ks_scale_offsets, ks_up_step,
-                                                moe_down_mx_ksplit_kernel, moe_up_mx_ksplit_kernel)
+                                               gluon_decode_ok, moe_down_mx_gluon_kernel, moe_up_mx_gluon_kernel)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 
@@ -296,8 +291,7 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     if mx:
         cfg = mx_config or mx_default_config(rows, E, scale_max)
         BLOCK_M, two_muls = cfg[0], cfg[5]
-        up, down = mx_kernels(cfg)
-        (BR1, most1, warps1, stages1, mr_up), (BR2, most2, warps2, stages2, mr_down) = up, down
+        (BR1, most1, warps1, stages1, mr_up), (BR2, most2, warps2, stages2, mr_down) = mx_kernels(cfg)
         BK1, BK2 = mx_block_k(D, most1), mx_block_k(I, most2)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
         max_tiles = schedule[1].shape[0]
@@ -312,22 +306,15 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
             # num_stages ≥ 2: the TMA ring, which takes the words by descriptor
             w1a, w3a = (gl_word_descs(w, BR1, BK1) if stages1 > 1 else w.view(torch.int32) for w in (w1, w3))
             w2a = gl_word_descs(w2, BR2, BK2) if stages2 > 1 else w2.view(torch.int32)
-            up_args = (zp.view(torch.int32), w1a, w3a, scales[0], scales[1], *schedule, h, float(situ_beta),
-                       float(situ_linear_beta))
-            up_consts = dict(E=E, K=K, D=D, I=I, ACT_SITU=act == "situ", TWO_MULS=two_muls, BLOCK_M=BLOCK_M,
-                             BLOCK_K2=BK2, STAGES=stages1, ACT_AHEAD=act_up)
-            if ksplit_kernel(up):       # 16 rows shared by the warps, each a chunk of every K step
-                moe_up_mx_ksplit_kernel[(max_tiles, I // 16)](*up_args, W=warps1, **up_consts, **up_opts)
-            else:
-                moe_up_mx_gluon_kernel[(max_tiles, I // BR1)](*up_args, BLOCK_R=BR1, BLOCK_D=BK1, **up_consts,
-                                                             **up_opts)
-            down_args = (h.view(torch.int32), w2a, scales[2], weights, *schedule, y_slot)
-            down_consts = dict(E=E, D=D, I=I, TWO_MULS=two_muls, BLOCK_M=BLOCK_M, STAGES=stages2)
-            if ksplit_kernel(down):
-                moe_down_mx_ksplit_kernel[(max_tiles, D // 16)](*down_args, W=warps2, **down_consts, **down_opts)
-            else:
-                moe_down_mx_gluon_kernel[(max_tiles, D // BR2)](*down_args, BLOCK_R=BR2, BLOCK_K2=BK2,
-                                                               ACT_AHEAD=act_down, **down_consts, **down_opts)
+            moe_up_mx_gluon_kernel[(max_tiles, I // BR1)](
+                zp.view(torch.int32), w1a, w3a, scales[0], scales[1], *schedule, h,
+                float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ",
+                TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BR1, BLOCK_D=BK1, BLOCK_K2=BK2,
+                STAGES=stages1, ACT_AHEAD=act_up, **up_opts)
+            moe_down_mx_gluon_kernel[(max_tiles, D // BR2)](
+                h.view(torch.int32), w2a, scales[2], weights, *schedule, y_slot, E=E, D=D, I=I,
+                TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BR2, BLOCK_K2=BK2, STAGES=stages2,
+                ACT_AHEAD=act_down, **down_opts)
             moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
             return
         v2_up, v2_down = mx_mma_v2(warps1), mx_mma_v2(warps2)
@@ -426,7 +413,5 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     gluon_decode_ok, gl_act_ahead, gl_layouts, gl_permute, gl_permuted_col, gl_axis_layout,
                     gl_word_offsets, gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_tile_rows, gl_words2d_layout,
                     gl_word_descs, gl_stage_words, gl_tma_load_named, gl_tma_load, gl_ring_fill, gl_ring_init,
-                    moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel, ksplit_kernel, ks_layouts, ks_scale_offsets,
-                    ks_act_offsets, ks_load, ks_act_operand, ks_decoded_tile, ks_fill, ks_up_step,
-                    moe_up_mx_ksplit_kernel, moe_down_mx_ksplit_kernel],
+                    moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel],
                    launch_moe_experts, body)

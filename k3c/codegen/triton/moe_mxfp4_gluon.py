@@ -39,11 +39,11 @@ tile read a valid row instead of being masked (no zero fill; their columns of th
 The E8M0 scale bytes of a word's 32-value group, (t·CC + 4·ch + c) // 4 = t·CH + ch, are CH consecutive bytes
 per thread and row.
 
-Scope: bf16 activations on a GPU, 1 or 2 warps (more share 16 rows in the K-split kernels of `moe_mxfp4_ksplit`:
-`ksplit_kernel`), decode tiles of 8 or 16 token rows, K tiles of 128..512 (CC a multiple of 4; the TMA ring ≤
-256: a swizzled box row is at most 128 bytes), weight rows a multiple of BLOCK_R (`gluon_decode_ok`); the Triton
-kernels cover the rest (and the interpreter: Gluon has none). Public API: `GLUON_BLOCK_MS`, `gluon_decode_ok`,
-`ksplit_kernel`, `gl_act_ahead`, `gl_word_descs`, the jit helpers (pasted into the emitted modules) and
+Scope: bf16 activations on a GPU, 1 or 2 warps, decode tiles of 8 or 16 token rows, K tiles of 128..512 (CC a
+multiple of 4; the TMA ring ≤ 256: a swizzled box row is at most 128 bytes), weight rows a multiple of BLOCK_R
+(`gluon_decode_ok`); the Triton kernels cover the rest (and the interpreter: Gluon has none). Public API:
+`GLUON_BLOCK_MS`, `gluon_decode_ok`, `gl_act_ahead`, `gl_word_descs`, the jit helpers (pasted into the emitted
+modules) and
 `moe_up_mx_gluon_kernel`, `moe_down_mx_gluon_kernel`."""
 
 from __future__ import annotations
@@ -66,32 +66,20 @@ def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> boo
     """Whether the Gluon kernels take a bf16 MXFP4 launch on a GPU with `mx_config` (BLOCK_M, BLOCK_R, largest
     BLOCK_K, num_warps, num_stages, ...: `mx_default_config`; per-kernel fields as `mx_kernels` splits them) over
     latent D and expert inner I with K tiles bk1 (over D: the up kernel) and bk2 (over I: the down kernel): 8- or
-    16-row token tiles and, for each kernel, either 1 or 2 warps (the `mma.sync` path, `mx_mma_v2`), 16 weight
-    rows per warp, every weight-row block full (up: I rows, down: D), K tiles of 128..512 (≤ 256 for the TMA
-    ring), and an even number of K tiles where its activation prefetch mode (`gl_act_ahead`) is 2; or 16 weight
-    rows on 2, 4 or 8 warps: the K-split kernels (`ksplit_kernel`), which take a TMA ring (num_stages ≥ 2), K tiles
-    of 256, the up kernel's prefetch modes 1 or 2 and the down kernel's 0. For these kernels num_stages is the
-    word stream's depth (module docstring): 1 prefetches the next K tile in registers, ≥ 2 keeps num_stages − 1
-    tiles in flight through a TMA ring. Raises ValueError for prefetch modes outside 0..2 or a per-kernel field
-    that is not a pair."""
-    def ok(kernel, rows, k, bk, mode, modes):
+    16-row token tiles and, for each kernel, 1 or 2 warps (the `mma.sync` path, `mx_mma_v2`), 16 weight rows per
+    warp, every weight-row block full (up: I rows, down: D), K tiles of 128..512 (≤ 256 for the TMA ring), and an
+    even number of K tiles where its activation prefetch mode (`gl_act_ahead`) is 2. For these kernels
+    num_stages is the word stream's depth (module docstring): 1 prefetches the next K tile in registers, ≥ 2 keeps
+    num_stages − 1 tiles in flight through a TMA ring. Raises ValueError for prefetch modes outside 0..2 or a
+    per-kernel field that is not a pair."""
+    def ok(kernel, rows, k, bk, mode):
         block_r, _, warps, stages, _ = kernel
-        if ksplit_kernel(kernel):
-            return warps in (2, 4, 8) and stages >= 2 and bk == 256 and rows % 16 == 0 and k % 256 == 0 and \
-                mode in modes
         return warps in (1, 2) and block_r == 16 * warps and rows % block_r == 0 and \
             bk in ((128, 256, 512) if stages == 1 else (128, 256)) and (mode < 2 or (k // bk) % 2 == 0)
 
     up, down = mx_kernels(mx_config)
     mode_up, mode_down = gl_act_ahead(mx_config)
-    return mx_config[0] in GLUON_BLOCK_MS and ok(up, I, D, bk1, mode_up, (1, 2)) and \
-        ok(down, D, I, bk2, mode_down, (0,))
-
-
-def ksplit_kernel(kernel: tuple) -> bool:
-    """Whether one kernel's fields (BLOCK_R, BLOCK_K, num_warps, num_stages, maxnreg: `mx_kernels`) name the
-    K-split kernels (k3c.codegen.triton.moe_mxfp4_ksplit): 16 weight rows shared by more than one warp."""
-    return kernel[0] == 16 and kernel[2] > 1
+    return mx_config[0] in GLUON_BLOCK_MS and ok(up, I, D, bk1, mode_up) and ok(down, D, I, bk2, mode_down)
 
 
 def gl_act_ahead(mx_config: tuple) -> tuple[int, int]:
