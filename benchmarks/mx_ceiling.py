@@ -10,7 +10,9 @@ loads, and how fast can the device read the same bytes at all (BENCHMARKS.md "MX
   refill it (the copies alone); 1: also read each thread's words back from shared memory (`gl_stage_words`, the
   decode kernels' `LDS.128`) and XOR-fold them; 2: as 1 with a CTA barrier before each refill; 3: the up kernel's
   decoding and `mma.sync`s of those words (`gl_decoded_tile`, gate and up) with constant scale bytes and
-  activations (BK 256 only: the up kernel without its activation and scale loads, its GLU and its store).
+  activations (BK 256 only: the up kernel without its activation and scale loads, its GLU and its store); 4: as
+  3 with the activations read from shared memory every K tile (`gl_act_operand` of an `LDS` in the kernels'
+  activation layout: what a ring staging them beside the words would cost in instructions and registers).
   CTAS: shared memory padded so that at most CTAS CTAs fit an SM (the library's up kernel has 8 by its
   registers), 0 or absent: none. `lin`: each CTA reads the same bytes in address order (boxes of BR·128
   contiguous bytes) instead of the decode kernels' [BR weight rows, 32 words] boxes, whose rows lie D/2 bytes
@@ -44,8 +46,8 @@ from triton.experimental.gluon import language as gl
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton.gl_common import gl_thread_barrier, gl_tma_load  # noqa: E402
 from k3c.codegen.triton.moe import launch_moe_experts, moe_schedule, moe_sum_kernel  # noqa: E402
-from k3c.codegen.triton.moe_mxfp4_gluon import (gl_decoded_tile, gl_layouts, gl_permute, gl_ring_init,  # noqa: E402
-                                               gl_stage_words, gl_word_descs)
+from k3c.codegen.triton.moe_mxfp4_gluon import (gl_act_operand, gl_decoded_tile, gl_layouts, gl_permute,  # noqa: E402
+                                               gl_ring_init, gl_stage_words, gl_word_descs)
 from mx_round import default_variant  # noqa: E402
 from mx_tma_probe import ExpertsOp, parse_variant  # noqa: E402
 
@@ -82,6 +84,10 @@ def stream_kernel(w1, w3, tile_expert_ptr, out_ptr, E: gl.constexpr, D: gl.const
     x = gl.convert_layout((gl.arange(0, 256, gl.SliceLayout(1, XL))[:, None] +
                            gl.arange(0, 8, gl.SliceLayout(0, XL))[None, :]).to(gl.bfloat16), BL)
     sc = gl.full([W, 2, 8, 4, 2], 120, gl.uint8, gl.SliceLayout(5, WL))
+    if MODE == 4:       # constant activation pairs in shared memory, [128 pairs, 8 tokens] token-major
+        AP: gl.constexpr = gl_layouts(W, 256, 8)[4]
+        act = gl.allocate_shared_memory(gl.int32, [128, 8], gl.SwizzledSharedLayout(1, 1, 1, [0, 1]))
+        act.store(gl.convert_layout(gl.full([128, 8], 0x3F803F80, gl.int32, XL), AP))
     PL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
     SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     if PAD_A > 0:
@@ -102,7 +108,9 @@ def stream_kernel(w1, w3, tile_expert_ptr, out_ptr, E: gl.constexpr, D: gl.const
                 gl_thread_barrier()
             box_fill(w1, w3, r1, r3, bar, row, it + STAGES - 1, NT, STAGES, BOXES, LIN)
             gl.nvidia.hopper.mbarrier.wait(bar.index(it % STAGES), (it // STAGES) & 1)
-            if MODE == 3:       # the up kernel's decoding and MMAs, constant scale bytes and activations
+            if MODE >= 3:       # the up kernel's decoding and MMAs, constant scale bytes and activations
+                if MODE == 4:   # ... the activations read from shared memory each K tile, as a ring would
+                    x = gl_act_operand(act.load(AP), 256, BL)
                 c1 = gl_stage_words(r1.index(it % STAGES), W, 2, WL)
                 c3 = gl_stage_words(r3.index(it % STAGES), W, 2, WL)
                 gate = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c1, sc, False, BLOCK_R, 256, AL), x, gate)
