@@ -90,6 +90,8 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
     why = name_too_long(path)          # first: lstat of such a name fails too
     target = Path(os.path.realpath(path)) if not why and path.is_symlink() else path
     why = why or name_too_long(target)  # a link to a name too long
+    if not why and not target.parent.is_dir():       # a link whose target lies under a file or nowhere
+        why = f"{target.parent} " + ("is not a directory" if target.parent.exists() else "does not exist")
     if why:
         raise K3CError(f"cannot write {path}: {why}")
     tmp = temporary_sibling(target)
@@ -112,4 +114,7 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
         except OSError as err:
             raise K3CError(f"cannot write {path}: {err.strerror or err}") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:     # never created where no directory is (a link into a file): nothing to remove
+            pass

@@ -7,6 +7,8 @@ artifact and exit 0. And a signal between the two renames that replace an artifa
 one moved aside and the new one not in. So:
 
 - `request(signum)`, the command line's handler, records the request and raises SystemExit(128 + signum);
+  `interrupt(signum)`, its Ctrl-C handler, records it and raises KeyboardInterrupt; `quiet_unraisable` keeps one
+  raised inside a finalizer (where Python prints and drops it) off the terminal;
 - `requested()` tells the command line, whatever exception reached it, to exit 128 + signum;
 - `deferred()` wraps a commit (renames into place): it refuses to start once a request is recorded, holds the
   signals that end a process (`HELD`) while it runs, and delivers a held one to the handler the process had when
@@ -19,6 +21,7 @@ The state is process-wide, as signals are.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -34,6 +37,24 @@ def request(signum: int) -> None:
     global _requested
     _requested = signum
     raise SystemExit(128 + signum)
+
+
+def interrupt(signum: int, frame=None) -> None:
+    """Ctrl-C's handler (`signal.signal`'s arguments): record the request as `request` does and raise
+    KeyboardInterrupt, as Python's own handler does (click turns it into its Abort), so that one a library
+    swallows still stops the command and its commit."""
+    global _requested
+    _requested = signum
+    raise KeyboardInterrupt
+
+
+def quiet_unraisable(unraisable) -> None:
+    """`sys.unraisablehook` while a command runs: a termination request raised where Python cannot raise (a
+    finalizer, a weakref callback: "Exception ignored in ...") is not printed, since it is recorded and acts at
+    the next commit or at exit; anything else goes to Python's own hook."""
+    if _requested is not None and isinstance(unraisable.exc_value, (SystemExit, KeyboardInterrupt)):
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 def requested() -> int | None:

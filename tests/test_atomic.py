@@ -68,12 +68,12 @@ def test_a_long_target_name_gets_a_short_temporary_name(tmp_path):
 
 
 def test_errors_name_the_target_not_the_temporary(tmp_path):
-    # the temporary cannot be created (its directory is missing)
+    # no directory to write in: refused before the block, naming the target
     missing = tmp_path / "no-dir" / "out.txt"
     with pytest.raises(K3CError) as exc:
         with replacing(missing) as tmp:
             tmp.write_text("x")
-    assert str(exc.value) == f"cannot write {missing}: No such file or directory"
+    assert str(exc.value) == f"cannot write {missing}: {tmp_path / 'no-dir'} does not exist"
     # the final rename fails (a directory is in the way): the directory stays, no temporary file is left
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "keep").write_text("kept")
@@ -122,3 +122,38 @@ def test_a_symlink_is_written_through(tmp_path):
     with replacing(dangling) as tmp:
         tmp.write_text("made")
     assert dangling.is_symlink() and (tmp_path / "data" / "made.txt").read_text() == "made"
+    # a link whose target lies under a file, or in no directory: refused up front, naming the link, before any
+    # work (it was a NotADirectoryError naming the temporary, after the whole report was built)
+    for name, where, why in (("under.txt", "link.txt/x.txt", "is not a directory"),
+                             ("nowhere.txt", "gone/x.txt", "does not exist")):
+        (tmp_path / name).symlink_to(where)
+        with pytest.raises(K3CError, match=f"^cannot write {tmp_path / name}: .* {why}$"):
+            with replacing(tmp_path / name):
+                raise AssertionError("the block must not run")
+    assert _names(tmp_path) == ["data", "later.txt", "link.txt", "nowhere.txt", "under.txt"]
+
+
+def test_a_termination_in_a_finalizer_is_kept_off_the_terminal(capsys, monkeypatch):
+    """A request raised inside a finalizer (where Python prints "Exception ignored in" and drops it) is recorded,
+    so the command still stops; the command line's hook prints nothing for it, and everything else as Python does."""
+    import sys
+
+    class Raises:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def __del__(self):
+            raise self.exc
+
+    monkeypatch.setattr(termination, "_requested", None)
+    monkeypatch.setattr(sys, "unraisablehook", termination.quiet_unraisable)
+    Raises(KeyboardInterrupt())                 # no request recorded: printed as Python prints it
+    assert "KeyboardInterrupt" in capsys.readouterr().err
+    with pytest.raises(KeyboardInterrupt):
+        termination.interrupt(2)
+    assert termination.requested() == 2
+    Raises(KeyboardInterrupt())
+    Raises(SystemExit(130))
+    assert capsys.readouterr().err == ""
+    Raises(ValueError("other"))
+    assert "ValueError: other" in capsys.readouterr().err

@@ -71,8 +71,9 @@ def test_argument_errors_answer_before_torch(tmp_path):
                           (["compile", "k3-tiny", "-o", str(tmp_path / "a"), "--plan-only", "--force", "--report",
                             str(tmp_path)], f"--report {tmp_path}: is a directory; give a file name"),
                           (["report", str(tmp_path), "-o", str(tmp_path)], f"-o {tmp_path}: is a directory"),
-                          (["compile", "k3-tiny", "-o", "", "--force"], "-o '.': give a path to a new directory"),
-                          (["init", "k3-tiny", "-o", ""], "-o '.': give a path to a new directory"),
+                          (["compile", "k3-tiny", "-o", "", "--force"],
+                           "-o is empty or '.': give a path to a new directory"),
+                          (["init", "k3-tiny", "-o", ""], "-o is empty or '.': give a path to a new directory"),
                           (["compile", "k3-tiny", "-o", str(tmp_path / "a"), "--plan-only", "--report",
                             str(tmp_path / "a" / "r.html")], "r.html: inside the artifact"),
                           (["inspect", "no-such-model"], "not a preset"),
@@ -103,8 +104,8 @@ def test_run_names_a_token_id_outside_the_vocabulary(tmp_path):
     for bad, named in [(2**63, str(2**63)), (2**64 + 5, str(2**64 + 5)), (-1, "-1"), (-(2**63) - 1, str(-(2**63) - 1)),
                        (1000, "1000"), (10**100, "1" + "0" * 56 + "...")]:
         rc, err = cli("run", tmp_path / "art", "--tokens", f"1,{bad},2")
-        assert (rc, err.splitlines()) == (2, [f"error: --tokens: token id {named} is out of range for the model's vocabulary "
-                                 "[0, 1000)"]), bad
+        assert (rc, err.splitlines()) == (2, [f"error: --tokens: token id {named} is out of range for the model's "
+                                              "vocabulary [0, 1000)"]), bad
 
 
 def test_init_writes_mxfp4_experts_on_request(tmp_path):
@@ -178,6 +179,44 @@ def test_sigterm_exits_143_whatever_a_library_makes_of_it(monkeypatch, library, 
         assert termination.requested() is None and signal.getsignal(sig) is signal.SIG_IGN
     finally:
         signal.signal(sig, outer)
+
+
+def test_a_swallowed_ctrl_c_exits_130_and_commits_nothing(monkeypatch, tmp_path):
+    """Ctrl-C raised where a library swallows it (a weakref callback did, under `k3c report`: the report was
+    replaced and the command exited 0) is recorded: the commit that follows is refused, the old file stays, and
+    the command exits 130. Where Ctrl-C is ignored (a background job without job control) it stays ignored."""
+    import signal
+
+    import k3c.cli as cli
+    from k3c import termination
+    from k3c.atomic import replacing
+
+    monkeypatch.setattr(termination, "_requested", None)
+    target = tmp_path / "r.html"
+    target.write_text("old")
+
+    def command(standalone_mode):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pass                                    # swallowed
+        with replacing(target) as tmp:
+            tmp.write_text("new")
+        return 0
+
+    monkeypatch.setattr(cli, "app", command)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(SystemExit) as exc:
+        cli.main()
+    assert exc.value.code == 130 and target.read_text() == "old"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # the caller's handler is back
+    monkeypatch.setattr(termination, "_requested", None)
+    outer = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        cli.main()                                  # ignored: the command runs and commits
+        assert termination.requested() is None and target.read_text() == "new"
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 def test_sigterm_removes_the_unfinished_artifact(tmp_path):

@@ -45,10 +45,15 @@ def _exit_on_sigterm(signum, frame) -> None:
 def main() -> None:
     """Entry point: run the app, printing a usage error (unknown option, bad value), a K3CError and an OSError on a
     path the user gave as one line each, exit 2. SIGTERM and SIGHUP end the command cleanly, exit 143 or 129
-    (`_exit_on_sigterm`), whatever the exception became on its way out; one ignored (`nohup`) stays ignored."""
+    (`_exit_on_sigterm`), and Ctrl-C with 130 (`termination.interrupt`), whatever the exception became on its way
+    out, even one a library swallowed (no commit starts after it); one ignored (`nohup`, a background job) stays
+    ignored."""
     gc_was_on = gc.isenabled()
     before = {s: signal.signal(s, _exit_on_sigterm) for s in (signal.SIGTERM, signal.SIGHUP)
               if signal.getsignal(s) is not signal.SIG_IGN}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:     # not where Ctrl-C is ignored (a job)
+        before[signal.SIGINT] = signal.signal(signal.SIGINT, termination.interrupt)
+    hook, sys.unraisablehook = sys.unraisablehook, termination.quiet_unraisable
     try:
         _run_app()
         termination.check()
@@ -58,6 +63,7 @@ def main() -> None:
             raise
         sys.exit(128 + signum)
     finally:
+        sys.unraisablehook = hook
         for s, handler in before.items():
             signal.signal(s, handler)
         if gc_was_on:  # a command may pause it (`app.compiling`); a caller running main() in process gets it back

@@ -54,7 +54,7 @@ def check_writable(path: Path, flag: str, file: bool = False) -> None:
     bits tell neither root's rights nor a read-only or virtual file system; called before the work, so a bad output
     location fails in a second, not after it."""
     if str(path) in ("", "."):    # Path("") is ".": an empty -o would name the current directory
-        raise K3CError(f"{flag} {str(path)!r}: give a path to a new " + ("file" if file else "directory"))
+        raise K3CError(f"{flag} is empty or '.': give a path to a new " + ("file" if file else "directory"))
     too_long = name_too_long(path)  # first: stat of such a name fails too
     if too_long:
         raise K3CError(f"{flag} {path}: {too_long}")

@@ -190,4 +190,4 @@ def report_cmd(artifact: Path = typer.Argument(..., help="artifact directory com
     from k3c.report.html import write
 
     write(artifact, output)
-    out.print(f"wrote {output} ({output.stat().st_size / 2**20:,.1f} MiB)")
+    out.print(f"wrote {output} ({output.stat().st_size / 2**20:,.1f} MiB)", soft_wrap=True)

@@ -141,7 +141,7 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
         else:
             with replacing(output) as tmp, tmp.open("w") as fh:
                 Console(file=fh, width=120).print(table, line, sep="\n", soft_wrap=True)
-            err.print(f"wrote {output}")
+            err.print(f"wrote {output}", soft_wrap=True)
         return
     if fmt == "onnx":
         import onnx
@@ -154,7 +154,7 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
                        else onnx_export.to_onnx(graph, name))
         with replacing(output) as tmp:
             onnx.save(model_proto, tmp)
-        err.print(f"wrote {output}: {len(model_proto.graph.node)} ONNX nodes")
+        err.print(f"wrote {output}: {len(model_proto.graph.node)} ONNX nodes", soft_wrap=True)
         return
     if fmt in ("dot", "svg"):
         from k3c.ir import nx, views  # networkx: only for drawings
@@ -165,7 +165,7 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
             svg = nx.render(text, "svg")
             with replacing(output) as tmp:
                 tmp.write_bytes(svg)
-            err.print(f"wrote {output}")
+            err.print(f"wrote {output}", soft_wrap=True)
             return
     else:
         from k3c.ir import serialize
@@ -177,7 +177,7 @@ def inspect(model: str = typer.Argument(..., help="preset name, config.json or c
     else:
         with replacing(output) as tmp:
             tmp.write_text(text)
-        err.print(f"wrote {output}")
+        err.print(f"wrote {output}", soft_wrap=True)
 
 
 @app.command()

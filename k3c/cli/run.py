@@ -147,10 +147,11 @@ def pack(artifact: Path = typer.Argument(..., help="artifact directory (or .k3c 
     check_artifact_exists(artifact)
     whole = artifact.resolve()                                  # "." inside the artifact: its own name
     dest = output if output is not None else whole.with_name(whole.name + ".k3c")
-    check_writable(dest, "-o", file=True)
+    flag = "-o" if output is not None else "the default output (pass -o)"
+    check_writable(dest, flag, file=True)
     if dest.exists() and not force:
-        raise K3CError(f"-o {dest}: already exists (pass --force to overwrite it)")
+        raise K3CError(f"{flag} {dest}: already exists (pass --force to overwrite it)")
     from k3c.runtime.artifact import pack as _pack
 
     path = _pack(artifact, dest, force=force)
-    out.print(f"wrote {path} ({path.stat().st_size / 2**20:,.1f} MiB)")
+    out.print(f"wrote {path} ({path.stat().st_size / 2**20:,.1f} MiB)", soft_wrap=True)

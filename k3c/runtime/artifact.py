@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tarfile
 import weakref
 from functools import cached_property
@@ -212,6 +213,7 @@ class ArtifactWriter:
         if not (out.exists() or out.is_symlink()):
             os.rename(staging, out)
             return
+        os.chmod(staging, stat.S_IMODE(os.stat(out).st_mode))   # the replaced artifact's permissions stay
         old = temporary_sibling(out, "old", keep_suffix=False)
         os.rename(out, old)
         try:

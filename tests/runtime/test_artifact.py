@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import stat
 import tarfile
 
 import pytest
@@ -140,8 +141,9 @@ def test_existing_out_dir_refused_and_force_replaces(tmp_path):
     out = _write(tmp_path / "art", plan={"arena_bytes": 1})
     with pytest.raises(ArtifactError, match="already exists"):
         ArtifactWriter(out)
+    os.chmod(out, 0o750)                                          # the replaced artifact's permissions stay
     _write(out, force=True, plan={"arena_bytes": 2})
-    assert read_artifact(out).plan == {"arena_bytes": 2}
+    assert read_artifact(out).plan == {"arena_bytes": 2} and stat.S_IMODE(out.stat().st_mode) == 0o750
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # no temp or old directories left
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
@@ -335,8 +337,11 @@ def test_pack_from_the_command_line(tmp_path):
 
     r = cli(out)
     assert r.returncode == 0 and (tmp_path / "art.k3c").read_bytes() == want.read_bytes(), r.stderr
-    r = cli(out)
-    assert r.returncode == 2 and "-o " in r.stderr and "already exists (pass --force" in r.stderr
+    r = cli(out)       # no -o given: the message names the default output, not -o
+    assert r.returncode == 2 and "already exists (pass --force" in r.stderr
+    assert r.stderr.startswith(f"error: the default output (pass -o) {tmp_path / 'art.k3c'}: ")
+    r = cli(out, "-o", tmp_path / "art.k3c")
+    assert r.returncode == 2 and r.stderr.startswith(f"error: -o {tmp_path / 'art.k3c'}: already exists")
     assert cli(out, "--force").returncode == 0
     r = cli(out, "-o", tmp_path)
     assert r.returncode == 2 and "is a directory; give a file name" in r.stderr
