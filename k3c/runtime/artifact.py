@@ -76,11 +76,14 @@ class ArtifactWriter:
         why = name_too_long(out)
         if why:
             raise ArtifactError(f"cannot create the artifact {out}: {why}")
-        if not (out.exists() or out.is_symlink()):
+        if out.is_symlink():   # replacing a link would put a directory where the link was, not where it points
+            raise ArtifactError(f"refusing to write the artifact {out}: it is a symbolic link; give the directory's "
+                                "own path")
+        if not out.exists():
             return
         if not self.force:
-            raise ArtifactError(f"{out} already exists; pass force=True (--force) to replace it")
-        if out.is_symlink() or not out.is_dir() or not ((out / MANIFEST).is_file() or not any(out.iterdir())):
+            raise ArtifactError(f"{out} already exists; pass --force (force=True) to replace it")
+        if not out.is_dir() or not ((out / MANIFEST).is_file() or not any(out.iterdir())):
             raise ArtifactError(f"refusing to replace {out}: it is not a k3c artifact directory")
 
     def _ensure_staging(self) -> Path:

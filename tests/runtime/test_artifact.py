@@ -149,6 +149,14 @@ def test_existing_out_dir_refused_and_force_replaces(tmp_path):
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     with pytest.raises(ArtifactError, match="not a k3c artifact"):
         ArtifactWriter(tmp_path / "notes", force=True)
+    # a link, to an artifact or to nothing, is never replaced (that would put a directory where the link was)
+    (tmp_path / "link").symlink_to("art")
+    (tmp_path / "dangling").symlink_to("gone")
+    for link in ("link", "dangling"):
+        for force in (False, True):
+            with pytest.raises(ArtifactError, match=f"{link}: it is a symbolic link; give the directory's own path"):
+                ArtifactWriter(tmp_path / link, force=force)
+    assert read_artifact(out).plan == {"arena_bytes": 2}
 
 
 def test_exception_while_adding_leaves_nothing(tmp_path):
