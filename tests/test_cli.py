@@ -106,6 +106,17 @@ def test_run_names_a_token_id_outside_the_vocabulary(tmp_path):
         rc, err = cli("run", tmp_path / "art", "--tokens", f"1,{bad},2")
         assert (rc, err.splitlines()) == (2, [f"error: --tokens: token id {named} is out of range for the model's "
                                               "vocabulary [0, 1000)"]), bad
+    # an id past Python's 4300-digit limit is out of range too, not "not an integer"
+    rc, err = cli("run", tmp_path / "art", "--tokens", "9" * 5000)
+    assert (rc, err.splitlines()) == (2, [f"error: --tokens: token id {'9' * 57}... is out of range for the model's "
+                                          "vocabulary [0, 1000)"])
+    # only ASCII decimal integers, comma-separated (spaces around them allowed): no '+', '_', other digits
+    for text in ("+1", "1_000", "\u0663", "\uff11", "", "1,,2", "0x10", "1.0", "1 2"):
+        rc, err = cli("run", tmp_path / "art", "--tokens", text)
+        assert (rc, err.splitlines()) == (2, [f"error: --tokens {text!r}: expected comma-separated integers"]), text
+    from k3c.cli.run import _token_ids
+
+    assert _token_ids(" 1, 2 ,3") == [1, 2, 3] and _token_ids("-" + "9" * 200) == [-int("9" * 100)]
 
 
 def test_init_writes_mxfp4_experts_on_request(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -27,10 +28,7 @@ def run(artifact: Path = typer.Argument(..., help="artifact directory or .k3c fi
         cuda_graphs: bool = typer.Option(True, help="on cuda, replay decode steps as piecewise CUDA graphs")):
     """Run an artifact: prefill the prompt, then greedy decode; prints the tokens and timing. A multi-rank
     artifact (--tp N) runs as N processes: started here (gloo on cpu, NCCL on cuda), or by `torchrun`."""
-    try:
-        ids = [int(x) for x in tokens.split(",")]
-    except ValueError:
-        raise K3CError(f"--tokens {tokens!r}: expected comma-separated integers") from None
+    ids = _token_ids(tokens)
     if decode_steps < 1:
         raise K3CError(f"--decode-steps {decode_steps}: generate at least one token")
     check_artifact_exists(artifact)
@@ -64,6 +62,22 @@ def _artifact_facts(artifact: Path) -> tuple[int, int | None]:
     vocab = extra.get("vocab_size") if isinstance(extra, dict) else None
     known = isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0
     return int(manifest.get("tp", 1)), vocab if known else None
+
+
+#: a token id as `--tokens` takes it: ASCII digits, an optional minus (no '+', '_', other scripts' digits)
+_TOKEN_ID = re.compile(r"\s*-?[0-9]+\s*", re.ASCII)
+#: digits kept of an id that long: it is out of every vocabulary, and Python refuses ints of over 4300 digits
+_ID_DIGITS = 100
+
+
+def _token_ids(text: str) -> list[int]:
+    """The ids of `--tokens` text ("1,2,3"; spaces around an id allowed). An id of more than 100 digits is kept
+    as its first 100 (out of range either way: `_check_token_ids` names it). Raises K3CError (one line, the text
+    cut to 60 characters) for anything but comma-separated decimal integers."""
+    parts = text.split(",")
+    if not all(_TOKEN_ID.fullmatch(p) for p in parts):
+        raise K3CError(f"--tokens {shown(text)}: expected comma-separated integers")
+    return [int(p.strip()[:_ID_DIGITS + p.strip().startswith("-")]) for p in parts]
 
 
 def _check_token_ids(ids: list[int], vocab: int | None) -> None:
