@@ -158,6 +158,10 @@ def main():
                     res.setdefault("prefill", {})[f"B{B}"] = {"eager_s": s}
                 del toks
                 torch.cuda.empty_cache()
+    if not {"eager", "torch_compile", "numerics"} - skip:     # no phase left needs the eager model: free its memory
+        model = None
+        gc.collect()
+        torch.cuda.empty_cache()
     with phase("compile"):
         opts = CompileOptions(str(ckpt), art, target="h200", max_batch=64, max_seq=a.max_seq,
                               max_prefill=a.max_prefill, dtype="bf16", kda_state_dtype=a.kda_state)
@@ -171,6 +175,9 @@ def main():
         # finalize: compile the kernels on a warm-up and add them to the artifact
         session = k3c.load(art, "cuda", finalize="finalize" not in skip)
         res["finalize"] = session.finalized
+    if "load_and_finalize" in res.get("errors", {}):     # nothing after this runs without the session
+        print("the artifact did not load (errors.load_and_finalize): no k3c phase can run", flush=True)
+        return
 
     # ---- first logits after load, fresh process, empty Triton cache -----------------------------------------
     weight_bytes = sum(f.stat().st_size for f in (art / "weights").iterdir())

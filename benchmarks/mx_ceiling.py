@@ -5,19 +5,25 @@ loads, and how fast can the device read the same bytes at all (BENCHMARKS.md "MX
 - `linear`: one plain Triton kernel reads a contiguous buffer of the up kernel's word bytes (and a 4 GB one) in
   16 KB blocks, XOR-folding them (the best read rate of this device for those bytes);
 - `copy`: a torch device-to-device copy of 4 GB, counting bytes read + written;
-- `stream,BR,BK,STAGES,MODE[,CTAS][,lin]`: `stream_kernel`, the up kernel's grid (tiles × I/BR CTAs of BR weight
+- `stream,BR,BK,STAGES,MODE[,CTAS][,lin][,pfN]`: `stream_kernel`, the up kernel's grid (tiles × I/BR CTAs of BR weight
   rows, BR/16 warps) and its TMA ring of STAGES stages over w1 and w3, with MODE 0: wait for each stage and
   refill it (the copies alone); 1: also read each thread's words back from shared memory (`gl_stage_words`, the
   decode kernels' `LDS.128`) and XOR-fold them; 2: as 1 with a CTA barrier before each refill; 3: the up kernel's
   decoding and `mma.sync`s of those words (`gl_decoded_tile`, gate and up) with constant scale bytes and
-  activations (BK 256 only: the up kernel without its activation and scale loads, its GLU and its store); 4: as
+  activations (the up kernel without its activation and scale loads, its GLU and its store; BK > 256: each
+  256-wide box of a stage in turn); 4: as
   3 with the activations read from shared memory every K tile (`gl_act_operand` of an `LDS` in the kernels'
   activation layout: what a ring staging them beside the words would cost in instructions and registers).
   CTAS: shared memory padded so that at most CTAS CTAs fit an SM (the library's up kernel has 8 by its
   registers), 0 or absent: none. `lin`: each CTA reads the same bytes in address order (boxes of BR·128
   contiguous bytes) instead of the decode kernels' [BR weight rows, 32 words] boxes, whose rows lie D/2 bytes
-  apart. BK > 256 (a multiple of 256 dividing D): a K tile is BK/256 boxes side by side a matrix, each weight row
-  read in runs of BK/2 bytes;
+  apart. `pfN`: every N K tiles each weight row's bytes of the next N tiles are asked of L2 as one run
+  (`cp.async.bulk.prefetch.L2`), so DRAM sees N·128-byte runs of a row; `plN`: the same lines, one
+  `prefetch.global.L2` each. `grp`: the ring refills its STAGES − 1 free stages together every
+  STAGES − 1 K tiles (so each row's next pieces are asked of DRAM back to back: (STAGES − 1)·128-byte runs)
+  instead of one stage every tile. `bm16`: modes 3 and 4 multiply 16 token columns (two n8 `mma.sync`s a k16
+  step) instead of 8, over the 16-token tile schedule. BK > 256 (a multiple of 256 dividing D): a K tile is BK/256 boxes side by
+  side a matrix, each weight row read in runs of BK/2 bytes;
 - `lib`: the library's decode default at that batch (`mx_round.default_variant`), its up and down kernels timed
   apart, its output first compared with `launch_moe_experts`.
 
@@ -59,35 +65,40 @@ DEFAULT = ("linear;copy;lib;stream,32,256,2,0,8;stream,32,256,2,1,8;stream,32,25
 
 
 @gluon.jit
-def stream_kernel(w1, w3, tile_expert_ptr, out_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
+def stream_kernel(w1, w3, w1p, w3p, tile_expert_ptr, out_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
                   BLOCK_R: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
-                  PAD_A: gl.constexpr, PAD_B: gl.constexpr, LIN: gl.constexpr):
+                  PAD_A: gl.constexpr, PAD_B: gl.constexpr, LIN: gl.constexpr, PF: gl.constexpr,
+                  LINES: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr):
     """The up kernel's word stream without its decoding (module docstring); out i32 [tiles, I/BLOCK_R] gets each
     CTA's wrapping sum of its XOR-folded words (MODE ≥ 1), so nothing read is dead. A K tile of BLOCK_D is
     BLOCK_D/256 boxes [BLOCK_R, 32 words] a matrix (the decode kernels' box at 256 of K; more boxes: longer runs of
     each weight row a tile). PAD_A, PAD_B > 0: that many more KB (each a power of two) of shared memory a CTA,
     zeroed and read back at the end (they only hold the CTAs an SM to the decode kernel's). LIN: w1 / w3 are
-    descriptors of the words as rows of 32 words, read in address order."""
+    descriptors of the words as rows of 32 words, read in address order. PF > 0: every PF K tiles each thread asks
+    L2 for one weight row's bytes of the next PF tiles as one run (`l2_prefetch_rows`; w1p / w3p: the words' u8
+    pointers), so DRAM sees PF·BLOCK_D/2-byte runs of each row while the TMA ring still copies 128-byte pieces.
+    GROUP: the ring refills GROUP stages at once every GROUP K tiles (1: one stage a tile; STAGES − 1: all the
+    free stages together). BM: the token columns of modes 3 and 4 (8, or 16: two n8 `mma.sync`s a k16 step)."""
     W: gl.constexpr = BLOCK_R // 16
     BOXES: gl.constexpr = BLOCK_D // 256
     NT: gl.constexpr = D // BLOCK_D
-    WL: gl.constexpr = gl_layouts(W, 256, 8)[0]
+    WL: gl.constexpr = gl_layouts(W, 256, BM)[0]
     tile = gl.program_id(0)
     e = gl.load(tile_expert_ptr + tile)
     acc = gl.zeros([W, 2, 8, 4, 2, 4], gl.int32, WL)
-    MMA: gl.constexpr = gl_layouts(W, 256, 8)[1]
-    AL: gl.constexpr = gl_layouts(W, 256, 8)[2]
-    BL: gl.constexpr = gl_layouts(W, 256, 8)[3]
-    gate = gl.zeros([BLOCK_R, 8], gl.float32, MMA)
-    up = gl.zeros([BLOCK_R, 8], gl.float32, MMA)
-    XL: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [W, 1], [1, 0])
+    MMA: gl.constexpr = gl_layouts(W, 256, BM)[1]
+    AL: gl.constexpr = gl_layouts(W, 256, BM)[2]
+    BL: gl.constexpr = gl_layouts(W, 256, BM)[3]
+    gate = gl.zeros([BLOCK_R, BM], gl.float32, MMA)
+    up = gl.zeros([BLOCK_R, BM], gl.float32, MMA)
+    XL: gl.constexpr = gl.BlockedLayout([1, BM], [32, 1], [W, 1], [1, 0])
     x = gl.convert_layout((gl.arange(0, 256, gl.SliceLayout(1, XL))[:, None] +
-                           gl.arange(0, 8, gl.SliceLayout(0, XL))[None, :]).to(gl.bfloat16), BL)
+                           gl.arange(0, BM, gl.SliceLayout(0, XL))[None, :]).to(gl.bfloat16), BL)
     sc = gl.full([W, 2, 8, 4, 2], 120, gl.uint8, gl.SliceLayout(5, WL))
-    if MODE == 4:       # constant activation pairs in shared memory, [128 pairs, 8 tokens] token-major
-        AP: gl.constexpr = gl_layouts(W, 256, 8)[4]
-        act = gl.allocate_shared_memory(gl.int32, [128, 8], gl.SwizzledSharedLayout(1, 1, 1, [0, 1]))
-        act.store(gl.convert_layout(gl.full([128, 8], 0x3F803F80, gl.int32, XL), AP))
+    if MODE == 4:       # constant activation pairs in shared memory, [128 pairs, BM tokens] token-major
+        AP: gl.constexpr = gl_layouts(W, 256, BM)[4]
+        act = gl.allocate_shared_memory(gl.int32, [128, BM], gl.SwizzledSharedLayout(1, 1, 1, [0, 1]))
+        act.store(gl.convert_layout(gl.full([128, BM], 0x3F803F80, gl.int32, XL), AP))
     PL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
     SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     if PAD_A > 0:
@@ -101,20 +112,28 @@ def stream_kernel(w1, w3, tile_expert_ptr, out_ptr, E: gl.constexpr, D: gl.const
         r1 = gl.allocate_shared_memory(gl.int32, [STAGES * BOXES, BLOCK_R, 32], w1.layout)
         r3 = gl.allocate_shared_memory(gl.int32, [STAGES * BOXES, BLOCK_R, 32], w3.layout)
         bar = gl_ring_init(STAGES)
-        for p in gl.static_range(STAGES - 1):
+        if PF > 0:
+            l2_prefetch_rows(w1p, w3p, row, 0, D, BLOCK_R, BLOCK_D, PF, NT, LINES)
+        for p in gl.static_range(STAGES - GROUP):
             box_fill(w1, w3, r1, r3, bar, row, p, NT, STAGES, BOXES, LIN)
         for it in range(NT):
+            if PF > 0:
+                if it % PF == 0:
+                    l2_prefetch_rows(w1p, w3p, row, it + PF, D, BLOCK_R, BLOCK_D, PF, NT, LINES)
             if MODE == 2:
                 gl_thread_barrier()
-            box_fill(w1, w3, r1, r3, bar, row, it + STAGES - 1, NT, STAGES, BOXES, LIN)
+            if it % GROUP == 0:     # the stages of tiles it − GROUP .. it − 1 are free: refill them together
+                for g in gl.static_range(GROUP):
+                    box_fill(w1, w3, r1, r3, bar, row, it + STAGES - GROUP + g, NT, STAGES, BOXES, LIN)
             gl.nvidia.hopper.mbarrier.wait(bar.index(it % STAGES), (it // STAGES) & 1)
             if MODE >= 3:       # the up kernel's decoding and MMAs, constant scale bytes and activations
                 if MODE == 4:   # ... the activations read from shared memory each K tile, as a ring would
                     x = gl_act_operand(act.load(AP), 256, BL)
-                c1 = gl_stage_words(r1.index(it % STAGES), W, 2, WL)
-                c3 = gl_stage_words(r3.index(it % STAGES), W, 2, WL)
-                gate = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c1, sc, False, BLOCK_R, 256, AL), x, gate)
-                up = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c3, sc, False, BLOCK_R, 256, AL), x, up)
+                for b in gl.static_range(BOXES):
+                    c1 = gl_stage_words(r1.index((it % STAGES) * BOXES + b), W, 2, WL)
+                    c3 = gl_stage_words(r3.index((it % STAGES) * BOXES + b), W, 2, WL)
+                    gate = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c1, sc, False, BLOCK_R, 256, AL), x, gate)
+                    up = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c3, sc, False, BLOCK_R, 256, AL), x, up)
             elif MODE >= 1:
                 for b in gl.static_range(BOXES):
                     acc = acc ^ gl_stage_words(r1.index((it % STAGES) * BOXES + b), W, 2, WL) ^ \
@@ -126,6 +145,29 @@ def stream_kernel(w1, w3, tile_expert_ptr, out_ptr, E: gl.constexpr, D: gl.const
     if PAD_B > 0:
         total += gl.sum(pb.load(PL), 0)
     gl.store(out_ptr + tile * gl.num_programs(1) + gl.program_id(1), total)
+
+
+@gluon.jit
+def l2_prefetch_rows(w1p, w3p, row, t0, D: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_D: gl.constexpr,
+                     PF: gl.constexpr, NT: gl.constexpr, LINES: gl.constexpr):
+    """`cp.async.bulk.prefetch.L2` (sm_90; LINES: a `prefetch.global.L2` per 128-byte line) of K tiles
+    t0 .. t0 + PF − 1 (those < NT) of weight rows row.. of w1 and w3 (u8 [.., D/2]): one contiguous run a row,
+    thread i of the CTA's 2·BLOCK_R rows (w1's, then w3's)."""
+    if t0 < NT:
+        L: gl.constexpr = gl.BlockedLayout([1], [32], [BLOCK_R // 16], [0])
+        r = gl.arange(0, 2 * BLOCK_R, L)
+        off = (row + r % BLOCK_R).to(gl.int64) * (D // 2) + t0 * (BLOCK_D // 2)
+        ptrs = gl.where(r < BLOCK_R, w1p + off, w3p + off)
+        if LINES:       # one `prefetch.global.L2` a 128-byte line, the row's lines back to back
+            for j in gl.static_range(PF * BLOCK_D // 256):
+                gl.inline_asm_elementwise("@$2 prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l,b",
+                                          [ptrs + 128 * j, (t0 * (BLOCK_D // 256) + j) < NT * (BLOCK_D // 256)],
+                                          dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            n = gl.minimum(PF, NT - t0) * (BLOCK_D // 2)
+            gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                                      [ptrs, gl.full([2 * BLOCK_R], n, gl.int32, L)], dtype=gl.int32,
+                                      is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -255,6 +297,11 @@ def main():
                 elif f[0] == "lib":
                     lib(N, ids, touched, record, gen, (w1, w3, w2, s1, s3, s2))
                 else:
+                    pf = [int(x[2:]) for x in f if x[:2] in ("pf", "pl")]
+                    lines = any(x.startswith("pl") for x in f)
+                    grp = "grp" in f
+                    bm = 16 if "bm16" in f else 8
+                    f = [x for x in f if x[:2] not in ("pf", "pl") and x not in ("grp", "bm16")]
                     lin = f[-1] == "lin"
                     br, bk, stages, mode, *ctas = map(int, f[1:len(f) - lin])
                     ctas = [c for c in ctas if c]
@@ -266,11 +313,13 @@ def main():
                     pad_b = 1 << ((room - pad_a).bit_length() - 1) if room > pad_a else 0
                     fit = min(32, SM_SHARED // (ring + (pad_a + pad_b) * 1024 + 1024))
                     d1, d3 = (gl_word_descs(w.view(E, -1, 128) if lin else w, br, 256) for w in (w1, w3))
-                    out = torch.empty(tiles * (I // br), dtype=torch.int32, device=dev)
-                    t = bench(lambda: stream_kernel[(tiles, I // br)](d1, d3, sched[1], out, E=E, D=D, I=I,
-                                                                      BLOCK_R=br, BLOCK_D=bk, STAGES=stages,
-                                                                      MODE=mode, PAD_A=pad_a, PAD_B=pad_b, LIN=lin,
-                                                                      num_warps=br // 16))
+                    tile_expert = (sched if bm == 8 else moe_schedule(ids, E, bm))[1]
+                    out = torch.empty(tile_expert.shape[0] * (I // br), dtype=torch.int32, device=dev)
+                    consts = dict(E=E, D=D, I=I, BLOCK_R=br, BLOCK_D=bk, STAGES=stages, MODE=mode, PAD_A=pad_a,
+                                  PAD_B=pad_b, LIN=lin, PF=pf[0] if pf else 0, LINES=lines,
+                                  GROUP=stages - 1 if grp else 1, BM=bm, num_warps=br // 16)
+                    t = bench(lambda: stream_kernel[(tile_expert.shape[0], I // br)](d1, d3, w1, w3, tile_expert, out,
+                                                                                      **consts))
                     record(N, spec, t, word_bytes, ctas_by_shared=fit)
             except Exception as err:  # noqa: BLE001  (a variant that fails is reported, the rest still run)
                 print(f"N {N} {spec}: failed {type(err).__name__}: {str(err)[:300]}", flush=True)

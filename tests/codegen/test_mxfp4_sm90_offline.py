@@ -70,8 +70,11 @@ def test_gluon_kernels_compile_for_sm90_without_spills(static_cost, config):
             assert r["shared"] == 0 and loop["LDGSTS"] == loop["UTMALDG"] == loop["BAR"] == 0
         else:
             assert r["shared"] >= matrices * stages * block_r * block_k // 8 * 4
-            # one TMA box per matrix and K tile, issued before the tile's decoding; no per-thread copies
-            assert loop["UTMALDG"] == matrices and loop["LDGSTS"] == 0 and loop["TMA_at"][1] <= 1 - 0.5 / tiles
+            # one TMA box per matrix and K tile, issued before the tile's decoding; no per-thread copies. A ring of
+            # 2 stages refills one a tile; a deeper one its stages − 1 free stages together, every stages − 1 tiles
+            # (`gl_ring_refill`: one branch of the loop issues those tiles' boxes back to back)
+            boxes = matrices * (stages - 1)
+            assert loop["UTMALDG"] == boxes and loop["LDGSTS"] == 0 and loop["TMA_at"][1] <= 1 - 0.5 / tiles
             # each thread reads back exactly its words: 2 rows × BLOCK_K / 32 words, 16 bytes a load
             assert loop["LDS"] == matrices * 2 * (block_k // 32) // 4
         assert loop["HMMA"] == matrices * block_k // 16 * block_m // 8
@@ -133,7 +136,9 @@ def test_emitted_module_kernels_compile(tmp_path):
     desc = module.gl_word_descs(torch.zeros(E, I, D // 2, dtype=torch.uint8), 32, 256)
     assert list(desc.shape) == [E * I, D // 8] and list(desc.block_shape) == [32, 32]
     rows = compile_offline(tmp_path, CONFIGS[1:], "--module", str(path))
-    assert all(r["up"]["spills"] == 0 and r["down"]["loop"]["UTMALDG"] == 1 for r in rows.values())
+    # the down kernel's ring issues one box per K tile a stage refilled (stages − 1 at a time: `gl_ring_refill`)
+    assert all(r["up"]["spills"] == 0 and r["down"]["loop"]["UTMALDG"] == int(c.split(",")[4]) - 1
+               for c, r in rows.items())
 
 
 MMA_KIND = """

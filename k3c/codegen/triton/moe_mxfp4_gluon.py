@@ -14,12 +14,16 @@ is converted through shared memory.
 Word stream (num_stages of the launch's mx_config, the kernels' STAGES): 1 loads the next K tile's words and
 scale bytes (and, by `gl_act_ahead`'s rule, activations) into registers at the top of each iteration
 (loop-carried: no shared memory, no barrier; but ptxas issues those loads where the current tile's registers free
-up, about three quarters through the tile, so they are in flight for a quarter of it). STAGES ≥ 2 keeps
-STAGES − 1 tiles in flight in a ring of STAGES shared-memory stages filled by TMA: one thread issues a
-[BLOCK_R, BLOCK_K/8]-word box per matrix and tile (`w1` / `w3` / `w2` are then TMA descriptors, `gl_word_descs`),
+up, about three quarters through the tile, so they are in flight for a quarter of it). STAGES ≥ 2 streams
+the words through a ring of STAGES shared-memory stages filled by TMA: one thread issues a [BLOCK_R,
+BLOCK_K/8]-word box per matrix and tile (`w1` / `w3` / `w2` are then TMA descriptors, `gl_word_descs`),
 completing on the stage's mbarrier; the box is stored with a BLOCK_K/2-byte swizzle, so a warp's 16-byte reads of
 its words (`gl_words2d_layout`: the same words per thread as registers) are free of bank conflicts. The copies
-cost no registers and no per-thread instructions.
+cost no registers and no per-thread instructions. The ring refills its STAGES − 1 free stages together every
+STAGES − 1 tiles (`gl_ring_refill`; 2 stages: one tile ahead, every tile), so DRAM is asked for each weight
+row's next (STAGES − 1)·BLOCK_K/2 bytes back to back: under the decoding's load, a row read in 128-byte pieces
+a tile apart costs the H200 up to 8 points of its read rate against address order (BENCHMARKS.md "MXFP4 round,
+run N").
 The scale bytes stay one tile ahead in registers; the activations load at use or one tile ahead, as
 `gl_act_ahead` says (mode 2 unrolls the K loop by two so that the prefetched activations and scale bytes need
 no copies; the register word stream's words are still carried).
@@ -69,9 +73,9 @@ def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> boo
     16-row token tiles and, for each kernel, 1 or 2 warps (the `mma.sync` path, `mx_mma_v2`), 16 weight rows per
     warp, every weight-row block full (up: I rows, down: D), K tiles of 128..512 (≤ 256 for the TMA ring), and an
     even number of K tiles where its activation prefetch mode (`gl_act_ahead`) is 2. For these kernels
-    num_stages is the word stream's depth (module docstring): 1 prefetches the next K tile in registers, ≥ 2 keeps
-    num_stages − 1 tiles in flight through a TMA ring. Raises ValueError for prefetch modes outside 0..2 or a
-    per-kernel field that is not a pair."""
+    num_stages is the word stream's depth (module docstring): 1 prefetches the next K tile in registers, ≥ 2
+    streams the words through a TMA ring of that many stages, refilled num_stages − 1 at a time. Raises
+    ValueError for prefetch modes outside 0..2 or a per-kernel field that is not a pair."""
     def ok(kernel, rows, k, bk, mode):
         block_r, _, warps, stages, _ = kernel
         return warps in (1, 2) and block_r == 16 * warps and rows % block_r == 0 and \
@@ -266,6 +270,21 @@ def gl_ring_fill(d1, d3, r1, r3, bar, row, t, NT: gl.constexpr, STAGES: gl.const
 
 
 @gluon.jit
+def gl_ring_refill(d1, d3, r1, r3, bar, row, it, NT: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr):
+    """The TMA ring's refill at the top of K tile `it`'s iteration, after tile 0 was issued before the loop
+    (`gl_ring_fill`'s arguments): every STAGES − 1 tiles, the STAGES − 1 stages the tiles before `it` freed are
+    refilled together with tiles it + 1 .. it + STAGES − 1 (2 stages: tile it + 1 every tile). So each weight
+    row's next STAGES − 1 pieces (BLOCK_K/2 bytes each) are asked of DRAM back to back, as one run, rather than
+    one piece a tile (BENCHMARKS.md "MXFP4 round, run N")."""
+    if STAGES == 2:
+        gl_ring_fill(d1, d3, r1, r3, bar, row, it + 1, NT, STAGES, PAIR)
+    else:
+        if it % (STAGES - 1) == 0:
+            for g in gl.static_range(STAGES - 1):
+                gl_ring_fill(d1, d3, r1, r3, bar, row, it + 1 + g, NT, STAGES, PAIR)
+
+
+@gluon.jit
 def gl_ring_init(STAGES: gl.constexpr):
     """STAGES mbarriers (one arrival: the expect), initialised and fenced for the TMA."""
     bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], gl.nvidia.hopper.mbarrier.MBarrierLayout())
@@ -285,7 +304,7 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
     h = act(z W1[e]ᵀ, z W3[e]ᵀ) into hp [N·k, I] in `gl_permute` order of BLOCK_K2. zp: z [N, D] (bf16 read as
     i32 pairs) `gl_permute`d by BLOCK_D; s1/s3 u8 [E, I, D/32]; w1/w3: STAGES 1, pointers to i32 words
     [E, I, D/8], loaded one K tile ahead into registers; STAGES ≥ 2, their TMA descriptors (`gl_word_descs`,
-    boxes [BLOCK_R, BLOCK_D/8]) streaming STAGES − 1 tiles ahead through a shared ring (module docstring, "Word
+    boxes [BLOCK_R, BLOCK_D/8]) streaming through a shared ring of STAGES stages (module docstring, "Word
     stream"). ACT_AHEAD 0, 1 or 2: where the activations and scale bytes of a K tile come from (`gl_act_ahead`);
     a prefetch of the tile past the last wraps to tile 0 (unused)."""
     W: gl.constexpr = BLOCK_R // 16
@@ -311,8 +330,7 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
             r1 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_D // 8], w1.layout)
             r3 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_D // 8], w3.layout)
             bar = gl_ring_init(STAGES)
-            for p in gl.static_range(STAGES - 1):
-                gl_ring_fill(w1, w3, r1, r3, bar, row, p, NT, STAGES, True)
+            gl_ring_fill(w1, w3, r1, r3, bar, row, 0, NT, STAGES, True)
         else:
             w1p, w3p = w1 + woff, w3 + woff
             c1_n, c3_n = gl.load(w1p), gl.load(w3p)
@@ -328,7 +346,7 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
                 d0 = it * BLOCK_D
                 dn = gl.where(d0 + BLOCK_D < D, d0 + BLOCK_D, 0)
                 if STAGES > 1:
-                    gl_ring_fill(w1, w3, r1, r3, bar, row, it + STAGES - 1, NT, STAGES, True)
+                    gl_ring_refill(w1, w3, r1, r3, bar, row, it, NT, STAGES, True)
                 else:
                     c1, c3 = c1_n, c3_n
                     c1_n, c3_n = gl.load(w1p + dn // 8), gl.load(w3p + dn // 8)   # the last wraps to tile 0: unused
@@ -390,8 +408,7 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2, s2_ptr, weights_ptr, order_ptr, tile_ex
             row = (e * D + n0).to(gl.int32)
             r2 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_K2 // 8], w2.layout)
             bar = gl_ring_init(STAGES)
-            for p in gl.static_range(STAGES - 1):
-                gl_ring_fill(w2, w2, r2, r2, bar, row, p, NT, STAGES, False)
+            gl_ring_fill(w2, w2, r2, r2, bar, row, 0, NT, STAGES, False)
         else:
             w2p = w2 + woff
             c2_n = gl.load(w2p)
@@ -406,7 +423,7 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2, s2_ptr, weights_ptr, order_ptr, tile_ex
                 i0 = it * BLOCK_K2
                 nx = gl.where(i0 + BLOCK_K2 < I, i0 + BLOCK_K2, 0)
                 if STAGES > 1:
-                    gl_ring_fill(w2, w2, r2, r2, bar, row, it + STAGES - 1, NT, STAGES, False)
+                    gl_ring_refill(w2, w2, r2, r2, bar, row, it, NT, STAGES, False)
                 else:
                     c2 = c2_n
                     c2_n = gl.load(w2p + nx // 8)                        # the last wraps to tile 0: unused
