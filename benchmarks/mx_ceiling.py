@@ -227,7 +227,7 @@ def lib(N, ids, touched, record, gen, mats):
     y_ref = torch.empty_like(z)
     launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y_ref, scale_max=122, act="situ", situ_beta=4.0,
                        situ_linear_beta=25.0)
-    spec = default_variant(N)
+    spec = default_variant(N, torch.cuda.get_device_name())
     kw = parse_variant(spec)[1]
     op = ExpertsOp(w1, w3, w2, s1, s3, s2, **kw)
     sched = moe_schedule(ids, E, kw["block_m"])

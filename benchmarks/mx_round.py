@@ -4,8 +4,9 @@ session: every phase has a wall-clock share, and what finished is written before
 
 1. `probe`: benchmarks/mx_tma_probe.py over --variants (its 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]'
    form, BR, STAGES and BK each one value or 'UP/DOWN'; checked before any GPU work) at the end-to-end
-   benchmark's expert count (32) and decode batches 1 and 16. The launcher's defaults at those batches (one
-   variant or two: `default_variant`) are always among them.
+   benchmark's expert count (32) and decode batches 1 and 16. The launcher's defaults at those batches on this
+   card (one variant or two: `default_variant`; a card may have its own, `MX_DECODE_BY_DEVICE`) are always among
+   them.
 2. `probe_mix`: the up and down kernels are separate launches whose fields are their own (`mx_kernels`), so the
    fastest up kernel of one variant may join the fastest down kernel of another (`best_mix`, same token tile).
    Where that sum beats every timed variant by 1 %, the mix is timed itself, beside the defaults, in a second
@@ -16,10 +17,10 @@ session: every phase has a wall-clock share, and what finished is written before
    tiles are timed at batch 16 only.
 4. `e2e`: benchmarks/bench_e2e.py --experts mxfp4 (decode phases only) from this checkout when each batch's default wins
    there, else from a copy under --scratch whose `mx_default_config` returns the winners for the decode
-   case, batch 1's below 4 rows per expert and batch 16's from there (`patched_default`; 32 experts: 0.5 and 8
-   rows per expert): the artifact's emitted `moe_experts` module carries that source, so the copy's artifact runs
-   them. Before the run, a process with the run's environment confirms it imports the copy and sees the winners.
-   The checkout itself is never modified.
+   case on every card, batch 1's below 4 rows per expert and batch 16's from there (`patched_default`; 32
+   experts: 0.5 and 8 rows per expert): the artifact's emitted `moe_experts` module carries that source, so the
+   copy's artifact runs them. Before the run, a process with the run's environment confirms it imports the copy
+   and sees the winners. The checkout itself is never modified.
 5. `tests`: the GPU tests of the Gluon kernels (`pytest -m gpu tests/codegen/test_moe_mxfp4.py -k gluon_matches`).
 
     python3 benchmarks/mx_round.py --out DIR [--variants "...;..."] [--budget 570] [--skip tests,e2e]
@@ -66,6 +67,7 @@ VARIANTS = ("8,32,2,2,0,0,80;8,32,2,2,0,80,80;8,32,2,2,2,80,80;8,32,2,1,0,80,80;
             "16,32,2,0,0,80,80,128;16,32,1,2,2,88,88,128")
 E2E_SKIP = "finalize,first_logits,long,eager,torch_compile,bf16_build,numerics"
 DEFAULT_RETURN = re.compile(r"(    if not two and rows < 16 \* E:\n        return )(\(.*\))\n")
+DEVICE_LOOKUP = "MX_DECODE_BY_DEVICE.get(device)"      # mx_default_config's per-card table, bypassed in the copy
 
 
 def kernel_fields(spec):
@@ -86,9 +88,10 @@ def variant_text(bm, up, down):
     return f"{bm},{pair(br1, br2)},{pair(s1, s2)},{a1},{a2},{c1},{c2}" + ("" if bk == "256" else f",{bk}")
 
 
-def default_variant(batch):
-    """The probe variant text of the launcher's decode default at `batch` tokens over E experts (one multiply)."""
-    cfg = mx_default_config(batch * K, E, 122)
+def default_variant(batch, device=None):
+    """The probe variant text of the launcher's decode default at `batch` tokens over E experts (one multiply) on
+    the CUDA device named `device` (`mx_default_config`: a card may have its own; None: any)."""
+    cfg = mx_default_config(batch * K, E, 122, device)
     (br1, bk1, _, s1, c1), (br2, bk2, _, s2, c2) = mx_kernels(cfg)
     a1, a2 = gl_act_ahead(cfg)
     return variant_text(cfg[0], (br1, s1, a1, c1 or 0, bk1), (br2, s2, a2, c2 or 0, bk2))
@@ -162,11 +165,15 @@ def best_mix(rows, batch, base, gain=MARGIN / 2):
 
 def patched_default(source, small, large):
     """moe_mxfp4.py's `source` with `mx_default_config`'s decode case (one multiply, < 16 rows per expert)
-    returning the mx_config `small` below 4 rows per expert and `large` from there (one return when they are the
-    same; their two_muls field stays the function's `two`). Raises ValueError if that line is not found exactly
+    returning the mx_config `small` below 4 rows per expert and `large` from there on every card (one return when
+    they are the same; their two_muls field stays the function's `two`; the per-card table `MX_DECODE_BY_DEVICE`
+    is no longer looked up). Raises ValueError if the return line or the table's lookup is not found exactly
     once."""
     if len(DEFAULT_RETURN.findall(source)) != 1:
         raise ValueError("moe_mxfp4.py: mx_default_config's decode return line not found exactly once")
+    if source.count(DEVICE_LOOKUP) != 1:
+        raise ValueError(f"moe_mxfp4.py: mx_default_config's {DEVICE_LOOKUP} not found exactly once")
+    source = source.replace(DEVICE_LOOKUP, "None")
 
     def text(config):
         return "(" + ", ".join("two" if i == 5 else repr(v) for i, v in enumerate(config)) + ")"
@@ -204,8 +211,9 @@ def prepare_copy(scratch, small, large):
     env = dict(os.environ)
     keep = [p for p in env.get("PYTHONPATH", "").split(":") if p and os.path.realpath(p) != ROOT]
     env["PYTHONPATH"] = ":".join([scratch] + keep)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None       # as the run's launches see it
     probe = ("import json, k3c; from k3c.codegen.triton.moe_mxfp4 import mx_default_config as f; "
-             f"print(json.dumps([k3c.__file__, f({K}, {E}, 122), f({16 * K}, {E}, 122)]))")
+             f"print(json.dumps([k3c.__file__, f({K}, {E}, 122, {device!r}), f({16 * K}, {E}, 122, {device!r})]))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=scratch, env=env, capture_output=True, text=True)
     seen = json.loads(out.stdout) if out.returncode == 0 else None
     want = json.loads(json.dumps([small, large]))
@@ -245,7 +253,8 @@ def main():
     out, scratch = os.path.realpath(a.out), os.path.realpath(a.scratch)
     if os.path.commonpath([scratch, ROOT]) in (scratch, ROOT):       # the checkout, above it or inside it
         ap.error(f"--scratch {a.scratch!r}: must lie outside the checkout {ROOT} (it is replaced by a copy)")
-    base = {b: default_variant(b) for b in BATCHES}
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    base = {b: default_variant(b, device) for b in BATCHES}
     defaults = list(dict.fromkeys(base.values()))
     specs = defaults + [v for v in a.variants.split(";") if v and v not in defaults]
     for spec in specs:

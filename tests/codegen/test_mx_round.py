@@ -74,6 +74,12 @@ def test_default_variant_is_the_launchers_decode_default():
     assert mx_round.variant_config("8,32,2,1,0,0,80") == mx_default_config(16, 32, 122)
     # run L's default from 4 rows per expert on: the up kernel's K loop unrolled by two (mode 2)
     assert mx_round.variant_config("8,32,2,2,0,0,80") == mx_default_config(16 * 16, 32, 122)
+    # a card with its own decode config below 4 rows per expert (`MX_DECODE_BY_DEVICE`: the H100 SXM, run N)
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert mx_round.default_variant(1, h100) == "8,32,4/2,2,0,0,80"
+    assert mx_round.variant_config("8,32,4/2,2,0,0,80") == mx_default_config(16, 32, 122, h100)
+    assert mx_round.default_variant(16, h100) == "8,32,2,2,0,0,80"
+    assert mx_round.default_variant(1, "NVIDIA H200") == "8,32,2,1,0,0,80"
     assert mx_round.variant_config("8,32,2,2,2,80,80") == (8, 32, 256, 2, 2, False, (80, 80), (2, 2))
     assert mx_round.variant_config("8,32,1,2,2,80,0,128") == (8, 32, 128, 2, 1, False, (80, None), (2, 2))
     # fields of one kernel each: 32 rows on 2 warps and 16 on 1, register stream and ring, K tiles 128 and 256
@@ -107,11 +113,15 @@ def test_patched_default_returns_the_winners_for_decode_only():
         assert module.mx_default_config(16, 32, 122) == pair[0]                 # batch 1: 0.5 rows per expert
         assert module.mx_default_config(16 * 16, 896, 122) == pair[0]          # batch 16 of 896: 0.29
         assert module.mx_default_config(16 * 16, 32, 122) == pair[1]           # batch 16 of 32: 8
+        # on every card: a card's own entry (`MX_DECODE_BY_DEVICE`) does not override the winners in the copy
+        assert module.mx_default_config(16, 32, 122, "NVIDIA H100 80GB HBM3") == pair[0]
         # two multiplies (scale bytes above 128) and prefill keep their configurations
         for rows, scale_max in ((16, 255), (4096, 122)):
             assert module.mx_default_config(rows, 32, scale_max) == mx_default_config(rows, 32, scale_max)
     with pytest.raises(ValueError, match="not found exactly once"):
         mx_round.patched_default(source.replace("if not two and rows < 16 * E:", "if rows < 16 * E:"), small, small)
+    with pytest.raises(ValueError, match=r"MX_DECODE_BY_DEVICE.get\(device\) not found exactly once"):
+        mx_round.patched_default(source.replace("MX_DECODE_BY_DEVICE.get(device)", "{}.get(device)"), small, small)
 
 
 def test_the_copy_is_what_the_end_to_end_run_imports(tmp_path):

@@ -19,8 +19,11 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "mx_static_cost.py")
 # mx_configs as the script takes them (BLOCK_M, BLOCK_R, BLOCK_K, warps, stages, two_muls, maxnreg): mx23's register
 # prefetch, the decode default (a 2-stage TMA ring, the down kernel capped at 80 registers), 16-token tiles on a
 # 3-stage ring with both multiplies, the default with both kernels' activations prefetched by the unrolled loop
-# (`gl_act_ahead` mode 2)
-CONFIGS = ["8,32,256,2,1,0,0", "8,32,256,2,2,0,0/80", "16,32,256,2,3,1,0", "8,32,256,2,2,0,0/80,2/2"]
+# (`gl_act_ahead` mode 2), the H100 SXM's own decode config (`MX_DECODE_BY_DEVICE`: the up kernel on a 4-stage
+# ring, its loop unrolled)
+H100 = "NVIDIA H100 80GB HBM3"
+CONFIGS = ["8,32,256,2,1,0,0", "8,32,256,2,2,0,0/80", "16,32,256,2,3,1,0", "8,32,256,2,2,0,0/80,2/2",
+           "8,32,256,2,4/2,0,0/80,2/0"]
 
 
 def compile_offline(out, configs, *extra):
@@ -52,16 +55,24 @@ def test_default_decode_config_is_compiled_here():
     compiled = [kernels(mx_config_from_text(c)) for c in CONFIGS]
     assert kernels(small) == compiled[1]
     assert kernels(large)[0] == compiled[3][0] and kernels(large)[1] == compiled[1][1]
+    # a card's own decode config: the H100 SXM's below 4 rows per expert; from there it keeps the default's
+    assert kernels(mx_default_config(16, 896, 128, H100)) == compiled[4]
+    assert mx_default_config(16 * 16, 32, 128, H100) == large
 
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_gluon_kernels_compile_for_sm90_without_spills(static_cost, config):
+    from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text, mx_kernels
+    from k3c.codegen.triton.moe_mxfp4_gluon import gl_act_ahead
+
     row = static_cost[config]
-    block_m, block_r, block_k, warps, stages = map(int, config.split(",")[:5])
-    tiles = 2 if config.endswith(",2/2") else 1             # K tiles in the loop body (counts are per tile)
+    block_m = int(config.split(",")[0])
+    cfg = mx_config_from_text(config)
     # K3.1 Pro: BLOCK_K 256 divides D = 3584 and I = 3072; one ring stage holds BLOCK_R rows × BLOCK_K / 8
     # 32-bit words of each streamed matrix (up: w1 and w3, down: w2)
-    for kernel, matrices in (("up", 2), ("down", 1)):
+    for kernel, matrices, (block_r, block_k, _, stages, _), mode in zip(("up", "down"), (2, 1), mx_kernels(cfg),
+                                                                         gl_act_ahead(cfg)):
+        tiles = 2 if mode == 2 else 1                       # K tiles in the loop body (counts are per tile)
         r = row[kernel]
         assert r["spills"] == 0
         loop = r["loop"]
@@ -133,11 +144,18 @@ def test_emitted_module_kernels_compile(tmp_path):
     spec.loader.exec_module(module)
     import torch
 
+    # the per-card decode table travels with the module (the launcher picks the card's config at run time)
+    from k3c.codegen.triton.moe_mxfp4 import mx_default_config
+
+    assert module.mx_default_config(16, 32, 122, H100) == mx_default_config(16, 32, 122, H100) != \
+        mx_default_config(16, 32, 122)
     desc = module.gl_word_descs(torch.zeros(E, I, D // 2, dtype=torch.uint8), 32, 256)
     assert list(desc.shape) == [E * I, D // 8] and list(desc.block_shape) == [32, 32]
     rows = compile_offline(tmp_path, CONFIGS[1:], "--module", str(path))
     # the down kernel's ring issues one box per K tile a stage refilled (stages − 1 at a time: `gl_ring_refill`)
-    assert all(r["up"]["spills"] == 0 and r["down"]["loop"]["UTMALDG"] == int(c.split(",")[4]) - 1
+    from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text, mx_kernels
+
+    assert all(r["up"]["spills"] == 0 and r["down"]["loop"]["UTMALDG"] == mx_kernels(mx_config_from_text(c))[1][3] - 1
                for c, r in rows.items())
 
 

@@ -43,8 +43,8 @@ from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_scratch
 from k3c.codegen.triton.gl_common import gl_tma_load, gl_tma_load_named
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
-from k3c.codegen.triton.moe_mxfp4 import (ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel, mx_act_tile,
-                                         mx_block_k, mx_default_config, mx_kernels, mx_mma_v2, mx_permute,
+from k3c.codegen.triton.moe_mxfp4 import (MX_DECODE_BY_DEVICE, ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel,
+                                         mx_act_tile, mx_block_k, mx_default_config, mx_kernels, mx_mma_v2, mx_permute,
                                          mx_permuted_col, mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16,
                                          mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
 from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl_act_offsets, gl_act_operand,
@@ -290,7 +290,8 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     y_slot = take_scratch(scratch, "y_slot", (rows, D), torch.float32, z.device)
     h = take_scratch(scratch, "h", (rows, I), z.dtype, z.device)
     if mx:
-        cfg = mx_config or mx_default_config(rows, E, scale_max)
+        device = torch.cuda.get_device_name(z.device) if z.is_cuda else None
+        cfg = mx_config or mx_default_config(rows, E, scale_max, device)
         BLOCK_M, two_muls = cfg[0], cfg[5]
         (BR1, most1, warps1, stages1, mr_up), (BR2, most2, warps2, stages2, mr_down) = mx_kernels(cfg)
         BK1, BK2 = mx_block_k(D, most1), mx_block_k(I, most2)
@@ -396,6 +397,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
               ("SCHEDULE_KERNEL_MAX_ROWS", SCHEDULE_KERNEL_MAX_ROWS, "one-launch tile schedule up to these rows"),
               ("SCALE_MAX", int(a["scale_max"]), "largest MXFP4 scale byte of the checkpoint (255: unknown)"),
               ("ONE_MUL_MAX_SCALE", ONE_MUL_MAX_SCALE, "one-multiply MXFP4 decoding up to this scale byte"),
+              ("MX_DECODE_BY_DEVICE", MX_DECODE_BY_DEVICE, "decode configurations tuned per card"),
               ("GLUON_BLOCK_MS", GLUON_BLOCK_MS, "token rows of the Gluon decode tiles")]
     args = ", ".join(f"inputs[{i}]" for i in ip)
     mx = a["weight_format"] == "mxfp4"

@@ -39,7 +39,8 @@ decoder wants; reshaped (no data movement) to one byte per word. A byte gather p
 too narrow for cp.async: it became a synchronous global load plus a shared-memory layout conversion (two CTA
 barriers per matrix) in every K iteration, 7-14 % of the decode time (BENCHMARKS.md).
 
-Public API: `ONE_MUL_MAX_SCALE`, `mx_default_config(rows, E, scale_max)`, `mx_config_from_text(text)`,
+Public API: `ONE_MUL_MAX_SCALE`, `MX_DECODE_BY_DEVICE`, `mx_default_config(rows, E, scale_max, device)`,
+`mx_config_from_text(text)`,
 `mx_kernels(mx_config)` (the up and down kernels' own fields of an mx_config), `mx_mma_v2(num_warps)`,
 `mx_block_k(K)`, `mx_permute(x, block_k, out, v2)`, the jit helpers and `moe_up_mx_kernel`, `moe_down_mx_kernel`
 (launched by `launch_moe_experts`).
@@ -57,15 +58,23 @@ from k3c.codegen.triton.moe_act import expert_tile, glu
 #: the largest E8M0 scale byte the one-multiply decoding takes: 2^(s − 1) is a finite bf16 for s ≤ 128
 ONE_MUL_MAX_SCALE = 128
 
+#: decode configurations measured faster than `mx_default_config`'s own on a card, by its CUDA device name
+#: (`torch.cuda.get_device_name`), for the one-multiply decoding below 4 rows per expert (batch 1 of 32 experts,
+#: batch ≤ 224 of 896). H100 SXM (BENCHMARKS.md "MXFP4 round, run N", three calls): the up kernel on a 4-stage
+#: TMA ring refilled 3 stages at a time with its K loop unrolled by two, 78.2-78.6 us against 81.7-81.8 at batch 1
+#: of 32 experts, bitwise equal; end to end 2.37 against 2.30 TB/s of expert reads, same call
+MX_DECODE_BY_DEVICE = {"NVIDIA H100 80GB HBM3": (8, 32, 256, 2, (4, 2), False, (None, 80), (2, 0))}
 
-def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
+
+def mx_default_config(rows: int, E: int, scale_max: int = 255, device: str | None = None) -> tuple:
     """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls,
     maxnreg; an optional 8th field, the Gluon kernels' activation prefetch modes `gl_act_ahead`; BLOCK_R,
     BLOCK_K, num_warps, num_stages and maxnreg may be (up, down) pairs, `mx_kernels`) for `rows`
     (token, slot) pairs over E experts whose scale bytes are at most `scale_max` (the `moe_experts` node's
-    checkpoint fact; 255: unknown): the best measured on the H200 (BENCHMARKS.md "MXFP4 rounds (mx26)" and
-    "(mx27)", benchmarks/bench_moe_mxfp4.py, benchmarks/mx_tma_probe.py). One multiply, < 16 rows per
-    expert on average (batch 1; batch 16 of 896 or of 32 experts): 8-row tiles, 32 weight rows on 2 warps
+    checkpoint fact; 255: unknown) on the CUDA device named `device` (None: any): the card's own entry of
+    `MX_DECODE_BY_DEVICE` where it has one for the case, else the best measured on the H200 (BENCHMARKS.md
+    "MXFP4 rounds (mx26)" and "(mx27)", benchmarks/bench_moe_mxfp4.py, benchmarks/mx_tma_probe.py). One multiply,
+    < 16 rows per expert on average (batch 1; batch 16 of 896 or of 32 experts): 8-row tiles, 32 weight rows on 2 warps
     (`mma.sync`, `mx_mma_v2`), 2 stages: on the GPU the Gluon kernels with the words streamed by a 2-stage TMA
     ring, the down kernel capped at 80 registers (maxnreg (up, down) = (None, 80)). Its two kernels were measured in
     mx27's probe (their K loops are the probe's instruction for instruction on the device's Triton): at batch 1 of
@@ -79,6 +88,9 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255) -> tuple:
     32-row tiles; prefill: 128 × 128 tiles. two_muls (exact for every E8M0 scale) unless scale_max ≤
     ONE_MUL_MAX_SCALE, where the one-multiply decoding is exact too (4-6 % less time with 16-row tiles)."""
     two = scale_max > ONE_MUL_MAX_SCALE
+    tuned = MX_DECODE_BY_DEVICE.get(device) if not two and rows < 4 * E else None
+    if tuned:
+        return tuned
     if not two and rows < 16 * E:
         return (8, 32, 256, 2, 2, two, (None, 80), (1, 0) if rows < 4 * E else (2, 0))
     if rows < 4 * E:
