@@ -175,8 +175,8 @@ def main():
         # finalize: compile the kernels on a warm-up and add them to the artifact
         session = k3c.load(art, "cuda", finalize="finalize" not in skip)
         res["finalize"] = session.finalized
-    if "load_and_finalize" in res.get("errors", {}):     # nothing after this runs without the session
-        print("the artifact did not load (errors.load_and_finalize): no k3c phase can run", flush=True)
+    if "load_and_finalize" in res.get("errors", {}):     # stop rather than report each later phase failing too
+        print("the artifact did not load (errors.load_and_finalize): the later phases are not run", flush=True)
         return
 
     # ---- first logits after load, fresh process, empty Triton cache -----------------------------------------

@@ -5,25 +5,24 @@ loads, and how fast can the device read the same bytes at all (BENCHMARKS.md "MX
 - `linear`: one plain Triton kernel reads a contiguous buffer of the up kernel's word bytes (and a 4 GB one) in
   16 KB blocks, XOR-folding them (the best read rate of this device for those bytes);
 - `copy`: a torch device-to-device copy of 4 GB, counting bytes read + written;
-- `stream,BR,BK,STAGES,MODE[,CTAS][,lin][,pfN]`: `stream_kernel`, the up kernel's grid (tiles × I/BR CTAs of BR weight
-  rows, BR/16 warps) and its TMA ring of STAGES stages over w1 and w3, with MODE 0: wait for each stage and
-  refill it (the copies alone); 1: also read each thread's words back from shared memory (`gl_stage_words`, the
-  decode kernels' `LDS.128`) and XOR-fold them; 2: as 1 with a CTA barrier before each refill; 3: the up kernel's
-  decoding and `mma.sync`s of those words (`gl_decoded_tile`, gate and up) with constant scale bytes and
-  activations (the up kernel without its activation and scale loads, its GLU and its store; BK > 256: each
-  256-wide box of a stage in turn); 4: as
-  3 with the activations read from shared memory every K tile (`gl_act_operand` of an `LDS` in the kernels'
-  activation layout: what a ring staging them beside the words would cost in instructions and registers).
-  CTAS: shared memory padded so that at most CTAS CTAs fit an SM (the library's up kernel has 8 by its
-  registers), 0 or absent: none. `lin`: each CTA reads the same bytes in address order (boxes of BR·128
-  contiguous bytes) instead of the decode kernels' [BR weight rows, 32 words] boxes, whose rows lie D/2 bytes
-  apart. `pfN`: every N K tiles each weight row's bytes of the next N tiles are asked of L2 as one run
-  (`cp.async.bulk.prefetch.L2`), so DRAM sees N·128-byte runs of a row; `plN`: the same lines, one
-  `prefetch.global.L2` each. `grp`: the ring refills its STAGES − 1 free stages together every
-  STAGES − 1 K tiles (so each row's next pieces are asked of DRAM back to back: (STAGES − 1)·128-byte runs)
-  instead of one stage every tile. `bm16`: modes 3 and 4 multiply 16 token columns (two n8 `mma.sync`s a k16
-  step) instead of 8, over the 16-token tile schedule. BK > 256 (a multiple of 256 dividing D): a K tile is BK/256 boxes side by
-  side a matrix, each weight row read in runs of BK/2 bytes;
+- `stream,BR,BK,STAGES,MODE[,CTAS][,lin][,grp][,pfN|plN][,bm16]`: `stream_kernel`, the up kernel's grid
+  (tiles × I/BR CTAs of BR weight rows, BR/16 warps) and its TMA ring of STAGES stages over w1 and w3, with MODE 0:
+  wait for each stage and refill it (the copies alone); 1: also read each thread's words back from shared memory
+  (`gl_stage_words`, the decode kernels' `LDS.128`) and XOR-fold them; 2: as 1 with a CTA barrier before each
+  refill; 3: the up kernel's decoding and `mma.sync`s of those words (`gl_decoded_tile`, gate and up) with
+  constant scale bytes and activations (the up kernel without its activation and scale loads, its GLU and its
+  store; BK > 256: each 256-wide box of a stage in turn); 4: as 3 with the activations read from shared memory
+  every K tile (`gl_act_operand` of an `LDS` in the kernels' activation layout: what a ring staging them beside the
+  words would cost in instructions and registers). CTAS: shared memory padded so that at most CTAS CTAs fit an SM
+  (the library's up kernel has 8 by its registers), 0 or absent: none. `lin`: each CTA reads the same bytes in
+  address order (boxes of BR·128 contiguous bytes) instead of the decode kernels' [BR weight rows, 32 words] boxes,
+  whose rows lie D/2 bytes apart. `grp`: the ring refills its STAGES − 1 free stages together every STAGES − 1 K
+  tiles (each row's next pieces asked of DRAM back to back: (STAGES − 1)·128-byte runs), as the library's ring
+  does (`gl_ring_refill`), instead of one stage every tile. `pfN`: every N K tiles each weight row's bytes of the
+  next N tiles are asked of L2 as one run (`cp.async.bulk.prefetch.L2`), so DRAM sees N·128-byte runs of a row;
+  `plN`: the same lines, one `prefetch.global.L2` each. `bm16`: modes 3 and 4 multiply 16 token columns (two n8
+  `mma.sync`s a k16 step) instead of 8, over the 16-token tile schedule. BK > 256 (a multiple of 256 dividing D):
+  a K tile is BK/256 boxes side by side a matrix, each weight row read in runs of BK/2 bytes;
 - `lib`: the library's decode default at that batch (`mx_round.default_variant`), its up and down kernels timed
   apart, its output first compared with `launch_moe_experts`.
 

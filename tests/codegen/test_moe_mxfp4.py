@@ -5,10 +5,12 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from k3c.codegen.triton import moe
-from k3c.codegen.triton.moe_mxfp4 import (mx_block_k, mx_config_from_text, mx_default_config, mx_kernels,
-                                         mx_permute, mx_permuted_col, mxfp4_scales, mxfp4_weight_tile)
+from k3c.codegen.triton.moe_mxfp4 import (MX_DECODE_BY_DEVICE, mx_block_k, mx_config_from_text, mx_default_config,
+                                         mx_kernels, mx_permute, mx_permuted_col, mxfp4_scales, mxfp4_weight_tile)
 from k3c.codegen.triton.moe_mxfp4_gluon import (gl_act_ahead, gl_permute, gl_permuted_col, gl_word_descs,
                                                gluon_decode_ok)
 from k3c.ir.formats import mxfp4_dequantize
@@ -298,6 +300,24 @@ def test_mx_config_text():
             mx_config_from_text(bad)
 
 
+@settings(max_examples=200, deadline=None)
+@given(D=st.integers(1, 64).map(lambda n: 128 * n), I=st.integers(1, 64).map(lambda n: 128 * n),
+       E=st.sampled_from([8, 32, 896]), tokens=st.integers(1, 64))
+def test_a_cards_own_decode_config_takes_every_shape_the_default_takes(D, I, E, tokens):
+    # a card's entry (`MX_DECODE_BY_DEVICE`) must not send a shape the default runs on the Gluon kernels to the
+    # slower Triton kernels; it applies below 4 rows per expert with one multiply, and nowhere else
+    rows = 16 * tokens
+    default = mx_default_config(rows, E, 122)
+    for device, tuned in MX_DECODE_BY_DEVICE.items():
+        cfg = mx_default_config(rows, E, 122, device)
+        assert cfg == (tuned if rows < 4 * E else default)
+        assert mx_default_config(rows, E, 255, device) == mx_default_config(rows, E, 255)
+        (_, bk1, *_), (_, bk2, *_) = mx_kernels(default)
+        (_, tk1, *_), (_, tk2, *_) = mx_kernels(cfg)
+        if gluon_decode_ok(default, D, I, mx_block_k(D, bk1), mx_block_k(I, bk2)):
+            assert gluon_decode_ok(cfg, D, I, mx_block_k(D, tk1), mx_block_k(I, tk2))
+
+
 def test_word_descriptors():
     # w u8 [E, R, C/2] as i32 words [E·R, C/8], [BLOCK_R, BLOCK_K/8]-word boxes, one K tile row = BLOCK_K/2 bytes,
     # swizzled by that width; the descriptor is host data, built here without a GPU
@@ -321,7 +341,8 @@ def test_word_descriptors():
                                        (8, 32, 128, 2, 2, False, None, (2, 2)), (8, 32, 128, 2, 1, True, None, (2, 2)),
                                        (16, 16, 128, 1, 3, False, None, (2, 2)),
                                        (8, 32, (128, 256), 2, (1, 2), False, (80, 80), (2, 0)),
-                                       (16, (16, 32), 128, (1, 2), (3, 1), True, None)])
+                                       (16, (16, 32), 128, (1, 2), (3, 1), True, None),
+                                       (8, 32, 256, 2, (4, 2), False, (None, 80), (1, 0))])
 @pytest.mark.parametrize("N", [1, 5, 12])
 def test_gluon_matches_triton_and_reference(N, mx_config):
     """The Gluon decode kernels (bf16, K tiles prefetched in registers) against the Triton kernels of the same
@@ -332,9 +353,12 @@ def test_gluon_matches_triton_and_reference(N, mx_config):
     of 256 and 128), register caps (one for the down kernel alone: the decode default), and the activations
     prefetched with the K loop unrolled by two (mode 2, `gl_act_ahead`: four K tiles over D and I, so the
     unrolled loop runs twice), and kernels with fields of their own (`mx_kernels`: the up kernel's register
-    stream of 128-wide K tiles beside the down kernel's TMA ring of 256)."""
-    (_, bk1, *_), (_, bk2, *_) = mx_kernels(mx_config)
+    stream of 128-wide K tiles beside the down kernel's TMA ring of 256). A ring of 3 or more stages gets twice
+    its stages' K tiles, so that every stage is refilled and every mbarrier phase flips (`gl_ring_refill`; the
+    last config is the H100 SXM's own decode config, `MX_DECODE_BY_DEVICE`)."""
+    (_, bk1, _, s1, _), (_, bk2, _, s2, _) = mx_kernels(mx_config)
     D, I = (4 * bk1, 4 * bk2) if len(mx_config) > 7 else (512 if bk1 == 256 else 256, 256)
+    D, I = (max(D, 2 * s1 * bk1) if s1 > 2 else D), (max(I, 2 * s2 * bk2) if s2 > 2 else I)
     assert gluon_decode_ok(mx_config, D, I, mx_block_k(D, bk1), mx_block_k(I, bk2))
     z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(2, N, 4, 6, D, I)
     y, y_triton = torch.full_like(z, float("nan")), torch.full_like(z, float("nan"))

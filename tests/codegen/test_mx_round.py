@@ -76,8 +76,8 @@ def test_default_variant_is_the_launchers_decode_default():
     assert mx_round.variant_config("8,32,2,2,0,0,80") == mx_default_config(16 * 16, 32, 122)
     # a card with its own decode config below 4 rows per expert (`MX_DECODE_BY_DEVICE`: the H100 SXM, run N)
     h100 = "NVIDIA H100 80GB HBM3"
-    assert mx_round.default_variant(1, h100) == "8,32,4/2,2,0,0,80"
-    assert mx_round.variant_config("8,32,4/2,2,0,0,80") == mx_default_config(16, 32, 122, h100)
+    assert mx_round.default_variant(1, h100) == "8,32,4/2,1,0,0,80"
+    assert mx_round.variant_config("8,32,4/2,1,0,0,80") == mx_default_config(16, 32, 122, h100)
     assert mx_round.default_variant(16, h100) == "8,32,2,2,0,0,80"
     assert mx_round.default_variant(1, "NVIDIA H200") == "8,32,2,1,0,0,80"
     assert mx_round.variant_config("8,32,2,2,2,80,80") == (8, 32, 256, 2, 2, False, (80, 80), (2, 2))

@@ -51,8 +51,8 @@ from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl
                                                gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
                                                gl_permuted_col, gl_ring_fill, gl_ring_init, gl_ring_refill,
                                                gl_stage_words, gl_tile_rows, gl_word_descs, gl_word_offsets,
-                                               gl_words2d_layout,
-                                               gluon_decode_ok, moe_down_mx_gluon_kernel, moe_up_mx_gluon_kernel)
+                                               gl_words2d_layout, gluon_decode_ok, moe_down_mx_gluon_kernel,
+                                               moe_up_mx_gluon_kernel)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 
@@ -264,7 +264,8 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     num_stages and maxnreg each one value or an (up, down) pair, `mx_kernels`) and a
     precomputed `schedule` (`moe_schedule(ids, E, BLOCK_M)`). scale_max: an upper bound on the MXFP4 scale bytes
     (the node's `scale_max`, read from the checkpoint; 255: unknown), which picks the decoding
-    (`mx_default_config`). gluon: None runs the Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon) for bf16
+    (`mx_default_config`, given z's CUDA device name: a card may have its own decode config,
+    `MX_DECODE_BY_DEVICE`). gluon: None runs the Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon) for bf16
     z on a GPU wherever `gluon_decode_ok` takes the configuration, False never (the Triton kernels; benchmarks).
     Raises ValueError on mismatched shapes.
     """

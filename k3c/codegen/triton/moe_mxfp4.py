@@ -40,10 +40,9 @@ too narrow for cp.async: it became a synchronous global load plus a shared-memor
 barriers per matrix) in every K iteration, 7-14 % of the decode time (BENCHMARKS.md).
 
 Public API: `ONE_MUL_MAX_SCALE`, `MX_DECODE_BY_DEVICE`, `mx_default_config(rows, E, scale_max, device)`,
-`mx_config_from_text(text)`,
-`mx_kernels(mx_config)` (the up and down kernels' own fields of an mx_config), `mx_mma_v2(num_warps)`,
-`mx_block_k(K)`, `mx_permute(x, block_k, out, v2)`, the jit helpers and `moe_up_mx_kernel`, `moe_down_mx_kernel`
-(launched by `launch_moe_experts`).
+`mx_config_from_text(text)`, `mx_kernels(mx_config)` (the up and down kernels' own fields of an mx_config),
+`mx_mma_v2(num_warps)`, `mx_block_k(K)`, `mx_permute(x, block_k, out, v2)`, the jit helpers and
+`moe_up_mx_kernel`, `moe_down_mx_kernel` (launched by `launch_moe_experts`).
 """
 
 from __future__ import annotations
@@ -60,10 +59,12 @@ ONE_MUL_MAX_SCALE = 128
 
 #: decode configurations measured faster than `mx_default_config`'s own on a card, by its CUDA device name
 #: (`torch.cuda.get_device_name`), for the one-multiply decoding below 4 rows per expert (batch 1 of 32 experts,
-#: batch ≤ 224 of 896). H100 SXM (BENCHMARKS.md "MXFP4 round, run N", three calls): the up kernel on a 4-stage
-#: TMA ring refilled 3 stages at a time with its K loop unrolled by two, 78.2-78.6 us against 81.7-81.8 at batch 1
-#: of 32 experts, bitwise equal; end to end 2.37 against 2.30 TB/s of expert reads, same call
-MX_DECODE_BY_DEVICE = {"NVIDIA H100 80GB HBM3": (8, 32, 256, 2, (4, 2), False, (None, 80), (2, 0))}
+#: batch ≤ 223 of 896). An entry takes the shapes the card's default takes (`gluon_decode_ok`: no unrolled loop,
+#: which needs an even number of K tiles). H100 SXM (BENCHMARKS.md "MXFP4 round, run N"): the up kernel on a
+#: 4-stage TMA ring refilled 3 stages at a time, 78.2-78.5 us against 81.7-81.8 for the default at batch 1 of 32
+#: experts (three calls, bitwise equal); with its K loop unrolled too (mode 2) 78.4-78.6 us, and end to end 2.37
+#: against 2.30 TB/s of expert reads in the same call
+MX_DECODE_BY_DEVICE = {"NVIDIA H100 80GB HBM3": (8, 32, 256, 2, (4, 2), False, (None, 80), (1, 0))}
 
 
 def mx_default_config(rows: int, E: int, scale_max: int = 255, device: str | None = None) -> tuple:
