@@ -88,6 +88,12 @@ def variant_text(bm, up, down):
     return f"{bm},{pair(br1, br2)},{pair(s1, s2)},{a1},{a2},{c1},{c2}" + ("" if bk == "256" else f",{bk}")
 
 
+def this_card():
+    """The CUDA device's name (`torch.cuda.get_device_name`, what `launch_moe_experts` keys its decode configs by),
+    None without a GPU."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
 def default_variant(batch, device=None):
     """The probe variant text of the launcher's decode default at `batch` tokens over E experts (one multiply) on
     the CUDA device named `device` (`mx_default_config`: a card may have its own; None: any)."""
@@ -211,7 +217,7 @@ def prepare_copy(scratch, small, large):
     env = dict(os.environ)
     keep = [p for p in env.get("PYTHONPATH", "").split(":") if p and os.path.realpath(p) != ROOT]
     env["PYTHONPATH"] = ":".join([scratch] + keep)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None       # as the run's launches see it
+    device = this_card()                   # as the run's launches see it
     probe = ("import json, k3c; from k3c.codegen.triton.moe_mxfp4 import mx_default_config as f; "
              f"print(json.dumps([k3c.__file__, f({K}, {E}, 122, {device!r}), f({16 * K}, {E}, 122, {device!r})]))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=scratch, env=env, capture_output=True, text=True)
@@ -253,8 +259,7 @@ def main():
     out, scratch = os.path.realpath(a.out), os.path.realpath(a.scratch)
     if os.path.commonpath([scratch, ROOT]) in (scratch, ROOT):       # the checkout, above it or inside it
         ap.error(f"--scratch {a.scratch!r}: must lie outside the checkout {ROOT} (it is replaced by a copy)")
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    base = {b: default_variant(b, device) for b in BATCHES}
+    base = {b: default_variant(b, this_card()) for b in BATCHES}
     defaults = list(dict.fromkeys(base.values()))
     specs = defaults + [v for v in a.variants.split(";") if v and v not in defaults]
     for spec in specs:

@@ -291,8 +291,9 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     y_slot = take_scratch(scratch, "y_slot", (rows, D), torch.float32, z.device)
     h = take_scratch(scratch, "h", (rows, I), z.dtype, z.device)
     if mx:
-        device = torch.cuda.get_device_name(z.device) if z.is_cuda else None
-        cfg = mx_config or mx_default_config(rows, E, scale_max, device)
+        # the card's name only when the default is asked for (torch caches the device's properties)
+        cfg = mx_config or mx_default_config(rows, E, scale_max,
+                                             torch.cuda.get_device_name(z.device) if z.is_cuda else None)
         BLOCK_M, two_muls = cfg[0], cfg[5]
         (BR1, most1, warps1, stages1, mr_up), (BR2, most2, warps2, stages2, mr_down) = mx_kernels(cfg)
         BK1, BK2 = mx_block_k(D, most1), mx_block_k(I, most2)
