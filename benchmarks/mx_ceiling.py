@@ -12,8 +12,9 @@ loads, and how fast can the device read the same bytes at all (BENCHMARKS.md "MX
   refill; 3: the up kernel's decoding and `mma.sync`s of those words (`gl_decoded_tile`, gate and up) with
   constant scale bytes and activations (the up kernel without its activation and scale loads, its GLU and its
   store; BK > 256: each 256-wide box of a stage in turn); 4: as 3 with the activations read from shared memory
-  every K tile (`gl_act_operand` of an `LDS` in the kernels' activation layout: what a ring staging them beside the
-  words would cost in instructions and registers). CTAS: shared memory padded so that at most CTAS CTAs fit an SM
+  every K tile (`gl_act_operand` of an `LDS` in the kernels' activation layout, 16-byte vectors swizzled by token
+  so that an `LDS.128` is free of bank conflicts: what a ring staging them beside the words would cost in
+  instructions and registers; run N's mode 4 had 8-way conflicts). CTAS: shared memory padded so that at most CTAS CTAs fit an SM
   (the library's up kernel has 8 by its registers), 0 or absent: none. `lin`: each CTA reads the same bytes in
   address order (boxes of BR·128 contiguous bytes) instead of the decode kernels' [BR weight rows, 32 words] boxes,
   whose rows lie D/2 bytes apart. `grp`: the ring refills its STAGES − 1 free stages together every STAGES − 1 K
@@ -94,9 +95,12 @@ def stream_kernel(w1, w3, w1p, w3p, tile_expert_ptr, out_ptr, E: gl.constexpr, D
     x = gl.convert_layout((gl.arange(0, 256, gl.SliceLayout(1, XL))[:, None] +
                            gl.arange(0, BM, gl.SliceLayout(0, XL))[None, :]).to(gl.bfloat16), BL)
     sc = gl.full([W, 2, 8, 4, 2], 120, gl.uint8, gl.SliceLayout(5, WL))
-    if MODE == 4:       # constant activation pairs in shared memory, [128 pairs, BM tokens] token-major
+    if MODE == 4:       # constant activation pairs in shared memory, [128 pairs, BM tokens] token-major, the
+        # 16-byte vectors of a token's row XOR-swizzled by the token (vec 4, 8 phases): the 8 lanes of an LDS.128
+        # phase (tokens g, g + 1 at pairs 8t..) then hit 8 distinct vectors of the 32 banks (run N's unswizzled
+        # layout put all 8 tokens' pairs in the same banks: 8-way conflicts)
         AP: gl.constexpr = gl_layouts(W, 256, BM)[4]
-        act = gl.allocate_shared_memory(gl.int32, [128, BM], gl.SwizzledSharedLayout(1, 1, 1, [0, 1]))
+        act = gl.allocate_shared_memory(gl.int32, [128, BM], gl.SwizzledSharedLayout(4, 1, 8, [0, 1]))
         act.store(gl.convert_layout(gl.full([128, BM], 0x3F803F80, gl.int32, XL), AP))
     PL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
     SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])

@@ -72,8 +72,11 @@ DEVICE_LOOKUP = "MX_DECODE_BY_DEVICE.get(device)"      # mx_default_config's per
 
 def kernel_fields(spec):
     """(BM, up, down) of a probe variant's text: each kernel's (BR, STAGES, ACT, CAP, BK), CAP 0 for none.
-    Raises ValueError naming the text (mx_tma_probe.py's `parse_variant`)."""
+    Raises ValueError naming the text (mx_tma_probe.py's `parse_variant`), or a tiled one (',t': the round's
+    end-to-end copy runs the checkout's word layout; time tiled variants with mx_tma_probe.py)."""
     v = parse_variant(spec)[1]
+    if v["tiled"]:
+        raise ValueError(f"variant {spec!r}: tiled variants are timed by mx_tma_probe.py, not the round")
     return v["block_m"], *((v["block_r"][j], v["stages"][j], v["act_" + k], v["cap_" + k], v["block_k"][j])
                            for j, k in enumerate(("up", "down")))
 

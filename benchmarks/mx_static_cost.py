@@ -165,7 +165,7 @@ def analyse(cfg, experts, batches, kernels):
     row = {"config": list(cfg)}
     if not gluon_decode_ok(cfg, D, I, bk1, bk2):
         return {**row, "refused": "gluon_decode_ok"}
-    common = dict(TWO_MULS=two, BLOCK_M=bm, BLOCK_K2=bk2, E=max(experts), D=D, I=I)
+    common = dict(TWO_MULS=two, BLOCK_M=bm, BLOCK_K2=bk2, E=max(experts), D=D, I=I, TILED=False)   # row-major words
     up, down = kernels
     act_up, act_down = gl_act_ahead(cfg)
     launches = {"up": (up, dict(common, K=K, ACT_SITU=True, BLOCK_D=bk1, ACT_AHEAD=act_up), 2 * bk1, I),

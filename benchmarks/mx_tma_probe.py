@@ -32,6 +32,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton.moe import launch_moe_experts, moe_schedule, moe_sum_kernel  # noqa: E402
+from k3c.runtime.layouts import mx_tile_words  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import (gl_permute, gl_word_descs, moe_down_mx_gluon_kernel,  # noqa: E402
                                                moe_up_mx_gluon_kernel)
 
@@ -46,11 +47,13 @@ class ExpertsOp:
     prefetch mode (`gl_act_ahead`), register cap and K tile; block_r, stages and block_k are (up, down) pairs."""
 
     def __init__(self, w1, w3, w2, s1, s3, s2, block_m, block_r, stages, act_up, act_down, cap_up, cap_down,
-                 block_k=(256, 256)):
+                 block_k=(256, 256), tiled=False):
         self.E, self.s = w1.shape[0], (s1, s3, s2)
-        self.bm, self.br, self.stages, self.bk = block_m, block_r, stages, block_k
-        self.w = tuple(gl_word_descs(w, self.br[j], self.bk[j]) if self.stages[j] > 1 else w.view(torch.int32)
-                       for w, j in ((w1, 0), (w3, 0), (w2, 1)))
+        self.bm, self.br, self.stages, self.bk, self.tiled = block_m, block_r, stages, block_k, tiled
+        words = [mx_tile_words(w) if tiled else w for w in (w1, w3, w2)]     # a tiled copy: the loader's layout
+        self.w = tuple(gl_word_descs(w, self.br[j], self.bk[j], tiled) if self.stages[j] > 1 else w.view(torch.int32)
+                       for w, j in zip(words, (0, 0, 1)))
+        self.words = words
         self.up_opts, self.down_opts = (dict(ACT_AHEAD=int(act), num_warps=br // 16,
                                              **({"maxnreg": cap} if cap else {}))
                                         for act, cap, br in ((act_up, cap_up, block_r[0]),
@@ -61,12 +64,13 @@ class ExpertsOp:
             zp.view(torch.int32), self.w[0], self.w[1], self.s[0], self.s[1], *sched, h,
             ACT["situ_beta"], ACT["situ_linear_beta"], E=self.E, K=K, D=D, I=I, ACT_SITU=True, TWO_MULS=False,
             BLOCK_M=self.bm, BLOCK_R=self.br[0], BLOCK_D=self.bk[0], BLOCK_K2=self.bk[1], STAGES=self.stages[0],
-            **self.up_opts)
+            TILED=self.tiled, **self.up_opts)
 
     def down(self, h, sched, weights, y_slot):
         moe_down_mx_gluon_kernel[(sched[1].shape[0], D // self.br[1])](
             h.view(torch.int32), self.w[2], self.s[2], weights, *sched, y_slot, E=self.E, D=D, I=I, TWO_MULS=False,
-            BLOCK_M=self.bm, BLOCK_R=self.br[1], BLOCK_K2=self.bk[1], STAGES=self.stages[1], **self.down_opts)
+            BLOCK_M=self.bm, BLOCK_R=self.br[1], BLOCK_K2=self.bk[1], STAGES=self.stages[1], TILED=self.tiled,
+            **self.down_opts)
 
 
 #: the fields of a variant, in its text's order (the 8th, the K tile, optional: 256)
@@ -76,12 +80,14 @@ PAIRED = ("block_r", "stages", "block_k")
 
 
 def parse_variant(spec):
-    """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]' (ACT 0..2; caps 0: none; BK, the K tile, 128 or 256,
-    default 256; BR, STAGES and BK each one value for both kernels or 'UP/DOWN') -> (spec, ExpertsOp keyword
-    arguments, every field given: BR, STAGES and BK as (up, down) pairs). Raises ValueError naming the text
-    otherwise."""
+    """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK][,t]' (ACT 0..2; caps 0: none; BK, the K tile, 128 or 256,
+    default 256; BR, STAGES and BK each one value for both kernels or 'UP/DOWN'; t: the words in the tiled layout,
+    `mx_tile_words`) -> (spec, ExpertsOp keyword arguments, every field given: BR, STAGES and BK as (up, down)
+    pairs). Raises ValueError naming the text otherwise."""
+    fields = spec.split(",")
+    tiled = fields[-1] == "t"
     try:
-        f = [tuple(int(x) for x in field.split("/")) for field in spec.split(",")]
+        f = [tuple(int(x) for x in field.split("/")) for field in fields[:len(fields) - tiled]]
     except ValueError:
         f = []
     f += [(256,)] * (len(f) == 7)
@@ -90,7 +96,7 @@ def parse_variant(spec):
             not {*kw["act_up"], *kw["act_down"]} <= {0, 1, 2} or not set(kw["block_k"]) <= {128, 256}:
         raise ValueError(f"variant {spec!r}: expected 7 or 8 fields BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK] "
                          "(integers; BR, STAGES and BK may be UP/DOWN; ACT_UP, ACT_DOWN: 0, 1 or 2; BK: 128 or 256)")
-    return spec, {k: (v * (3 - len(v)) if k in PAIRED else v[0]) for k, v in kw.items()}
+    return spec, {**{k: (v * (3 - len(v)) if k in PAIRED else v[0]) for k, v in kw.items()}, "tiled": tiled}
 
 
 def warm_one(job):

@@ -236,14 +236,18 @@ def _observer(entry: str, tick, log: PassLog | None):
 
 def _schedule(g: Graph, groups: list[KernelGroup], ctx: CompileContext) -> dict:
     """schedule.json's entry for `g`: its inputs, outputs, the types of the values the launches touch, and the
-    launches in order (common fields, the planned scratch buffers of `Backend.scratch`, and the owning backend's
-    `launch_record`); the scratch buffers' types are among the values."""
+    launches in order (common fields, the planned scratch buffers of `Backend.scratch`, the load-time weight
+    layouts of `Backend.weight_layouts`, and the owning backend's `launch_record`); the scratch buffers' types are
+    among the values."""
     backends = {b.name: b for b in ctx.backends}
     launches, used, scratch = [], set(), {}
     for group in groups:
         ln = {"name": group.name, "backend": group.backend, "kind": group.kind,
               "inputs": [v.name for v in group.inputs], "outputs": [v.name for v in group.outputs]}
         ln.update(backends[group.backend].launch_record(group))
+        layouts = backends[group.backend].weight_layouts(group)
+        if layouts:     # weights its kernels read re-laid at load (k3c.runtime.layouts)
+            ln["weight_layouts"] = dict(sorted(layouts.items()))
         specs = backends[group.backend].scratch(group, ctx)
         if specs:  # the planned scratch buffers (plan_memory), by the name the launch function takes each under
             ln["scratch"] = {s.name: s.buffer(group.name) for s in specs}

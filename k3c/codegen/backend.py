@@ -17,6 +17,9 @@ backend
   launch only, so the static plan counts them and the runtime hands them to the launcher instead of the kernel
   allocating at run time. Scratch belongs to an implementation (Triton's grouped MoE GEMMs need h and per-slot
   outputs, a library op none), hence to the backend.
+- `weight_layouts(group)`: weights (value name -> layout name) its kernels read in an order of their own rather
+  than the checkpoint's; `schedule.json` records them per launch and the runtime re-lays each weight once on its
+  device at load (`k3c.runtime.layouts`), so the artifact keeps the checkpoint's bytes.
 
 The claim order comes from the target (`Target.backends`, by kind: GPUs generate Triton, CPUs TVM) with the
 `--backend` preference moved to the front. Adding a backend: one package under `k3c/codegen/` registering a
@@ -97,6 +100,11 @@ class Backend(ABC):
     def scratch(self, group: KernelGroup, ctx) -> list[ScratchSpec]:
         """The scratch buffers one launch of `group` needs (module docstring); `ctx`: the entry's CompileContext."""
         return []
+
+    def weight_layouts(self, group: KernelGroup) -> dict[str, str]:
+        """Weights of `group`'s inputs its kernels read in a load-time layout (value name -> a layout name of
+        `k3c.runtime.layouts.LAYOUTS`; module docstring); none by default."""
+        return {}
 
     def __repr__(self) -> str:
         return f"<backend {self.name}>"

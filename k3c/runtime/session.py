@@ -47,6 +47,7 @@ from k3c.runtime.checks import WEIGHTS, check_memory, check_weights, derive
 from k3c.runtime.frame import Frame
 from k3c.runtime.graphs import DecodeGraph, device_lengths_supported
 from k3c.runtime.launchers import make_launchers
+from k3c.runtime.layouts import apply as apply_layouts
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "cpu", *, cuda_graphs: bool = True,
@@ -130,6 +131,8 @@ class Session:
             t3 = time.perf_counter()
             self.weights = copied.result()
             hashed.result()  # a corrupted file raises ArtifactError here, before anything runs
+        #: weights re-laid on the device for the kernels that read them so (name -> layout; k3c.runtime.layouts)
+        self.weight_layouts = apply_layouts(self.weights, self.schedule, f"{path}/{wfile}")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         #: where the load went, seconds: files read and hash-checked; weights copied and hash-checked (with the

@@ -15,6 +15,7 @@ from k3c.codegen.triton.moe_mxfp4_gluon import (gl_act_ahead, gl_permute, gl_per
                                                gluon_decode_ok)
 from k3c.ir.formats import mxfp4_dequantize
 from k3c.ir.ops import get_op
+from k3c.runtime.layouts import mx_tile_words
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -91,12 +92,12 @@ def test_scales_per_word(block_k):
 
 @triton.jit
 def _decode_kernel(w_ptr, s_ptr, out_ptr, R: tl.constexpr, KDIM: tl.constexpr, BLOCK_K: tl.constexpr,
-                   FAST: tl.constexpr, TWO_MULS: tl.constexpr, V2: tl.constexpr):
+                   FAST: tl.constexpr, TWO_MULS: tl.constexpr, V2: tl.constexpr, TILED: tl.constexpr):
     rows = tl.arange(0, R).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     for k0 in range(0, KDIM, BLOCK_K):
         s = mxfp4_scales(s_ptr, rows, rows < R, k0, KDIM, BLOCK_K, FAST, V2)
-        w = mxfp4_weight_tile(w_ptr, s, rows, rows < R, k0, KDIM, BLOCK_K, FAST, TWO_MULS, V2)
+        w = mxfp4_weight_tile(w_ptr, s, rows, rows < R, k0, KDIM, BLOCK_K, FAST, TWO_MULS, V2, TILED)
         tl.store(out_ptr + rows[:, None] * KDIM + k0 + offs[None, :], w.to(out_ptr.dtype.element_ty))
 
 
@@ -118,21 +119,55 @@ def dequantized(w, s, dtype, v2=False):
     return mx_permute(mxfp4_dequantize(w.cpu(), s.cpu()).to(dtype), 256, v2=v2).to(w.device)
 
 
-def decode(w, s, dtype, fast, two_muls, v2=False, bk=256):
+def decode(w, s, dtype, fast, two_muls, v2=False, bk=256, tiled=False):
+    """The decoded [R, KDIM] of packed w [R, KDIM/2] (row-major; tiled: decoded from its `mx_tile_words` copy)."""
     R, KDIM = w.shape[0], 2 * w.shape[1]
     out = torch.empty(R, KDIM, dtype=dtype, device=w.device)
-    _decode_kernel[(1,)](w.view(torch.int32), s, out, R=R, KDIM=KDIM, BLOCK_K=bk, FAST=fast, TWO_MULS=two_muls,
-                         V2=v2)
+    words = mx_tile_words(w[None])[0] if tiled else w
+    _decode_kernel[(1,)](words.view(torch.int32), s, out, R=R, KDIM=KDIM, BLOCK_K=bk, FAST=fast, TWO_MULS=two_muls,
+                         V2=v2, TILED=tiled)
     return out
 
 
 @pytest.mark.parametrize("v2", [False, True])
 def test_portable_decoding_equals_dequantize(v2):
     """The fp32 decoding (interpreter / fp32 activations): every byte value, E8M0 0 (2^-127) and 255 (NaN),
-    equal to the IR's `mxfp4_dequantize` in the kernels' K order (wgmma's and mma.sync's)."""
-    w, s = random_mxfp4(8, 512, 255, "cuda" if torch.cuda.is_available() else "cpu")
+    equal to the IR's `mxfp4_dequantize` in the kernels' K order (wgmma's and mma.sync's); the same from the
+    words' tiled copy (`mx_tile_words`, 32 rows by two 256-value tiles) with K tiles of 512, 256 and 128."""
+    w, s = random_mxfp4(64 if v2 else 8, 512, 255, "cuda" if torch.cuda.is_available() else "cpu")
     want = dequantized(w, s, torch.float32, v2)
     torch.testing.assert_close(decode(w, s, torch.float32, False, False, v2), want, rtol=0, atol=0, equal_nan=True)
+    if v2:
+        for bk in (512, 256, 128):
+            got = decode(w, s, torch.float32, False, False, v2, bk=bk, tiled=True)
+            assert torch.equal(got.view(torch.int32), decode(w, s, torch.float32, False, False, v2, bk=bk)
+                               .view(torch.int32))
+
+
+def test_tiled_word_layout():
+    """`mx_tile_words` puts word wk of global row r (e·R + r) at `mx_word_offset(r, wk, KW, True)`, which a plain
+    reading of the layout gives: [32 rows, 32 words] tiles along K, then 32-row block by block; the inverse
+    restores the bytes; shapes that are not whole tiles raise ValueError naming the shape."""
+    E, R, K = 2, 64, 768
+    w = torch.randint(0, 256, (E, R, K // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    t = mx_tile_words(w)
+    assert t.shape == w.shape and t.is_contiguous()
+    words, tiled = w.view(torch.int32).reshape(E * R, K // 8), t.view(torch.int32).reshape(-1)
+    KW = K // 8
+    for r in (0, 1, 31, 32, 63, 64, 95, 127):
+        for wk in (0, 1, 31, 32, 33, 63, 64, 95):
+            block, piece = r // 32, wk // 32
+            at = (block * (KW // 32) + piece) * 1024 + (r % 32) * 32 + wk % 32
+            assert tiled[at] == words[r, wk], (r, wk)
+    rows = torch.arange(E * R)[:, None]
+    wk = torch.arange(KW)[None, :]
+    at = ((rows // 32) * (KW // 32) + wk // 32) * 1024 + (rows % 32) * 32 + wk % 32
+    assert torch.equal(tiled[at], words)
+    assert torch.equal(mx_tile_words(t, inverse=True), w)
+    with pytest.raises(ValueError, match=r"MXFP4 words \[2, 48, 384\]: the tiled layout needs rows a multiple of 32"):
+        mx_tile_words(w[:, :48].contiguous())
+    with pytest.raises(ValueError, match="K a multiple of 256"):
+        mx_tile_words(w[:, :, :64].contiguous())
 
 
 @cuda
@@ -205,6 +240,24 @@ def test_launch_mma_v2_order_matches_reference(mx_config):
     moe.launch_moe_experts(*args, y=y, mx_config=mx_config, **attrs)
     (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"}, z, wt, ids, w1, w3, w2, s1, s3, s2)
     torch.testing.assert_close(y.cpu(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_launch_tiled_words_match_row_major():
+    """The launcher over the words' tiled copy (`mx_tile_words`, tiled=True: every kernel addresses them by
+    `mx_word_offset`) gives bitwise the output of the row-major words (fp32 activations: the interpreter's
+    portable decoding; two 32-row blocks and two 256-value K tiles a matrix, so every term of the offset moves);
+    shapes that are not whole tiles raise ValueError naming D and I."""
+    z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(4, 3, 2, 3, 512, 256, device="cpu")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    args = [t.to(dev) for t in (z.float(), wt, ids)]
+    y, y_tiled = (torch.full_like(args[0], float("nan")) for _ in range(2))
+    moe.launch_moe_experts(*args, *(t.to(dev) for t in (w1, w3, w2, s1, s3, s2)), y=y, **attrs)
+    tiled = [mx_tile_words(w).to(dev) for w in (w1, w3, w2)]
+    moe.launch_moe_experts(*args, *tiled, *(t.to(dev) for t in (s1, s3, s2)), y=y_tiled, tiled=True, **attrs)
+    assert not y.isnan().any() and torch.equal(y.view(torch.int32), y_tiled.view(torch.int32))
+    z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(4, 3, 2, 3, 256, 160, device="cpu")
+    with pytest.raises(ValueError, match=r"tiled MXFP4 words need D \(256\) and I \(160\) multiples of 256"):
+        moe.launch_moe_experts(z.float(), wt, ids, w1, w3, w2, s1, s3, s2, y=z.float(), tiled=True, **attrs)
 
 
 @triton.jit
@@ -329,6 +382,12 @@ def test_word_descriptors():
         gl_word_descs(w[:, :, ::2], 32, 256)
     with pytest.raises(ValueError, match="16-byte aligned"):
         gl_word_descs(w.view(-1)[1:1 + 3 * 64 * 480].view(3, 64, 480), 32, 256)
+    # tiled: the rows of the [32 rows, 32 words] tiles one after another, E·R·C/256 of them
+    d = gl_word_descs(w, 32, 256, tiled=True)
+    assert list(d.shape) == [768, 32] and list(d.block_shape) == [32, 32] and d.layout.swizzle_byte_width == 128
+    assert list(gl_word_descs(w, 16, 128, tiled=True).block_shape) == [16, 16]
+    with pytest.raises(ValueError, match="multiple of 128 bytes"):
+        gl_word_descs(w[:, :, :64].contiguous(), 32, 256, tiled=True)
 
 
 @cuda
@@ -370,3 +429,28 @@ def test_gluon_matches_triton_and_reference(N, mx_config):
                                         *(t.cpu() for t in (z.float(), wt, ids, w1, w3, w2, s1, s3, s2)))
     err = ((y.float().cpu() - want).abs().max() / want.abs().max()).item()
     assert err <= 1e-2, err
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("mx_config", [(8, 32, 256, 2, 2, False, (None, 80)),
+                                       (8, 32, 256, 2, (4, 2), False, (None, 80), (1, 0)),
+                                       (8, 32, 256, 2, 1, False, None), (8, 32, 512, 2, 1, True, None),
+                                       (8, 16, 128, 1, 3, True, None), (16, 32, 256, 2, 2, False, 96),
+                                       (8, 32, 128, 2, 2, False, None, (2, 2)), (8, 64, 256, 2, 3, False, None)])
+@pytest.mark.parametrize("N", [1, 12])
+def test_tiled_words_match_row_major_on_gpu(N, mx_config):
+    """bf16 on the GPU: the Gluon kernels (TMA ring of 2-4 stages over the tiled view's boxes, 16- and 32-row
+    blocks, 128-wide K tiles: half a tile's row; the register word stream by `mx_word_offset`, K tiles of 256 and
+    512: two tiles' rows a K tile) and the Triton kernels (`mxfp4_tile_bf16`'s tiled addressing) over the words'
+    tiled copy equal, bitwise, the same kernels over the row-major words. D and I give every ring twice its
+    stages' K tiles and two 32-row blocks an expert."""
+    D, I = 2048, 1024
+    z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(5, N, 4, 6, D, I)
+    tiled = [mx_tile_words(w) for w in (w1, w3, w2)]
+    for gluon in (None, False):
+        y, y_tiled = torch.full_like(z, float("nan")), torch.full_like(z, float("nan"))
+        moe.launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, mx_config=mx_config, gluon=gluon, **attrs)
+        moe.launch_moe_experts(z, wt, ids, *tiled, s1, s3, s2, y=y_tiled, mx_config=mx_config, gluon=gluon,
+                               tiled=True, **attrs)
+        assert not y.isnan().any() and torch.equal(y.view(torch.int16), y_tiled.view(torch.int16)), gluon

@@ -173,15 +173,18 @@ for rows, E in json.loads(sys.argv[1]):
     bm, br, most_k, warps, stages, two, maxnreg = mx_default_config(rows, E, 128)[:7]
     common = dict(E=E, D=D, I=I, FAST=True, TWO_MULS=two, BLOCK_M=bm, BLOCK_R=br, BLOCK_K2=mx_block_k(I, most_k),
                   DOT_PRECISION="tf32", V2=mx_mma_v2(warps))
-    kinds = []
+    kinds, wide = [], []
     caps = maxnreg if isinstance(maxnreg, tuple) else (maxnreg, maxnreg)
-    for cap, kernel, consts in ((caps[0], moe_up_mx_kernel, dict(common, K=K, ACT_SITU=True, V2_H=mx_mma_v2(warps),
-                                                                 BLOCK_D=mx_block_k(D, most_k))),
-                                (caps[1], moe_down_mx_kernel, common)):
-        c = compile_for(kernel, ptr, consts, num_warps=warps, num_stages=stages, maxnreg=cap)
-        ops = {ins.split()[0] for _, ins in sass(c.asm["cubin"])}
-        kinds.append(sorted({o.split(".")[0] for o in ops} & {"HMMA", "HGMMA"}))
-    out[f"{rows},{E}"] = [mx_mma_v2(warps), kinds]
+    for tiled in (False, True):
+        for cap, kernel, consts in ((caps[0], moe_up_mx_kernel, dict(common, K=K, ACT_SITU=True,
+                                                                     V2_H=mx_mma_v2(warps),
+                                                                     BLOCK_D=mx_block_k(D, most_k))),
+                                    (caps[1], moe_down_mx_kernel, common)):
+            c = compile_for(kernel, ptr, dict(consts, TILED=tiled), num_warps=warps, num_stages=stages, maxnreg=cap)
+            ops = [ins.split()[0] for _, ins in sass(c.asm["cubin"])]
+            kinds.append(sorted({o.split(".")[0] for o in ops} & {"HMMA", "HGMMA"}))
+            wide.append(sum(o.startswith(("LDG.E.128", "LDGSTS.E.BYPASS.128")) for o in ops))
+    out[f"{rows},{E}"] = [mx_mma_v2(warps), kinds, wide]
 print(json.dumps(out))
 """
 
@@ -191,7 +194,7 @@ def test_triton_mxfp4_tiles_get_the_mma_their_k_order_assumes():
     # (`mx_mma_v2`: mma.sync for 1-2 warps, wgmma for 4+); Triton picks the MMA by the tile, warps and its version,
     # and a mismatch still computes the same sums but through shared memory. At every regime of
     # `mx_default_config` (decode of 896 experts, batch 16 and 64 of 32 experts, prefill), compiled for sm_90a with
-    # the installed Triton, the SASS holds exactly the MMA the order assumes
+    # the installed Triton, the SASS holds exactly the MMA the order assumes, over row-major and tiled words
     import json
 
     regimes = [(16, 896), (256, 32), (1024, 32), (32768, 32)]   # 8-row Gluon-form tiles to 16 E, then 32, 128
@@ -201,5 +204,7 @@ def test_triton_mxfp4_tiles_get_the_mma_their_k_order_assumes():
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout)
     assert set(got) == {f"{r},{e}" for r, e in regimes}
-    for key, (v2, kinds) in got.items():
-        assert kinds == [["HMMA"] if v2 else ["HGMMA"]] * 2, key
+    for key, (v2, kinds, wide) in got.items():
+        assert kinds == [["HMMA"] if v2 else ["HGMMA"]] * 4, key
+        # the words' tiled layout (`mx_word_offset`) keeps every 16-byte load of the row-major one
+        assert wide[:2] == wide[2:] and min(wide) > 0, (key, wide)

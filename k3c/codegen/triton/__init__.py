@@ -17,6 +17,10 @@ Scratch: a kind whose launch function needs scratch memory registers its declara
 as `scratch` (name -> tensor) through `take_scratch`, which allocates as before when called without (tests and
 benchmarks call launch functions directly).
 
+Load-time weight layouts: a kind whose kernels read some weights in an order of their own (k3c.runtime.layouts)
+registers `@weight_layout("moe_experts") def fn(group) -> dict[str, str]` (value name -> layout); the emitter
+asks the same function, so the module's kernels and the runtime's re-laying agree (`weight_layouts_for`).
+
 Shared pieces of generated modules: `module_header` (comment with the IR lines, imports, NAME, IR_NODES) and
 `launch_head` (the launcher's signature, argument checks and unpacking).
 """
@@ -37,6 +41,7 @@ ScratchFn = Callable[[KernelGroup], list]
 
 _EMITTERS: dict[str, Emitter] = {}
 _SCRATCH: dict[str, ScratchFn] = {}
+_LAYOUTS: dict[str, Callable[[KernelGroup], dict]] = {}
 _SEARCHED = False  # whether `_load_all` has imported the package's other modules
 
 
@@ -65,6 +70,28 @@ def scratch(kind: str) -> Callable[[ScratchFn], ScratchFn]:
         return fn
 
     return deco
+
+
+def weight_layout(kind: str) -> Callable:
+    """Decorator registering `fn(group) -> {value name: layout}` as the load-time weight layouts of triton groups
+    of `kind` (module docstring); raises `UnsupportedError` if a different function already holds the kind."""
+    def deco(fn):
+        prev = _LAYOUTS.get(kind)
+        if prev is not None and (prev.__module__, prev.__qualname__) != (fn.__module__, fn.__qualname__):
+            raise UnsupportedError(f"triton kind {kind!r} has two weight layout declarations ({prev.__module__}, "
+                                   f"{fn.__module__})")
+        _LAYOUTS[kind] = fn
+        return fn
+
+    return deco
+
+
+def weight_layouts_for(group: KernelGroup) -> dict[str, str]:
+    """The weights (value name -> layout) a launch of triton group `group` reads in a load-time layout; none for a
+    kind without a declaration."""
+    _load_all()
+    fn = _LAYOUTS.get(group.kind)
+    return fn(group) if fn is not None else {}
 
 
 def scratch_for(group: KernelGroup) -> list:

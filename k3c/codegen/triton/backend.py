@@ -10,7 +10,7 @@ the launch's planned scratch buffers where its kind declares some (`k3c.codegen.
 from __future__ import annotations
 
 from k3c.codegen.backend import Backend, Emission, ScratchSpec, register_backend
-from k3c.codegen.triton import emit, registered_kinds, scratch_for
+from k3c.codegen.triton import emit, registered_kinds, scratch_for, weight_layouts_for
 from k3c.ir.graph import Node
 from k3c.ir.kernels import KernelGroup
 
@@ -35,6 +35,9 @@ class TritonBackend(Backend):
 
     def scratch(self, group: KernelGroup, ctx) -> list[ScratchSpec]:
         return scratch_for(group)
+
+    def weight_layouts(self, group: KernelGroup) -> dict[str, str]:
+        return weight_layouts_for(group)
 
     @staticmethod
     def module(group: KernelGroup) -> str:

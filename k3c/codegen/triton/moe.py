@@ -40,13 +40,13 @@ import triton
 import triton.language as tl
 
 from k3c.codegen.backend import ScratchSpec
-from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_scratch
+from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_scratch, weight_layout
 from k3c.codegen.triton.gl_common import gl_tma_load, gl_tma_load_named
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (MX_DECODE_BY_DEVICE, ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel,
                                          mx_act_tile, mx_block_k, mx_default_config, mx_kernels, mx_mma_v2, mx_permute,
-                                         mx_permuted_col, mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16,
-                                         mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
+                                         mx_permuted_col, mx_word_offset, mxfp4_scale_bf16, mxfp4_scales,
+                                         mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
 from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl_act_offsets, gl_act_operand,
                                                gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
                                                gl_permuted_col, gl_ring_fill, gl_ring_init, gl_ring_refill,
@@ -55,6 +55,7 @@ from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl
                                                moe_up_mx_gluon_kernel)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
+from k3c.runtime.layouts import MX_TILE_K, MX_TILE_ROWS, mx_tiles_ok
 
 
 @triton.jit
@@ -248,7 +249,8 @@ def moe_schedule(ids, E, BLOCK_M, use_kernel=None):
 
 
 def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, situ_linear_beta,
-                       blocks=None, schedule=None, mx_config=None, scratch=None, scale_max=255, gluon=None):
+                       blocks=None, schedule=None, mx_config=None, scratch=None, scale_max=255, gluon=None,
+                       tiled=False):
     """z [N, D] (unit-stride rows any stride apart: read in place), weights f32 [N, k], ids int [N, k] (< 0: unused),
     w1/w3 [E, I, D], w2 [E, D, I] -> y [N, D].
 
@@ -267,7 +269,9 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     (`mx_default_config`, given z's CUDA device name: a card may have its own decode config,
     `MX_DECODE_BY_DEVICE`). gluon: None runs the Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon) for bf16
     z on a GPU wherever `gluon_decode_ok` takes the configuration, False never (the Triton kernels; benchmarks).
-    Raises ValueError on mismatched shapes.
+    tiled: the MXFP4 words w1/w3/w2 are in the runtime's `mxfp4_tiles` layout (k3c.runtime.layouts) (same shapes; every kernel addresses them by
+    `mx_word_offset`), which needs D and I multiples of MX_TILE_K (256). Raises ValueError on mismatched shapes
+    or a tiled layout the shapes cannot take.
     """
     N, D = z.shape
     E, I = w1.shape[:2]
@@ -281,6 +285,8 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         raise ValueError(f"moe_experts: z {z.dtype}{list(z.shape)}, ids {list(ids.shape)}, w1 {list(w1.shape)}, "
                          f"w2 {list(w2.shape)}, {len(scales)} scales, y {list(y.shape)} mismatch "
                          "(MXFP4: z f32 or bf16)")
+    if tiled and not (mx and mx_tiles_ok(I, D) and mx_tiles_ok(D, I)):
+        raise ValueError(f"moe_experts: tiled MXFP4 words need D ({D}) and I ({I}) multiples of {MX_TILE_K}")
     if N == 0:
         return
     if z.stride(-1) != 1 and D > 1:  # unit-stride rows any stride apart (a fused GEMM's columns) are read in place
@@ -308,17 +314,17 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
             zp = gl_permute(z, BK1, out=zp)
             act_up, act_down = gl_act_ahead(cfg)
             # num_stages ≥ 2: the TMA ring, which takes the words by descriptor
-            w1a, w3a = (gl_word_descs(w, BR1, BK1) if stages1 > 1 else w.view(torch.int32) for w in (w1, w3))
-            w2a = gl_word_descs(w2, BR2, BK2) if stages2 > 1 else w2.view(torch.int32)
+            w1a, w3a = (gl_word_descs(w, BR1, BK1, tiled) if stages1 > 1 else w.view(torch.int32) for w in (w1, w3))
+            w2a = gl_word_descs(w2, BR2, BK2, tiled) if stages2 > 1 else w2.view(torch.int32)
             moe_up_mx_gluon_kernel[(max_tiles, I // BR1)](
                 zp.view(torch.int32), w1a, w3a, scales[0], scales[1], *schedule, h,
                 float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ",
                 TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BR1, BLOCK_D=BK1, BLOCK_K2=BK2,
-                STAGES=stages1, ACT_AHEAD=act_up, **up_opts)
+                STAGES=stages1, ACT_AHEAD=act_up, TILED=tiled, **up_opts)
             moe_down_mx_gluon_kernel[(max_tiles, D // BR2)](
                 h.view(torch.int32), w2a, scales[2], weights, *schedule, y_slot, E=E, D=D, I=I,
                 TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BR2, BLOCK_K2=BK2, STAGES=stages2,
-                ACT_AHEAD=act_down, **down_opts)
+                ACT_AHEAD=act_down, TILED=tiled, **down_opts)
             moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
             return
         v2_up, v2_down = mx_mma_v2(warps1), mx_mma_v2(warps2)
@@ -327,11 +333,11 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
             zp, w1.view(torch.int32), w3.view(torch.int32), scales[0], scales[1], *schedule, h,
             float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ", FAST=fast,
             TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BR1, BLOCK_D=BK1, BLOCK_K2=BK2,
-            DOT_PRECISION=precision, V2=v2_up, V2_H=v2_down, num_stages=stages1, **up_opts)
+            DOT_PRECISION=precision, V2=v2_up, V2_H=v2_down, TILED=tiled, num_stages=stages1, **up_opts)
         moe_down_mx_kernel[(max_tiles, triton.cdiv(D, BR2))](
             h, w2.view(torch.int32), scales[2], weights, *schedule, y_slot, E=E, D=D, I=I, FAST=fast,
             TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BR2, BLOCK_K2=BK2, DOT_PRECISION=precision, V2=v2_down,
-            num_stages=stages2, **down_opts)
+            TILED=tiled, num_stages=stages2, **down_opts)
     else:
         BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N = blocks or (16 if rows < 16 * E else 64, 64, 64, 64)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
@@ -386,6 +392,21 @@ def moe_experts_scratch(group: KernelGroup) -> list[ScratchSpec]:
     return out
 
 
+@weight_layout("moe_experts")
+def moe_experts_layouts(group: KernelGroup) -> dict[str, str]:
+    """The load-time layouts of one `moe_experts` launch's weights: MXFP4 words w1, w3, w2 in the runtime's
+    `mxfp4_tiles` (k3c.runtime.layouts; each K tile of a decode CTA one contiguous 4 KB run) where D and I are
+    multiples of MX_TILE_K, so every matrix's rows and K are whole tiles; none for dense experts or other shapes.
+    Raises UnsupportedError for a group that is not a single moe_experts node."""
+    node, _, _ = one_node(group, "moe_experts")
+    if node.attrs["weight_format"] != "mxfp4":
+        return {}
+    (_, D), I = node.inputs[0].type.shape, node.inputs[3].type.shape[1]
+    if not (isinstance(D, int) and mx_tiles_ok(I, D) and mx_tiles_ok(D, I)):
+        return {}
+    return {v.name: "mxfp4_tiles" for v in node.inputs[3:6]}
+
+
 @emitter("moe_experts")
 def emit_moe_experts(group: KernelGroup) -> str:
     """Module text for one `moe_experts` node: inputs (z, weights, ids, w1, w3, w2[, w1/w3/w2 scales]), outputs
@@ -400,18 +421,23 @@ def emit_moe_experts(group: KernelGroup) -> str:
               ("SCALE_MAX", int(a["scale_max"]), "largest MXFP4 scale byte of the checkpoint (255: unknown)"),
               ("ONE_MUL_MAX_SCALE", ONE_MUL_MAX_SCALE, "one-multiply MXFP4 decoding up to this scale byte"),
               ("MX_DECODE_BY_DEVICE", MX_DECODE_BY_DEVICE, "decode configurations tuned per card"),
-              ("GLUON_BLOCK_MS", GLUON_BLOCK_MS, "token rows of the Gluon decode tiles")]
+              ("GLUON_BLOCK_MS", GLUON_BLOCK_MS, "token rows of the Gluon decode tiles"),
+              ("MX_TILE_ROWS", MX_TILE_ROWS, "weight rows of a tile of the tiled MXFP4 word layout"),
+              ("MX_TILE_K", MX_TILE_K, "values of a row of a tile of the tiled MXFP4 word layout"),
+              ("TILED_WORDS", bool(moe_experts_layouts(group)), "MXFP4 words re-laid at load (mxfp4_tiles)")]
     args = ", ".join(f"inputs[{i}]" for i in ip)
     mx = a["weight_format"] == "mxfp4"
     body = ("def launch(inputs, outputs, sizes, scratch=None):\n"
             f'    """ABI entry: inputs (z, weights, ids, w1, w3, w2{", w1_scale, w3_scale, w2_scale" if mx else ""}), '
             'outputs [y [N,D]], scratch: the planned buffers of moe_experts_scratch (None: allocate)."""\n'
             f"    launch_moe_experts({args}, y=outputs[{op[0]}], act=ACT, situ_beta=SITU_BETA,\n"
-            "                       situ_linear_beta=SITU_LINEAR_BETA, scratch=scratch, scale_max=SCALE_MAX)\n")
+            "                       situ_linear_beta=SITU_LINEAR_BETA, scratch=scratch, scale_max=SCALE_MAX,\n"
+            "                       tiled=TILED_WORDS)\n")
     what = f"{'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'}{', MXFP4 weights' if mx else ''}"
     return _module(group, f"grouped expert GEMMs ({what})", consts,
                    [take_scratch, tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
-                    mx_default_config, mx_kernels, mx_mma_v2, mx_block_k, mx_permute, mx_permuted_col,
+                    mx_default_config, mx_kernels, mx_mma_v2, mx_block_k, mx_permute, mx_permuted_col, mx_tiles_ok,
+                    mx_word_offset,
                     mxfp4_word_bf16, mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32,
                     mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel, _max_i32,
                     moe_schedule_kernel, moe_schedule,

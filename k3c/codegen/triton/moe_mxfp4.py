@@ -194,6 +194,18 @@ def mx_permuted_col(k, BLOCK_K: tl.constexpr, V2: tl.constexpr):
 
 
 @triton.jit
+def mx_word_offset(rows, wk, KW: tl.constexpr, TILED: tl.constexpr):
+    """The offset in i32 words of word wk (int tensor, < KW) of global weight rows `rows` (e·R + r; int tensor)
+    of packed MXFP4 words with KW words a row: row-major, or TILED (the runtime's `mxfp4_tiles` load-time layout,
+    k3c.runtime.layouts: [32 rows, 32 words] tiles along K, then row block by row block). Both are linear in a K tile's start: offset(r, k0/8 + wi) =
+    offset(r, wi) + offset(0, k0/8) for a K tile of 128..512 values at k0 (a multiple of it)."""
+    if TILED:
+        return ((rows // 32) * (KW // 32) + wk // 32) * 1024 + (rows % 32) * 32 + wk % 32
+    else:
+        return rows * KW + wk
+
+
+@triton.jit
 def mxfp4_word_bf16(w, mult, TWO_MULS: tl.constexpr):
     """w u32 (8 codes), mult bf16 (the word's 2^(s − 1), or with TWO_MULS its scale 2^(s − 127)), same shape ->
     8 bf16 tensors: code (s, s + 4) · scale for s = 0..3, i.e. the word's codes 0, 4, 1, 5, 2, 6, 3, 7. PTX sm_90.
@@ -271,14 +283,18 @@ def mxfp4_scale_bf16(s, TWO_MULS: tl.constexpr):
 
 @triton.jit
 def mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, TWO_MULS: tl.constexpr,
-                    V2: tl.constexpr):
+                    V2: tl.constexpr, TILED: tl.constexpr):
     """The bf16 tile [R, BLOCK_K] (module docstring's column order, V2: `mma.sync`'s) of rows `rows` (i64 [R], masked by
     r_ok: 0), in-row columns k0 : k0+BLOCK_K of an MXFP4 matrix (packed bytes read as i32 words [.., KDIM/8]) with
     its scale bytes s (`mxfp4_scales`, FAST), from 16-byte loads and `mxfp4_word_bf16`. Scale E8M0 0 is 2^-127, 255
-    NaN (TWO_MULS; else s ≤ 128 assumed)."""
+    NaN (TWO_MULS; else s ≤ 128 assumed). The words row-major or TILED (`mx_word_offset`): thread group t's CC
+    consecutive words of a row start at a multiple of CC, so with CC dividing 32 (BLOCK_K ≤ 1024) they lie in one
+    32-word piece of the tiled layout too, one 16-byte run or more either way."""
     CC: tl.constexpr = BLOCK_K // 32
     R: tl.constexpr = rows.shape[0]
-    word = (rows * (KDIM // 8) + k0 // 8)[:, None, None] + (tl.arange(0, 4) * CC)[None, :, None] + \
+    tl.static_assert(32 % CC == 0, "K tiles of at most 1024")
+    run = mx_word_offset(0, k0 // 8 + tl.arange(0, 4) * CC, KDIM // 8, TILED)      # [4]: where t's run starts
+    word = mx_word_offset(rows, 0, KDIM // 8, TILED)[:, None, None] + run[None, :, None] + \
         tl.arange(0, CC)[None, None, :]
     w = tl.load(w_ptr + word, mask=r_ok[:, None, None], other=0)
     mult = mxfp4_scale_bf16(s, TWO_MULS)
@@ -293,7 +309,8 @@ def mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
-def mxfp4_tile_f32(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, V2: tl.constexpr):
+def mxfp4_tile_f32(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, V2: tl.constexpr,
+                   TILED: tl.constexpr):
     """`mxfp4_tile_bf16`'s tile in fp32 with the scale bytes s [R, BLOCK_K] (`mxfp4_scales`, not FAST), decoded
     per element from gathered words (portable: fp32 activations, Triton's interpreter). A code (s, em) becomes the
     fp16 pattern s·2^15 | em·2^9 = code · 2^-14 (em < 2: fp16 subnormals, which the fp16 -> fp32 conversion
@@ -304,7 +321,8 @@ def mxfp4_tile_f32(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.con
         k = k0 + 8 * (((col // 8) % 4) * CC + col // 32) + 4 * (col % 2) + (col // 2) % 4
     else:
         k = k0 + 8 * (((col // 2) % 4) * CC + col // 32) + 4 * (col % 2) + 2 * ((col // 16) % 2) + (col // 8) % 2
-    word = tl.load(w_ptr + rows[:, None] * (KDIM // 8) + (k // 8)[None, :], mask=r_ok[:, None], other=0)
+    word = tl.load(w_ptr + mx_word_offset(rows[:, None], (k // 8)[None, :], KDIM // 8, TILED), mask=r_ok[:, None],
+                   other=0)
     code = ((word >> (4 * (k % 8))[None, :]) & 15).to(tl.uint16)
     v = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     s = s.to(tl.int32)
@@ -314,13 +332,13 @@ def mxfp4_tile_f32(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.con
 
 @triton.jit
 def mxfp4_weight_tile(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr,
-                      TWO_MULS: tl.constexpr, V2: tl.constexpr):
+                      TWO_MULS: tl.constexpr, V2: tl.constexpr, TILED: tl.constexpr):
     """The decoded weight tile [R, BLOCK_K] with its scale bytes s (`mxfp4_scales`, same FAST): bf16
-    `mxfp4_tile_bf16` with FAST, else fp32 `mxfp4_tile_f32`."""
+    `mxfp4_tile_bf16` with FAST, else fp32 `mxfp4_tile_f32`; words row-major or TILED (`mx_word_offset`)."""
     if FAST:
-        tile = mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM, BLOCK_K, TWO_MULS, V2)
+        tile = mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM, BLOCK_K, TWO_MULS, V2, TILED)
     else:
-        tile = mxfp4_tile_f32(w_ptr, s, rows, r_ok, k0, KDIM, BLOCK_K, V2)
+        tile = mxfp4_tile_f32(w_ptr, s, rows, r_ok, k0, KDIM, BLOCK_K, V2, TILED)
     return tile
 
 
@@ -339,9 +357,10 @@ def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_exp
                      D: tl.constexpr, I: tl.constexpr, ACT_SITU: tl.constexpr, FAST: tl.constexpr,
                      TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr,
-                     V2_H: tl.constexpr):
+                     V2_H: tl.constexpr, TILED: tl.constexpr):
     """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one tile of sorted rows and BLOCK_R intermediate columns. zp: z [N, D]
-    `mx_permute`d by BLOCK_D; w1/w3 the packed bytes as i32 words [E, I, D/8], scales s1/s3 u8 [E, I, D/32];
+    `mx_permute`d by BLOCK_D; w1/w3 the packed bytes as i32 words [E, I, D/8] (row-major or TILED,
+    `mx_word_offset`), scales s1/s3 u8 [E, I, D/32];
     hp [N·k, I] written in `mx_permute` order of BLOCK_K2 (the down kernel's K tile). V2: z and the weights in
     the `mma.sync` order (`mx_mma_v2` of this launch's warps); V2_H: h in it (`mx_mma_v2` of the down kernel's)."""
     e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
@@ -357,9 +376,9 @@ def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_exp
             s1 = mxfp4_scales(s1_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, V2)
             s3 = mxfp4_scales(s3_ptr, rows, i_ok, d0, D, BLOCK_D, FAST, V2)
             z = mx_act_tile(zp_ptr, token, m_ok, d0, D, BLOCK_D)
-            w = mxfp4_weight_tile(w1_ptr, s1, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2)
+            w = mxfp4_weight_tile(w1_ptr, s1, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2, TILED)
             gate = tl.dot(w.to(z.dtype), z, gate, input_precision=DOT_PRECISION)
-            w = mxfp4_weight_tile(w3_ptr, s3, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2)
+            w = mxfp4_weight_tile(w3_ptr, s3, rows, i_ok, d0, D, BLOCK_D, FAST, TWO_MULS, V2, TILED)
             up = tl.dot(w.to(z.dtype), z, up, input_precision=DOT_PRECISION)
         h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
         col = mx_permuted_col(offs_i, BLOCK_K2, V2_H)
@@ -371,9 +390,11 @@ def moe_up_mx_kernel(zp_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, order_ptr, tile_exp
 def moe_down_mx_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
                        tile_row_end_ptr, y_slot_ptr, E: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                        FAST: tl.constexpr, TWO_MULS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr):
+                       BLOCK_K2: tl.constexpr, DOT_PRECISION: tl.constexpr, V2: tl.constexpr,
+                       TILED: tl.constexpr):
     """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one tile and BLOCK_R output columns; hp [N·k, I] in
-    `mx_permute` order of BLOCK_K2 (V2: the `mma.sync` one); w2 the packed bytes as i32 words [E, D, I/8], scales s2
+    `mx_permute` order of BLOCK_K2 (V2: the `mma.sync` one); w2 the packed bytes as i32 words [E, D, I/8]
+    (row-major or TILED), scales s2
     u8 [E, D, I/32]."""
     e, offs_m, m_ok, slot = expert_tile(tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, order_ptr, tl.program_id(0),
                                         BLOCK_M)
@@ -385,7 +406,7 @@ def moe_down_mx_kernel(hp_ptr, w2_ptr, s2_ptr, weights_ptr, order_ptr, tile_expe
         for i0 in range(0, I, BLOCK_K2):
             s2 = mxfp4_scales(s2_ptr, rows, n_ok, i0, I, BLOCK_K2, FAST, V2)
             h = mx_act_tile(hp_ptr, offs_m, m_ok, i0, I, BLOCK_K2)
-            w = mxfp4_weight_tile(w2_ptr, s2, rows, n_ok, i0, I, BLOCK_K2, FAST, TWO_MULS, V2)
+            w = mxfp4_weight_tile(w2_ptr, s2, rows, n_ok, i0, I, BLOCK_K2, FAST, TWO_MULS, V2, TILED)
             acc = tl.dot(w.to(h.dtype), h, acc, input_precision=DOT_PRECISION)
         weight = tl.load(weights_ptr + slot, mask=m_ok, other=0.0)
         tl.store(y_slot_ptr + slot[None, :] * D + offs_n[:, None], acc * weight[None, :],

@@ -23,7 +23,10 @@ cost no registers and no per-thread instructions. The ring refills its STAGES �
 STAGES − 1 tiles (`gl_ring_refill`; 2 stages: one tile ahead, every tile), so DRAM is asked for each weight
 row's next (STAGES − 1)·BLOCK_K/2 bytes back to back: under the decoding's load, a row read in 128-byte pieces
 a tile apart costs the H200 up to 8 points of its read rate against address order (BENCHMARKS.md "MXFP4 round,
-run N").
+run N"). With TILED words (the runtime's `mxfp4_tiles` load-time layout, k3c.runtime.layouts: [32 rows, 32 words]
+tiles along K, then row block by row block) a box of 32 rows is one contiguous 4 KB run, and a CTA reads its rows'
+bytes in address order; the descriptor is then over the tiles' rows (`gl_word_descs`) and `gl_ring_fill` maps a
+(row, K tile) to the box's place; the register word stream addresses the words by `mx_word_offset`.
 The scale bytes stay one tile ahead in registers; the activations load at use or one tile ahead, as
 `gl_act_ahead` says (mode 2 unrolls the K loop by two so that the prefetched activations and scale bytes need
 no copies; the register word stream's words are still carried).
@@ -60,7 +63,7 @@ from triton.experimental.gluon import language as gl
 
 from k3c.codegen.triton.gl_common import gl_tma_load
 from k3c.codegen.triton.moe_act import glu
-from k3c.codegen.triton.moe_mxfp4 import mx_kernels, mxfp4_scale_bf16, mxfp4_word_bf16
+from k3c.codegen.triton.moe_mxfp4 import mx_kernels, mx_word_offset, mxfp4_scale_bf16, mxfp4_word_bf16
 
 #: token rows per tile the kernels take (the `mma.sync` N: one or two n8 instructions per k16 step)
 GLUON_BLOCK_MS = (8, 16)
@@ -161,16 +164,18 @@ def gl_axis_layout(layout, rank, d):
 
 
 @gluon.jit
-def gl_word_offsets(row0, KDIM: gl.constexpr, W: gl.constexpr, CH: gl.constexpr, WL: gl.constexpr):
+def gl_word_offsets(row0, KDIM: gl.constexpr, W: gl.constexpr, CH: gl.constexpr, WL: gl.constexpr,
+                    TILED: gl.constexpr):
     """(word offsets [W, 2, 8, 4, CH, 4] (WL) of K tile 0 of weight rows row0 + 16w + 8h + g in i32 words
-    [.., KDIM/8], their scale-byte offsets [W, 2, 8, 4, CH] (SliceLayout(5, WL)) in bytes [.., KDIM/32])."""
+    [.., KDIM/8] (row-major or TILED: `mx_word_offset`), their scale-byte offsets [W, 2, 8, 4, CH]
+    (SliceLayout(5, WL)) in bytes [.., KDIM/32])."""
     w = gl.expand_dims(gl.arange(0, W, gl_axis_layout(WL, 6, 0)), (1, 2, 3, 4, 5))
     h = gl.expand_dims(gl.arange(0, 2, gl_axis_layout(WL, 6, 1)), (0, 2, 3, 4, 5))
     g = gl.expand_dims(gl.arange(0, 8, gl_axis_layout(WL, 6, 2)), (0, 1, 3, 4, 5))
     t = gl.expand_dims(gl.arange(0, 4, gl_axis_layout(WL, 6, 3)), (0, 1, 2, 4, 5))
     ch = gl.expand_dims(gl.arange(0, CH, gl_axis_layout(WL, 6, 4)), (0, 1, 2, 3, 5))
     c = gl.expand_dims(gl.arange(0, 4, gl_axis_layout(WL, 6, 5)), (0, 1, 2, 3, 4))
-    woff = (row0 + 16 * w + 8 * h + g) * (KDIM // 8) + t * (4 * CH) + ch * 4 + c
+    woff = mx_word_offset(row0 + 16 * w + 8 * h + g, t * (4 * CH) + ch * 4, KDIM // 8, TILED) + c   # c: one piece
     SL: gl.constexpr = gl.SliceLayout(5, WL)
     w = gl.expand_dims(gl.arange(0, W, gl_axis_layout(SL, 5, 0)), (1, 2, 3, 4))
     h = gl.expand_dims(gl.arange(0, 2, gl_axis_layout(SL, 5, 1)), (0, 2, 3, 4))
@@ -235,18 +240,21 @@ def gl_words2d_layout(W, BLOCK_K):
                                       shape=[16 * W, BLOCK_K // 8])
 
 
-def gl_word_descs(w: torch.Tensor, block_r: int, block_k: int):
-    """TMA descriptor of MXFP4 words w u8 [E, R, C/2] (contiguous, 16-byte aligned) as i32 [E·R, C/8] with
-    [block_r, block_k/8]-word boxes stored with a block_k/2-byte swizzle (`gl_words2d_layout` reads them free of
-    bank conflicts). Raises ValueError for a w TMA cannot address."""
+def gl_word_descs(w: torch.Tensor, block_r: int, block_k: int, tiled: bool = False):
+    """TMA descriptor of MXFP4 words w u8 [E, R, C/2] (contiguous, 16-byte aligned) as i32 [E·R, C/8], or
+    (tiled: the runtime's `mxfp4_tiles` layout, k3c.runtime.layouts; block_r ≤ 32) as i32 [E·R·C/256, 32], the rows of its [32 rows, 32 words]
+    tiles one after another, with [block_r, block_k/8]-word boxes stored with a block_k/2-byte swizzle
+    (`gl_words2d_layout` reads them free of bank conflicts; `gl_ring_fill` gives the coordinates). Raises
+    ValueError for a w TMA cannot address."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     E, R, half = w.shape
-    if not w.is_contiguous() or w.data_ptr() % 16 or half % 16:
+    if not w.is_contiguous() or w.data_ptr() % 16 or half % (128 if tiled else 16):
         raise ValueError(f"moe_experts: MXFP4 words {list(w.shape)} must be contiguous, 16-byte aligned rows of a "
-                         "multiple of 16 bytes for the TMA ring (mx_config num_stages ≥ 2)")
+                         f"multiple of {128 if tiled else 16} bytes for the TMA ring (mx_config num_stages ≥ 2)")
     layout = gl.NVMMASharedLayout(swizzle_byte_width=block_k // 2, element_bitwidth=32, rank=2)
-    return TensorDescriptor.from_tensor(w.view(torch.int32).view(E * R, half // 4), [block_r, block_k // 8], layout)
+    words = w.view(torch.int32).view(E * R * half // 128, 32) if tiled else w.view(torch.int32).view(E * R, half // 4)
+    return TensorDescriptor.from_tensor(words, [block_r, block_k // 8], layout)
 
 
 @gluon.jit
@@ -257,31 +265,41 @@ def gl_stage_words(stage, W: gl.constexpr, CH: gl.constexpr, WL: gl.constexpr):
 
 
 @gluon.jit
-def gl_ring_fill(d1, d3, r1, r3, bar, row, t, NT: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr):
-    """TMA K tile t (< NT, else nothing) of weight rows row.. of d1 (and, PAIR, d3) into stage t % STAGES of
-    ring r1 (r3), completing on that stage's mbarrier of `bar`."""
+def gl_ring_fill(d1, d3, r1, r3, bar, row, t, NT: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
+                 TILED: gl.constexpr):
+    """TMA K tile t (< NT, else nothing) of weight rows row.. (global: e·R + r) of d1 (and, PAIR, d3) into stage
+    t % STAGES of ring r1 (r3), completing on that stage's mbarrier of `bar`; TILED: the descriptors are
+    `gl_word_descs`' tiled view, where the box of a K tile of words k .. (within one 32-word piece) of rows
+    row.. (within one 32-row block) starts at row (⌊row/32⌋·KW/32 + ⌊k/32⌋)·32 + row mod 32, word k mod 32."""
     stage = t % STAGES
     ok = t < NT
+    BW: gl.constexpr = d1.block_type.shape[1]
     BYTES: gl.constexpr = (2 if PAIR else 1) * d1.block_type.nbytes
+    if TILED:
+        k = t * BW
+        at = [((row // 32) * (NT * BW // 32) + k // 32) * 32 + row % 32, k % 32]
+    else:
+        at = [row, t * BW]
     gl.nvidia.hopper.mbarrier.expect(bar.index(stage), BYTES, ok)
-    gl_tma_load(d1, [row, t * d1.block_type.shape[1]], bar.index(stage), r1.index(stage), ok)
+    gl_tma_load(d1, at, bar.index(stage), r1.index(stage), ok)
     if PAIR:
-        gl_tma_load(d3, [row, t * d3.block_type.shape[1]], bar.index(stage), r3.index(stage), ok)
+        gl_tma_load(d3, at, bar.index(stage), r3.index(stage), ok)
 
 
 @gluon.jit
-def gl_ring_refill(d1, d3, r1, r3, bar, row, it, NT: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr):
+def gl_ring_refill(d1, d3, r1, r3, bar, row, it, NT: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
+                   TILED: gl.constexpr):
     """The TMA ring's refill at the top of K tile `it`'s iteration, after tile 0 was issued before the loop
     (`gl_ring_fill`'s arguments): every STAGES − 1 tiles, the STAGES − 1 stages the tiles before `it` freed are
     refilled together with tiles it + 1 .. it + STAGES − 1 (2 stages: tile it + 1 every tile). So each weight
     row's next STAGES − 1 pieces (BLOCK_K/2 bytes each) are asked of DRAM back to back, as one run, rather than
     one piece a tile (BENCHMARKS.md "MXFP4 round, run N")."""
     if STAGES == 2:
-        gl_ring_fill(d1, d3, r1, r3, bar, row, it + 1, NT, STAGES, PAIR)
+        gl_ring_fill(d1, d3, r1, r3, bar, row, it + 1, NT, STAGES, PAIR, TILED)
     else:
         if it % (STAGES - 1) == 0:
             for g in gl.static_range(STAGES - 1):
-                gl_ring_fill(d1, d3, r1, r3, bar, row, it + 1 + g, NT, STAGES, PAIR)
+                gl_ring_fill(d1, d3, r1, r3, bar, row, it + 1 + g, NT, STAGES, PAIR, TILED)
 
 
 @gluon.jit
@@ -299,13 +317,14 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
                            tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, E: gl.constexpr, K: gl.constexpr,
                            D: gl.constexpr, I: gl.constexpr, ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr,
                            BLOCK_M: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_D: gl.constexpr,
-                           BLOCK_K2: gl.constexpr, STAGES: gl.constexpr, ACT_AHEAD: gl.constexpr):
+                           BLOCK_K2: gl.constexpr, STAGES: gl.constexpr, ACT_AHEAD: gl.constexpr,
+                           TILED: gl.constexpr):
     """`moe_up_mx_kernel` (bf16, V2) for one BLOCK_M-row tile (8 or 16) and BLOCK_R intermediate columns:
     h = act(z W1[e]ᵀ, z W3[e]ᵀ) into hp [N·k, I] in `gl_permute` order of BLOCK_K2. zp: z [N, D] (bf16 read as
     i32 pairs) `gl_permute`d by BLOCK_D; s1/s3 u8 [E, I, D/32]; w1/w3: STAGES 1, pointers to i32 words
     [E, I, D/8], loaded one K tile ahead into registers; STAGES ≥ 2, their TMA descriptors (`gl_word_descs`,
     boxes [BLOCK_R, BLOCK_D/8]) streaming through a shared ring of STAGES stages (module docstring, "Word
-    stream"). ACT_AHEAD 0, 1 or 2: where the activations and scale bytes of a K tile come from (`gl_act_ahead`);
+    stream"); TILED: the words in the `mxfp4_tiles` layout. ACT_AHEAD 0, 1 or 2: where the activations and scale bytes of a K tile come from (`gl_act_ahead`);
     a prefetch of the tile past the last wraps to tile 0 (unused)."""
     W: gl.constexpr = BLOCK_R // 16
     CH: gl.constexpr = BLOCK_D // 128
@@ -322,7 +341,7 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
         token = gl.load(order_ptr + offs_m, mask=m_ok, other=0) // K
         zptrs = zp_ptr + gl_act_offsets(token, D, BLOCK_D, PL)     # rows past the tile read token 0, never stored
         i0 = gl.program_id(1) * BLOCK_R
-        woff, soff = gl_word_offsets(e.to(gl.int64) * I + i0, D, W, CH, WL)
+        woff, soff = gl_word_offsets(e.to(gl.int64) * I + i0, D, W, CH, WL, TILED)
         s1p, s3p = s1_ptr + soff, s3_ptr + soff
         s1, s3 = gl.load(s1p), gl.load(s3p)
         if STAGES > 1:
@@ -330,7 +349,7 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
             r1 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_D // 8], w1.layout)
             r3 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_D // 8], w3.layout)
             bar = gl_ring_init(STAGES)
-            gl_ring_fill(w1, w3, r1, r3, bar, row, 0, NT, STAGES, True)
+            gl_ring_fill(w1, w3, r1, r3, bar, row, 0, NT, STAGES, True, TILED)
         else:
             w1p, w3p = w1 + woff, w3 + woff
             c1_n, c3_n = gl.load(w1p), gl.load(w3p)
@@ -346,10 +365,11 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
                 d0 = it * BLOCK_D
                 dn = gl.where(d0 + BLOCK_D < D, d0 + BLOCK_D, 0)
                 if STAGES > 1:
-                    gl_ring_refill(w1, w3, r1, r3, bar, row, it, NT, STAGES, True)
+                    gl_ring_refill(w1, w3, r1, r3, bar, row, it, NT, STAGES, True, TILED)
                 else:
                     c1, c3 = c1_n, c3_n
-                    c1_n, c3_n = gl.load(w1p + dn // 8), gl.load(w3p + dn // 8)   # the last wraps to tile 0: unused
+                    nxt = mx_word_offset(0, dn // 8, D // 8, TILED)
+                    c1_n, c3_n = gl.load(w1p + nxt), gl.load(w3p + nxt)   # the last wraps to tile 0: unused
                 if ACT_AHEAD == 2:      # two register sets, a (z, s1, s3) and b, each loaded after its last use
                     if u == 0:
                         x, t1, t3 = gl_act_operand(z, BLOCK_D, BL), s1, s3
@@ -382,7 +402,8 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
 def moe_down_mx_gluon_kernel(hp_ptr, w2, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
                              tile_row_end_ptr, y_slot_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
                              TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_R: gl.constexpr,
-                             BLOCK_K2: gl.constexpr, STAGES: gl.constexpr, ACT_AHEAD: gl.constexpr):
+                             BLOCK_K2: gl.constexpr, STAGES: gl.constexpr, ACT_AHEAD: gl.constexpr,
+                             TILED: gl.constexpr):
     """`moe_down_mx_kernel` (bf16, V2) for one BLOCK_M-row tile and BLOCK_R output columns: y_slot[(token, slot)]
     = (h W2[e]ᵀ) · weight; hp [N·k, I] (bf16 read as i32 pairs) in `gl_permute` order of BLOCK_K2, s2 u8
     [E, D, I/32]; w2 as the up kernel's w1: i32 words [E, D, I/8] with STAGES 1, else their TMA descriptor;
@@ -401,14 +422,14 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2, s2_ptr, weights_ptr, order_ptr, tile_ex
         offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, PL))
         hptrs = hp_ptr + gl_act_offsets(gl.where(m_ok, offs_m, 0), I, BLOCK_K2, PL)   # rows past the tile: row 0
         n0 = gl.program_id(1) * BLOCK_R
-        woff, soff = gl_word_offsets(e.to(gl.int64) * D + n0, I, W, CH, WL)
+        woff, soff = gl_word_offsets(e.to(gl.int64) * D + n0, I, W, CH, WL, TILED)
         s2p = s2_ptr + soff
         s2 = gl.load(s2p)
         if STAGES > 1:
             row = (e * D + n0).to(gl.int32)
             r2 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_K2 // 8], w2.layout)
             bar = gl_ring_init(STAGES)
-            gl_ring_fill(w2, w2, r2, r2, bar, row, 0, NT, STAGES, False)
+            gl_ring_fill(w2, w2, r2, r2, bar, row, 0, NT, STAGES, False, TILED)
         else:
             w2p = w2 + woff
             c2_n = gl.load(w2p)
@@ -423,10 +444,10 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2, s2_ptr, weights_ptr, order_ptr, tile_ex
                 i0 = it * BLOCK_K2
                 nx = gl.where(i0 + BLOCK_K2 < I, i0 + BLOCK_K2, 0)
                 if STAGES > 1:
-                    gl_ring_refill(w2, w2, r2, r2, bar, row, it, NT, STAGES, False)
+                    gl_ring_refill(w2, w2, r2, r2, bar, row, it, NT, STAGES, False, TILED)
                 else:
                     c2 = c2_n
-                    c2_n = gl.load(w2p + nx // 8)                        # the last wraps to tile 0: unused
+                    c2_n = gl.load(w2p + mx_word_offset(0, nx // 8, I // 8, TILED))   # the last wraps to tile 0
                 if ACT_AHEAD == 2:      # as in the up kernel: register sets a (h, s2) and b
                     if u == 0:
                         x, t2 = gl_act_operand(h, BLOCK_K2, BL), s2

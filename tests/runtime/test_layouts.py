@@ -1,0 +1,109 @@
+"""Load-time weight layouts (k3c.runtime.layouts): the rules the runtime checks in schedule.json, the re-laying of
+a weight, and an artifact whose MXFP4 experts the kernels read in `mxfp4_tiles` end to end against models/k3.py."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # CPU: Triton kernels in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+import k3c  # noqa: E402
+from k3c.compile import CompileOptions, compile_model  # noqa: E402
+from k3c.errors import ArtifactError  # noqa: E402
+from k3c.runtime.layouts import apply, declared, mx_tile_words  # noqa: E402
+from models.config import _TINY_COMMON, K3Config, _shrink  # noqa: E402
+from models.k3 import save_random_checkpoint  # noqa: E402
+
+
+def _schedule(*launches):
+    return {"decode": {"launches": [{"name": f"k{i}", "inputs": ins, **({"weight_layouts": lay} if lay else {})}
+                                    for i, (ins, lay) in enumerate(launches)]}}
+
+
+def test_apply_relays_each_weight_once_and_leaves_the_file_tensor():
+    """Two launches (decode and prefill) asking the same layout of one weight: it is re-laid once, to
+    `mx_tile_words` of it; on the CPU into a copy, so the tensor that maps the artifact's file keeps its bytes;
+    weights no launch names keep theirs."""
+    w = torch.randint(0, 256, (2, 64, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    other = torch.arange(6.0)
+    weights = {"w": w, "b": other}
+    sched = _schedule((["x", "w"], {"w": "mxfp4_tiles"}))
+    sched["prefill"] = _schedule((["y", "w", "b"], {"w": "mxfp4_tiles"}))["decode"]
+    src = w.clone()
+    assert apply(weights, sched, "art/weights") == {"w": "mxfp4_tiles"}
+    assert torch.equal(weights["w"], mx_tile_words(src)) and not torch.equal(weights["w"], src)
+    assert torch.equal(w, src) and weights["b"] is other
+
+
+@pytest.mark.parametrize("launches,match", [
+    ([(["w"], {"w": "bf16_tiles"})], r"launch k0 reads weight w in layout 'bf16_tiles', which this runtime does not"),
+    ([(["x"], {"x2": "mxfp4_tiles"})], r"launch k0 gives a layout to x2, which is not a weight"),
+    ([(["w"], {"w": "mxfp4_tiles"}), (["w"], None)], r"launch k1 reads weight w in the checkpoint's order"),
+])
+def test_inconsistent_layouts_are_artifact_errors(launches, match):
+    weights = {"w": torch.zeros(1, 32, 128, dtype=torch.uint8), "x": torch.zeros(1)}
+    with pytest.raises(ArtifactError, match=match):
+        declared(_schedule(*launches), weights)
+
+
+def test_two_layouts_of_one_weight_and_a_bad_shape_are_artifact_errors(monkeypatch):
+    import k3c.runtime.layouts as layouts
+
+    monkeypatch.setitem(layouts.LAYOUTS, "other", layouts.LAYOUTS["mxfp4_tiles"])
+    weights = {"w": torch.zeros(1, 32, 128, dtype=torch.uint8)}
+    with pytest.raises(ArtifactError, match=r"weight w is asked in layouts 'mxfp4_tiles' and 'other' \(launch k1\)"):
+        declared(_schedule((["w"], {"w": "mxfp4_tiles"}), (["w"], {"w": "other"})), weights)
+    weights = {"w": torch.zeros(1, 48, 128, dtype=torch.uint8)}
+    with pytest.raises(ArtifactError, match=r"art/w.st: weight w cannot take layout 'mxfp4_tiles': torch.uint8 "
+                                            r"\[1, 48, 128\]: expected u8 \[E, R, K/2\] with R a multiple of 32"):
+        apply(weights, _schedule((["w"], {"w": "mxfp4_tiles"})), "art/w.st")
+
+
+def _config() -> K3Config:
+    """K3's structure at the smallest width whose routed experts are whole `mxfp4_tiles` of two K tiles a row
+    (latent and inner width 512; at 256 the layout is the row-major order itself): a KDA layer with a dense MLP,
+    then an MLA layer with the LatentMoE."""
+    over = dict(_TINY_COMMON, num_hidden_layers=2, vocab_size=64, q_lora_rank=32, routed_expert_hidden_size=512,
+                moe_intermediate_size=512, attn_res_block_size=2, num_shared_experts=1)
+    return _shrink("mxfp4-tiles-tiny", "k3", linear_attn_config=dict(kda_layers=[1], full_attn_layers=[2],
+                                                                     num_heads=2, head_dim=16), **over)
+
+
+@pytest.mark.slow
+def test_tiled_experts_end_to_end(tmp_path):
+    """An MXFP4 checkpoint whose experts tile: the artifact stores the checkpoint's bytes, schedule.json asks
+    `mxfp4_tiles` of the three packed matrices for every moe_experts launch, the session holds them re-laid (the
+    tiles of the file's bytes), and the compiled model (its kernels addressing the tiles) matches models/k3.py
+    eager on a 6-token prefill and two decode steps (≤ 1e-4 of the largest logit)."""
+    model = save_random_checkpoint(_config(), tmp_path / "ckpt", seed=5, dtype=torch.float32,
+                                   expert_format="mxfp4").eval()
+    opts = CompileOptions(str(tmp_path / "ckpt"), tmp_path / "art", target="cpu-x86-64", max_batch=1, max_seq=8,
+                          max_prefill=6, dtype="f32", backend="triton")
+    compile_model(opts)
+    s = k3c.load(opts.out, "cpu")
+    moe = [ln for e in s.schedule.values() for ln in e["launches"] if ln["kind"] == "moe_experts"]
+    packed = sorted(k for k in load_file(str(opts.out / "weights/params.safetensors")) if k.endswith("weight_packed"))
+    assert len(packed) == 3 and len(moe) == 2
+    assert all(ln["weight_layouts"] == dict.fromkeys(packed, "mxfp4_tiles") for ln in moe)
+    assert s.weight_layouts == dict.fromkeys(packed, "mxfp4_tiles")
+    stored = load_file(str(opts.out / "weights/params.safetensors"))
+    for k in packed:
+        assert torch.equal(s.weights[k], mx_tile_words(stored[k])) and not torch.equal(s.weights[k], stored[k])
+    tokens = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, cache = model(tokens)
+    got = s.prefill(tokens)
+    assert float((got - want[:, -1:]).abs().max() / want.abs().max()) <= 1e-4
+    nxt = want[:, -1:].argmax(-1)
+    for _ in range(2):
+        with torch.no_grad():
+            want, cache = model(nxt, cache)
+        got = s.decode(nxt)
+        assert float((got - want).abs().max() / want.abs().max()) <= 1e-4
+        nxt = want[:, -1:].argmax(-1)
