@@ -37,7 +37,9 @@ from k3c.atomic import name_too_long, replacing, temporary_sibling
 from k3c.errors import ArtifactError, shown
 from k3c.runtime.encoding import canonical_json, safetensors_chunks
 
-FORMAT_VERSION = 2  # the artifact format this runtime writes and reads; bump on any incompatible change
+#: the artifact format this runtime writes and reads; bump on any incompatible change (3: schedule.json's
+#: `weight_layouts`, weights the runtime must re-lay before the kernels read them: k3c.runtime.layouts)
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 BUILD = "build.json"  # the manifest's fields other than `files`, hashed (format version 2)
 REQUIRED_FILES = (BUILD, "plan.json", "schedule.json", "report.json")

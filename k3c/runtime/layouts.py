@@ -15,10 +15,13 @@ Layouts (`LAYOUTS`):
   lies at word ((r // 32)·(K/256) + wk // 32)·1024 + (r mod 32)·32 + wk mod 32 (`mx_word_offset`,
   k3c.codegen.triton.moe_mxfp4).
 
-This module belongs to the runtime: torch only, no compiler import (the compiler imports it for the layout's
-constants and for its tests). Errors: ArtifactError naming the weight and launch for a layout this runtime does
-not know, two layouts asked of one weight, a weight one launch reads re-laid and another in the checkpoint's
-order, or a weight whose shape the layout cannot take.
+The runtime checks the layouts against the memory-mapped weights before it copies them (`declared`) and re-lays
+them after (`apply`). This module belongs to the runtime: torch only, no compiler import (the compiler imports it
+for the layout's constants, and checks its finished schedule with `declared`). Errors: ArtifactError naming the
+artifact, the weight and the launch, for a malformed `weight_layouts`, a layout this runtime does not know, two
+layouts asked of one weight, a weight one launch reads re-laid and another in the checkpoint's order, or a weight
+whose shape the layout cannot take. The format version of artifacts that name layouts is 3
+(k3c.runtime.artifact.FORMAT_VERSION): a runtime that would ignore them refuses such an artifact.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from k3c.errors import ArtifactError
 
 MX_TILE_ROWS, MX_TILE_K = 32, 256
 #: bytes re-laid at a time (a temporary of this size, not of the whole weight)
-CHUNK_BYTES = 1 << 28
+CHUNK_BYTES = 1 << 26
 
 
 def mx_tiles_ok(R: int, K: int) -> bool:
@@ -51,61 +54,63 @@ def mx_tile_words(w: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     return w.reshape(tiled if inverse else row_major).transpose(2, 3).contiguous().view(E, R, half)
 
 
-def _mxfp4_tiles_in_place(w: torch.Tensor) -> None:
-    """`mx_tile_words` of u8 [E, R, K/2] in place, CHUNK_BYTES of experts at a time."""
-    step = max(1, CHUNK_BYTES // max(1, w[0].numel()))
-    for e in range(0, w.shape[0], step):
-        w[e:e + step] = mx_tile_words(w[e:e + step])
-
-
-#: layout name -> (check(tensor) -> error text or None, in-place transform)
+#: layout name -> (check(tensor) -> what is wrong or None, relaid(tensor) -> a new tensor in the layout). A layout
+#: treats the slices of a weight's first dimension (the experts) independently, so `apply` re-lays a GPU weight in
+#: place a chunk of them at a time.
 LAYOUTS = {
     "mxfp4_tiles": (lambda w: None if w.dtype == torch.uint8 and w.dim() == 3 and
                     mx_tiles_ok(w.shape[1], 2 * w.shape[2]) else
                     f"{w.dtype} {list(w.shape)}: expected u8 [E, R, K/2] with R a multiple of {MX_TILE_ROWS} and K "
-                    f"of {MX_TILE_K}", _mxfp4_tiles_in_place),
+                    f"of {MX_TILE_K}", mx_tile_words),
 }
 
 
-def declared(schedule: dict, weights) -> dict[str, str]:
+def declared(schedule: dict, weights, where: str) -> dict[str, str]:
     """Weight name -> layout, from the launches of `schedule` (entry -> {"launches": [...]}) that read a weight
-    of `weights` (names). Raises ArtifactError (module docstring) for an unknown layout, two layouts of one weight,
-    or a weight re-laid for one launch and read in the checkpoint's order by another."""
+    of `weights` (name -> tensor, before or after the copy), each weight checked against its layout. `where`
+    names the artifact in errors. Raises ArtifactError (module docstring) for a malformed `weight_layouts`, an
+    unknown layout, a name that is not a weight, two layouts of one weight, a weight re-laid for one launch and
+    read in the checkpoint's order by another, or a weight whose dtype or shape its layout cannot take."""
     out: dict[str, str] = {}
     for entry in schedule.values():
         for ln in entry["launches"]:
-            for name, layout in ln.get("weight_layouts", {}).items():
+            asked = ln.get("weight_layouts", {})
+            if not isinstance(asked, dict) or not all(isinstance(v, str) for v in asked.values()):
+                raise ArtifactError(f"{where}: schedule.json launch {ln.get('name')}: weight_layouts must map weight "
+                                    f"names to layout names, got {asked!r:.80}")
+            for name, layout in asked.items():
                 if layout not in LAYOUTS:
-                    raise ArtifactError(f"schedule.json: launch {ln['name']} reads weight {name} in layout "
+                    raise ArtifactError(f"{where}: schedule.json launch {ln['name']} reads weight {name} in layout "
                                         f"{layout!r}, which this runtime does not know ({', '.join(LAYOUTS)})")
                 if name not in weights:
-                    raise ArtifactError(f"schedule.json: launch {ln['name']} gives a layout to {name}, which is "
-                                        "not a weight")
+                    raise ArtifactError(f"{where}: schedule.json launch {ln['name']} gives a layout to {name}, "
+                                        "which is not a weight")
                 if out.setdefault(name, layout) != layout:
-                    raise ArtifactError(f"schedule.json: weight {name} is asked in layouts {out[name]!r} and "
+                    raise ArtifactError(f"{where}: schedule.json asks weight {name} in layouts {out[name]!r} and "
                                         f"{layout!r} (launch {ln['name']})")
     for entry in schedule.values():
         for ln in entry["launches"]:
             for name in ln["inputs"]:
                 if name in out and name not in ln.get("weight_layouts", {}):
-                    raise ArtifactError(f"schedule.json: launch {ln['name']} reads weight {name} in the "
+                    raise ArtifactError(f"{where}: schedule.json launch {ln['name']} reads weight {name} in the "
                                         f"checkpoint's order, another launch in layout {out[name]!r}")
+    for name, layout in sorted(out.items()):
+        bad = LAYOUTS[layout][0](weights[name])
+        if bad:
+            raise ArtifactError(f"{where}: weight {name} cannot take layout {layout!r}: {bad}")
     return out
 
 
-def apply(weights: dict[str, torch.Tensor], schedule: dict, where: str) -> dict[str, str]:
-    """Re-lay every weight of `weights` (name -> tensor on its device; the dict is updated) that `schedule`'s
-    launches read in a layout of their own (`declared`): in place on a GPU (the runtime's own copy), into a copy
-    on the CPU (where the tensor may map the artifact's file). Returns what was done (name -> layout). `where`
-    names the artifact in errors. Raises ArtifactError as `declared` does, or for a weight whose dtype or shape its
-    layout cannot take."""
-    todo = declared(schedule, weights)
-    for name, layout in sorted(todo.items()):
-        check, transform = LAYOUTS[layout]
-        bad = check(weights[name])
-        if bad:
-            raise ArtifactError(f"{where}: weight {name} cannot take layout {layout!r}: {bad}")
-        w = weights[name] if weights[name].is_cuda else weights[name].clone()
-        transform(w)
-        weights[name] = w
-    return todo
+def apply(weights: dict[str, torch.Tensor], layouts: dict[str, str]) -> None:
+    """Re-lay the weights of `weights` (name -> tensor on its device; the dict is updated) named in `layouts`
+    (name -> layout: `declared`'s answer, checked). On a GPU in place (the runtime's own copy), CHUNK_BYTES of the
+    first dimension at a time, so the temporary is at most that; on the CPU, where the tensor may map the
+    artifact's file, into a new tensor."""
+    for name, layout in sorted(layouts.items()):
+        relaid, w = LAYOUTS[layout][1], weights[name]
+        if not w.is_cuda:
+            weights[name] = relaid(w)
+            continue
+        step = max(1, CHUNK_BYTES // max(1, w[0].numel() * w.element_size()))
+        for e in range(0, w.shape[0], step):
+            w[e:e + step] = relaid(w[e:e + step])

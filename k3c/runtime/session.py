@@ -47,7 +47,7 @@ from k3c.runtime.checks import WEIGHTS, check_memory, check_weights, derive
 from k3c.runtime.frame import Frame
 from k3c.runtime.graphs import DecodeGraph, device_lengths_supported
 from k3c.runtime.launchers import make_launchers
-from k3c.runtime.layouts import apply as apply_layouts
+from k3c.runtime import layouts
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "cpu", *, cuda_graphs: bool = True,
@@ -117,6 +117,7 @@ class Session:
             raise ArtifactError(f"{path}: rank {self.rank} of {self.tp} has no weight file {wfile}")
         weights = art.load_tensors(wfile)  # memory-mapped; names, dtypes and shapes checked before any copy
         check_weights(weights, facts, f"{path}/{wfile}")
+        relay = layouts.declared(self.schedule, weights, f"{path}/{wfile}")     # checked before the copy
         self.arena = torch.empty(max(facts.arena_bytes, 1), dtype=torch.uint8, device=self.device)
         self._workdir = Path(tempfile.mkdtemp(prefix="k3c-kernels-"))
         weakref.finalize(self, shutil.rmtree, self._workdir, True)
@@ -131,12 +132,14 @@ class Session:
             t3 = time.perf_counter()
             self.weights = copied.result()
             hashed.result()  # a corrupted file raises ArtifactError here, before anything runs
+        layouts.apply(self.weights, relay)
         #: weights re-laid on the device for the kernels that read them so (name -> layout; k3c.runtime.layouts)
-        self.weight_layouts = apply_layouts(self.weights, self.schedule, f"{path}/{wfile}")
+        self.weight_layouts = relay
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        #: where the load went, seconds: files read and hash-checked; weights copied and hash-checked (with the
-        #: arena allocation), the wall time of the load's second part; kernel code loaded, overlapped with it
+        #: where the load went, seconds: files read and hash-checked; weights copied, hash-checked and re-laid
+        #: (`layouts`; with the arena allocation), the wall time of the load's second part; kernel code loaded,
+        #: overlapped with it
         self.load_seconds = {"verify": t1 - t0, "weights": time.perf_counter() - t1, "kernels": t3 - t2}
         self.pools = {n: torch.zeros(shp, dtype=dt, device=self.device) for n, (dt, shp) in facts.pools.items()}
         # the context of each sequence in device memory, read by decode's context-dependent launches; None where

@@ -245,9 +245,10 @@ def test_launch_mma_v2_order_matches_reference(mx_config):
 def test_launch_tiled_words_match_row_major():
     """The launcher over the words' tiled copy (`mx_tile_words`, tiled=True: every kernel addresses them by
     `mx_word_offset`) gives bitwise the output of the row-major words (fp32 activations: the interpreter's
-    portable decoding; two 32-row blocks and two 256-value K tiles a matrix, so every term of the offset moves);
+    portable decoding; D = I = 512: every matrix has 32-row blocks and two 256-value K tiles a row, so every term of
+    the offset moves, in the up and the down kernel);
     shapes that are not whole tiles raise ValueError naming D and I."""
-    z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(4, 3, 2, 3, 512, 256, device="cpu")
+    z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(4, 3, 2, 3, 512, 512, device="cpu")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     args = [t.to(dev) for t in (z.float(), wt, ids)]
     y, y_tiled = (torch.full_like(args[0], float("nan")) for _ in range(2))
@@ -388,6 +389,8 @@ def test_word_descriptors():
     assert list(gl_word_descs(w, 16, 128, tiled=True).block_shape) == [16, 16]
     with pytest.raises(ValueError, match="multiple of 128 bytes"):
         gl_word_descs(w[:, :, :64].contiguous(), 32, 256, tiled=True)
+    with pytest.raises(ValueError, match="boxes of at most 32 rows and 256 values of 32-row blocks, got 64 rows"):
+        gl_word_descs(w, 64, 256, tiled=True)
 
 
 @cuda

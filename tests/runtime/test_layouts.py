@@ -36,9 +36,26 @@ def test_apply_relays_each_weight_once_and_leaves_the_file_tensor():
     sched = _schedule((["x", "w"], {"w": "mxfp4_tiles"}))
     sched["prefill"] = _schedule((["y", "w", "b"], {"w": "mxfp4_tiles"}))["decode"]
     src = w.clone()
-    assert apply(weights, sched, "art/weights") == {"w": "mxfp4_tiles"}
+    todo = declared(sched, weights, "art/weights")
+    assert todo == {"w": "mxfp4_tiles"}
+    apply(weights, todo)
     assert torch.equal(weights["w"], mx_tile_words(src)) and not torch.equal(weights["w"], src)
     assert torch.equal(w, src) and weights["b"] is other
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_apply_relays_a_gpu_weight_in_place_chunk_by_chunk(monkeypatch):
+    """On a GPU the weight is re-laid in place (the runtime's own copy), a chunk of experts at a time: the same
+    storage afterwards, equal to `mx_tile_words` of the whole, with chunks that split the experts unevenly."""
+    import k3c.runtime.layouts as layouts
+
+    monkeypatch.setattr(layouts, "CHUNK_BYTES", 3 * 64 * 256)      # 3 experts a chunk of 7
+    w = torch.randint(0, 256, (7, 64, 256), dtype=torch.uint8, device="cuda")
+    src, ptr = w.clone(), w.data_ptr()
+    weights = {"w": w}
+    apply(weights, {"w": "mxfp4_tiles"})
+    assert weights["w"].data_ptr() == ptr and torch.equal(weights["w"], mx_tile_words(src))
 
 
 @pytest.mark.parametrize("launches,match", [
@@ -47,22 +64,28 @@ def test_apply_relays_each_weight_once_and_leaves_the_file_tensor():
     ([(["w"], {"w": "mxfp4_tiles"}), (["w"], None)], r"launch k1 reads weight w in the checkpoint's order"),
 ])
 def test_inconsistent_layouts_are_artifact_errors(launches, match):
+    """An unknown layout, a layout of something that is not a weight, and a weight read re-laid by one launch and
+    in the checkpoint's order by another: one ArtifactError naming the artifact, the launch and the weight."""
     weights = {"w": torch.zeros(1, 32, 128, dtype=torch.uint8), "x": torch.zeros(1)}
-    with pytest.raises(ArtifactError, match=match):
-        declared(_schedule(*launches), weights)
+    with pytest.raises(ArtifactError, match="^art/w.st: schedule.json " + match):
+        declared(_schedule(*launches), weights, "art/w.st")
 
 
-def test_two_layouts_of_one_weight_and_a_bad_shape_are_artifact_errors(monkeypatch):
+def test_two_layouts_of_one_weight_a_malformed_entry_and_a_bad_shape_are_artifact_errors(monkeypatch):
+    """Two layouts asked of one weight, a `weight_layouts` that is not a mapping, and a weight whose shape its
+    layout cannot take (checked before any copy): one ArtifactError each."""
     import k3c.runtime.layouts as layouts
 
     monkeypatch.setitem(layouts.LAYOUTS, "other", layouts.LAYOUTS["mxfp4_tiles"])
     weights = {"w": torch.zeros(1, 32, 128, dtype=torch.uint8)}
-    with pytest.raises(ArtifactError, match=r"weight w is asked in layouts 'mxfp4_tiles' and 'other' \(launch k1\)"):
-        declared(_schedule((["w"], {"w": "mxfp4_tiles"}), (["w"], {"w": "other"})), weights)
+    with pytest.raises(ArtifactError, match=r"asks weight w in layouts 'mxfp4_tiles' and 'other' \(launch k1\)"):
+        declared(_schedule((["w"], {"w": "mxfp4_tiles"}), (["w"], {"w": "other"})), weights, "art/w.st")
+    with pytest.raises(ArtifactError, match=r"launch k0: weight_layouts must map weight names to layout names"):
+        declared(_schedule((["w"], ["w", "mxfp4_tiles"])), weights, "art/w.st")
     weights = {"w": torch.zeros(1, 48, 128, dtype=torch.uint8)}
     with pytest.raises(ArtifactError, match=r"art/w.st: weight w cannot take layout 'mxfp4_tiles': torch.uint8 "
                                             r"\[1, 48, 128\]: expected u8 \[E, R, K/2\] with R a multiple of 32"):
-        apply(weights, _schedule((["w"], {"w": "mxfp4_tiles"})), "art/w.st")
+        declared(_schedule((["w"], {"w": "mxfp4_tiles"})), weights, "art/w.st")
 
 
 def _config() -> K3Config:

@@ -45,45 +45,36 @@ _LAYOUTS: dict[str, Callable[[KernelGroup], dict]] = {}
 _SEARCHED = False  # whether `_load_all` has imported the package's other modules
 
 
-def emitter(kind: str) -> Callable[[Emitter], Emitter]:
-    """Decorator registering `fn` as the generator of triton groups of `kind`; raises `UnsupportedError` if a
-    different function already holds the kind."""
-    def deco(fn: Emitter) -> Emitter:
-        prev = _EMITTERS.get(kind)
+def _registrar(table: dict, kind: str, what: str) -> Callable:
+    """A decorator registering its function in `table` under `kind`; it raises `UnsupportedError` naming `what`
+    if a different function already holds the kind (re-registering the same function, as a module reload does,
+    is allowed)."""
+    def deco(fn):
+        prev = table.get(kind)
         if prev is not None and (prev.__module__, prev.__qualname__) != (fn.__module__, fn.__qualname__):
-            raise UnsupportedError(f"triton kind {kind!r} has two emitters ({prev.__module__}, {fn.__module__})")
-        _EMITTERS[kind] = fn
+            raise UnsupportedError(f"triton kind {kind!r} has two {what} ({prev.__module__}, {fn.__module__})")
+        table[kind] = fn
         return fn
 
     return deco
+
+
+def emitter(kind: str) -> Callable[[Emitter], Emitter]:
+    """Decorator registering `fn` as the generator of triton groups of `kind`; raises `UnsupportedError` if a
+    different function already holds the kind."""
+    return _registrar(_EMITTERS, kind, "emitters")
 
 
 def scratch(kind: str) -> Callable[[ScratchFn], ScratchFn]:
     """Decorator registering `fn(group) -> list[ScratchSpec]` as the scratch declaration of triton groups of
     `kind` (module docstring); raises `UnsupportedError` if a different function already holds the kind."""
-    def deco(fn: ScratchFn) -> ScratchFn:
-        prev = _SCRATCH.get(kind)
-        if prev is not None and (prev.__module__, prev.__qualname__) != (fn.__module__, fn.__qualname__):
-            raise UnsupportedError(f"triton kind {kind!r} has two scratch declarations ({prev.__module__}, "
-                                   f"{fn.__module__})")
-        _SCRATCH[kind] = fn
-        return fn
-
-    return deco
+    return _registrar(_SCRATCH, kind, "scratch declarations")
 
 
 def weight_layout(kind: str) -> Callable:
     """Decorator registering `fn(group) -> {value name: layout}` as the load-time weight layouts of triton groups
     of `kind` (module docstring); raises `UnsupportedError` if a different function already holds the kind."""
-    def deco(fn):
-        prev = _LAYOUTS.get(kind)
-        if prev is not None and (prev.__module__, prev.__qualname__) != (fn.__module__, fn.__qualname__):
-            raise UnsupportedError(f"triton kind {kind!r} has two weight layout declarations ({prev.__module__}, "
-                                   f"{fn.__module__})")
-        _LAYOUTS[kind] = fn
-        return fn
-
-    return deco
+    return _registrar(_LAYOUTS, kind, "weight layout declarations")
 
 
 def weight_layouts_for(group: KernelGroup) -> dict[str, str]:

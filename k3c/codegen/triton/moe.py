@@ -269,9 +269,9 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     (`mx_default_config`, given z's CUDA device name: a card may have its own decode config,
     `MX_DECODE_BY_DEVICE`). gluon: None runs the Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon) for bf16
     z on a GPU wherever `gluon_decode_ok` takes the configuration, False never (the Triton kernels; benchmarks).
-    tiled: the MXFP4 words w1/w3/w2 are in the runtime's `mxfp4_tiles` layout (k3c.runtime.layouts) (same shapes; every kernel addresses them by
-    `mx_word_offset`), which needs D and I multiples of MX_TILE_K (256). Raises ValueError on mismatched shapes
-    or a tiled layout the shapes cannot take.
+    tiled: the MXFP4 words w1/w3/w2 are in the runtime's `mxfp4_tiles` layout (k3c.runtime.layouts; same shapes,
+    every kernel addresses them by `mx_word_offset`), which needs D and I multiples of MX_TILE_K (256). Raises
+    ValueError on mismatched shapes or a tiled layout the shapes cannot take.
     """
     N, D = z.shape
     E, I = w1.shape[:2]

@@ -197,8 +197,9 @@ def mx_permuted_col(k, BLOCK_K: tl.constexpr, V2: tl.constexpr):
 def mx_word_offset(rows, wk, KW: tl.constexpr, TILED: tl.constexpr):
     """The offset in i32 words of word wk (int tensor, < KW) of global weight rows `rows` (e·R + r; int tensor)
     of packed MXFP4 words with KW words a row: row-major, or TILED (the runtime's `mxfp4_tiles` load-time layout,
-    k3c.runtime.layouts: [32 rows, 32 words] tiles along K, then row block by row block). Both are linear in a K tile's start: offset(r, k0/8 + wi) =
-    offset(r, wi) + offset(0, k0/8) for a K tile of 128..512 values at k0 (a multiple of it)."""
+    k3c.runtime.layouts: [32 rows, 32 words] tiles along K, then row block by row block). Both are linear in a K
+    tile's start: offset(r, k0/8 + wi) = offset(r, wi) + offset(0, k0/8) for a K tile of 128..512 values at k0 (a
+    multiple of it)."""
     if TILED:
         return ((rows // 32) * (KW // 32) + wk // 32) * 1024 + (rows % 32) * 32 + wk % 32
     else:

@@ -242,13 +242,17 @@ def gl_words2d_layout(W, BLOCK_K):
 
 def gl_word_descs(w: torch.Tensor, block_r: int, block_k: int, tiled: bool = False):
     """TMA descriptor of MXFP4 words w u8 [E, R, C/2] (contiguous, 16-byte aligned) as i32 [E·R, C/8], or
-    (tiled: the runtime's `mxfp4_tiles` layout, k3c.runtime.layouts; block_r ≤ 32) as i32 [E·R·C/256, 32], the rows of its [32 rows, 32 words]
-    tiles one after another, with [block_r, block_k/8]-word boxes stored with a block_k/2-byte swizzle
-    (`gl_words2d_layout` reads them free of bank conflicts; `gl_ring_fill` gives the coordinates). Raises
-    ValueError for a w TMA cannot address."""
+    (tiled: the runtime's `mxfp4_tiles` layout, k3c.runtime.layouts) as i32 [E·R·C/256, 32], the rows of its
+    [32 rows, 32 words] tiles one after another, with [block_r, block_k/8]-word boxes stored with a
+    block_k/2-byte swizzle (`gl_words2d_layout` reads them free of bank conflicts; `gl_ring_fill` gives the
+    coordinates). Raises ValueError for a w TMA cannot address, or tiled boxes of more than 32 rows or 256 values
+    (a box would span two tiles)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     E, R, half = w.shape
+    if tiled and (block_r > 32 or R % 32 or block_k > 256):
+        raise ValueError(f"moe_experts: tiled MXFP4 words {list(w.shape)} take boxes of at most 32 rows and 256 "
+                         f"values of 32-row blocks, got {block_r} rows of {block_k}")
     if not w.is_contiguous() or w.data_ptr() % 16 or half % (128 if tiled else 16):
         raise ValueError(f"moe_experts: MXFP4 words {list(w.shape)} must be contiguous, 16-byte aligned rows of a "
                          f"multiple of {128 if tiled else 16} bytes for the TMA ring (mx_config num_stages ≥ 2)")
@@ -324,8 +328,8 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
     i32 pairs) `gl_permute`d by BLOCK_D; s1/s3 u8 [E, I, D/32]; w1/w3: STAGES 1, pointers to i32 words
     [E, I, D/8], loaded one K tile ahead into registers; STAGES ≥ 2, their TMA descriptors (`gl_word_descs`,
     boxes [BLOCK_R, BLOCK_D/8]) streaming through a shared ring of STAGES stages (module docstring, "Word
-    stream"); TILED: the words in the `mxfp4_tiles` layout. ACT_AHEAD 0, 1 or 2: where the activations and scale bytes of a K tile come from (`gl_act_ahead`);
-    a prefetch of the tile past the last wraps to tile 0 (unused)."""
+    stream"); TILED: the words in the `mxfp4_tiles` layout. ACT_AHEAD 0, 1 or 2: where the activations and scale
+    bytes of a K tile come from (`gl_act_ahead`); a prefetch of the tile past the last wraps to tile 0 (unused)."""
     W: gl.constexpr = BLOCK_R // 16
     CH: gl.constexpr = BLOCK_D // 128
     NT: gl.constexpr = D // BLOCK_D
