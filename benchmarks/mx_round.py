@@ -2,7 +2,8 @@
 the fastest, check the Gluon kernels against the Triton ones. Made for a device budget that may allow one call a
 session: every phase has a wall-clock share, and what finished is written before the next starts.
 
-1. `probe`: benchmarks/mx_tma_probe.py over --variants (its 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]'
+1. `probe`: benchmarks/mx_tma_probe.py --tiled (the words in `mxfp4_tiles`, as the end-to-end session holds
+   them: k3c.runtime.layouts) over --variants (its 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]'
    form, BR, STAGES and BK each one value or 'UP/DOWN'; checked before any GPU work) at the end-to-end
    benchmark's expert count (32) and decode batches 1 and 16. The launcher's defaults at those batches on this
    card (one variant or two: `default_variant`; a card may have its own, `MX_DECODE_BY_DEVICE`) are always among
@@ -72,11 +73,11 @@ DEVICE_LOOKUP = "MX_DECODE_BY_DEVICE.get(device)"      # mx_default_config's per
 
 def kernel_fields(spec):
     """(BM, up, down) of a probe variant's text: each kernel's (BR, STAGES, ACT, CAP, BK), CAP 0 for none.
-    Raises ValueError naming the text (mx_tma_probe.py's `parse_variant`), or a tiled one (',t': the round's
-    end-to-end copy runs the checkout's word layout; time tiled variants with mx_tma_probe.py)."""
+    Raises ValueError naming the text (mx_tma_probe.py's `parse_variant`), or one ending in ',t': the round
+    times every variant over the words as a session holds them, `mxfp4_tiles` (`probe`)."""
     v = parse_variant(spec)[1]
     if v["tiled"]:
-        raise ValueError(f"variant {spec!r}: tiled variants are timed by mx_tma_probe.py, not the round")
+        raise ValueError(f"variant {spec!r}: the round times every variant over the tiled words; drop ',t'")
     return v["block_m"], *((v["block_r"][j], v["stages"][j], v["act_" + k], v["cap_" + k], v["block_k"][j])
                            for j, k in enumerate(("up", "down")))
 
@@ -286,7 +287,7 @@ def main():
         """mx_tma_probe.py over `variants` at `batches` into OUT/name: its rows (none if it failed)."""
         res["phases"][name] = run([sys.executable, "benchmarks/mx_tma_probe.py", "--out", os.path.join(out, name),
                                    "--experts", str(E), "--batches", ",".join(map(str, batches)), "--variants",
-                                   ";".join(variants)], seconds, os.path.join(out, f"{name}.log"))
+                                   ";".join(variants), "--tiled"], seconds, os.path.join(out, f"{name}.log"))
         try:
             with open(os.path.join(out, name, "mx_tma_probe.json")) as f:
                 return json.load(f)["rows"]

@@ -6,7 +6,10 @@ sets it by `gl_act_ahead`), a register cap per kernel and the K tile. Every vari
 with the launcher's default.
 
     python3 benchmarks/mx_tma_probe.py --out DIR [--experts 32,896] [--batches 1,16]
-        [--variants "BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK];..."] [--workers 16] [--launch-only]
+        [--variants "BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK][,t];..."] [--workers 16] [--launch-only]
+        [--tiled]
+A variant ending in ",t" (or every variant, with --tiled) reads the words in the runtime's `mxfp4_tiles` layout,
+as a session of a K3 / K3.1 Pro artifact holds them (k3c.runtime.layouts).
 Writes DIR/mx_tma_probe.json: per (E, N, variant) the max |difference| from the default's output and the time of
 up, down and the whole op (permutation, up, down, slot sum; do_bench_cudagraph), with the expert bytes read over
 that time as a fraction of the measured 4.2 TB/s. Variants compile in --workers processes first; --launch-only
@@ -137,6 +140,7 @@ def main():
                          "none, BK 128 or 256, default 256; BR, STAGES, BK may be UP/DOWN; BM 16: N > 1 only)")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--launch-only", action="store_true", help="one launch per variant, nothing timed (for ncu)")
+    ap.add_argument("--tiled", action="store_true", help="every variant over the words in mxfp4_tiles")
     a = ap.parse_args()
     specs = a.variants.split(";")
     for spec in specs:
@@ -170,6 +174,7 @@ def main():
             y_ref = torch.empty_like(z)
             launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y_ref, scale_max=122, **ACT)
             for name, kw in map(parse_variant, specs):
+                kw = {**kw, "tiled": kw["tiled"] or a.tiled}
                 if kw["block_m"] > 8 and N == 1:
                     continue
                 try:

@@ -172,6 +172,7 @@ def test_the_round_times_the_mix_and_runs_the_end_to_end_benchmark_under_it(tmp_
         calls.append((script, seconds))
         arg = dict(zip(cmd[2::2], cmd[3::2]))
         if script == "mx_tma_probe.py":
+            assert cmd[-1] == "--tiled"        # the words as the end-to-end session holds them (mxfp4_tiles)
             rows = [row(v, b, *times[v, b], 0.0 if v in (base, base16, ring, wide) else 2 ** -7)
                     for b in map(int, arg["--batches"].split(",")) for v in arg["--variants"].split(";")
                     if (v, b) in times]

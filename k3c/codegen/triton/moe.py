@@ -22,13 +22,16 @@ moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (n
   rows per expert: BLOCK_M = 16) streams the packed weights, prefill (BLOCK_M = 128) feeds the tensor cores.
   With bf16 activations on a GPU, 8- and 16-token decode tiles on 1-2 warps run the Gluon versions
   (k3c.codegen.triton.moe_mxfp4_gluon: num_stages 1 prefetches the next K tile's words in registers, ≥ 2 streams
-  them through a TMA ring in shared memory; `gluon_decode_ok`).
+  them through a TMA ring in shared memory; `gluon_decode_ok`). Where D and I are multiples of 256 (K3, K3.1 Pro,
+  Kimi Linear) the artifact asks the runtime to re-lay the packed words at load in 4 KB tiles
+  (`moe_experts_layouts`: the `mxfp4_tiles` layout of k3c.runtime.layouts), and every kernel addresses them so
+  (`mx_word_offset`; the emitted module's TILED_WORDS): a decode CTA then reads its rows in address order.
   Two GEMM kernels rather than one: a single fused act(z W1ᵀ, z W3ᵀ) W2ᵀ program would have to either hold all
   of D in registers or recompute h per output block (re-reading W1/W3 D/BLOCK_N times); split, every expert
   weight is read once per token tile and the grid covers I and D, which decode (few tokens) needs to fill the GPU.
 
 Public API: `emit_moe_route(group)`, `emit_moe_experts(group)` -> module text (registered with
-`k3c.codegen.triton.emitter`); launchers `launch_moe_route`, `launch_moe_experts` (copied into the emitted
+`k3c.codegen.triton.emitter`), `moe_experts_layouts(group)` (registered with `weight_layout`); launchers `launch_moe_route`, `launch_moe_experts` (copied into the emitted
 modules) and the kernels.
 """
 

@@ -41,7 +41,8 @@ barriers per matrix) in every K iteration, 7-14 % of the decode time (BENCHMARKS
 
 Public API: `ONE_MUL_MAX_SCALE`, `MX_DECODE_BY_DEVICE`, `mx_default_config(rows, E, scale_max, device)`,
 `mx_config_from_text(text)`, `mx_kernels(mx_config)` (the up and down kernels' own fields of an mx_config),
-`mx_mma_v2(num_warps)`, `mx_block_k(K)`, `mx_permute(x, block_k, out, v2)`, the jit helpers and
+`mx_mma_v2(num_warps)`, `mx_block_k(K)`, `mx_permute(x, block_k, out, v2)`, the jit helpers (among them
+`mx_word_offset`, the words' address row-major or in the runtime's `mxfp4_tiles` layout) and
 `moe_up_mx_kernel`, `moe_down_mx_kernel` (launched by `launch_moe_experts`).
 """
 
