@@ -24,10 +24,11 @@ loads, and how fast can the device read the same bytes at all (BENCHMARKS.md "MX
   `plN`: the same lines, one `prefetch.global.L2` each. `bm16`: modes 3 and 4 multiply 16 token columns (two n8
   `mma.sync`s a k16 step) instead of 8, over the 16-token tile schedule. BK > 256 (a multiple of 256 dividing D):
   a K tile is BK/256 boxes side by side a matrix, each weight row read in runs of BK/2 bytes;
-- `wgmma,BM,WAIT`: `wgmma_kernel`, mode 3 on `wgmma` (4 warps, 64 weight rows a CTA, BM = 8 or 16 token columns
-  over that tile schedule, WAIT `wgmma`s left in flight after a K tile); compiled offline for sm_90a (Triton 3.6):
-  162 / 170 registers (the two matrices' decoded A operands live while their `wgmma`s run), 3 CTAs an SM, 615
-  instructions a K tile, 32 `HGMMA`s; not measured yet;
+- `wgmma,BM,KSPLIT`: `wgmma_kernel`, mode 3 on `wgmma` (4 warps, 64 weight rows a CTA, BM = 8 or 16 token
+  columns over that tile schedule, each matrix's K tile in KSPLIT `wgmma`s of 256/KSPLIT); compiled offline for
+  sm_90a (Triton 3.6): KSPLIT 1 162 / 170 registers (BM 8 / 16), 3 CTAs an SM; KSPLIT 2 98 / 106, 4 CTAs an SM;
+  616-620 instructions a K tile with 32 `HGMMA`s, against mode 3's 584 with 32 `HMMA`s at 8 tokens and 616 with
+  64 at 16; not measured yet;
 - `lib`: the library's decode default at that batch (`mx_round.default_variant`), its up and down kernels timed
   apart, its output first compared with `launch_moe_experts`.
 
@@ -197,18 +198,19 @@ def box_fill(d1, d3, r1, r3, bar, row, t, NT: gl.constexpr, STAGES: gl.constexpr
 
 @gluon.jit
 def wgmma_kernel(w1, w3, tile_expert_ptr, out_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
-                 BM: gl.constexpr, WAIT: gl.constexpr):
+                 BM: gl.constexpr, KSPLIT: gl.constexpr):
     """Mode 3 on `wgmma` (not measured yet: the candidate for batch 16, BENCHMARKS.md "MXFP4 round, run O"): a
-    warpgroup of 4 warps decodes 64 weight rows a CTA (16 a warp, the same words per thread as `gl_layouts`) from
-    the up kernel's 2-stage TMA ring of 256-wide K tiles straight into `wgmma`'s register A operand (K order
-    32·cc + 16a + 8p + 2t + e: the `DotOperandLayout` of k_width 2, no data moved), and multiplies it with
-    constant activations [BM tokens, 256] bf16 in shared memory (`wgmma`'s B operand, which it reads from there),
-    gate and up each K tile, asynchronously. WAIT: the `wgmma`s left in flight after each K tile (0: both done
-    before the next tile's decoding; 1: the up product runs on under the next gate tile's decoding). Constant scale
-    bytes; out i32 [tiles, I/64] as `stream_kernel`'s."""
+    warpgroup of 4 warps decodes 64 weight rows a CTA (16 a warp) from the up kernel's 2-stage TMA ring of
+    256-wide K tiles straight into `wgmma`'s register A operand (`DotOperandLayout` of k_width 2: no data moved),
+    and multiplies it with constant activations [BM tokens, 256] bf16 in shared memory (`wgmma`'s B operand,
+    read from there), gate and up each K tile. Each matrix's K tile goes in KSPLIT pieces (1: [64, 256] a
+    `wgmma`; 2: [64, 128]), each `wgmma` asynchronous, one left in flight while the next piece is decoded, so
+    the decoded pieces of two `wgmma`s are live at a time. Constant scale bytes; out i32 [tiles, I/64] as
+    `stream_kernel`'s."""
     W: gl.constexpr = 4
     NT: gl.constexpr = D // 256
-    WL: gl.constexpr = gl_layouts(W, 256, BM)[0]
+    BK: gl.constexpr = 256 // KSPLIT
+    WL: gl.constexpr = gl_layouts(W, BK, BM)[0]
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BM, 16])
     AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     XL: gl.constexpr = gl.BlockedLayout([1, 8], [BM, 32 // BM], [W, 1], [1, 0])
@@ -216,7 +218,7 @@ def wgmma_kernel(w1, w3, tile_expert_ptr, out_ptr, E: gl.constexpr, D: gl.conste
                                                                                                  gl.bfloat16))
     act.store(gl.full([BM, 256], 1.0, gl.bfloat16, XL))
     gl.nvidia.hopper.fence_async_shared()
-    sc = gl.full([W, 2, 8, 4, 2], 120, gl.uint8, gl.SliceLayout(5, WL))
+    sc = gl.full([W, 2, 8, 4, BK // 128], 120, gl.uint8, gl.SliceLayout(5, WL))
     gate = gl.zeros([16 * W, BM], gl.float32, ACC)
     up = gl.zeros([16 * W, BM], gl.float32, ACC)
     tile = gl.program_id(0)
@@ -227,31 +229,38 @@ def wgmma_kernel(w1, w3, tile_expert_ptr, out_ptr, E: gl.constexpr, D: gl.conste
         r3 = gl.allocate_shared_memory(gl.int32, [2, 16 * W, 32], w3.layout)
         bar = gl_ring_init(2)
         box_fill(w1, w3, r1, r3, bar, row, 0, NT, 2, 1, False)
+        a = gl.zeros([16 * W, BK], gl.bfloat16, AL)        # the piece in flight (none yet)
         for it in range(NT):
             box_fill(w1, w3, r1, r3, bar, row, it + 1, NT, 2, 1, False)
             gl.nvidia.hopper.mbarrier.wait(bar.index(it % 2), (it // 2) & 1)
-            a1 = wgmma_operand(gl_stage_words(r1.index(it % 2), W, 2, WL), sc, AL)
-            gate = gl.nvidia.hopper.warpgroup_mma(a1, act.permute((1, 0)), gate, is_async=True)
-            if WAIT == 1:
-                gate, up = gl.nvidia.hopper.warpgroup_mma_wait(1, deps=(gate, up))
-            a3 = wgmma_operand(gl_stage_words(r3.index(it % 2), W, 2, WL), sc, AL)
-            up = gl.nvidia.hopper.warpgroup_mma(a3, act.permute((1, 0)), up, is_async=True)
-            gate, up, a1, a3 = gl.nvidia.hopper.warpgroup_mma_wait(WAIT, deps=(gate, up, a1, a3))
+            for m in gl.static_range(2):
+                ring = r1 if m == 0 else r3
+                for h in gl.static_range(KSPLIT):
+                    words = ring.index(it % 2).slice(h * (BK // 8), BK // 8, dim=1)
+                    nxt = wgmma_operand(gl_stage_words(words, W, BK // 128, WL), sc, BK, AL)
+                    b = act.slice(h * BK, BK, dim=1).permute((1, 0))
+                    if m == 0:
+                        gate = gl.nvidia.hopper.warpgroup_mma(nxt, b, gate, is_async=True)
+                    else:
+                        up = gl.nvidia.hopper.warpgroup_mma(nxt, b, up, is_async=True)
+                    gate, up, a, nxt = gl.nvidia.hopper.warpgroup_mma_wait(1, deps=(gate, up, a, nxt))
+                    a = nxt
         gate, up = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(gate, up))
     total = gl.sum(gl.sum(gate + up, 1), 0).to(gl.int32)
     gl.store(out_ptr + tile * gl.num_programs(1) + gl.program_id(1), total)
 
 
 @gluon.jit
-def wgmma_operand(words, s, AL: gl.constexpr):
-    """`gl_decoded_tile` in `wgmma`'s K order (`wgmma_kernel`): words [W, 2, 8, 4, 2, 4] (256-wide K tile) -> the
-    bf16 A operand [16W, 256] whose column 32·cc + 16a + 8p + 2t + e is code 4a + 2p + e of word cc of thread t."""
+def wgmma_operand(words, s, BK: gl.constexpr, AL: gl.constexpr):
+    """`gl_decoded_tile` in `wgmma`'s K order (`wgmma_kernel`): words [W, 2, 8, 4, CH, 4] of a BK-wide K tile
+    (CH = BK/128) -> the bf16 A operand [16W, BK] whose column 32·cc + 16a + 8p + 2t + e is code 4a + 2p + e of
+    word cc of thread t."""
     mult = gl.expand_dims(mxfp4_scale_bf16(s, False), 5)
     mult, words = gl.broadcast(mult, words)
     v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(words, mult, False)
     # [W, 2, 8, 4(t), CH, 4(c), e, p, a] -> [W, 2, 8, CH, 4(c), a, p, 4(t), e]
     v = gl.join(gl.join(gl.join(v0, v4), gl.join(v1, v5)), gl.join(gl.join(v2, v6), gl.join(v3, v7)))
-    tile = gl.reshape(gl.permute(v, (0, 1, 2, 4, 5, 8, 7, 3, 6)), [words.shape[0] * 16, 256])
+    tile = gl.reshape(gl.permute(v, (0, 1, 2, 4, 5, 8, 7, 3, 6)), [words.shape[0] * 16, BK])
     return gl.convert_layout(tile, AL, assert_trivial=True)
 
 
@@ -365,12 +374,12 @@ def main():
                 elif f[0] == "lib":
                     lib(N, ids, touched, record, gen, (w1, w3, w2, s1, s3, s2))
                 elif f[0] == "wgmma":
-                    bm, wait = map(int, f[1:3])
+                    bm, ksplit = map(int, f[1:3])
                     d1, d3 = (gl_word_descs(w, 64, 256) for w in (w1, w3))
                     tile_expert = (sched if bm == 8 else moe_schedule(ids, E, bm))[1]
                     out = torch.empty(tile_expert.shape[0] * (I // 64), dtype=torch.int32, device=dev)
                     t = bench(lambda: wgmma_kernel[(tile_expert.shape[0], I // 64)](
-                        d1, d3, tile_expert, out, E=E, D=D, I=I, BM=bm, WAIT=wait, num_warps=4))
+                        d1, d3, tile_expert, out, E=E, D=D, I=I, BM=bm, KSPLIT=ksplit, num_warps=4))
                     record(N, spec, t, word_bytes)
                 else:
                     pf = [int(x[2:]) for x in f if x[:2] in ("pf", "pl")]
