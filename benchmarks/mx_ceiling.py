@@ -26,7 +26,7 @@ loads, and how fast can the device read the same bytes at all (BENCHMARKS.md "MX
   a K tile is BK/256 boxes side by side a matrix, each weight row read in runs of BK/2 bytes;
 - `wgmma,BM,KSPLIT`: `wgmma_kernel`, mode 3 on `wgmma` (4 warps, 64 weight rows a CTA, BM = 8 or 16 token
   columns over that tile schedule, each matrix's K tile in KSPLIT `wgmma`s of 256/KSPLIT); compiled offline for
-  sm_90a (Triton 3.6): KSPLIT 1 162 / 170 registers (BM 8 / 16), 3 CTAs an SM; KSPLIT 2 98 / 106, 4 CTAs an SM;
+  sm_90a (Triton 3.6): KSPLIT 1 162 / 170 registers (BM 8 / 16), 3 / 2 CTAs an SM; KSPLIT 2 98 / 106, 4 CTAs;
   616-620 instructions a K tile with 32 `HGMMA`s, against mode 3's 584 with 32 `HMMA`s at 8 tokens and 616 with
   64 at 16; not measured yet;
 - `lib`: the library's decode default at that batch (`mx_round.default_variant`), its up and down kernels timed
