@@ -17,9 +17,10 @@ loads, and how fast can the device read the same bytes at all (BENCHMARKS.md "MX
   instructions and registers; run N's mode 4 had 8-way conflicts). CTAS: shared memory padded so that at most
   CTAS CTAs fit an SM (the library's up kernel has 8 by its registers), 0 or absent: none. `lin`: each CTA reads
   the same bytes in address order (boxes of BR·128 contiguous bytes) instead of the decode kernels' [BR weight
-  rows, 32 words] boxes, whose rows lie D/2 bytes apart (the `mxfp4_tiles` layout gives the kernels that order). `grp`: the ring refills its STAGES − 1 free stages together every STAGES − 1 K
-  tiles (each row's next pieces asked of DRAM back to back: (STAGES − 1)·128-byte runs), as the library's ring
-  does (`gl_ring_refill`), instead of one stage every tile. `pfN`: every N K tiles each weight row's bytes of the
+  rows, 32 words] boxes, whose rows lie D/2 bytes apart (the `mxfp4_tiles` layout gives the kernels that order).
+  `grp`: the ring refills its STAGES − 1 free stages together every STAGES − 1 K tiles (each row's next pieces
+  asked of DRAM back to back: (STAGES − 1)·128-byte runs), as the library's ring does (`gl_ring_refill`),
+  instead of one stage every tile. `pfN`: every N K tiles each weight row's bytes of the
   next N tiles are asked of L2 as one run (`cp.async.bulk.prefetch.L2`), so DRAM sees N·128-byte runs of a row;
   `plN`: the same lines, one `prefetch.global.L2` each. `bm16`: modes 3 and 4 multiply 16 token columns (two n8
   `mma.sync`s a k16 step) instead of 8, over the 16-token tile schedule. BK > 256 (a multiple of 256 dividing D):
