@@ -31,8 +31,8 @@ moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (n
   weight is read once per token tile and the grid covers I and D, which decode (few tokens) needs to fill the GPU.
 
 Public API: `emit_moe_route(group)`, `emit_moe_experts(group)` -> module text (registered with
-`k3c.codegen.triton.emitter`), `moe_experts_layouts(group)` (registered with `weight_layout`); launchers `launch_moe_route`, `launch_moe_experts` (copied into the emitted
-modules) and the kernels.
+`k3c.codegen.triton.emitter`), `moe_experts_layouts(group)` (registered with `weight_layout`); launchers
+`launch_moe_route`, `launch_moe_experts` (copied into the emitted modules) and the kernels.
 """
 
 from __future__ import annotations
