@@ -38,6 +38,9 @@ fractions of 4.2 TB/s (the word bytes; `lib` counts the scale bytes too).
 
     python3 benchmarks/mx_ceiling.py --out DIR [--variants "stream,32,256,2,0,8;..."] [--batches 1,16]
         [--launch-only]
+    PYTHONPATH=/tmp/t36 python3 benchmarks/mx_ceiling.py --static --out DIR --variants "stream,32,256,2,3;wgmma,16,2"
+(--static: no GPU; the stream and wgmma variants compiled for sm_90a, `static_rows`; the device's Triton 3.6 for
+figures that match it: `pip install --target /tmp/t36 triton==3.6.0`)
 Writes DIR/mx_ceiling.json (per batch and variant: us, bytes, the fraction of 4.2 TB/s). --launch-only launches
 each variant once and times nothing (a profiler's target: `ncu -k regex:"moe_up_mx_gluon|stream_kernel"`).
 Raw results: benchmarks/results_mx_ceiling_run_m*.json.
@@ -325,13 +328,55 @@ def lib(N, ids, touched, record, gen, mats):
         record(N, f"lib {spec} {part}", t, nb, max_abs_diff=diff)
 
 
+def static_rows(variants):
+    """--static: the `stream,BR,256,STAGES,MODE[,bm16]` and `wgmma,BM,KSPLIT` variants compiled for sm_90a without a
+    GPU (k3c.codegen.triton.offline, the installed Triton): registers, shared memory, CTAs an SM
+    (mx_static_cost.py's occupancy rule) and the K loop's instructions and tensor instructions per K tile."""
+    from k3c.codegen.triton.offline import compile_for, resources, sass
+    from mx_static_cost import ctas_per_sm, loop_stats, word_descriptor_type
+
+    rows = []
+    for spec in variants.split(";"):
+        f = spec.split(",")
+        if f[0] == "wgmma":
+            bm, ksplit = map(int, f[1:3])
+            kernel, br, warps = wgmma_kernel, 64, 4
+            consts = dict(E=E, D=D, I=I, BM=bm, KSPLIT=ksplit)
+            sig = {"tile_expert_ptr": "*i64", "out_ptr": "*i32"}
+        elif f[0] == "stream" and f[2] == "256" and set(f[5:]) <= {"bm16"}:
+            br, stages, mode = int(f[1]), int(f[3]), int(f[4])
+            kernel, warps = stream_kernel, br // 16
+            consts = dict(E=E, D=D, I=I, BLOCK_R=br, BLOCK_D=256, STAGES=stages, MODE=mode, PAD_A=0, PAD_B=0,
+                          LIN=False, PF=0, LINES=False, GROUP=1, BM=16 if "bm16" in f else 8)
+            sig = {"w1p": "*u8", "w3p": "*u8", "tile_expert_ptr": "*i64", "out_ptr": "*i32"}
+        else:
+            raise SystemExit(f"--static: {spec!r}: expected stream,BR,256,STAGES,MODE[,bm16] or wgmma,BM,KSPLIT")
+        sig.update({w: word_descriptor_type(br, 256) for w in ("w1", "w3")})
+        c = compile_for(kernel, sig, consts, num_warps=warps)
+        code = sass(c.asm["cubin"])
+        regs, shared = resources(c.asm["cubin"])["REG"], c.metadata.shared
+        loop = loop_stats(code, 16 * 512 // 32)          # a thread's weights a K tile: 16 rows of 2 matrices / 32
+        row = {"variant": spec, "registers": regs, "shared": shared, "ctas_per_sm": ctas_per_sm(regs, shared, warps),
+               "instructions": loop["instructions"], "HMMA": loop["HMMA"],
+               "HGMMA": sum(ins.split()[0].startswith("HGMMA") for _, ins in code)}
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--variants", default=DEFAULT)
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--launch-only", action="store_true", help="launch each variant once, time nothing (for ncu)")
+    ap.add_argument("--static", action="store_true", help="no GPU: compile the variants for sm_90a, print their cost")
     a = ap.parse_args()
+    if a.static:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "mx_ceiling_static.json"), "w") as f:
+            json.dump({"triton": triton.__version__, "target": "sm_90a", "rows": static_rows(a.variants)}, f, indent=1)
+        return
     LAUNCH_ONLY[:] = [True] * a.launch_only
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the Gluon kernels have no interpreter)")

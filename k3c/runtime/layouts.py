@@ -41,17 +41,16 @@ def mx_tiles_ok(R: int, K: int) -> bool:
     return R % MX_TILE_ROWS == 0 and K % MX_TILE_K == 0
 
 
-def mx_tile_words(w: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def mx_tile_words(w: torch.Tensor) -> torch.Tensor:
     """Packed MXFP4 bytes w u8 [E, R, K/2] in the checkpoint's row-major order -> the same bytes in the
-    `mxfp4_tiles` layout (inverse: back), a new contiguous u8 [E, R, K/2] on w's device. Raises ValueError naming
+    `mxfp4_tiles` layout, a new contiguous u8 [E, R, K/2] on w's device. Raises ValueError naming
     the shape where `mx_tiles_ok` does not hold."""
     E, R, half = w.shape
     if not mx_tiles_ok(R, 2 * half):
         raise ValueError(f"MXFP4 words {list(w.shape)}: the tiled layout needs rows a multiple of {MX_TILE_ROWS} "
                          f"and K a multiple of {MX_TILE_K}")
-    row_major = (E, R // MX_TILE_ROWS, MX_TILE_ROWS, half // 128, 128)
-    tiled = (E, R // MX_TILE_ROWS, half // 128, MX_TILE_ROWS, 128)
-    return w.reshape(tiled if inverse else row_major).transpose(2, 3).contiguous().view(E, R, half)
+    blocks = w.reshape(E, R // MX_TILE_ROWS, MX_TILE_ROWS, half // 128, 128)     # [E, row block, row, tile, byte]
+    return blocks.transpose(2, 3).contiguous().view(E, R, half)
 
 
 #: layout name -> (check(tensor) -> what is wrong or None, relaid(tensor) -> a new tensor in the layout). A layout

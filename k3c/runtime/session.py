@@ -42,12 +42,11 @@ import torch
 
 from k3c.errors import ArtifactError, RuntimeInputError
 from k3c.runtime.artifact import read_artifact
-from k3c.runtime import distributed
+from k3c.runtime import distributed, layouts
 from k3c.runtime.checks import WEIGHTS, check_memory, check_weights, derive
 from k3c.runtime.frame import Frame
 from k3c.runtime.graphs import DecodeGraph, device_lengths_supported
 from k3c.runtime.launchers import make_launchers
-from k3c.runtime import layouts
 
 
 def load(path: str | os.PathLike, device: str | torch.device = "cpu", *, cuda_graphs: bool = True,

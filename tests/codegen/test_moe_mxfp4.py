@@ -146,8 +146,8 @@ def test_portable_decoding_equals_dequantize(v2):
 
 def test_tiled_word_layout():
     """`mx_tile_words` puts word wk of global row r (e·R + r) at `mx_word_offset(r, wk, KW, True)`, which a plain
-    reading of the layout gives: [32 rows, 32 words] tiles along K, then 32-row block by block; the inverse
-    restores the bytes; shapes that are not whole tiles raise ValueError naming the shape."""
+    reading of the layout gives: [32 rows, 32 words] tiles along K, then 32-row block by block (every word of
+    the tensor checked); shapes that are not whole tiles raise ValueError naming the shape."""
     E, R, K = 2, 64, 768
     w = torch.randint(0, 256, (E, R, K // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     t = mx_tile_words(w)
@@ -163,7 +163,6 @@ def test_tiled_word_layout():
     wk = torch.arange(KW)[None, :]
     at = ((rows // 32) * (KW // 32) + wk // 32) * 1024 + (rows % 32) * 32 + wk % 32
     assert torch.equal(tiled[at], words)
-    assert torch.equal(mx_tile_words(t, inverse=True), w)
     with pytest.raises(ValueError, match=r"MXFP4 words \[2, 48, 384\]: the tiled layout needs rows a multiple of 32"):
         mx_tile_words(w[:, :48].contiguous())
     with pytest.raises(ValueError, match="K a multiple of 256"):
