@@ -5,31 +5,43 @@ loads, and how fast can the device read the same bytes at all (BENCHMARKS.md "MX
 - `linear`: one plain Triton kernel reads a contiguous buffer of the up kernel's word bytes (and a 4 GB one) in
   16 KB blocks, XOR-folding them (the best read rate of this device for those bytes);
 - `copy`: a torch device-to-device copy of 4 GB, counting bytes read + written;
-- `stream,BR,BK,STAGES,MODE[,CTAS][,lin][,grp][,pfN|plN][,bm16]`: `stream_kernel`, the up kernel's grid
-  (tiles × I/BR CTAs of BR weight rows, BR/16 warps) and its TMA ring of STAGES stages over w1 and w3, with MODE 0:
-  wait for each stage and refill it (the copies alone); 1: also read each thread's words back from shared memory
-  (`gl_stage_words`, the decode kernels' `LDS.128`) and XOR-fold them; 2: as 1 with a CTA barrier before each
-  refill; 3: the up kernel's decoding and `mma.sync`s of those words (`gl_decoded_tile`, gate and up) with
-  constant scale bytes and activations (the up kernel without its activation and scale loads, its GLU and its
-  store; BK > 256: each 256-wide box of a stage in turn); 4: as 3 with the activations read from shared memory
-  every K tile (`gl_act_operand` of an `LDS` in the kernels' activation layout, 16-byte vectors swizzled by token
-  so that an `LDS.128` is free of bank conflicts: what a ring staging them beside the words would cost in
-  instructions and registers; run N's mode 4 had 8-way conflicts). CTAS: shared memory padded so that at most
-  CTAS CTAs fit an SM (the library's up kernel has 8 by its registers), 0 or absent: none. `lin`: each CTA reads
-  the same bytes in address order (boxes of BR·128 contiguous bytes) instead of the decode kernels' [BR weight
-  rows, 32 words] boxes, whose rows lie D/2 bytes apart (the `mxfp4_tiles` layout gives the kernels that order).
-  `grp`: the ring refills its STAGES − 1 free stages together every STAGES − 1 K tiles (each row's next pieces
-  asked of DRAM back to back: (STAGES − 1)·128-byte runs), as the library's ring does (`gl_ring_refill`),
-  instead of one stage every tile. `pfN`: every N K tiles each weight row's bytes of the
-  next N tiles are asked of L2 as one run (`cp.async.bulk.prefetch.L2`), so DRAM sees N·128-byte runs of a row;
-  `plN`: the same lines, one `prefetch.global.L2` each. `bm16`: modes 3 and 4 multiply 16 token columns (two n8
-  `mma.sync`s a k16 step) instead of 8, over the 16-token tile schedule. BK > 256 (a multiple of 256 dividing D):
-  a K tile is BK/256 boxes side by side a matrix, each weight row read in runs of BK/2 bytes;
-- `wgmma,BM,KSPLIT`: `wgmma_kernel`, mode 3 on `wgmma` (4 warps, 64 weight rows a CTA, BM = 8 or 16 token
-  columns over that tile schedule, each matrix's K tile in KSPLIT `wgmma`s of 256/KSPLIT); compiled offline for
-  sm_90a (Triton 3.6): KSPLIT 1 162 / 170 registers (BM 8 / 16), 3 / 2 CTAs an SM; KSPLIT 2 98 / 106, 4 CTAs;
-  616-620 instructions a K tile with 32 `HGMMA`s, against mode 3's 584 with 32 `HMMA`s at 8 tokens and 616 with
-  64 at 16; not measured yet;
+- `stream,BR,BK,STAGES,MODE[,CTAS][,lin][,grp][,pfN|plN][,bm16][,dec1|dec2][,noload]`: `stream_kernel`, the up
+  kernel's grid (tiles × I/BR CTAs of BR weight rows, BR/16 warps) and its TMA ring of STAGES stages over w1 and w3,
+  with MODE 0: wait for each stage and refill it (the copies alone); 1: also read each thread's words back from
+  shared memory (`gl_stage_words`, the decode kernels' `LDS.128`) and XOR-fold them; 2: as 1 with a CTA barrier
+  before each refill; 3: the up kernel's decoding and `mma.sync`s of those words (`gl_decoded_tile`, gate and up)
+  with constant scale bytes and activations (the up kernel without its activation and scale loads, its GLU and its
+  store; BK > 256: each 256-wide box of a stage in turn); 4: as 3 with the activations read from shared memory every
+  K tile (`gl_act_operand` of an `LDS` in the kernels' activation layout, 16-byte vectors swizzled by token so that
+  an `LDS.128` is free of bank conflicts: what a ring staging them beside the words would cost in instructions and
+  registers; run N's mode 4 had 8-way conflicts). CTAS: shared memory padded so that at most CTAS CTAs fit an SM
+  (the library's up kernel has 8 by its registers), 0 or absent: none. `lin`: each CTA reads the same bytes in
+  address order (boxes of BR·128 contiguous bytes) instead of the decode kernels' [BR weight rows, 32 words] boxes,
+  whose rows lie D/2 bytes apart (the `mxfp4_tiles` layout gives the kernels that order). `grp`: the ring refills
+  its STAGES − 1 free stages together every STAGES − 1 K tiles (each row's next pieces asked of DRAM back to back:
+  (STAGES − 1)·128-byte runs), as the library's ring does (`gl_ring_refill`), instead of one stage every tile.
+  `pfN`: every N K tiles each weight row's bytes of the next N tiles are asked of L2 as one run
+  (`cp.async.bulk.prefetch.L2`), so DRAM sees N·128-byte runs of a row; `plN`: the same lines, one
+  `prefetch.global.L2` each. `bm16`: modes 3 and 4 multiply 16 token columns (two n8 `mma.sync`s a k16 step) instead
+  of 8, over the 16-token tile schedule. BK > 256 (a multiple of 256 dividing D): a K tile is BK/256 boxes side by
+  side a matrix, each weight row read in runs of BK/2 bytes;
+- `wgmma,BM,KSPLIT[,dec1|dec2][,noload]`: `wgmma_kernel`, mode 3 on `wgmma` (4 warps, 64 weight rows a CTA, BM = 8
+  or 16 token columns over that tile schedule, each matrix's K tile in KSPLIT `wgmma`s of 256/KSPLIT); compiled
+  offline for sm_90a (Triton 3.6): KSPLIT 1 162 / 170 registers (BM 8 / 16), 3 / 2 CTAs an SM; KSPLIT 2 98 / 106, 4
+  CTAs; 616-620 instructions a K tile with 32 `HGMMA`s, against mode 3's 584 with 32 `HMMA`s at 8 tokens and 616
+  with 64 at 16 (measured on an H100: BENCHMARKS.md "MXFP4 round, run P");
+- `,dec1` / `,dec2` (stream modes 3-4, wgmma, persist): the decoding replaced by a cost probe of the same operands
+  (`probe_word_bf16`; values not MXFP4's): dec1 the floor of any decoding into the bf16 pattern, one `and` and one
+  `mul.bf16x2` a bf16 pair (4 integer instructions a word against the library's 12); dec2 one shift and one mask
+  a pair but the first (7), what a bit order of the words with no `lop3` pre-pass would cost. Neither is a
+  decoding k3c can use as it is: no bit order of a 32-bit word gives each of its four bf16 pairs by one shift
+  and one mask (translates of the pair's 8 bit positions {6, 7, 8, 15, 22, 23, 24, 31} do not tile 32 bits);
+- `,noload` (stream, wgmma): compute alone, each stage filled once before the K loop and decoded over and over
+  (no DRAM traffic after the first tiles): the decoding's and MMAs' time on this SM count and clock, which an
+  H100 and an H200 share;
+- `persist,BR,STAGES,CTAS_PER_SM[,bm16][,dec1|dec2]`: `persist_kernel`, mode 3 on a persistent grid of
+  CTAS_PER_SM CTAs an SM, each streaming all K tiles of its (tile, row block) units through one TMA ring, the
+  next unit's first tiles in flight under this unit's last;
 - `lib`: the library's decode default at that batch (`mx_round.default_variant`), its up and down kernels timed
   apart, its output first compared with `launch_moe_experts`.
 
@@ -43,7 +55,7 @@ fractions of 4.2 TB/s (the word bytes; `lib` counts the scale bytes too).
 figures that match it: `pip install --target /tmp/t36 triton==3.6.0`)
 Writes DIR/mx_ceiling.json (per batch and variant: us, bytes, the fraction of 4.2 TB/s). --launch-only launches
 each variant once and times nothing (a profiler's target: `ncu -k regex:"moe_up_mx_gluon|stream_kernel"`).
-Raw results: benchmarks/results_mx_ceiling_run_m*.json.
+Raw results: benchmarks/results_mx_ceiling_run_*.json (BENCHMARKS.md "MXFP4 round", runs M-P).
 """
 
 import argparse
@@ -78,7 +90,8 @@ DEFAULT = ("linear;copy;lib;stream,32,256,2,0,8;stream,32,256,2,1,8;stream,32,25
 def stream_kernel(w1, w3, w1p, w3p, tile_expert_ptr, out_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
                   BLOCK_R: gl.constexpr, BLOCK_D: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
                   PAD_A: gl.constexpr, PAD_B: gl.constexpr, LIN: gl.constexpr, PF: gl.constexpr,
-                  LINES: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr):
+                  LINES: gl.constexpr, GROUP: gl.constexpr, BM: gl.constexpr, DEC: gl.constexpr = 0,
+                  NOLOAD: gl.constexpr = False):
     """The up kernel's word stream without its decoding (module docstring); out i32 [tiles, I/BLOCK_R] gets each
     CTA's wrapping sum of its XOR-folded words (MODE ≥ 1), so nothing read is dead. A K tile of BLOCK_D is
     BLOCK_D/256 boxes [BLOCK_R, 32 words] a matrix (the decode kernels' box at 256 of K; more boxes: longer runs of
@@ -88,7 +101,9 @@ def stream_kernel(w1, w3, w1p, w3p, tile_expert_ptr, out_ptr, E: gl.constexpr, D
     L2 for one weight row's bytes of the next PF tiles as one run (`l2_prefetch_rows`; w1p / w3p: the words' u8
     pointers), so DRAM sees PF·BLOCK_D/2-byte runs of each row while the TMA ring still copies 128-byte pieces.
     GROUP: the ring refills GROUP stages at once every GROUP K tiles (1: one stage a tile; STAGES − 1: all the
-    free stages together). BM: the token columns of modes 3 and 4 (8, or 16: two n8 `mma.sync`s a k16 step)."""
+    free stages together). BM: the token columns of modes 3 and 4 (8, or 16: two n8 `mma.sync`s a k16 step).
+    DEC (modes 3, 4): the decoding's instructions, `probe_tile` (0: the library's). NOLOAD: compute alone, every
+    stage filled once before the loop and decoded over and over, nothing more read from DRAM."""
     W: gl.constexpr = BLOCK_R // 16
     BOXES: gl.constexpr = BLOCK_D // 256
     NT: gl.constexpr = D // BLOCK_D
@@ -127,26 +142,32 @@ def stream_kernel(w1, w3, w1p, w3p, tile_expert_ptr, out_ptr, E: gl.constexpr, D
         bar = gl_ring_init(STAGES)
         if PF > 0:
             l2_prefetch_rows(w1p, w3p, row, 0, D, BLOCK_R, BLOCK_D, PF, NT, LINES)
-        for p in gl.static_range(STAGES - GROUP):
-            box_fill(w1, w3, r1, r3, bar, row, p, NT, STAGES, BOXES, LIN)
+        if NOLOAD:
+            for p in gl.static_range(STAGES):
+                box_fill(w1, w3, r1, r3, bar, row, p, NT, STAGES, BOXES, LIN)
+                gl.nvidia.hopper.mbarrier.wait(bar.index(p), 0)
+        else:
+            for p in gl.static_range(STAGES - GROUP):
+                box_fill(w1, w3, r1, r3, bar, row, p, NT, STAGES, BOXES, LIN)
         for it in range(NT):
             if PF > 0:
                 if it % PF == 0:
                     l2_prefetch_rows(w1p, w3p, row, it + PF, D, BLOCK_R, BLOCK_D, PF, NT, LINES)
             if MODE == 2:
                 gl_thread_barrier()
-            if it % GROUP == 0:     # the stages of tiles it − GROUP .. it − 1 are free: refill them together
-                for g in gl.static_range(GROUP):
-                    box_fill(w1, w3, r1, r3, bar, row, it + STAGES - GROUP + g, NT, STAGES, BOXES, LIN)
-            gl.nvidia.hopper.mbarrier.wait(bar.index(it % STAGES), (it // STAGES) & 1)
+            if not NOLOAD:
+                if it % GROUP == 0:     # the stages of tiles it − GROUP .. it − 1 are free: refill them together
+                    for g in gl.static_range(GROUP):
+                        box_fill(w1, w3, r1, r3, bar, row, it + STAGES - GROUP + g, NT, STAGES, BOXES, LIN)
+                gl.nvidia.hopper.mbarrier.wait(bar.index(it % STAGES), (it // STAGES) & 1)
             if MODE >= 3:       # the up kernel's decoding and MMAs, constant scale bytes and activations
                 if MODE == 4:   # ... the activations read from shared memory each K tile, as a ring would
                     x = gl_act_operand(act.load(AP), 256, BL)
                 for b in gl.static_range(BOXES):
                     c1 = gl_stage_words(r1.index((it % STAGES) * BOXES + b), W, 2, WL)
                     c3 = gl_stage_words(r3.index((it % STAGES) * BOXES + b), W, 2, WL)
-                    gate = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c1, sc, False, BLOCK_R, 256, AL), x, gate)
-                    up = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c3, sc, False, BLOCK_R, 256, AL), x, up)
+                    gate = gl.nvidia.ampere.mma_v2(probe_tile(c1, sc, DEC, BLOCK_R, 256, AL), x, gate)
+                    up = gl.nvidia.ampere.mma_v2(probe_tile(c3, sc, DEC, BLOCK_R, 256, AL), x, up)
             elif MODE >= 1:
                 for b in gl.static_range(BOXES):
                     acc = acc ^ gl_stage_words(r1.index((it % STAGES) * BOXES + b), W, 2, WL) ^ \
@@ -183,6 +204,48 @@ def l2_prefetch_rows(w1p, w3p, row, t0, D: gl.constexpr, BLOCK_R: gl.constexpr, 
                                       is_pure=False, pack=1)
 
 
+@triton.jit
+def probe_word_bf16(w, mult, DEC: tl.constexpr):
+    """Cost probes of `mxfp4_word_bf16` (same operands and outputs; the values are not MXFP4's): DEC 1, the
+    floor of any decoding into the bf16 pattern (one `and` a bf16 pair and the scale's `mul.bf16x2`: 4 integer
+    instructions a word); DEC 2, one shift and one mask a pair but the first (7 integer instructions: what a
+    load-time bit order of the words that needs no `lop3` pre-pass would cost)."""
+    if DEC == 1:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t, m;
+            mov.b32 m, {$9, $9};
+            and.b32 t, $8, 0x81c081c0; mul.bf16x2 t, t, m; mov.b32 {$0, $1}, t;
+            and.b32 t, $8, 0x40e040e0; mul.bf16x2 t, t, m; mov.b32 {$2, $3}, t;
+            and.b32 t, $8, 0x20702070; mul.bf16x2 t, t, m; mov.b32 {$4, $5}, t;
+            and.b32 t, $8, 0x10381038; mul.bf16x2 t, t, m; mov.b32 {$6, $7}, t;
+            }""",
+            "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, mult], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t, m;
+        mov.b32 m, {$9, $9};
+        and.b32 t, $8, 0x81c081c0; mul.bf16x2 t, t, m; mov.b32 {$0, $1}, t;
+        shl.b32 t, $8, 3; and.b32 t, t, 0x81c081c0; mul.bf16x2 t, t, m; mov.b32 {$2, $3}, t;
+        shl.b32 t, $8, 6; and.b32 t, t, 0x81c081c0; mul.bf16x2 t, t, m; mov.b32 {$4, $5}, t;
+        shr.b32 t, $8, 7; and.b32 t, t, 0x81c081c0; mul.bf16x2 t, t, m; mov.b32 {$6, $7}, t;
+        }""",
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, mult], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+@gluon.jit
+def probe_tile(words, s, DEC: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_K: gl.constexpr, AL: gl.constexpr):
+    """`gl_decoded_tile` (one multiply) with DEC 0, else with `probe_word_bf16`'s decoding DEC."""
+    if DEC == 0:
+        return gl_decoded_tile(words, s, False, BLOCK_R, BLOCK_K, AL)
+    mult = gl.expand_dims(mxfp4_scale_bf16(s, False), 5)
+    mult, words = gl.broadcast(mult, words)
+    v0, v4, v1, v5, v2, v6, v3, v7 = probe_word_bf16(words, mult, DEC)
+    v = gl.join(gl.join(gl.join(v0, v4), gl.join(v1, v5)), gl.join(gl.join(v2, v6), gl.join(v3, v7)))
+    tile = gl.reshape(gl.permute(v, (0, 1, 2, 4, 5, 3, 8, 7, 6)), [BLOCK_R, BLOCK_K])
+    return gl.convert_layout(tile, AL, assert_trivial=True)
+
+
 @gluon.jit
 def box_fill(d1, d3, r1, r3, bar, row, t, NT: gl.constexpr, STAGES: gl.constexpr, BOXES: gl.constexpr,
              LIN: gl.constexpr):
@@ -202,15 +265,15 @@ def box_fill(d1, d3, r1, r3, bar, row, t, NT: gl.constexpr, STAGES: gl.constexpr
 
 @gluon.jit
 def wgmma_kernel(w1, w3, tile_expert_ptr, out_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
-                 BM: gl.constexpr, KSPLIT: gl.constexpr):
-    """Mode 3 on `wgmma` (not measured yet: the candidate for batch 16, BENCHMARKS.md "MXFP4 round, run O"): a
+                 BM: gl.constexpr, KSPLIT: gl.constexpr, DEC: gl.constexpr = 0, NOLOAD: gl.constexpr = False):
+    """Mode 3 on `wgmma` (the batch-16 candidate of BENCHMARKS.md "MXFP4 round, run O", measured in run P): a
     warpgroup of 4 warps decodes 64 weight rows a CTA (16 a warp) from the up kernel's 2-stage TMA ring of
     256-wide K tiles straight into `wgmma`'s register A operand (`DotOperandLayout` of k_width 2: no data moved),
     and multiplies it with constant activations [BM tokens, 256] bf16 in shared memory (`wgmma`'s B operand,
     read from there), gate and up each K tile. Each matrix's K tile goes in KSPLIT pieces (1: [64, 256] a
     `wgmma`; 2: [64, 128]), each `wgmma` asynchronous, one left in flight while the next piece is decoded, so
     the decoded pieces of two `wgmma`s are live at a time. Constant scale bytes; out i32 [tiles, I/64] as
-    `stream_kernel`'s."""
+    `stream_kernel`'s. DEC, NOLOAD: as `stream_kernel`'s."""
     W: gl.constexpr = 4
     NT: gl.constexpr = D // 256
     BK: gl.constexpr = 256 // KSPLIT
@@ -233,15 +296,20 @@ def wgmma_kernel(w1, w3, tile_expert_ptr, out_ptr, E: gl.constexpr, D: gl.conste
         r3 = gl.allocate_shared_memory(gl.int32, [2, 16 * W, 32], w3.layout)
         bar = gl_ring_init(2)
         box_fill(w1, w3, r1, r3, bar, row, 0, NT, 2, 1, False)
+        if NOLOAD:
+            box_fill(w1, w3, r1, r3, bar, row, 1, NT, 2, 1, False)
+            gl.nvidia.hopper.mbarrier.wait(bar.index(0), 0)
+            gl.nvidia.hopper.mbarrier.wait(bar.index(1), 0)
         a = gl.zeros([16 * W, BK], gl.bfloat16, AL)        # the piece in flight (none yet)
         for it in range(NT):
-            box_fill(w1, w3, r1, r3, bar, row, it + 1, NT, 2, 1, False)
-            gl.nvidia.hopper.mbarrier.wait(bar.index(it % 2), (it // 2) & 1)
+            if not NOLOAD:
+                box_fill(w1, w3, r1, r3, bar, row, it + 1, NT, 2, 1, False)
+                gl.nvidia.hopper.mbarrier.wait(bar.index(it % 2), (it // 2) & 1)
             for m in gl.static_range(2):
                 ring = r1 if m == 0 else r3
                 for h in gl.static_range(KSPLIT):
                     words = ring.index(it % 2).slice(h * (BK // 8), BK // 8, dim=1)
-                    nxt = wgmma_operand(gl_stage_words(words, W, BK // 128, WL), sc, BK, AL)
+                    nxt = wgmma_operand(gl_stage_words(words, W, BK // 128, WL), sc, BK, AL, DEC)
                     b = act.slice(h * BK, BK, dim=1).permute((1, 0))
                     if m == 0:
                         gate = gl.nvidia.hopper.warpgroup_mma(nxt, b, gate, is_async=True)
@@ -255,17 +323,80 @@ def wgmma_kernel(w1, w3, tile_expert_ptr, out_ptr, E: gl.constexpr, D: gl.conste
 
 
 @gluon.jit
-def wgmma_operand(words, s, BK: gl.constexpr, AL: gl.constexpr):
+def wgmma_operand(words, s, BK: gl.constexpr, AL: gl.constexpr, DEC: gl.constexpr = 0):
     """`gl_decoded_tile` in `wgmma`'s K order (`wgmma_kernel`): words [W, 2, 8, 4, CH, 4] of a BK-wide K tile
-    (CH = BK/128) -> the bf16 A operand [16W, BK] whose column 32·cc + 16a + 8p + 2t + e is code 4a + 2p + e of
-    word cc of thread t."""
+    (CH = BK/128; DEC: `probe_word_bf16`'s cost probe) -> the bf16 A operand [16W, BK] whose column
+    32·cc + 16a + 8p + 2t + e is code 4a + 2p + e of word cc of thread t."""
     mult = gl.expand_dims(mxfp4_scale_bf16(s, False), 5)
     mult, words = gl.broadcast(mult, words)
-    v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(words, mult, False)
+    if DEC == 0:
+        v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(words, mult, False)
+    else:
+        v0, v4, v1, v5, v2, v6, v3, v7 = probe_word_bf16(words, mult, DEC)
     # [W, 2, 8, 4(t), CH, 4(c), e, p, a] -> [W, 2, 8, CH, 4(c), a, p, 4(t), e]
     v = gl.join(gl.join(gl.join(v0, v4), gl.join(v1, v5)), gl.join(gl.join(v2, v6), gl.join(v3, v7)))
     tile = gl.reshape(gl.permute(v, (0, 1, 2, 4, 5, 8, 7, 3, 6)), [words.shape[0] * 16, BK])
     return gl.convert_layout(tile, AL, assert_trivial=True)
+
+
+@gluon.jit
+def persist_kernel(w1, w3, tile_expert_ptr, out_ptr, n_units, E: gl.constexpr, D: gl.constexpr,
+                   I: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr,
+                   DEC: gl.constexpr):
+    """Mode 3 of `stream_kernel` on a persistent grid: program p takes the (tile, row block) units p, p + G, ..
+    (G programs, n_units = the schedule's tiles × I/BLOCK_R) and streams all their K tiles through one TMA ring
+    of STAGES stages as one sequence, so the next unit's first words are in flight while this unit's last are
+    decoded (no pipeline fill per unit, no partial last wave). out i32 [G]: each program's wrapping sum."""
+    W: gl.constexpr = BLOCK_R // 16
+    NT: gl.constexpr = D // 256
+    RB: gl.constexpr = I // BLOCK_R
+    WL: gl.constexpr = gl_layouts(W, 256, BM)[0]
+    MMA: gl.constexpr = gl_layouts(W, 256, BM)[1]
+    AL: gl.constexpr = gl_layouts(W, 256, BM)[2]
+    BL: gl.constexpr = gl_layouts(W, 256, BM)[3]
+    XL: gl.constexpr = gl.BlockedLayout([1, BM], [32, 1], [W, 1], [1, 0])
+    x = gl.convert_layout((gl.arange(0, 256, gl.SliceLayout(1, XL))[:, None] +
+                           gl.arange(0, BM, gl.SliceLayout(0, XL))[None, :]).to(gl.bfloat16), BL)
+    sc = gl.full([W, 2, 8, 4, 2], 120, gl.uint8, gl.SliceLayout(5, WL))
+    G = gl.num_programs(0)
+    pid = gl.program_id(0)
+    steps = (n_units - pid + G - 1) // G * NT
+    r1 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, 32], w1.layout)
+    r3 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, 32], w3.layout)
+    bar = gl_ring_init(STAGES)
+    for p in gl.static_range(STAGES - 1):
+        unit_fill(w1, w3, r1, r3, bar, tile_expert_ptr, pid, G, p, steps, I, NT, RB, BLOCK_R, STAGES)
+    gate = gl.zeros([BLOCK_R, BM], gl.float32, MMA)
+    up = gl.zeros([BLOCK_R, BM], gl.float32, MMA)
+    total = gl.zeros([BLOCK_R, BM], gl.float32, MMA)
+    for j in range(steps):
+        unit_fill(w1, w3, r1, r3, bar, tile_expert_ptr, pid, G, j + STAGES - 1, steps, I, NT, RB, BLOCK_R, STAGES)
+        gl.nvidia.hopper.mbarrier.wait(bar.index(j % STAGES), (j // STAGES) & 1)
+        c1 = gl_stage_words(r1.index(j % STAGES), W, 2, WL)
+        c3 = gl_stage_words(r3.index(j % STAGES), W, 2, WL)
+        gate = gl.nvidia.ampere.mma_v2(probe_tile(c1, sc, DEC, BLOCK_R, 256, AL), x, gate)
+        up = gl.nvidia.ampere.mma_v2(probe_tile(c3, sc, DEC, BLOCK_R, 256, AL), x, up)
+        if j % NT == NT - 1:        # the unit's epilogue: fold its sums, start the next unit's
+            total += gate + up
+            gate = gl.zeros([BLOCK_R, BM], gl.float32, MMA)
+            up = gl.zeros([BLOCK_R, BM], gl.float32, MMA)
+    gl.store(out_ptr + pid, gl.sum(gl.sum(total, 1), 0).to(gl.int32))
+
+
+@gluon.jit
+def unit_fill(d1, d3, r1, r3, bar, tile_expert_ptr, pid, G, s, steps, I: gl.constexpr, NT: gl.constexpr,
+              RB: gl.constexpr, BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
+    """`persist_kernel`'s step s (< steps, else nothing): K tile s mod NT of its program's unit s // NT, into
+    stage s % STAGES."""
+    ok = s < steps
+    unit = pid + (s // NT) * G
+    kt = s % NT
+    e = gl.load(tile_expert_ptr + gl.where(ok, unit // RB, 0))
+    row = (e * I + (unit % RB) * BLOCK_R).to(gl.int32)
+    stage = s % STAGES
+    gl.nvidia.hopper.mbarrier.expect(bar.index(stage), 2 * d1.block_type.nbytes, ok)
+    gl_tma_load(d1, [row, kt * 32], bar.index(stage), r1.index(stage), ok)
+    gl_tma_load(d3, [row, kt * 32], bar.index(stage), r3.index(stage), ok)
 
 
 @triton.jit
@@ -328,6 +459,11 @@ def lib(N, ids, touched, record, gen, mats):
         record(N, f"lib {spec} {part}", t, nb, max_abs_diff=diff)
 
 
+def probe_flags(fields):
+    """(DEC, NOLOAD) of a variant's fields: `dec1` / `dec2` (`probe_word_bf16`), `noload`."""
+    return (1 if "dec1" in fields else 2 if "dec2" in fields else 0), "noload" in fields
+
+
 def static_rows(variants):
     """--static: the `stream,BR,256,STAGES,MODE[,bm16]` and `wgmma,BM,KSPLIT` variants compiled for sm_90a without a
     GPU (k3c.codegen.triton.offline, the installed Triton): registers, shared memory, CTAs an SM
@@ -338,16 +474,18 @@ def static_rows(variants):
     rows = []
     for spec in variants.split(";"):
         f = spec.split(",")
+        dec, noload = probe_flags(f)
+        f = [x for x in f if x not in ("dec1", "dec2", "noload")]
         if f[0] == "wgmma":
             bm, ksplit = map(int, f[1:3])
             kernel, br, warps = wgmma_kernel, 64, 4
-            consts = dict(E=E, D=D, I=I, BM=bm, KSPLIT=ksplit)
+            consts = dict(E=E, D=D, I=I, BM=bm, KSPLIT=ksplit, DEC=dec, NOLOAD=noload)
             sig = {"tile_expert_ptr": "*i64", "out_ptr": "*i32"}
         elif f[0] == "stream" and f[2] == "256" and set(f[5:]) <= {"bm16"}:
             br, stages, mode = int(f[1]), int(f[3]), int(f[4])
             kernel, warps = stream_kernel, br // 16
             consts = dict(E=E, D=D, I=I, BLOCK_R=br, BLOCK_D=256, STAGES=stages, MODE=mode, PAD_A=0, PAD_B=0,
-                          LIN=False, PF=0, LINES=False, GROUP=1, BM=16 if "bm16" in f else 8)
+                          LIN=False, PF=0, LINES=False, GROUP=1, BM=16 if "bm16" in f else 8, DEC=dec, NOLOAD=noload)
             sig = {"w1p": "*u8", "w3p": "*u8", "tile_expert_ptr": "*i64", "out_ptr": "*i32"}
         else:
             raise SystemExit(f"--static: {spec!r}: expected stream,BR,256,STAGES,MODE[,bm16] or wgmma,BM,KSPLIT")
@@ -419,20 +557,37 @@ def main():
                     del x, y
                 elif f[0] == "lib":
                     lib(N, ids, touched, record, gen, (w1, w3, w2, s1, s3, s2))
+                elif f[0] == "persist":      # persist,BR,STAGES,CTAS_PER_SM[,bm16][,dec1|dec2]
+                    br, stages, per_sm = map(int, f[1:4])
+                    bm = 16 if "bm16" in f else 8
+                    dec = probe_flags(f)[0]
+                    sched_p = sched if bm == 8 else moe_schedule(ids, E, bm)
+                    n_units = int((sched_p[1] < E).sum().item()) * (I // br)
+                    d1, d3 = (gl_word_descs(w, br, 256) for w in (w1, w3))
+                    grid = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
+                    out = torch.empty(grid, dtype=torch.int32, device=dev)
+                    t = bench(lambda: persist_kernel[(grid,)](d1, d3, sched_p[1], out, n_units, E=E, D=D, I=I,
+                                                              BLOCK_R=br, STAGES=stages, BM=bm, DEC=dec,
+                                                              num_warps=br // 16))
+                    record(N, spec, t, word_bytes)
                 elif f[0] == "wgmma":
                     bm, ksplit = map(int, f[1:3])
+                    dec, noload = probe_flags(f)
                     d1, d3 = (gl_word_descs(w, 64, 256) for w in (w1, w3))
                     tile_expert = (sched if bm == 8 else moe_schedule(ids, E, bm))[1]
                     out = torch.empty(tile_expert.shape[0] * (I // 64), dtype=torch.int32, device=dev)
                     t = bench(lambda: wgmma_kernel[(tile_expert.shape[0], I // 64)](
-                        d1, d3, tile_expert, out, E=E, D=D, I=I, BM=bm, KSPLIT=ksplit, num_warps=4))
+                        d1, d3, tile_expert, out, E=E, D=D, I=I, BM=bm, KSPLIT=ksplit, DEC=dec, NOLOAD=noload,
+                        num_warps=4))
                     record(N, spec, t, word_bytes)
                 else:
                     pf = [int(x[2:]) for x in f if x[:2] in ("pf", "pl")]
                     lines = any(x.startswith("pl") for x in f)
                     grp = "grp" in f
                     bm = 16 if "bm16" in f else 8
-                    f = [x for x in f if x[:2] not in ("pf", "pl") and x not in ("grp", "bm16")]
+                    dec, noload = probe_flags(f)
+                    f = [x for x in f if x[:2] not in ("pf", "pl") and
+                         x not in ("grp", "bm16", "dec1", "dec2", "noload")]
                     lin = f[-1] == "lin"
                     br, bk, stages, mode, *ctas = map(int, f[1:len(f) - lin])
                     ctas = [c for c in ctas if c]
@@ -448,7 +603,7 @@ def main():
                     out = torch.empty(tile_expert.shape[0] * (I // br), dtype=torch.int32, device=dev)
                     consts = dict(E=E, D=D, I=I, BLOCK_R=br, BLOCK_D=bk, STAGES=stages, MODE=mode, PAD_A=pad_a,
                                   PAD_B=pad_b, LIN=lin, PF=pf[0] if pf else 0, LINES=lines,
-                                  GROUP=stages - 1 if grp else 1, BM=bm, num_warps=br // 16)
+                                  GROUP=stages - 1 if grp else 1, BM=bm, DEC=dec, NOLOAD=noload, num_warps=br // 16)
                     t = bench(lambda: stream_kernel[(tile_expert.shape[0], I // br)](d1, d3, w1, w3, tile_expert, out,
                                                                                       **consts))
                     record(N, spec, t, word_bytes, ctas_by_shared=fit)
