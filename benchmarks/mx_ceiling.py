@@ -42,6 +42,8 @@ loads, and how fast can the device read the same bytes at all (BENCHMARKS.md "MX
 - `persist,BR,STAGES,CTAS_PER_SM[,bm16][,dec1|dec2]`: `persist_kernel`, mode 3 on a persistent grid of
   CTAS_PER_SM CTAs an SM, each streaming all K tiles of its (tile, row block) units through one TMA ring, the
   next unit's first tiles in flight under this unit's last;
+- `mixed[,dec1|dec2][,noload]`: mode 3 over a schedule that mixes tile sizes by expert load (`mixed_tiles`): one
+  8-token launch over the experts with at most 8 rows, one 16-token launch over the rest, timed together;
 - `lib`: the library's decode default at that batch (`mx_round.default_variant`), its up and down kernels timed
   apart, its output first compared with `launch_moe_experts`.
 
@@ -459,6 +461,17 @@ def lib(N, ids, touched, record, gen, mats):
         record(N, f"lib {spec} {part}", t, nb, max_abs_diff=diff)
 
 
+def mixed_tiles(ids):
+    """The `mixed` variant's two tile lists (i64 experts, one per tile) for routing ids [N, K]: an 8-token tile for
+    each expert with 1..8 rows, and ⌈rows/16⌉ 16-token tiles for each expert with more, so every touched expert's
+    words are decoded once and only the busier experts pay the 16-token tile's second `mma.sync`."""
+    rows = torch.bincount(ids.flatten(), minlength=E)
+    small = torch.nonzero((rows >= 1) & (rows <= 8)).flatten()
+    busy = torch.nonzero(rows > 8).flatten()
+    large = torch.repeat_interleave(busy, (rows[busy] + 15) // 16)
+    return small, large
+
+
 def probe_flags(fields):
     """(DEC, NOLOAD) of a variant's fields: `dec1` / `dec2` (`probe_word_bf16`), `noload`."""
     return (1 if "dec1" in fields else 2 if "dec2" in fields else 0), "noload" in fields
@@ -570,6 +583,20 @@ def main():
                                                               BLOCK_R=br, STAGES=stages, BM=bm, DEC=dec,
                                                               num_warps=br // 16))
                     record(N, spec, t, word_bytes)
+                elif f[0] == "mixed":        # mixed[,dec1|dec2][,noload]
+                    dec, noload = probe_flags(f)
+                    small, large = mixed_tiles(ids)
+                    d1, d3 = (gl_word_descs(w, 32, 256) for w in (w1, w3))
+                    out = torch.empty((small.numel() + large.numel()) * (I // 32), dtype=torch.int32, device=dev)
+                    kw = dict(E=E, D=D, I=I, BLOCK_R=32, BLOCK_D=256, STAGES=2, MODE=3, PAD_A=0, PAD_B=0, LIN=False,
+                              PF=0, LINES=False, GROUP=1, DEC=dec, NOLOAD=noload, num_warps=2)
+
+                    def both():
+                        for tiles, bm in ((small, 8), (large, 16)):
+                            if tiles.numel():
+                                stream_kernel[(tiles.numel(), I // 32)](d1, d3, w1, w3, tiles, out, BM=bm, **kw)
+                    t = bench(both)
+                    record(N, spec, t, word_bytes, tiles_8=small.numel(), tiles_16=large.numel())
                 elif f[0] == "wgmma":
                     bm, ksplit = map(int, f[1:3])
                     dec, noload = probe_flags(f)
