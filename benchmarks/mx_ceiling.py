@@ -77,7 +77,7 @@ from k3c.codegen.triton.gl_common import gl_thread_barrier, gl_tma_load  # noqa:
 from k3c.codegen.triton.moe import launch_moe_experts, moe_schedule, moe_sum_kernel  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4 import mxfp4_scale_bf16, mxfp4_word_bf16  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import (gl_act_operand, gl_decoded_tile, gl_layouts, gl_permute,  # noqa: E402
-                                               gl_ring_init, gl_stage_words, gl_word_descs)
+                                               gl_ring_init, gl_stage_words, gl_word_descs, gl_word_values_operand)
 from mx_round import default_variant  # noqa: E402
 from mx_tma_probe import ExpertsOp, parse_variant  # noqa: E402
 
@@ -243,9 +243,7 @@ def probe_tile(words, s, DEC: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_K: gl.c
     mult = gl.expand_dims(mxfp4_scale_bf16(s, False), 5)
     mult, words = gl.broadcast(mult, words)
     v0, v4, v1, v5, v2, v6, v3, v7 = probe_word_bf16(words, mult, DEC)
-    v = gl.join(gl.join(gl.join(v0, v4), gl.join(v1, v5)), gl.join(gl.join(v2, v6), gl.join(v3, v7)))
-    tile = gl.reshape(gl.permute(v, (0, 1, 2, 4, 5, 3, 8, 7, 6)), [BLOCK_R, BLOCK_K])
-    return gl.convert_layout(tile, AL, assert_trivial=True)
+    return gl_word_values_operand(v0, v4, v1, v5, v2, v6, v3, v7, BLOCK_R, BLOCK_K, AL)
 
 
 @gluon.jit

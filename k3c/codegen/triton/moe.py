@@ -54,8 +54,8 @@ from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl
                                                gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
                                                gl_permuted_col, gl_ring_fill, gl_ring_init, gl_ring_refill,
                                                gl_stage_words, gl_tile_rows, gl_word_descs, gl_word_offsets,
-                                               gl_words2d_layout, gluon_decode_ok, moe_down_mx_gluon_kernel,
-                                               moe_up_mx_gluon_kernel)
+                                               gl_word_values_operand, gl_words2d_layout, gluon_decode_ok,
+                                               moe_down_mx_gluon_kernel, moe_up_mx_gluon_kernel)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 from k3c.runtime.layouts import MX_TILE_K, MX_TILE_ROWS, mx_tiles_ok
@@ -445,7 +445,8 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel, _max_i32,
                     moe_schedule_kernel, moe_schedule,
                     gluon_decode_ok, gl_act_ahead, gl_layouts, gl_permute, gl_permuted_col, gl_axis_layout,
-                    gl_word_offsets, gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_tile_rows, gl_words2d_layout,
+                    gl_word_offsets, gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_word_values_operand,
+                    gl_tile_rows, gl_words2d_layout,
                     gl_word_descs, gl_stage_words, gl_tma_load_named, gl_tma_load, gl_ring_fill, gl_ring_refill,
                     gl_ring_init, moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel],
                    launch_moe_experts, body)

@@ -214,6 +214,16 @@ def gl_decoded_tile(words, s, TWO_MULS: gl.constexpr, BLOCK_R: gl.constexpr, BLO
     mult = gl.expand_dims(mxfp4_scale_bf16(s, TWO_MULS), 5)
     mult, words = gl.broadcast(mult, words)
     v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(words, mult, TWO_MULS)
+    return gl_word_values_operand(v0, v4, v1, v5, v2, v6, v3, v7, BLOCK_R, BLOCK_K, AL)
+
+
+@gluon.jit
+def gl_word_values_operand(v0, v4, v1, v5, v2, v6, v3, v7, BLOCK_R: gl.constexpr, BLOCK_K: gl.constexpr,
+                           AL: gl.constexpr):
+    """The bf16 A operand [BLOCK_R, BLOCK_K] (AL, `mma.sync` K order) of each word's 8 decoded values, bf16
+    [W, 2, 8, 4, CH, 4] each (v_q: code q; `mxfp4_word_bf16`'s outputs in its order 0, 4, 1, 5, 2, 6, 3, 7):
+    joined into each thread's 8 consecutive columns 32·cc + 8t + j (j = 2q + e: code q + 4e of word cc), with no
+    data moved (`convert_layout(..., assert_trivial=True)`)."""
     # [W, 2, 8, 4(t), CH, 4, e, p, a]: each join appends the last dim; column j = 4a + 2p + e
     v = gl.join(gl.join(gl.join(v0, v4), gl.join(v1, v5)), gl.join(gl.join(v2, v6), gl.join(v3, v7)))
     tile = gl.reshape(gl.permute(v, (0, 1, 2, 4, 5, 3, 8, 7, 6)), [BLOCK_R, BLOCK_K])
