@@ -76,8 +76,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton.gl_common import gl_thread_barrier, gl_tma_load  # noqa: E402
 from k3c.codegen.triton.moe import launch_moe_experts, moe_schedule, moe_sum_kernel  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4 import mxfp4_scale_bf16, mxfp4_word_bf16  # noqa: E402
+from k3c.codegen.triton.gl_ring import gl_ring_init, gl_stage_words, gl_word_descs  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import (gl_act_operand, gl_decoded_tile, gl_layouts, gl_permute,  # noqa: E402
-                                               gl_ring_init, gl_stage_words, gl_word_descs, gl_word_values_operand)
+                                               gl_word_values_operand)
 from mx_round import default_variant  # noqa: E402
 from mx_tma_probe import ExpertsOp, parse_variant  # noqa: E402
 

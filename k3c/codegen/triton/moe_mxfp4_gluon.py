@@ -29,7 +29,9 @@ bytes in address order; the descriptor is then over the tiles' rows (`gl_word_de
 (row, K tile) to the box's place; the register word stream addresses the words by `mx_word_offset`.
 The scale bytes stay one tile ahead in registers; the activations load at use or one tile ahead, as
 `gl_act_ahead` says (mode 2 unrolls the K loop by two so that the prefetched activations and scale bytes need
-no copies; the register word stream's words are still carried).
+no copies; the register word stream's words are still carried), or, in the down kernel (mode 3), arrive with the
+words: the ring stages each K tile's [BLOCK_M, BLOCK_K/2] pairs of the sorted h beside them (`gl_act_desc`,
+`gl_staged_pairs`). The ring's descriptors, fills and stage reads are k3c.codegen.triton.gl_ring's.
 Measured on the H200 (BENCHMARKS.md "MXFP4 round (mx27)"), the TMA ring beats the register prefetch at batch 1
 and 16, bitwise equal; the per-thread cp.async ring it replaces was 55-70 % slower (mx26).
 
@@ -49,8 +51,7 @@ per thread and row.
 Scope: bf16 activations on a GPU, 1 or 2 warps, decode tiles of 8 or 16 token rows, K tiles of 128..512 (CC a
 multiple of 4; the TMA ring ≤ 256: a swizzled box row is at most 128 bytes), weight rows a multiple of BLOCK_R
 (`gluon_decode_ok`); the Triton kernels cover the rest (and the interpreter: Gluon has none). Public API:
-`GLUON_BLOCK_MS`, `gluon_decode_ok`, `gl_act_ahead`, `gl_word_descs`, the jit helpers (pasted into the emitted
-modules) and
+`GLUON_BLOCK_MS`, `gluon_decode_ok`, `gl_act_ahead`, the jit helpers (pasted into the emitted modules) and
 `moe_up_mx_gluon_kernel`, `moe_down_mx_gluon_kernel`."""
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from k3c.codegen.triton.gl_common import gl_tma_load
+from k3c.codegen.triton.gl_ring import gl_ring_fill, gl_ring_init, gl_ring_refill, gl_stage_words, gl_staged_pairs
 from k3c.codegen.triton.moe_act import glu
 from k3c.codegen.triton.moe_mxfp4 import mx_kernels, mx_word_offset, mxfp4_scale_bf16, mxfp4_word_bf16
 
@@ -74,15 +75,17 @@ def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> boo
     BLOCK_K, num_warps, num_stages, ...: `mx_default_config`; per-kernel fields as `mx_kernels` splits them) over
     latent D and expert inner I with K tiles bk1 (over D: the up kernel) and bk2 (over I: the down kernel): 8- or
     16-row token tiles and, for each kernel, 1 or 2 warps (the `mma.sync` path, `mx_mma_v2`), 16 weight rows per
-    warp, every weight-row block full (up: I rows, down: D), K tiles of 128..512 (≤ 256 for the TMA ring), and an
-    even number of K tiles where its activation prefetch mode (`gl_act_ahead`) is 2. For these kernels
+    warp, every weight-row block full (up: I rows, down: D), K tiles of 128..512 (≤ 256 for the TMA ring), an
+    even number of K tiles where its activation prefetch mode (`gl_act_ahead`) is 2 and the TMA ring where it is 3
+    (the down kernel's activations staged beside its words). For these kernels
     num_stages is the word stream's depth (module docstring): 1 prefetches the next K tile in registers, ≥ 2
     streams the words through a TMA ring of that many stages, refilled num_stages − 1 at a time. Raises
-    ValueError for prefetch modes outside 0..2 or a per-kernel field that is not a pair."""
+    ValueError for prefetch modes `gl_act_ahead` refuses or a per-kernel field that is not a pair."""
     def ok(kernel, rows, k, bk, mode):
         block_r, _, warps, stages, _ = kernel
         return warps in (1, 2) and block_r == 16 * warps and rows % block_r == 0 and \
-            bk in ((128, 256, 512) if stages == 1 else (128, 256)) and (mode < 2 or (k // bk) % 2 == 0)
+            bk in ((128, 256, 512) if stages == 1 else (128, 256)) and (mode != 2 or (k // bk) % 2 == 0) and \
+            (mode != 3 or stages > 1)
 
     up, down = mx_kernels(mx_config)
     mode_up, mode_down = gl_act_ahead(mx_config)
@@ -99,14 +102,17 @@ def gl_act_ahead(mx_config: tuple) -> tuple[int, int]:
     the H200 (BENCHMARKS.md "MXFP4 round (mx27)"), per kernel by its own num_stages (`mx_kernels`): with the
     register word stream (num_stages 1) 1; with the TMA ring the up kernel 1 at 8-token tiles (batch 1: 60.2
     against 65.5 us for 0; at 16 tokens its registers would double) and the down kernel 0 (mode 1 cost it 29
-    registers and 5-10 % of its time). Raises ValueError for a mode outside 0..2."""
+    registers and 5-10 % of its time). The down kernel also takes 3: its activations staged by the TMA ring beside
+    its words (its h rows are sorted, so a tile's are one box; the up kernel gathers z by token, which TMA cannot
+    on sm_90). Raises ValueError for a mode outside 0..2 (the down kernel's: 0..3)."""
     if len(mx_config) > 7 and mx_config[7] is not None:
         modes = mx_config[7]
     else:
         up, down = mx_kernels(mx_config)
         modes = (int(up[3] == 1 or mx_config[0] == 8), int(down[3] == 1))
-    if len(modes) != 2 or any(m not in (0, 1, 2) for m in modes):
-        raise ValueError(f"mx_config {tuple(mx_config)}: activation prefetch modes (up, down) must be 0, 1 or 2")
+    if len(modes) != 2 or modes[0] not in (0, 1, 2) or modes[1] not in (0, 1, 2, 3):
+        raise ValueError(f"mx_config {tuple(mx_config)}: activation prefetch modes (up, down) must be 0, 1 or 2 "
+                         "(the down kernel's also 3: staged by its TMA ring)")
     return int(modes[0]), int(modes[1])
 
 
@@ -237,95 +243,6 @@ def gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BM: gl.constexpr, layout
     return offs_m, offs_m < gl.load(tile_row_end_ptr + tile)
 
 
-@gluon.constexpr_function
-def gl_words2d_layout(W, BLOCK_K):
-    """[16W, BLOCK_K/8] i32 (a TMA stage: weight row, word): the words `gl_layouts`' [W, 2, 8, 4, CH, 4] layout
-    gives each thread (row 16w + 8h + g, word 4·CH·t + 4·ch + c), as a 2-D layout a shared stage loads into (4
-    consecutive words per thread: `LDS.128`)."""
-    CH = BLOCK_K // 128
-    reg = [[0, 1], [0, 2]] + [[0, 4 << i] for i in range(CH.bit_length() - 1)] + [[8, 0]]
-    lane = [[0, 4 * CH], [0, 8 * CH], [1, 0], [2, 0], [4, 0]]
-    warp = [[16 << i, 0] for i in range(W.bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
-                                      shape=[16 * W, BLOCK_K // 8])
-
-
-def gl_word_descs(w: torch.Tensor, block_r: int, block_k: int, tiled: bool = False):
-    """TMA descriptor of MXFP4 words w u8 [E, R, C/2] (contiguous, 16-byte aligned) as i32 [E·R, C/8], or
-    (tiled: the runtime's `mxfp4_tiles` layout, k3c.runtime.layouts) as i32 [E·R·C/256, 32], the rows of its
-    [32 rows, 32 words] tiles one after another, with [block_r, block_k/8]-word boxes stored with a
-    block_k/2-byte swizzle (`gl_words2d_layout` reads them free of bank conflicts; `gl_ring_fill` gives the
-    coordinates). Raises ValueError for a w TMA cannot address, or tiled boxes of more than 32 rows or 256 values
-    (a box would span two tiles)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    E, R, half = w.shape
-    if tiled and (block_r > 32 or R % 32 or block_k > 256):
-        raise ValueError(f"moe_experts: tiled MXFP4 words {list(w.shape)} take boxes of at most 32 rows and 256 "
-                         f"values of 32-row blocks, got {block_r} rows of {block_k}")
-    if not w.is_contiguous() or w.data_ptr() % 16 or half % (128 if tiled else 16):
-        raise ValueError(f"moe_experts: MXFP4 words {list(w.shape)} must be contiguous, 16-byte aligned rows of a "
-                         f"multiple of {128 if tiled else 16} bytes for the TMA ring (mx_config num_stages ≥ 2)")
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=block_k // 2, element_bitwidth=32, rank=2)
-    words = w.view(torch.int32).view(E * R * half // 128, 32) if tiled else w.view(torch.int32).view(E * R, half // 4)
-    return TensorDescriptor.from_tensor(words, [block_r, block_k // 8], layout)
-
-
-@gluon.jit
-def gl_stage_words(stage, W: gl.constexpr, CH: gl.constexpr, WL: gl.constexpr):
-    """The words [W, 2, 8, 4, CH, 4] (WL) of one TMA stage [16W, 32·CH] i32."""
-    words = stage.load(gl_words2d_layout(W, 128 * CH))
-    return gl.convert_layout(gl.reshape(words, [W, 2, 8, 4, CH, 4]), WL, assert_trivial=True)
-
-
-@gluon.jit
-def gl_ring_fill(d1, d3, r1, r3, bar, row, t, NT: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-                 TILED: gl.constexpr):
-    """TMA K tile t (< NT, else nothing) of weight rows row.. (global: e·R + r) of d1 (and, PAIR, d3) into stage
-    t % STAGES of ring r1 (r3), completing on that stage's mbarrier of `bar`; TILED: the descriptors are
-    `gl_word_descs`' tiled view, where the box of a K tile of words k .. (within one 32-word piece) of rows
-    row.. (within one 32-row block) starts at row (⌊row/32⌋·KW/32 + ⌊k/32⌋)·32 + row mod 32, word k mod 32."""
-    stage = t % STAGES
-    ok = t < NT
-    BW: gl.constexpr = d1.block_type.shape[1]
-    BYTES: gl.constexpr = (2 if PAIR else 1) * d1.block_type.nbytes
-    if TILED:
-        k = t * BW
-        at = [((row // 32) * (NT * BW // 32) + k // 32) * 32 + row % 32, k % 32]
-    else:
-        at = [row, t * BW]
-    gl.nvidia.hopper.mbarrier.expect(bar.index(stage), BYTES, ok)
-    gl_tma_load(d1, at, bar.index(stage), r1.index(stage), ok)
-    if PAIR:
-        gl_tma_load(d3, at, bar.index(stage), r3.index(stage), ok)
-
-
-@gluon.jit
-def gl_ring_refill(d1, d3, r1, r3, bar, row, it, NT: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-                   TILED: gl.constexpr):
-    """The TMA ring's refill at the top of K tile `it`'s iteration, after tile 0 was issued before the loop
-    (`gl_ring_fill`'s arguments): every STAGES − 1 tiles, the STAGES − 1 stages the tiles before `it` freed are
-    refilled together with tiles it + 1 .. it + STAGES − 1 (2 stages: tile it + 1 every tile). So each weight
-    row's next STAGES − 1 pieces (BLOCK_K/2 bytes each) are asked of DRAM back to back, as one run, rather than
-    one piece a tile (BENCHMARKS.md "MXFP4 round, run N")."""
-    if STAGES == 2:
-        gl_ring_fill(d1, d3, r1, r3, bar, row, it + 1, NT, STAGES, PAIR, TILED)
-    else:
-        if it % (STAGES - 1) == 0:
-            for g in gl.static_range(STAGES - 1):
-                gl_ring_fill(d1, d3, r1, r3, bar, row, it + 1 + g, NT, STAGES, PAIR, TILED)
-
-
-@gluon.jit
-def gl_ring_init(STAGES: gl.constexpr):
-    """STAGES mbarriers (one arrival: the expect), initialised and fenced for the TMA."""
-    bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], gl.nvidia.hopper.mbarrier.MBarrierLayout())
-    for b in gl.static_range(STAGES):
-        gl.nvidia.hopper.mbarrier.init(bar.index(b), count=1)
-    gl.nvidia.hopper.fence_async_shared()
-    return bar
-
-
 @gluon.jit
 def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
                            tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, E: gl.constexpr, K: gl.constexpr,
@@ -363,7 +280,7 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
             r1 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_D // 8], w1.layout)
             r3 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_D // 8], w3.layout)
             bar = gl_ring_init(STAGES)
-            gl_ring_fill(w1, w3, r1, r3, bar, row, 0, NT, STAGES, True, TILED)
+            gl_ring_fill(w1, w3, r1, r3, bar, row, 0, NT, STAGES, True, TILED, w1, r1, row, 0)
         else:
             w1p, w3p = w1 + woff, w3 + woff
             c1_n, c3_n = gl.load(w1p), gl.load(w3p)
@@ -379,7 +296,7 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
                 d0 = it * BLOCK_D
                 dn = gl.where(d0 + BLOCK_D < D, d0 + BLOCK_D, 0)
                 if STAGES > 1:
-                    gl_ring_refill(w1, w3, r1, r3, bar, row, it, NT, STAGES, True, TILED)
+                    gl_ring_refill(w1, w3, r1, r3, bar, row, it, NT, STAGES, True, TILED, w1, r1, row, 0)
                 else:
                     c1, c3 = c1_n, c3_n
                     nxt = mx_word_offset(0, dn // 8, D // 8, TILED)
@@ -413,7 +330,7 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
 
 
 @gluon.jit
-def moe_down_mx_gluon_kernel(hp_ptr, w2, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
+def moe_down_mx_gluon_kernel(hp_ptr, ha, w2, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
                              tile_row_end_ptr, y_slot_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
                              TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_R: gl.constexpr,
                              BLOCK_K2: gl.constexpr, STAGES: gl.constexpr, ACT_AHEAD: gl.constexpr,
@@ -421,7 +338,10 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2, s2_ptr, weights_ptr, order_ptr, tile_ex
     """`moe_down_mx_kernel` (bf16, V2) for one BLOCK_M-row tile and BLOCK_R output columns: y_slot[(token, slot)]
     = (h W2[e]ᵀ) · weight; hp [N·k, I] (bf16 read as i32 pairs) in `gl_permute` order of BLOCK_K2, s2 u8
     [E, D, I/32]; w2 as the up kernel's w1: i32 words [E, D, I/8] with STAGES 1, else their TMA descriptor;
-    ACT_AHEAD as in the up kernel."""
+    ACT_AHEAD as in the up kernel, or 3 (STAGES ≥ 2): each K tile's activations staged by the TMA ring beside its
+    words (ha: `gl_act_desc` of h; the tile's rows are consecutive, so its box starts at the tile's first row, and
+    rows past the tile are the next tile's or zero-filled, their columns never stored); no activation registers
+    carried or loads waited on. ha is read only in mode 3 (else pass hp_ptr)."""
     W: gl.constexpr = BLOCK_R // 16
     CH: gl.constexpr = BLOCK_K2 // 128
     NT: gl.constexpr = I // BLOCK_K2
@@ -443,11 +363,17 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2, s2_ptr, weights_ptr, order_ptr, tile_ex
             row = (e * D + n0).to(gl.int32)
             r2 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_K2 // 8], w2.layout)
             bar = gl_ring_init(STAGES)
-            gl_ring_fill(w2, w2, r2, r2, bar, row, 0, NT, STAGES, False, TILED)
+            if ACT_AHEAD == 3:
+                NB: gl.constexpr = BLOCK_K2 // 64
+                rh = gl.allocate_shared_memory(gl.int32, [STAGES, NB * BLOCK_M, 32], ha.layout)
+                hrow = gl.load(tile_row0_ptr + tile).to(gl.int32)
+                gl_ring_fill(w2, w2, r2, r2, bar, row, 0, NT, STAGES, False, TILED, ha, rh, hrow, NB)
+            else:
+                gl_ring_fill(w2, w2, r2, r2, bar, row, 0, NT, STAGES, False, TILED, w2, r2, row, 0)
         else:
             w2p = w2 + woff
             c2_n = gl.load(w2p)
-        if ACT_AHEAD:
+        if ACT_AHEAD == 1 or ACT_AHEAD == 2:
             h = gl.load(hptrs)
         acc = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
         UNROLL: gl.constexpr = 2 if ACT_AHEAD == 2 else 1
@@ -458,7 +384,10 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2, s2_ptr, weights_ptr, order_ptr, tile_ex
                 i0 = it * BLOCK_K2
                 nx = gl.where(i0 + BLOCK_K2 < I, i0 + BLOCK_K2, 0)
                 if STAGES > 1:
-                    gl_ring_refill(w2, w2, r2, r2, bar, row, it, NT, STAGES, False, TILED)
+                    if ACT_AHEAD == 3:
+                        gl_ring_refill(w2, w2, r2, r2, bar, row, it, NT, STAGES, False, TILED, ha, rh, hrow, NB)
+                    else:
+                        gl_ring_refill(w2, w2, r2, r2, bar, row, it, NT, STAGES, False, TILED, w2, r2, row, 0)
                 else:
                     c2 = c2_n
                     c2_n = gl.load(w2p + mx_word_offset(0, nx // 8, I // 8, TILED))   # the last wraps to tile 0
@@ -470,16 +399,19 @@ def moe_down_mx_gluon_kernel(hp_ptr, w2, s2_ptr, weights_ptr, order_ptr, tile_ex
                         x, t2 = gl_act_operand(hb, BLOCK_K2, BL), s2b
                         h, s2 = gl.load(hptrs + nx // 2), gl.load(s2p + nx // 32)
                 else:
-                    if ACT_AHEAD:
+                    if ACT_AHEAD == 1:
                         x = gl_act_operand(h, BLOCK_K2, BL)
                         h = gl.load(hptrs + nx // 2)
-                    else:
+                    elif ACT_AHEAD == 0:
                         x = gl_act_operand(gl.load(hptrs + i0 // 2), BLOCK_K2, BL)
                     t2 = s2
                     s2 = gl.load(s2p + nx // 32)
                 if STAGES > 1:
                     gl.nvidia.hopper.mbarrier.wait(bar.index(it % STAGES), (it // STAGES) & 1)
                     c2 = gl_stage_words(r2.index(it % STAGES), W, CH, WL)
+                    if ACT_AHEAD == 3:      # the tile's activations arrived with its words
+                        x = gl_act_operand(gl_staged_pairs(rh.index(it % STAGES), W, BLOCK_K2, BLOCK_M, PL),
+                                           BLOCK_K2, BL)
                 acc = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c2, t2, TWO_MULS, BLOCK_R, BLOCK_K2, AL), x, acc)
         offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, MMA))
         slot = gl.load(order_ptr + offs_mo, mask=m_ok_o, other=0)
