@@ -103,7 +103,11 @@ def parse_variant(spec):
         raise ValueError(f"variant {spec!r}: expected 7 or 8 fields BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK] "
                          "(integers; BR, STAGES and BK may be UP/DOWN; ACT_UP: 0, 1 or 2, ACT_DOWN: 0..3 (3: staged "
                          "by the TMA ring); BK: 128 or 256)")
-    return spec, {**{k: (v * (3 - len(v)) if k in PAIRED else v[0]) for k, v in kw.items()}, "tiled": tiled}
+    kw = {**{k: (v * (3 - len(v)) if k in PAIRED else v[0]) for k, v in kw.items()}, "tiled": tiled}
+    if kw["act_down"] == 3 and kw["stages"][1] < 2:
+        raise ValueError(f"variant {spec!r}: ACT_DOWN 3 stages the activations in the down kernel's TMA ring "
+                         "(its STAGES ≥ 2)")
+    return spec, kw
 
 
 def warm_one(job):

@@ -425,7 +425,8 @@ def test_staged_activation_descriptor():
                                        (8, 32, 256, 2, (4, 2), False, (None, 80), (1, 0)),
                                        (8, 32, 256, 2, 2, False, (None, 80), (1, 3)),
                                        (16, 32, 256, 2, 2, False, None, (0, 3)),
-                                       (8, 32, 128, 2, (2, 3), True, None, (2, 3))])
+                                       (8, 32, 128, 2, (2, 3), True, None, (2, 3)),
+                                       (16, 32, 128, 2, (2, 4), False, None, (0, 3))])
 @pytest.mark.parametrize("N", [1, 5, 12])
 def test_gluon_matches_triton_and_reference(N, mx_config):
     """The Gluon decode kernels (bf16, K tiles prefetched in registers) against the Triton kernels of the same
@@ -438,9 +439,9 @@ def test_gluon_matches_triton_and_reference(N, mx_config):
     unrolled loop runs twice), and kernels with fields of their own (`mx_kernels`: the up kernel's register
     stream of 128-wide K tiles beside the down kernel's TMA ring of 256). A ring of 3 or more stages gets twice
     its stages' K tiles, so that every stage is refilled and every mbarrier phase flips (`gl_ring_refill`; the
-    H100 SXM's own decode config, `MX_DECODE_BY_DEVICE`, among them). The last three stage the down kernel's
+    H100 SXM's own decode config, `MX_DECODE_BY_DEVICE`, among them). The last four stage the down kernel's
     activations in its TMA ring (mode 3): 8- and 16-token tiles whose boxes run into the next tile's rows or past
-    h's last row (N = 5, 12), K tiles of 256 and 128 (4 and 2 boxes a stage), 2 and 3 stages."""
+    h's last row (N = 1, 5, 12), K tiles of 256 and 128 (4 and 2 boxes a stage), 2 to 4 stages."""
     (_, bk1, _, s1, _), (_, bk2, _, s2, _) = mx_kernels(mx_config)
     D, I = (4 * bk1, 4 * bk2) if len(mx_config) > 7 else (512 if bk1 == 256 else 256, 256)
     D, I = (max(D, 2 * s1 * bk1) if s1 > 2 else D), (max(I, 2 * s2 * bk2) if s2 > 2 else I)

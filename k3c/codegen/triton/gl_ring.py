@@ -74,7 +74,8 @@ def gl_staged_layout(W, BLOCK_K, BM):
     """The layout of a stage's staged activations i32 [BLOCK_K/64 · BM, 32] (row b·BM + token: box b; column q:
     pair 32b + q of the K tile) that, reshaped to [BLOCK_K/64, BM, 32], permuted to [BLOCK_K/64, 32, BM] and
     reshaped to [BLOCK_K/2, BM], is `gl_layouts`' pairs layout as it is (each thread's 8 consecutive pairs of a
-    box row: two 16-byte loads; the 128-byte swizzle puts a load's 8 tokens in 8 distinct bank groups)."""
+    box row: two 16-byte loads; under the 128-byte swizzle each 8-lane phase of such a load, 2 tokens × 4 lanes of a
+    quad, hits 8 distinct 16-byte bank groups)."""
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [0, 4]] + [[BM << i, 0] for i in range((BLOCK_K // 64).bit_length() - 1)]
         + [[8 << i, 0] for i in range((BM // 8).bit_length() - 1)],

@@ -378,6 +378,7 @@ def moe_down_mx_gluon_kernel(hp_ptr, ha, w2, s2_ptr, weights_ptr, order_ptr, til
         acc = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
         UNROLL: gl.constexpr = 2 if ACT_AHEAD == 2 else 1
         gl.static_assert(NT % UNROLL == 0, "ACT_AHEAD 2 takes an even number of K tiles")
+        gl.static_assert(ACT_AHEAD != 3 or STAGES > 1, "ACT_AHEAD 3 stages the activations in the TMA ring")
         for j in range(NT // UNROLL):
             for u in gl.static_range(UNROLL):
                 it = j * UNROLL + u
