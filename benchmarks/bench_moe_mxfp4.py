@@ -16,7 +16,7 @@ do_bench. Formats: "bf16" (the dense kernels on the dequantized weights), "mxfp4
 weights' largest scale byte first) and, with --gluon at decode, "mxfp4-gluon" (the Gluon decode kernels a compiled
 artifact runs for the decode default, `GLUON_SWEEP`; compared bitwise with the Triton default's output) and, with
 --tiled, "mxfp4-tiled": the launcher's default (Gluon at decode, Triton at prefill) over the words re-laid as an
-artifact's session holds them (the runtime's `mxfp4_tiles`, k3c.runtime.layouts; `tiled=True`). Each MXFP4
+artifact's session holds them (the runtime's `mxfp4_tiles_bits`, k3c.runtime.layouts; `tiled=2`). Each MXFP4
 row's output is compared with the bf16 kernels fed the dequantized weights (max relative difference) and, at a
 small shape, with `moe_experts_ref` (the default and an `mma.sync` configuration), while the MXFP4 variants compile
 in --compile-workers processes. Results:
@@ -38,7 +38,7 @@ from k3c.codegen.triton.moe import launch_moe_experts, moe_schedule  # noqa: E40
 from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text, mx_default_config  # noqa: E402
 from k3c.ir.formats import mxfp4_dequantize  # noqa: E402
 from k3c.ir.ops.model_moe import moe_experts_ref  # noqa: E402
-from k3c.runtime.layouts import mx_tile_words  # noqa: E402
+from k3c.runtime.layouts import mx_tile_bits  # noqa: E402
 
 HBM_BYTES_PER_S = 4.2e12       # measured device copy bandwidth (KINDS.md)
 BF16_FLOP_PER_S = 790e12
@@ -185,8 +185,8 @@ def run_case(results, out_path, phase, N, E, dense, mx, bytes_per_expert, args, 
     if args.gluon and phase == "decode":
         variants += [("mxfp4-gluon", mx, {"mx_config": c, "scale_max": scale_max, "gluon": None}) for c in GLUON_SWEEP]
     if args.tiled:
-        tiled = tuple(mx_tile_words(w) for w in mx[:3]) + tuple(mx[3:])
-        variants += [("mxfp4-tiled", tiled, {"scale_max": scale_max, "tiled": True})]
+        tiled = tuple(mx_tile_bits(w) for w in mx[:3]) + tuple(mx[3:])
+        variants += [("mxfp4-tiled", tiled, {"scale_max": scale_max, "tiled": 2})]
     variants = ([("bf16", dense, {})] if dense is not None else []) + variants
     y_triton = None
     for fmt, ws, kw in variants:
@@ -250,7 +250,7 @@ def main():
                          "stages,two_muls,maxnreg' (two_muls 0/1, maxnreg 0: none or UP/DOWN; 'default': the "
                          "launcher's)")
     ap.add_argument("--compile-workers", type=int, default=8, help="processes compiling the MXFP4 variants first")
-    ap.add_argument("--tiled", action="store_true", help="the default over the words re-laid in mxfp4_tiles beside")
+    ap.add_argument("--tiled", action="store_true", help="the default over the words re-laid in mxfp4_tiles_bits beside")
     args = ap.parse_args()
     if args.configs:
         MX_SWEEP["decode"][:] = [MX_SWEEP["decode"][int(i)] for i in args.configs.split(",")]

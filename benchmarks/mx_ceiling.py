@@ -6,7 +6,7 @@ kernels are benchmarks/mx_ceiling_kernels.py's; this script builds the inputs, l
 - `linear`: one plain Triton kernel reads a contiguous buffer of the up kernel's word bytes (and a 4 GB one) in
   16 KB blocks, XOR-folding them (the best read rate of this device for those bytes);
 - `copy`: a torch device-to-device copy of 4 GB, counting bytes read + written;
-- `stream,BR,BK,STAGES,MODE[,CTAS][,lin][,grp][,pfN|plN][,bm16][,dec1|dec2][,noload]`: `stream_kernel`, the up
+- `stream,BR,BK,STAGES,MODE[,CTAS][,lin][,grp][,pfN|plN][,bm16][,dec1|dec2|dec3][,noload]`: `stream_kernel`, the up
   kernel's grid (tiles × I/BR CTAs of BR weight rows, BR/16 warps) and its TMA ring of STAGES stages over w1 and w3,
   with MODE 0: wait for each stage and refill it (the copies alone); 1: also read each thread's words back from
   shared memory (`gl_stage_words`, the decode kernels' `LDS.128`) and XOR-fold them; 2: as 1 with a CTA barrier
@@ -26,7 +26,7 @@ kernels are benchmarks/mx_ceiling_kernels.py's; this script builds the inputs, l
   `prefetch.global.L2` each. `bm16`: modes 3 and 4 multiply 16 token columns (two n8 `mma.sync`s a k16 step) instead
   of 8, over the 16-token tile schedule. BK > 256 (a multiple of 256 dividing D): a K tile is BK/256 boxes side by
   side a matrix, each weight row read in runs of BK/2 bytes;
-- `wgmma,BM,KSPLIT[,dec1|dec2][,noload]`: `wgmma_kernel`, mode 3 on `wgmma` (4 warps, 64 weight rows a CTA, BM = 8
+- `wgmma,BM,KSPLIT[,dec1|dec2|dec3][,noload]`: `wgmma_kernel`, mode 3 on `wgmma` (4 warps, 64 weight rows a CTA, BM = 8
   or 16 token columns over that tile schedule, each matrix's K tile in KSPLIT `wgmma`s of 256/KSPLIT); compiled
   offline for sm_90a (Triton 3.6): KSPLIT 1 162 / 170 registers (BM 8 / 16), 3 / 2 CTAs an SM; KSPLIT 2 98 / 106, 4
   CTAs; 616-620 instructions a K tile with 32 `HGMMA`s, against mode 3's 584 with 32 `HMMA`s at 8 tokens and 616
@@ -37,13 +37,15 @@ kernels are benchmarks/mx_ceiling_kernels.py's; this script builds the inputs, l
   a pair but the first (7), what a bit order of the words with no `lop3` pre-pass would cost. Neither is a
   decoding k3c can use as it is: no bit order of a 32-bit word gives each of its four bf16 pairs by one shift
   and one mask (translates of the pair's 8 bit positions {6, 7, 8, 15, 22, 23, 24, 31} do not tile 32 bits);
+  `,dec3`: the library's decoding of words in the `mxfp4_tiles_bits` layout's bit order (9 integer instructions
+  a word: three pairs one shift or rotate and one mask, the fourth from two; k3c.runtime.layouts.MX_BIT_PLACE);
 - `,noload` (stream, wgmma): compute alone, each stage filled once before the K loop and decoded over and over
   (no DRAM traffic after the first tiles): the decoding's and MMAs' time on this SM count and clock, which an
   H100 and an H200 share;
-- `persist,BR,STAGES,CTAS_PER_SM[,bm16][,dec1|dec2]`: `persist_kernel`, mode 3 on a persistent grid of
+- `persist,BR,STAGES,CTAS_PER_SM[,bm16][,dec1|dec2|dec3]`: `persist_kernel`, mode 3 on a persistent grid of
   CTAS_PER_SM CTAs an SM, each streaming all K tiles of its (tile, row block) units through one TMA ring, the
   next unit's first tiles in flight under this unit's last;
-- `mixed[,dec1|dec2][,noload]`: mode 3 over a schedule that mixes tile sizes by expert load (`mixed_tiles`): one
+- `mixed[,dec1|dec2|dec3][,noload]`: mode 3 over a schedule that mixes tile sizes by expert load (`mixed_tiles`): one
   8-token launch over the experts with at most 8 rows, one 16-token launch over the rest, timed together;
 - `lib`: the library's decode default at that batch (`mx_round.default_variant`), its up and down kernels timed
   apart, its output first compared with `launch_moe_experts`.
@@ -147,8 +149,8 @@ def mixed_tiles(ids):
 
 
 def probe_flags(fields):
-    """(DEC, NOLOAD) of a variant's fields: `dec1` / `dec2` (`probe_word_bf16`), `noload`."""
-    return (1 if "dec1" in fields else 2 if "dec2" in fields else 0), "noload" in fields
+    """(DEC, NOLOAD) of a variant's fields: `dec1` / `dec2` (`probe_word_bf16`), `dec3` (placed bits), `noload`."""
+    return (1 if "dec1" in fields else 2 if "dec2" in fields else 3 if "dec3" in fields else 0), "noload" in fields
 
 
 def static_rows(variants):
@@ -162,7 +164,7 @@ def static_rows(variants):
     for spec in variants.split(";"):
         f = spec.split(",")
         dec, noload = probe_flags(f)
-        f = [x for x in f if x not in ("dec1", "dec2", "noload")]
+        f = [x for x in f if x not in ("dec1", "dec2", "dec3", "noload")]
         if f[0] == "wgmma":
             bm, ksplit = map(int, f[1:3])
             kernel, br, warps = wgmma_kernel, 64, 4
@@ -244,7 +246,7 @@ def main():
                     del x, y
                 elif f[0] == "lib":
                     lib(N, ids, touched, record, gen, (w1, w3, w2, s1, s3, s2))
-                elif f[0] == "persist":      # persist,BR,STAGES,CTAS_PER_SM[,bm16][,dec1|dec2]
+                elif f[0] == "persist":      # persist,BR,STAGES,CTAS_PER_SM[,bm16][,dec1|dec2|dec3]
                     br, stages, per_sm = map(int, f[1:4])
                     bm = 16 if "bm16" in f else 8
                     dec = probe_flags(f)[0]
@@ -257,7 +259,7 @@ def main():
                                                               BLOCK_R=br, STAGES=stages, BM=bm, DEC=dec,
                                                               num_warps=br // 16))
                     record(N, spec, t, word_bytes)
-                elif f[0] == "mixed":        # mixed[,dec1|dec2][,noload]
+                elif f[0] == "mixed":        # mixed[,dec1|dec2|dec3][,noload]
                     dec, noload = probe_flags(f)
                     small, large = mixed_tiles(ids)
                     d1, d3 = (gl_word_descs(w, 32, 256) for w in (w1, w3))
@@ -288,7 +290,7 @@ def main():
                     bm = 16 if "bm16" in f else 8
                     dec, noload = probe_flags(f)
                     f = [x for x in f if x[:2] not in ("pf", "pl") and
-                         x not in ("grp", "bm16", "dec1", "dec2", "noload")]
+                         x not in ("grp", "bm16", "dec1", "dec2", "dec3", "noload")]
                     lin = f[-1] == "lin"
                     br, bk, stages, mode, *ctas = map(int, f[1:len(f) - lin])
                     ctas = [c for c in ctas if c]

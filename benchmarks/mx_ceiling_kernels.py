@@ -36,7 +36,8 @@ def stream_kernel(w1, w3, w1p, w3p, tile_expert_ptr, out_ptr, E: gl.constexpr, D
     pointers), so DRAM sees PF·BLOCK_D/2-byte runs of each row while the TMA ring still copies 128-byte pieces.
     GROUP: the ring refills GROUP stages at once every GROUP K tiles (1: one stage a tile; STAGES − 1: all the
     free stages together). BM: the token columns of modes 3 and 4 (8, or 16: two n8 `mma.sync`s a k16 step).
-    DEC (modes 3, 4): the decoding's instructions, `probe_tile` (0: the library's). NOLOAD: compute alone, every
+    DEC (modes 3, 4): the decoding's instructions, `probe_tile` (0 / 3: the library's, checkpoint / placed bits).
+    NOLOAD: compute alone, every
     stage filled once before the loop and decoded over and over, nothing more read from DRAM."""
     W: gl.constexpr = BLOCK_R // 16
     BOXES: gl.constexpr = BLOCK_D // 256
@@ -169,9 +170,10 @@ def probe_word_bf16(w, mult, DEC: tl.constexpr):
 
 @gluon.jit
 def probe_tile(words, s, DEC: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_K: gl.constexpr, AL: gl.constexpr):
-    """`gl_decoded_tile` (one multiply) with DEC 0, else with `probe_word_bf16`'s decoding DEC."""
-    if DEC == 0:
-        return gl_decoded_tile(words, s, False, BLOCK_R, BLOCK_K, AL)
+    """`gl_decoded_tile` (one multiply) with DEC 0 (the checkpoint's bit order) or 3 (the `mxfp4_tiles_bits`
+    layout's), else with `probe_word_bf16`'s decoding DEC."""
+    if DEC == 0 or DEC == 3:
+        return gl_decoded_tile(words, s, False, BLOCK_R, BLOCK_K, AL, DEC == 3)
     mult = gl.expand_dims(mxfp4_scale_bf16(s, False), 5)
     mult, words = gl.broadcast(mult, words)
     v0, v4, v1, v5, v2, v6, v3, v7 = probe_word_bf16(words, mult, DEC)
@@ -257,12 +259,12 @@ def wgmma_kernel(w1, w3, tile_expert_ptr, out_ptr, E: gl.constexpr, D: gl.conste
 @gluon.jit
 def wgmma_operand(words, s, BK: gl.constexpr, AL: gl.constexpr, DEC: gl.constexpr = 0):
     """`gl_decoded_tile` in `wgmma`'s K order (`wgmma_kernel`): words [W, 2, 8, 4, CH, 4] of a BK-wide K tile
-    (CH = BK/128; DEC: `probe_word_bf16`'s cost probe) -> the bf16 A operand [16W, BK] whose column
+    (CH = BK/128; DEC: as `probe_tile`'s) -> the bf16 A operand [16W, BK] whose column
     32·cc + 16a + 8p + 2t + e is code 4a + 2p + e of word cc of thread t."""
     mult = gl.expand_dims(mxfp4_scale_bf16(s, False), 5)
     mult, words = gl.broadcast(mult, words)
-    if DEC == 0:
-        v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(words, mult, False)
+    if DEC == 0 or DEC == 3:
+        v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(words, mult, False, DEC == 3)
     else:
         v0, v4, v1, v5, v2, v6, v3, v7 = probe_word_bf16(words, mult, DEC)
     # [W, 2, 8, 4(t), CH, 4(c), e, p, a] -> [W, 2, 8, CH, 4(c), a, p, 4(t), e]

@@ -2,7 +2,7 @@
 the fastest, check the Gluon kernels against the Triton ones. Made for a device budget that may allow one call a
 session: every phase has a wall-clock share, and what finished is written before the next starts.
 
-1. `probe`: benchmarks/mx_tma_probe.py --tiled (the words in `mxfp4_tiles`, as the end-to-end session holds
+1. `probe`: benchmarks/mx_tma_probe.py --tiled (the words in `mxfp4_tiles_bits`, as the end-to-end session holds
    them: k3c.runtime.layouts) over --variants (its 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]'
    form, BR, STAGES and BK each one value or 'UP/DOWN'; checked before any GPU work) at the end-to-end
    benchmark's expert count (32) and decode batches 1 and 16. The launcher's defaults at those batches on this

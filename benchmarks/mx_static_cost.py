@@ -18,6 +18,7 @@ and reports:
 Run (CPU; the device's Triton for numbers that match it: `pip install --target /tmp/t36 triton==3.6.0`):
     PYTHONPATH=/tmp/t36 python benchmarks/mx_static_cost.py [--configs "8,32,256,2,1,0,0;..."]
         [--experts 32,896] [--batches 1,16] [--module ARTIFACT/kernels/kNNNN_moe_experts.py] [--out DIR]
+        [--tiled 0|1|2]
 Configs as `bench_moe_mxfp4.py --gluon-configs` (`mx_config_from_text`): BLOCK_M, BLOCK_R, BLOCK_K, warps,
 stages (≥ 2: the TMA ring), two_muls (0/1), maxnreg (0: none) and optionally the activation prefetch modes
 "UP/DOWN" (`gl_act_ahead`; 2 unrolls the K loop by two: the counts are then per K tile, half the body's, and the
@@ -168,14 +169,14 @@ def real_tiles(E, batch, block_m):
     return int((tile_expert < E).sum())
 
 
-def analyse(cfg, experts, batches, kernels):
+def analyse(cfg, experts, batches, kernels, tiled=0):
     bm, two = cfg[0], cfg[5]
     kernel_cfgs = dict(zip(("up", "down"), mx_kernels(cfg)))
     bk1, bk2 = mx_block_k(D, kernel_cfgs["up"][1]), mx_block_k(I, kernel_cfgs["down"][1])
     row = {"config": list(cfg)}
     if not gluon_decode_ok(cfg, D, I, bk1, bk2):
         return {**row, "refused": "gluon_decode_ok"}
-    common = dict(TWO_MULS=two, BLOCK_M=bm, BLOCK_K2=bk2, E=max(experts), D=D, I=I, TILED=False)   # row-major words
+    common = dict(TWO_MULS=two, BLOCK_M=bm, BLOCK_K2=bk2, E=max(experts), D=D, I=I, TILED=tiled)
     up, down = kernels
     act_up, act_down = gl_act_ahead(cfg)
     launches = {"up": (up, dict(common, K=K, ACT_SITU=True, BLOCK_D=bk1, ACT_AHEAD=act_up), 2 * bk1, I),
@@ -203,11 +204,13 @@ def main():
     ap.add_argument("--batches", type=int_list, default="1,16", help="decode batches for the waves, comma-separated")
     ap.add_argument("--module", default=None, help="an emitted MXFP4 moe_experts module whose kernels to compile")
     ap.add_argument("--out", default=None, help="directory for mx_static_cost.json")
+    ap.add_argument("--tiled", type=int, choices=(0, 1, 2), default=0,
+                    help="the words' layout: 0 row-major, 1 mxfp4_tiles, 2 mxfp4_tiles_bits (the decoding's bits)")
     args = ap.parse_args()
     experts, batches = args.experts, args.batches
     kernels = emitted_kernels(args.module) if args.module else (moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel)
-    rows = [analyse(parse_config(c), experts, batches, kernels) for c in args.configs.split(";")]
-    result = {"triton": triton.__version__, "target": "sm_90a", "module": args.module,
+    rows = [analyse(parse_config(c), experts, batches, kernels, args.tiled) for c in args.configs.split(";")]
+    result = {"triton": triton.__version__, "target": "sm_90a", "module": args.module, "tiled": args.tiled,
               "shape": {"D": D, "I": I, "k": K}, "rows": rows}
     if args.out:
         os.makedirs(args.out, exist_ok=True)

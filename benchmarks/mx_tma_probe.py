@@ -6,10 +6,11 @@ kernel's 3: staged by its TMA ring beside the words; the launcher sets it by `gl
 per kernel and the K tile. Every variant's output is first compared with the launcher's default.
 
     python3 benchmarks/mx_tma_probe.py --out DIR [--experts 32,896] [--batches 1,16]
-        [--variants "BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK][,t];..."] [--workers 16] [--launch-only]
+        [--variants "BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK][,t|,tb];..."] [--workers 16] [--launch-only]
         [--tiled]
-A variant ending in ",t" (or every variant, with --tiled) reads the words in the runtime's `mxfp4_tiles` layout,
-as a session of a K3 / K3.1 Pro artifact holds them (k3c.runtime.layouts).
+A variant ending in ",t" reads the words in the runtime's `mxfp4_tiles` layout, one ending in ",tb" (or every
+variant, with --tiled) in `mxfp4_tiles_bits`, as a session of a K3 / K3.1 Pro artifact holds them (the tiles with
+each word's bits placed for the decoding; k3c.runtime.layouts).
 Writes DIR/mx_tma_probe.json: per (E, N, variant) the max |difference| from the default's output and the time of
 up, down and the whole op (permutation, up, down, slot sum; do_bench_cudagraph), with the expert bytes read over
 that time as a fraction of the measured 4.2 TB/s. Variants compile in --workers processes first; --launch-only
@@ -35,7 +36,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton.moe import launch_moe_experts, moe_schedule, moe_sum_kernel  # noqa: E402
-from k3c.runtime.layouts import mx_tile_words  # noqa: E402
+from k3c.runtime.layouts import mx_tile_bits, mx_tile_words  # noqa: E402
 from k3c.codegen.triton.gl_ring import gl_act_desc, gl_word_descs  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import (gl_permute, moe_down_mx_gluon_kernel,  # noqa: E402
                                                moe_up_mx_gluon_kernel)
@@ -51,10 +52,11 @@ class ExpertsOp:
     prefetch mode (`gl_act_ahead`), register cap and K tile; block_r, stages and block_k are (up, down) pairs."""
 
     def __init__(self, w1, w3, w2, s1, s3, s2, block_m, block_r, stages, act_up, act_down, cap_up, cap_down,
-                 block_k=(256, 256), tiled=False):
+                 block_k=(256, 256), tiled=0):
         self.E, self.s = w1.shape[0], (s1, s3, s2)
         self.bm, self.br, self.stages, self.bk, self.tiled = block_m, block_r, stages, block_k, tiled
-        words = [mx_tile_words(w) if tiled else w for w in (w1, w3, w2)]     # a tiled copy: the loader's layout
+        relay = {0: lambda w: w, 1: mx_tile_words, 2: mx_tile_bits}[tiled]      # the loader's layouts
+        words = [relay(w) for w in (w1, w3, w2)]
         self.w = tuple(gl_word_descs(w, self.br[j], self.bk[j], tiled) if self.stages[j] > 1 else w.view(torch.int32)
                        for w, j in zip(words, (0, 0, 1)))
         self.words = words
@@ -85,14 +87,15 @@ PAIRED = ("block_r", "stages", "block_k")
 
 
 def parse_variant(spec):
-    """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK][,t]' (ACT 0..2, the down kernel's 0..3; caps 0: none;
+    """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK][,t|,tb]' (ACT 0..2, the down kernel's 0..3; caps 0: none;
     BK, the K tile, 128 or 256, default 256; BR, STAGES and BK each one value for both kernels or 'UP/DOWN'; t: the
-    words in the tiled layout, `mx_tile_words`) -> (spec, ExpertsOp keyword arguments, every field given: BR,
-    STAGES and BK as (up, down) pairs). Raises ValueError naming the text otherwise."""
+    words in the tiled layout, `mx_tile_words`; tb: tiled with their bits placed, `mx_tile_bits`) -> (spec,
+    ExpertsOp keyword arguments, every field given: BR, STAGES and BK as (up, down) pairs; tiled the layout code
+    0..2). Raises ValueError naming the text otherwise."""
     fields = spec.split(",")
-    tiled = fields[-1] == "t"
+    tiled = {"t": 1, "tb": 2}.get(fields[-1], 0)
     try:
-        f = [tuple(int(x) for x in field.split("/")) for field in fields[:len(fields) - tiled]]
+        f = [tuple(int(x) for x in field.split("/")) for field in fields[:len(fields) - bool(tiled)]]
     except ValueError:
         f = []
     f += [(256,)] * (len(f) == 7)
@@ -148,7 +151,7 @@ def main():
                          "none, BK 128 or 256, default 256; BR, STAGES, BK may be UP/DOWN; BM 16: N > 1 only)")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--launch-only", action="store_true", help="one launch per variant, nothing timed (for ncu)")
-    ap.add_argument("--tiled", action="store_true", help="every variant over the words in mxfp4_tiles")
+    ap.add_argument("--tiled", action="store_true", help="every variant over the words in mxfp4_tiles_bits")
     a = ap.parse_args()
     specs = a.variants.split(";")
     for spec in specs:
@@ -182,7 +185,7 @@ def main():
             y_ref = torch.empty_like(z)
             launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y_ref, scale_max=122, **ACT)
             for name, kw in map(parse_variant, specs):
-                kw = {**kw, "tiled": kw["tiled"] or a.tiled}
+                kw = {**kw, "tiled": kw["tiled"] or 2 * a.tiled}
                 if kw["block_m"] > 8 and N == 1:
                     continue
                 try:

@@ -15,6 +15,10 @@ Layouts (`LAYOUTS`):
   lies at word ((r // 32)·(K/256) + wk // 32)·1024 + (r mod 32)·32 + wk mod 32 (`mx_word_offset`,
   k3c.codegen.triton.moe_mxfp4).
 
+- `mxfp4_tiles_bits` (`mx_tile_bits`): `mxfp4_tiles` with each 32-bit word's bits placed for the decoding
+  (`MX_BIT_PLACE`): code c's bit b (bit 4c + b of the checkpoint's word, b = 3 its sign) moves to where one
+  shift or rotate and one mask put it in bf16 position, so a word decodes to its four bf16 pairs (codes c and
+  c + 4) in 9 integer instructions instead of 11 (k3c.codegen.triton.moe_mxfp4, `mxfp4_word_bf16`).
 The runtime checks the layouts against the memory-mapped weights before it copies them (`declared`) and re-lays
 them after (`apply`). This module belongs to the runtime: torch only, no compiler import (the compiler imports it
 for the layout's constants, and checks its finished schedule with `declared`). Errors: ArtifactError naming the
@@ -53,14 +57,66 @@ def mx_tile_words(w: torch.Tensor) -> torch.Tensor:
     return blocks.transpose(2, 3).contiguous().view(E, R, half)
 
 
+def _bit_place() -> tuple[int, ...]:
+    """`MX_BIT_PLACE`: the placed bit of each bit 4c + b of a word. Pair j = c mod 4 holds codes j (bf16 bits 6, 7,
+    8 = em, 15 = sign) and j + 4 (16 bits up), at p of P = {6, 7, 8, 15, 22, 23, 24, 31}; the decoding extracts
+    pair 0 as w & P, pair 1 as rotr(w, 4) & P, pair 2 as (w << 6) & P and pair 3 as ((w << 2) & (P less bits 8,
+    24)) | ((w >> 6) & bits 8, 24), so bit p of pair j comes from w's bit p, p + 4 mod 32, p − 6, and p − 2
+    (p + 6 for the top exponent bit b = 2) of pair 3. These cover the 32 bits once: four whole translates of P
+    cannot (no translates of P tile 32 bits), so one pair takes two."""
+    place = []
+    for c in range(8):
+        for b in range(4):
+            p = (6, 7, 8, 15)[b] + 16 * (c // 4)
+            j = c % 4
+            place.append(p if j == 0 else (p + 4) % 32 if j == 1 else p - 6 if j == 2 else p + 6 if b == 2 else p - 2)
+    assert sorted(place) == list(range(32))
+    return tuple(place)
+
+
+#: MX_BIT_PLACE[4c + b]: where the `mxfp4_tiles_bits` layout puts bit b of code c of a 32-bit word (`_bit_place`)
+MX_BIT_PLACE = _bit_place()
+
+
+def _i32(x: int) -> int:
+    """The int32 of the 32-bit pattern x (0 .. 2^32 − 1)."""
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+def mx_place_bits(w: torch.Tensor) -> torch.Tensor:
+    """Packed MXFP4 bytes u8 [..., 4n] -> a new tensor of the same bytes with each little-endian 32-bit word's
+    bits placed as `MX_BIT_PLACE` says, on w's device (a word's bytes stay its own 4 bytes; int32 temporaries of
+    w's size: one masked move per distinct distance a bit moves)."""
+    words = w.contiguous().view(torch.int32)
+    out = torch.zeros_like(words)
+    moves: dict[int, int] = {}
+    for src, dst in enumerate(MX_BIT_PLACE):
+        moves[dst - src] = moves.get(dst - src, 0) | 1 << src
+    for delta, mask in sorted(moves.items()):
+        part = words & _i32(mask)
+        # int32 shifts: left ones drop what passes bit 31; right ones are arithmetic, so mask what they smear
+        out |= part << delta if delta >= 0 else (part >> -delta) & _i32(mask >> -delta)
+    return out.view(torch.uint8).view(w.shape)
+
+
+def mx_tile_bits(w: torch.Tensor) -> torch.Tensor:
+    """Packed MXFP4 bytes w u8 [E, R, K/2] row-major -> the `mxfp4_tiles_bits` layout: `mx_tile_words`, each
+    word's bits placed by `mx_place_bits`. Raises ValueError naming the shape where `mx_tiles_ok` does not hold."""
+    return mx_place_bits(mx_tile_words(w))
+
+
+def _tiles_shape(w: torch.Tensor) -> str | None:
+    """What keeps `w` from a tiled MXFP4 layout, or None."""
+    return None if w.dtype == torch.uint8 and w.dim() == 3 and mx_tiles_ok(w.shape[1], 2 * w.shape[2]) else \
+        f"{w.dtype} {list(w.shape)}: expected u8 [E, R, K/2] with R a multiple of {MX_TILE_ROWS} and K of {MX_TILE_K}"
+
+
 #: layout name -> (check(tensor) -> what is wrong or None, relaid(tensor) -> a new tensor in the layout). A layout
 #: treats the slices of a weight's first dimension (the experts) independently, so `apply` re-lays a GPU weight in
 #: place a chunk of them at a time.
 LAYOUTS = {
-    "mxfp4_tiles": (lambda w: None if w.dtype == torch.uint8 and w.dim() == 3 and
-                    mx_tiles_ok(w.shape[1], 2 * w.shape[2]) else
-                    f"{w.dtype} {list(w.shape)}: expected u8 [E, R, K/2] with R a multiple of {MX_TILE_ROWS} and K "
-                    f"of {MX_TILE_K}", mx_tile_words),
+    "mxfp4_tiles": (_tiles_shape, mx_tile_words),
+    "mxfp4_tiles_bits": (_tiles_shape, mx_tile_bits),
 }
 
 

@@ -1,6 +1,9 @@
 """The MXFP4 expert kernels' pieces (k3c.codegen.triton.moe_mxfp4): the K order of the activations and, on a GPU,
 the inline-PTX word decoding against the portable one (bitwise) and the bf16 launcher against the reference."""
 
+import inspect
+import re
+
 import pytest
 import torch
 import triton
@@ -10,12 +13,13 @@ from hypothesis import strategies as st
 
 from k3c.codegen.triton import moe
 from k3c.codegen.triton.moe_mxfp4 import (MX_DECODE_BY_DEVICE, mx_block_k, mx_config_from_text, mx_default_config,
-                                         mx_kernels, mx_permute, mx_permuted_col, mxfp4_scales, mxfp4_weight_tile)
+                                         mx_kernels, mx_permute, mx_permuted_col, mxfp4_scales, mxfp4_weight_tile,
+                                         mxfp4_word_bf16)
 from k3c.codegen.triton.gl_ring import gl_act_desc, gl_word_descs
 from k3c.codegen.triton.moe_mxfp4_gluon import gl_act_ahead, gl_permute, gl_permuted_col, gluon_decode_ok
 from k3c.ir.formats import mxfp4_dequantize
 from k3c.ir.ops import get_op
-from k3c.runtime.layouts import mx_tile_words
+from k3c.runtime.layouts import MX_BIT_PLACE, mx_place_bits, mx_tile_bits, mx_tile_words
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -119,11 +123,12 @@ def dequantized(w, s, dtype, v2=False):
     return mx_permute(mxfp4_dequantize(w.cpu(), s.cpu()).to(dtype), 256, v2=v2).to(w.device)
 
 
-def decode(w, s, dtype, fast, two_muls, v2=False, bk=256, tiled=False):
-    """The decoded [R, KDIM] of packed w [R, KDIM/2] (row-major; tiled: decoded from its `mx_tile_words` copy)."""
+def decode(w, s, dtype, fast, two_muls, v2=False, bk=256, tiled=0):
+    """The decoded [R, KDIM] of packed w [R, KDIM/2] (row-major; tiled 1 / 2: decoded from its `mx_tile_words` /
+    `mx_tile_bits` copy)."""
     R, KDIM = w.shape[0], 2 * w.shape[1]
     out = torch.empty(R, KDIM, dtype=dtype, device=w.device)
-    words = mx_tile_words(w[None])[0] if tiled else w
+    words = (w if not tiled else mx_tile_words(w[None])[0] if tiled == 1 else mx_tile_bits(w[None])[0])
     _decode_kernel[(1,)](words.view(torch.int32), s, out, R=R, KDIM=KDIM, BLOCK_K=bk, FAST=fast, TWO_MULS=two_muls,
                          V2=v2, TILED=tiled)
     return out
@@ -133,15 +138,91 @@ def decode(w, s, dtype, fast, two_muls, v2=False, bk=256, tiled=False):
 def test_portable_decoding_equals_dequantize(v2):
     """The fp32 decoding (interpreter / fp32 activations): every byte value, E8M0 0 (2^-127) and 255 (NaN),
     equal to the IR's `mxfp4_dequantize` in the kernels' K order (wgmma's and mma.sync's); the same from the
-    words' tiled copy (`mx_tile_words`, 32 rows by two 256-value tiles) with K tiles of 512, 256 and 128."""
+    words' tiled copies (`mx_tile_words`, 32 rows by two 256-value tiles, and `mx_tile_bits`, the tiles with
+    each word's bits placed) with K tiles of 512, 256 and 128."""
     w, s = random_mxfp4(64 if v2 else 8, 512, 255, "cuda" if torch.cuda.is_available() else "cpu")
     want = dequantized(w, s, torch.float32, v2)
     torch.testing.assert_close(decode(w, s, torch.float32, False, False, v2), want, rtol=0, atol=0, equal_nan=True)
     if v2:
         for bk in (512, 256, 128):
-            got = decode(w, s, torch.float32, False, False, v2, bk=bk, tiled=True)
-            assert torch.equal(got.view(torch.int32), decode(w, s, torch.float32, False, False, v2, bk=bk)
-                               .view(torch.int32))
+            row_major = decode(w, s, torch.float32, False, False, v2, bk=bk).view(torch.int32)
+            for tiled in (1, 2):
+                got = decode(w, s, torch.float32, False, False, v2, bk=bk, tiled=tiled)
+                assert torch.equal(got.view(torch.int32), row_major), (bk, tiled)
+
+
+def ptx_pairs(asm: str, word: int) -> list[int]:
+    """The four bf16 pair registers `asm` (a `mxfp4_word_bf16` body) hands its `mul.bf16x2`s for the 32-bit word,
+    from a small interpreter of the PTX integer instructions it may use (and, shl, shr, shf.r.wrap, lop3 with an
+    immediate LUT): the value of the multiplied register at each pair's first `mul.bf16x2`."""
+    regs, out, mask, prev = {"$8": word}, [], 0xFFFFFFFF, None
+
+    def val(x):
+        return int(x, 0) if x[0].isdigit() else regs[x]
+
+    for ins in (i.strip() for i in asm.replace("\n", " ").split(";")):
+        op, _, rest = ins.partition(" ")
+        a = [x.strip() for x in rest.split(",")]
+        if op == "and.b32":
+            regs[a[0]] = val(a[1]) & val(a[2])
+        elif op == "shl.b32":
+            regs[a[0]] = (val(a[1]) << val(a[2])) & mask
+        elif op == "shr.b32":
+            regs[a[0]] = val(a[1]) >> val(a[2])
+        elif op == "shf.r.wrap.b32":
+            v, k = val(a[1]) | val(a[2]) << 32, val(a[3]) % 32
+            regs[a[0]] = (v >> k) & mask
+        elif op == "lop3.b32":
+            x, y, z, lut = (val(v) for v in a[1:5])
+            regs[a[0]] = sum(((lut >> ((x >> i & 1) << 2 | (y >> i & 1) << 1 | (z >> i & 1))) & 1) << i
+                             for i in range(32))
+        elif op == "mul.bf16x2":
+            if prev != op:          # a pair's first multiply: its operand is the placed pair
+                out.append(regs[a[1]])
+        elif not op.startswith(("mov", "{", ".reg", "}")) and op:
+            raise AssertionError(f"instruction {op} not modelled")
+        prev = op
+    return out
+
+
+def test_even_unroll_takes_mode_1_for_an_odd_count_of_k_tiles():
+    """`mx_even_unroll`: the up kernel's unrolled prefetch (mode 2) only over an even count of K tiles; the rest of
+    the config, other modes and configs without the field unchanged; the decode default at batch 1 and 16 is mode
+    2 (run Q), which K3.1 Pro's latent (3584: 14 tiles of 256) keeps and a 2304-wide one (9) drops to 1."""
+    from k3c.codegen.triton.moe_mxfp4 import mx_even_unroll
+
+    for rows in (16, 256):
+        cfg = mx_default_config(rows, 32, 122)
+        assert cfg[7] == (2, 0) and mx_even_unroll(cfg, 3584 // 256) == cfg
+        assert mx_even_unroll(cfg, 2304 // 256) == (*cfg[:7], (1, 0))
+        assert gluon_decode_ok(mx_even_unroll(cfg, 9), 2304, 3072, 256, 256)
+        assert not gluon_decode_ok(cfg, 2304, 3072, 256, 256)
+    assert mx_even_unroll((8, 32, 256, 2, 2, False, None, (1, 2)), 9) == (8, 32, 256, 2, 2, False, None, (1, 2))
+    assert mx_even_unroll((8, 32, 256, 2, 2, False, None), 9) == (8, 32, 256, 2, 2, False, None)
+
+
+@pytest.mark.parametrize("two_muls", [False, True])
+def test_placed_bits_decode_to_the_bf16_pattern(two_muls):
+    """The PTX of `mxfp4_word_bf16` with BITS (interpreted instruction by instruction, `ptx_pairs`) turns every
+    word of the `mxfp4_tiles_bits` layout into its four bf16 pairs: pair j holds code j (em at bits 6..8, sign at
+    15) and code j + 4 (16 bits up), as the checkpoint's word held them at bits 4c .. 4c + 3; the layout moves
+    each word's bits only within the word (`mx_place_bits`), and `mx_tile_bits` is the tiles' placed bits."""
+    src = inspect.getsource(mxfp4_word_bf16.fn)
+    bodies = [b for b in re.findall(r'"""\{(.*?)\}"""', src, re.S) if "shf.r.wrap" in b]
+    assert len(bodies) == 2
+    asm = bodies[0] if two_muls else bodies[1]
+    gen = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (64, 4), dtype=torch.uint8, generator=gen)
+    raw[:16] = torch.arange(16, dtype=torch.uint8)[:, None] * 17        # every code in every nibble
+    placed = mx_place_bits(raw).view(torch.int32)[:, 0].tolist()
+    for word, got in zip(raw.view(torch.int32)[:, 0].tolist(), placed):
+        codes = [(word & 0xFFFFFFFF) >> (4 * c) & 15 for c in range(8)]
+        want = [(codes[j] & 7) << 6 | (codes[j] >> 3) << 15 | (codes[j + 4] & 7) << 22 | (codes[j + 4] >> 3) << 31
+                for j in range(4)]
+        assert ptx_pairs(asm, got & 0xFFFFFFFF) == want, hex(word)
+    assert sorted(MX_BIT_PLACE) == list(range(32))
+    w = torch.randint(0, 256, (2, 64, 512), dtype=torch.uint8, generator=gen)
+    assert torch.equal(mx_tile_bits(w), mx_place_bits(mx_tile_words(w)))
 
 
 def test_tiled_word_layout():
@@ -181,6 +262,8 @@ def test_word_decoding_equals_portable(two_muls, v2):
     want = dequantized(w, s, torch.bfloat16, v2).view(torch.int16)
     assert torch.equal(decode(w, s, torch.bfloat16, False, two_muls, v2).view(torch.int16), want)
     assert torch.equal(decode(w, s, torch.bfloat16, True, two_muls, v2).view(torch.int16), want)
+    if v2:      # the words in `mxfp4_tiles_bits` (64 rows, two tiles a row): the placed bits' PTX decoding
+        assert torch.equal(decode(w, s, torch.bfloat16, True, two_muls, v2, tiled=2).view(torch.int16), want)
 
 
 def _bf16_case(seed, N, k, E, D, I, device="cuda"):
@@ -242,19 +325,24 @@ def test_launch_mma_v2_order_matches_reference(mx_config):
 
 
 def test_launch_tiled_words_match_row_major():
-    """The launcher over the words' tiled copy (`mx_tile_words`, tiled=True: every kernel addresses them by
-    `mx_word_offset`) gives bitwise the output of the row-major words (fp32 activations: the interpreter's
-    portable decoding; D = I = 512: every matrix has 32-row blocks and two 256-value K tiles a row, so every term of
-    the offset moves, in the up and the down kernel);
-    shapes that are not whole tiles raise ValueError naming D and I."""
+    """The launcher over the words' tiled copies (`mx_tile_words`, tiled=1: every kernel addresses them by
+    `mx_word_offset`; `mx_tile_bits`, tiled=2: also decodes the placed bits, `mx_word_code`) gives bitwise the
+    output of the row-major words (fp32 activations: the interpreter's portable decoding; D = I = 512: every
+    matrix has 32-row blocks and two 256-value K tiles a row, so every term of the offset moves, in the up and the
+    down kernel); shapes that are not whole tiles and a layout code outside 0..2 raise ValueError."""
     z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(4, 3, 2, 3, 512, 512, device="cpu")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     args = [t.to(dev) for t in (z.float(), wt, ids)]
-    y, y_tiled = (torch.full_like(args[0], float("nan")) for _ in range(2))
+    y = torch.full_like(args[0], float("nan"))
     moe.launch_moe_experts(*args, *(t.to(dev) for t in (w1, w3, w2, s1, s3, s2)), y=y, **attrs)
-    tiled = [mx_tile_words(w).to(dev) for w in (w1, w3, w2)]
-    moe.launch_moe_experts(*args, *tiled, *(t.to(dev) for t in (s1, s3, s2)), y=y_tiled, tiled=True, **attrs)
-    assert not y.isnan().any() and torch.equal(y.view(torch.int32), y_tiled.view(torch.int32))
+    assert not y.isnan().any()
+    for code, relay in ((1, mx_tile_words), (2, mx_tile_bits)):
+        y_tiled = torch.full_like(args[0], float("nan"))
+        tiled = [relay(w).to(dev) for w in (w1, w3, w2)]
+        moe.launch_moe_experts(*args, *tiled, *(t.to(dev) for t in (s1, s3, s2)), y=y_tiled, tiled=code, **attrs)
+        assert torch.equal(y.view(torch.int32), y_tiled.view(torch.int32)), code
+    with pytest.raises(ValueError, match=r"tiled must be a word layout code 0, 1 or 2, got 3"):
+        moe.launch_moe_experts(*args, *tiled, *(t.to(dev) for t in (s1, s3, s2)), y=y_tiled, tiled=3, **attrs)
     z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(4, 3, 2, 3, 256, 160, device="cpu")
     with pytest.raises(ValueError, match=r"tiled MXFP4 words need D \(256\) and I \(160\) multiples of 256"):
         moe.launch_moe_experts(z.float(), wt, ids, w1, w3, w2, s1, s3, s2, y=z.float(), tiled=True, **attrs)
@@ -471,14 +559,17 @@ def test_tiled_words_match_row_major_on_gpu(N, mx_config):
     """bf16 on the GPU: the Gluon kernels (TMA ring of 2-4 stages over the tiled view's boxes, 16- and 32-row
     blocks, 128-wide K tiles: half a tile's row; the register word stream by `mx_word_offset`, K tiles of 256 and
     512: two tiles' rows a K tile) and the Triton kernels (`mxfp4_tile_bf16`'s tiled addressing) over the words'
-    tiled copy equal, bitwise, the same kernels over the row-major words. D and I give every ring twice its
+    tiled copies (`mx_tile_words`; `mx_tile_bits`, whose placed bits the PTX of `mxfp4_word_bf16`'s BITS
+    decodes) equal, bitwise, the same kernels over the row-major words. D and I give every ring twice its
     stages' K tiles and two 32-row blocks an expert."""
     D, I = 2048, 1024
     z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _bf16_case(5, N, 4, 6, D, I)
-    tiled = [mx_tile_words(w) for w in (w1, w3, w2)]
-    for gluon in (None, False):
-        y, y_tiled = torch.full_like(z, float("nan")), torch.full_like(z, float("nan"))
-        moe.launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, mx_config=mx_config, gluon=gluon, **attrs)
-        moe.launch_moe_experts(z, wt, ids, *tiled, s1, s3, s2, y=y_tiled, mx_config=mx_config, gluon=gluon,
-                               tiled=True, **attrs)
-        assert not y.isnan().any() and torch.equal(y.view(torch.int16), y_tiled.view(torch.int16)), gluon
+    for code, relay in ((1, mx_tile_words), (2, mx_tile_bits)):
+        tiled = [relay(w) for w in (w1, w3, w2)]
+        for gluon in (None, False):
+            y, y_tiled = torch.full_like(z, float("nan")), torch.full_like(z, float("nan"))
+            moe.launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, mx_config=mx_config, gluon=gluon,
+                                   **attrs)
+            moe.launch_moe_experts(z, wt, ids, *tiled, s1, s3, s2, y=y_tiled, mx_config=mx_config, gluon=gluon,
+                                   tiled=code, **attrs)
+            assert not y.isnan().any() and torch.equal(y.view(torch.int16), y_tiled.view(torch.int16)), (code, gluon)

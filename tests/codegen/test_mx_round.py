@@ -67,19 +67,19 @@ def test_best_mix_joins_one_variants_up_kernel_to_anothers_down_kernel():
 def test_default_variant_is_the_launchers_decode_default():
     from k3c.codegen.triton.moe_mxfp4 import mx_default_config
 
-    # mx27's default: 8-token tiles of 32 rows on a 2-stage TMA ring, the up kernel's activations carried one
-    # tile ahead, the down kernel's loaded at use and capped at 80 registers
-    assert mx_round.default_variant(1) == "8,32,2,1,0,0,80"
+    # mx27's default: 8-token tiles of 32 rows on a 2-stage TMA ring, the down kernel's activations loaded at use
+    # and capped at 80 registers; the up kernel's K loop unrolled by two with its activations one tile ahead (mode
+    # 2: run L's from 4 rows per expert on, run Q's at every decode batch)
+    assert mx_round.default_variant(1) == "8,32,2,2,0,0,80"
     assert mx_round.default_variant(16) == "8,32,2,2,0,0,80"
-    assert mx_round.variant_config("8,32,2,1,0,0,80") == mx_default_config(16, 32, 122)
-    # run L's default from 4 rows per expert on: the up kernel's K loop unrolled by two (mode 2)
+    assert mx_round.variant_config("8,32,2,2,0,0,80") == mx_default_config(16, 32, 122)
     assert mx_round.variant_config("8,32,2,2,0,0,80") == mx_default_config(16 * 16, 32, 122)
     # a card with its own decode config below 4 rows per expert (`MX_DECODE_BY_DEVICE`: the H100 SXM, run N)
     h100 = "NVIDIA H100 80GB HBM3"
     assert mx_round.default_variant(1, h100) == "8,32,4/2,1,0,0,80"
     assert mx_round.variant_config("8,32,4/2,1,0,0,80") == mx_default_config(16, 32, 122, h100)
     assert mx_round.default_variant(16, h100) == "8,32,2,2,0,0,80"
-    assert mx_round.default_variant(1, "NVIDIA H200") == "8,32,2,1,0,0,80"
+    assert mx_round.default_variant(1, "NVIDIA H200") == "8,32,2,2,0,0,80"
     assert mx_round.variant_config("8,32,2,2,2,80,80") == (8, 32, 256, 2, 2, False, (80, 80), (2, 2))
     assert mx_round.variant_config("8,32,1,2,2,80,0,128") == (8, 32, 128, 2, 1, False, (80, None), (2, 2))
     # fields of one kernel each: 32 rows on 2 warps and 16 on 1, register stream and ring, K tiles 128 and 256
@@ -159,12 +159,10 @@ def test_the_round_times_the_mix_and_runs_the_end_to_end_benchmark_under_it(tmp_
     import json
     import sys
 
-    base, reg, ring, wide = "8,32,2,1,0,0,80", "8,32,1,2,2,80,80,128", "8,32,2,2,0,80,80", "16,32,2,0,0,128,80"
-    base16 = "8,32,2,2,0,0,80"                                  # the default from 4 rows per expert on
-    mix = "8,32,1/2,2,0,80,80,128/256"
+    base, reg, ring, wide = "8,32,2,2,0,0,80", "8,32,1,2,2,80,80,128", "8,32,2,1,0,80,80", "16,32,2,0,0,128,80"
+    mix = "8,32,1/2,2,0,80,80,128/256"                          # base: the default at batch 1 and 16
     times = {(base, 1): (60, 30), (reg, 1): (50, 30), (ring, 1): (55, 24), (mix, 1): (51, 24),
-             (base16, 1): (62, 30), (base, 16): (152, 80), (base16, 16): (150, 80), (reg, 16): (150, 80),
-             (ring, 16): (150, 79), (wide, 16): (120, 70)}
+             (base, 16): (150, 80), (reg, 16): (150, 80), (ring, 16): (150, 79), (wide, 16): (120, 70)}
     calls = []
 
     def fake_run(cmd, seconds, log, cwd=mx_round.ROOT, env=None):
@@ -172,8 +170,8 @@ def test_the_round_times_the_mix_and_runs_the_end_to_end_benchmark_under_it(tmp_
         calls.append((script, seconds))
         arg = dict(zip(cmd[2::2], cmd[3::2]))
         if script == "mx_tma_probe.py":
-            assert cmd[-1] == "--tiled"        # the words as the end-to-end session holds them (mxfp4_tiles)
-            rows = [row(v, b, *times[v, b], 0.0 if v in (base, base16, ring, wide) else 2 ** -7)
+            assert cmd[-1] == "--tiled"        # the words as the end-to-end session holds them (mxfp4_tiles_bits)
+            rows = [row(v, b, *times[v, b], 0.0 if v in (base, ring, wide) else 2 ** -7)
                     for b in map(int, arg["--batches"].split(",")) for v in arg["--variants"].split(";")
                     if (v, b) in times]
             os.makedirs(arg["--out"])
@@ -197,7 +195,7 @@ def test_the_round_times_the_mix_and_runs_the_end_to_end_benchmark_under_it(tmp_
     res = json.loads((out / "mx_round.json").read_text())
     assert [c[0] for c in calls] == ["mx_tma_probe.py", "mx_tma_probe.py", "bench_e2e.py", "pytest"]
     assert calls[0][1] == pytest.approx(0.45 * 570) and calls[1][1] <= 0.12 * 570
-    assert res["default"] == {"1": base, "16": base16} and res["variants"][:2] == [base, base16]
+    assert res["default"] == {"1": base, "16": base} and res["variants"][:2] == [base, reg]
     assert res["mixes"] == {"1": mix, "16": None}
     assert res["winners"] == {"1": mix, "16": wide}
     assert copies == [(mx_round.variant_config(mix), mx_round.variant_config(wide))]

@@ -38,12 +38,13 @@ def compile_offline(out, configs, *extra):
 
 @pytest.fixture(scope="module")
 def static_cost(tmp_path_factory):
-    return compile_offline(tmp_path_factory.mktemp("mx_static"), CONFIGS)
+    # the words as a session holds them (`mxfp4_tiles_bits`: the decoding of placed bits)
+    return compile_offline(tmp_path_factory.mktemp("mx_static"), CONFIGS, "--tiled", "2")
 
 
 def test_default_decode_config_is_compiled_here():
-    """Each kernel of the decode defaults (below and from 4 rows per expert) is one compiled here: its fields and
-    its activation prefetch mode."""
+    """Each kernel of the decode default (one config at every decode batch since run Q: the up kernel's loop
+    unrolled by two, mode 2) is one compiled here: its fields and its activation prefetch mode."""
     from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text, mx_default_config, mx_kernels
     from k3c.codegen.triton.moe_mxfp4_gluon import gl_act_ahead
 
@@ -51,9 +52,8 @@ def test_default_decode_config_is_compiled_here():
         return [(*fields, act) for fields, act in zip(mx_kernels(config), gl_act_ahead(config))]
 
     small, large = mx_default_config(16, 896, 128), mx_default_config(16 * 16, 32, 128)
-    assert small != large and small[:7] == large[:7]
+    assert small == large
     compiled = [kernels(mx_config_from_text(c)) for c in CONFIGS]
-    assert kernels(small) == compiled[1]
     assert kernels(large)[0] == compiled[3][0] and kernels(large)[1] == compiled[1][1]
     # a card's own decode config: the H100 SXM's below 4 rows per expert; from there it keeps the default's
     assert kernels(mx_default_config(16, 896, 128, H100)) == compiled[4]
@@ -107,12 +107,15 @@ def test_unrolled_activation_prefetch_needs_no_copies(static_cost):
     carried, unrolled = static_cost["8,32,256,2,2,0,0/80"]["up"], static_cost["8,32,256,2,2,0,0/80,2/2"]["up"]
     assert carried["loop"]["moves"] >= 32 and unrolled["loop"]["moves"] <= carried["loop"]["moves"] - 32
     assert unrolled["loop"]["instructions"] <= carried["loop"]["instructions"] - 32
-    assert unrolled["registers"] <= carried["registers"] and unrolled["spills"] == 0
+    # over placed bits (`mxfp4_tiles_bits`) ptxas gives the unrolled loop more registers (Triton 3.6: 155 against
+    # 123), 6 CTAs an SM against 8, which measured faster on the H200 and H100 (BENCHMARKS.md "MXFP4 round, run Q")
+    assert unrolled["spills"] == 0 and unrolled["ctas_per_sm"] >= 6
     for key in ("HMMA", "LDG", "UTMALDG", "LDS"):
         assert unrolled["loop"][key] == carried["loop"][key]
-    # the down kernel prefetches too (mode 0 loads at use) within its 80-register cap, without spilling
+    # the down kernel prefetches too (mode 0 loads at use) within its 80-register cap, without spilling and with
+    # fewer moves than the 32 a carried prefetch copies (over placed bits, Triton 3.9: 29.5; row-major: 24)
     down = static_cost["8,32,256,2,2,0,0/80,2/2"]["down"]
-    assert down["registers"] <= 80 and down["spills"] == 0 and down["loop"]["moves"] <= 24
+    assert down["registers"] <= 80 and down["spills"] == 0 and down["loop"]["moves"] < 32
 
 
 def test_occupancy_rule_matches_ncu():
@@ -185,7 +188,7 @@ for rows, E in json.loads(sys.argv[1]):
                   DOT_PRECISION="tf32", V2=mx_mma_v2(warps))
     kinds, wide = [], []
     caps = maxnreg if isinstance(maxnreg, tuple) else (maxnreg, maxnreg)
-    for tiled in (False, True):
+    for tiled in (0, 2):        # row-major words, and the session's: tiles, bits placed
         for cap, kernel, consts in ((caps[0], moe_up_mx_kernel, dict(common, K=K, ACT_SITU=True,
                                                                      V2_H=mx_mma_v2(warps),
                                                                      BLOCK_D=mx_block_k(D, most_k))),
@@ -216,5 +219,5 @@ def test_triton_mxfp4_tiles_get_the_mma_their_k_order_assumes():
     assert set(got) == {f"{r},{e}" for r, e in regimes}
     for key, (v2, kinds, wide) in got.items():
         assert kinds == [["HMMA"] if v2 else ["HGMMA"]] * 4, key
-        # the words' tiled layout (`mx_word_offset`) keeps every 16-byte load of the row-major one
+        # the words' tiled layout (`mx_word_offset`; `mxfp4_tiles_bits`) keeps every 16-byte load of the row-major one
         assert wide[:2] == wide[2:] and min(wide) > 0, (key, wide)

@@ -1,5 +1,6 @@
 """Load-time weight layouts (k3c.runtime.layouts): the rules the runtime checks in schedule.json, the re-laying of
-a weight, and an artifact whose MXFP4 experts the kernels read in `mxfp4_tiles` end to end against models/k3.py."""
+a weight, and an artifact whose MXFP4 experts the kernels read in `mxfp4_tiles_bits` end to end against
+models/k3.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from safetensors.torch import load_file  # noqa: E402
 import k3c  # noqa: E402
 from k3c.compile import CompileOptions, compile_model  # noqa: E402
 from k3c.errors import ArtifactError  # noqa: E402
-from k3c.runtime.layouts import apply, declared, mx_tile_words  # noqa: E402
+from k3c.runtime.layouts import apply, declared, mx_tile_bits, mx_tile_words  # noqa: E402
 from models.config import _TINY_COMMON, K3Config, _shrink  # noqa: E402
 from models.k3 import save_random_checkpoint  # noqa: E402
 
@@ -101,9 +102,10 @@ def _config() -> K3Config:
 @pytest.mark.slow
 def test_tiled_experts_end_to_end(tmp_path):
     """An MXFP4 checkpoint whose experts tile: the artifact stores the checkpoint's bytes, schedule.json asks
-    `mxfp4_tiles` of the three packed matrices for every moe_experts launch, the session holds them re-laid (the
-    tiles of the file's bytes), and the compiled model (its kernels addressing the tiles) matches models/k3.py
-    eager on a 6-token prefill and two decode steps (≤ 1e-4 of the largest logit)."""
+    `mxfp4_tiles_bits` of the three packed matrices for every moe_experts launch, the session holds them re-laid
+    (the tiles of the file's bytes, each word's bits placed), and the compiled model (its kernels addressing the
+    tiles and decoding the placed bits) matches models/k3.py eager on a 6-token prefill and two decode steps
+    (≤ 1e-4 of the largest logit)."""
     model = save_random_checkpoint(_config(), tmp_path / "ckpt", seed=5, dtype=torch.float32,
                                    expert_format="mxfp4").eval()
     opts = CompileOptions(str(tmp_path / "ckpt"), tmp_path / "art", target="cpu-x86-64", max_batch=1, max_seq=8,
@@ -113,11 +115,11 @@ def test_tiled_experts_end_to_end(tmp_path):
     moe = [ln for e in s.schedule.values() for ln in e["launches"] if ln["kind"] == "moe_experts"]
     packed = sorted(k for k in load_file(str(opts.out / "weights/params.safetensors")) if k.endswith("weight_packed"))
     assert len(packed) == 3 and len(moe) == 2
-    assert all(ln["weight_layouts"] == dict.fromkeys(packed, "mxfp4_tiles") for ln in moe)
-    assert s.weight_layouts == dict.fromkeys(packed, "mxfp4_tiles")
+    assert all(ln["weight_layouts"] == dict.fromkeys(packed, "mxfp4_tiles_bits") for ln in moe)
+    assert s.weight_layouts == dict.fromkeys(packed, "mxfp4_tiles_bits")
     stored = load_file(str(opts.out / "weights/params.safetensors"))
     for k in packed:
-        assert torch.equal(s.weights[k], mx_tile_words(stored[k])) and not torch.equal(s.weights[k], stored[k])
+        assert torch.equal(s.weights[k], mx_tile_bits(stored[k])) and not torch.equal(s.weights[k], stored[k])
     tokens = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want, cache = model(tokens)

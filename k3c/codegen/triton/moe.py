@@ -23,9 +23,10 @@ moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (n
   With bf16 activations on a GPU, 8- and 16-token decode tiles on 1-2 warps run the Gluon versions
   (k3c.codegen.triton.moe_mxfp4_gluon: num_stages 1 prefetches the next K tile's words in registers, ≥ 2 streams
   them through a TMA ring in shared memory; `gluon_decode_ok`). Where D and I are multiples of 256 (K3, K3.1 Pro,
-  Kimi Linear) the artifact asks the runtime to re-lay the packed words at load in 4 KB tiles
-  (`moe_experts_layouts`: the `mxfp4_tiles` layout of k3c.runtime.layouts), and every kernel addresses them so
-  (`mx_word_offset`; the emitted module's TILED_WORDS): a decode CTA then reads its rows in address order.
+  Kimi Linear) the artifact asks the runtime to re-lay the packed words at load in 4 KB tiles, each word's bits
+  placed for the decoding (`moe_experts_layouts`: the `mxfp4_tiles_bits` layout of k3c.runtime.layouts), and
+  every kernel addresses and decodes them so (`mx_word_offset`, `mx_word_code`, `mxfp4_word_bf16`; the emitted
+  module's TILED_WORDS): a decode CTA then reads its rows in address order, 9 integer instructions a word.
   Two GEMM kernels rather than one: a single fused act(z W1ᵀ, z W3ᵀ) W2ᵀ program would have to either hold all
   of D in registers or recompute h per output block (re-reading W1/W3 D/BLOCK_N times); split, every expert
   weight is read once per token tile and the grid covers I and D, which decode (few tokens) needs to fill the GPU.
@@ -47,9 +48,9 @@ from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_sc
 from k3c.codegen.triton.gl_common import gl_tma_load, gl_tma_load_named
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (MX_DECODE_BY_DEVICE, ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel,
-                                         mx_act_tile, mx_block_k, mx_default_config, mx_kernels, mx_mma_v2, mx_permute,
-                                         mx_permuted_col, mx_word_offset, mxfp4_scale_bf16, mxfp4_scales,
-                                         mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
+                                         mx_act_tile, mx_block_k, mx_default_config, mx_even_unroll, mx_kernels,
+                                         mx_mma_v2, mx_permute, mx_permuted_col, mx_word_code, mx_word_offset,
+                                         mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
 from k3c.codegen.triton.gl_ring import (gl_act_desc, gl_ring_fill, gl_ring_init, gl_ring_refill, gl_stage_words,
                                        gl_staged_layout, gl_staged_pairs, gl_word_descs, gl_words2d_layout)
 from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl_act_offsets, gl_act_operand,
@@ -272,9 +273,12 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     (`mx_default_config`, given z's CUDA device name: a card may have its own decode config,
     `MX_DECODE_BY_DEVICE`). gluon: None runs the Gluon decode kernels (k3c.codegen.triton.moe_mxfp4_gluon) for bf16
     z on a GPU wherever `gluon_decode_ok` takes the configuration, False never (the Triton kernels; benchmarks).
-    tiled: the MXFP4 words w1/w3/w2 are in the runtime's `mxfp4_tiles` layout (k3c.runtime.layouts; same shapes,
-    every kernel addresses them by `mx_word_offset`), which needs D and I multiples of MX_TILE_K (256). Raises
-    ValueError on mismatched shapes or a tiled layout the shapes cannot take.
+    tiled: the MXFP4 words w1/w3/w2 in a load-time layout of the runtime (k3c.runtime.layouts; same shapes), its
+    `MX_WORD_LAYOUTS` code: 0 / False the checkpoint's row-major order, 1 / True `mxfp4_tiles` (every kernel
+    addresses them by `mx_word_offset`), 2 `mxfp4_tiles_bits` (the tiles with each word's bits placed for the
+    decoding, `mx_word_code`, `mxfp4_word_bf16`'s BITS); 1 and 2 need D and I multiples of MX_TILE_K (256).
+    Raises ValueError on mismatched shapes, a layout code outside 0..2 or a tiled layout the shapes cannot
+    take.
     """
     N, D = z.shape
     E, I = w1.shape[:2]
@@ -288,6 +292,9 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         raise ValueError(f"moe_experts: z {z.dtype}{list(z.shape)}, ids {list(ids.shape)}, w1 {list(w1.shape)}, "
                          f"w2 {list(w2.shape)}, {len(scales)} scales, y {list(y.shape)} mismatch "
                          "(MXFP4: z f32 or bf16)")
+    if tiled not in (0, 1, 2):
+        raise ValueError(f"moe_experts: tiled must be a word layout code 0, 1 or 2, got {tiled!r}")
+    tiled = int(tiled)
     if tiled and not (mx and mx_tiles_ok(I, D) and mx_tiles_ok(D, I)):
         raise ValueError(f"moe_experts: tiled MXFP4 words need D ({D}) and I ({I}) multiples of {MX_TILE_K}")
     if N == 0:
@@ -303,9 +310,12 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         # the card's name only when the default is asked for (torch caches the device's properties)
         cfg = mx_config or mx_default_config(rows, E, scale_max,
                                              torch.cuda.get_device_name(z.device) if z.is_cuda else None)
+        (BR1, most1, *_), (BR2, most2, *_) = mx_kernels(cfg)
+        BK1, BK2 = mx_block_k(D, most1), mx_block_k(I, most2)
+        if mx_config is None:
+            cfg = mx_even_unroll(cfg, D // BK1)
         BLOCK_M, two_muls = cfg[0], cfg[5]
         (BR1, most1, warps1, stages1, mr_up), (BR2, most2, warps2, stages2, mr_down) = mx_kernels(cfg)
-        BK1, BK2 = mx_block_k(D, most1), mx_block_k(I, most2)
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
         max_tiles = schedule[1].shape[0]
         fast = z.dtype == torch.bfloat16
@@ -396,11 +406,18 @@ def moe_experts_scratch(group: KernelGroup) -> list[ScratchSpec]:
     return out
 
 
+#: the kernels' code (`launch_moe_experts`' tiled, the kernels' TILED) of each MXFP4 word layout of the runtime
+MX_WORD_LAYOUTS = {"mxfp4_tiles": 1, "mxfp4_tiles_bits": 2}
+#: the layout the Triton backend asks of MXFP4 expert words that tile (`moe_experts_layouts`)
+MX_WORD_LAYOUT = "mxfp4_tiles_bits"
+
+
 @weight_layout("moe_experts")
 def moe_experts_layouts(group: KernelGroup) -> dict[str, str]:
     """The load-time layouts of one `moe_experts` launch's weights: MXFP4 words w1, w3, w2 in the runtime's
-    `mxfp4_tiles` (k3c.runtime.layouts; each K tile of a decode CTA one contiguous 4 KB run) where D and I are
-    multiples of MX_TILE_K, so every matrix's rows and K are whole tiles; none for dense experts or other shapes.
+    MX_WORD_LAYOUT (k3c.runtime.layouts' `mxfp4_tiles_bits`: each K tile of a decode CTA one contiguous 4 KB run,
+    each word's bits where the 9-instruction decoding takes them) where D and I are multiples of MX_TILE_K, so
+    every matrix's rows and K are whole tiles; none for dense experts or other shapes.
     Raises UnsupportedError for a group that is not a single moe_experts node."""
     node, _, _ = one_node(group, "moe_experts")
     if node.attrs["weight_format"] != "mxfp4":
@@ -408,7 +425,7 @@ def moe_experts_layouts(group: KernelGroup) -> dict[str, str]:
     (_, D), I = node.inputs[0].type.shape, node.inputs[3].type.shape[1]
     if not (isinstance(D, int) and mx_tiles_ok(I, D) and mx_tiles_ok(D, I)):
         return {}
-    return {v.name: "mxfp4_tiles" for v in node.inputs[3:6]}
+    return {v.name: MX_WORD_LAYOUT for v in node.inputs[3:6]}
 
 
 @emitter("moe_experts")
@@ -428,7 +445,8 @@ def emit_moe_experts(group: KernelGroup) -> str:
               ("GLUON_BLOCK_MS", GLUON_BLOCK_MS, "token rows of the Gluon decode tiles"),
               ("MX_TILE_ROWS", MX_TILE_ROWS, "weight rows of a tile of the tiled MXFP4 word layout"),
               ("MX_TILE_K", MX_TILE_K, "values of a row of a tile of the tiled MXFP4 word layout"),
-              ("TILED_WORDS", bool(moe_experts_layouts(group)), "MXFP4 words re-laid at load (mxfp4_tiles)")]
+              ("TILED_WORDS", MX_WORD_LAYOUTS.get(next(iter(moe_experts_layouts(group).values()), None), 0),
+               "MXFP4 words' load-time layout: 0 row-major, 1 mxfp4_tiles, 2 mxfp4_tiles_bits")]
     args = ", ".join(f"inputs[{i}]" for i in ip)
     mx = a["weight_format"] == "mxfp4"
     body = ("def launch(inputs, outputs, sizes, scratch=None):\n"
@@ -440,8 +458,9 @@ def emit_moe_experts(group: KernelGroup) -> str:
     what = f"{'SiTU-GLU' if a['act'] == 'situ' else 'SwiGLU'}{', MXFP4 weights' if mx else ''}"
     return _module(group, f"grouped expert GEMMs ({what})", consts,
                    [take_scratch, tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
-                    mx_default_config, mx_kernels, mx_mma_v2, mx_block_k, mx_permute, mx_permuted_col, mx_tiles_ok,
-                    mx_word_offset,
+                    mx_default_config, mx_even_unroll, mx_kernels, mx_mma_v2, mx_block_k, mx_permute, mx_permuted_col,
+                    mx_tiles_ok,
+                    mx_word_offset, mx_word_code,
                     mxfp4_word_bf16, mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32,
                     mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel, _max_i32,
                     moe_schedule_kernel, moe_schedule,

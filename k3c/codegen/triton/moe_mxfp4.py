@@ -28,7 +28,12 @@ in the pattern 7 bits: two bit-selects (`lop3`) make two words in which the 7-bi
 the em of codes 0, 1, 4, 5 with their signs moved 6 bits up; z: the em of codes 2, 3, 6, 7 moved 6 bits down with
 their signs in place), so each bf16 pair is one shift and one mask of y or z. Per word (SASS, sm_90): 12 integer
 instructions (6 `LOP3`, 5 shifts of which one right shift, the left ones mostly `IMAD.SHL` on the FMA pipe) and 4
-`HMUL2` (8 with TWO_MULS): 2 instructions per weight with one multiply. The assembly is elementwise (one word in,
+`HMUL2` (8 with TWO_MULS): 2 instructions per weight with one multiply. Words whose bits the runtime placed at load
+(`mxfp4_tiles_bits`, k3c.runtime.layouts.MX_BIT_PLACE; the kernels' TILED 2) need no bit-selects first: pair 0
+is one mask of the word, pairs 1 and 2 a rotate or shift and a mask, pair 3 two shifts, a mask and a bit-select,
+9 integer instructions (no order does better with whole pairs: four translates of the pair's bits {6, 7, 8, 15,
+22, 23, 24, 31} do not tile 32 bits, so one pair takes two pieces). The up kernel's K loop at 8 tokens: 562
+instructions a K tile against 622 (sm_90a, benchmarks/mx_static_cost.py). The assembly is elementwise (one word in,
 its 8 values out), so it does not depend on Triton's register layout. Elsewhere (fp32 activations; Triton's
 interpreter, which has no inline assembly): `mxfp4_tile_f32` gathers the same tile's bytes and scales per element
 and decodes in fp32.
@@ -40,9 +45,10 @@ too narrow for cp.async: it became a synchronous global load plus a shared-memor
 barriers per matrix) in every K iteration, 7-14 % of the decode time (BENCHMARKS.md).
 
 Public API: `ONE_MUL_MAX_SCALE`, `MX_DECODE_BY_DEVICE`, `mx_default_config(rows, E, scale_max, device)`,
-`mx_config_from_text(text)`, `mx_kernels(mx_config)` (the up and down kernels' own fields of an mx_config),
-`mx_mma_v2(num_warps)`, `mx_block_k(K)`, `mx_permute(x, block_k, out, v2)`, the jit helpers (among them
-`mx_word_offset`, the words' address row-major or in the runtime's `mxfp4_tiles` layout) and
+`mx_even_unroll(mx_config, k_tiles_up)`, `mx_config_from_text(text)`, `mx_kernels(mx_config)` (the up and down
+kernels' own fields of an mx_config), `mx_mma_v2(num_warps)`, `mx_block_k(K)`, `mx_permute(x, block_k, out, v2)`,
+the jit helpers (among them `mx_word_offset`, the words' address row-major or in the runtime's tiled layouts, and
+`mx_word_code`, a code's bits in either bit order) and
 `moe_up_mx_kernel`, `moe_down_mx_kernel` (launched by `launch_moe_experts`).
 """
 
@@ -82,9 +88,13 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255, device: str | Non
     mx27's probe (their K loops are the probe's instruction for instruction on the device's Triton): at batch 1 of
     32 experts up 60.2 us (activations one tile ahead) + down 29.3 us (capped) against 62.8 + 35.7 for mx23's
     register prefetch (num_stages 1); at batch 16 of 32 experts 151.9 + 78.7 against 152.9 + 85.6, of 896 818.8 +
-    404.3 against 831.7 + 434.2; deeper rings, 16-row weight blocks and 16-token tiles were slower. From 4 rows
-    per expert on, the up kernel's activations are prefetched with its K loop unrolled by two (`gl_act_ahead` mode
-    2; run L, mx_round: batch 16 of 32 experts up 145.1 against 152.4 us). Two multiplies:
+    404.3 against 831.7 + 434.2; deeper rings, 16-row weight blocks and 16-token tiles were slower. The up
+    kernel's activations are prefetched with its K loop unrolled by two (`gl_act_ahead` mode 2; the launcher
+    takes mode 1 where the K tiles over D are odd, `mx_even_unroll`): from 4 rows per expert on since run L
+    (mx_round: batch 16 of 32 experts up 145.1 against 152.4 us), at every decode batch since the words' bits are
+    placed for the decoding (`mxfp4_tiles_bits`; BENCHMARKS.md "MXFP4 round, run Q", H200, batch 1 of 32 experts:
+    up 51.4 against 56.3 us for mode 1; the unrolled loop then takes 155 registers, 6 CTAs an SM, faster so than
+    capped at 128). Two multiplies:
     8-row tiles, 64 rows, 3 stages below 4 rows per expert, then 16-row `wgmma` tiles. < 64 rows per expert
     (measured at 32, batch 64 of 32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there):
     32-row tiles; prefill: 128 × 128 tiles. two_muls (exact for every E8M0 scale) unless scale_max ≤
@@ -94,12 +104,21 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255, device: str | Non
     if tuned:
         return tuned
     if not two and rows < 16 * E:
-        return (8, 32, 256, 2, 2, two, (None, 80), (1, 0) if rows < 4 * E else (2, 0))
+        return (8, 32, 256, 2, 2, two, (None, 80), (2, 0))
     if rows < 4 * E:
         return (8, 64, 256, 2, 3, two, None)
     if rows < 16 * E:
         return (16, 64, 256, 4, 3, two, None)
     return (32, 64, 256, 4, 3, two, None) if rows < 64 * E else (128, 128, 128, 8, 3, two, None)
+
+
+def mx_even_unroll(mx_config: tuple, k_tiles_up: int) -> tuple:
+    """`mx_config` as the Gluon kernels can take it for an up kernel of `k_tiles_up` K tiles: its activation
+    prefetch mode 2 (the K loop unrolled by two, `gl_act_ahead`) becomes 1 where the count is odd (K3.1 Pro's
+    latent: 14 tiles of 256; a latent of 2304: 9); anything else unchanged."""
+    if len(mx_config) > 7 and mx_config[7] is not None and mx_config[7][0] == 2 and k_tiles_up % 2:
+        return (*mx_config[:7], (1, mx_config[7][1]))
+    return mx_config
 
 
 def mx_config_from_text(text: str) -> tuple:
@@ -197,10 +216,11 @@ def mx_permuted_col(k, BLOCK_K: tl.constexpr, V2: tl.constexpr):
 @triton.jit
 def mx_word_offset(rows, wk, KW: tl.constexpr, TILED: tl.constexpr):
     """The offset in i32 words of word wk (int tensor, < KW) of global weight rows `rows` (e·R + r; int tensor)
-    of packed MXFP4 words with KW words a row: row-major, or TILED (the runtime's `mxfp4_tiles` load-time layout,
-    k3c.runtime.layouts: [32 rows, 32 words] tiles along K, then row block by row block). Both are linear in a K
-    tile's start: offset(r, k0/8 + wi) = offset(r, wi) + offset(0, k0/8) for a K tile of 128..512 values at k0 (a
-    multiple of it)."""
+    of packed MXFP4 words with KW words a row: row-major (TILED 0), or TILED 1 or 2 (the runtime's `mxfp4_tiles`
+    and `mxfp4_tiles_bits` load-time layouts, k3c.runtime.layouts: [32 rows, 32 words] tiles along K, then row
+    block by row block; 2 also places each word's bits for the decoding, `mxfp4_word_bf16`'s BITS). Both are
+    linear in a K tile's start: offset(r, k0/8 + wi) = offset(r, wi) + offset(0, k0/8) for a K tile of 128..512
+    values at k0 (a multiple of it)."""
     if TILED:
         return ((rows // 32) * (KW // 32) + wk // 32) * 1024 + (rows % 32) * 32 + wk % 32
     else:
@@ -208,13 +228,59 @@ def mx_word_offset(rows, wk, KW: tl.constexpr, TILED: tl.constexpr):
 
 
 @triton.jit
-def mxfp4_word_bf16(w, mult, TWO_MULS: tl.constexpr):
+def mx_word_code(word, c, BITS: tl.constexpr):
+    """Code c (int tensor, 0..7) of i32 words `word` (broadcast together), 4 bits: bits 4c .. 4c + 3 in the
+    checkpoint's order; BITS: gathered from where the `mxfp4_tiles_bits` layout placed them
+    (k3c.runtime.layouts.MX_BIT_PLACE: bit b of code c at p, p + 4 mod 32, p − 6 or p − 2 / p + 6 for pair
+    c mod 4, p = (6, 7, 8, 15)[b] + 16·(c // 4))."""
+    if BITS:
+        code = tl.zeros_like(word + c)
+        for b in tl.static_range(4):
+            p = (6 + b + 6 * (b // 3)) + 16 * (c // 4)
+            j = c % 4
+            at = tl.where(j == 0, p, tl.where(j == 1, (p + 4) % 32, tl.where(j == 2, p - 6,
+                                                                             p - 2 + 8 * (b // 2 - b // 3))))
+            code |= ((word >> at) & 1) << b
+        return code
+    return (word >> (4 * c)) & 15
+
+
+@triton.jit
+def mxfp4_word_bf16(w, mult, TWO_MULS: tl.constexpr, BITS: tl.constexpr = False):
     """w u32 (8 codes), mult bf16 (the word's 2^(s − 1), or with TWO_MULS its scale 2^(s − 127)), same shape ->
     8 bf16 tensors: code (s, s + 4) · scale for s = 0..3, i.e. the word's codes 0, 4, 1, 5, 2, 6, 3, 7. PTX sm_90.
-    Two bit-selects (`lop3`) build y (em of codes 0, 1, 4, 5 in place, their signs 6 bits up) and z (em of codes
-    2, 3, 6, 7 6 bits down, their signs in place), in which each code's sign lies 7 bits above its em's top bit,
-    as in the bf16 pattern; then each pair is one left shift (none for codes 3, 7) and one mask of y or z: 12
-    integer instructions per word, one of them a right shift (module docstring)."""
+    The checkpoint's bit order: two bit-selects (`lop3`) build y (em of codes 0, 1, 4, 5 in place, their signs 6
+    bits up) and z (em of codes 2, 3, 6, 7 6 bits down, their signs in place), in which each code's sign lies 7
+    bits above its em's top bit, as in the bf16 pattern; then each pair is one left shift (none for codes 3, 7)
+    and one mask of y or z: 11 integer instructions per word. BITS (the runtime's `mxfp4_tiles_bits` layout,
+    k3c.runtime.layouts.MX_BIT_PLACE): pair 0 is one mask of w, pairs 1 and 2 a rotate or shift and a mask, pair
+    3 two shifts, a mask and a bit-select: 9."""
+    if BITS:
+        if TWO_MULS:
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b32 t, u, m, b;
+                mov.b32 m, {$9, $9};
+                mov.b32 b, 0x7e807e80;
+                and.b32 t, $8, 0x81c081c0; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$0, $1}, t;
+                shf.r.wrap.b32 t, $8, $8, 4; and.b32 t, t, 0x81c081c0; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m;
+                mov.b32 {$2, $3}, t;
+                shl.b32 t, $8, 6; and.b32 t, t, 0x81c081c0; mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$4, $5}, t;
+                shl.b32 t, $8, 2; shr.b32 u, $8, 6; and.b32 u, u, 0x01000100; lop3.b32 t, t, u, 0x80c080c0, 0xec;
+                mul.bf16x2 t, t, b; mul.bf16x2 t, t, m; mov.b32 {$6, $7}, t;
+                }""",
+                "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, mult], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t, u, m;
+            mov.b32 m, {$9, $9};
+            and.b32 t, $8, 0x81c081c0; mul.bf16x2 t, t, m; mov.b32 {$0, $1}, t;
+            shf.r.wrap.b32 t, $8, $8, 4; and.b32 t, t, 0x81c081c0; mul.bf16x2 t, t, m; mov.b32 {$2, $3}, t;
+            shl.b32 t, $8, 6; and.b32 t, t, 0x81c081c0; mul.bf16x2 t, t, m; mov.b32 {$4, $5}, t;
+            shl.b32 t, $8, 2; shr.b32 u, $8, 6; and.b32 u, u, 0x01000100; lop3.b32 t, t, u, 0x80c080c0, 0xec;
+            mul.bf16x2 t, t, m; mov.b32 {$6, $7}, t;
+            }""",
+            "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [w, mult], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     if TWO_MULS:
         return tl.inline_asm_elementwise(
             """{
@@ -300,7 +366,7 @@ def mxfp4_tile_bf16(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.co
         tl.arange(0, CC)[None, None, :]
     w = tl.load(w_ptr + word, mask=r_ok[:, None, None], other=0)
     mult = mxfp4_scale_bf16(s, TWO_MULS)
-    v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(w, mult, TWO_MULS)
+    v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(w, mult, TWO_MULS, TILED == 2)
     # [R, t, cc, e, p, cl] with code s = 2·cl + p, pair element e: code s + 4e
     v = tl.join(tl.join(tl.join(v0, v4), tl.join(v1, v5)), tl.join(tl.join(v2, v6), tl.join(v3, v7)))
     if V2:      # [R, cc, t, cl, p, e]: column 32·cc + 8t + 2q + e, q = 2·cl + p
@@ -325,7 +391,7 @@ def mxfp4_tile_f32(w_ptr, s, rows, r_ok, k0, KDIM: tl.constexpr, BLOCK_K: tl.con
         k = k0 + 8 * (((col // 2) % 4) * CC + col // 32) + 4 * (col % 2) + 2 * ((col // 16) % 2) + (col // 8) % 2
     word = tl.load(w_ptr + mx_word_offset(rows[:, None], (k // 8)[None, :], KDIM // 8, TILED), mask=r_ok[:, None],
                    other=0)
-    code = ((word >> (4 * (k % 8))[None, :]) & 15).to(tl.uint16)
+    code = mx_word_code(word, (k % 8)[None, :], TILED == 2).to(tl.uint16)
     v = (((code & 7) << 9) | ((code & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     s = s.to(tl.int32)
     scale = tl.where(s == 0, 0x400000, tl.where(s == 255, 0x7FC00000, s << 23)).to(tl.float32, bitcast=True)

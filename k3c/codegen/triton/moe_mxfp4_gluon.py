@@ -26,7 +26,9 @@ a tile apart costs the H200 up to 8 points of its read rate against address orde
 run N"). With TILED words (the runtime's `mxfp4_tiles` load-time layout, k3c.runtime.layouts: [32 rows, 32 words]
 tiles along K, then row block by row block) a box of 32 rows is one contiguous 4 KB run, and a CTA reads its rows'
 bytes in address order; the descriptor is then over the tiles' rows (`gl_word_descs`) and `gl_ring_fill` maps a
-(row, K tile) to the box's place; the register word stream addresses the words by `mx_word_offset`.
+(row, K tile) to the box's place; the register word stream addresses the words by `mx_word_offset`. TILED 2
+(`mxfp4_tiles_bits`): the same tiles with each word's bits placed so that it decodes in 9 integer instructions
+instead of 11 (`mxfp4_word_bf16`'s BITS).
 The scale bytes stay one tile ahead in registers; the activations load at use or one tile ahead, as
 `gl_act_ahead` says (mode 2 unrolls the K loop by two so that the prefetched activations and scale bytes need
 no copies; the register word stream's words are still carried), or, in the down kernel (mode 3), arrive with the
@@ -213,13 +215,15 @@ def gl_act_operand(pairs, BLOCK_K: gl.constexpr, BL: gl.constexpr):
 
 
 @gluon.jit
-def gl_decoded_tile(words, s, TWO_MULS: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_K: gl.constexpr, AL: gl.constexpr):
+def gl_decoded_tile(words, s, TWO_MULS: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_K: gl.constexpr, AL: gl.constexpr,
+                    BITS: gl.constexpr):
     """The bf16 A operand [BLOCK_R, BLOCK_K] (`mma.sync` K order) of packed words [W, 2, 8, 4, CH, 4] (i32) with
-    their groups' E8M0 bytes s [W, 2, 8, 4, CH] (u8): `mxfp4_word_bf16` per word, joined into each thread's
-    8 consecutive columns 32·cc + 8t + j (j = 2q + e: code q + 4e of word cc)."""
+    their groups' E8M0 bytes s [W, 2, 8, 4, CH] (u8): `mxfp4_word_bf16` per word (BITS: the words' bits placed by
+    the `mxfp4_tiles_bits` layout), joined into each thread's 8 consecutive columns 32·cc + 8t + j (j = 2q + e:
+    code q + 4e of word cc)."""
     mult = gl.expand_dims(mxfp4_scale_bf16(s, TWO_MULS), 5)
     mult, words = gl.broadcast(mult, words)
-    v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(words, mult, TWO_MULS)
+    v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(words, mult, TWO_MULS, BITS)
     return gl_word_values_operand(v0, v4, v1, v5, v2, v6, v3, v7, BLOCK_R, BLOCK_K, AL)
 
 
@@ -255,8 +259,9 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
     i32 pairs) `gl_permute`d by BLOCK_D; s1/s3 u8 [E, I, D/32]; w1/w3: STAGES 1, pointers to i32 words
     [E, I, D/8], loaded one K tile ahead into registers; STAGES ≥ 2, their TMA descriptors (`gl_word_descs`,
     boxes [BLOCK_R, BLOCK_D/8]) streaming through a shared ring of STAGES stages (module docstring, "Word
-    stream"); TILED: the words in the `mxfp4_tiles` layout. ACT_AHEAD 0, 1 or 2: where the activations and scale
-    bytes of a K tile come from (`gl_act_ahead`); a prefetch of the tile past the last wraps to tile 0 (unused)."""
+    stream"); TILED: the words' layout, 0 row-major, 1 `mxfp4_tiles`, 2 `mxfp4_tiles_bits` (module docstring).
+    ACT_AHEAD 0, 1 or 2: where the activations and scale bytes of a K tile come from (`gl_act_ahead`); a prefetch
+    of the tile past the last wraps to tile 0 (unused)."""
     W: gl.constexpr = BLOCK_R // 16
     CH: gl.constexpr = BLOCK_D // 128
     NT: gl.constexpr = D // BLOCK_D
@@ -320,8 +325,10 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
                     gl.nvidia.hopper.mbarrier.wait(bar.index(it % STAGES), (it // STAGES) & 1)
                     c1 = gl_stage_words(r1.index(it % STAGES), W, CH, WL)
                     c3 = gl_stage_words(r3.index(it % STAGES), W, CH, WL)
-                gate = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c1, t1, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, gate)
-                up = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c3, t3, TWO_MULS, BLOCK_R, BLOCK_D, AL), x, up)
+                a1 = gl_decoded_tile(c1, t1, TWO_MULS, BLOCK_R, BLOCK_D, AL, TILED == 2)
+                gate = gl.nvidia.ampere.mma_v2(a1, x, gate)
+                a3 = gl_decoded_tile(c3, t3, TWO_MULS, BLOCK_R, BLOCK_D, AL, TILED == 2)
+                up = gl.nvidia.ampere.mma_v2(a3, x, up)
         h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
         col = gl_permuted_col(i0 + gl.arange(0, BLOCK_R, gl.SliceLayout(1, MMA)), BLOCK_K2)
         offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, MMA))
@@ -413,7 +420,8 @@ def moe_down_mx_gluon_kernel(hp_ptr, ha, w2, s2_ptr, weights_ptr, order_ptr, til
                     if ACT_AHEAD == 3:      # the tile's activations arrived with its words
                         x = gl_act_operand(gl_staged_pairs(rh.index(it % STAGES), W, BLOCK_K2, BLOCK_M, PL),
                                            BLOCK_K2, BL)
-                acc = gl.nvidia.ampere.mma_v2(gl_decoded_tile(c2, t2, TWO_MULS, BLOCK_R, BLOCK_K2, AL), x, acc)
+                a2 = gl_decoded_tile(c2, t2, TWO_MULS, BLOCK_R, BLOCK_K2, AL, TILED == 2)
+                acc = gl.nvidia.ampere.mma_v2(a2, x, acc)
         offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, MMA))
         slot = gl.load(order_ptr + offs_mo, mask=m_ok_o, other=0)
         weight = gl.load(weights_ptr + slot, mask=m_ok_o, other=0.0)
