@@ -41,7 +41,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton.moe import moe_schedule  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4 import mx_block_k, mx_config_from_text, mx_kernels  # noqa: E402
-from k3c.codegen.triton.gl_ring import gl_act_desc, gl_word_descs  # noqa: E402
+from k3c.codegen.triton.gl_ring import gl_word_descs  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import (  # noqa: E402
     gl_act_ahead,
     gluon_decode_ok,
@@ -56,7 +56,7 @@ SM_REGISTERS, SM_SHARED, CTA_RESERVED, SM_CTAS, SM_WARPS = 65536, 228 * 1024, 10
 DEFAULT_CONFIGS = "8,32,256,2,1,0,0;8,32,256,2,2,0,0/80;8,32,256,2,3,0,0;16,32,256,2,1,0,0;16,32,256,2,2,0,0"
 
 #: pointer arguments' element types, by name (the rest of the arguments are fp32 scalars or constexprs)
-POINTERS = {"zp_ptr": "*i32", "hp_ptr": "*i32", "ha": "*i32", "w1": "*i32", "w3": "*i32", "w2": "*i32",
+POINTERS = {"zp_ptr": "*i32", "hp_ptr": "*i32", "w1": "*i32", "w3": "*i32", "w2": "*i32",
             "s1_ptr": "*u8", "s3_ptr": "*u8", "s2_ptr": "*u8", "order_ptr": "*i64", "tile_expert_ptr": "*i64",
             "tile_row0_ptr": "*i64", "tile_row_end_ptr": "*i64", "weights_ptr": "*fp32", "y_slot_ptr": "*fp32"}
 #: hp is an i32 view of bf16 h in the down kernel, a bf16 output in the up kernel (`output_bf16`)
@@ -102,23 +102,13 @@ def word_descriptor_type(block_r, block_k):
     return mangle_type(gl_word_descs(torch.zeros(1, block_r, block_k, dtype=torch.uint8), block_r, block_k))
 
 
-def act_descriptor_type(block_m):
-    """Triton's signature type of the TMA descriptor `gl_act_desc` builds for the down kernel's staged activations."""
-    from triton.runtime.jit import mangle_type
-
-    return mangle_type(gl_act_desc(torch.zeros(block_m, 256, dtype=torch.bfloat16), block_m))
-
-
 def compile_kernel(kernel, constexprs, warps, maxnreg, output_bf16):
     """`kernel` compiled for sm_90a with `constexprs`, every pointer 16-byte aligned (the launcher's tensors are);
-    with the TMA ring (STAGES ≥ 2) the words are descriptors, and with the down kernel's activations staged by it
-    (ACT_AHEAD 3) its `ha` too."""
+    with the TMA ring (STAGES ≥ 2) the words are descriptors."""
     signature = {n: (UP_OUTPUT.get(n) if output_bf16 else None) or POINTERS.get(n, "fp32") for n in kernel.arg_names}
     if constexprs["STAGES"] > 1:
         bk = constexprs.get("BLOCK_D", constexprs["BLOCK_K2"])
         signature.update({w: word_descriptor_type(constexprs["BLOCK_R"], bk) for w in ("w1", "w3", "w2")})
-    if constexprs["ACT_AHEAD"] == 3:
-        signature["ha"] = act_descriptor_type(constexprs["BLOCK_M"])
     divisible = [n for n, t in signature.items() if t.startswith("*")]
     return compile_for(kernel, signature, constexprs, num_warps=warps, maxnreg=maxnreg, divisible=divisible)
 

@@ -1,8 +1,8 @@
 """Probe (H200) of the MXFP4 decode kernels' knobs (k3c.codegen.triton.moe_mxfp4_gluon), beyond the mx_configs
 `bench_moe_mxfp4.py` sweeps: the word stream (num_stages 1: the next K tile's words prefetched in registers; ≥ 2:
 a TMA ring of that many shared-memory stages), how each kernel gets its activations (`ACT_AHEAD` 0: at use, 1:
-one tile ahead in registers carried across the loop, 2: one tile ahead, the loop unrolled by two; the down
-kernel's 3: staged by its TMA ring beside the words; the launcher sets it by `gl_act_ahead`), a register cap
+one tile ahead in registers carried across the loop, 2: one tile ahead, the loop unrolled by two; the launcher
+sets it by `gl_act_ahead`), a register cap
 per kernel and the K tile. Every variant's output is first compared with the launcher's default.
 
     python3 benchmarks/mx_tma_probe.py --out DIR [--experts 32,896] [--batches 1,16]
@@ -37,7 +37,7 @@ import triton.testing
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from k3c.codegen.triton.moe import launch_moe_experts, moe_schedule, moe_sum_kernel  # noqa: E402
 from k3c.runtime.layouts import mx_tile_bits, mx_tile_words  # noqa: E402
-from k3c.codegen.triton.gl_ring import gl_act_desc, gl_word_descs  # noqa: E402
+from k3c.codegen.triton.gl_ring import gl_word_descs  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import (gl_permute, moe_down_mx_gluon_kernel,  # noqa: E402
                                                moe_up_mx_gluon_kernel)
 
@@ -73,9 +73,8 @@ class ExpertsOp:
             TILED=self.tiled, **self.up_opts)
 
     def down(self, h, sched, weights, y_slot):
-        ha = gl_act_desc(h, self.bm) if self.down_opts["ACT_AHEAD"] == 3 else h.view(torch.int32)
         moe_down_mx_gluon_kernel[(sched[1].shape[0], D // self.br[1])](
-            h.view(torch.int32), ha, self.w[2], self.s[2], weights, *sched, y_slot, E=self.E, D=D, I=I, TWO_MULS=False,
+            h.view(torch.int32), self.w[2], self.s[2], weights, *sched, y_slot, E=self.E, D=D, I=I, TWO_MULS=False,
             BLOCK_M=self.bm, BLOCK_R=self.br[1], BLOCK_K2=self.bk[1], STAGES=self.stages[1], TILED=self.tiled,
             **self.down_opts)
 
@@ -87,7 +86,7 @@ PAIRED = ("block_r", "stages", "block_k")
 
 
 def parse_variant(spec):
-    """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK][,t|,tb]' (ACT 0..2, the down kernel's 0..3; caps 0: none;
+    """'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK][,t|,tb]' (ACT 0..2; caps 0: none;
     BK, the K tile, 128 or 256, default 256; BR, STAGES and BK each one value for both kernels or 'UP/DOWN'; t: the
     words in the tiled layout, `mx_tile_words`; tb: tiled with their bits placed, `mx_tile_bits`) -> (spec,
     ExpertsOp keyword arguments, every field given: BR, STAGES and BK as (up, down) pairs; tiled the layout code
@@ -101,15 +100,11 @@ def parse_variant(spec):
     f += [(256,)] * (len(f) == 7)
     kw = dict(zip(FIELDS, f))
     if len(f) != 8 or not all(len(v) == 1 or k in PAIRED and len(v) == 2 for k, v in kw.items()) or \
-            not set(kw["act_up"]) <= {0, 1, 2} or not set(kw["act_down"]) <= {0, 1, 2, 3} or \
+            not set(kw["act_up"]) <= {0, 1, 2} or not set(kw["act_down"]) <= {0, 1, 2} or \
             not set(kw["block_k"]) <= {128, 256}:
         raise ValueError(f"variant {spec!r}: expected 7 or 8 fields BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK] "
-                         "(integers; BR, STAGES and BK may be UP/DOWN; ACT_UP: 0, 1 or 2, ACT_DOWN: 0..3 (3: staged "
-                         "by the TMA ring); BK: 128 or 256)")
+                         "(integers; BR, STAGES and BK may be UP/DOWN; ACT_UP, ACT_DOWN: 0, 1 or 2; BK: 128 or 256)")
     kw = {**{k: (v * (3 - len(v)) if k in PAIRED else v[0]) for k, v in kw.items()}, "tiled": tiled}
-    if kw["act_down"] == 3 and kw["stages"][1] < 2:
-        raise ValueError(f"variant {spec!r}: ACT_DOWN 3 stages the activations in the down kernel's TMA ring "
-                         "(its STAGES ≥ 2)")
     return spec, kw
 
 

@@ -15,7 +15,7 @@ from k3c.codegen.triton import moe
 from k3c.codegen.triton.moe_mxfp4 import (MX_DECODE_BY_DEVICE, mx_block_k, mx_config_from_text, mx_default_config,
                                          mx_kernels, mx_permute, mx_permuted_col, mxfp4_scales, mxfp4_weight_tile,
                                          mxfp4_word_bf16)
-from k3c.codegen.triton.gl_ring import gl_act_desc, gl_word_descs
+from k3c.codegen.triton.gl_ring import gl_word_descs
 from k3c.codegen.triton.moe_mxfp4_gluon import gl_act_ahead, gl_permute, gl_permuted_col, gluon_decode_ok
 from k3c.ir.formats import mxfp4_dequantize
 from k3c.ir.ops import get_op
@@ -417,14 +417,9 @@ def test_act_ahead_modes():
     # an explicit 8th field wins over the rule, None keeps it
     assert gl_act_ahead((16, 32, 256, 2, 3, False, None, (2, 1))) == (2, 1)
     assert gl_act_ahead((8, 32, 256, 2, 2, False, None, None)) == (1, 0)
-    # 3, activations staged by the TMA ring: the down kernel's alone (its h rows are sorted; z is gathered by
-    # token), and only with the ring
-    assert gl_act_ahead((8, 32, 256, 2, 2, False, None, (1, 3))) == (1, 3)
-    for bad in ((3, 0), (1,), (0, -1), (0, 4)):
+    for bad in ((3, 0), (1,), (0, -1), (0, 3)):
         with pytest.raises(ValueError, match="prefetch modes"):
             gl_act_ahead((8, 32, 256, 2, 2, False, None, bad))
-    assert gluon_decode_ok((8, 32, 256, 2, 2, False, None, (1, 3)), 512, 512, 256, 256)
-    assert not gluon_decode_ok((8, 32, 256, 2, (2, 1), False, None, (1, 3)), 512, 512, 256, 256)
 
 
 def test_mx_config_text():
@@ -432,7 +427,8 @@ def test_mx_config_text():
     assert mx_config_from_text("16,32,256,2,1,1,96") == (16, 32, 256, 2, 1, True, 96)
     assert mx_config_from_text("8,32,256,2,1,0,0")[6] is None
     assert mx_config_from_text("8,32,256,2,2,0,0/80,2/0") == (8, 32, 256, 2, 2, False, (None, 80), (2, 0))
-    assert mx_config_from_text("8,32,256,2,2,0,0/80,1/3")[7] == (1, 3)
+    with pytest.raises(ValueError, match=r"'8,32,256,2,2,0,0/80,1/3': expected .*act: UP/DOWN, each 0, 1 or 2"):
+        mx_config_from_text("8,32,256,2,2,0,0/80,1/3")
     # one value per kernel (`mx_kernels`): BLOCK_R, BLOCK_K, warps, stages, maxnreg; BLOCK_M and two_muls shared
     mixed = mx_config_from_text("8,32/16,128/256,2/1,1/2,0,80/0,2/0")
     assert mixed == (8, (32, 16), (128, 256), (2, 1), (1, 2), False, (80, None), (2, 0))
@@ -487,18 +483,6 @@ def test_word_descriptors():
         gl_word_descs(w, 64, 256, tiled=True)
 
 
-def test_staged_activation_descriptor():
-    # the down kernel's staged activations (`gl_act_ahead` mode 3): h bf16 [R, I] as i32 pairs [R, I/2] in
-    # [BLOCK_M, 32]-pair boxes, 128 bytes a box row, swizzled by 128 (`gl_staged_layout` reads them)
-    h = torch.zeros(40, 512, dtype=torch.bfloat16)
-    d = gl_act_desc(h, 8)
-    assert list(d.shape) == [40, 256] and list(d.block_shape) == [8, 32] and d.layout.swizzle_byte_width == 128
-    assert list(gl_act_desc(h, 16).block_shape) == [16, 32]
-    for bad in (h.float(), h[:, ::2], h[:, :96].contiguous()):
-        with pytest.raises(ValueError, match="staged activations"):
-            gl_act_desc(bad, 8)
-
-
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("mx_config", [(8, 32, 256, 2, 1, False, None), (8, 16, 128, 1, 1, True, None),
@@ -511,10 +495,7 @@ def test_staged_activation_descriptor():
                                        (8, 32, (128, 256), 2, (1, 2), False, (80, 80), (2, 0)),
                                        (16, (16, 32), 128, (1, 2), (3, 1), True, None),
                                        (8, 32, 256, 2, (4, 2), False, (None, 80), (1, 0)),
-                                       (8, 32, 256, 2, 2, False, (None, 80), (1, 3)),
-                                       (16, 32, 256, 2, 2, False, None, (0, 3)),
-                                       (8, 32, 128, 2, (2, 3), True, None, (2, 3)),
-                                       (16, 32, 128, 2, (2, 4), False, None, (0, 3))])
+                                       (16, 32, 128, 2, (2, 4), False, None, (0, 0))])
 @pytest.mark.parametrize("N", [1, 5, 12])
 def test_gluon_matches_triton_and_reference(N, mx_config):
     """The Gluon decode kernels (bf16, K tiles prefetched in registers) against the Triton kernels of the same
@@ -527,9 +508,7 @@ def test_gluon_matches_triton_and_reference(N, mx_config):
     unrolled loop runs twice), and kernels with fields of their own (`mx_kernels`: the up kernel's register
     stream of 128-wide K tiles beside the down kernel's TMA ring of 256). A ring of 3 or more stages gets twice
     its stages' K tiles, so that every stage is refilled and every mbarrier phase flips (`gl_ring_refill`; the
-    H100 SXM's own decode config, `MX_DECODE_BY_DEVICE`, among them). The last four stage the down kernel's
-    activations in its TMA ring (mode 3): 8- and 16-token tiles whose boxes run into the next tile's rows or past
-    h's last row (N = 1, 5, 12), K tiles of 256 and 128 (4 and 2 boxes a stage), 2 to 4 stages."""
+    H100 SXM's own decode config, `MX_DECODE_BY_DEVICE`, among them; and 16-token tiles on a 4-stage down ring)."""
     (_, bk1, _, s1, _), (_, bk2, _, s2, _) = mx_kernels(mx_config)
     D, I = (4 * bk1, 4 * bk2) if len(mx_config) > 7 else (512 if bk1 == 256 else 256, 256)
     D, I = (max(D, 2 * s1 * bk1) if s1 > 2 else D), (max(I, 2 * s2 * bk2) if s2 > 2 else I)
@@ -553,7 +532,7 @@ def test_gluon_matches_triton_and_reference(N, mx_config):
                                        (8, 32, 256, 2, 1, False, None), (8, 32, 512, 2, 1, True, None),
                                        (8, 16, 128, 1, 3, True, None), (16, 32, 256, 2, 2, False, 96),
                                        (8, 32, 128, 2, 2, False, None, (2, 2)), (8, 64, 256, 2, 3, False, None),
-                                       (8, 32, 256, 2, 2, False, (None, 80), (1, 3))])
+                                       (8, 32, 256, 2, 2, False, (None, 80), (2, 0))])
 @pytest.mark.parametrize("N", [1, 12])
 def test_tiled_words_match_row_major_on_gpu(N, mx_config):
     """bf16 on the GPU: the Gluon kernels (TMA ring of 2-4 stages over the tiled view's boxes, 16- and 32-row

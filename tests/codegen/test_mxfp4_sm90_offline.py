@@ -20,10 +20,10 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "mx_static_cost.py")
 # prefetch, the decode default (a 2-stage TMA ring, the down kernel capped at 80 registers), 16-token tiles on a
 # 3-stage ring with both multiplies, the default with both kernels' activations prefetched by the unrolled loop
 # (`gl_act_ahead` mode 2), the H100 SXM's own decode config (`MX_DECODE_BY_DEVICE`: the up kernel on a 4-stage
-# ring refilled 3 stages at a time), the down kernel's activations staged by its TMA ring (mode 3)
+# ring refilled 3 stages at a time)
 H100 = "NVIDIA H100 80GB HBM3"
 CONFIGS = ["8,32,256,2,1,0,0", "8,32,256,2,2,0,0/80", "16,32,256,2,3,1,0", "8,32,256,2,2,0,0/80,2/2",
-           "8,32,256,2,4/2,0,0/80,1/0", "8,32,256,2,2,0,0/80,1/3"]
+           "8,32,256,2,4/2,0,0/80,1/0"]
 
 
 def compile_offline(out, configs, *extra):
@@ -83,16 +83,11 @@ def test_gluon_kernels_compile_for_sm90_without_spills(static_cost, config):
             assert r["shared"] >= matrices * stages * block_r * block_k // 8 * 4
             # one TMA box per matrix and K tile, issued before the tile's decoding; no per-thread copies. A ring of
             # 2 stages refills one a tile; a deeper one its stages − 1 free stages together, every stages − 1 tiles
-            # (`gl_ring_refill`: one branch of the loop issues those tiles' boxes back to back). Mode 3 stages the
-            # tile's activations beside them: BLOCK_K / 64 boxes of [BLOCK_M, 32 pairs]
-            staged = block_k // 64 if mode == 3 else 0
-            boxes = (matrices + staged) * (stages - 1)
+            # (`gl_ring_refill`: one branch of the loop issues those tiles' boxes back to back)
+            boxes = matrices * (stages - 1)
             assert loop["UTMALDG"] == boxes and loop["LDGSTS"] == 0 and loop["TMA_at"][1] <= 1 - 0.5 / tiles
-            # each thread reads back exactly its words: 2 rows × BLOCK_K / 32 words, 16 bytes a load; staged
-            # activations: 8 pairs (two 16-byte loads) of each box row it holds
-            assert loop["LDS"] == matrices * 2 * (block_k // 32) // 4 + 2 * staged * block_m // 8
-            if staged:      # no activation loads from global memory left in the loop: the scale bytes' alone
-                assert loop["LDG"] <= 2
+            # each thread reads back exactly its words: 2 rows × BLOCK_K / 32 words, 16 bytes a load
+            assert loop["LDS"] == matrices * 2 * (block_k // 32) // 4
         assert loop["HMMA"] == matrices * block_k // 16 * block_m // 8
     if config.endswith("/80"):
         # the cap is the down kernel's alone: the up kernel keeps the registers its activations need
@@ -159,17 +154,13 @@ def test_emitted_module_kernels_compile(tmp_path):
         mx_default_config(16, 32, 122)
     desc = module.gl_word_descs(torch.zeros(E, I, D // 2, dtype=torch.uint8), 32, 256)
     assert list(desc.shape) == [E * I, D // 8] and list(desc.block_shape) == [32, 32]
-    assert list(module.gl_act_desc(torch.zeros(16, I, dtype=torch.bfloat16), 8).block_shape) == [8, 32]
     rows = compile_offline(tmp_path, CONFIGS[1:], "--module", str(path))
-    # the down kernel's ring issues one box per K tile a stage refilled (stages − 1 at a time: `gl_ring_refill`),
-    # and with its activations staged (mode 3) four more: [BLOCK_M, 32 pairs] each, 256 of K
+    # the down kernel's ring issues one box per K tile a stage refilled (stages − 1 at a time: `gl_ring_refill`)
     from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text, mx_kernels
-    from k3c.codegen.triton.moe_mxfp4_gluon import gl_act_ahead
 
     for c, r in rows.items():
         cfg = mx_config_from_text(c)
-        boxes = 1 + 4 * (gl_act_ahead(cfg)[1] == 3)
-        assert r["up"]["spills"] == 0 and r["down"]["loop"]["UTMALDG"] == boxes * (mx_kernels(cfg)[1][3] - 1)
+        assert r["up"]["spills"] == 0 and r["down"]["loop"]["UTMALDG"] == mx_kernels(cfg)[1][3] - 1
 
 
 MMA_KIND = """

@@ -1,7 +1,7 @@
 """The TMA ring of k3c's Gluon MXFP4 decode kernels (k3c.codegen.triton.moe_mxfp4_gluon, "Word stream"): the
-descriptors of the packed words (`gl_word_descs`) and of the down kernel's staged activations (`gl_act_desc`), the
-ring's mbarriers, its fills and refills (`gl_ring_fill`, `gl_ring_refill`) and the reads of a stage back into the
-kernels' register layouts (`gl_stage_words`, `gl_staged_pairs`). Pasted with the kernels into the emitted modules.
+descriptors of the packed words (`gl_word_descs`), the ring's mbarriers, its fills and refills (`gl_ring_fill`,
+`gl_ring_refill`) and the read of a stage back into the kernels' register layout (`gl_stage_words`). Pasted with
+the kernels into the emitted modules.
 sm_90+: `cp.async.bulk.tensor` copies, issued by one thread, completing on a stage's mbarrier."""
 
 from __future__ import annotations
@@ -54,61 +54,17 @@ def gl_stage_words(stage, W: gl.constexpr, CH: gl.constexpr, WL: gl.constexpr):
     return gl.convert_layout(gl.reshape(words, [W, 2, 8, 4, CH, 4]), WL, assert_trivial=True)
 
 
-def gl_act_desc(h: torch.Tensor, block_m: int):
-    """TMA descriptor of the down kernel's activations h [R, I] (bf16, sorted rows in `gl_permute` order; contiguous,
-    16-byte aligned) as i32 pairs [R, I/2] in [block_m, 32]-pair boxes (128 bytes a row, 128-byte swizzle), which
-    `gl_ring_fill` stages beside the words (`gl_act_ahead` mode 3) and `gl_staged_pairs` reads free of bank
-    conflicts. Raises ValueError for an h TMA cannot address."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    R, I = h.shape
-    if h.dtype != torch.bfloat16 or not h.is_contiguous() or h.data_ptr() % 16 or I % 64:
-        raise ValueError(f"moe_experts: activations {h.dtype}{list(h.shape)} must be contiguous, 16-byte aligned "
-                         "bf16 rows of a multiple of 64 for the staged activations (gl_act_ahead mode 3)")
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    return TensorDescriptor.from_tensor(h.view(torch.int32), [block_m, 32], layout)
-
-
-@gluon.constexpr_function
-def gl_staged_layout(W, BLOCK_K, BM):
-    """The layout of a stage's staged activations i32 [BLOCK_K/64 · BM, 32] (row b·BM + token: box b; column q:
-    pair 32b + q of the K tile) that, reshaped to [BLOCK_K/64, BM, 32], permuted to [BLOCK_K/64, 32, BM] and
-    reshaped to [BLOCK_K/2, BM], is `gl_layouts`' pairs layout as it is (each thread's 8 consecutive pairs of a
-    box row: two 16-byte loads; under the 128-byte swizzle each 8-lane phase of such a load, 2 tokens × 4 lanes of a
-    quad, hits 8 distinct 16-byte bank groups)."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4]] + [[BM << i, 0] for i in range((BLOCK_K // 64).bit_length() - 1)]
-        + [[8 << i, 0] for i in range((BM // 8).bit_length() - 1)],
-        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[0, 0]] * (W.bit_length() - 1), block_bases=[], shape=[BLOCK_K // 64 * BM, 32])
-
-
-@gluon.jit
-def gl_staged_pairs(stage, W: gl.constexpr, BLOCK_K: gl.constexpr, BM: gl.constexpr, PL: gl.constexpr):
-    """The activation pairs i32 [BLOCK_K/2, BM] (PL: `gl_layouts`' pairs) of one ring stage's staged activations
-    [BLOCK_K/64 · BM, 32] (`gl_ring_fill`), for `gl_act_operand`; no data moved after the shared-memory loads."""
-    x = gl.reshape(stage.load(gl_staged_layout(W, BLOCK_K, BM)), [BLOCK_K // 64, BM, 32])
-    x = gl.reshape(gl.permute(x, (0, 2, 1)), [BLOCK_K // 2, BM])
-    return gl.convert_layout(x, PL, assert_trivial=True)
-
-
 @gluon.jit
 def gl_ring_fill(d1, d3, r1, r3, bar, row, t, NT: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-                 TILED: gl.constexpr, ha, rh, hrow, NB: gl.constexpr):
+                 TILED: gl.constexpr):
     """TMA K tile t (< NT, else nothing) of weight rows row.. (global: e·R + r) of d1 (and, PAIR, d3) into stage
     t % STAGES of ring r1 (r3), completing on that stage's mbarrier of `bar`; TILED: the descriptors are
     `gl_word_descs`' tiled view, where the box of a K tile of words k .. (within one 32-word piece) of rows
-    row.. (within one 32-row block) starts at row (⌊row/32⌋·KW/32 + ⌊k/32⌋)·32 + row mod 32, word k mod 32.
-    NB > 0: beside the words, the tile's activations staged on the same mbarrier: NB boxes [BLOCK_M rows, 32
-    pairs] of descriptor ha (`gl_act_desc`) at activation rows hrow.., pairs (t·NB + b)·32, into rows
-    b·BLOCK_M.. of rh.index(stage) ([NB·BLOCK_M, 32]: `gl_staged_pairs` reads them)."""
+    row.. (within one 32-row block) starts at row (⌊row/32⌋·KW/32 + ⌊k/32⌋)·32 + row mod 32, word k mod 32."""
     stage = t % STAGES
     ok = t < NT
     BW: gl.constexpr = d1.block_type.shape[1]
-    if NB > 0:
-        BYTES: gl.constexpr = (2 if PAIR else 1) * d1.block_type.nbytes + NB * ha.block_type.nbytes
-    else:
-        BYTES: gl.constexpr = (2 if PAIR else 1) * d1.block_type.nbytes
+    BYTES: gl.constexpr = (2 if PAIR else 1) * d1.block_type.nbytes
     if TILED:
         k = t * BW
         at = [((row // 32) * (NT * BW // 32) + k // 32) * 32 + row % 32, k % 32]
@@ -118,26 +74,22 @@ def gl_ring_fill(d1, d3, r1, r3, bar, row, t, NT: gl.constexpr, STAGES: gl.const
     gl_tma_load(d1, at, bar.index(stage), r1.index(stage), ok)
     if PAIR:
         gl_tma_load(d3, at, bar.index(stage), r3.index(stage), ok)
-    if NB > 0:
-        BM: gl.constexpr = ha.block_type.shape[0]
-        for b in gl.static_range(NB):
-            gl_tma_load(ha, [hrow, (t * NB + b) * 32], bar.index(stage), rh.index(stage).slice(b * BM, BM), ok)
 
 
 @gluon.jit
 def gl_ring_refill(d1, d3, r1, r3, bar, row, it, NT: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr,
-                   TILED: gl.constexpr, ha, rh, hrow, NB: gl.constexpr):
+                   TILED: gl.constexpr):
     """The TMA ring's refill at the top of K tile `it`'s iteration, after tile 0 was issued before the loop
     (`gl_ring_fill`'s arguments): every STAGES − 1 tiles, the STAGES − 1 stages the tiles before `it` freed are
     refilled together with tiles it + 1 .. it + STAGES − 1 (2 stages: tile it + 1 every tile). So each weight
     row's next STAGES − 1 pieces (BLOCK_K/2 bytes each) are asked of DRAM back to back, as one run, rather than
     one piece a tile (BENCHMARKS.md "MXFP4 round, run N")."""
     if STAGES == 2:
-        gl_ring_fill(d1, d3, r1, r3, bar, row, it + 1, NT, STAGES, PAIR, TILED, ha, rh, hrow, NB)
+        gl_ring_fill(d1, d3, r1, r3, bar, row, it + 1, NT, STAGES, PAIR, TILED)
     else:
         if it % (STAGES - 1) == 0:
             for g in gl.static_range(STAGES - 1):
-                gl_ring_fill(d1, d3, r1, r3, bar, row, it + 1 + g, NT, STAGES, PAIR, TILED, ha, rh, hrow, NB)
+                gl_ring_fill(d1, d3, r1, r3, bar, row, it + 1 + g, NT, STAGES, PAIR, TILED)
 
 
 @gluon.jit

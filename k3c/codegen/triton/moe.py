@@ -51,8 +51,8 @@ from k3c.codegen.triton.moe_mxfp4 import (MX_DECODE_BY_DEVICE, ONE_MUL_MAX_SCALE
                                          mx_act_tile, mx_block_k, mx_default_config, mx_even_unroll, mx_kernels,
                                          mx_mma_v2, mx_permute, mx_permuted_col, mx_word_code, mx_word_offset,
                                          mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
-from k3c.codegen.triton.gl_ring import (gl_act_desc, gl_ring_fill, gl_ring_init, gl_ring_refill, gl_stage_words,
-                                       gl_staged_layout, gl_staged_pairs, gl_word_descs, gl_words2d_layout)
+from k3c.codegen.triton.gl_ring import (gl_ring_fill, gl_ring_init, gl_ring_refill, gl_stage_words, gl_word_descs,
+                                       gl_words2d_layout)
 from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl_act_offsets, gl_act_operand,
                                                gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
                                                gl_permuted_col, gl_tile_rows, gl_word_offsets, gl_word_values_operand,
@@ -334,9 +334,8 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
                 float(situ_beta), float(situ_linear_beta), E=E, K=K, D=D, I=I, ACT_SITU=act == "situ",
                 TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BR1, BLOCK_D=BK1, BLOCK_K2=BK2,
                 STAGES=stages1, ACT_AHEAD=act_up, TILED=tiled, **up_opts)
-            ha = gl_act_desc(h, BLOCK_M) if act_down == 3 else h.view(torch.int32)   # 3: staged by the TMA ring
             moe_down_mx_gluon_kernel[(max_tiles, D // BR2)](
-                h.view(torch.int32), ha, w2a, scales[2], weights, *schedule, y_slot, E=E, D=D, I=I,
+                h.view(torch.int32), w2a, scales[2], weights, *schedule, y_slot, E=E, D=D, I=I,
                 TWO_MULS=two_muls, BLOCK_M=BLOCK_M, BLOCK_R=BR2, BLOCK_K2=BK2, STAGES=stages2,
                 ACT_AHEAD=act_down, TILED=tiled, **down_opts)
             moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
@@ -468,6 +467,5 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     gl_word_offsets, gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_word_values_operand,
                     gl_tile_rows, gl_words2d_layout,
                     gl_word_descs, gl_stage_words, gl_tma_load_named, gl_tma_load, gl_ring_fill, gl_ring_refill,
-                    gl_act_desc, gl_staged_layout, gl_staged_pairs,
                     gl_ring_init, moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel],
                    launch_moe_experts, body)

@@ -123,8 +123,8 @@ def mx_even_unroll(mx_config: tuple, k_tiles_up: int) -> tuple:
 
 def mx_config_from_text(text: str) -> tuple:
     """An mx_config from its benchmark-flag form 'BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg[,act]'
-    (two_muls 0/1; maxnreg 0: none; act, optional: the Gluon kernels' activation prefetch modes, up 0..2, down
-    0..3, `gl_act_ahead`). BLOCK_R, BLOCK_K, warps, stages and maxnreg may each be 'UP/DOWN', one value per kernel
+    (two_muls 0/1; maxnreg 0: none; act, optional: the Gluon kernels' activation prefetch modes, 0..2 each,
+    `gl_act_ahead`). BLOCK_R, BLOCK_K, warps, stages and maxnreg may each be 'UP/DOWN', one value per kernel
     (`mx_kernels`); act is always 'UP/DOWN'. E.g. '8,32,256,2,2,0,0/80' -> (8, 32, 256, 2, 2, False, (None, 80)),
     '8,32,256,2,2,0,0/80,2/0' -> (..., (None, 80), (2, 0)) and '8,32,128/256,2,1/2,0,80' -> (8, 32, (128, 256),
     2, (1, 2), False, 80). Raises ValueError naming the text otherwise."""
@@ -134,12 +134,12 @@ def mx_config_from_text(text: str) -> tuple:
             raise ValueError
         v = [tuple(int(x) for x in field.split("/")) for field in f]
         if any(len(x) not in (1, 2) for x in v) or len(v[0]) > 1 or len(v[5]) > 1 or \
-                len(f) == 8 and (len(v[7]) != 2 or v[7][0] not in (0, 1, 2) or v[7][1] not in (0, 1, 2, 3)):
+                len(f) == 8 and (len(v[7]) != 2 or not set(v[7]) <= {0, 1, 2}):
             raise ValueError
     except ValueError:
         raise ValueError(f"{text!r}: expected BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg[,act] (7 "
                          "integers; BLOCK_R, BLOCK_K, warps, stages and maxnreg may be UP/DOWN; act: UP/DOWN, "
-                         "up 0, 1 or 2, down 0..3)") from None
+                         "each 0, 1 or 2)") from None
 
     def one(x):
         return x[0] if len(x) == 1 else x

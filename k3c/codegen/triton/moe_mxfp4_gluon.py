@@ -31,9 +31,10 @@ bytes in address order; the descriptor is then over the tiles' rows (`gl_word_de
 instead of 11 (`mxfp4_word_bf16`'s BITS).
 The scale bytes stay one tile ahead in registers; the activations load at use or one tile ahead, as
 `gl_act_ahead` says (mode 2 unrolls the K loop by two so that the prefetched activations and scale bytes need
-no copies; the register word stream's words are still carried), or, in the down kernel (mode 3), arrive with the
-words: the ring stages each K tile's [BLOCK_M, BLOCK_K/2] pairs of the sorted h beside them (`gl_act_desc`,
-`gl_staged_pairs`). The ring's descriptors, fills and stage reads are k3c.codegen.triton.gl_ring's.
+no copies; the register word stream's words are still carried). Staging the down kernel's activations in the
+ring beside its words (its h rows are sorted by expert, so each K tile's are one TMA box) was measured slower on
+the H100 and the H200, its extra copies and CTA barriers costing more than the loads they replace (BENCHMARKS.md
+"MXFP4 round, run Q"). The ring's descriptors, fills and stage reads are k3c.codegen.triton.gl_ring's.
 Measured on the H200 (BENCHMARKS.md "MXFP4 round (mx27)"), the TMA ring beats the register prefetch at batch 1
 and 16, bitwise equal; the per-thread cp.async ring it replaces was 55-70 % slower (mx26).
 
@@ -64,7 +65,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from k3c.codegen.triton.gl_ring import gl_ring_fill, gl_ring_init, gl_ring_refill, gl_stage_words, gl_staged_pairs
+from k3c.codegen.triton.gl_ring import gl_ring_fill, gl_ring_init, gl_ring_refill, gl_stage_words
 from k3c.codegen.triton.moe_act import glu
 from k3c.codegen.triton.moe_mxfp4 import mx_kernels, mx_word_offset, mxfp4_scale_bf16, mxfp4_word_bf16
 
@@ -78,16 +79,14 @@ def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> boo
     latent D and expert inner I with K tiles bk1 (over D: the up kernel) and bk2 (over I: the down kernel): 8- or
     16-row token tiles and, for each kernel, 1 or 2 warps (the `mma.sync` path, `mx_mma_v2`), 16 weight rows per
     warp, every weight-row block full (up: I rows, down: D), K tiles of 128..512 (≤ 256 for the TMA ring), an
-    even number of K tiles where its activation prefetch mode (`gl_act_ahead`) is 2 and the TMA ring where it is 3
-    (the down kernel's activations staged beside its words). For these kernels
+    even number of K tiles where its activation prefetch mode (`gl_act_ahead`) is 2. For these kernels
     num_stages is the word stream's depth (module docstring): 1 prefetches the next K tile in registers, ≥ 2
     streams the words through a TMA ring of that many stages, refilled num_stages − 1 at a time. Raises
     ValueError for prefetch modes `gl_act_ahead` refuses or a per-kernel field that is not a pair."""
     def ok(kernel, rows, k, bk, mode):
         block_r, _, warps, stages, _ = kernel
         return warps in (1, 2) and block_r == 16 * warps and rows % block_r == 0 and \
-            bk in ((128, 256, 512) if stages == 1 else (128, 256)) and (mode != 2 or (k // bk) % 2 == 0) and \
-            (mode != 3 or stages > 1)
+            bk in ((128, 256, 512) if stages == 1 else (128, 256)) and (mode != 2 or (k // bk) % 2 == 0)
 
     up, down = mx_kernels(mx_config)
     mode_up, mode_down = gl_act_ahead(mx_config)
@@ -104,17 +103,15 @@ def gl_act_ahead(mx_config: tuple) -> tuple[int, int]:
     the H200 (BENCHMARKS.md "MXFP4 round (mx27)"), per kernel by its own num_stages (`mx_kernels`): with the
     register word stream (num_stages 1) 1; with the TMA ring the up kernel 1 at 8-token tiles (batch 1: 60.2
     against 65.5 us for 0; at 16 tokens its registers would double) and the down kernel 0 (mode 1 cost it 29
-    registers and 5-10 % of its time). The down kernel also takes 3: its activations staged by the TMA ring beside
-    its words (its h rows are sorted, so a tile's are one box; the up kernel gathers z by token, which TMA cannot
-    on sm_90). Raises ValueError for a mode outside 0..2 (the down kernel's: 0..3)."""
+    registers and 5-10 % of its time); `mx_default_config` gives the pair (2, 0) at decode. Raises ValueError for a
+    mode outside 0..2."""
     if len(mx_config) > 7 and mx_config[7] is not None:
         modes = mx_config[7]
     else:
         up, down = mx_kernels(mx_config)
         modes = (int(up[3] == 1 or mx_config[0] == 8), int(down[3] == 1))
-    if len(modes) != 2 or modes[0] not in (0, 1, 2) or modes[1] not in (0, 1, 2, 3):
-        raise ValueError(f"mx_config {tuple(mx_config)}: activation prefetch modes (up, down) must be 0, 1 or 2 "
-                         "(the down kernel's also 3: staged by its TMA ring)")
+    if len(modes) != 2 or modes[0] not in (0, 1, 2) or modes[1] not in (0, 1, 2):
+        raise ValueError(f"mx_config {tuple(mx_config)}: activation prefetch modes (up, down) must be 0, 1 or 2")
     return int(modes[0]), int(modes[1])
 
 
@@ -285,7 +282,7 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
             r1 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_D // 8], w1.layout)
             r3 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_D // 8], w3.layout)
             bar = gl_ring_init(STAGES)
-            gl_ring_fill(w1, w3, r1, r3, bar, row, 0, NT, STAGES, True, TILED, w1, r1, row, 0)
+            gl_ring_fill(w1, w3, r1, r3, bar, row, 0, NT, STAGES, True, TILED)
         else:
             w1p, w3p = w1 + woff, w3 + woff
             c1_n, c3_n = gl.load(w1p), gl.load(w3p)
@@ -301,7 +298,7 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
                 d0 = it * BLOCK_D
                 dn = gl.where(d0 + BLOCK_D < D, d0 + BLOCK_D, 0)
                 if STAGES > 1:
-                    gl_ring_refill(w1, w3, r1, r3, bar, row, it, NT, STAGES, True, TILED, w1, r1, row, 0)
+                    gl_ring_refill(w1, w3, r1, r3, bar, row, it, NT, STAGES, True, TILED)
                 else:
                     c1, c3 = c1_n, c3_n
                     nxt = mx_word_offset(0, dn // 8, D // 8, TILED)
@@ -337,7 +334,7 @@ def moe_up_mx_gluon_kernel(zp_ptr, w1, w3, s1_ptr, s3_ptr, order_ptr, tile_exper
 
 
 @gluon.jit
-def moe_down_mx_gluon_kernel(hp_ptr, ha, w2, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
+def moe_down_mx_gluon_kernel(hp_ptr, w2, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
                              tile_row_end_ptr, y_slot_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
                              TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_R: gl.constexpr,
                              BLOCK_K2: gl.constexpr, STAGES: gl.constexpr, ACT_AHEAD: gl.constexpr,
@@ -345,10 +342,7 @@ def moe_down_mx_gluon_kernel(hp_ptr, ha, w2, s2_ptr, weights_ptr, order_ptr, til
     """`moe_down_mx_kernel` (bf16, V2) for one BLOCK_M-row tile and BLOCK_R output columns: y_slot[(token, slot)]
     = (h W2[e]ᵀ) · weight; hp [N·k, I] (bf16 read as i32 pairs) in `gl_permute` order of BLOCK_K2, s2 u8
     [E, D, I/32]; w2 as the up kernel's w1: i32 words [E, D, I/8] with STAGES 1, else their TMA descriptor;
-    ACT_AHEAD as in the up kernel, or 3 (STAGES ≥ 2): each K tile's activations staged by the TMA ring beside its
-    words (ha: `gl_act_desc` of h; the tile's rows are consecutive, so its box starts at the tile's first row, and
-    rows past the tile are the next tile's or zero-filled, their columns never stored); no activation registers
-    carried or loads waited on. ha is read only in mode 3 (else pass hp_ptr)."""
+    ACT_AHEAD and TILED as in the up kernel."""
     W: gl.constexpr = BLOCK_R // 16
     CH: gl.constexpr = BLOCK_K2 // 128
     NT: gl.constexpr = I // BLOCK_K2
@@ -370,32 +364,22 @@ def moe_down_mx_gluon_kernel(hp_ptr, ha, w2, s2_ptr, weights_ptr, order_ptr, til
             row = (e * D + n0).to(gl.int32)
             r2 = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_R, BLOCK_K2 // 8], w2.layout)
             bar = gl_ring_init(STAGES)
-            if ACT_AHEAD == 3:
-                NB: gl.constexpr = BLOCK_K2 // 64
-                rh = gl.allocate_shared_memory(gl.int32, [STAGES, NB * BLOCK_M, 32], ha.layout)
-                hrow = gl.load(tile_row0_ptr + tile).to(gl.int32)
-                gl_ring_fill(w2, w2, r2, r2, bar, row, 0, NT, STAGES, False, TILED, ha, rh, hrow, NB)
-            else:
-                gl_ring_fill(w2, w2, r2, r2, bar, row, 0, NT, STAGES, False, TILED, w2, r2, row, 0)
+            gl_ring_fill(w2, w2, r2, r2, bar, row, 0, NT, STAGES, False, TILED)
         else:
             w2p = w2 + woff
             c2_n = gl.load(w2p)
-        if ACT_AHEAD == 1 or ACT_AHEAD == 2:
+        if ACT_AHEAD:
             h = gl.load(hptrs)
         acc = gl.zeros([BLOCK_R, BLOCK_M], gl.float32, MMA)
         UNROLL: gl.constexpr = 2 if ACT_AHEAD == 2 else 1
         gl.static_assert(NT % UNROLL == 0, "ACT_AHEAD 2 takes an even number of K tiles")
-        gl.static_assert(ACT_AHEAD != 3 or STAGES > 1, "ACT_AHEAD 3 stages the activations in the TMA ring")
         for j in range(NT // UNROLL):
             for u in gl.static_range(UNROLL):
                 it = j * UNROLL + u
                 i0 = it * BLOCK_K2
                 nx = gl.where(i0 + BLOCK_K2 < I, i0 + BLOCK_K2, 0)
                 if STAGES > 1:
-                    if ACT_AHEAD == 3:
-                        gl_ring_refill(w2, w2, r2, r2, bar, row, it, NT, STAGES, False, TILED, ha, rh, hrow, NB)
-                    else:
-                        gl_ring_refill(w2, w2, r2, r2, bar, row, it, NT, STAGES, False, TILED, w2, r2, row, 0)
+                    gl_ring_refill(w2, w2, r2, r2, bar, row, it, NT, STAGES, False, TILED)
                 else:
                     c2 = c2_n
                     c2_n = gl.load(w2p + mx_word_offset(0, nx // 8, I // 8, TILED))   # the last wraps to tile 0
@@ -410,16 +394,13 @@ def moe_down_mx_gluon_kernel(hp_ptr, ha, w2, s2_ptr, weights_ptr, order_ptr, til
                     if ACT_AHEAD == 1:
                         x = gl_act_operand(h, BLOCK_K2, BL)
                         h = gl.load(hptrs + nx // 2)
-                    elif ACT_AHEAD == 0:
+                    else:
                         x = gl_act_operand(gl.load(hptrs + i0 // 2), BLOCK_K2, BL)
                     t2 = s2
                     s2 = gl.load(s2p + nx // 32)
                 if STAGES > 1:
                     gl.nvidia.hopper.mbarrier.wait(bar.index(it % STAGES), (it // STAGES) & 1)
                     c2 = gl_stage_words(r2.index(it % STAGES), W, CH, WL)
-                    if ACT_AHEAD == 3:      # the tile's activations arrived with its words
-                        x = gl_act_operand(gl_staged_pairs(rh.index(it % STAGES), W, BLOCK_K2, BLOCK_M, PL),
-                                           BLOCK_K2, BL)
                 a2 = gl_decoded_tile(c2, t2, TWO_MULS, BLOCK_R, BLOCK_K2, AL, TILED == 2)
                 acc = gl.nvidia.ampere.mma_v2(a2, x, acc)
         offs_mo, m_ok_o = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, MMA))
