@@ -73,11 +73,12 @@ DEVICE_LOOKUP = "MX_DECODE_BY_DEVICE.get(device)"      # mx_default_config's per
 
 def kernel_fields(spec):
     """(BM, up, down) of a probe variant's text: each kernel's (BR, STAGES, ACT, CAP, BK), CAP 0 for none.
-    Raises ValueError naming the text (mx_tma_probe.py's `parse_variant`), or one ending in ',t': the round
-    times every variant over the words as a session holds them, `mxfp4_tiles` (`probe`)."""
+    Raises ValueError naming the text (mx_tma_probe.py's `parse_variant`), or one ending in ',t' or ',tb': the
+    round times every variant over the words as a session holds them, `mxfp4_tiles_bits` (`probe`)."""
     v = parse_variant(spec)[1]
     if v["tiled"]:
-        raise ValueError(f"variant {spec!r}: the round times every variant over the tiled words; drop ',t'")
+        raise ValueError(f"variant {spec!r}: the round times every variant over the words as a session holds them; "
+                         "drop the layout suffix")
     return v["block_m"], *((v["block_r"][j], v["stages"][j], v["act_" + k], v["cap_" + k], v["block_k"][j])
                            for j, k in enumerate(("up", "down")))
 

@@ -48,7 +48,9 @@ def mx_tiles_ok(R: int, K: int) -> bool:
 def mx_tile_words(w: torch.Tensor) -> torch.Tensor:
     """Packed MXFP4 bytes w u8 [E, R, K/2] in the checkpoint's row-major order -> the same bytes in the
     `mxfp4_tiles` layout, a new contiguous u8 [E, R, K/2] on w's device. Raises ValueError naming
-    the shape where `mx_tiles_ok` does not hold."""
+    the dtype and shape otherwise (another dtype or rank, or where `mx_tiles_ok` does not hold)."""
+    if w.dtype != torch.uint8 or w.dim() != 3:
+        raise ValueError(f"MXFP4 words {w.dtype}{list(w.shape)}: expected u8 [E, R, K/2]")
     E, R, half = w.shape
     if not mx_tiles_ok(R, 2 * half):
         raise ValueError(f"MXFP4 words {list(w.shape)}: the tiled layout needs rows a multiple of {MX_TILE_ROWS} "
@@ -84,24 +86,33 @@ def _i32(x: int) -> int:
 
 
 def mx_place_bits(w: torch.Tensor) -> torch.Tensor:
-    """Packed MXFP4 bytes u8 [..., 4n] -> a new tensor of the same bytes with each little-endian 32-bit word's
-    bits placed as `MX_BIT_PLACE` says, on w's device (a word's bytes stay its own 4 bytes; int32 temporaries of
-    w's size: one masked move per distinct distance a bit moves)."""
-    words = w.contiguous().view(torch.int32)
-    out = torch.zeros_like(words)
+    """Packed MXFP4 bytes u8 [..., 4n] (n ≥ 0) -> a new contiguous tensor of the same shape with each little-endian
+    32-bit word's bits placed as `MX_BIT_PLACE` says, on w's device (a word's bytes stay its own 4 bytes; one
+    temporary of w's size besides the result: a masked move per distinct distance a bit moves). Raises ValueError
+    naming the dtype and shape for anything but u8 with a last dimension a multiple of 4."""
+    if w.dtype != torch.uint8 or w.dim() == 0 or w.shape[-1] % 4:
+        raise ValueError(f"MXFP4 words {w.dtype}{list(w.shape)}: expected u8 [..., 4n] (32-bit words)")
+    if not w.is_contiguous() or w.data_ptr() % 4:       # a copy whose words are aligned 32-bit words
+        w = w.clone(memory_format=torch.contiguous_format)
+    words = w.view(torch.int32)
+    out, part = torch.zeros_like(words), torch.empty_like(words)
     moves: dict[int, int] = {}
     for src, dst in enumerate(MX_BIT_PLACE):
         moves[dst - src] = moves.get(dst - src, 0) | 1 << src
     for delta, mask in sorted(moves.items()):
-        part = words & _i32(mask)
+        torch.bitwise_and(words, _i32(mask), out=part)
         # int32 shifts: left ones drop what passes bit 31; right ones are arithmetic, so mask what they smear
-        out |= part << delta if delta >= 0 else (part >> -delta) & _i32(mask >> -delta)
+        if delta >= 0:
+            part.bitwise_left_shift_(delta)
+        else:
+            part.bitwise_right_shift_(-delta).bitwise_and_(_i32(mask >> -delta))
+        out.bitwise_or_(part)
     return out.view(torch.uint8).view(w.shape)
 
 
 def mx_tile_bits(w: torch.Tensor) -> torch.Tensor:
     """Packed MXFP4 bytes w u8 [E, R, K/2] row-major -> the `mxfp4_tiles_bits` layout: `mx_tile_words`, each
-    word's bits placed by `mx_place_bits`. Raises ValueError naming the shape where `mx_tiles_ok` does not hold."""
+    word's bits placed by `mx_place_bits`. Raises ValueError as `mx_tile_words` does."""
     return mx_place_bits(mx_tile_words(w))
 
 

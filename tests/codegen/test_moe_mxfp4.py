@@ -19,7 +19,7 @@ from k3c.codegen.triton.gl_ring import gl_word_descs
 from k3c.codegen.triton.moe_mxfp4_gluon import gl_act_ahead, gl_permute, gl_permuted_col, gluon_decode_ok
 from k3c.ir.formats import mxfp4_dequantize
 from k3c.ir.ops import get_op
-from k3c.runtime.layouts import MX_BIT_PLACE, mx_place_bits, mx_tile_bits, mx_tile_words
+from k3c.runtime.layouts import mx_place_bits, mx_tile_bits, mx_tile_words
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -151,11 +151,12 @@ def test_portable_decoding_equals_dequantize(v2):
                 assert torch.equal(got.view(torch.int32), row_major), (bk, tiled)
 
 
-def ptx_pairs(asm: str, word: int) -> list[int]:
-    """The four bf16 pair registers `asm` (a `mxfp4_word_bf16` body) hands its `mul.bf16x2`s for the 32-bit word,
-    from a small interpreter of the PTX integer instructions it may use (and, shl, shr, shf.r.wrap, lop3 with an
-    immediate LUT): the value of the multiplied register at each pair's first `mul.bf16x2`."""
-    regs, out, mask, prev = {"$8": word}, [], 0xFFFFFFFF, None
+def ptx_pairs(asm: str, word: int) -> tuple[list[int], int]:
+    """(the four bf16 pair registers `asm` (a `mxfp4_word_bf16` body) writes to its outputs ($0, $1) .. ($6, $7)
+    for the 32-bit word with every multiplier 1, its integer instruction count), from a small interpreter of the
+    PTX it may use (and, shl, shr, shf.r.wrap, lop3 with an immediate LUT; mul.bf16x2 by a multiplier of 1 keeps
+    its operand; mov.b32 {$a, $b}, t writes the outputs)."""
+    regs, slots, mask, integer = {"$8": word}, {}, 0xFFFFFFFF, 0
 
     def val(x):
         return int(x, 0) if x[0].isdigit() else regs[x]
@@ -163,6 +164,7 @@ def ptx_pairs(asm: str, word: int) -> list[int]:
     for ins in (i.strip() for i in asm.replace("\n", " ").split(";")):
         op, _, rest = ins.partition(" ")
         a = [x.strip() for x in rest.split(",")]
+        integer += op in ("and.b32", "shl.b32", "shr.b32", "shf.r.wrap.b32", "lop3.b32")
         if op == "and.b32":
             regs[a[0]] = val(a[1]) & val(a[2])
         elif op == "shl.b32":
@@ -177,12 +179,14 @@ def ptx_pairs(asm: str, word: int) -> list[int]:
             regs[a[0]] = sum(((lut >> ((x >> i & 1) << 2 | (y >> i & 1) << 1 | (z >> i & 1))) & 1) << i
                              for i in range(32))
         elif op == "mul.bf16x2":
-            if prev != op:          # a pair's first multiply: its operand is the placed pair
-                out.append(regs[a[1]])
-        elif not op.startswith(("mov", "{", ".reg", "}")) and op:
+            regs[a[0]] = regs[a[1]]
+        elif op == "mov.b32" and rest.startswith("{$"):      # mov.b32 {$a, $b}, t: the pair's two bf16 outputs
+            lo, hi = (int(x.strip(" {}$")) for x in rest.split("}")[0].split(","))
+            slots[lo], slots[hi] = regs[a[-1]] & 0xFFFF, regs[a[-1]] >> 16
+        elif op and not op.startswith(("mov", "{", ".reg", "}")):
             raise AssertionError(f"instruction {op} not modelled")
-        prev = op
-    return out
+    assert sorted(slots) == list(range(8))
+    return [slots[2 * j] | slots[2 * j + 1] << 16 for j in range(4)], integer
 
 
 def test_even_unroll_takes_mode_1_for_an_odd_count_of_k_tiles():
@@ -203,14 +207,18 @@ def test_even_unroll_takes_mode_1_for_an_odd_count_of_k_tiles():
 
 @pytest.mark.parametrize("two_muls", [False, True])
 def test_placed_bits_decode_to_the_bf16_pattern(two_muls):
-    """The PTX of `mxfp4_word_bf16` with BITS (interpreted instruction by instruction, `ptx_pairs`) turns every
-    word of the `mxfp4_tiles_bits` layout into its four bf16 pairs: pair j holds code j (em at bits 6..8, sign at
-    15) and code j + 4 (16 bits up), as the checkpoint's word held them at bits 4c .. 4c + 3; the layout moves
-    each word's bits only within the word (`mx_place_bits`), and `mx_tile_bits` is the tiles' placed bits."""
+    """The PTX of `mxfp4_word_bf16` (interpreted instruction by instruction, `ptx_pairs`) turns every word into its
+    four bf16 pairs, outputs ($0, $1) .. ($6, $7): pair j holds code j (em at bits 6..8, sign at 15) and code
+    j + 4 (16 bits up), as the checkpoint's word held them at bits 4c .. 4c + 3; with BITS from the word's
+    `mxfp4_tiles_bits` placement (`mx_place_bits`) in 9 integer instructions, without from the checkpoint's order
+    in 11. A few placements worked out by hand from the layout's rule, and `mx_tile_bits` = the tiles' words,
+    each placed."""
     src = inspect.getsource(mxfp4_word_bf16.fn)
-    bodies = [b for b in re.findall(r'"""\{(.*?)\}"""', src, re.S) if "shf.r.wrap" in b]
-    assert len(bodies) == 2
-    asm = bodies[0] if two_muls else bodies[1]
+    bodies = re.findall(r'"""\{(.*?)\}"""', src, re.S)
+    placed_asm = [b for b in bodies if "shf.r.wrap" in b]
+    plain_asm = [b for b in bodies if "shf.r.wrap" not in b]
+    assert len(placed_asm) == len(plain_asm) == 2
+    asm, plain = (placed_asm[0], plain_asm[0]) if two_muls else (placed_asm[1], plain_asm[1])
     gen = torch.Generator().manual_seed(0)
     raw = torch.randint(0, 256, (64, 4), dtype=torch.uint8, generator=gen)
     raw[:16] = torch.arange(16, dtype=torch.uint8)[:, None] * 17        # every code in every nibble
@@ -219,10 +227,19 @@ def test_placed_bits_decode_to_the_bf16_pattern(two_muls):
         codes = [(word & 0xFFFFFFFF) >> (4 * c) & 15 for c in range(8)]
         want = [(codes[j] & 7) << 6 | (codes[j] >> 3) << 15 | (codes[j + 4] & 7) << 22 | (codes[j + 4] >> 3) << 31
                 for j in range(4)]
-        assert ptx_pairs(asm, got & 0xFFFFFFFF) == want, hex(word)
-    assert sorted(MX_BIT_PLACE) == list(range(32))
+        assert ptx_pairs(asm, got & 0xFFFFFFFF) == (want, 9), hex(word)
+        assert ptx_pairs(plain, word & 0xFFFFFFFF) == (want, 11), hex(word)
+    # by hand: code 0's mantissa stays at 6 (pair 0: w & P); code 1's moves to 10 (pair 1: rotr(w, 4)), code 2's to
+    # 0 (pair 2: w << 6), code 3's to 4 and its top exponent bit (word bit 14) stays at 14 (pair 3: w << 2, w >> 6);
+    # the signs of codes 5, 6 and 7 (p = 31) go to 3, 25 and 29
+    by_hand = {0x1: 1 << 6, 0x10: 1 << 10, 0x100: 1 << 0, 0x1000: 1 << 4, 0x4000: 1 << 14, 0x00800000: 1 << 3,
+               0x08000000: 1 << 25, 0x80000000: 1 << 29, 0xFFFFFFFF: 0xFFFFFFFF, 0: 0}
+    words = torch.tensor([w - (1 << 32) if w >> 31 else w for w in by_hand], dtype=torch.int32)
+    got = [w & 0xFFFFFFFF for w in mx_place_bits(words.view(torch.uint8)).view(torch.int32).tolist()]
+    assert got == list(by_hand.values())
     w = torch.randint(0, 256, (2, 64, 512), dtype=torch.uint8, generator=gen)
-    assert torch.equal(mx_tile_bits(w), mx_place_bits(mx_tile_words(w)))
+    t, b = mx_tile_words(w), mx_tile_bits(w)
+    assert t.shape == b.shape and torch.equal(mx_place_bits(t.reshape(-1, 4)).reshape(b.shape), b)
 
 
 def test_tiled_word_layout():
@@ -248,6 +265,12 @@ def test_tiled_word_layout():
         mx_tile_words(w[:, :48].contiguous())
     with pytest.raises(ValueError, match="K a multiple of 256"):
         mx_tile_words(w[:, :, :64].contiguous())
+    with pytest.raises(ValueError, match=r"MXFP4 words torch.uint8\[64, 384\]: expected u8 \[E, R, K/2\]"):
+        mx_tile_bits(w[0])
+    with pytest.raises(ValueError, match=r"MXFP4 words torch.int32\[4\]: expected u8 \[\.\.\., 4n\]"):
+        mx_place_bits(torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"MXFP4 words torch.uint8\[2, 6\]: expected u8"):
+        mx_place_bits(torch.zeros(2, 6, dtype=torch.uint8))
 
 
 @cuda

@@ -100,6 +100,8 @@ def test_moe_experts_h_and_slot_outputs_in_planned_scratch():
     moe.launch_moe_experts(z, wt, ids, w1, w3, w2, y=got, scratch=scratch, **attrs)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert written(scratch["h"]) and written(scratch["y_slot"])
+    with pytest.raises(ValueError, match=r"tiled=2 is a layout of MXFP4 words; these experts are dense"):
+        moe.launch_moe_experts(z, wt, ids, w1, w3, w2, y=got, tiled=2, **attrs)
 
 
 def test_moe_route_and_experts_read_column_views_in_place():

@@ -27,36 +27,39 @@ def _schedule(*launches):
                                     for i, (ins, lay) in enumerate(launches)]}}
 
 
-def test_apply_relays_each_weight_once_and_leaves_the_file_tensor():
+@pytest.mark.parametrize("layout,relay", [("mxfp4_tiles", mx_tile_words), ("mxfp4_tiles_bits", mx_tile_bits)])
+def test_apply_relays_each_weight_once_and_leaves_the_file_tensor(layout, relay):
     """Two launches (decode and prefill) asking the same layout of one weight: it is re-laid once, to
-    `mx_tile_words` of it; on the CPU into a copy, so the tensor that maps the artifact's file keeps its bytes;
-    weights no launch names keep theirs."""
+    `mx_tile_words` (`mx_tile_bits`) of it; on the CPU into a copy, so the tensor that maps the artifact's file
+    keeps its bytes; weights no launch names keep theirs."""
     w = torch.randint(0, 256, (2, 64, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     other = torch.arange(6.0)
     weights = {"w": w, "b": other}
-    sched = _schedule((["x", "w"], {"w": "mxfp4_tiles"}))
-    sched["prefill"] = _schedule((["y", "w", "b"], {"w": "mxfp4_tiles"}))["decode"]
+    sched = _schedule((["x", "w"], {"w": layout}))
+    sched["prefill"] = _schedule((["y", "w", "b"], {"w": layout}))["decode"]
     src = w.clone()
     todo = declared(sched, weights, "art/weights")
-    assert todo == {"w": "mxfp4_tiles"}
+    assert todo == {"w": layout}
     apply(weights, todo)
-    assert torch.equal(weights["w"], mx_tile_words(src)) and not torch.equal(weights["w"], src)
+    assert torch.equal(weights["w"], relay(src)) and not torch.equal(weights["w"], src)
     assert torch.equal(w, src) and weights["b"] is other
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.gpu
-def test_apply_relays_a_gpu_weight_in_place_chunk_by_chunk(monkeypatch):
+@pytest.mark.parametrize("layout,relay", [("mxfp4_tiles", mx_tile_words), ("mxfp4_tiles_bits", mx_tile_bits)])
+def test_apply_relays_a_gpu_weight_in_place_chunk_by_chunk(monkeypatch, layout, relay):
     """On a GPU the weight is re-laid in place (the runtime's own copy), a chunk of experts at a time: the same
-    storage afterwards, equal to `mx_tile_words` of the whole, with chunks that split the experts unevenly."""
+    storage afterwards, equal to the layout's re-laying of the whole, with chunks that split the experts
+    unevenly."""
     import k3c.runtime.layouts as layouts
 
     monkeypatch.setattr(layouts, "CHUNK_BYTES", 3 * 64 * 256)      # 3 experts a chunk of 7
     w = torch.randint(0, 256, (7, 64, 256), dtype=torch.uint8, device="cuda")
     src, ptr = w.clone(), w.data_ptr()
     weights = {"w": w}
-    apply(weights, {"w": "mxfp4_tiles"})
-    assert weights["w"].data_ptr() == ptr and torch.equal(weights["w"], mx_tile_words(src))
+    apply(weights, {"w": layout})
+    assert weights["w"].data_ptr() == ptr and torch.equal(weights["w"], relay(src))
 
 
 @pytest.mark.parametrize("launches,match", [

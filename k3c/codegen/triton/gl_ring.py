@@ -26,9 +26,10 @@ def gl_words2d_layout(W, BLOCK_K):
                                       shape=[16 * W, BLOCK_K // 8])
 
 
-def gl_word_descs(w: torch.Tensor, block_r: int, block_k: int, tiled: bool = False):
+def gl_word_descs(w: torch.Tensor, block_r: int, block_k: int, tiled: int = 0):
     """TMA descriptor of MXFP4 words w u8 [E, R, C/2] (contiguous, 16-byte aligned) as i32 [E·R, C/8], or
-    (tiled: the runtime's `mxfp4_tiles` layout, k3c.runtime.layouts) as i32 [E·R·C/256, 32], the rows of its
+    (tiled 1 or 2: the runtime's `mxfp4_tiles` or `mxfp4_tiles_bits` layout, k3c.runtime.layouts, which place
+    the words alike) as i32 [E·R·C/256, 32], the rows of its
     [32 rows, 32 words] tiles one after another, with [block_r, block_k/8]-word boxes stored with a
     block_k/2-byte swizzle (`gl_words2d_layout` reads them free of bank conflicts; `gl_ring_fill` gives the
     coordinates). Raises ValueError for a w TMA cannot address, or tiled boxes of more than 32 rows or 256 values

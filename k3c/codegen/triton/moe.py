@@ -277,8 +277,8 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     `MX_WORD_LAYOUTS` code: 0 / False the checkpoint's row-major order, 1 / True `mxfp4_tiles` (every kernel
     addresses them by `mx_word_offset`), 2 `mxfp4_tiles_bits` (the tiles with each word's bits placed for the
     decoding, `mx_word_code`, `mxfp4_word_bf16`'s BITS); 1 and 2 need D and I multiples of MX_TILE_K (256).
-    Raises ValueError on mismatched shapes, a layout code outside 0..2 or a tiled layout the shapes cannot
-    take.
+    Raises ValueError on mismatched shapes, a layout code outside 0..2, a layout given dense experts or a tiled
+    layout the shapes cannot take.
     """
     N, D = z.shape
     E, I = w1.shape[:2]
@@ -295,7 +295,9 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     if tiled not in (0, 1, 2):
         raise ValueError(f"moe_experts: tiled must be a word layout code 0, 1 or 2, got {tiled!r}")
     tiled = int(tiled)
-    if tiled and not (mx and mx_tiles_ok(I, D) and mx_tiles_ok(D, I)):
+    if tiled and not mx:
+        raise ValueError(f"moe_experts: tiled={tiled} is a layout of MXFP4 words; these experts are dense")
+    if tiled and not (mx_tiles_ok(I, D) and mx_tiles_ok(D, I)):
         raise ValueError(f"moe_experts: tiled MXFP4 words need D ({D}) and I ({I}) multiples of {MX_TILE_K}")
     if N == 0:
         return
@@ -444,7 +446,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
               ("GLUON_BLOCK_MS", GLUON_BLOCK_MS, "token rows of the Gluon decode tiles"),
               ("MX_TILE_ROWS", MX_TILE_ROWS, "weight rows of a tile of the tiled MXFP4 word layout"),
               ("MX_TILE_K", MX_TILE_K, "values of a row of a tile of the tiled MXFP4 word layout"),
-              ("TILED_WORDS", MX_WORD_LAYOUTS.get(next(iter(moe_experts_layouts(group).values()), None), 0),
+              ("TILED_WORDS", MX_WORD_LAYOUTS[MX_WORD_LAYOUT] if moe_experts_layouts(group) else 0,
                "MXFP4 words' load-time layout: 0 row-major, 1 mxfp4_tiles, 2 mxfp4_tiles_bits")]
     args = ", ".join(f"inputs[{i}]" for i in ip)
     mx = a["weight_format"] == "mxfp4"

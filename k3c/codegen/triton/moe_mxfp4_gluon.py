@@ -103,8 +103,9 @@ def gl_act_ahead(mx_config: tuple) -> tuple[int, int]:
     the H200 (BENCHMARKS.md "MXFP4 round (mx27)"), per kernel by its own num_stages (`mx_kernels`): with the
     register word stream (num_stages 1) 1; with the TMA ring the up kernel 1 at 8-token tiles (batch 1: 60.2
     against 65.5 us for 0; at 16 tokens its registers would double) and the down kernel 0 (mode 1 cost it 29
-    registers and 5-10 % of its time); `mx_default_config` gives the pair (2, 0) at decode. Raises ValueError for a
-    mode outside 0..2."""
+    registers and 5-10 % of its time); `mx_default_config` gives the pair explicitly (run Q: (2, 0) at decode but
+    on a card with its own entry; `mx_even_unroll` makes 2 into 1 over an odd count of K tiles). Raises ValueError
+    for a mode outside 0..2."""
     if len(mx_config) > 7 and mx_config[7] is not None:
         modes = mx_config[7]
     else:
