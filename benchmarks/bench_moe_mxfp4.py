@@ -250,7 +250,8 @@ def main():
                          "stages,two_muls,maxnreg' (two_muls 0/1, maxnreg 0: none or UP/DOWN; 'default': the "
                          "launcher's)")
     ap.add_argument("--compile-workers", type=int, default=8, help="processes compiling the MXFP4 variants first")
-    ap.add_argument("--tiled", action="store_true", help="the default over the words re-laid in mxfp4_tiles_bits beside")
+    ap.add_argument("--tiled", action="store_true",
+                    help="the default over the words re-laid in mxfp4_tiles_bits beside")
     args = ap.parse_args()
     if args.configs:
         MX_SWEEP["decode"][:] = [MX_SWEEP["decode"][int(i)] for i in args.configs.split(",")]

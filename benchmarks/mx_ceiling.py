@@ -230,7 +230,6 @@ def main():
         touched = int(torch.unique(ids).numel())
         word_bytes = touched * 2 * I * D // 2
         sched = moe_schedule(ids, E, 8)
-        tiles = sched[1].shape[0]
         for spec in a.variants.split(";"):
             f = spec.split(",")
             try:

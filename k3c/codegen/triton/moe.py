@@ -50,7 +50,8 @@ from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (MX_DECODE_BY_DEVICE, ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel,
                                          mx_act_tile, mx_block_k, mx_default_config, mx_even_unroll, mx_kernels,
                                          mx_mma_v2, mx_permute, mx_permuted_col, mx_word_code, mx_word_offset,
-                                         mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mxfp4_word_bf16)
+                                         mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32,
+                                         mxfp4_weight_tile, mxfp4_word_bf16)
 from k3c.codegen.triton.gl_ring import (gl_ring_fill, gl_ring_init, gl_ring_refill, gl_stage_words, gl_word_descs,
                                        gl_words2d_layout)
 from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl_act_offsets, gl_act_operand,

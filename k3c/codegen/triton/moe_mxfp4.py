@@ -23,20 +23,20 @@ Decoding a word (bf16 activations on the GPU: inline PTX, Hopper has no E2M1 con
 exponent and mantissa bits) moved to bf16 bits 15 (sign) and 8..6 (em) is the bf16 number code · 2^-126 (em < 2
 lands on bf16 subnormals, which `mul.bf16x2` keeps); TWO_MULS (the default): `mul.bf16x2` by 2^126, then by the
 scale, gives code · scale exactly for every E8M0 value; without, one `mul.bf16x2` by 2^(s_E8M0 − 1) = 2^126 · scale
-does, for s_E8M0 ≤ 128 only (2^(s − 1) overflows bf16 above). In the word a code's sign lies 1 bit above its em,
-in the pattern 7 bits: two bit-selects (`lop3`) make two words in which the 7-bit gap holds for 4 codes each (y:
-the em of codes 0, 1, 4, 5 with their signs moved 6 bits up; z: the em of codes 2, 3, 6, 7 moved 6 bits down with
-their signs in place), so each bf16 pair is one shift and one mask of y or z (11 integer PTX instructions). Per
-word (SASS, sm_90): 12 integer instructions (6 `LOP3`, 5 shifts of which one right shift, the left ones mostly `IMAD.SHL` on the FMA pipe) and 4
-`HMUL2` (8 with TWO_MULS): 2 instructions per weight with one multiply. Words whose bits the runtime placed at load
-(`mxfp4_tiles_bits`, k3c.runtime.layouts.MX_BIT_PLACE; the kernels' TILED 2) need no bit-selects first: pair 0
-is one mask of the word, pairs 1 and 2 a rotate or shift and a mask, pair 3 two shifts, a mask and a bit-select,
-9 integer instructions, in PTX and SASS alike (no order does better with whole pairs: four translates of the pair's bits {6, 7, 8, 15,
-22, 23, 24, 31} do not tile 32 bits, so one pair takes two pieces). The up kernel's K loop at 8 tokens: 562
-instructions a K tile against 622 (sm_90a, benchmarks/mx_static_cost.py). The assembly is elementwise (one word in,
-its 8 values out), so it does not depend on Triton's register layout. Elsewhere (fp32 activations; Triton's
-interpreter, which has no inline assembly): `mxfp4_tile_f32` gathers the same tile's bytes and scales per element
-and decodes in fp32.
+does, for s_E8M0 ≤ 128 only (2^(s − 1) overflows bf16 above). In the word a code's sign lies 1 bit above its em, in
+the pattern 7 bits: two bit-selects (`lop3`) make two words in which the 7-bit gap holds for 4 codes each (y: the em
+of codes 0, 1, 4, 5 with their signs moved 6 bits up; z: the em of codes 2, 3, 6, 7 moved 6 bits down with their
+signs in place), so each bf16 pair is one shift and one mask of y or z (11 integer PTX instructions). Per word
+(SASS, sm_90): 12 integer instructions (6 `LOP3`, 5 shifts of which one right shift, the left ones mostly `IMAD.SHL`
+on the FMA pipe) and 4 `HMUL2` (8 with TWO_MULS): 2 instructions per weight with one multiply. Words whose bits the
+runtime placed at load (`mxfp4_tiles_bits`, k3c.runtime.layouts.MX_BIT_PLACE; the kernels' TILED 2) need no
+bit-selects first: pair 0 is one mask of the word, pairs 1 and 2 a rotate or shift and a mask, pair 3 two shifts, a
+mask and a bit-select, 9 integer instructions, in PTX and SASS alike (no order does better with whole pairs: four
+translates of the pair's bits {6, 7, 8, 15, 22, 23, 24, 31} do not tile 32 bits, so one pair takes two pieces). The
+up kernel's K loop at 8 tokens: 562 instructions a K tile against 622 (sm_90a, benchmarks/mx_static_cost.py). The
+assembly is elementwise (one word in, its 8 values out), so it does not depend on Triton's register layout.
+Elsewhere (fp32 activations; Triton's interpreter, which has no inline assembly): `mxfp4_tile_f32` gathers the same
+tile's bytes and scales per element and decodes in fp32.
 
 Scales: a K tile's scale bytes are one contiguous [R, BLOCK_K/32] block per matrix (`mxfp4_scales`), which
 Triton's pipeliner streams through shared memory with the words (cp.async) and reads back in the layout the
