@@ -214,6 +214,23 @@ def e4_fill(d1, d3, dx, r1, r3, act, bar, row, xrow, t, NT: gl.constexpr, BM: gl
 
 
 @gluon.jit
+def e4_scale_offsets(r0, KDIM: gl.constexpr, W: gl.constexpr, S5: gl.constexpr):
+    """Offsets [W, 2, 8, 4, 8] (S5) of K tile 0's scale bytes of global weight rows r0 + 16w + 8h + g (i64) in u8
+    [.., KDIM/32] (the thread's 8 groups of each of its two rows; t broadcast)."""
+    srow = r0 + 16 * e4_axis(W, 0, 5, S5) + 8 * e4_axis(2, 1, 5, S5) + e4_axis(8, 2, 5, S5)
+    return srow * (KDIM // 32) + e4_axis(8, 4, 5, S5) + 0 * e4_axis(4, 3, 5, S5)
+
+
+@gluon.jit
+def e4_act_pointers(x_ptr, row0, row_end, KDIM: gl.constexpr, BM: gl.constexpr, XL: gl.constexpr):
+    """i32 pointers [16 (group, part), BM, 8] (XL) of K tile 0 of the split activation rows row0 .. row0 + BM − 1
+    (i32 [.., KDIM/2] a row; rows past row_end read row0)."""
+    m = row0 + e4_axis(BM, 1, 3, XL)
+    m = gl.where(m < row_end, m, row0)
+    return x_ptr + m * (KDIM // 2) + e4_axis(16, 0, 3, XL) * 8 + e4_axis(8, 2, 3, XL)
+
+
+@gluon.jit
 def e4wg_up_kernel(zq_ptr, dx, zrinv_ptr, w1, w3, s1_ptr, s3_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
                    g_ptr, u_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr, BM: gl.constexpr,
                    NOLOAD: gl.constexpr, ACT_TMA: gl.constexpr = False, HALF: gl.constexpr = False):
@@ -233,12 +250,9 @@ def e4wg_up_kernel(zq_ptr, dx, zrinv_ptr, w1, w3, s1_ptr, s3_ptr, tile_expert_pt
     if e < E:
         row0 = gl.load(tile_row0_ptr + tile)
         row_end = gl.load(tile_row_end_ptr + tile)
-        m = row0 + e4_axis(BM, 1, 3, XL)
-        m = gl.where(m < row_end, m, row0)
-        xp = zq_ptr + m * (D // 2) + e4_axis(16, 0, 3, XL) * 8 + e4_axis(8, 2, 3, XL)
+        xp = e4_act_pointers(zq_ptr, row0, row_end, D, BM, XL)
         i0 = gl.program_id(1) * 64
-        srow = e.to(gl.int64) * I + i0 + 16 * e4_axis(W, 0, 5, S5) + 8 * e4_axis(2, 1, 5, S5) + e4_axis(8, 2, 5, S5)
-        soff = srow * (D // 32) + e4_axis(8, 4, 5, S5) + 0 * e4_axis(4, 3, 5, S5)
+        soff = e4_scale_offsets(e.to(gl.int64) * I + i0, D, W, S5)
         row = (e * I + i0).to(gl.int32)
         r1 = gl.allocate_shared_memory(gl.int32, [2, 64, 32], w1.layout)
         r3 = gl.allocate_shared_memory(gl.int32, [2, 64, 32], w3.layout)
@@ -321,8 +335,7 @@ def e4wg_down_kernel(hq_ptr, dx, hrinv_ptr, w2, s2_ptr, weights_ptr, order_ptr, 
         row0 = gl.load(tile_row0_ptr + tile)
         row_end = gl.load(tile_row_end_ptr + tile)
         n0 = gl.program_id(1) * 64
-        srow = e.to(gl.int64) * D + n0 + 16 * e4_axis(W, 0, 5, S5) + 8 * e4_axis(2, 1, 5, S5) + e4_axis(8, 2, 5, S5)
-        soff = srow * (I // 32) + e4_axis(8, 4, 5, S5) + 0 * e4_axis(4, 3, 5, S5)
+        soff = e4_scale_offsets(e.to(gl.int64) * D + n0, I, W, S5)
         row = (e * D + n0).to(gl.int32)
         r2 = gl.allocate_shared_memory(gl.int32, [2, 64, 32], w2.layout)
         bar = gl_ring_init(2)
@@ -338,9 +351,7 @@ def e4wg_down_kernel(hq_ptr, dx, hrinv_ptr, w2, s2_ptr, weights_ptr, order_ptr, 
                 acc = e4_tile(acc, gl_stage_words(r2.index(it % 2), W, 2, WL), q2, act.index(it % 2), C4, P7, ACC,
                               AL, HALF)
         else:
-            m = row0 + e4_axis(BM, 1, 3, XL)
-            m = gl.where(m < row_end, m, row0)
-            xp = hq_ptr + m * (I // 2) + e4_axis(16, 0, 3, XL) * 8 + e4_axis(8, 2, 3, XL)
+            xp = e4_act_pointers(hq_ptr, row0, row_end, I, BM, XL)
             act32 = gl.allocate_shared_memory(gl.int32, [16 * BM, 8], gl.NVMMASharedLayout(32, 32, rank=2))
             act = act32._reinterpret(gl.float8e4nv, [16 * BM, 32], gl.NVMMASharedLayout(32, 8, rank=2))
             gl_ring_fill(w2, w2, r2, r2, bar, row, 0, NT, 2, False, 0)
