@@ -19,7 +19,8 @@ words of w1 and w3 through a 2-stage TMA ring (row-major boxes [64, 32 words]), 
 tile staged in shared memory each tile ([16 = group × part, 8 tokens, 32 bytes]); gate and up written as fp32
 (no GLU) for the check. NOLOAD: each ring stage filled once and decoded over and over (compute alone).
 
-    python3 benchmarks/mx_e4m3_probe.py --out DIR [--experts 32] [--batches 1,16]
+    python3 benchmarks/mx_e4m3_probe.py --out DIR [--experts 32] [--batches 1,16] [--variants "BM,ACT_TMA,HALF;..."]
+    python3 benchmarks/mx_e4m3_probe.py --cpu-check          # the host side's checks on CPU
 Writes DIR/mx_e4m3_probe.json: per batch the probe's error against dequantize-then-GEMM (fp32) and its time,
 beside the library's default up kernel (bf16 decoding, `mx_tma_probe.ExpertsOp`) in the same process.
 """
@@ -41,6 +42,44 @@ HBM = 4.2e12
 D, I, K = 3584, 3072, 16
 
 
+def cpu_check():
+    """The host side on CPU, no GPU: the placed words, decoded as the kernels' 5 instructions do (emulated in
+    torch), give every code's E2M1 value at the `wgmma` operand position the kernels assume (byte b of half r of
+    position 8t + g = code 4r + b of word 4g + t), and the split rebuilds bf16 rows (exactly for values ≥ 2^-2 of the
+    scaled row, else within 2^-17 of its largest value). Returns the largest relative split error; raises
+    AssertionError on a wrong position."""
+    from k3c.ir.formats import e2m1_value
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(0, 256, (2, 3, 256), dtype=torch.uint8, generator=gen)       # 2 K tiles of 256 values
+    words = e4m3_words(w)
+
+    def e4m3(reg):      # 4 E4M3 bytes of each i32 -> their values · 2^6 (the decoding's code · 2^-6 undone)
+        b = torch.stack([(reg >> (8 * j)) & 255 for j in range(4)], -1).to(torch.uint8)
+        return b.view(torch.float8_e4m3fn).float() * 64
+
+    halves = (e4m3(words & 0x9C9C9C9C - (1 << 32)),
+              e4m3(((words << 2) & 0x8C8C8C8C - (1 << 32)) | ((words >> 2) & 0x10101010)))
+    vals = e2m1_value(torch.stack([w & 15, w >> 4], -1).flatten(-2))
+    for p in range(words.shape[-1]):
+        tile, pos = divmod(p, 32)
+        word = 32 * tile + 4 * (pos % 8) + pos // 8
+        for r in range(2):
+            assert torch.equal(halves[r][..., p, :], vals[..., 8 * word + 4 * r:8 * word + 4 * r + 4]), (p, r)
+    x = torch.randn(4, 512, generator=gen).to(torch.bfloat16).float()
+    x[1] = (x[1] * 1e-3).to(torch.bfloat16).float()
+    x[2, :7] = 0
+    q, rinv = e4m3_split(x)
+    parts = q.view(4, 2, 8, 2, 32).view(torch.float8_e4m3fn).float()
+    c = torch.arange(32)
+    f = 8 * ((c % 16) // 4) + 4 * (c // 16) + c % 4
+    rebuilt = torch.zeros_like(x)
+    for tile in range(2):
+        for g in range(8):
+            rebuilt[:, 256 * tile + 32 * g + f] = (parts[:, tile, g, 0] + parts[:, tile, g, 1]) * rinv[:, None]
+    return ((rebuilt - x).abs().amax(1) / x.abs().amax(1)).max().item()
+
+
 def bench(fn):
     return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e-3
 
@@ -59,7 +98,12 @@ def main():
     ap.add_argument("--variants", default="8,0,0;8,0,1;16,0,1;16,1,1;8,1,0",
                     help="';'-separated 'BM,ACT_TMA,HALF' (BM 8 or 16 token columns; ACT_TMA 1: the activations by "
                          "TMA on the words' mbarrier, 0: staged through registers; HALF 1: groups waited 4 at a time)")
+    ap.add_argument("--cpu-check", action="store_true", help="only the host-side checks (`cpu_check`), no GPU")
     a = ap.parse_args()
+    if a.cpu_check:
+        print(f"placed words decode to every code at its operand position; split: largest error {cpu_check():.2g} "
+              "of a row's largest value")
+        return
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (sm_90)")
     dev = "cuda"
