@@ -19,7 +19,7 @@ words of w1 and w3 through a 2-stage TMA ring (row-major boxes [64, 32 words]), 
 tile staged in shared memory each tile ([16 = group × part, 8 tokens, 32 bytes]); gate and up written as fp32
 (no GLU) for the check. NOLOAD: each ring stage filled once and decoded over and over (compute alone).
 
-    python3 benchmarks/mx_e4m3_probe.py --out DIR [--experts 32] [--batches 1,16] [--variants "BM,ACT_TMA,HALF;..."]
+    python3 benchmarks/mx_e4m3_probe.py --out DIR [--experts 32] [--batches 1,16] [--variants "BM,ACT_TMA,HALF[,CAP];..."]
     python3 benchmarks/mx_e4m3_probe.py --cpu-check          # the host side's checks on CPU
 Writes DIR/mx_e4m3_probe.json: per batch the probe's error against dequantize-then-GEMM (fp32) and its time,
 beside the library's default up kernel (bf16 decoding, `mx_tma_probe.ExpertsOp`) in the same process.
@@ -95,9 +95,10 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--experts", default="32")
     ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--variants", default="8,0,0;8,0,1;16,0,1;16,1,1;8,1,0",
-                    help="';'-separated 'BM,ACT_TMA,HALF' (BM 8 or 16 token columns; ACT_TMA 1: the activations by "
-                         "TMA on the words' mbarrier, 0: staged through registers; HALF 1: groups waited 4 at a time)")
+    ap.add_argument("--variants", default="16,0,1,168;16,0,1;8,0,0;16,1,1;8,1,0",
+                    help="';'-separated 'BM,ACT_TMA,HALF[,CAP]' (BM 8 or 16 token columns; ACT_TMA 1: the activations by "
+                         "TMA on the words' mbarrier, 0: staged through registers; HALF 1: groups waited 4 at a time; "
+                         "CAP: a register cap, maxnreg, for both kernels)")
     ap.add_argument("--cpu-check", action="store_true", help="only the host-side checks (`cpu_check`), no GPU")
     a = ap.parse_args()
     if a.cpu_check:
@@ -133,7 +134,8 @@ def main():
             row = {"E": E, "N": N, "lib_up_us": t_lib * 1e6, "lib_up_frac": up_bytes / t_lib / HBM}
             print(f"E {E} N {N}: library up {t_lib * 1e6:.1f} us ({row['lib_up_frac']:.0%})", flush=True)
             for spec in a.variants.split(";"):
-                BM, tma, half = (int(v) for v in spec.split(","))
+                BM, tma, half, cap = ([int(v) for v in spec.split(",")] + [0])[:4]
+                cap_kw = {"maxnreg": cap} if cap else {}
                 if BM > 8 and N == 1:
                     continue
                 order, tile_expert, tile_row0, tile_row_end = moe_schedule(ids, E, BM)
@@ -149,7 +151,7 @@ def main():
                 def run(noload=False):
                     e4wg_up_kernel[grid](zq, dx, zrinv, d1, d3, s1, s3, tile_expert, tile_row0, tile_row_end, g, u,
                                          E=E, D=D, I=I, BM=BM, NOLOAD=noload, ACT_TMA=bool(tma), HALF=bool(half),
-                                         num_warps=4)
+                                         num_warps=4, **cap_kw)
                 try:
                     run()
                     torch.cuda.synchronize()
@@ -182,7 +184,8 @@ def main():
             print(f"E {E} N {N}: library down {t_lib * 1e6:.1f} us ({row['lib_down_frac']:.0%})", flush=True)
             hrows = (torch.randn(N * K, I, device=dev, generator=gen) * 0.3).to(torch.bfloat16).float()
             for spec in a.variants.split(";"):
-                BM, tma, half = (int(v) for v in spec.split(","))
+                BM, tma, half, cap = ([int(v) for v in spec.split(",")] + [0])[:4]
+                cap_kw = {"maxnreg": cap} if cap else {}
                 if BM > 8 and N == 1:
                     continue
                 order, tile_expert, tile_row0, tile_row_end = moe_schedule(ids, E, BM)
@@ -196,7 +199,7 @@ def main():
                 def run_down():
                     e4wg_down_kernel[grid](hq, dx, hrinv, d2, s2, wt, order, tile_expert, tile_row0, tile_row_end,
                                            y_slot, E=E, D=D, I=I, BM=BM, ACT_TMA=bool(tma), HALF=bool(half),
-                                           num_warps=4)
+                                           num_warps=4, **cap_kw)
                 try:
                     run_down()
                     torch.cuda.synchronize()
