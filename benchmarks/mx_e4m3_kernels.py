@@ -163,7 +163,7 @@ def e4_factor_tile(fg, fr, ACC: gl.constexpr):
 
 @gluon.jit
 def e4_group(a, act, k: gl.constexpr, zero):
-    """One MX group: p = A·hi + A·lo (two asynchronous `wgmma` m64n8k32 E4M3, fp32)."""
+    """One MX group: p = A·hi + A·lo (two asynchronous `wgmma` m64nBMk32 E4M3, fp32)."""
     BM: gl.constexpr = zero.shape[1]
     hi = act.slice(2 * k * BM, BM, dim=0).permute((1, 0))
     lo = act.slice((2 * k + 1) * BM, BM, dim=0).permute((1, 0))
@@ -250,7 +250,6 @@ def e4wg_up_kernel(zq_ptr, dx, zrinv_ptr, w1, w3, s1_ptr, s3_ptr, tile_expert_pt
     if e < E:
         row0 = gl.load(tile_row0_ptr + tile)
         row_end = gl.load(tile_row_end_ptr + tile)
-        xp = e4_act_pointers(zq_ptr, row0, row_end, D, BM, XL)
         i0 = gl.program_id(1) * 64
         soff = e4_scale_offsets(e.to(gl.int64) * I + i0, D, W, S5)
         row = (e * I + i0).to(gl.int32)
@@ -273,6 +272,7 @@ def e4wg_up_kernel(zq_ptr, dx, zrinv_ptr, w1, w3, s1_ptr, s3_ptr, tile_expert_pt
         else:
             act32 = gl.allocate_shared_memory(gl.int32, [16 * BM, 8], gl.NVMMASharedLayout(32, 32, rank=2))
             act = act32._reinterpret(gl.float8e4nv, [16 * BM, 32], gl.NVMMASharedLayout(32, 8, rank=2))
+            xp = e4_act_pointers(zq_ptr, row0, row_end, D, BM, XL)
             gl_ring_fill(w1, w3, r1, r3, bar, row, 0, NT, 2, True, 0)
             if NOLOAD:
                 gl_ring_fill(w1, w3, r1, r3, bar, row, 1, NT, 2, True, 0)

@@ -5,7 +5,7 @@ The E2M1 codes become E4M3 bytes in 5 integer instructions a word (the words' bi
 every code, subnormals included, as bf16 bits 6..8 give code · 2^-126 (k3c.codegen.triton.moe_mxfp4). Codes 0..3 of
 a placed word are `w & 0x9c9c9c9c`, codes 4..7 `((w << 2) & 0x8c8c8c8c) | ((w >> 2) & 0x10101010)`. The
 activations are split into two E4M3 parts per row (x·2^r = hi + lo, exact where x·2^r ≥ 2^-2 with the row's
-largest magnitude in [128, 256)), the tensor cores multiply the decoded weights by both (`wgmma` m64n8k32 E4M3,
+largest magnitude in [128, 256)), the tensor cores multiply the decoded weights by both (`wgmma` m64nBMk32 E4M3,
 the A operand from registers, the parts from shared memory), each 32-value MX group into its own fp32 partial,
 and the group's scale is applied once to that partial: acc += p · 2^(s − 121) (s ≤ 248), instead of a
 `mul.bf16x2` per weight pair. `mma.sync` E4M3 is no option on sm_90: ptxas emulates it (F2FP conversions and f16
@@ -14,12 +14,14 @@ HMMAs: 426 instructions a K tile of the down kernel against 306 for bf16, offlin
 The words of a row are also reordered within each 256-value K tile: position 8t + g holds word 4g + t, so that
 thread t of a quad holds word t of every group g and each `wgmma` k32 step sums exactly one MX group.
 
-Kernel `e4wg_up_kernel`: 4 warps (one warpgroup), 64 weight rows a CTA, 8-token tiles of the `moe_schedule`, the
+Kernel `e4wg_up_kernel`: 4 warps (one warpgroup), 64 weight rows a CTA, 8- or 16-token tiles (BM) of the
+`moe_schedule`, the
 words of w1 and w3 through a 2-stage TMA ring (row-major boxes [64, 32 words]), the activations' two parts of a K
 tile staged in shared memory each tile ([16 = group × part, 8 tokens, 32 bytes]); gate and up written as fp32
 (no GLU) for the check. NOLOAD: each ring stage filled once and decoded over and over (compute alone).
 
-    python3 benchmarks/mx_e4m3_probe.py --out DIR [--experts 32] [--batches 1,16] [--variants "BM,ACT_TMA,HALF[,CAP];..."]
+    python3 benchmarks/mx_e4m3_probe.py --out DIR [--experts 32] [--batches 1,16]
+        [--variants "BM,ACT_TMA,HALF[,CAP];..."]
     python3 benchmarks/mx_e4m3_probe.py --cpu-check          # the host side's checks on CPU
 Writes DIR/mx_e4m3_probe.json: per batch the probe's error against dequantize-then-GEMM (fp32) and its time,
 beside the library's default up kernel (bf16 decoding, `mx_tma_probe.ExpertsOp`) in the same process.
@@ -40,44 +42,64 @@ from mx_e4m3_kernels import e4m3_split, e4m3_words, e4wg_down_kernel, e4wg_up_ke
 
 HBM = 4.2e12
 D, I, K = 3584, 3072, 16
+#: the largest E8M0 scale byte the kernels take: their group factor 2^(s − 121) is a finite fp32 for s ≤ 248
+E4M3_MAX_SCALE = 248
+#: a variant whose largest error against dequantize-then-GEMM (fp32) exceeds this share of the reference's largest
+#: magnitude is reported as failed (the split alone stays under 2^-17; the rest is the FP8 tensor cores' summation)
+TOLERANCE = 1e-3
+
+
+def _e4m3_bytes(reg):
+    """int64 tensor of 32-bit patterns -> their 4 E4M3 bytes' values, float64 [..., 4] (byte 0 first)."""
+    b = torch.stack([(reg >> (8 * j)) & 255 for j in range(4)], -1).to(torch.uint8)
+    return b.view(torch.float8_e4m3fn).double()
 
 
 def cpu_check():
-    """The host side on CPU, no GPU: the placed words, decoded as the kernels' 5 instructions do (emulated in
-    torch), give every code's E2M1 value at the `wgmma` operand position the kernels assume (byte b of half r of
-    position 8t + g = code 4r + b of word 4g + t), and the split rebuilds bf16 rows (exactly for values ≥ 2^-2 of the
-    scaled row, else within 2^-17 of its largest value). Returns the largest relative split error; raises
-    AssertionError on a wrong position."""
-    from k3c.ir.formats import e2m1_value
+    """The host side and the kernels' index arithmetic, on CPU in float64 (no GPU): one expert's 64 weight rows by
+    two K tiles, multiplied as `e4wg_up_kernel` does (the 5-instruction decoding emulated, A[row, 16r + 4t + b] =
+    byte b of half r of the word at position 8t + g; the activations staged [16·BM, 32] from `e4m3_split`'s bytes
+    at the kernels' offsets; the group factor ((s + 6) << 23) as fp32; the row's 2^-r at the end), must equal
+    dequantize-then-GEMM of the same activations as the split holds them, to float64 rounding; and the split must
+    rebuild bf16 rows within 2^-17 of a row's largest value (exactly where x·2^r ≥ 2^-2). Returns the split's largest
+    relative error; raises AssertionError otherwise."""
+    from k3c.ir.formats import mxfp4_dequantize
 
     gen = torch.Generator().manual_seed(0)
-    w = torch.randint(0, 256, (2, 3, 256), dtype=torch.uint8, generator=gen)       # 2 K tiles of 256 values
-    words = e4m3_words(w)
-
-    def e4m3(reg):      # 4 E4M3 bytes of each i32 -> their values · 2^6 (the decoding's code · 2^-6 undone)
-        b = torch.stack([(reg >> (8 * j)) & 255 for j in range(4)], -1).to(torch.uint8)
-        return b.view(torch.float8_e4m3fn).float() * 64
-
-    halves = (e4m3(words & 0x9C9C9C9C - (1 << 32)),
-              e4m3(((words << 2) & 0x8C8C8C8C - (1 << 32)) | ((words >> 2) & 0x10101010)))
-    vals = e2m1_value(torch.stack([w & 15, w >> 4], -1).flatten(-2))
-    for p in range(words.shape[-1]):
-        tile, pos = divmod(p, 32)
-        word = 32 * tile + 4 * (pos % 8) + pos // 8
-        for r in range(2):
-            assert torch.equal(halves[r][..., p, :], vals[..., 8 * word + 4 * r:8 * word + 4 * r + 4]), (p, r)
-    x = torch.randn(4, 512, generator=gen).to(torch.bfloat16).float()
+    E, R, C, BM = 2, 64, 512, 8
+    w = torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, generator=gen)
+    s = torch.randint(110, 135, (E, R, C // 32), dtype=torch.uint8, generator=gen)
+    x = torch.randn(BM, C, generator=gen).to(torch.bfloat16).float()
     x[1] = (x[1] * 1e-3).to(torch.bfloat16).float()
     x[2, :7] = 0
+    words = e4m3_words(w).to(torch.int64) & 0xFFFFFFFF
     q, rinv = e4m3_split(x)
-    parts = q.view(4, 2, 8, 2, 32).view(torch.float8_e4m3fn).float()
+    q32 = q.view(torch.int32)
+    e = 1                                                  # the second expert: its rows start at e·R
+    acc = torch.zeros(R, BM, dtype=torch.float64)
+    for it in range(C // 256):
+        stage = torch.stack([q32[:, it * 128 + j * 8:it * 128 + j * 8 + 8] for j in range(16)], 0)
+        stage = stage.reshape(16 * BM, 8).contiguous().view(torch.uint8).view(torch.float8_e4m3fn).double()
+        for g in range(8):
+            wd = words[e, :, it * 32 + 8 * torch.arange(4) + g]                       # [R, t]
+            halves = (wd & 0x9C9C9C9C, (((wd << 2) & 0xFFFFFFFF) & 0x8C8C8C8C) | ((wd >> 2) & 0x10101010))
+            a = torch.cat([_e4m3_bytes(h).reshape(R, 16) for h in halves], 1)        # k = 16r + 4t + b
+            p = a @ stage[2 * g * BM:(2 * g + 1) * BM].T + a @ stage[(2 * g + 1) * BM:(2 * g + 2) * BM].T
+            sb = s.flatten()[(e * R + torch.arange(R)) * (C // 32) + it * 8 + g].to(torch.int32)
+            acc += p * ((sb + 6) << 23).view(torch.float32).double()[:, None]
+    out = acc * rinv.double()[None, :]
     c = torch.arange(32)
     f = 8 * ((c % 16) // 4) + 4 * (c // 16) + c % 4
-    rebuilt = torch.zeros_like(x)
-    for tile in range(2):
+    parts = q.view(BM, C // 256, 8, 2, 32).view(torch.float8_e4m3fn).double()
+    held = torch.zeros(BM, C, dtype=torch.float64)
+    for tile in range(C // 256):
         for g in range(8):
-            rebuilt[:, 256 * tile + 32 * g + f] = (parts[:, tile, g, 0] + parts[:, tile, g, 1]) * rinv[:, None]
-    return ((rebuilt - x).abs().amax(1) / x.abs().amax(1)).max().item()
+            held[:, 256 * tile + 32 * g + f] = (parts[:, tile, g, 0] + parts[:, tile, g, 1]) * rinv.double()[:, None]
+    ref = mxfp4_dequantize(w[e], s[e]).double() @ held.T
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-12, "the kernels' index arithmetic"
+    err = ((held - x.double()).abs().amax(1) / x.double().abs().amax(1)).max().item()
+    assert err <= 2.0 ** -17, f"split error {err}"
+    return err
 
 
 def bench(fn):
@@ -96,15 +118,22 @@ def main():
     ap.add_argument("--experts", default="32")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--variants", default="16,0,1,168;16,0,1;8,0,0;16,1,1;8,1,0",
-                    help="';'-separated 'BM,ACT_TMA,HALF[,CAP]' (BM 8 or 16 token columns; ACT_TMA 1: the activations by "
+                    help="';'-separated 'BM,ACT_TMA,HALF[,CAP]' (BM 8 or 16 token columns; ACT_TMA 1: the "
+                         "activations by "
                          "TMA on the words' mbarrier, 0: staged through registers; HALF 1: groups waited 4 at a time; "
                          "CAP: a register cap, maxnreg, for both kernels)")
     ap.add_argument("--cpu-check", action="store_true", help="only the host-side checks (`cpu_check`), no GPU")
     a = ap.parse_args()
     if a.cpu_check:
-        print(f"placed words decode to every code at its operand position; split: largest error {cpu_check():.2g} "
-              "of a row's largest value")
+        print(f"the kernels' arithmetic equals dequantize-then-GEMM of the split activations; split: largest error "
+              f"{cpu_check():.2g} of a row's largest value")
         return
+    for spec in a.variants.split(";"):
+        f = spec.split(",")
+        if not 3 <= len(f) <= 4 or not all(v.isdigit() for v in f) or f[0] not in ("8", "16") or \
+                not set(f[1:3]) <= {"0", "1"}:
+            ap.error(f"--variants: {spec!r}: expected BM,ACT_TMA,HALF[,CAP] (BM 8 or 16, ACT_TMA and HALF 0 or 1, "
+                     "CAP a register count or 0)")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (sm_90)")
     dev = "cuda"
@@ -117,6 +146,8 @@ def main():
                   for _ in "ab")
         w2 = torch.randint(0, 256, (E, D, I // 2), dtype=torch.uint8, device=dev, generator=gen)
         s2 = torch.randint(119, 123, (E, D, I // 32), dtype=torch.uint8, device=dev, generator=gen)
+        if max(int(x.max()) for x in (s1, s3, s2)) > E4M3_MAX_SCALE:
+            raise SystemExit(f"scale bytes above {E4M3_MAX_SCALE}: the E4M3 kernels' group factor would overflow")
         e1, e3 = e4m3_words(w1), e4m3_words(w3)
         d1, d3 = (gl_word_descs(x.view(torch.uint8).view(E, I, D // 2), 64, 256, 0) for x in (e1, e3))
         d2 = gl_word_descs(e4m3_words(w2).view(torch.uint8).view(E, D, I // 2), 64, 256, 0)
@@ -156,7 +187,7 @@ def main():
                     run()
                     torch.cuda.synchronize()
                     # reference: dequantize-then-GEMM in fp32, per expert over its sorted rows
-                    ex = torch.repeat_interleave(ids.flatten()[order], 1)
+                    ex = ids.flatten()[order]
                     err = 0.0
                     ref_max = 0.0
                     for e in touched.tolist():
@@ -173,8 +204,10 @@ def main():
                     row[f"{spec}_error"] = str(exc)[:500]
                     continue
                 row[spec] = {"us": t * 1e6, "frac": up_bytes / t / HBM, "noload_us": t0 * 1e6, "max_err": err,
+                             "ok": err <= TOLERANCE * ref_max,
                              "ref_max": ref_max, "tiles": int((tile_expert < E).sum())}
-                print(f"E {E} N {N} {spec}: e4m3 wgmma up {t * 1e6:.1f} us ({up_bytes / t / HBM:.0%}), "
+                verdict = "ok" if err <= TOLERANCE * ref_max else "FAILED"
+                print(f"E {E} N {N} {spec}: {verdict} e4m3 wgmma up {t * 1e6:.1f} us ({up_bytes / t / HBM:.0%}), "
                       f"compute alone {t0 * 1e6:.1f} us; max error {err:.3g} of {ref_max:.3g}", flush=True)
             down_bytes = touched.numel() * (w2[0].numel() + s2[0].numel())
             wt = torch.rand(N, K, device=dev, generator=gen)
@@ -207,7 +240,8 @@ def main():
                     err, ref_max = 0.0, 0.0
                     for e in touched.tolist():
                         rows = (ex == e).nonzero().flatten()
-                        ref = (hrows[rows] @ mxfp4_dequantize(w2[e], s2[e]).float().T) * wt.flatten()[order[rows]][:, None]
+                        ref = hrows[rows] @ mxfp4_dequantize(w2[e], s2[e]).float().T
+                        ref = ref * wt.flatten()[order[rows]][:, None]
                         err = max(err, (y_slot[order[rows]] - ref).abs().max().item())
                         ref_max = max(ref_max, ref.abs().max().item())
                     t = bench(run_down)
@@ -215,8 +249,11 @@ def main():
                     print(f"E {E} N {N} down {spec}: failed {type(exc).__name__}: {str(exc)[:400]}", flush=True)
                     row[f"down {spec}_error"] = str(exc)[:500]
                     continue
-                row["down " + spec] = {"us": t * 1e6, "frac": down_bytes / t / HBM, "max_err": err, "ref_max": ref_max}
-                print(f"E {E} N {N} down {spec}: e4m3 wgmma down {t * 1e6:.1f} us ({down_bytes / t / HBM:.0%}); max "
+                row["down " + spec] = {"us": t * 1e6, "frac": down_bytes / t / HBM, "max_err": err, "ref_max": ref_max,
+                                       "ok": err <= TOLERANCE * ref_max}
+                verdict = "ok" if err <= TOLERANCE * ref_max else "FAILED"
+                print(f"E {E} N {N} down {spec}: {verdict} e4m3 wgmma down {t * 1e6:.1f} us "
+                      f"({down_bytes / t / HBM:.0%}); max "
                       f"error {err:.3g} of {ref_max:.3g}", flush=True)
             res["rows"].append(row)
             with open(os.path.join(a.out, "mx_e4m3_probe.json"), "w") as f:

@@ -50,7 +50,7 @@ def gl_word_descs(w: torch.Tensor, block_r: int, block_k: int, tiled: int = 0):
 
 @gluon.jit
 def gl_stage_words(stage, W: gl.constexpr, CH: gl.constexpr, WL: gl.constexpr):
-    """The words [W, 2, 8, 4, CH, 4] (WL) of one TMA stage [16W, 32·CH] i32."""
+    """The words [W, 2, 8, 4, CH, 4] (WL) of one TMA stage [16W, 16·CH] i32 (BLOCK_K = 128·CH values a row)."""
     words = stage.load(gl_words2d_layout(W, 128 * CH))
     return gl.convert_layout(gl.reshape(words, [W, 2, 8, 4, CH, 4]), WL, assert_trivial=True)
 
