@@ -23,6 +23,7 @@ tile staged in shared memory each tile ([16 = group × part, 8 tokens, 32 bytes]
     python3 benchmarks/mx_e4m3_probe.py --out DIR [--experts 32] [--batches 1,16]
         [--variants "BM,ACT_TMA,HALF[,CAP];..."]
     python3 benchmarks/mx_e4m3_probe.py --cpu-check          # the host side's checks on CPU
+    PYTHONPATH=/tmp/t36 python3 benchmarks/mx_e4m3_probe.py --static    # offline sm_90a counts (Triton 3.6)
 Writes DIR/mx_e4m3_probe.json: per batch the probe's error against dequantize-then-GEMM (fp32) and its time,
 beside the library's default up kernel (bf16 decoding, `mx_tma_probe.ExpertsOp`) in the same process.
 """
@@ -102,13 +103,84 @@ def cpu_check():
     return err
 
 
+def variant_fields(spec):
+    """'BM,ACT_TMA,HALF[,CAP]' -> (BM, the kernels' keyword arguments: ACT_TMA, HALF, num_warps and maxnreg)."""
+    bm, tma, half, cap = ([int(v) for v in spec.split(",")] + [0])[:4]
+    return bm, {"ACT_TMA": bool(tma), "HALF": bool(half), "num_warps": 4, **({"maxnreg": cap} if cap else {})}
+
+
+def split_desc(q, C, BM):
+    """The 3-D TMA descriptor of split rows q u8 [rows, 2C]: (K tile · 16 + group · 2 + part, row, byte), boxes
+    [16, BM, 32] (the kernels' ACT_TMA staging)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(q.view(torch.float8_e4m3fn), [C // 256 * 16, q.shape[0], 32], [32, 2 * C, 1],
+                            [16, BM, 32], gl.NVMMASharedLayout(32, 8, rank=3))
+
+
+def expert_error(ex, touched, pairs):
+    """Largest |out − ref| and largest |ref| over the touched experts; pairs(e, rows) -> [(out rows, ref rows)] for
+    expert e's sorted rows (ex: each sorted row's expert)."""
+    err, ref_max = 0.0, 0.0
+    for e in touched.tolist():
+        for out, ref in pairs(e, (ex == e).nonzero().flatten()):
+            err = max(err, (out - ref).abs().max().item())
+            ref_max = max(ref_max, ref.abs().max().item())
+    return err, ref_max
+
+
+def loop_opcodes(code):
+    """The opcodes (first word, predicate dropped) of the SASS body of the kernel's longest backward branch, most
+    frequent first, as {opcode: count}."""
+    import collections
+    import re
+
+    branch = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
+    loops = [(int(m.group(1), 16), a) for a, ins in code
+             if ins.startswith("@") and (m := branch.search(ins)) and int(m.group(1), 16) <= a]
+    top, end = max(loops, key=lambda t: t[1] - t[0])
+    ops = [(ins.split()[1] if ins.startswith("@") else ins.split()[0]).split(".")[0]
+           for a, ins in code if top <= a <= end]
+    return dict(collections.Counter(ops).most_common(14))
+
+
+def static_counts():
+    """The offline rows of BENCHMARKS.md "run R": each variant's up and down kernel compiled for sm_90a (no GPU;
+    Triton 3.6 for the device's figures) at K3.1 Pro's shapes, its registers, shared memory and K loop (per K tile:
+    `mx_static_cost.loop_stats`)."""
+    from triton.runtime.jit import mangle_type
+
+    from k3c.codegen.triton.gl_ring import gl_word_descs
+    from k3c.codegen.triton.offline import compile_for, resources, sass
+    from mx_static_cost import loop_stats
+
+    words = mangle_type(gl_word_descs(torch.zeros(1, 64, 256, dtype=torch.uint8), 64, 256))
+    ptrs = {"zq_ptr": "*i32", "hq_ptr": "*i32", "zrinv_ptr": "*fp32", "hrinv_ptr": "*fp32", "s1_ptr": "*u8",
+            "s3_ptr": "*u8", "s2_ptr": "*u8", "order_ptr": "*i64", "tile_expert_ptr": "*i64", "tile_row0_ptr": "*i64",
+            "tile_row_end_ptr": "*i64", "g_ptr": "*fp32", "u_ptr": "*fp32", "weights_ptr": "*fp32",
+            "y_slot_ptr": "*fp32"}
+    for spec in ("8,0,0", "8,0,1", "16,0,0", "16,0,1", "16,0,1,168", "16,1,1", "8,1,0", "noload 8,0,0"):
+        bm, kw = variant_fields(spec.split()[-1])
+        for name, kernel, C, extra in (("up", e4wg_up_kernel, D, {"NOLOAD": spec.startswith("noload")}),
+                                       ("down", e4wg_down_kernel, I, {}))[:1 if spec.startswith("noload") else 2]:
+            dx = mangle_type(split_desc(torch.zeros(64, 2 * C, dtype=torch.uint8), C, bm))
+            sig = {n: ptrs.get(n, dx if n == "dx" else words) for n in kernel.arg_names}
+            ck = compile_for(kernel, sig, dict(E=32, D=D, I=I, BM=bm, ACT_TMA=kw["ACT_TMA"], HALF=kw["HALF"], **extra),
+                             num_warps=4, maxnreg=kw.get("maxnreg"),
+                             divisible=[n for n, t in sig.items() if t.startswith("*")])
+            res, loop = resources(ck.asm["cubin"]), loop_stats(sass(ck.asm["cubin"]), 256 if name == "up" else 128)
+            print(f"{spec:14s} {name:4s} {loop['instructions']:6.1f} instructions a K tile, {res['REG']} registers "
+                  f"(stack {res['STACK']} B), {ck.metadata.shared} B shared", flush=True)
+            if spec.startswith("noload"):       # compute alone: what the K loop's instructions are
+                print("  K loop by opcode:", loop_opcodes(sass(ck.asm["cubin"])), flush=True)
+
+
 def bench(fn):
     return triton.testing.do_bench_cudagraph(fn, rep=100) * 1e-3
 
 
 def main():
     from k3c.codegen.triton.gl_ring import gl_word_descs
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from k3c.codegen.triton.moe import moe_schedule
     from k3c.ir.formats import mxfp4_dequantize
     from mx_tma_probe import ExpertsOp, parse_variant
@@ -123,7 +195,11 @@ def main():
                          "TMA on the words' mbarrier, 0: staged through registers; HALF 1: groups waited 4 at a time; "
                          "CAP: a register cap, maxnreg, for both kernels)")
     ap.add_argument("--cpu-check", action="store_true", help="only the host-side checks (`cpu_check`), no GPU")
+    ap.add_argument("--static", action="store_true", help="only the offline sm_90a counts (`static_counts`), no GPU")
     a = ap.parse_args()
+    if a.static:
+        static_counts()
+        return
     if a.cpu_check:
         print(f"the kernels' arithmetic equals dequantize-then-GEMM of the split activations; split: largest error "
               f"{cpu_check():.2g} of a row's largest value")
@@ -165,15 +241,13 @@ def main():
             row = {"E": E, "N": N, "lib_up_us": t_lib * 1e6, "lib_up_frac": up_bytes / t_lib / HBM}
             print(f"E {E} N {N}: library up {t_lib * 1e6:.1f} us ({row['lib_up_frac']:.0%})", flush=True)
             for spec in a.variants.split(";"):
-                BM, tma, half, cap = ([int(v) for v in spec.split(",")] + [0])[:4]
-                cap_kw = {"maxnreg": cap} if cap else {}
+                BM, kw = variant_fields(spec)
                 if BM > 8 and N == 1:
                     continue
                 order, tile_expert, tile_row0, tile_row_end = moe_schedule(ids, E, BM)
                 tok = order // K
                 zq, zrinv = e4m3_split(z.float()[tok])
-                dx = TensorDescriptor(zq.view(torch.float8_e4m3fn), [D // 256 * 16, N * K, 32], [32, 2 * D, 1],
-                                      [16, BM, 32], gl.NVMMASharedLayout(32, 8, rank=3))
+                dx = split_desc(zq, D, BM)
                 zq = zq.view(torch.int32)
                 g = torch.zeros(N * K, I, device=dev)
                 u = torch.zeros(N * K, I, device=dev)
@@ -181,24 +255,16 @@ def main():
 
                 def run(noload=False):
                     e4wg_up_kernel[grid](zq, dx, zrinv, d1, d3, s1, s3, tile_expert, tile_row0, tile_row_end, g, u,
-                                         E=E, D=D, I=I, BM=BM, NOLOAD=noload, ACT_TMA=bool(tma), HALF=bool(half),
-                                         num_warps=4, **cap_kw)
+                                         E=E, D=D, I=I, BM=BM, NOLOAD=noload, **kw)
                 try:
                     run()
                     torch.cuda.synchronize()
                     # reference: dequantize-then-GEMM in fp32, per expert over its sorted rows
-                    ex = ids.flatten()[order]
-                    err = 0.0
-                    ref_max = 0.0
-                    for e in touched.tolist():
-                        rows = (ex == e).nonzero().flatten()
-                        zr = z.float()[tok[rows]]
-                        for out, w, s in ((g, w1, s1), (u, w3, s3)):
-                            ref = zr @ mxfp4_dequantize(w[e], s[e]).float().T
-                            err = max(err, (out[rows] - ref).abs().max().item())
-                            ref_max = max(ref_max, ref.abs().max().item())
+                    err, ref_max = expert_error(ids.flatten()[order], touched, lambda e, rows: [
+                        (out[rows], z.float()[tok[rows]] @ mxfp4_dequantize(w[e], sc[e]).float().T)
+                        for out, w, sc in ((g, w1, s1), (u, w3, s3))])
                     t = bench(run)
-                    t0 = bench(lambda: run(True)) if not tma else float("nan")
+                    t0 = bench(lambda: run(True)) if not kw["ACT_TMA"] else float("nan")
                 except Exception as exc:  # noqa: BLE001
                     print(f"E {E} N {N} {spec}: failed {type(exc).__name__}: {str(exc)[:400]}", flush=True)
                     row[f"{spec}_error"] = str(exc)[:500]
@@ -217,33 +283,25 @@ def main():
             print(f"E {E} N {N}: library down {t_lib * 1e6:.1f} us ({row['lib_down_frac']:.0%})", flush=True)
             hrows = (torch.randn(N * K, I, device=dev, generator=gen) * 0.3).to(torch.bfloat16).float()
             for spec in a.variants.split(";"):
-                BM, tma, half, cap = ([int(v) for v in spec.split(",")] + [0])[:4]
-                cap_kw = {"maxnreg": cap} if cap else {}
+                BM, kw = variant_fields(spec)
                 if BM > 8 and N == 1:
                     continue
                 order, tile_expert, tile_row0, tile_row_end = moe_schedule(ids, E, BM)
                 hq, hrinv = e4m3_split(hrows)
-                dx = TensorDescriptor(hq.view(torch.float8_e4m3fn), [I // 256 * 16, N * K, 32], [32, 2 * I, 1],
-                                      [16, BM, 32], gl.NVMMASharedLayout(32, 8, rank=3))
+                dx = split_desc(hq, I, BM)
                 hq = hq.view(torch.int32)
                 y_slot = torch.zeros(N * K, D, device=dev)
                 grid = (tile_expert.shape[0], D // 64)
 
                 def run_down():
                     e4wg_down_kernel[grid](hq, dx, hrinv, d2, s2, wt, order, tile_expert, tile_row0, tile_row_end,
-                                           y_slot, E=E, D=D, I=I, BM=BM, ACT_TMA=bool(tma), HALF=bool(half),
-                                           num_warps=4, **cap_kw)
+                                           y_slot, E=E, D=D, I=I, BM=BM, **kw)
                 try:
                     run_down()
                     torch.cuda.synchronize()
-                    ex = ids.flatten()[order]
-                    err, ref_max = 0.0, 0.0
-                    for e in touched.tolist():
-                        rows = (ex == e).nonzero().flatten()
-                        ref = hrows[rows] @ mxfp4_dequantize(w2[e], s2[e]).float().T
-                        ref = ref * wt.flatten()[order[rows]][:, None]
-                        err = max(err, (y_slot[order[rows]] - ref).abs().max().item())
-                        ref_max = max(ref_max, ref.abs().max().item())
+                    err, ref_max = expert_error(ids.flatten()[order], touched, lambda e, rows: [
+                        (y_slot[order[rows]], hrows[rows] @ mxfp4_dequantize(w2[e], s2[e]).float().T
+                         * wt.flatten()[order[rows]][:, None])])
                     t = bench(run_down)
                 except Exception as exc:  # noqa: BLE001
                     print(f"E {E} N {N} down {spec}: failed {type(exc).__name__}: {str(exc)[:400]}", flush=True)
