@@ -6,7 +6,7 @@ kernels are benchmarks/mx_ceiling_kernels.py's; this script builds the inputs, l
 - `linear`: one plain Triton kernel reads a contiguous buffer of the up kernel's word bytes (and a 4 GB one) in
   16 KB blocks, XOR-folding them (the best read rate of this device for those bytes);
 - `copy`: a torch device-to-device copy of 4 GB, counting bytes read + written;
-- `stream,BR,BK,STAGES,MODE[,CTAS][,lin][,grp][,pfN|plN][,bm16][,dec1|dec2|dec3][,noload]`: `stream_kernel`, the up
+- `stream,BR,BK,STAGES,MODE[,CTAS][,lin][,grp][,pfN|plN][,bm16][,dec1|dec2|dec3|dec4][,noload]`: `stream_kernel`, the up
   kernel's grid (tiles × I/BR CTAs of BR weight rows, BR/16 warps) and its TMA ring of STAGES stages over w1 and w3,
   with MODE 0: wait for each stage and refill it (the copies alone); 1: also read each thread's words back from
   shared memory (`gl_stage_words`, the decode kernels' `LDS.128`) and XOR-fold them; 2: as 1 with a CTA barrier
@@ -39,6 +39,9 @@ kernels are benchmarks/mx_ceiling_kernels.py's; this script builds the inputs, l
   and one mask (translates of the pair's 8 bit positions {6, 7, 8, 15, 22, 23, 24, 31} do not tile 32 bits);
   `,dec3`: the library's decoding of words in the `mxfp4_tiles_bits` layout's bit order (9 integer instructions
   a word: three pairs one shift or rotate and one mask, the fourth from two; k3c.runtime.layouts.MX_BIT_PLACE);
+- `,dec4` (stream mode 3 only): the placed bits' decoding without its multiplies, each 32-value group multiplied
+  into its own fp32 partial and scaled once (`group_scaled_tile`; BENCHMARKS.md "MXFP4 round, run R"): a cost
+  probe of the scale applied once a group;
 - `,noload` (stream, wgmma): compute alone, each stage filled once before the K loop and decoded over and over
   (no DRAM traffic after the first tiles): the decoding's and MMAs' time on this SM count and clock, which an
   H100 and an H200 share;
@@ -150,7 +153,9 @@ def mixed_tiles(ids):
 
 def probe_flags(fields):
     """(DEC, NOLOAD) of a variant's fields: `dec1` / `dec2` (`probe_word_bf16`), `dec3` (placed bits), `noload`."""
-    return (1 if "dec1" in fields else 2 if "dec2" in fields else 3 if "dec3" in fields else 0), "noload" in fields
+    dec = 1 if "dec1" in fields else 2 if "dec2" in fields else 3 if "dec3" in fields else \
+        4 if "dec4" in fields else 0
+    return dec, "noload" in fields
 
 
 def static_rows(variants):
@@ -164,7 +169,7 @@ def static_rows(variants):
     for spec in variants.split(";"):
         f = spec.split(",")
         dec, noload = probe_flags(f)
-        f = [x for x in f if x not in ("dec1", "dec2", "dec3", "noload")]
+        f = [x for x in f if x not in ("dec1", "dec2", "dec3", "dec4", "noload")]
         if f[0] == "wgmma":
             bm, ksplit = map(int, f[1:3])
             kernel, br, warps = wgmma_kernel, 64, 4
@@ -289,7 +294,7 @@ def main():
                     bm = 16 if "bm16" in f else 8
                     dec, noload = probe_flags(f)
                     f = [x for x in f if x[:2] not in ("pf", "pl") and
-                         x not in ("grp", "bm16", "dec1", "dec2", "dec3", "noload")]
+                         x not in ("grp", "bm16", "dec1", "dec2", "dec3", "dec4", "noload")]
                     lin = f[-1] == "lin"
                     br, bk, stages, mode, *ctas = map(int, f[1:len(f) - lin])
                     ctas = [c for c in ctas if c]

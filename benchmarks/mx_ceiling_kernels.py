@@ -36,7 +36,8 @@ def stream_kernel(w1, w3, w1p, w3p, tile_expert_ptr, out_ptr, E: gl.constexpr, D
     pointers), so DRAM sees PF·BLOCK_D/2-byte runs of each row while the TMA ring still copies 128-byte pieces.
     GROUP: the ring refills GROUP stages at once every GROUP K tiles (1: one stage a tile; STAGES − 1: all the
     free stages together). BM: the token columns of modes 3 and 4 (8, or 16: two n8 `mma.sync`s a k16 step).
-    DEC (modes 3, 4): the decoding's instructions, `probe_tile` (0 / 3: the library's, checkpoint / placed bits).
+    DEC (modes 3, 4): the decoding's instructions, `probe_tile` (0 / 3: the library's, checkpoint / placed bits);
+    4 (mode 3): `group_scaled_tile`, the scale applied once a 32-value group to an fp32 partial.
     NOLOAD: compute alone, every
     stage filled once before the loop and decoded over and over, nothing more read from DRAM."""
     W: gl.constexpr = BLOCK_R // 16
@@ -55,6 +56,10 @@ def stream_kernel(w1, w3, w1p, w3p, tile_expert_ptr, out_ptr, E: gl.constexpr, D
     x = gl.convert_layout((gl.arange(0, 256, gl.SliceLayout(1, XL))[:, None] +
                            gl.arange(0, BM, gl.SliceLayout(0, XL))[None, :]).to(gl.bfloat16), BL)
     sc = gl.full([W, 2, 8, 4, 2], 120, gl.uint8, gl.SliceLayout(5, WL))
+    if DEC == 4:        # one 32-column chunk's constant activations (`group_scaled_tile`)
+        x32 = gl.convert_layout((gl.arange(0, 32, gl.SliceLayout(1, XL))[:, None] +
+                                 gl.arange(0, BM, gl.SliceLayout(0, XL))[None, :]).to(gl.bfloat16),
+                                gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8))
     if MODE == 4:       # constant activation pairs in shared memory, [128 pairs, BM tokens] token-major, the
         # 16-byte vectors of a token's row XOR-swizzled by the token (vec 4, 8 phases): the 8 lanes of an LDS.128
         # phase (tokens g, g + 1 at pairs 8t..) then hit 8 distinct vectors of the 32 banks (run N's unswizzled
@@ -101,8 +106,12 @@ def stream_kernel(w1, w3, w1p, w3p, tile_expert_ptr, out_ptr, E: gl.constexpr, D
                 for b in gl.static_range(BOXES):
                     c1 = gl_stage_words(r1.index((it % STAGES) * BOXES + b), W, 2, WL)
                     c3 = gl_stage_words(r3.index((it % STAGES) * BOXES + b), W, 2, WL)
-                    gate = gl.nvidia.ampere.mma_v2(probe_tile(c1, sc, DEC, BLOCK_R, 256, AL), x, gate)
-                    up = gl.nvidia.ampere.mma_v2(probe_tile(c3, sc, DEC, BLOCK_R, 256, AL), x, up)
+                    if DEC == 4:
+                        gate = group_scaled_tile(c1, tile_expert_ptr + tile, x32, gate, BLOCK_R, MMA)
+                        up = group_scaled_tile(c3, tile_expert_ptr + tile, x32, up, BLOCK_R, MMA)
+                    else:
+                        gate = gl.nvidia.ampere.mma_v2(probe_tile(c1, sc, DEC, BLOCK_R, 256, AL), x, gate)
+                        up = gl.nvidia.ampere.mma_v2(probe_tile(c3, sc, DEC, BLOCK_R, 256, AL), x, up)
             elif MODE >= 1:
                 for b in gl.static_range(BOXES):
                     acc = acc ^ gl_stage_words(r1.index((it % STAGES) * BOXES + b), W, 2, WL) ^ \
@@ -137,6 +146,70 @@ def l2_prefetch_rows(w1p, w3p, row, t0, D: gl.constexpr, BLOCK_R: gl.constexpr, 
             gl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
                                       [ptrs, gl.full([2 * BLOCK_R], n, gl.int32, L)], dtype=gl.int32,
                                       is_pure=False, pack=1)
+
+
+@triton.jit
+def word_bits_bf16(w):
+    """`mxfp4_word_bf16` over placed bits (BITS) without its `mul.bf16x2`s: i32 words -> 8 bf16 tensors, the
+    patterns code · 2^-126 (codes 0, 4, 1, 5, 2, 6, 3, 7): 9 integer instructions a word."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t, u;
+        and.b32 t, $8, 0x81c081c0; mov.b32 {$0, $1}, t;
+        shf.r.wrap.b32 t, $8, $8, 4; and.b32 t, t, 0x81c081c0; mov.b32 {$2, $3}, t;
+        shl.b32 t, $8, 6; and.b32 t, t, 0x81c081c0; mov.b32 {$4, $5}, t;
+        shl.b32 t, $8, 2; shr.b32 u, $8, 6; and.b32 u, u, 0x01000100; lop3.b32 t, t, u, 0x80c080c0, 0xec;
+        mov.b32 {$6, $7}, t;
+        }""",
+        "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+@gluon.jit
+def group_scaled_chunk(wc, s, SHIFT: gl.constexpr, x, acc, BLOCK_R: gl.constexpr, AL: gl.constexpr):
+    """One 32-column chunk of `group_scaled_tile`: words [W, 2, 8, 4] (one a thread and row) -> the chunk's A
+    operand [BLOCK_R, 32] (`gl_word_values_operand`'s column order, no data moved), multiplied by x [32, BM] into a
+    fresh fp32 partial, which is scaled by its rows' factor 2^(byte − 127) (byte SHIFT/8 of s, i32 [BLOCK_R]) and
+    added to acc [BLOCK_R, BM]."""
+    v0, v4, v1, v5, v2, v6, v3, v7 = word_bits_bf16(wc)
+    v = gl.join(gl.join(gl.join(v0, v4), gl.join(v1, v5)), gl.join(gl.join(v2, v6), gl.join(v3, v7)))
+    a = gl.convert_layout(gl.reshape(gl.permute(v, (0, 1, 2, 3, 6, 5, 4)), [BLOCK_R, 32]), AL, assert_trivial=True)
+    p = gl.nvidia.ampere.mma_v2(a, x, gl.zeros_like(acc))
+    f = (((s >> SHIFT) & 255) << 23).to(gl.float32, bitcast=True)
+    return acc + p * gl.expand_dims(f, 1)
+
+
+@gluon.jit
+def group_scaled_tile(words, s_ptr, x, acc, BLOCK_R: gl.constexpr, MMA: gl.constexpr):
+    """Mode 3's K tile of 256 with DEC 4 (BENCHMARKS.md "MXFP4 round, run R"): each 32-value group's chunk
+    multiplied into its own fp32 partial from the placed bits as they are (code · 2^-126, bf16 subnormals
+    included, which the tensor cores keep), and the group's scale applied once to that partial (an `FFMA` per
+    accumulator) instead of a `mul.bf16x2` per weight pair. A cost probe: it takes chunk cc of the tile as word cc
+    of each thread of a quad, the group only where the words' load-time order makes it one (run R's E4M3 words);
+    the activations would also need a power-of-two pre-scale so that the products stay normal in fp32. The 8
+    scale bytes of a row are two 32-bit words loaded from s_ptr, the same for every row: runtime values, so
+    nothing folds, but uniform, so their factors run on the uniform datapath (a kernel's per-row bytes would
+    cost vector instructions)."""
+    W: gl.constexpr = BLOCK_R // 16
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
+    rows = gl.arange(0, BLOCK_R, gl.SliceLayout(1, MMA))
+    s_lo = gl.load(s_ptr + rows * 0).to(gl.int32) + 0x78787878
+    s_hi = gl.load(s_ptr + rows * 0 + 1).to(gl.int32) + 0x77777777
+    w8 = gl.reshape(words, [W, 2, 8, 4, 2, 2, 2])          # word 4·ch + 2·c1 + c0 of each thread
+    w_c0, w_c1 = gl.split(w8)
+    w_00, w_01 = gl.split(w_c0)
+    w_10, w_11 = gl.split(w_c1)
+    a0, a4 = gl.split(w_00)
+    a2, a6 = gl.split(w_01)
+    a1, a5 = gl.split(w_10)
+    a3, a7 = gl.split(w_11)
+    acc = group_scaled_chunk(a0, s_lo, 0, x, acc, BLOCK_R, AL)
+    acc = group_scaled_chunk(a1, s_lo, 8, x, acc, BLOCK_R, AL)
+    acc = group_scaled_chunk(a2, s_lo, 16, x, acc, BLOCK_R, AL)
+    acc = group_scaled_chunk(a3, s_lo, 24, x, acc, BLOCK_R, AL)
+    acc = group_scaled_chunk(a4, s_hi, 0, x, acc, BLOCK_R, AL)
+    acc = group_scaled_chunk(a5, s_hi, 8, x, acc, BLOCK_R, AL)
+    acc = group_scaled_chunk(a6, s_hi, 16, x, acc, BLOCK_R, AL)
+    return group_scaled_chunk(a7, s_hi, 24, x, acc, BLOCK_R, AL)
 
 
 @triton.jit
