@@ -27,6 +27,10 @@ _FIELDS = {"name": str, "kind": str, "arch": str, "memory_bytes": (int, float), 
            "peak_flops": dict, "interconnect_bandwidth": (int, float, type(None)), "compute_units": int,
            "sources": dict, "measured": dict, "notes": str, "backends": list}
 _REQUIRED = ("name", "kind", "arch", "memory_bytes", "hbm_bandwidth", "peak_flops")
+#: what a field's type error says was expected (the others: a number)
+_EXPECTED = {"name": "a string", "kind": "a string", "arch": "a string", "notes": "a string", "peak_flops": "an object",
+             "sources": "an object", "measured": "an object", "backends": "a list", "compute_units": "an integer",
+             "interconnect_bandwidth": "a number or null"}
 
 
 def flops_dtype(dtype: Any) -> str:
@@ -106,7 +110,8 @@ def target_from_dict(data: Any, source: str = "target") -> Target:
             raise ConfigError(f"{source}: missing field '{key}'")
     for key, kind in _FIELDS.items():
         if key in data and (not isinstance(data[key], kind) or isinstance(data[key], bool)):
-            raise ConfigError(f"{source}: field '{key}' has type {type(data[key]).__name__}")
+            raise ConfigError(f"{source}: field '{key}' has type {type(data[key]).__name__}, expected "
+                              f"{_EXPECTED.get(key, 'a number')}")
     if data["kind"] not in KINDS:
         raise ConfigError(f"{source}: field 'kind' is '{data['kind']}', expected one of {list(KINDS)}")
     for key in ("memory_bytes", "hbm_bandwidth", "interconnect_bandwidth"):

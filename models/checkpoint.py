@@ -285,7 +285,9 @@ def save_random_checkpoint(config: K3Config | str, path: str | Path, seed: int =
 
     `expert_format`: "mxfp4" or "dense"; by default MXFP4 when the config has a quantization_config. The returned
     model (fp32) holds exactly the values a later `load_checkpoint` reads (MXFP4 rounding included). The
-    directory is written atomically: a temp directory renamed into place; an existing `path` is an error.
+    directory is written atomically: a temp directory renamed into place, removed if anything fails. Raises
+    CheckpointError for an existing `path`, an unknown `expert_format` or a shard that cannot be written (naming
+    it: a full disk), OSError where the directory or its small files cannot be.
     """
     from models.k3 import K3ForCausalLM
 
@@ -335,7 +337,10 @@ def save_random_checkpoint(config: K3Config | str, path: str | Path, seed: int =
         weight_map = {}
         for n, shard in enumerate(shards):
             fname = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            try:
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            except SafetensorError as err:      # safetensors reports an I/O error (a full disk) as its own type
+                raise CheckpointError(f"cannot write checkpoint file {fname} of {path}: {err}") from None
             weight_map.update({k: fname for k in shard})
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
                                                                       indent=2, sort_keys=True) + "\n")

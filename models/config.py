@@ -281,7 +281,12 @@ class K3Config:
         key = str(path_or_preset)
         if key in PRESETS:
             return PRESETS[key]()
+        if not key.strip():
+            raise ConfigError(f"model {key!r}: expected a preset ({', '.join(sorted(PRESETS))}), a config.json or a "
+                              "checkpoint directory")
         path = Path(key)
+        if not path.exists() and (path.suffix == ".json" or len(path.parts) > 1):     # a path, not a preset name
+            raise ConfigError(f"{key}: no such file or directory")
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise ConfigError(f"{key}: a checkpoint directory needs a config.json; none found")

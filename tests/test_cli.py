@@ -266,3 +266,62 @@ def test_inspect_svg_goes_to_its_svg_name_and_keeps_an_existing_one(tmp_path):
     assert (tmp_path / "g.svg").read_text().startswith("<?xml") and "</svg>" in (tmp_path / "g.svg").read_text()
     run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 2 and "-o g.svg: already exists" in run.stderr
+
+
+def test_mixed_checkpoint_names_the_tensors_an_artifact_rounds(tmp_path):
+    # a bf16 checkpoint (by its embedding table) with lm_head stored as f32 values bf16 cannot hold: compiling it
+    # in bf16 rounds that tensor, and `_rounded_tensors` names it; the f32 parameters the model keeps in f32
+    # (A_log, dt_bias, convs, o_norm: stored f32 in every bf16 checkpoint) are not named
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from k3c.cli.build import _rounded_tensors
+    from models.checkpoint import save_random_checkpoint
+
+    path = tmp_path / "ck"
+    save_random_checkpoint("k3-tiny", path, dtype=torch.bfloat16)
+    assert _rounded_tensors(path, "bf16") == []
+    key = next(k for s in path.glob("*.safetensors") for k in safe_open(str(s), "pt").keys()
+               if k.endswith("lm_head.weight"))
+    shard = next(s for s in path.glob("*.safetensors") if key in safe_open(str(s), "pt").keys())
+    with safe_open(str(shard), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[key] = tensors[key].float() * (1 + 2 ** -12)        # off bf16's grid
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    assert _rounded_tensors(path, "bf16") == [key]
+    assert _rounded_tensors(path, "f32") == []
+
+
+def test_init_on_a_full_disk_names_the_file_and_leaves_nothing(tmp_path, monkeypatch):
+    # safetensors reports a failed write (ENOSPC) as its own exception type, not OSError: init must still answer
+    # with one line naming the shard, and remove its temporary directory
+    import safetensors
+
+    import models.checkpoint as checkpoint
+    from k3c.errors import CheckpointError
+
+    def full(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint file model-00001-of-\d+\.safetensors of .*c: "
+                                              r".*No space left on device"):
+        checkpoint.save_random_checkpoint("k3-tiny", tmp_path / "c")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_report_that_cannot_be_written_says_the_artifact_is(tmp_path, monkeypatch):
+    # `compile --report` writes the page after the artifact is in place: a failure there must not read as if the
+    # compile had failed
+    import k3c.report.html as html
+    from cli_inprocess import cli
+    from k3c.errors import K3CError
+
+    def full(art, out):
+        raise K3CError(f"cannot write {out}: No space left on device")
+
+    monkeypatch.setattr(html, "write", full)
+    rc, err = cli("compile", "k3-tiny", "-o", tmp_path / "a", "--plan-only", "--report", tmp_path / "r.html")
+    assert rc == 2 and (tmp_path / "a" / "manifest.json").is_file(), err
+    assert f"No space left on device (the artifact {tmp_path / 'a'} is written; `k3c report" in " ".join(err.split())

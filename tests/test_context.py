@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from k3c.codegen.backend import backends_for, claim_order
@@ -37,6 +39,9 @@ def test_claim_order_follows_the_target_and_the_preference():
         claim_order(load_target("h200"), "library")
     with pytest.raises(ConfigError, match=r"--backend cuda-magic: expected a code-generating backend \(triton, tvm\)"):
         claim_order(load_target("h200"), "cuda-magic")
+    chip = dataclasses.replace(load_target("h200"), name="chip", backends=("triton", "nosuch"))
+    with pytest.raises(ConfigError, match="target chip: field 'backends': unknown backend 'nosuch' \\(known: "):
+        claim_order(chip)
     names = [b.name for b in CompileContext(target="h200").resolve().backends]
     assert names == [b.name for b in backends_for(load_target("h200"))]
 

@@ -63,6 +63,8 @@ def test_json_target(tmp_path):
     ({"memory_bytes": 10 ** 400}, "field 'memory_bytes' must be a finite number > 0, got 1000"),
     ({"peak_flops": {"bf16": float("nan")}}, "peak_flops.bf16' must be a finite number"),
     ({"measured": {"hbm_bandwidth": 10 ** 400}}, "measured.hbm_bandwidth' is not a known figure with a finite"),
+    ({"compute_units": 1.5}, "field 'compute_units' has type float, expected an integer"),
+    ({"backends": "triton"}, "field 'backends' has type str, expected a list"),
 ])
 def test_json_target_errors_name_file_and_field(tmp_path, patch, match):
     data = {"name": "chip", "kind": "cuda", "arch": "sm_90", "memory_bytes": 1e9, "hbm_bandwidth": 1e12,

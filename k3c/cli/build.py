@@ -83,6 +83,25 @@ def _checkpoint_dtype(path: Path) -> str:
         return "bf16" if f.get_slice(key).get_dtype() == "BF16" else "f32"
 
 
+def _rounded_tensors(path: Path, dtype: str) -> list[str]:
+    """The keys of a checkpoint's tensors that an artifact in `dtype` ('bf16' or 'f32') would round: stored as a
+    wider float (f32 or f64 for bf16, f64 for f32), other than the parameters the model keeps in f32
+    (models.layers.FP32_PARAM_SUFFIXES) and keys the model does not read; sorted. Reads the safetensors headers
+    only. Raises CheckpointError for an unreadable shard, ConfigError for a bad config.json."""
+    from models.checkpoint import expected_tensors, open_shard
+    from models.config import K3Config
+    from models.layers import FP32_PARAM_SUFFIXES
+
+    wider = {"bf16": ("F32", "F64"), "f32": ("F64",)}[dtype]
+    expected = expected_tensors(K3Config.from_pretrained(path))
+    keys = []
+    for shard in sorted(path.glob("*.safetensors")):
+        with open_shard(shard) as f:
+            keys += [k for k in f.keys() if k in expected and not k.endswith(FP32_PARAM_SUFFIXES)
+                     and f.get_slice(k).get_dtype() in wider]
+    return sorted(keys)
+
+
 @app.command("compile")
 def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json or checkpoint directory"),
                 out_dir: Path = typer.Option(..., "-o", "--out", help="artifact directory to write"),
@@ -132,6 +151,13 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
         raise K3CError(f"--max-seq {max_seq}: expected at least 1")
     if dtype == "auto":
         dtype = _checkpoint_dtype(Path(model)) if Path(model).is_dir() and not plan_only else "bf16"
+        rounded = _rounded_tensors(Path(model), dtype) if Path(model).is_dir() and not plan_only else []
+        if rounded:     # a mixed checkpoint: say what the artifact does not keep exactly
+            more = f" and {len(rounded) - 1} more" if len(rounded) > 1 else ""
+            err.print(f"[yellow]warning:[/] {model}: {rounded[0]}{more} stored wider than {dtype}, the dtype of its "
+                      f"embedding table, and rounded to it in the artifact; "
+                      + ("pass --dtype f32 to keep them exact" if dtype == "bf16" else "k3c stores at most f32"),
+                      highlight=False, soft_wrap=True)
     check_writable(out_dir, "-o")
     if report is not None and report.resolve().is_relative_to(out_dir.resolve()):
         raise K3CError(f"--report {report}: inside the artifact {out_dir}, whose files are all listed in its "
@@ -159,7 +185,11 @@ def compile_cmd(model: str = typer.Argument(..., help="preset name, config.json 
             progress("report", 0, None)
             from k3c.report.html import write
 
-            write(out_dir, report)
+            try:
+                write(out_dir, report)
+            except K3CError as e:       # the artifact is in place: say so, and how to get the page later
+                raise K3CError(f"{e} (the artifact {out_dir} is written; `k3c report {out_dir} -o FILE` writes "
+                               "its page)") from None
     mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
     kinds = "/".join(s["kernel_backends"]) or "generated"  # plan-only: none
     out.print(f"wrote {out_dir}: {s['nodes']['prefill']} IR nodes, {s['kernels']} {kinds} kernels; weights "

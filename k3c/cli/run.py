@@ -25,7 +25,7 @@ def run(artifact: Path = typer.Argument(..., help="artifact directory or .k3c fi
         tokens: str = typer.Option(DEFAULT_PROMPT, help="prompt token ids, comma-separated"),
         decode_steps: int = typer.Option(8, help="greedy tokens to generate"),
         device: str = typer.Option("cpu", help="cpu (Triton kernels interpreted) or cuda"),
-        cuda_graphs: bool = typer.Option(True, help="on cuda, replay decode steps as piecewise CUDA graphs")):
+        cuda_graphs: bool = typer.Option(True, help="on cuda, replay each decode step as one CUDA graph")):
     """Run an artifact: prefill the prompt, then greedy decode; prints the tokens and timing. A multi-rank
     artifact (--tp N) runs as N processes: started here (gloo on cpu, NCCL on cuda), or by `torchrun`."""
     ids = _token_ids(tokens)

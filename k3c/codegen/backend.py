@@ -128,15 +128,20 @@ def backend_class(name: str) -> type[Backend]:
     if name not in _REGISTRY and name in MODULES:
         importlib.import_module(MODULES[name])
     if name not in _REGISTRY:
-        raise ConfigError(f"--backend {name}: unknown backend (known: {', '.join(sorted(MODULES))})")
+        raise ConfigError(f"unknown backend {name!r} (known: {', '.join(sorted(MODULES))})")
     return _REGISTRY[name]
 
 
 def claim_order(target, preferred: str | None = None) -> tuple[str, ...]:
     """Backend names in the order they may claim groups on `target`: the target's own order (`Target.backends`,
-    else `DEFAULT_ORDER` by kind) with `preferred` first and `ALWAYS` last. Raises ConfigError for a preferred
-    backend that is unknown or generates no code (library, view, collective), naming those that do."""
+    else `DEFAULT_ORDER` by kind) with `preferred` first and `ALWAYS` last. Raises ConfigError for a name in the
+    target's list that no backend has, or a preferred backend that is unknown or generates no code (library,
+    view, collective), naming those that do."""
     order = tuple(getattr(target, "backends", ()) or DEFAULT_ORDER[target.kind])
+    for name in order:
+        if name not in MODULES:     # a target file's own list (targets.target_from_dict checks only its form)
+            raise ConfigError(f"target {target.name}: field 'backends': unknown backend {name!r} "
+                              f"(known: {', '.join(sorted(MODULES))})")
     order += tuple(n for n in ALWAYS if n not in order)
     if preferred is not None:
         if preferred not in MODULES or not backend_class(preferred).generates:     # --backend: what a user may pick

@@ -213,6 +213,15 @@ def test_checkpoint_directory_without_config_is_named(tmp_path):
         K3Config.from_pretrained(tmp_path)
 
 
+def test_a_missing_path_and_an_empty_name_are_named_as_such(tmp_path):
+    with pytest.raises(ConfigError, match=f"{tmp_path}/none/config.json: no such file or directory"):
+        K3Config.from_pretrained(tmp_path / "none" / "config.json")
+    with pytest.raises(ConfigError, match="model '': expected a preset .*k3-tiny.*, a config.json or a checkpoint"):
+        K3Config.from_pretrained("")
+    with pytest.raises(ConfigError, match="no-such-model: not a preset"):        # a bare name: a preset mistyped
+        K3Config.from_pretrained("no-such-model")
+
+
 def test_from_pretrained_field_error_names_the_file(tmp_path):
     data = _k3()
     data["text_config"]["linear_attn_config"]["head_dim"] = "x"

@@ -48,7 +48,8 @@ def build_cpu(funcs: dict[str, str], arch: str = "x86-64") -> dict[str, bytes]:
     import tvm
 
     if arch not in ("x86-64", "aarch64"):
-        raise UnsupportedError(f"TVM CPU kernels are built for x86-64 or aarch64, not {arch!r}")
+        raise UnsupportedError(f"the target's field 'arch' is {arch!r}: TVM CPU kernels are built for x86-64 or "
+                               "aarch64")
     mod = _module(funcs)
     tir = mod.script().encode()
     lib = tvm.compile(mod, target=X86_TARGET if arch == "x86-64" else AARCH64_TARGET)
