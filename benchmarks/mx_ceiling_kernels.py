@@ -18,6 +18,7 @@ from k3c.codegen.triton.gl_ring import gl_ring_init, gl_stage_words  # noqa: E40
 from k3c.codegen.triton.moe_mxfp4 import mxfp4_scale_bf16, mxfp4_word_bf16  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import (gl_act_operand, gl_decoded_tile, gl_layouts,  # noqa: E402
                                                gl_word_values_operand)
+from mx_e4m3_kernels import e4_split8  # noqa: E402
 
 
 @gluon.jit
@@ -194,14 +195,7 @@ def group_scaled_tile(words, s_ptr, x, acc, BLOCK_R: gl.constexpr, MMA: gl.const
     rows = gl.arange(0, BLOCK_R, gl.SliceLayout(1, MMA))
     s_lo = gl.load(s_ptr + rows * 0).to(gl.int32) + 0x78787878
     s_hi = gl.load(s_ptr + rows * 0 + 1).to(gl.int32) + 0x77777777
-    w8 = gl.reshape(words, [W, 2, 8, 4, 2, 2, 2])          # word 4·ch + 2·c1 + c0 of each thread
-    w_c0, w_c1 = gl.split(w8)
-    w_00, w_01 = gl.split(w_c0)
-    w_10, w_11 = gl.split(w_c1)
-    a0, a4 = gl.split(w_00)
-    a2, a6 = gl.split(w_01)
-    a1, a5 = gl.split(w_10)
-    a3, a7 = gl.split(w_11)
+    a0, a1, a2, a3, a4, a5, a6, a7 = e4_split8(gl.reshape(words, [W, 2, 8, 4, 8]))    # word 4·ch + c a thread
     acc = group_scaled_chunk(a0, s_lo, 0, x, acc, BLOCK_R, AL)
     acc = group_scaled_chunk(a1, s_lo, 8, x, acc, BLOCK_R, AL)
     acc = group_scaled_chunk(a2, s_lo, 16, x, acc, BLOCK_R, AL)
