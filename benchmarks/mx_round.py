@@ -5,9 +5,10 @@ session: every phase has a wall-clock share, and what finished is written before
 1. `probe`: benchmarks/mx_tma_probe.py --tiled (the words in `mxfp4_tiles_bits`, as the end-to-end session holds
    them: k3c.runtime.layouts) over --variants (its 'BM,BR,STAGES,ACT_UP,ACT_DOWN,CAP_UP,CAP_DOWN[,BK]'
    form, BR, STAGES and BK each one value or 'UP/DOWN'; checked before any GPU work) at the end-to-end
-   benchmark's expert count (32) and decode batches 1 and 16. The launcher's defaults at those batches on this
-   card (one variant or two: `default_variant`; a card may have its own, `MX_DECODE_BY_DEVICE`) are always among
-   them.
+   benchmark's expert count (32) and decode batches 1 and 16 where the launcher's default there is the `mma.sync`
+   Gluon kernels (batch 1; batch 16 of 32 experts, 8 rows an expert, takes the `wgmma` kernels since run S,
+   which benchmarks/bench_mx_wgmma.py times). The launcher's defaults at those batches on this card (one variant
+   or two: `default_variant`; a card may have its own, `MX_DECODE_BY_DEVICE`) are always among them.
 2. `probe_mix`: the up and down kernels are separate launches whose fields are their own (`mx_kernels`), so the
    fastest up kernel of one variant may join the fastest down kernel of another (`best_mix`, same token tile).
    Where that sum beats every timed variant by 1 %, the mix is timed itself, beside the defaults, in a second
@@ -101,8 +102,13 @@ def this_card():
 
 def default_variant(batch, device=None):
     """The probe variant text of the launcher's decode default at `batch` tokens over E experts (one multiply) on
-    the CUDA device named `device` (`mx_default_config`: a card may have its own; None: any)."""
+    the CUDA device named `device` (`mx_default_config`: a card may have its own; None: any); None where that
+    default is not the `mma.sync` Gluon kernels this round probes (from 4 rows per expert: the `wgmma` kernels,
+    benchmarks/bench_mx_wgmma.py)."""
     cfg = mx_default_config(batch * K, E, 122, device)
+    (_, most1, *_), (_, most2, *_) = mx_kernels(cfg)
+    if not gluon_decode_ok(cfg, D, I, mx_block_k(D, most1), mx_block_k(I, most2)):
+        return None
     (br1, bk1, _, s1, c1), (br2, bk2, _, s2, c2) = mx_kernels(cfg)
     a1, a2 = gl_act_ahead(cfg)
     return variant_text(cfg[0], (br1, s1, a1, c1 or 0, bk1), (br2, s2, a2, c2 or 0, bk2))
@@ -264,7 +270,7 @@ def main():
     out, scratch = os.path.realpath(a.out), os.path.realpath(a.scratch)
     if os.path.commonpath([scratch, ROOT]) in (scratch, ROOT):       # the checkout, above it or inside it
         ap.error(f"--scratch {a.scratch!r}: must lie outside the checkout {ROOT} (it is replaced by a copy)")
-    base = {b: default_variant(b, this_card()) for b in BATCHES}
+    base = {b: v for b in BATCHES if (v := default_variant(b, this_card()))}     # the batches it can probe
     defaults = list(dict.fromkeys(base.values()))
     specs = defaults + [v for v in a.variants.split(";") if v and v not in defaults]
     for spec in specs:
@@ -295,16 +301,16 @@ def main():
         except (OSError, ValueError, KeyError):
             return []
 
-    rows = probe("probe", specs, BATCHES, (0.85 if alone else 0.45) * a.budget)
-    mixes = {b: best_mix(rows, b, base[b]) for b in BATCHES}
+    rows = probe("probe", specs, list(base), (0.85 if alone else 0.45) * a.budget)
+    mixes = {b: best_mix(rows, b, base[b]) for b in base}
     todo = sorted({m for m in mixes.values() if m})
     if todo:        # time the mixes beside the defaults in one process; their rows and the defaults' come last
         res["mixes"] = mixes
-        rows += probe("probe_mix", defaults + todo, [b for b in BATCHES if mixes[b]],
+        rows += probe("probe_mix", defaults + todo, [b for b in base if mixes[b]],
                       t_end - time.time() if alone else min(0.12 * a.budget, t_end - time.time()))
     res["probe"] = [{k: r.get(k) for k in ("N", "variant", "max_abs_diff", "ref_max_abs", "up_us", "down_us",
                                            "kernels_frac", "error")} for r in rows]
-    winners = {b: choose(rows, b, base[b]) for b in BATCHES}
+    winners = {b: choose(rows, b, base[b]) for b in base}
     res["winners"] = winners
     res["winner_configs"] = {b: list(variant_config(v)) for b, v in winners.items()}
     save()
@@ -314,7 +320,8 @@ def main():
         cwd, env = ROOT, None
         try:
             if winners != base:
-                cwd, env = prepare_copy(scratch, *(variant_config(winners[b]) for b in BATCHES))
+                cwd, env = prepare_copy(scratch, *(variant_config(winners[b]) if b in winners else
+                                                   mx_default_config(b * K, E, 122) for b in BATCHES))
         except (OSError, ValueError, RuntimeError) as err:
             res["phases"]["e2e"] = f"not run: {type(err).__name__}: {err}"
             cwd = None

@@ -50,6 +50,31 @@ def load(source, path, name):
     return module
 
 
+def undefined_globals(module):
+    """The global names some function of `module` (plain, Triton or Gluon jit, and the functions nested in them)
+    loads that neither the module nor builtins define: a helper the emitter forgot to paste, which would fail only
+    where that code path runs (e.g. on a GPU)."""
+    import builtins
+    import dis
+    import types
+
+    names, seen = set(), set()
+
+    def scan(code):
+        if code in seen:
+            return
+        seen.add(code)
+        names.update(i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL")
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                scan(c)
+    for obj in vars(module).values():
+        fn = getattr(obj, "fn", obj)
+        if isinstance(fn, types.FunctionType) and fn.__module__ == module.__name__:
+            scan(fn.__code__)
+    return sorted(n for n in names if n not in vars(module) and not hasattr(builtins, n))
+
+
 def check(got, want, what):
     if want.dtype.is_floating_point:
         assert got.dtype == want.dtype, what
@@ -75,6 +100,8 @@ def run_group(group, tensors, sizes, tmp_path, *, inplace=(), emitter=None, setu
     assert "k3c" not in "".join(ln for ln in src.splitlines() if ln.startswith(("import ", "from ")))
     module = load(src, tmp_path / f"{group.name}.py", f"gen_{group.name}_{id(group)}")
     assert module.NAME == group.name and module.IR_NODES == group.ir_nodes
+    missing = undefined_globals(module)
+    assert not missing, f"{group.name}: names the module does not define: {missing}"
     if setup is not None:
         setup(module)
     ins = [t.clone(memory_format=torch.contiguous_format) for t in tensors]   # the ABI passes contiguous tensors
@@ -315,12 +342,14 @@ def test_moe_experts_large_tiles(tmp_path):
                       rand(E, I, D, gen=gen), rand(E, D, I, gen=gen)], {}, tmp_path)
 
 
-@pytest.mark.parametrize("act,N", [("situ", 5), ("silu", 5), ("situ", 32), ("situ", 128)])
+@pytest.mark.parametrize("act,N", [("situ", 5), ("silu", 5), ("situ", 12), ("situ", 32), ("situ", 128)])
 def test_moe_experts_mxfp4(act, N, tmp_path):
     """MXFP4 experts (every byte value, scales 2^-3 .. 2^2) decoded in the kernels: equal to the reference's
     dequantize-then-GEMM in fp32; several 32-value groups per row in both GEMMs, masked I tail (I = 96, 32-wide
-    K tiles); N = 5: the decode tiles, N = 32 (16 rows per expert): the large-batch decode tiles (32 rows), N = 128
-    (64 per expert): the prefill tiles (`mx_default_config`)."""
+    K tiles); N = 5: the decode tiles, N = 12 (6 rows per expert): 16-token tiles (these scales need both
+    multiplies; with one, the `wgmma` decode kernels' config, which the interpreter's f32 also runs on the Triton
+    kernels), N = 32 (16 rows per expert): the large-batch decode tiles (32 rows), N = 128 (64 per expert): the
+    prefill tiles (`mx_default_config`)."""
     gen = torch.Generator().manual_seed(5)
     k, E, D, I = 2, 4, 64, 96
     ids = torch.tensor([[0, 1], [1, 3], [3, 0], [1, -1], [0, 3]])       # expert 2 gets no token; one unused slot

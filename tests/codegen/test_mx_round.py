@@ -69,16 +69,16 @@ def test_default_variant_is_the_launchers_decode_default():
 
     # mx27's default: 8-token tiles of 32 rows on a 2-stage TMA ring, the down kernel's activations loaded at use
     # and capped at 80 registers; the up kernel's K loop unrolled by two with its activations one tile ahead (mode
-    # 2: run L's from 4 rows per expert on, run Q's at every decode batch)
+    # 2: run Q's below 4 rows per expert)
     assert mx_round.default_variant(1) == "8,32,2,2,0,0,80"
-    assert mx_round.default_variant(16) == "8,32,2,2,0,0,80"
     assert mx_round.variant_config("8,32,2,2,0,0,80") == mx_default_config(16, 32, 122)
-    assert mx_round.variant_config("8,32,2,2,0,0,80") == mx_default_config(16 * 16, 32, 122)
+    # batch 16 of 32 experts (8 rows an expert) takes the `wgmma` kernels (run S), which this round does not probe
+    assert mx_round.default_variant(16) is None and mx_default_config(16 * 16, 32, 122)[7] == (3, 3)
     # a card with its own decode config below 4 rows per expert (`MX_DECODE_BY_DEVICE`: the H100 SXM, run N)
     h100 = "NVIDIA H100 80GB HBM3"
     assert mx_round.default_variant(1, h100) == "8,32,4/2,1,0,0,80"
     assert mx_round.variant_config("8,32,4/2,1,0,0,80") == mx_default_config(16, 32, 122, h100)
-    assert mx_round.default_variant(16, h100) == "8,32,2,2,0,0,80"
+    assert mx_round.default_variant(16, h100) is None
     assert mx_round.default_variant(1, "NVIDIA H200") == "8,32,2,2,0,0,80"
     assert mx_round.variant_config("8,32,2,2,2,80,80") == (8, 32, 256, 2, 2, False, (80, 80), (2, 2))
     assert mx_round.variant_config("8,32,1,2,2,80,0,128") == (8, 32, 128, 2, 1, False, (80, None), (2, 2))
@@ -153,9 +153,9 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path, args, message):
 
 def test_the_round_times_the_mix_and_runs_the_end_to_end_benchmark_under_it(tmp_path, monkeypatch):
     # the whole round without a GPU: the phases' processes are replaced by ones that write what the real ones
-    # write. First probe: "reg" has the fastest up kernel, "ring" the fastest down kernel at batch 1; at batch 16
-    # "wide" (16-token tiles) is fastest whole and no mix gains. The second probe times the batch-1 mix beside the
-    # default; the end-to-end run then gets the mix for batch 1 and "wide" for batch 16
+    # write. First probe, at batch 1 alone (batch 16's default is the `wgmma` kernels, which the round does not
+    # probe): "reg" has the fastest up kernel, "ring" the fastest down kernel. The second probe times their mix
+    # beside the default; the end-to-end run then gets the mix for batch 1 and keeps batch 16's default
     import json
     import sys
 
@@ -195,9 +195,11 @@ def test_the_round_times_the_mix_and_runs_the_end_to_end_benchmark_under_it(tmp_
     res = json.loads((out / "mx_round.json").read_text())
     assert [c[0] for c in calls] == ["mx_tma_probe.py", "mx_tma_probe.py", "bench_e2e.py", "pytest"]
     assert calls[0][1] == pytest.approx(0.45 * 570) and calls[1][1] <= 0.12 * 570
-    assert res["default"] == {"1": base, "16": base} and res["variants"][:2] == [base, reg]
-    assert res["mixes"] == {"1": mix, "16": None}
-    assert res["winners"] == {"1": mix, "16": wide}
-    assert copies == [(mx_round.variant_config(mix), mx_round.variant_config(wide))]
+    assert res["default"] == {"1": base} and res["variants"][:2] == [base, reg]
+    assert res["mixes"] == {"1": mix}
+    assert res["winners"] == {"1": mix}
+    from k3c.codegen.triton.moe_mxfp4 import mx_default_config
+
+    assert copies == [(mx_round.variant_config(mix), mx_default_config(16 * 16, 32, 122))]
     assert res["expert_read_frac"] == {"B1": pytest.approx(0.8), "B16": pytest.approx(0.7)}
     assert set(res["phases"]) == {"probe", "probe_mix", "e2e", "tests"}

@@ -62,3 +62,20 @@ def gl_tma_load(desc, coord, bar, smem, pred):
         gl.nvidia.hopper.tma.async_load(desc, coord, bar, smem, pred)
     else:
         gl.nvidia.hopper.tma.async_copy_global_to_shared(desc, coord, bar, smem, pred)
+
+
+@gluon.constexpr_function
+def gl_reinterpret_named():
+    """Whether this Triton names the shared-memory descriptor's reinterpretation `reinterpret` (3.9) rather than
+    `_reinterpret` (3.6): the same (dtype, shape, layout) builtin."""
+    return hasattr(gl.shared_memory_descriptor, "reinterpret")
+
+
+@gluon.jit
+def gl_reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    """The shared-memory descriptor `smem` viewed as `dtype` [shape] in `layout` (the same bytes; e.g. a [R, C]
+    stage as the [C/c, R, c] box of a 3-D TMA copy whose 128-byte swizzle places it alike)."""
+    if gl_reinterpret_named():
+        return smem.reinterpret(dtype, shape, layout)
+    else:
+        return smem._reinterpret(dtype, shape, layout)

@@ -22,11 +22,13 @@ moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (n
   rows per expert: BLOCK_M = 16) streams the packed weights, prefill (BLOCK_M = 128) feeds the tensor cores.
   With bf16 activations on a GPU, 8- and 16-token decode tiles on 1-2 warps run the Gluon versions
   (k3c.codegen.triton.moe_mxfp4_gluon: num_stages 1 prefetches the next K tile's words in registers, ≥ 2 streams
-  them through a TMA ring in shared memory; `gluon_decode_ok`). Where D and I are multiples of 256 (K3, K3.1 Pro,
-  Kimi Linear) the artifact asks the runtime to re-lay the packed words at load in 4 KB tiles, each word's bits
-  placed for the decoding (`moe_experts_layouts`: the `mxfp4_tiles_bits` layout of k3c.runtime.layouts), and
-  every kernel addresses and decodes them so (`mx_word_offset`, `mx_word_code`, `mxfp4_word_bf16`; the emitted
-  module's TILED_WORDS): a decode CTA then reads its rows in address order, 9 integer instructions a word.
+  them through a TMA ring in shared memory; `gluon_decode_ok`), and from 4 rows per expert the `wgmma` ones
+  (k3c.codegen.triton.moe_mxfp4_wgmma: 16-token tiles, `wgmma_decode_ok`). Where D and I are multiples of 256
+  (K3, K3.1 Pro, Kimi Linear) the artifact asks the runtime to re-lay the packed words at load in 4 KB tiles,
+  each word's bits placed for the decoding (`moe_experts_layouts`: the `mxfp4_tiles_bits` layout of
+  k3c.runtime.layouts), and every kernel addresses and decodes them so (`mx_word_offset`, `mx_word_code`,
+  `mxfp4_word_bf16`; the emitted module's TILED_WORDS): a decode CTA then reads its rows in address order, 9
+  integer instructions a word.
   Two GEMM kernels rather than one: a single fused act(z W1ᵀ, z W3ᵀ) W2ᵀ program would have to either hold all
   of D in registers or recompute h per output block (re-reading W1/W3 D/BLOCK_N times); split, every expert
   weight is read once per token tile and the grid covers I and D, which decode (few tokens) needs to fill the GPU.
@@ -45,7 +47,7 @@ import triton.language as tl
 
 from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_scratch, weight_layout
-from k3c.codegen.triton.gl_common import gl_tma_load, gl_tma_load_named
+from k3c.codegen.triton.gl_common import gl_reinterpret, gl_reinterpret_named, gl_tma_load, gl_tma_load_named
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (MX_DECODE_BY_DEVICE, ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel,
                                          mx_act_tile, mx_block_k, mx_default_config, mx_even_unroll, mx_kernels,
@@ -58,6 +60,12 @@ from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl
                                                gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
                                                gl_permuted_col, gl_tile_rows, gl_word_offsets, gl_word_values_operand,
                                                gluon_decode_ok, moe_down_mx_gluon_kernel, moe_up_mx_gluon_kernel)
+from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_ACT_MODES, WG_BLOCK_K, WG_ROWS, moe_down_mx_wgmma_kernel,
+                                               moe_up_mx_wgmma_kernel, mx_wgmma_launches, wg_act_desc,
+                                               wg_decoded_tile, wg_down_step, wg_gather_kernel, wg_layouts,
+                                               wg_mma_piece, wg_permuted_col, wg_ring_fill, wg_scale_offsets,
+                                               wg_scale_pair, wg_stage_layouts, wg_stage_piece, wg_up_step,
+                                               wg_word_desc, wgmma_decode_ok)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 from k3c.runtime.layouts import MX_TILE_K, MX_TILE_ROWS, mx_tiles_ok
@@ -263,7 +271,9 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     u8 [E, I, D/32], [E, I, D/32], [E, D, I/32]), decoded in registers by `moe_up_mx_kernel` /
     `moe_down_mx_kernel` (k3c.codegen.triton.moe_mxfp4: bf16 z on the GPU, 8 codes per 32-bit word in inline PTX;
     f32 z anywhere), dots in z's dtype with fp32 accumulation. Scratch: h [N·k, I] in z's dtype, y_slot f32
-    [N·k, D] and, MXFP4, z_perm [N, D] (z in the kernels' K order): the planned buffers of `scratch` (name ->
+    [N·k, D] and, MXFP4, z_perm [N, D] (z in the kernels' K order; the `wgmma` decode kernels of
+    k3c.codegen.triton.moe_mxfp4_wgmma, selected by mx_config's activation modes (3, 3), gather z by the schedule
+    into y_slot's storage instead): the planned buffers of `scratch` (name ->
     tensor, `moe_experts_scratch`), else allocated here; the sort permutation and tile schedule (i64, O(N·k + E))
     are allocated here. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config` (MXFP4:
     BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg (None: no register cap);
@@ -322,7 +332,17 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
         max_tiles = schedule[1].shape[0]
         fast = z.dtype == torch.bfloat16
-        gl_run = gluon is not False and fast and z.is_cuda and gluon_decode_ok(cfg, D, I, BK1, BK2)
+        on_gpu = gluon is not False and fast and z.is_cuda
+        if on_gpu and wgmma_decode_ok(cfg, D, I):
+            # z in the schedule's row order, bf16 [N·k, D]: in y_slot's storage, dead before the down kernel writes it
+            zs = y_slot.view(-1).view(torch.bfloat16)[:rows * D].view(rows, D)
+            for launch in mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, mx_config=cfg,
+                                            K=K, act=act, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                                            tiled=tiled):
+                launch()
+            moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
+            return
+        gl_run = on_gpu and gluon_decode_ok(cfg, D, I, BK1, BK2)
         zp = take_scratch(scratch, "z_perm", (N, D), z.dtype, z.device)
         up_opts = dict(num_warps=warps1, **({"maxnreg": mr_up} if mr_up else {}))
         down_opts = dict(num_warps=warps2, **({"maxnreg": mr_down} if mr_down else {}))
@@ -397,7 +417,8 @@ def emit_moe_route(group: KernelGroup) -> str:
 def moe_experts_scratch(group: KernelGroup) -> list[ScratchSpec]:
     """The scratch of one `moe_experts` launch (`launch_moe_experts`): h [N·k, I] in z's dtype and y_slot f32
     [N·k, D] for N tokens z [N, D] choosing k experts of inner width I (w1 [E, I, ·]); MXFP4 weights also z_perm
-    [N, D] in z's dtype. Raises UnsupportedError for a group that is not a single moe_experts node."""
+    [N, D] in z's dtype (the `wgmma` decode kernels' z in the schedule's row order lives in y_slot's storage).
+    Raises UnsupportedError for a group that is not a single moe_experts node."""
     node, _, _ = one_node(group, "moe_experts")
     z, ids, w1 = node.inputs[0].type, node.inputs[2].type, node.inputs[3].type
     (N, D), rows = z.shape, z.shape[0] * ids.shape[1]
@@ -445,6 +466,9 @@ def emit_moe_experts(group: KernelGroup) -> str:
               ("ONE_MUL_MAX_SCALE", ONE_MUL_MAX_SCALE, "one-multiply MXFP4 decoding up to this scale byte"),
               ("MX_DECODE_BY_DEVICE", MX_DECODE_BY_DEVICE, "decode configurations tuned per card"),
               ("GLUON_BLOCK_MS", GLUON_BLOCK_MS, "token rows of the Gluon decode tiles"),
+              ("WG_ROWS", WG_ROWS, "weight rows of a wgmma decode CTA"),
+              ("WG_BLOCK_K", WG_BLOCK_K, "K tile of the wgmma decode kernels"),
+              ("WG_ACT_MODES", WG_ACT_MODES, "an mx_config's activation modes that select the wgmma kernels"),
               ("MX_TILE_ROWS", MX_TILE_ROWS, "weight rows of a tile of the tiled MXFP4 word layout"),
               ("MX_TILE_K", MX_TILE_K, "values of a row of a tile of the tiled MXFP4 word layout"),
               ("TILED_WORDS", MX_WORD_LAYOUTS[MX_WORD_LAYOUT] if moe_experts_layouts(group) else 0,
@@ -470,5 +494,9 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     gl_word_offsets, gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_word_values_operand,
                     gl_tile_rows, gl_words2d_layout,
                     gl_word_descs, gl_stage_words, gl_tma_load_named, gl_tma_load, gl_ring_fill, gl_ring_refill,
-                    gl_ring_init, moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel],
+                    gl_ring_init, moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel,
+                    gl_reinterpret_named, gl_reinterpret, wgmma_decode_ok, wg_permuted_col, wg_gather_kernel,
+                    wg_act_desc, wg_word_desc, wg_stage_layouts, wg_ring_fill, wg_decoded_tile, wg_scale_offsets,
+                    wg_stage_piece, wg_layouts, wg_mma_piece, wg_scale_pair, wg_up_step, wg_down_step,
+                    moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel, mx_wgmma_launches],
                    launch_moe_experts, body)

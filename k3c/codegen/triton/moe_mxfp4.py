@@ -94,8 +94,14 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255, device: str | Non
     (mx_round: batch 16 of 32 experts up 145.1 against 152.4 us), at every decode batch since the words' bits are
     placed for the decoding (`mxfp4_tiles_bits`; BENCHMARKS.md "MXFP4 round, run Q", H200, batch 1 of 32 experts:
     up 51.4 against 56.3 us for mode 1; the unrolled loop then takes 155 registers, 6 CTAs an SM, faster so than
-    capped at 128). Two multiplies:
-    8-row tiles, 64 rows, 3 stages below 4 rows per expert, then 16-row `wgmma` tiles. < 64 rows per expert
+    capped at 128). From 4 rows per expert (batch 16 of the end-to-end benchmark's 32 experts: 8) the `wgmma`
+    kernels (k3c.codegen.triton.moe_mxfp4_wgmma: 16-token tiles of 64 rows on 4 warps, activations staged by a
+    2-stage TMA ring; activation modes (3, 3)), which decode an expert's 9-16 tokens once where 8-token `mma.sync`
+    tiles decode it twice (BENCHMARKS.md "MXFP4 round, run S", H200, same call: the expert kernels of 3 layers
+    0.567 against 0.604 ms, the expert bytes read at 70.8 against 66.4 % of 4.2 TB/s; slower below 4 rows per
+    expert). Two multiplies:
+    8-row tiles, 64 rows, 3 stages below 4 rows per expert, then 16-row tiles of the Triton kernels (Triton's own
+    `wgmma`; the `wgmma` kernels above were not timed with two multiplies). < 64 rows per expert
     (measured at 32, batch 64 of 32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there):
     32-row tiles; prefill: 128 × 128 tiles. two_muls (exact for every E8M0 scale) unless scale_max ≤
     ONE_MUL_MAX_SCALE, where the one-multiply decoding is exact too (4-6 % less time with 16-row tiles)."""
@@ -104,7 +110,7 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255, device: str | Non
     if tuned:
         return tuned
     if not two and rows < 16 * E:
-        return (8, 32, 256, 2, 2, two, (None, 80), (2, 0))
+        return (8, 32, 256, 2, 2, two, (None, 80), (2, 0)) if rows < 4 * E else (16, 64, 256, 4, 2, two, None, (3, 3))
     if rows < 4 * E:
         return (8, 64, 256, 2, 3, two, None)
     if rows < 16 * E:
@@ -124,8 +130,9 @@ def mx_even_unroll(mx_config: tuple, k_tiles_up: int) -> tuple:
 def mx_config_from_text(text: str) -> tuple:
     """An mx_config from its benchmark-flag form 'BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg[,act]'
     (two_muls 0/1; maxnreg 0: none; act, optional: the Gluon kernels' activation prefetch modes, 0..2 each,
-    `gl_act_ahead`). BLOCK_R, BLOCK_K, warps, stages and maxnreg may each be 'UP/DOWN', one value per kernel
-    (`mx_kernels`); act is always 'UP/DOWN'. E.g. '8,32,256,2,2,0,0/80' -> (8, 32, 256, 2, 2, False, (None, 80)),
+    `gl_act_ahead`, or 3/3: the activations staged by the TMA ring, the `wgmma` kernels of moe_mxfp4_wgmma).
+    BLOCK_R, BLOCK_K, warps, stages and maxnreg may each be 'UP/DOWN', one value per kernel (`mx_kernels`); act
+    is always 'UP/DOWN'. E.g. '8,32,256,2,2,0,0/80' -> (8, 32, 256, 2, 2, False, (None, 80)),
     '8,32,256,2,2,0,0/80,2/0' -> (..., (None, 80), (2, 0)) and '8,32,128/256,2,1/2,0,80' -> (8, 32, (128, 256),
     2, (1, 2), False, 80). Raises ValueError naming the text otherwise."""
     f = text.split(",")
@@ -134,12 +141,12 @@ def mx_config_from_text(text: str) -> tuple:
             raise ValueError
         v = [tuple(int(x) for x in field.split("/")) for field in f]
         if any(len(x) not in (1, 2) for x in v) or len(v[0]) > 1 or len(v[5]) > 1 or \
-                len(f) == 8 and (len(v[7]) != 2 or not set(v[7]) <= {0, 1, 2}):
+                len(f) == 8 and (len(v[7]) != 2 or not (set(v[7]) <= {0, 1, 2} or v[7] == (3, 3))):
             raise ValueError
     except ValueError:
         raise ValueError(f"{text!r}: expected BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg[,act] (7 "
                          "integers; BLOCK_R, BLOCK_K, warps, stages and maxnreg may be UP/DOWN; act: UP/DOWN, "
-                         "each 0, 1 or 2)") from None
+                         "each 0, 1 or 2, or 3/3)") from None
 
     def one(x):
         return x[0] if len(x) == 1 else x

@@ -1,0 +1,390 @@
+"""Gluon `wgmma` decode kernels of MXFP4 `moe_experts` (sm_90): a warpgroup decodes 64 weight rows a CTA straight
+into `wgmma`'s register A operand, and both operands stream through one TMA ring.
+
+Why: with 8 tokens an expert (batch 16 of 32 experts choosing 16) the `mma.sync` kernels
+(k3c.codegen.triton.moe_mxfp4_gluon) are bound by the decoding's compute, not by HBM: their 8-token tiles decode
+the experts with more than 8 tokens twice (43 tiles for 32 experts), and a 16-token `mma.sync` tile holds its
+activations in registers, which costs it its occupancy (BENCHMARKS.md "MXFP4 round, run P": compute alone 97 us
+for 43 `mma.sync` tiles against 82 us for 32 `wgmma` tiles of 16 tokens). Here the activations are `wgmma`'s B
+operand, read from shared memory, so a 16-token tile costs no more registers than an 8-token one. Measured in
+"MXFP4 round, run S" (H200): the expert kernels 6 % faster end to end at batch 16 of 32 experts; slower at one
+token an expert, where the `mma.sync` kernels stay the default (`mx_default_config`).
+
+A CTA (4 warps, one warpgroup) takes one tile of BLOCK_M ≤ 16 token rows of one expert (the launch's tile
+schedule, `moe_schedule`) and 64 weight rows. Each K tile of 256 values is one stage of a TMA ring
+(`wg_ring_fill`): one copy a matrix of the tile's packed words ([64 rows, 32 words]; in the runtime's tiled
+layouts a 3-D box of two 32-row tiles, `wg_word_desc`) and one copy of its activations, [BLOCK_M, 256] bf16 of the
+rows the tile schedule sorted by expert (a 3-D box of four 128-byte column blocks, `wg_act_desc`). The up
+kernel's activations are z gathered into that order first (`wg_gather_kernel`, one launch, into the down
+kernel's output buffer, dead until then: `mx_wgmma_launches`); the rows of h are already in it. A stage is
+decoded in two pieces of 128 values a matrix (`wg_decoded_tile`, the `mma.sync` kernels' `mxfp4_word_bf16`:
+bitwise the same values), each piece one asynchronous `wgmma` with one left in flight while the next piece is
+decoded (`wg_mma_piece`; run P: 89 us compute alone against 96 for one [64, 256] `wgmma` a matrix). A stage is
+refilled once the `wgmma`s that read it are done: after the first `wgmma` of the next K tile retires the last
+of the previous one. The K loop is unrolled by the ring's stages (`wg_up_step`, `wg_down_step`), so each
+`wgmma`'s shared-memory descriptors are constants.
+
+K order: a thread's 32-bit word w (8 codes, natural columns 8w .. 8w + 7) is decoded into the A fragment's
+columns of `wgmma`'s register layout; a piece's column 32·cc + 16a + 8p + 2t + e holds code 2a + p + 4e of word
+4t + cc of the thread t of a quad, natural column 32t + 8cc + 4e + 2a + p of the piece (`wg_permuted_col`: the
+inverse; each 32-bit register of the fragment holds codes c and c + 4, as `mxfp4_word_bf16` pairs them). The
+activations are stored in that order (`wg_permute`, `wg_gather_kernel`; the up kernel writes h in it), so a
+stage is the B operand as it is.
+
+Scope: bf16 activations on sm_90, token tiles of 8 or 16 rows, 4 warps and 64 weight rows a CTA, K tiles of 256,
+a ring of 2 or more stages, D and I multiples of 256 (`wgmma_decode_ok`); an mx_config's activation modes (3, 3)
+name this path (the activations staged by the ring). Public API: `wgmma_decode_ok`, `WG_ROWS`, `WG_BLOCK_K`,
+`WG_ACT_MODES`, `wg_permute`, `wg_act_desc`, `wg_word_desc`, `mx_wgmma_launches`, the jit helpers (pasted into
+the emitted modules), `wg_gather_kernel`, `moe_up_mx_wgmma_kernel`, `moe_down_mx_wgmma_kernel`."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from k3c.codegen.triton.gl_common import gl_reinterpret, gl_tma_load
+from k3c.codegen.triton.gl_ring import gl_ring_init, gl_stage_words, gl_word_descs
+from k3c.codegen.triton.moe_act import glu
+from k3c.codegen.triton.moe_mxfp4 import mx_kernels, mxfp4_scale_bf16, mxfp4_word_bf16
+from k3c.codegen.triton.moe_mxfp4_gluon import gl_axis_layout, gl_layouts, gl_tile_rows
+
+#: weight rows of a CTA (one warpgroup: 4 warps of 16 rows)
+WG_ROWS = 64
+#: values of a K tile (a ring stage), decoded in two `wgmma` pieces of 128
+WG_BLOCK_K = 256
+#: the activation prefetch modes (`gl_act_ahead`, an mx_config's 8th field) that select these kernels
+WG_ACT_MODES = (3, 3)
+
+
+def wgmma_decode_ok(mx_config: tuple, D: int, I: int) -> bool:
+    """Whether these kernels take a bf16 MXFP4 launch with `mx_config` (`mx_default_config`'s fields; the 8th, the
+    activation prefetch modes, (3, 3)) over latent D and expert inner I: 8- or 16-token tiles and, for each
+    kernel, 64 weight rows on 4 warps, K tiles of 256 (the configured largest K tile 256), a ring of at least 2
+    stages, D and I multiples of 256."""
+    if len(mx_config) < 8 or mx_config[7] is None or tuple(mx_config[7]) != WG_ACT_MODES:
+        return False
+    return mx_config[0] in (8, 16) and D % WG_BLOCK_K == 0 and I % WG_BLOCK_K == 0 and all(
+        block_r == WG_ROWS and most == WG_BLOCK_K and warps == 4 and stages >= 2
+        for block_r, most, warps, stages, _ in mx_kernels(mx_config))
+
+
+def wg_permute(x: torch.Tensor) -> torch.Tensor:
+    """x [N, K] (K a multiple of 128) -> the same values [N, K] in these kernels' K order (module docstring):
+    column 128b + 32cc + 16a + 8p + 2t + e holds column 128b + 32t + 8cc + 4e + 2a + p. A contiguous copy."""
+    N, K = x.shape
+    # source column 128b + 32t + 8cc + 4e + 2a + p: dims (b, t, cc, e, a, p) -> (b, cc, a, p, t, e)
+    return x.reshape(N, K // 128, 4, 4, 2, 2, 2).permute(0, 1, 3, 5, 6, 2, 4).reshape(N, K)
+
+
+@triton.jit
+def wg_permuted_col(k):
+    """`wg_permute`'s column of natural column k (int tensor)."""
+    r = k % 128
+    t = r // 32
+    cc = (r // 8) % 4
+    return k - r + 32 * cc + 16 * ((r // 2) % 2) + 8 * (r % 2) + 2 * t + (r // 4) % 2
+
+
+@triton.jit
+def wg_gather_kernel(z_ptr, order_ptr, zs_ptr, z_stride, K: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """zs[r] = z[order[r] // K] in `wg_permute` order, for sorted row r = program 0 and BLOCK columns a program 1:
+    the up kernel's activation rows in the tile schedule's order (z rows z_stride apart, unit stride)."""
+    r = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    token = tl.load(order_ptr + r) // K
+    x = tl.load(z_ptr + token * z_stride + k)
+    tl.store(zs_ptr + r.to(tl.int64) * D + wg_permuted_col(k), x)
+
+
+def wg_act_desc(x: torch.Tensor, block_m: int):
+    """TMA descriptor of activation rows x bf16 [R, K] (contiguous, K a multiple of 64) viewed as [K/64, R, 64]
+    (a 64-column block, a row, a column), with [WG_BLOCK_K/64, block_m, 64] boxes: one copy a stage, each
+    128-byte row swizzled as `wgmma` reads its B operand, the column blocks one after another, which is how the
+    [block_m, WG_BLOCK_K] stage's 128-byte swizzled layout places them (`wg_ring_fill`). Rows past R read as
+    zeros."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    R, K = x.shape
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    return TensorDescriptor(x, [K // 64, R, 64], [64, K, 1], [WG_BLOCK_K // 64, block_m, 64], layout)
+
+
+def wg_word_desc(w: torch.Tensor, tiled: int):
+    """TMA descriptor of MXFP4 words w u8 [E, R, C/2] for a K tile of WG_ROWS rows a copy: row-major (tiled 0),
+    `gl_word_descs`' [WG_ROWS, 32]-word boxes; in a tiled layout (1, 2: [32 rows, 32 words] tiles along K, then
+    row block by row block) the i32 words viewed as [E·R/32, C/8, 32] (a 32-row block, a tile's row
+    32·(K tile) + row, a word) with [2, 32, 32] boxes: two row blocks' tiles of one K tile, one copy, the same
+    bytes in shared memory as a [64, 32] stage. Raises ValueError as `gl_word_descs`."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    if not tiled:
+        return gl_word_descs(w, WG_ROWS, WG_BLOCK_K)
+    gl_word_descs(w, 32, WG_BLOCK_K, tiled)                 # its checks of w
+    E, R, half = w.shape
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
+    return TensorDescriptor(w.view(torch.int32), [E * R // 32, half // 4, 32], [half * 8, 32, 1], [2, 32, 32],
+                            layout)
+
+
+@gluon.constexpr_function
+def wg_stage_layouts():
+    """(words, activations): the rank-2 128-byte swizzled layouts of a [64, 32] i32 word stage and a
+    [BM, 256] bf16 activation stage."""
+    return (gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2),
+            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
+
+@gluon.jit
+def wg_ring_fill(d1, d3, da, r1, r3, ra, bar, row, arow, t, stage, NT: gl.constexpr, PAIR: gl.constexpr,
+                 TILED: gl.constexpr):
+    """TMA K tile t (< NT, else nothing) into ring stage `stage`: the words of the 64 weight rows row.. (global:
+    e·R + r) of d1 (and, PAIR, d3) into r1 (r3), one copy a matrix (`wg_word_desc`), and the 256 activation
+    columns of rows arow.. of da (`wg_act_desc`) into ra, one copy; all completing on the stage's mbarrier of
+    `bar`."""
+    ok = t < NT
+    BYTES: gl.constexpr = (2 if PAIR else 1) * d1.block_type.nbytes + da.block_type.nbytes
+    gl.nvidia.hopper.mbarrier.expect(bar.index(stage), BYTES, ok)
+    WBOX: gl.constexpr = d1.layout
+    ABOX: gl.constexpr = da.layout
+    BM: gl.constexpr = da.block_type.shape[1]
+    if TILED:
+        at = [row // 32, t * 32, 0]
+        dst1 = gl_reinterpret(r1.index(stage), gl.int32, [2, 32, 32], WBOX)
+        dst3 = gl_reinterpret(r3.index(stage), gl.int32, [2, 32, 32], WBOX)
+    else:
+        at = [row, t * 32]
+        dst1 = r1.index(stage)
+        dst3 = r3.index(stage)
+    gl_tma_load(d1, at, bar.index(stage), dst1, ok)
+    if PAIR:
+        gl_tma_load(d3, at, bar.index(stage), dst3, ok)
+    gl_tma_load(da, [t * 4, arow, 0], bar.index(stage), gl_reinterpret(ra.index(stage), gl.bfloat16, [4, BM, 64],
+                                                                        ABOX), ok)
+
+
+@gluon.jit
+def wg_decoded_tile(words, s, TWO_MULS: gl.constexpr, AL: gl.constexpr, BITS: gl.constexpr):
+    """The bf16 A operand [64, 128] (AL: `wgmma`'s register operand) of one piece's packed words [4, 2, 8, 4, 1, 4]
+    (i32, `gl_layouts`' word layout) with their groups' E8M0 bytes s [4, 2, 8, 4, 1] (u8): `mxfp4_word_bf16` per
+    word, code 2a + p + 4e of word cc of thread t at column 32·cc + 16a + 8p + 2t + e, no data moved."""
+    mult = gl.expand_dims(mxfp4_scale_bf16(s, TWO_MULS), 5)
+    mult, words = gl.broadcast(mult, words)
+    v0, v4, v1, v5, v2, v6, v3, v7 = mxfp4_word_bf16(words, mult, TWO_MULS, BITS)
+    # [W, 2, 8, 4(t), 1, 4(cc), e, p, a] -> [W, 2, 8, 1, 4(cc), a, p, 4(t), e]
+    v = gl.join(gl.join(gl.join(v0, v4), gl.join(v1, v5)), gl.join(gl.join(v2, v6), gl.join(v3, v7)))
+    tile = gl.reshape(gl.permute(v, (0, 1, 2, 4, 5, 8, 7, 3, 6)), [64, 128])
+    return gl.convert_layout(tile, AL, assert_trivial=True)
+
+
+@gluon.jit
+def wg_scale_offsets(row0, KDIM: gl.constexpr, SL: gl.constexpr):
+    """Offsets [4, 2, 8, 4, 1] (SL) in E8M0 bytes [.., KDIM/32] of K tile 0, piece 0's scale byte of each
+    thread's words: row row0 + 16w + 8h + g, group t (a piece's thread t holds words 4t .. 4t + 3)."""
+    w = gl.expand_dims(gl.arange(0, 4, gl_axis_layout(SL, 5, 0)), (1, 2, 3, 4))
+    h = gl.expand_dims(gl.arange(0, 2, gl_axis_layout(SL, 5, 1)), (0, 2, 3, 4))
+    g = gl.expand_dims(gl.arange(0, 8, gl_axis_layout(SL, 5, 2)), (0, 1, 3, 4))
+    t = gl.expand_dims(gl.arange(0, 4, gl_axis_layout(SL, 5, 3)), (0, 1, 2, 4))
+    c = gl.expand_dims(gl.arange(0, 1, gl_axis_layout(SL, 5, 4)), (0, 1, 2, 3))
+    return (row0 + 16 * w + 8 * h + g) * (KDIM // 32) + t + c
+
+
+@gluon.jit
+def wg_stage_piece(ring, stage, piece, WL: gl.constexpr):
+    """Words [4, 2, 8, 4, 1, 4] (WL) of piece `piece` (16 words a row) of ring stage `stage` [64, 32] i32."""
+    return gl_stage_words(ring.index(stage).slice(piece * 16, 16, dim=1), 4, 1, WL)
+
+
+@gluon.constexpr_function
+def wg_layouts(BM):
+    """(words, scale bytes, accumulator, A operand) layouts of a 4-warp CTA over 128-value pieces and BM tokens."""
+    words = gl_layouts(4, 128, BM)[0]
+    acc = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    return words, gl.SliceLayout(5, words), acc, gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
+
+
+@gluon.jit
+def wg_mma_piece(ring, stage: gl.constexpr, p: gl.constexpr, sc, ra, acc, other, a, TWO_MULS: gl.constexpr,
+                 TILED: gl.constexpr, WL: gl.constexpr, AL: gl.constexpr, PAIR: gl.constexpr = True):
+    """Piece p of matrix ring's K tile in `stage`: decoded (scale bytes sc) into the A operand, one asynchronous
+    `wgmma` into acc with the stage's activations, then wait until one `wgmma` is in flight (this one): the
+    previous piece's A registers `a` (and, PAIR, `other`: the other matrix's accumulator) are then free.
+    Returns (acc, other, this piece's A operand, kept alive while its `wgmma` runs)."""
+    nxt = wg_decoded_tile(wg_stage_piece(ring, stage, p, WL), sc, TWO_MULS, AL, TILED == 2)
+    x = ra.index(stage).slice(p * 128, 128, dim=1).permute((1, 0))
+    acc = gl.nvidia.hopper.warpgroup_mma(nxt, x, acc, is_async=True)
+    if not PAIR:
+        acc, a, nxt = gl.nvidia.hopper.warpgroup_mma_wait(1, deps=(acc, a, nxt))
+    else:
+        acc, other, a, nxt = gl.nvidia.hopper.warpgroup_mma_wait(1, deps=(acc, other, a, nxt))
+    return acc, other, nxt
+
+
+@gluon.jit
+def wg_scale_pair(s_ptr, soff, t, NT: gl.constexpr):
+    """The scale bytes of K tile t's two pieces (tile 0 past the last: a prefetch never used)."""
+    nx = gl.where(t < NT, t, 0) * 8
+    return gl.load(s_ptr + soff + nx), gl.load(s_ptr + soff + nx + 4)
+
+
+@gluon.jit
+def wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow, it, stage: gl.constexpr, phase,
+               gate, up, a, n1, n3, NT: gl.constexpr, STAGES: gl.constexpr, TWO_MULS: gl.constexpr,
+               TILED: gl.constexpr, WL: gl.constexpr, AL: gl.constexpr):
+    """The up kernel's K tile `it` from ring stage `stage` (a constant: the loop is unrolled by the ring's
+    stages, so each `wgmma`'s shared-memory descriptors are too): the next tile's scale bytes loaded, gate's and
+    up's two pieces (`wg_mma_piece`), and once the first has retired the previous tile's `wgmma`s, tile
+    it + STAGES − 1 into the stage they read. Returns (gate, up, a, n1, n3)."""
+    c1, c3 = n1, n3
+    n1, n3 = wg_scale_pair(s1_ptr, soff, it + 1, NT), wg_scale_pair(s3_ptr, soff, it + 1, NT)
+    gl.nvidia.hopper.mbarrier.wait(bar.index(stage), phase)
+    gate, up, a = wg_mma_piece(r1, stage, 0, c1[0], ra, gate, up, a, TWO_MULS, TILED, WL, AL)
+    wg_ring_fill(w1, w3, zs, r1, r3, ra, bar, row, arow, it + STAGES - 1, (stage + STAGES - 1) % STAGES, NT, True,
+                 TILED)
+    gate, up, a = wg_mma_piece(r1, stage, 1, c1[1], ra, gate, up, a, TWO_MULS, TILED, WL, AL)
+    up, gate, a = wg_mma_piece(r3, stage, 0, c3[0], ra, up, gate, a, TWO_MULS, TILED, WL, AL)
+    up, gate, a = wg_mma_piece(r3, stage, 1, c3[1], ra, up, gate, a, TWO_MULS, TILED, WL, AL)
+    return gate, up, a, n1, n3
+
+
+@gluon.jit
+def moe_up_mx_wgmma_kernel(zs, w1, w3, s1_ptr, s3_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr,
+                           SITU_BETA, SITU_LINEAR_BETA, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
+                           ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr,
+                           STAGES: gl.constexpr, TILED: gl.constexpr):
+    """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one BLOCK_M-row tile and 64 intermediate columns, into hp [N·k, I] (bf16)
+    at the tile's sorted rows in `wg_permute` order. zs: TMA descriptor (`wg_act_desc`) of z's rows gathered in
+    the schedule's order and `wg_permute`d (`wg_gather_kernel`); w1/w3: TMA descriptors of the i32 words
+    [E, I, D/8] (`wg_word_desc`); s1/s3 u8 [E, I, D/32]; TILED: the words' layout, 0 row-major, 1
+    `mxfp4_tiles`, 2 `mxfp4_tiles_bits`."""
+    NT: gl.constexpr = D // 256
+    WL: gl.constexpr = wg_layouts(BLOCK_M)[0]
+    SL: gl.constexpr = wg_layouts(BLOCK_M)[1]
+    ACC: gl.constexpr = wg_layouts(BLOCK_M)[2]
+    AL: gl.constexpr = wg_layouts(BLOCK_M)[3]
+    tile = gl.program_id(0)
+    e = gl.load(tile_expert_ptr + tile)
+    if e < E:
+        arow = gl.load(tile_row0_ptr + tile).to(gl.int32)
+        i0 = gl.program_id(1) * 64
+        row = (e * I + i0).to(gl.int32)
+        soff = wg_scale_offsets(e.to(gl.int64) * I + i0, D, SL)
+        r1 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
+        r3 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
+        ra = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 256], wg_stage_layouts()[1])
+        bar = gl_ring_init(STAGES)
+        for t in gl.static_range(STAGES - 1):
+            wg_ring_fill(w1, w3, zs, r1, r3, ra, bar, row, arow, t, t, NT, True, TILED)
+        n1, n3 = wg_scale_pair(s1_ptr, soff, 0, NT), wg_scale_pair(s3_ptr, soff, 0, NT)
+        gate = gl.zeros([64, BLOCK_M], gl.float32, ACC)
+        up = gl.zeros([64, BLOCK_M], gl.float32, ACC)
+        a = gl.zeros([64, 128], gl.bfloat16, AL)          # the piece in flight (none yet)
+        for j in range(NT // STAGES):
+            for u in gl.static_range(STAGES):
+                gate, up, a, n1, n3 = wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow,
+                                                 j * STAGES + u, u, j & 1, gate, up, a, n1, n3, NT, STAGES,
+                                                 TWO_MULS, TILED, WL, AL)
+        for u in gl.static_range(NT % STAGES):
+            gate, up, a, n1, n3 = wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow,
+                                             NT - NT % STAGES + u, u, (NT // STAGES) & 1, gate, up, a, n1, n3, NT,
+                                             STAGES, TWO_MULS, TILED, WL, AL)
+        gate, up = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(gate, up))
+        h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
+        col = wg_permuted_col(i0 + gl.arange(0, 64, gl.SliceLayout(1, ACC)))
+        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, ACC))
+        gl.store(hp_ptr + gl.expand_dims(offs_m.to(gl.int64) * I, 0) + gl.expand_dims(col, 1),
+                 h.to(hp_ptr.dtype.element_ty), mask=gl.expand_dims(m_ok, 0))
+
+
+@gluon.jit
+def wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, it, stage: gl.constexpr, phase, acc, a, n2,
+                 NT: gl.constexpr, STAGES: gl.constexpr, TWO_MULS: gl.constexpr, TILED: gl.constexpr,
+                 WL: gl.constexpr, AL: gl.constexpr):
+    """The down kernel's K tile `it`, as `wg_up_step` for one matrix. Returns (acc, a, n2)."""
+    c2 = n2
+    n2 = wg_scale_pair(s2_ptr, soff, it + 1, NT)
+    gl.nvidia.hopper.mbarrier.wait(bar.index(stage), phase)
+    acc, _, a = wg_mma_piece(r2, stage, 0, c2[0], ra, acc, a, a, TWO_MULS, TILED, WL, AL, False)
+    wg_ring_fill(w2, w2, hs, r2, r2, ra, bar, row, arow, it + STAGES - 1, (stage + STAGES - 1) % STAGES, NT, False,
+                 TILED)
+    acc, _, a = wg_mma_piece(r2, stage, 1, c2[1], ra, acc, a, a, TWO_MULS, TILED, WL, AL, False)
+    return acc, a, n2
+
+
+@gluon.jit
+def moe_down_mx_wgmma_kernel(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
+                             tile_row_end_ptr, y_slot_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
+                             TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                             TILED: gl.constexpr):
+    """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one BLOCK_M-row tile and 64 output columns; hs: TMA
+    descriptor (`wg_act_desc`) of h [N·k, I] (bf16, sorted rows, `wg_permute` order: the up kernel's output);
+    w2: TMA descriptor of the i32 words [E, D, I/8] as the up kernel's w1; s2 u8 [E, D, I/32]."""
+    NT: gl.constexpr = I // 256
+    WL: gl.constexpr = wg_layouts(BLOCK_M)[0]
+    SL: gl.constexpr = wg_layouts(BLOCK_M)[1]
+    ACC: gl.constexpr = wg_layouts(BLOCK_M)[2]
+    AL: gl.constexpr = wg_layouts(BLOCK_M)[3]
+    tile = gl.program_id(0)
+    e = gl.load(tile_expert_ptr + tile)
+    if e < E:
+        arow = gl.load(tile_row0_ptr + tile).to(gl.int32)
+        n0 = gl.program_id(1) * 64
+        row = (e * D + n0).to(gl.int32)
+        soff = wg_scale_offsets(e.to(gl.int64) * D + n0, I, SL)
+        r2 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
+        ra = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 256], wg_stage_layouts()[1])
+        bar = gl_ring_init(STAGES)
+        for t in gl.static_range(STAGES - 1):
+            wg_ring_fill(w2, w2, hs, r2, r2, ra, bar, row, arow, t, t, NT, False, TILED)
+        n2 = wg_scale_pair(s2_ptr, soff, 0, NT)
+        acc = gl.zeros([64, BLOCK_M], gl.float32, ACC)
+        a = gl.zeros([64, 128], gl.bfloat16, AL)
+        for j in range(NT // STAGES):
+            for u in gl.static_range(STAGES):
+                acc, a, n2 = wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, j * STAGES + u, u, j & 1,
+                                          acc, a, n2, NT, STAGES, TWO_MULS, TILED, WL, AL)
+        for u in gl.static_range(NT % STAGES):
+            acc, a, n2 = wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, NT - NT % STAGES + u, u,
+                                      (NT // STAGES) & 1, acc, a, n2, NT, STAGES, TWO_MULS, TILED, WL, AL)
+        acc = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(acc,))
+        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, ACC))
+        slot = gl.load(order_ptr + offs_m, mask=m_ok, other=0)
+        weight = gl.load(weights_ptr + slot, mask=m_ok, other=0.0)
+        offs_n = n0 + gl.arange(0, 64, gl.SliceLayout(1, ACC))
+        gl.store(y_slot_ptr + gl.expand_dims(slot * D, 0) + gl.expand_dims(offs_n, 1), acc * gl.expand_dims(weight, 0),
+                 mask=gl.expand_dims(m_ok, 0))
+
+def mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, *, mx_config, K, act, situ_beta,
+                      situ_linear_beta, tiled):
+    """`launch_moe_experts`' launches on this path (`wgmma_decode_ok(mx_config, D, I)`), as three callables run in
+    order (benchmarks time each): z bf16 [N, D] gathered into zs [N·k, D] (the schedule's row order,
+    `wg_permute`d: `wg_gather_kernel`), `moe_up_mx_wgmma_kernel` into h [N·k, I], `moe_down_mx_wgmma_kernel` into
+    y_slot f32 [N·k, D] (weighted); w1/w3/w2 u8 MXFP4 words ([E, I, D/2], [E, D, I/2]) in layout `tiled` (0
+    row-major, 1 `mxfp4_tiles`, 2 `mxfp4_tiles_bits`), scales their E8M0 bytes, schedule `moe_schedule(ids, E,
+    BLOCK_M)`. The slot sum is the caller's."""
+    D, (E, I) = z.shape[1], w1.shape[:2]
+    block_m, two_muls = mx_config[0], mx_config[5]
+    (_, _, _, stages_up, cap_up), (_, _, _, stages_down, cap_down) = mx_kernels(mx_config)
+    order, tile_expert, row0, row_end = schedule
+    max_tiles = tile_expert.shape[0]
+    w1d, w3d, w2d = (wg_word_desc(w, tiled) for w in (w1, w3, w2))
+    zd, hd = wg_act_desc(zs, block_m), wg_act_desc(h, block_m)
+
+    def gather():
+        wg_gather_kernel[(order.shape[0], D // 256)](z, order, zs, z.stride(0), K=K, D=D, BLOCK=256)
+
+    def up():
+        moe_up_mx_wgmma_kernel[(max_tiles, I // WG_ROWS)](
+            zd, w1d, w3d, scales[0], scales[1], tile_expert, row0, row_end, h, float(situ_beta),
+            float(situ_linear_beta), E=E, D=D, I=I, ACT_SITU=act == "situ", TWO_MULS=two_muls, BLOCK_M=block_m,
+            STAGES=stages_up, TILED=tiled, num_warps=4, **({"maxnreg": cap_up} if cap_up else {}))
+
+    def down():
+        moe_down_mx_wgmma_kernel[(max_tiles, D // WG_ROWS)](
+            hd, w2d, scales[2], weights, order, tile_expert, row0, row_end, y_slot, E=E, D=D, I=I,
+            TWO_MULS=two_muls, BLOCK_M=block_m, STAGES=stages_down, TILED=tiled, num_warps=4,
+            **({"maxnreg": cap_down} if cap_down else {}))
+
+    return gather, up, down

@@ -1,0 +1,159 @@
+"""The `wgmma` MXFP4 decode kernels (k3c.codegen.triton.moe_mxfp4_wgmma): their K order on the CPU (Triton's
+interpreter), which configurations select them, their sm_90a binary compiled offline (Gluon has no interpreter),
+and on a GPU their outputs against dequantize-then-GEMM and against the `mma.sync` Gluon kernels."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from k3c.codegen.triton import moe
+from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text
+from k3c.codegen.triton.moe_mxfp4_gluon import gluon_decode_ok
+from k3c.codegen.triton.moe_mxfp4_wgmma import wg_permute, wg_permuted_col, wgmma_decode_ok
+from k3c.ir.ops import get_op
+from k3c.runtime.layouts import mx_tile_bits, mx_tile_words
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+WG = (16, 64, 256, 4, 2, False, None, (3, 3))
+
+
+@triton.jit
+def _col_kernel(out_ptr, K: tl.constexpr):
+    k = tl.arange(0, K)
+    tl.store(out_ptr + wg_permuted_col(k), k)
+
+
+def test_wg_permuted_col_inverts_permute():
+    """The up kernel stores h column k at `wg_permuted_col(k)`; the launcher permutes z by `wg_permute`: the two
+    must be one permutation, and it must keep each 128-column piece."""
+    K = 512
+    out = torch.empty(K, dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
+    _col_kernel[(1,)](out, K=K)
+    order = wg_permute(torch.arange(K).reshape(1, K))[0]
+    assert torch.equal(out.long().cpu(), order)
+    assert torch.equal(order.reshape(4, 128).sort(-1).values, torch.arange(K).reshape(4, 128))
+
+
+def test_wg_permute_places_each_words_codes_in_its_fragment():
+    """The K order from the fragment of `wgmma`'s register A operand (PTX ISA, "Register fragments", m64nNk16
+    bf16: the thread of quad lane t holds columns 2t, 2t + 1 and 2t + 8, 2t + 9 of each k16 step, each pair in one
+    32-bit register) and the decoding's registers (`mxfp4_word_bf16`: codes c and c + 4 of a word in one): thread
+    t's word cc of a 128-column piece (natural columns 32t + 8cc .. + 7) fills the k16 steps 2cc and 2cc + 1, its
+    register c = 2a + p in step 2cc + a at columns 8p + 2t, 8p + 2t + 1."""
+    want = torch.empty(128, dtype=torch.long)
+    for t in range(4):
+        for cc in range(4):
+            for c in range(4):
+                a, p = divmod(c, 2)
+                for e, code in enumerate((c, c + 4)):
+                    want[16 * (2 * cc + a) + 8 * p + 2 * t + e] = 32 * t + 8 * cc + code
+    assert torch.equal(wg_permute(torch.arange(128).reshape(1, 128))[0], want)
+
+
+def test_configs_that_select_the_wgmma_kernels():
+    """Activation modes (3, 3) select these kernels where the rest fits them, and never the `mma.sync` ones."""
+    assert mx_config_from_text("16,64,256,4,2,0,0,3/3") == WG
+    with pytest.raises(ValueError, match="or 3/3"):
+        mx_config_from_text("16,64,256,4,2,0,0,3/0")
+    assert wgmma_decode_ok(WG, 3584, 3072) and wgmma_decode_ok((8, 64, 256, 4, (2, 3), True, 96, (3, 3)), 512, 768)
+    assert not gluon_decode_ok(WG, 3584, 3072, 256, 256)
+    for bad in [WG[:7], (*WG[:7], (2, 0)), (32, *WG[1:]), (16, 32, *WG[2:]), (16, 64, 128, *WG[3:]),
+                (16, 64, 256, 2, *WG[4:]), (16, 64, 256, 4, 1, *WG[5:]), (16, 64, 256, 4, (2, 1), *WG[5:])]:
+        assert not wgmma_decode_ok(bad, 3584, 3072), bad
+    assert not wgmma_decode_ok(WG, 2304 + 128, 3072) and not wgmma_decode_ok(WG, 3584, 3072 - 64)
+
+
+def test_wgmma_kernels_compile_for_sm90():
+    """Both kernels compiled for sm_90a in a process without the interpreter (k3c.codegen.triton.offline), as the
+    decode default from 4 rows per expert runs them (`mx_default_config`: 16-token tiles on a 2-stage ring, one
+    multiply) over `mxfp4_tiles_bits`: no spills; the K loop unrolled by the ring's 2 stages, and
+    per K tile one `HGMMA` 64x16x16 per k16 step of each matrix (up 2 × 16, down 16) and the ring's refill, one
+    3-D TMA copy for each matrix's words and one for the activations (`UTMALDG.3D`: up 3, down 2)."""
+    code = r"""
+import collections, json, torch
+from triton.runtime.jit import mangle_type
+from k3c.codegen.triton.moe_mxfp4_wgmma import moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel, wg_act_desc
+from k3c.codegen.triton.moe_mxfp4_wgmma import wg_word_desc
+from k3c.codegen.triton.offline import compile_for, resources, sass
+wd = mangle_type(wg_word_desc(torch.zeros(1, 64, 256, dtype=torch.uint8), 2))
+ad = mangle_type(wg_act_desc(torch.zeros(64, 256, dtype=torch.bfloat16), 16))
+types = {"zs": ad, "hs": ad, "w1": wd, "w3": wd, "w2": wd, "hp_ptr": "*bf16", "weights_ptr": "*fp32",
+         "y_slot_ptr": "*fp32", "SITU_BETA": "fp32", "SITU_LINEAR_BETA": "fp32"}
+out = {}
+for kernel in (moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel):
+    cx = {k: v for k, v in dict(E=32, D=3584, I=3072, ACT_SITU=True, TWO_MULS=False, BLOCK_M=16, STAGES=2,
+                                TILED=2).items() if k in kernel.arg_names}
+    sig = {n: types.get(n, "*i64" if n.startswith("tile") or n == "order_ptr" else "*u8")
+           for n in kernel.arg_names if n not in cx}
+    k = compile_for(kernel, sig, cx, num_warps=4, divisible=[n for n, t in sig.items() if t.startswith("*")])
+    code = sass(k.asm["cubin"])
+    branches = [(int(i.split("BRA ")[1].split()[0], 16), a) for a, i in code if i.startswith("@") and "BRA 0x" in i]
+    back = max((b for b in branches if b[0] < b[1]), key=lambda b: b[1] - b[0])     # the K loop: the longest
+    loop = collections.Counter(i.split()[1] if i.startswith("@") else i.split()[0] for a, i in code
+                               if back[0] <= a <= back[1])
+    out[kernel.__name__] = dict(resources(k.asm["cubin"]), hgmma=loop["HGMMA.64x16x16.F32.BF16"] / 2,
+                                tma=loop["UTMALDG.3D"] / 2)
+print(json.dumps(out))
+"""
+    from k3c.codegen.triton.moe_mxfp4 import mx_default_config
+
+    assert mx_default_config(16 * 16, 32, 128) == WG               # batch 16 of 32 experts: 8 rows an expert
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=os.path.join(os.path.dirname(__file__), "..", ".."))
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    up, down = got["moe_up_mx_wgmma_kernel"], got["moe_down_mx_wgmma_kernel"]
+    assert up["LOCAL"] == 0 and down["LOCAL"] == 0
+    assert (up["hgmma"], up["tma"], down["hgmma"], down["tma"]) == (32, 3, 16, 2), got
+
+
+def _case(seed, N, k, E, D, I, scales=(118, 124)):
+    """A random bf16 MXFP4 launch on the GPU: z [N, D], routing weights and ids [N, k] of E experts, (w1, w3, w2,
+    s1, s3, s2) packed u8 [E, rows, cols/2] with scale bytes in `scales` [E, rows, cols/32], the SiTU attrs."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    mats = [(torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, device="cuda", generator=gen),
+             torch.randint(*scales, (E, R, C // 32), dtype=torch.uint8, device="cuda", generator=gen))
+            for R, C in ((I, D), (I, D), (D, I))]
+    z = (torch.randn(N, D, device="cuda", generator=gen) * 0.5).bfloat16()
+    ids = torch.rand(N, E, device="cuda", generator=gen).argsort(-1)[:, :k].contiguous()
+    wt = torch.rand(N, k, device="cuda", generator=gen)
+    (w1, s1), (w3, s3), (w2, s2) = mats
+    return z, wt, ids, (w1, w3, w2, s1, s3, s2), {"act": "situ", "situ_beta": 4.0, "situ_linear_beta": 25.0}
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("mx_config", [WG, (8, 64, 256, 4, 2, True, None, (3, 3)),
+                                       (16, 64, 256, 4, 3, False, None, (3, 3)),
+                                       (16, 64, 256, 4, (2, 4), True, None, (3, 3))])
+@pytest.mark.parametrize("tiled", [0, 1, 2])
+@pytest.mark.parametrize("N", [1, 5, 12])
+def test_wgmma_kernels_match_reference(N, tiled, mx_config):
+    """bf16 on the GPU, the words row-major or in either tiled layout (`mx_tile_words`, `mx_tile_bits`): the
+    `wgmma` kernels against dequantize-then-GEMM (`moe_experts`' reference, fp32) up to bf16 rounding of z and h,
+    and against the `mma.sync` Gluon kernels (the same decoded values, another summation order). 6 experts
+    choosing 4: N = 12 gives 48 rows, so experts of more than one tile and tiles cut short; D and I give every
+    ring at least twice its stages' K tiles (every mbarrier phase flips) and two 64-row blocks an expert."""
+    stages = max(mx_config[4]) if isinstance(mx_config[4], tuple) else mx_config[4]
+    D, I = 256 * max(4, 2 * stages + 1), 256 * max(3, 2 * stages)
+    z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _case(7, N, 4, 6, D, I)
+    relay = {0: lambda w: w, 1: mx_tile_words, 2: mx_tile_bits}[tiled]
+    words = [relay(w) for w in (w1, w3, w2)]
+    y, y_mma = torch.full_like(z, float("nan")), torch.full_like(z, float("nan"))
+    moe.launch_moe_experts(z, wt, ids, *words, s1, s3, s2, y=y, mx_config=mx_config, tiled=tiled, **attrs)
+    moe.launch_moe_experts(z, wt, ids, *words, s1, s3, s2, y=y_mma, tiled=tiled, scale_max=123,
+                           mx_config=(8, 32, 256, 2, 2, mx_config[5], None), **attrs)
+    (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"},
+                                        *(t.cpu() for t in (z.float(), wt, ids, w1, w3, w2, s1, s3, s2)))
+    scale = want.abs().max()
+    assert not y.isnan().any()
+    assert ((y.float().cpu() - want).abs().max() / scale).item() <= 1e-2
+    assert ((y.float() - y_mma.float()).abs().max().cpu() / scale).item() <= 5e-3
