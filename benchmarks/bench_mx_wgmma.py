@@ -1,23 +1,24 @@
-"""The `wgmma` MXFP4 decode kernels (k3c.codegen.triton.moe_mxfp4_wgmma) beside the `mma.sync` default, at K3.1 Pro's
-expert shapes (latent D 3584, inner I 3072, top-16), on one GPU; then, optionally, the end-to-end benchmark with the
-`wgmma` kernels as the decode default from 4 rows per expert, beside the checkout's default in the same call.
+"""The `wgmma` MXFP4 decode kernels (k3c.codegen.triton.moe_mxfp4_wgmma) beside the `mma.sync` ones, at K3.1 Pro's
+expert shapes (latent D 3584, inner I 3072, top-16), on one GPU; then, optionally, the end-to-end benchmark twice in
+the same call: the checkout's defaults, and a copy whose decode default from 4 rows per expert is another config.
 
     python3 benchmarks/bench_mx_wgmma.py --out DIR [--experts 32,896] [--batches 1,16]
-        [--variants "16,64,256,4,2,0,0,3/3;..."] [--e2e MX_CONFIG] [--e2e-seconds 280]
+        [--variants "16,64,256,4,2,0,0,3/3;..."] [--e2e MX_CONFIG] [--e2e-seconds 280] [--scratch /tmp]
 
 Kernels: random MXFP4 experts (uniform codes, scale bytes 119..122, as benchmarks/mx_tma_probe.py) in the
-runtime's `mxfp4_tiles_bits` layout, as an artifact's session holds them. Per (E, N, variant): the largest
-|difference| of the output from the launcher's default, and times (`do_bench_cudagraph`, mean) of the whole op
-(`launch_moe_experts` with the schedule precomputed) and of its kernels: for a `wgmma` variant the gather of z,
-the up and the down kernel (`mx_wgmma_launches`), for the default's `mma.sync` kernels up and down as
-mx_tma_probe's '8,32,2,2,0,0,80,tb' (the H200's decode default; a card with its own entry,
+runtime's `mxfp4_tiles_bits` layout, as an artifact's session holds them. Variants: 'mma.sync' (the launcher's
+default without the `wgmma` kernels: `mx_default_config(..., wgmma=False)`), 'default' (the launcher's own) and
+--variants. Per (E, N, variant): the largest |difference| of the output from 'mma.sync''s, and times
+(`do_bench_cudagraph`, mean) of the whole op (`launch_moe_experts` with the schedule precomputed) and of its
+kernels: for a `wgmma` config the gather of z, the up and the down kernel (`mx_wgmma_launches`), for any other up
+and down as mx_tma_probe's '8,32,2,2,0,0,80,tb' (the H200's `mma.sync` decode default; a card with its own entry,
 `MX_DECODE_BY_DEVICE`, differs at batch 1). Fractions are of 4.2 TB/s (the H200's measured HBM rate; on another
 card they only rank variants): the touched experts' bytes over up + down (+ gather).
 
 --e2e: benchmarks/bench_e2e.py --experts mxfp4 (decode phases) twice, the checkout as it is, then a copy whose
 `mx_default_config` returns MX_CONFIG from 4 rows per expert (benchmarks/mx_round.py's `prepare_copy`, under
---scratch; batch 16
-of the benchmark's 32 experts is 8 rows an expert); each writes its expert read rates.
+--scratch; batch 16 of the benchmark's 32 experts is 8 rows an expert; e.g. the `mma.sync` default
+'8,32,256,2,2,0,0/80,2/0' against the checkout's `wgmma` kernels); each writes its expert read rates.
 Writes DIR/bench_mx_wgmma.json.
 """
 
@@ -58,7 +59,7 @@ def case(E, gen, dev="cuda"):
 
 def kernel_rows(a, res, save):
     dev = "cuda"
-    specs = ["default"] + [v for v in a.variants.split(";") if v]
+    specs = ["mma.sync", "default"] + [v for v in a.variants.split(";") if v]
     for E in map(int, a.experts.split(",")):
         gen = torch.Generator(device=dev).manual_seed(0)
         kop, per_expert = case(E, gen)
@@ -71,10 +72,13 @@ def kernel_rows(a, res, save):
             nbytes = int(torch.unique(ids).numel()) * per_expert
             up_bytes = nbytes * 2 // 3
             y_ref = torch.empty_like(z)
-            launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y_ref, scale_max=122, tiled=2, **ACT)
+            card = torch.cuda.get_device_name()
+            launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y_ref, scale_max=122, tiled=2,
+                               mx_config=mx_default_config(N * K, E, 122, card, wgmma=False), **ACT)
             for spec in specs:
-                cfg = mx_default_config(N * K, E, 122, torch.cuda.get_device_name()) if spec == "default" else \
-                    mx_config_from_text(spec)
+                cfg = {"mma.sync": lambda: mx_default_config(N * K, E, 122, card, wgmma=False),
+                       "default": lambda: mx_default_config(N * K, E, 122, card)}.get(
+                           spec, lambda: mx_config_from_text(spec))()
                 sched = moe_schedule(ids, E, cfg[0])
                 h = torch.empty(N * K, I, dtype=torch.bfloat16, device=dev)
                 y_slot = torch.empty(N * K, D, dtype=torch.float32, device=dev)

@@ -68,7 +68,7 @@ VARIANTS = ("8,32,2,2,0,0,80;8,32,2,2,0,80,80;8,32,2,2,2,80,80;8,32,2,1,0,80,80;
             "16,32,2,0,0,128,80;16,32,1,2,2,128,96;16,32,1,2,2,80,80,128;16,32,1,2,2,96,96,128;"
             "16,32,2,0,0,80,80,128;16,32,1,2,2,88,88,128")
 E2E_SKIP = "finalize,first_logits,long,eager,torch_compile,bf16_build,numerics"
-DEFAULT_RETURN = re.compile(r"(    if not two and rows < 16 \* E:\n        return )(\(.*\))\n")
+DEFAULT_RETURN = re.compile(r"(    if not two and rows < 16 \* E:\n)((?:        .*\n)+)")     # the decode case's body
 DEVICE_LOOKUP = "MX_DECODE_BY_DEVICE.get(device)"      # mx_default_config's per-card table, bypassed in the copy
 
 
@@ -103,7 +103,7 @@ def this_card():
 def default_variant(batch, device=None):
     """The probe variant text of the launcher's decode default at `batch` tokens over E experts (one multiply) on
     the CUDA device named `device` (`mx_default_config`: a card may have its own; None: any); None where that
-    default is not the `mma.sync` Gluon kernels this round probes (from 4 rows per expert: the `wgmma` kernels,
+    default is not the `mma.sync` Gluon kernels this round probes (from 8 rows per expert: the `wgmma` kernels,
     benchmarks/bench_mx_wgmma.py)."""
     cfg = mx_default_config(batch * K, E, 122, device)
     (_, most1, *_), (_, most2, *_) = mx_kernels(cfg)
@@ -184,10 +184,10 @@ def patched_default(source, small, large):
     """moe_mxfp4.py's `source` with `mx_default_config`'s decode case (one multiply, < 16 rows per expert)
     returning the mx_config `small` below 4 rows per expert and `large` from there on every card (one return when
     they are the same; their two_muls field stays the function's `two`; the per-card table `MX_DECODE_BY_DEVICE`
-    is no longer looked up). Raises ValueError if the return line or the table's lookup is not found exactly
+    is no longer looked up). Raises ValueError if the decode case or the table's lookup is not found exactly
     once."""
     if len(DEFAULT_RETURN.findall(source)) != 1:
-        raise ValueError("moe_mxfp4.py: mx_default_config's decode return line not found exactly once")
+        raise ValueError("moe_mxfp4.py: mx_default_config's decode case not found exactly once")
     if source.count(DEVICE_LOOKUP) != 1:
         raise ValueError(f"moe_mxfp4.py: mx_default_config's {DEVICE_LOOKUP} not found exactly once")
     source = source.replace(DEVICE_LOOKUP, "None")
@@ -196,7 +196,7 @@ def patched_default(source, small, large):
         return "(" + ", ".join("two" if i == 5 else repr(v) for i, v in enumerate(config)) + ")"
 
     ret = text(small) if small == large else f"{text(small)} if rows < 4 * E else {text(large)}"
-    return DEFAULT_RETURN.sub(lambda m: m.group(1) + ret + "\n", source)
+    return DEFAULT_RETURN.sub(lambda m: m.group(1) + "        return " + ret + "\n", source)
 
 
 def run(cmd, seconds, log, cwd=ROOT, env=None):

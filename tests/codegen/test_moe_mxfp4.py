@@ -92,9 +92,9 @@ def test_scales_per_word(block_k):
 
 def test_even_unroll_takes_mode_1_for_an_odd_count_of_k_tiles():
     """`mx_even_unroll`: the up kernel's unrolled prefetch (mode 2) only over an even count of K tiles; the rest of
-    the config, other modes and configs without the field unchanged; the decode default below 4 rows per expert
+    the config, other modes and configs without the field unchanged; the decode default below 8 rows per expert
     (batch 1 and 3 of 32 experts) is mode 2 (run Q), which K3.1 Pro's latent (3584: 14 tiles of 256) keeps and a
-    2304-wide one (9) drops to 1; from 4 rows per expert the `wgmma` kernels' config (modes (3, 3)) is unchanged
+    2304-wide one (9) drops to 1; from 8 rows per expert the `wgmma` kernels' config (modes (3, 3)) is unchanged
     and takes 9 K tiles too (its loop's tail)."""
     from k3c.codegen.triton.moe_mxfp4 import mx_even_unroll
     from k3c.codegen.triton.moe_mxfp4_wgmma import wgmma_decode_ok

@@ -55,6 +55,23 @@ def test_wg_permute_places_each_words_codes_in_its_fragment():
     assert torch.equal(wg_permute(torch.arange(128).reshape(1, 128))[0], want)
 
 
+def test_the_decode_default_takes_them_from_8_rows_per_expert_where_the_launch_can():
+    """`mx_default_config`: one multiply, from 8 rows per expert (batch 16 of 32 experts choosing 16: measured
+    faster, run S) to 16, the `wgmma` kernels; below 8 (batch 1: measured slower; 4-8: not timed) and where the
+    launch cannot take them (`wgmma=False`: not bf16 on an sm_90 GPU, or D, I not multiples of 256) the `mma.sync`
+    default; two multiplies and prefill keep theirs."""
+    from k3c.codegen.triton.moe_mxfp4 import mx_default_config
+
+    mma = mx_default_config(16, 32, 122)
+    assert mma[7] == (2, 0) and mx_default_config(8 * 32 - 1, 32, 122) == mma
+    assert mx_default_config(8 * 32, 32, 122) == WG and mx_default_config(16 * 32 - 1, 32, 122) == WG
+    assert mx_default_config(8 * 32, 32, 122, wgmma=False) == mma
+    assert mx_default_config(8 * 32, 32, 122, "NVIDIA H100 80GB HBM3") == WG
+    for rows, scale_max in ((8 * 32, 255), (16 * 32, 122)):
+        assert mx_default_config(rows, 32, scale_max) == mx_default_config(rows, 32, scale_max, wgmma=False)
+        assert not wgmma_decode_ok(mx_default_config(rows, 32, scale_max), 3584, 3072)
+
+
 def test_configs_that_select_the_wgmma_kernels():
     """Activation modes (3, 3) select these kernels where the rest fits them, and never the `mma.sync` ones."""
     assert mx_config_from_text("16,64,256,4,2,0,0,3/3") == WG
@@ -63,14 +80,15 @@ def test_configs_that_select_the_wgmma_kernels():
     assert wgmma_decode_ok(WG, 3584, 3072) and wgmma_decode_ok((8, 64, 256, 4, (2, 3), True, 96, (3, 3)), 512, 768)
     assert not gluon_decode_ok(WG, 3584, 3072, 256, 256)
     for bad in [WG[:7], (*WG[:7], (2, 0)), (32, *WG[1:]), (16, 32, *WG[2:]), (16, 64, 128, *WG[3:]),
-                (16, 64, 256, 2, *WG[4:]), (16, 64, 256, 4, 1, *WG[5:]), (16, 64, 256, 4, (2, 1), *WG[5:])]:
+                (16, 64, 256, 2, *WG[4:]), (16, 64, 256, 4, 1, *WG[5:]), (16, 64, 256, 4, (2, 1), *WG[5:]),
+                (16, 64, 256, 4, 5, *WG[5:])]:
         assert not wgmma_decode_ok(bad, 3584, 3072), bad
     assert not wgmma_decode_ok(WG, 2304 + 128, 3072) and not wgmma_decode_ok(WG, 3584, 3072 - 64)
 
 
 def test_wgmma_kernels_compile_for_sm90():
     """Both kernels compiled for sm_90a in a process without the interpreter (k3c.codegen.triton.offline), as the
-    decode default from 4 rows per expert runs them (`mx_default_config`: 16-token tiles on a 2-stage ring, one
+    decode default from 8 rows per expert runs them (`mx_default_config`: 16-token tiles on a 2-stage ring, one
     multiply) over `mxfp4_tiles_bits`: no spills; the K loop unrolled by the ring's 2 stages, and
     per K tile one `HGMMA` 64x16x16 per k16 step of each matrix (up 2 × 16, down 16) and the ring's refill, one
     3-D TMA copy for each matrix's words and one for the activations (`UTMALDG.3D`: up 3, down 2)."""
@@ -135,20 +153,25 @@ def _case(seed, N, k, E, D, I, scales=(118, 124)):
                                        (16, 64, 256, 4, 3, False, None, (3, 3)),
                                        (16, 64, 256, 4, (2, 4), True, None, (3, 3))])
 @pytest.mark.parametrize("tiled", [0, 1, 2])
-@pytest.mark.parametrize("N", [1, 5, 12])
-def test_wgmma_kernels_match_reference(N, tiled, mx_config):
+@pytest.mark.parametrize("N", [1, 5, 24])
+def test_wgmma_kernels_match_reference(N, tiled, mx_config, monkeypatch):
     """bf16 on the GPU, the words row-major or in either tiled layout (`mx_tile_words`, `mx_tile_bits`): the
-    `wgmma` kernels against dequantize-then-GEMM (`moe_experts`' reference, fp32) up to bf16 rounding of z and h,
-    and against the `mma.sync` Gluon kernels (the same decoded values, another summation order). 6 experts
-    choosing 4: N = 12 gives 48 rows, so experts of more than one tile and tiles cut short; D and I give every
-    ring at least twice its stages' K tiles (every mbarrier phase flips) and two 64-row blocks an expert."""
+    `wgmma` kernels (the launch is checked to take them) against dequantize-then-GEMM (`moe_experts`' reference,
+    fp32) up to bf16 rounding of z and h, and against the `mma.sync` Gluon kernels (the same decoded values,
+    another summation order). 6 experts choosing 4: N = 24 gives 96 rows, so experts of more than one 16-token
+    tile and tiles cut short; D and I give every ring at least twice its stages' K tiles (every mbarrier phase
+    flips) plus one, so both kernels' loops end in a partial round of their stages, and two 64-row blocks an
+    expert."""
     stages = max(mx_config[4]) if isinstance(mx_config[4], tuple) else mx_config[4]
-    D, I = 256 * max(4, 2 * stages + 1), 256 * max(3, 2 * stages)
+    D, I = 256 * max(4, 2 * stages + 1), 256 * (2 * stages + 1)
     z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _case(7, N, 4, 6, D, I)
     relay = {0: lambda w: w, 1: mx_tile_words, 2: mx_tile_bits}[tiled]
     words = [relay(w) for w in (w1, w3, w2)]
     y, y_mma = torch.full_like(z, float("nan")), torch.full_like(z, float("nan"))
+    taken, launches = [], moe.mx_wgmma_launches
+    monkeypatch.setattr(moe, "mx_wgmma_launches", lambda *a, **kw: taken.append(1) or launches(*a, **kw))
     moe.launch_moe_experts(z, wt, ids, *words, s1, s3, s2, y=y, mx_config=mx_config, tiled=tiled, **attrs)
+    assert taken == [1]
     moe.launch_moe_experts(z, wt, ids, *words, s1, s3, s2, y=y_mma, tiled=tiled, scale_max=123,
                            mx_config=(8, 32, 256, 2, 2, mx_config[5], None), **attrs)
     (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"},

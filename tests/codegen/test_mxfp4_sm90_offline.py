@@ -43,9 +43,9 @@ def static_cost(tmp_path_factory):
 
 
 def test_default_decode_config_is_compiled_here():
-    """Each kernel of the decode default below 4 rows per expert (the up kernel's loop unrolled by two, mode 2;
+    """Each kernel of the decode default below 8 rows per expert (the up kernel's loop unrolled by two, mode 2;
     batch 1 of 32 or 896 experts, batch 16 of 896) is one compiled here: its fields and its activation prefetch
-    mode; from 4 rows per expert the default is the `wgmma` kernels (run S)."""
+    mode; from 8 rows per expert the default is the `wgmma` kernels (run S)."""
     from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text, mx_default_config, mx_kernels
     from k3c.codegen.triton.moe_mxfp4_gluon import gl_act_ahead
 
@@ -56,7 +56,7 @@ def test_default_decode_config_is_compiled_here():
     assert small == mx_default_config(16, 32, 128)
     compiled = [kernels(mx_config_from_text(c)) for c in CONFIGS]
     assert kernels(small)[0] == compiled[3][0] and kernels(small)[1] == compiled[1][1]
-    # from 4 rows per expert the `wgmma` kernels, compiled by test_moe_mxfp4_wgmma.py's offline test
+    # from 8 rows per expert the `wgmma` kernels, compiled by test_moe_mxfp4_wgmma.py's offline test
     assert large == (16, 64, 256, 4, 2, False, None, (3, 3))
     # a card's own decode config: the H100 SXM's below 4 rows per expert; from there it keeps the default's
     assert kernels(mx_default_config(16, 896, 128, H100)) == compiled[4]

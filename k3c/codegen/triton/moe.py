@@ -22,7 +22,7 @@ moe_experts: grouped expert GEMMs over tokens sorted by expert, deterministic (n
   rows per expert: BLOCK_M = 16) streams the packed weights, prefill (BLOCK_M = 128) feeds the tensor cores.
   With bf16 activations on a GPU, 8- and 16-token decode tiles on 1-2 warps run the Gluon versions
   (k3c.codegen.triton.moe_mxfp4_gluon: num_stages 1 prefetches the next K tile's words in registers, ≥ 2 streams
-  them through a TMA ring in shared memory; `gluon_decode_ok`), and from 4 rows per expert the `wgmma` ones
+  them through a TMA ring in shared memory; `gluon_decode_ok`), and from 8 rows per expert the `wgmma` ones
   (k3c.codegen.triton.moe_mxfp4_wgmma: 16-token tiles, `wgmma_decode_ok`). Where D and I are multiples of 256
   (K3, K3.1 Pro, Kimi Linear) the artifact asks the runtime to re-lay the packed words at load in 4 KB tiles,
   each word's bits placed for the decoding (`moe_experts_layouts`: the `mxfp4_tiles_bits` layout of
@@ -321,8 +321,11 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     h = take_scratch(scratch, "h", (rows, I), z.dtype, z.device)
     if mx:
         # the card's name only when the default is asked for (torch caches the device's properties)
+        on_gpu = gluon is not False and z.dtype == torch.bfloat16 and z.is_cuda
+        sm90 = on_gpu and torch.cuda.get_device_capability(z.device)[0] == 9       # the `wgmma` kernels' GPUs
         cfg = mx_config or mx_default_config(rows, E, scale_max,
-                                             torch.cuda.get_device_name(z.device) if z.is_cuda else None)
+                                             torch.cuda.get_device_name(z.device) if z.is_cuda else None,
+                                             wgmma=sm90 and D % WG_BLOCK_K == 0 and I % WG_BLOCK_K == 0)
         (BR1, most1, *_), (BR2, most2, *_) = mx_kernels(cfg)
         BK1, BK2 = mx_block_k(D, most1), mx_block_k(I, most2)
         if mx_config is None:
@@ -332,8 +335,7 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         schedule = schedule or moe_schedule(ids, E, BLOCK_M)
         max_tiles = schedule[1].shape[0]
         fast = z.dtype == torch.bfloat16
-        on_gpu = gluon is not False and fast and z.is_cuda
-        if on_gpu and wgmma_decode_ok(cfg, D, I):
+        if sm90 and wgmma_decode_ok(cfg, D, I):
             # z in the schedule's row order, bf16 [N·k, D]: in y_slot's storage, dead before the down kernel writes it
             zs = y_slot.view(-1).view(torch.bfloat16)[:rows * D].view(rows, D)
             for launch in mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, mx_config=cfg,
@@ -485,18 +487,15 @@ def emit_moe_experts(group: KernelGroup) -> str:
     return _module(group, f"grouped expert GEMMs ({what})", consts,
                    [take_scratch, tanh_f32, glu, expert_tile, moe_up_kernel, moe_down_kernel, moe_sum_kernel,
                     mx_default_config, mx_even_unroll, mx_kernels, mx_mma_v2, mx_block_k, mx_permute, mx_permuted_col,
-                    mx_tiles_ok,
-                    mx_word_offset, mx_word_code,
-                    mxfp4_word_bf16, mxfp4_scale_bf16, mxfp4_scales, mxfp4_tile_bf16, mxfp4_tile_f32,
-                    mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel, moe_down_mx_kernel, _max_i32,
-                    moe_schedule_kernel, moe_schedule,
-                    gluon_decode_ok, gl_act_ahead, gl_layouts, gl_permute, gl_permuted_col, gl_axis_layout,
-                    gl_word_offsets, gl_act_offsets, gl_act_operand, gl_decoded_tile, gl_word_values_operand,
-                    gl_tile_rows, gl_words2d_layout,
+                    mx_tiles_ok, mx_word_offset, mx_word_code, mxfp4_word_bf16, mxfp4_scale_bf16, mxfp4_scales,
+                    mxfp4_tile_bf16, mxfp4_tile_f32, mxfp4_weight_tile, mx_act_tile, moe_up_mx_kernel,
+                    moe_down_mx_kernel, _max_i32, moe_schedule_kernel, moe_schedule, gluon_decode_ok, gl_act_ahead,
+                    gl_layouts, gl_permute, gl_permuted_col, gl_axis_layout, gl_word_offsets, gl_act_offsets,
+                    gl_act_operand, gl_decoded_tile, gl_word_values_operand, gl_tile_rows, gl_words2d_layout,
                     gl_word_descs, gl_stage_words, gl_tma_load_named, gl_tma_load, gl_ring_fill, gl_ring_refill,
-                    gl_ring_init, moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel,
-                    gl_reinterpret_named, gl_reinterpret, wgmma_decode_ok, wg_permuted_col, wg_gather_kernel,
-                    wg_act_desc, wg_word_desc, wg_stage_layouts, wg_ring_fill, wg_decoded_tile, wg_scale_offsets,
-                    wg_stage_piece, wg_layouts, wg_mma_piece, wg_scale_pair, wg_up_step, wg_down_step,
-                    moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel, mx_wgmma_launches],
+                    gl_ring_init, moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel, gl_reinterpret_named,
+                    gl_reinterpret, wgmma_decode_ok, wg_permuted_col, wg_gather_kernel, wg_act_desc, wg_word_desc,
+                    wg_stage_layouts, wg_ring_fill, wg_decoded_tile, wg_scale_offsets, wg_stage_piece, wg_layouts,
+                    wg_mma_piece, wg_scale_pair, wg_up_step, wg_down_step, moe_up_mx_wgmma_kernel,
+                    moe_down_mx_wgmma_kernel, mx_wgmma_launches],
                    launch_moe_experts, body)

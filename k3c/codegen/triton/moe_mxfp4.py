@@ -74,34 +74,31 @@ ONE_MUL_MAX_SCALE = 128
 MX_DECODE_BY_DEVICE = {"NVIDIA H100 80GB HBM3": (8, 32, 256, 2, (4, 2), False, (None, 80), (1, 0))}
 
 
-def mx_default_config(rows: int, E: int, scale_max: int = 255, device: str | None = None) -> tuple:
+def mx_default_config(rows: int, E: int, scale_max: int = 255, device: str | None = None,
+                      wgmma: bool = True) -> tuple:
     """`launch_moe_experts`' MXFP4 configuration (BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls,
-    maxnreg; an optional 8th field, the Gluon kernels' activation prefetch modes `gl_act_ahead`; BLOCK_R,
-    BLOCK_K, num_warps, num_stages and maxnreg may be (up, down) pairs, `mx_kernels`) for `rows`
-    (token, slot) pairs over E experts whose scale bytes are at most `scale_max` (the `moe_experts` node's
-    checkpoint fact; 255: unknown) on the CUDA device named `device` (None: any): the card's own entry of
-    `MX_DECODE_BY_DEVICE` where it has one for the case, else the best measured on the H200 (BENCHMARKS.md
-    "MXFP4 rounds (mx26)" and "(mx27)", benchmarks/bench_moe_mxfp4.py, benchmarks/mx_tma_probe.py). One multiply,
-    < 16 rows per expert on average (batch 1; batch 16 of 896 or of 32 experts): 8-row tiles, 32 weight rows on 2 warps
-    (`mma.sync`, `mx_mma_v2`), 2 stages: on the GPU the Gluon kernels with the words streamed by a 2-stage TMA
-    ring, the down kernel capped at 80 registers (maxnreg (up, down) = (None, 80)). Its two kernels were measured in
-    mx27's probe (their K loops are the probe's instruction for instruction on the device's Triton): at batch 1 of
-    32 experts up 60.2 us (activations one tile ahead) + down 29.3 us (capped) against 62.8 + 35.7 for mx23's
-    register prefetch (num_stages 1); at batch 16 of 32 experts 151.9 + 78.7 against 152.9 + 85.6, of 896 818.8 +
-    404.3 against 831.7 + 434.2; deeper rings, 16-row weight blocks and 16-token tiles were slower. The up
-    kernel's activations are prefetched with its K loop unrolled by two (`gl_act_ahead` mode 2; the launcher
-    takes mode 1 where the K tiles over D are odd, `mx_even_unroll`): from 4 rows per expert on since run L
-    (mx_round: batch 16 of 32 experts up 145.1 against 152.4 us), at every decode batch since the words' bits are
-    placed for the decoding (`mxfp4_tiles_bits`; BENCHMARKS.md "MXFP4 round, run Q", H200, batch 1 of 32 experts:
-    up 51.4 against 56.3 us for mode 1; the unrolled loop then takes 155 registers, 6 CTAs an SM, faster so than
-    capped at 128). From 4 rows per expert (batch 16 of the end-to-end benchmark's 32 experts: 8) the `wgmma`
-    kernels (k3c.codegen.triton.moe_mxfp4_wgmma: 16-token tiles of 64 rows on 4 warps, activations staged by a
-    2-stage TMA ring; activation modes (3, 3)), which decode an expert's 9-16 tokens once where 8-token `mma.sync`
-    tiles decode it twice (BENCHMARKS.md "MXFP4 round, run S", H200, same call: the expert kernels of 3 layers
-    0.567 against 0.604 ms, the expert bytes read at 70.8 against 66.4 % of 4.2 TB/s; slower below 4 rows per
-    expert). Two multiplies:
-    8-row tiles, 64 rows, 3 stages below 4 rows per expert, then 16-row tiles of the Triton kernels (Triton's own
-    `wgmma`; the `wgmma` kernels above were not timed with two multiplies). < 64 rows per expert
+    maxnreg; an optional 8th field, the Gluon kernels' activation modes, `gl_act_ahead`; BLOCK_R, BLOCK_K,
+    num_warps, num_stages and maxnreg may be (up, down) pairs, `mx_kernels`) for `rows` (token, slot) pairs over E
+    experts whose scale bytes are at most `scale_max` (the `moe_experts` node's checkpoint fact; 255: unknown) on
+    the CUDA device named `device` (None: any); wgmma: whether the launch can take the `wgmma` decode kernels
+    (k3c.codegen.triton.moe_mxfp4_wgmma: bf16 on an sm_90 GPU, D and I multiples of 256; the launcher says).
+    One multiply, < 16 rows per expert on average (decode):
+    - < 8 rows per expert (batch 1 of 32 or 896 experts, batch 16 of 896): the card's own entry of
+      `MX_DECODE_BY_DEVICE` below 4 rows per expert where it has one, else 8-token tiles of 32 weight rows on 2
+      warps (`mma.sync`, the Gluon kernels of k3c.codegen.triton.moe_mxfp4_gluon), the words streamed by a 2-stage
+      TMA ring, the down kernel capped at 80 registers, the up kernel's K loop unrolled by two with its activations
+      one tile ahead (`gl_act_ahead` mode 2; `mx_even_unroll` takes mode 1 over an odd count of K tiles). Measured
+      on the H200: mx27's ring (BENCHMARKS.md "MXFP4 round (mx27)"), run Q's placed bits with the unrolled loop
+      (batch 1 of 32 experts: up 51.4 against 56.3 us for mode 1; 155 registers, 6 CTAs an SM, faster so than
+      capped at 128).
+    - from 8 rows per expert (batch 16 of the end-to-end benchmark's 32 experts), where wgmma: the `wgmma` kernels,
+      16-token tiles of 64 rows on 4 warps, activations staged by the 2-stage TMA ring (modes (3, 3)), which
+      decode an expert's 9-16 tokens once where 8-token tiles decode it twice (BENCHMARKS.md "MXFP4 round, run S",
+      H200, same call: the expert kernels of 3 layers 0.567 against 0.604 ms, the expert bytes read at 70.8
+      against 66.4 % of 4.2 TB/s). At one token an expert their kernels took 4-9 % longer (H100); between 1 and 8
+      rows per expert nothing was timed, so the `mma.sync` kernels keep that range.
+    Two multiplies: 8-row tiles, 64 rows, 3 stages below 4 rows per expert, then 16-row tiles of the Triton kernels
+    (Triton's own `wgmma`; the `wgmma` kernels above were not timed with two multiplies). < 64 rows per expert
     (measured at 32, batch 64 of 32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there):
     32-row tiles; prefill: 128 × 128 tiles. two_muls (exact for every E8M0 scale) unless scale_max ≤
     ONE_MUL_MAX_SCALE, where the one-multiply decoding is exact too (4-6 % less time with 16-row tiles)."""
@@ -110,7 +107,9 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255, device: str | Non
     if tuned:
         return tuned
     if not two and rows < 16 * E:
-        return (8, 32, 256, 2, 2, two, (None, 80), (2, 0)) if rows < 4 * E else (16, 64, 256, 4, 2, two, None, (3, 3))
+        if rows < 8 * E or not wgmma:
+            return (8, 32, 256, 2, 2, two, (None, 80), (2, 0))
+        return (16, 64, 256, 4, 2, two, None, (3, 3))
     if rows < 4 * E:
         return (8, 64, 256, 2, 3, two, None)
     if rows < 16 * E:

@@ -4,19 +4,20 @@ into `wgmma`'s register A operand, and both operands stream through one TMA ring
 Why: with 8 tokens an expert (batch 16 of 32 experts choosing 16) the `mma.sync` kernels
 (k3c.codegen.triton.moe_mxfp4_gluon) are bound by the decoding's compute, not by HBM: their 8-token tiles decode
 the experts with more than 8 tokens twice (43 tiles for 32 experts), and a 16-token `mma.sync` tile holds its
-activations in registers, which costs it its occupancy (BENCHMARKS.md "MXFP4 round, run P": compute alone 97 us
-for 43 `mma.sync` tiles against 82 us for 32 `wgmma` tiles of 16 tokens). Here the activations are `wgmma`'s B
-operand, read from shared memory, so a 16-token tile costs no more registers than an 8-token one. Measured in
-"MXFP4 round, run S" (H200): the expert kernels 6 % faster end to end at batch 16 of 32 experts; slower at one
-token an expert, where the `mma.sync` kernels stay the default (`mx_default_config`).
+activations in registers, which costs it its occupancy (BENCHMARKS.md "MXFP4 round, run Q": compute alone 97 us
+for 43 `mma.sync` tiles against 82 us for 32 `wgmma` tiles of 16 tokens, probes with constant activations). Here
+the activations are `wgmma`'s B operand, read from shared memory, so a 16-token tile costs no more registers than
+an 8-token one. Measured in "MXFP4 round, run S": the expert kernels 6 % faster end to end at batch 16 of 32
+experts (H200); 4-9 % slower at one token an expert (H100), where the `mma.sync` kernels stay the default
+(`mx_default_config`: these from 8 rows per expert).
 
 A CTA (4 warps, one warpgroup) takes one tile of BLOCK_M ≤ 16 token rows of one expert (the launch's tile
 schedule, `moe_schedule`) and 64 weight rows. Each K tile of 256 values is one stage of a TMA ring
 (`wg_ring_fill`): one copy a matrix of the tile's packed words ([64 rows, 32 words]; in the runtime's tiled
 layouts a 3-D box of two 32-row tiles, `wg_word_desc`) and one copy of its activations, [BLOCK_M, 256] bf16 of the
 rows the tile schedule sorted by expert (a 3-D box of four 128-byte column blocks, `wg_act_desc`). The up
-kernel's activations are z gathered into that order first (`wg_gather_kernel`, one launch, into the down
-kernel's output buffer, dead until then: `mx_wgmma_launches`); the rows of h are already in it. A stage is
+kernel's activations are z gathered into that order first (`wg_gather_kernel`, one launch; `launch_moe_experts`
+gives it the down kernel's output buffer, dead until then); the rows of h are already in it. A stage is
 decoded in two pieces of 128 values a matrix (`wg_decoded_tile`, the `mma.sync` kernels' `mxfp4_word_bf16`:
 bitwise the same values), each piece one asynchronous `wgmma` with one left in flight while the next piece is
 decoded (`wg_mma_piece`; run P: 89 us compute alone against 96 for one [64, 256] `wgmma` a matrix). A stage is
@@ -31,11 +32,12 @@ inverse; each 32-bit register of the fragment holds codes c and c + 4, as `mxfp4
 activations are stored in that order (`wg_permute`, `wg_gather_kernel`; the up kernel writes h in it), so a
 stage is the B operand as it is.
 
-Scope: bf16 activations on sm_90, token tiles of 8 or 16 rows, 4 warps and 64 weight rows a CTA, K tiles of 256,
-a ring of 2 or more stages, D and I multiples of 256 (`wgmma_decode_ok`); an mx_config's activation modes (3, 3)
-name this path (the activations staged by the ring). Public API: `wgmma_decode_ok`, `WG_ROWS`, `WG_BLOCK_K`,
-`WG_ACT_MODES`, `wg_permute`, `wg_act_desc`, `wg_word_desc`, `mx_wgmma_launches`, the jit helpers (pasted into
-the emitted modules), `wg_gather_kernel`, `moe_up_mx_wgmma_kernel`, `moe_down_mx_wgmma_kernel`."""
+Scope: bf16 activations on sm_90 (`wgmma` is Hopper's; the launcher checks the GPU), token tiles of 8 or 16 rows,
+4 warps and 64 weight rows a CTA, K tiles of 256, a ring of 2 to 4 stages, D and I multiples of 256
+(`wgmma_decode_ok`); an mx_config's activation modes (3, 3) name this path (the activations staged by the ring).
+Public API: `wgmma_decode_ok`, `WG_ROWS`, `WG_BLOCK_K`, `WG_ACT_MODES`, `wg_permute`, `wg_act_desc`,
+`wg_word_desc`, `mx_wgmma_launches`, the jit helpers (pasted into the emitted modules), `wg_gather_kernel`,
+`moe_up_mx_wgmma_kernel`, `moe_down_mx_wgmma_kernel`."""
 
 from __future__ import annotations
 
@@ -62,12 +64,13 @@ WG_ACT_MODES = (3, 3)
 def wgmma_decode_ok(mx_config: tuple, D: int, I: int) -> bool:
     """Whether these kernels take a bf16 MXFP4 launch with `mx_config` (`mx_default_config`'s fields; the 8th, the
     activation prefetch modes, (3, 3)) over latent D and expert inner I: 8- or 16-token tiles and, for each
-    kernel, 64 weight rows on 4 warps, K tiles of 256 (the configured largest K tile 256), a ring of at least 2
-    stages, D and I multiples of 256."""
+    kernel, 64 weight rows on 4 warps, K tiles of 256 (the configured largest K tile 256), a ring of 2 to 4 stages
+    (the tested ones; 4 take 96 KB of shared memory in the up kernel), D and I multiples of 256. The GPU (sm_90)
+    is the launcher's to check."""
     if len(mx_config) < 8 or mx_config[7] is None or tuple(mx_config[7]) != WG_ACT_MODES:
         return False
     return mx_config[0] in (8, 16) and D % WG_BLOCK_K == 0 and I % WG_BLOCK_K == 0 and all(
-        block_r == WG_ROWS and most == WG_BLOCK_K and warps == 4 and stages >= 2
+        block_r == WG_ROWS and most == WG_BLOCK_K and warps == 4 and 2 <= stages <= 4
         for block_r, most, warps, stages, _ in mx_kernels(mx_config))
 
 
@@ -355,6 +358,7 @@ def moe_down_mx_wgmma_kernel(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_expert
         offs_n = n0 + gl.arange(0, 64, gl.SliceLayout(1, ACC))
         gl.store(y_slot_ptr + gl.expand_dims(slot * D, 0) + gl.expand_dims(offs_n, 1), acc * gl.expand_dims(weight, 0),
                  mask=gl.expand_dims(m_ok, 0))
+
 
 def mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, *, mx_config, K, act, situ_beta,
                       situ_linear_beta, tiled):
