@@ -115,7 +115,7 @@ for kernel in (moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel):
     loop = collections.Counter(i.split()[1] if i.startswith("@") else i.split()[0] for a, i in code
                                if back[0] <= a <= back[1])
     out[kernel.__name__] = dict(resources(k.asm["cubin"]), hgmma=loop["HGMMA.64x16x16.F32.BF16"] / 2,
-                                tma=loop["UTMALDG.3D"] / 2)
+                                tma=loop["UTMALDG.3D"] / 2, instructions=sum(loop.values()) / 2)
 print(json.dumps(out))
 """
     from k3c.codegen.triton.moe_mxfp4 import mx_default_config
@@ -129,6 +129,7 @@ print(json.dumps(out))
 
     got = json.loads(run.stdout.strip().splitlines()[-1])
     up, down = got["moe_up_mx_wgmma_kernel"], got["moe_down_mx_wgmma_kernel"]
+    print(got)      # registers, and instructions a K tile (BENCHMARKS.md "MXFP4 round, run S"; pytest -s)
     assert up["LOCAL"] == 0 and down["LOCAL"] == 0
     assert (up["hgmma"], up["tma"], down["hgmma"], down["tma"]) == (32, 3, 16, 2), got
 

@@ -253,6 +253,17 @@ def wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow, it,
 
 
 @gluon.jit
+def wg_cta_rows(tile_row0_ptr, e, R: gl.constexpr, KDIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """A CTA's rows, for expert e of schedule tile program 0: (the tile's first sorted row; the CTA's first
+    global weight row e·R + 64·program 1 of a matrix of R rows; its rows' scale-byte offsets over KDIM columns,
+    `wg_scale_offsets`)."""
+    SL: gl.constexpr = wg_layouts(BLOCK_M)[1]
+    r0 = gl.program_id(1) * 64
+    arow = gl.load(tile_row0_ptr + gl.program_id(0)).to(gl.int32)
+    return arow, (e * R + r0).to(gl.int32), wg_scale_offsets(e.to(gl.int64) * R + r0, KDIM, SL)
+
+
+@gluon.jit
 def moe_up_mx_wgmma_kernel(zs, w1, w3, s1_ptr, s3_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr,
                            SITU_BETA, SITU_LINEAR_BETA, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
                            ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -264,16 +275,11 @@ def moe_up_mx_wgmma_kernel(zs, w1, w3, s1_ptr, s3_ptr, tile_expert_ptr, tile_row
     `mxfp4_tiles`, 2 `mxfp4_tiles_bits`."""
     NT: gl.constexpr = D // 256
     WL: gl.constexpr = wg_layouts(BLOCK_M)[0]
-    SL: gl.constexpr = wg_layouts(BLOCK_M)[1]
     ACC: gl.constexpr = wg_layouts(BLOCK_M)[2]
     AL: gl.constexpr = wg_layouts(BLOCK_M)[3]
-    tile = gl.program_id(0)
-    e = gl.load(tile_expert_ptr + tile)
+    e = gl.load(tile_expert_ptr + gl.program_id(0))
     if e < E:
-        arow = gl.load(tile_row0_ptr + tile).to(gl.int32)
-        i0 = gl.program_id(1) * 64
-        row = (e * I + i0).to(gl.int32)
-        soff = wg_scale_offsets(e.to(gl.int64) * I + i0, D, SL)
+        arow, row, soff = wg_cta_rows(tile_row0_ptr, e, I, D, BLOCK_M)
         r1 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
         r3 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
         ra = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 256], wg_stage_layouts()[1])
@@ -295,8 +301,9 @@ def moe_up_mx_wgmma_kernel(zs, w1, w3, s1_ptr, s3_ptr, tile_expert_ptr, tile_row
                                              STAGES, TWO_MULS, TILED, WL, AL)
         gate, up = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(gate, up))
         h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
-        col = wg_permuted_col(i0 + gl.arange(0, 64, gl.SliceLayout(1, ACC)))
-        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, ACC))
+        col = wg_permuted_col(gl.program_id(1) * 64 + gl.arange(0, 64, gl.SliceLayout(1, ACC)))
+        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, gl.program_id(0), BLOCK_M,
+                                    gl.SliceLayout(0, ACC))
         gl.store(hp_ptr + gl.expand_dims(offs_m.to(gl.int64) * I, 0) + gl.expand_dims(col, 1),
                  h.to(hp_ptr.dtype.element_ty), mask=gl.expand_dims(m_ok, 0))
 
@@ -326,16 +333,11 @@ def moe_down_mx_wgmma_kernel(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_expert
     w2: TMA descriptor of the i32 words [E, D, I/8] as the up kernel's w1; s2 u8 [E, D, I/32]."""
     NT: gl.constexpr = I // 256
     WL: gl.constexpr = wg_layouts(BLOCK_M)[0]
-    SL: gl.constexpr = wg_layouts(BLOCK_M)[1]
     ACC: gl.constexpr = wg_layouts(BLOCK_M)[2]
     AL: gl.constexpr = wg_layouts(BLOCK_M)[3]
-    tile = gl.program_id(0)
-    e = gl.load(tile_expert_ptr + tile)
+    e = gl.load(tile_expert_ptr + gl.program_id(0))
     if e < E:
-        arow = gl.load(tile_row0_ptr + tile).to(gl.int32)
-        n0 = gl.program_id(1) * 64
-        row = (e * D + n0).to(gl.int32)
-        soff = wg_scale_offsets(e.to(gl.int64) * D + n0, I, SL)
+        arow, row, soff = wg_cta_rows(tile_row0_ptr, e, D, I, BLOCK_M)
         r2 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
         ra = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 256], wg_stage_layouts()[1])
         bar = gl_ring_init(STAGES)
@@ -352,10 +354,11 @@ def moe_down_mx_wgmma_kernel(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_expert
             acc, a, n2 = wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, NT - NT % STAGES + u, u,
                                       (NT // STAGES) & 1, acc, a, n2, NT, STAGES, TWO_MULS, TILED, WL, AL)
         acc = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(acc,))
-        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BLOCK_M, gl.SliceLayout(0, ACC))
+        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, gl.program_id(0), BLOCK_M,
+                                    gl.SliceLayout(0, ACC))
         slot = gl.load(order_ptr + offs_m, mask=m_ok, other=0)
         weight = gl.load(weights_ptr + slot, mask=m_ok, other=0.0)
-        offs_n = n0 + gl.arange(0, 64, gl.SliceLayout(1, ACC))
+        offs_n = gl.program_id(1) * 64 + gl.arange(0, 64, gl.SliceLayout(1, ACC))
         gl.store(y_slot_ptr + gl.expand_dims(slot * D, 0) + gl.expand_dims(offs_n, 1), acc * gl.expand_dims(weight, 0),
                  mask=gl.expand_dims(m_ok, 0))
 
