@@ -36,7 +36,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 from k3c.codegen.triton.moe import launch_moe_experts, moe_schedule  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text, mx_default_config  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import gl_permute  # noqa: E402
-from k3c.codegen.triton.moe_mxfp4_wgmma import mx_wgmma_launches, wgmma_decode_ok  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4_wgmma import wgmma_decode_ok  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4_wgmma_ws import mx_wgmma_launches  # noqa: E402
 from mx_tma_probe import ACT, D, HBM, I, K, ExpertsOp, parse_variant  # noqa: E402
 
 DEFAULT_KERNELS = "8,32,2,2,0,0,80,tb"
@@ -68,6 +69,8 @@ def kernel_rows(a, res, save):
         for N in map(int, a.batches.split(",")):
             z = (torch.randn(N, D, device=dev, generator=gen) * 0.5).to(torch.bfloat16)
             ids = torch.rand(N, E, device=dev, generator=gen).argsort(-1)[:, :K].contiguous()
+            if a.resident:
+                ids = torch.zeros_like(ids)
             wt = torch.rand(N, K, device=dev, generator=gen)
             nbytes = int(torch.unique(ids).numel()) * per_expert
             up_bytes = nbytes * 2 // 3
@@ -87,7 +90,7 @@ def kernel_rows(a, res, save):
                 def op():
                     launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, mx_config=cfg, schedule=sched,
                                        tiled=2, **ACT)
-                row = {"E": E, "N": N, "variant": spec, "mx_config": repr(cfg)}
+                row = {"E": E, "N": N, "variant": spec, "mx_config": repr(cfg), "resident": a.resident}
                 try:
                     op()
                     torch.cuda.synchronize()
@@ -128,6 +131,8 @@ def main():
     ap.add_argument("--experts", default="32,896")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--variants", default="16,64,256,4,2,0,0,3/3;8,64,256,4,2,0,0,3/3;16,64,256,4,3,0,0,3/3")
+    ap.add_argument("--resident", action="store_true",
+                    help="every (token, slot) routed to expert 0: its bytes stay in L2, the times are the decoding's")
     ap.add_argument("--e2e", default=None, metavar="MX_CONFIG", help="the decode default from 4 rows an expert")
     ap.add_argument("--e2e-seconds", type=float, default=280)
     ap.add_argument("--scratch", default="/tmp", help="where --e2e's patched copy of the checkout goes")

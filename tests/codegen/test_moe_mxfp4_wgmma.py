@@ -19,7 +19,7 @@ from k3c.ir.ops import get_op
 from k3c.runtime.layouts import mx_tile_bits, mx_tile_words
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-WG = (16, 64, 256, 4, 2, False, None, (3, 3))
+WG = (16, 64, 256, 4, (2, 3), False, None, (3, 3))
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def test_the_decode_default_takes_them_from_8_rows_per_expert_where_the_launch_c
 
 def test_configs_that_select_the_wgmma_kernels():
     """Activation modes (3, 3) select these kernels where the rest fits them, and never the `mma.sync` ones."""
-    assert mx_config_from_text("16,64,256,4,2,0,0,3/3") == WG
+    assert mx_config_from_text("16,64,256,4,2/3,0,0,3/3") == WG
     with pytest.raises(ValueError, match="or 3/3"):
         mx_config_from_text("16,64,256,4,2,0,0,3/0")
     assert wgmma_decode_ok(WG, 3584, 3072) and wgmma_decode_ok((8, 64, 256, 4, (2, 3), True, 96, (3, 3)), 512, 768)
@@ -88,10 +88,11 @@ def test_configs_that_select_the_wgmma_kernels():
 
 def test_wgmma_kernels_compile_for_sm90():
     """Both kernels compiled for sm_90a in a process without the interpreter (k3c.codegen.triton.offline), as the
-    decode default from 8 rows per expert runs them (`mx_default_config`: 16-token tiles on a 2-stage ring, one
-    multiply) over `mxfp4_tiles_bits`: no spills; the K loop unrolled by the ring's 2 stages, and
-    per K tile one `HGMMA` 64x16x16 per k16 step of each matrix (up 2 × 16, down 16) and the ring's refill, one
-    3-D TMA copy for each matrix's words and one for the activations (`UTMALDG.3D`: up 3, down 2)."""
+    decode default from 8 rows per expert runs them (`mx_default_config`: 16-token tiles, one multiply, the up
+    kernel's ring of 2 stages, the down kernel's of 3) over `mxfp4_tiles_bits`: no spills; the K loop unrolled by
+    its ring's stages, and per K tile one `HGMMA` 64x16x16 per k16 step of each matrix (up 2 × 16, down 16) and
+    the ring's refill, one 3-D TMA copy for each matrix's words and one for the activations (`UTMALDG.3D`: up 3,
+    down 2)."""
     code = r"""
 import collections, json, torch
 from triton.runtime.jit import mangle_type
@@ -104,7 +105,8 @@ types = {"zs": ad, "hs": ad, "w1": wd, "w3": wd, "w2": wd, "hp_ptr": "*bf16", "w
          "y_slot_ptr": "*fp32", "SITU_BETA": "fp32", "SITU_LINEAR_BETA": "fp32"}
 out = {}
 for kernel in (moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel):
-    cx = {k: v for k, v in dict(E=32, D=3584, I=3072, ACT_SITU=True, TWO_MULS=False, BLOCK_M=16, STAGES=2,
+    stages = 2 if kernel is moe_up_mx_wgmma_kernel else 3
+    cx = {k: v for k, v in dict(E=32, D=3584, I=3072, ACT_SITU=True, TWO_MULS=False, BLOCK_M=16, STAGES=stages,
                                 TILED=2).items() if k in kernel.arg_names}
     sig = {n: types.get(n, "*i64" if n.startswith("tile") or n == "order_ptr" else "*u8")
            for n in kernel.arg_names if n not in cx}
@@ -114,8 +116,8 @@ for kernel in (moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel):
     back = max((b for b in branches if b[0] < b[1]), key=lambda b: b[1] - b[0])     # the K loop: the longest
     loop = collections.Counter(i.split()[1] if i.startswith("@") else i.split()[0] for a, i in code
                                if back[0] <= a <= back[1])
-    out[kernel.__name__] = dict(resources(k.asm["cubin"]), hgmma=loop["HGMMA.64x16x16.F32.BF16"] / 2,
-                                tma=loop["UTMALDG.3D"] / 2, instructions=sum(loop.values()) / 2)
+    out[kernel.__name__] = dict(resources(k.asm["cubin"]), hgmma=loop["HGMMA.64x16x16.F32.BF16"] / stages,
+                                tma=loop["UTMALDG.3D"] / stages, instructions=sum(loop.values()) / stages)
 print(json.dumps(out))
 """
     from k3c.codegen.triton.moe_mxfp4 import mx_default_config
@@ -152,7 +154,11 @@ def _case(seed, N, k, E, D, I, scales=(118, 124)):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mx_config", [WG, (8, 64, 256, 4, 2, True, None, (3, 3)),
                                        (16, 64, 256, 4, 3, False, None, (3, 3)),
-                                       (16, 64, 256, 4, (2, 4), True, None, (3, 3))])
+                                       (16, 64, 256, 4, (2, 4), True, None, (3, 3)),
+                                       (16, 64, 256, 4, 2, False, None, (4, 4)),
+                                       (8, 64, 256, 4, 2, True, None, (4, 4)),
+                                       (16, 64, 256, 4, 3, False, None, (4, 4)),
+                                       (16, 64, 256, 4, (2, 4), True, None, (4, 4))])
 @pytest.mark.parametrize("tiled", [0, 1, 2])
 @pytest.mark.parametrize("N", [1, 5, 24])
 def test_wgmma_kernels_match_reference(N, tiled, mx_config, monkeypatch):

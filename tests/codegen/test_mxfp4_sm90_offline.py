@@ -57,7 +57,7 @@ def test_default_decode_config_is_compiled_here():
     compiled = [kernels(mx_config_from_text(c)) for c in CONFIGS]
     assert kernels(small)[0] == compiled[3][0] and kernels(small)[1] == compiled[1][1]
     # from 8 rows per expert the `wgmma` kernels, compiled by test_moe_mxfp4_wgmma.py's offline test
-    assert large == (16, 64, 256, 4, 2, False, None, (3, 3))
+    assert large == (16, 64, 256, 4, (2, 3), False, None, (3, 3))
     # a card's own decode config: the H100 SXM's below 4 rows per expert; from there it keeps the default's
     assert kernels(mx_default_config(16, 896, 128, H100)) == compiled[4]
     assert mx_default_config(16 * 16, 32, 128, H100) == large
@@ -169,7 +169,7 @@ def test_emitted_module_kernels_compile(tmp_path):
 MMA_KIND = """
 import json, sys
 from k3c.codegen.triton.moe_mxfp4 import (moe_down_mx_kernel, moe_up_mx_kernel, mx_block_k, mx_default_config,
-                                         mx_mma_v2)
+                                         mx_kernels, mx_mma_v2)
 from k3c.codegen.triton.offline import compile_for, sass
 D, I, K = 3584, 3072, 16
 ptr = dict(zp_ptr="*bf16", hp_ptr="*bf16", w1_ptr="*i32", w3_ptr="*i32", w2_ptr="*i32", s1_ptr="*u8", s3_ptr="*u8",
@@ -177,17 +177,19 @@ ptr = dict(zp_ptr="*bf16", hp_ptr="*bf16", w1_ptr="*i32", w3_ptr="*i32", w2_ptr=
            weights_ptr="*fp32", y_slot_ptr="*fp32", SITU_BETA="fp32", SITU_LINEAR_BETA="fp32")
 out = {}
 for rows, E in json.loads(sys.argv[1]):
-    bm, br, most_k, warps, stages, two, maxnreg = mx_default_config(rows, E, 128)[:7]
+    config = mx_default_config(rows, E, 128)
+    bm, br, most_k, warps, _, two, maxnreg = config[:7]
+    stages = [kernel[3] for kernel in mx_kernels(config)]           # (up, down)
     common = dict(E=E, D=D, I=I, FAST=True, TWO_MULS=two, BLOCK_M=bm, BLOCK_R=br, BLOCK_K2=mx_block_k(I, most_k),
                   DOT_PRECISION="tf32", V2=mx_mma_v2(warps))
     kinds, wide = [], []
     caps = maxnreg if isinstance(maxnreg, tuple) else (maxnreg, maxnreg)
     for tiled in (0, 2):        # row-major words, and the session's: tiles, bits placed
-        for cap, kernel, consts in ((caps[0], moe_up_mx_kernel, dict(common, K=K, ACT_SITU=True,
-                                                                     V2_H=mx_mma_v2(warps),
-                                                                     BLOCK_D=mx_block_k(D, most_k))),
-                                    (caps[1], moe_down_mx_kernel, common)):
-            c = compile_for(kernel, ptr, dict(consts, TILED=tiled), num_warps=warps, num_stages=stages, maxnreg=cap)
+        for cap, n, kernel, consts in ((caps[0], stages[0], moe_up_mx_kernel,
+                                        dict(common, K=K, ACT_SITU=True, V2_H=mx_mma_v2(warps),
+                                             BLOCK_D=mx_block_k(D, most_k))),
+                                       (caps[1], stages[1], moe_down_mx_kernel, common)):
+            c = compile_for(kernel, ptr, dict(consts, TILED=tiled), num_warps=warps, num_stages=n, maxnreg=cap)
             ops = [ins.split()[0] for _, ins in sass(c.asm["cubin"])]
             kinds.append(sorted({o.split(".")[0] for o in ops} & {"HMMA", "HGMMA"}))
             wide.append(sum(o.startswith(("LDG.E.128", "LDGSTS.E.BYPASS.128")) for o in ops))

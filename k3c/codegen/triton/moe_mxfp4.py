@@ -109,7 +109,7 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255, device: str | Non
     if not two and rows < 16 * E:
         if rows < 8 * E or not wgmma:
             return (8, 32, 256, 2, 2, two, (None, 80), (2, 0))
-        return (16, 64, 256, 4, 2, two, None, (3, 3))
+        return (16, 64, 256, 4, (2, 3), two, None, (3, 3))
     if rows < 4 * E:
         return (8, 64, 256, 2, 3, two, None)
     if rows < 16 * E:
@@ -140,7 +140,7 @@ def mx_config_from_text(text: str) -> tuple:
             raise ValueError
         v = [tuple(int(x) for x in field.split("/")) for field in f]
         if any(len(x) not in (1, 2) for x in v) or len(v[0]) > 1 or len(v[5]) > 1 or \
-                len(f) == 8 and (len(v[7]) != 2 or not (set(v[7]) <= {0, 1, 2} or v[7] == (3, 3))):
+                len(f) == 8 and (len(v[7]) != 2 or not (set(v[7]) <= {0, 1, 2} or set(v[7]) <= {3, 4})):
             raise ValueError
     except ValueError:
         raise ValueError(f"{text!r}: expected BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg[,act] (7 "

@@ -67,7 +67,7 @@ def wgmma_decode_ok(mx_config: tuple, D: int, I: int) -> bool:
     kernel, 64 weight rows on 4 warps, K tiles of 256 (the configured largest K tile 256), a ring of 2 to 4 stages
     (the tested ones; 4 take 96 KB of shared memory in the up kernel), D and I multiples of 256. The GPU (sm_90)
     is the launcher's to check."""
-    if len(mx_config) < 8 or mx_config[7] is None or tuple(mx_config[7]) != WG_ACT_MODES:
+    if len(mx_config) < 8 or mx_config[7] is None or not set(mx_config[7]) <= {3, 4}:
         return False
     return mx_config[0] in (8, 16) and D % WG_BLOCK_K == 0 and I % WG_BLOCK_K == 0 and all(
         block_r == WG_ROWS and most == WG_BLOCK_K and warps == 4 and 2 <= stages <= 4
@@ -240,12 +240,12 @@ def wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow, it,
     stages, so each `wgmma`'s shared-memory descriptors are too): the next tile's scale bytes loaded, gate's and
     up's two pieces (`wg_mma_piece`), and once the first has retired the previous tile's `wgmma`s, tile
     it + STAGES − 1 into the stage they read. Returns (gate, up, a, n1, n3)."""
-    c1, c3 = n1, n3
-    n1, n3 = wg_scale_pair(s1_ptr, soff, it + 1, NT), wg_scale_pair(s3_ptr, soff, it + 1, NT)
     gl.nvidia.hopper.mbarrier.wait(bar.index(stage), phase)
-    gate, up, a = wg_mma_piece(r1, stage, 0, c1[0], ra, gate, up, a, TWO_MULS, TILED, WL, AL)
+    gate, up, a = wg_mma_piece(r1, stage, 0, n1[0], ra, gate, up, a, TWO_MULS, TILED, WL, AL)
     wg_ring_fill(w1, w3, zs, r1, r3, ra, bar, row, arow, it + STAGES - 1, (stage + STAGES - 1) % STAGES, NT, True,
                  TILED)
+    c1, c3 = n1, n3                 # the next tile's scale bytes, loaded behind the refill's fence
+    n1, n3 = wg_scale_pair(s1_ptr, soff, it + 1, NT), wg_scale_pair(s3_ptr, soff, it + 1, NT)
     gate, up, a = wg_mma_piece(r1, stage, 1, c1[1], ra, gate, up, a, TWO_MULS, TILED, WL, AL)
     up, gate, a = wg_mma_piece(r3, stage, 0, c3[0], ra, up, gate, a, TWO_MULS, TILED, WL, AL)
     up, gate, a = wg_mma_piece(r3, stage, 1, c3[1], ra, up, gate, a, TWO_MULS, TILED, WL, AL)
@@ -313,12 +313,12 @@ def wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, it, stage: gl.con
                  NT: gl.constexpr, STAGES: gl.constexpr, TWO_MULS: gl.constexpr, TILED: gl.constexpr,
                  WL: gl.constexpr, AL: gl.constexpr):
     """The down kernel's K tile `it`, as `wg_up_step` for one matrix. Returns (acc, a, n2)."""
-    c2 = n2
-    n2 = wg_scale_pair(s2_ptr, soff, it + 1, NT)
     gl.nvidia.hopper.mbarrier.wait(bar.index(stage), phase)
-    acc, _, a = wg_mma_piece(r2, stage, 0, c2[0], ra, acc, a, a, TWO_MULS, TILED, WL, AL, False)
+    acc, _, a = wg_mma_piece(r2, stage, 0, n2[0], ra, acc, a, a, TWO_MULS, TILED, WL, AL, False)
     wg_ring_fill(w2, w2, hs, r2, r2, ra, bar, row, arow, it + STAGES - 1, (stage + STAGES - 1) % STAGES, NT, False,
                  TILED)
+    c2 = n2
+    n2 = wg_scale_pair(s2_ptr, soff, it + 1, NT)
     acc, _, a = wg_mma_piece(r2, stage, 1, c2[1], ra, acc, a, a, TWO_MULS, TILED, WL, AL, False)
     return acc, a, n2
 
@@ -361,37 +361,3 @@ def moe_down_mx_wgmma_kernel(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_expert
         offs_n = gl.program_id(1) * 64 + gl.arange(0, 64, gl.SliceLayout(1, ACC))
         gl.store(y_slot_ptr + gl.expand_dims(slot * D, 0) + gl.expand_dims(offs_n, 1), acc * gl.expand_dims(weight, 0),
                  mask=gl.expand_dims(m_ok, 0))
-
-
-def mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, *, mx_config, K, act, situ_beta,
-                      situ_linear_beta, tiled):
-    """`launch_moe_experts`' launches on this path (`wgmma_decode_ok(mx_config, D, I)`), as three callables run in
-    order (benchmarks time each): z bf16 [N, D] gathered into zs [N·k, D] (the schedule's row order,
-    `wg_permute`d: `wg_gather_kernel`), `moe_up_mx_wgmma_kernel` into h [N·k, I], `moe_down_mx_wgmma_kernel` into
-    y_slot f32 [N·k, D] (weighted); w1/w3/w2 u8 MXFP4 words ([E, I, D/2], [E, D, I/2]) in layout `tiled` (0
-    row-major, 1 `mxfp4_tiles`, 2 `mxfp4_tiles_bits`), scales their E8M0 bytes, schedule `moe_schedule(ids, E,
-    BLOCK_M)`. The slot sum is the caller's."""
-    D, (E, I) = z.shape[1], w1.shape[:2]
-    block_m, two_muls = mx_config[0], mx_config[5]
-    (_, _, _, stages_up, cap_up), (_, _, _, stages_down, cap_down) = mx_kernels(mx_config)
-    order, tile_expert, row0, row_end = schedule
-    max_tiles = tile_expert.shape[0]
-    w1d, w3d, w2d = (wg_word_desc(w, tiled) for w in (w1, w3, w2))
-    zd, hd = wg_act_desc(zs, block_m), wg_act_desc(h, block_m)
-
-    def gather():
-        wg_gather_kernel[(order.shape[0], D // 256)](z, order, zs, z.stride(0), K=K, D=D, BLOCK=256)
-
-    def up():
-        moe_up_mx_wgmma_kernel[(max_tiles, I // WG_ROWS)](
-            zd, w1d, w3d, scales[0], scales[1], tile_expert, row0, row_end, h, float(situ_beta),
-            float(situ_linear_beta), E=E, D=D, I=I, ACT_SITU=act == "situ", TWO_MULS=two_muls, BLOCK_M=block_m,
-            STAGES=stages_up, TILED=tiled, num_warps=4, **({"maxnreg": cap_up} if cap_up else {}))
-
-    def down():
-        moe_down_mx_wgmma_kernel[(max_tiles, D // WG_ROWS)](
-            hd, w2d, scales[2], weights, order, tile_expert, row0, row_end, y_slot, E=E, D=D, I=I,
-            TWO_MULS=two_muls, BLOCK_M=block_m, STAGES=stages_down, TILED=tiled, num_warps=4,
-            **({"maxnreg": cap_down} if cap_down else {}))
-
-    return gather, up, down
