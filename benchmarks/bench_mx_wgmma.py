@@ -3,7 +3,8 @@ expert shapes (latent D 3584, inner I 3072, top-16), on one GPU; then, optionall
 the same call: the checkout's defaults, and a copy whose decode default from 4 rows per expert is another config.
 
     python3 benchmarks/bench_mx_wgmma.py --out DIR [--experts 32,896] [--batches 1,16]
-        [--variants "16,64,256,4,2,0,0,3/3;..."] [--e2e MX_CONFIG] [--e2e-seconds 280] [--scratch /tmp]
+        [--variants "16,64,256,4,2,0,0,3/3;..."] [--resident] [--e2e MX_CONFIG] [--e2e-seconds 280]
+        [--scratch /tmp]
 
 Kernels: random MXFP4 experts (uniform codes, scale bytes 119..122, as benchmarks/mx_tma_probe.py) in the
 runtime's `mxfp4_tiles_bits` layout, as an artifact's session holds them. Variants: 'mma.sync' (the launcher's
@@ -13,7 +14,9 @@ default without the `wgmma` kernels: `mx_default_config(..., wgmma=False)`), 'de
 kernels: for a `wgmma` config the gather of z, the up and the down kernel (`mx_wgmma_launches`), for any other up
 and down as mx_tma_probe's '8,32,2,2,0,0,80,tb' (the H200's `mma.sync` decode default; a card with its own entry,
 `MX_DECODE_BY_DEVICE`, differs at batch 1). Fractions are of 4.2 TB/s (the H200's measured HBM rate; on another
-card they only rank variants): the touched experts' bytes over up + down (+ gather).
+card they only rank variants): the touched experts' bytes over up + down (+ gather). --resident: every (token,
+slot) routed to expert 0, so its bytes (17.6 MB) stay in L2 and the times are the decoding's and the MMAs' at
+the batch's tile count (16 tokens a tile: N tiles of 16); its fractions mean nothing.
 
 --e2e: benchmarks/bench_e2e.py --experts mxfp4 (decode phases) twice, the checkout as it is, then a copy whose
 `mx_default_config` returns MX_CONFIG from 4 rows per expert (benchmarks/mx_round.py's `prepare_copy`, under
@@ -36,8 +39,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 from k3c.codegen.triton.moe import launch_moe_experts, moe_schedule  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text, mx_default_config  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import gl_permute  # noqa: E402
-from k3c.codegen.triton.moe_mxfp4_wgmma import wgmma_decode_ok  # noqa: E402
-from k3c.codegen.triton.moe_mxfp4_wgmma_ws import mx_wgmma_launches  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4_wgmma import mx_wgmma_launches, wgmma_decode_ok  # noqa: E402
 from mx_tma_probe import ACT, D, HBM, I, K, ExpertsOp, parse_variant  # noqa: E402
 
 DEFAULT_KERNELS = "8,32,2,2,0,0,80,tb"

@@ -63,14 +63,11 @@ from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl
                                                gl_permuted_col, gl_tile_rows, gl_word_offsets, gl_word_values_operand,
                                                gluon_decode_ok, moe_down_mx_gluon_kernel, moe_up_mx_gluon_kernel)
 from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_ACT_MODES, WG_BLOCK_K, WG_ROWS, moe_down_mx_wgmma_kernel,
-                                               moe_up_mx_wgmma_kernel, wg_act_desc, wg_cta_rows,
+                                               moe_up_mx_wgmma_kernel, mx_wgmma_launches, wg_act_desc, wg_cta_rows,
                                                wg_decoded_tile, wg_down_step, wg_gather_kernel, wg_layouts,
                                                wg_mma_piece, wg_permuted_col, wg_ring_fill, wg_scale_offsets,
                                                wg_scale_pair, wg_stage_layouts, wg_stage_piece, wg_up_step,
                                                wg_word_desc, wgmma_decode_ok)
-from k3c.codegen.triton.moe_mxfp4_wgmma_ws import (WS_ACT_MODES, WS_MAXNREG, moe_down_mx_wgmma_ws_kernel,
-                                                  moe_up_mx_wgmma_ws_kernel, mx_wgmma_launches, ws_down_decode,
-                                                  ws_down_step, ws_loader, ws_release, ws_up_decode, ws_up_step)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 from k3c.runtime.layouts import MX_TILE_K, MX_TILE_ROWS, mx_tiles_ok
@@ -394,8 +391,6 @@ def emit_moe_experts(group: KernelGroup) -> str:
               ("WG_ROWS", WG_ROWS, "weight rows of a wgmma decode CTA"),
               ("WG_BLOCK_K", WG_BLOCK_K, "K tile of the wgmma decode kernels"),
               ("WG_ACT_MODES", WG_ACT_MODES, "an mx_config's activation modes that select the wgmma kernels"),
-              ("WS_ACT_MODES", WS_ACT_MODES, "... the warp-specialized wgmma kernels"),
-              ("WS_MAXNREG", WS_MAXNREG, "the warp-specialized wgmma kernels' default maxnreg"),
               ("MX_TILE_ROWS", MX_TILE_ROWS, "weight rows of a tile of the tiled MXFP4 word layout"),
               ("MX_TILE_K", MX_TILE_K, "values of a row of a tile of the tiled MXFP4 word layout"),
               ("TILED_WORDS", MX_WORD_LAYOUTS[MX_WORD_LAYOUT] if moe_experts_layouts(group) else 0,
@@ -422,7 +417,5 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     gl_reinterpret, wgmma_decode_ok, wg_permuted_col, wg_gather_kernel, wg_act_desc, wg_word_desc,
                     wg_stage_layouts, wg_ring_fill, wg_decoded_tile, wg_scale_offsets, wg_stage_piece, wg_layouts,
                     wg_mma_piece, wg_scale_pair, wg_up_step, wg_down_step, wg_cta_rows, moe_up_mx_wgmma_kernel,
-                    moe_down_mx_wgmma_kernel, ws_loader, ws_release, ws_up_step, ws_up_decode,
-                    moe_up_mx_wgmma_ws_kernel, ws_down_step, ws_down_decode, moe_down_mx_wgmma_ws_kernel,
-                    mx_wgmma_launches],
+                    moe_down_mx_wgmma_kernel, mx_wgmma_launches],
                    launch_moe_experts, body)

@@ -92,10 +92,11 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255, device: str | Non
       (batch 1 of 32 experts: up 51.4 against 56.3 us for mode 1; 155 registers, 6 CTAs an SM, faster so than
       capped at 128).
     - from 8 rows per expert (batch 16 of the end-to-end benchmark's 32 experts), where wgmma: the `wgmma` kernels,
-      16-token tiles of 64 rows on 4 warps, activations staged by the 2-stage TMA ring (modes (3, 3)), which
+      16-token tiles of 64 rows on 4 warps, activations staged by the TMA ring (modes (3, 3)), which
       decode an expert's 9-16 tokens once where 8-token tiles decode it twice (BENCHMARKS.md "MXFP4 round, run S",
       H200, same call: the expert kernels of 3 layers 0.567 against 0.604 ms, the expert bytes read at 70.8
-      against 66.4 % of 4.2 TB/s). At one token an expert their kernels took 4-9 % longer (H100); between 1 and 8
+      against 66.4 % of 4.2 TB/s); the up kernel's ring 2 stages, the down kernel's 3 (run T, H100: the down
+      kernel 5-6 % shorter than with 2, in each of three calls; the up kernel's 3-stage ring was slower). At one token an expert their kernels took 4-9 % longer (H100); between 1 and 8
       rows per expert nothing was timed, so the `mma.sync` kernels keep that range.
     Two multiplies: 8-row tiles, 64 rows, 3 stages below 4 rows per expert, then 16-row tiles of the Triton kernels
     (Triton's own `wgmma`; the `wgmma` kernels above were not timed with two multiplies). < 64 rows per expert
@@ -140,7 +141,7 @@ def mx_config_from_text(text: str) -> tuple:
             raise ValueError
         v = [tuple(int(x) for x in field.split("/")) for field in f]
         if any(len(x) not in (1, 2) for x in v) or len(v[0]) > 1 or len(v[5]) > 1 or \
-                len(f) == 8 and (len(v[7]) != 2 or not (set(v[7]) <= {0, 1, 2} or set(v[7]) <= {3, 4})):
+                len(f) == 8 and (len(v[7]) != 2 or not (set(v[7]) <= {0, 1, 2} or v[7] == (3, 3))):
             raise ValueError
     except ValueError:
         raise ValueError(f"{text!r}: expected BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg[,act] (7 "

@@ -89,7 +89,7 @@ def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> boo
         return warps in (1, 2) and block_r == 16 * warps and rows % block_r == 0 and \
             bk in ((128, 256, 512) if stages == 1 else (128, 256)) and (mode != 2 or (k // bk) % 2 == 0)
 
-    if len(mx_config) > 7 and mx_config[7] is not None and set(mx_config[7]) <= {3, 4}:
+    if len(mx_config) > 7 and mx_config[7] is not None and tuple(mx_config[7]) == (3, 3):
         return False            # the activations staged by the ring: the `wgmma` kernels (moe_mxfp4_wgmma)
     up, down = mx_kernels(mx_config)
     mode_up, mode_down = gl_act_ahead(mx_config)

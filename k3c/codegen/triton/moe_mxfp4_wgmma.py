@@ -23,7 +23,10 @@ bitwise the same values), each piece one asynchronous `wgmma` with one left in f
 decoded (`wg_mma_piece`; run P: 89 us compute alone against 96 for one [64, 256] `wgmma` a matrix). A stage is
 refilled once the `wgmma`s that read it are done: after the first `wgmma` of the next K tile retires the last
 of the previous one. The K loop is unrolled by the ring's stages (`wg_up_step`, `wg_down_step`), so each
-`wgmma`'s shared-memory descriptors are constants.
+`wgmma`'s shared-memory descriptors are constants. The next tile's scale bytes (one-byte global loads) are
+issued after the refill: the refill's async-proxy fence (`MEMBAR.ALL.CTA`, which Triton places before the
+copies) waits until the warp's earlier memory accesses are performed (PTX `membar`), so scale loads issued
+before it would hold every K tile for their latency (BENCHMARKS.md "MXFP4 round, run T").
 
 K order: a thread's 32-bit word w (8 codes, natural columns 8w .. 8w + 7) is decoded into the A fragment's
 columns of `wgmma`'s register layout; a piece's column 32·cc + 16a + 8p + 2t + e holds code 2a + p + 4e of word
@@ -67,7 +70,7 @@ def wgmma_decode_ok(mx_config: tuple, D: int, I: int) -> bool:
     kernel, 64 weight rows on 4 warps, K tiles of 256 (the configured largest K tile 256), a ring of 2 to 4 stages
     (the tested ones; 4 take 96 KB of shared memory in the up kernel), D and I multiples of 256. The GPU (sm_90)
     is the launcher's to check."""
-    if len(mx_config) < 8 or mx_config[7] is None or not set(mx_config[7]) <= {3, 4}:
+    if len(mx_config) < 8 or mx_config[7] is None or tuple(mx_config[7]) != WG_ACT_MODES:
         return False
     return mx_config[0] in (8, 16) and D % WG_BLOCK_K == 0 and I % WG_BLOCK_K == 0 and all(
         block_r == WG_ROWS and most == WG_BLOCK_K and warps == 4 and 2 <= stages <= 4
@@ -237,9 +240,9 @@ def wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow, it,
                gate, up, a, n1, n3, NT: gl.constexpr, STAGES: gl.constexpr, TWO_MULS: gl.constexpr,
                TILED: gl.constexpr, WL: gl.constexpr, AL: gl.constexpr):
     """The up kernel's K tile `it` from ring stage `stage` (a constant: the loop is unrolled by the ring's
-    stages, so each `wgmma`'s shared-memory descriptors are too): the next tile's scale bytes loaded, gate's and
-    up's two pieces (`wg_mma_piece`), and once the first has retired the previous tile's `wgmma`s, tile
-    it + STAGES − 1 into the stage they read. Returns (gate, up, a, n1, n3)."""
+    stages, so each `wgmma`'s shared-memory descriptors are too): gate's and up's two pieces (`wg_mma_piece`);
+    once the first has retired the previous tile's `wgmma`s, tile it + STAGES − 1 into the stage they read, then
+    the next tile's scale bytes loaded (n1, n3: this tile's on entry). Returns (gate, up, a, n1, n3)."""
     gl.nvidia.hopper.mbarrier.wait(bar.index(stage), phase)
     gate, up, a = wg_mma_piece(r1, stage, 0, n1[0], ra, gate, up, a, TWO_MULS, TILED, WL, AL)
     wg_ring_fill(w1, w3, zs, r1, r3, ra, bar, row, arow, it + STAGES - 1, (stage + STAGES - 1) % STAGES, NT, True,
@@ -361,3 +364,37 @@ def moe_down_mx_wgmma_kernel(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_expert
         offs_n = gl.program_id(1) * 64 + gl.arange(0, 64, gl.SliceLayout(1, ACC))
         gl.store(y_slot_ptr + gl.expand_dims(slot * D, 0) + gl.expand_dims(offs_n, 1), acc * gl.expand_dims(weight, 0),
                  mask=gl.expand_dims(m_ok, 0))
+
+
+def mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, *, mx_config, K, act, situ_beta,
+                      situ_linear_beta, tiled):
+    """`launch_moe_experts`' launches on this path (`wgmma_decode_ok(mx_config, D, I)`), as three callables run in
+    order (benchmarks time each): z bf16 [N, D] gathered into zs [N·k, D] (the schedule's row order,
+    `wg_permute`d: `wg_gather_kernel`), `moe_up_mx_wgmma_kernel` into h [N·k, I], `moe_down_mx_wgmma_kernel` into
+    y_slot f32 [N·k, D] (weighted); w1/w3/w2 u8 MXFP4 words ([E, I, D/2], [E, D, I/2]) in layout `tiled` (0
+    row-major, 1 `mxfp4_tiles`, 2 `mxfp4_tiles_bits`), scales their E8M0 bytes, schedule `moe_schedule(ids, E,
+    BLOCK_M)`. The slot sum is the caller's."""
+    D, (E, I) = z.shape[1], w1.shape[:2]
+    block_m, two_muls = mx_config[0], mx_config[5]
+    (_, _, _, stages_up, cap_up), (_, _, _, stages_down, cap_down) = mx_kernels(mx_config)
+    order, tile_expert, row0, row_end = schedule
+    max_tiles = tile_expert.shape[0]
+    w1d, w3d, w2d = (wg_word_desc(w, tiled) for w in (w1, w3, w2))
+    zd, hd = wg_act_desc(zs, block_m), wg_act_desc(h, block_m)
+
+    def gather():
+        wg_gather_kernel[(order.shape[0], D // 256)](z, order, zs, z.stride(0), K=K, D=D, BLOCK=256)
+
+    def up():
+        moe_up_mx_wgmma_kernel[(max_tiles, I // WG_ROWS)](
+            zd, w1d, w3d, scales[0], scales[1], tile_expert, row0, row_end, h, float(situ_beta),
+            float(situ_linear_beta), E=E, D=D, I=I, ACT_SITU=act == "situ", TWO_MULS=two_muls, BLOCK_M=block_m,
+            STAGES=stages_up, TILED=tiled, num_warps=4, **({"maxnreg": cap_up} if cap_up else {}))
+
+    def down():
+        moe_down_mx_wgmma_kernel[(max_tiles, D // WG_ROWS)](
+            hd, w2d, scales[2], weights, order, tile_expert, row0, row_end, y_slot, E=E, D=D, I=I,
+            TWO_MULS=two_muls, BLOCK_M=block_m, STAGES=stages_down, TILED=tiled, num_warps=4,
+            **({"maxnreg": cap_down} if cap_down else {}))
+
+    return gather, up, down
