@@ -96,8 +96,9 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255, device: str | Non
       decode an expert's 9-16 tokens once where 8-token tiles decode it twice (BENCHMARKS.md "MXFP4 round, run S",
       H200, same call: the expert kernels of 3 layers 0.567 against 0.604 ms, the expert bytes read at 70.8
       against 66.4 % of 4.2 TB/s); the up kernel's ring 2 stages, the down kernel's 3 (run T, H100: the down
-      kernel 5-6 % shorter than with 2, in each of three calls; the up kernel's 3-stage ring was slower). At one token an expert their kernels took 4-9 % longer (H100); between 1 and 8
-      rows per expert nothing was timed, so the `mma.sync` kernels keep that range.
+      kernel 5-6 % shorter than with 2, in each of four calls; the up kernel's 3-stage ring was slower). At one
+      token an expert their kernels took 4-9 % longer (H100); between 1 and 8 rows per expert nothing was timed,
+      so the `mma.sync` kernels keep that range.
     Two multiplies: 8-row tiles, 64 rows, 3 stages below 4 rows per expert, then 16-row tiles of the Triton kernels
     (Triton's own `wgmma`; the `wgmma` kernels above were not timed with two multiplies). < 64 rows per expert
     (measured at 32, batch 64 of 32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there):
