@@ -3,7 +3,7 @@ expert shapes (latent D 3584, inner I 3072, top-16), on one GPU; then, optionall
 the same call: the checkout's defaults, and a copy whose decode default from 4 rows per expert is another config.
 
     python3 benchmarks/bench_mx_wgmma.py --out DIR [--experts 32,896] [--batches 1,16]
-        [--variants "16,64,256,4,2,0,0,3/3;..."] [--resident] [--e2e MX_CONFIG] [--e2e-seconds 280]
+        [--variants "16,64,256,4,2,0,0,3/3;..."] [--resident] [--launch-only] [--e2e MX_CONFIG] [--e2e-seconds 280]
         [--scratch /tmp]
 
 Kernels: random MXFP4 experts (uniform codes, scale bytes 119..122, as benchmarks/mx_tma_probe.py) in the
@@ -16,7 +16,9 @@ and down as mx_tma_probe's '8,32,2,2,0,0,80,tb' (the H200's `mma.sync` decode de
 `MX_DECODE_BY_DEVICE`, differs at batch 1). Fractions are of 4.2 TB/s (the H200's measured HBM rate; on another
 card they only rank variants): the touched experts' bytes over up + down (+ gather). --resident: every (token,
 slot) routed to expert 0, so its bytes (17.6 MB) stay in L2 and the times are the decoding's and the MMAs' at
-the batch's tile count (16 tokens a tile: N tiles of 16); its fractions mean nothing.
+the batch's tile count (16 tokens a tile: N tiles of 16); its fractions mean nothing. --launch-only: nothing
+timed or compared; each `wgmma` variant's gather, up and down kernels launched three times, for a profiler
+(BENCHMARKS.md "MXFP4 round, run U": `ncu --clock-control base --metrics gpu__time_duration.sum`).
 
 --e2e: benchmarks/bench_e2e.py --experts mxfp4 (decode phases) twice, the checkout as it is, then a copy whose
 `mx_default_config` returns MX_CONFIG from 4 rows per expert (benchmarks/mx_round.py's `prepare_copy`, under
@@ -93,6 +95,17 @@ def kernel_rows(a, res, save):
                     launch_moe_experts(z, wt, ids, w1, w3, w2, s1, s3, s2, y=y, mx_config=cfg, schedule=sched,
                                        tiled=2, **ACT)
                 row = {"E": E, "N": N, "variant": spec, "mx_config": repr(cfg), "resident": a.resident}
+                if a.launch_only:
+                    if wgmma_decode_ok(cfg, D, I):
+                        zs = torch.empty(N * K, D, dtype=torch.bfloat16, device=dev)
+                        parts = mx_wgmma_launches(z, zs, sched, w1, w3, w2, (s1, s3, s2), h, y_slot, wt,
+                                                  mx_config=cfg, K=K, tiled=2, **ACT)
+                        for _ in range(3):
+                            for launch in parts:
+                                launch()
+                        torch.cuda.synchronize()
+                        print(f"E {E:4d} N {N:3d} {spec}: launched 3 times", flush=True)
+                    continue
                 try:
                     op()
                     torch.cuda.synchronize()
@@ -135,6 +148,8 @@ def main():
     ap.add_argument("--variants", default="16,64,256,4,2,0,0,3/3;8,64,256,4,2,0,0,3/3;16,64,256,4,3,0,0,3/3")
     ap.add_argument("--resident", action="store_true",
                     help="every (token, slot) routed to expert 0: its bytes stay in L2, the times are the decoding's")
+    ap.add_argument("--launch-only", action="store_true",
+                    help="no timing: each `wgmma` variant's gather, up and down kernels launched 3 times (for ncu)")
     ap.add_argument("--e2e", default=None, metavar="MX_CONFIG", help="the decode default from 4 rows an expert")
     ap.add_argument("--e2e-seconds", type=float, default=280)
     ap.add_argument("--scratch", default="/tmp", help="where --e2e's patched copy of the checkout goes")
