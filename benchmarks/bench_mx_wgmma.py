@@ -41,7 +41,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 from k3c.codegen.triton.moe import launch_moe_experts, moe_schedule  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text, mx_default_config  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import gl_permute  # noqa: E402
-from k3c.codegen.triton.moe_mxfp4_wgmma import mx_wgmma_launches, wgmma_decode_ok  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4_wgmma import mx_wgmma_launches, wg_tile_rows, wgmma_decode_ok  # noqa: E402
 from mx_tma_probe import ACT, D, HBM, I, K, ExpertsOp, parse_variant  # noqa: E402
 
 DEFAULT_KERNELS = "8,32,2,2,0,0,80,tb"
@@ -87,7 +87,8 @@ def kernel_rows(a, res, save):
                        "default": lambda: mx_default_config(N * K, E, 122, card)}.get(
                            spec, lambda: mx_config_from_text(spec))()
                 sched = moe_schedule(ids, E, cfg[0])
-                h = torch.empty(N * K, I, dtype=torch.bfloat16, device=dev)
+                tile_rows = wg_tile_rows(N * K, E, cfg[0])          # zs and h of the `wgmma` kernels: tile rows
+                h = torch.empty(max(N * K, tile_rows), I, dtype=torch.bfloat16, device=dev)
                 y_slot = torch.empty(N * K, D, dtype=torch.float32, device=dev)
                 y = torch.empty_like(z)
 
@@ -97,7 +98,7 @@ def kernel_rows(a, res, save):
                 row = {"E": E, "N": N, "variant": spec, "mx_config": repr(cfg), "resident": a.resident}
                 if a.launch_only:
                     if wgmma_decode_ok(cfg, D, I):
-                        zs = torch.empty(N * K, D, dtype=torch.bfloat16, device=dev)
+                        zs = torch.empty(tile_rows, D, dtype=torch.bfloat16, device=dev)
                         parts = mx_wgmma_launches(z, zs, sched, w1, w3, w2, (s1, s3, s2), h, y_slot, wt,
                                                   mx_config=cfg, K=K, tiled=2, **ACT)
                         for _ in range(3):
@@ -113,7 +114,7 @@ def kernel_rows(a, res, save):
                     row["ref_max_abs"] = y_ref.float().abs().max().item()
                     row["op_us"] = bench(op) * 1e6
                     if wgmma_decode_ok(cfg, D, I):
-                        zs = torch.empty(N * K, D, dtype=torch.bfloat16, device=dev)
+                        zs = torch.empty(tile_rows, D, dtype=torch.bfloat16, device=dev)
                         parts = mx_wgmma_launches(z, zs, sched, w1, w3, w2, (s1, s3, s2), h, y_slot, wt,
                                                   mx_config=cfg, K=K, tiled=2, **ACT)
                         times = [bench(p) for p in parts]

@@ -10,11 +10,15 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from k3c.codegen.triton import moe
-from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text
+from k3c.codegen.triton.moe_mxfp4 import ONE_MUL_MAX_SCALE, mx_config_from_text
 from k3c.codegen.triton.moe_mxfp4_gluon import gluon_decode_ok
-from k3c.codegen.triton.moe_mxfp4_wgmma import wg_permute, wg_permuted_col, wgmma_decode_ok
+from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_BLOCK_MS, wg_gather_kernel, wg_permute, wg_permuted_col,
+                                               wg_tile_rows, wgmma_decode_ok)
+from k3c.codegen.triton.moe_schedule import schedule_tiles
 from k3c.ir.ops import get_op
 from k3c.runtime.layouts import mx_tile_bits, mx_tile_words
 
@@ -53,6 +57,53 @@ def test_wg_permute_places_each_words_codes_in_its_fragment():
                 for e, code in enumerate((c, c + 4)):
                     want[16 * (2 * cc + a) + 8 * p + 2 * t + e] = 32 * t + 8 * cc + code
     assert torch.equal(wg_permute(torch.arange(128).reshape(1, 128))[0], want)
+
+
+def test_the_gather_puts_each_tile_at_its_tile_rows_with_zero_padding():
+    """`wg_gather_kernel` (Triton's interpreter, f32): schedule tile t's token rows (the tokens choosing its
+    expert, in token order) at rows BM·t .. of zs in `wg_permute` order, the rest of its BM rows zeros; the rows
+    of tiles past the schedule untouched. Against a construction from those definitions, with experts of 0, 1,
+    BM and more than BM rows and an unused slot."""
+    N, k, E, D = 11, 3, 5, 512
+    for BM in WG_BLOCK_MS:
+        ids = torch.tensor([[0, 1, 2]] * 9 + [[0, 1, 4], [0, -1, 4]])       # experts 0: 11 rows, 1: 10, 3: none
+        z = torch.randn(N, D, generator=torch.Generator().manual_seed(BM))
+        order, tile_expert, row0, row_end = moe.moe_schedule(ids, E, BM, use_kernel=False)
+        rows = wg_tile_rows(N * k, E, BM)
+        assert rows == BM * tile_expert.shape[0]
+        zs = torch.full((rows, D), float("nan"))
+        wg_gather_kernel[(rows,)](z, order, tile_expert, row0, row_end, zs, z.stride(0), E, K=k, D=D, BLOCK_M=BM,
+                                  BLOCK=256)
+        t = 0
+        for e in range(E):
+            tokens = [n for n in range(N) if e in ids[n].tolist()]
+            for c in range(0, len(tokens), BM):
+                want = torch.zeros(BM, D)
+                want[:len(tokens[c:c + BM])] = z[tokens[c:c + BM]]
+                assert torch.equal(zs[BM * t:BM * (t + 1)], wg_permute(want)), (BM, e, c)
+                t += 1
+        assert t < tile_expert.shape[0] and zs[BM * t:].isnan().all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 40000), E=st.integers(1, 1024), scale_max=st.sampled_from([122, 127, 255]))
+def test_planned_tile_rows_hold_every_schedule_and_the_declaration_evaluates_to_them(rows, E, scale_max):
+    """`mx_wgmma_rows` (what the launch asks of the planned h and zs) holds a schedule of either tile height
+    (`moe_schedule`'s tile count, `schedule_tiles`, times BM); `mx_wgmma_dim`, the scratch declaration, is the same
+    number when its symbolic form is evaluated at the rows (sympy, as the runtime sizes it); both are 0 where the
+    default never takes the `wgmma` kernels (two multiplies, f32, D or I not multiples of 256)."""
+    import sympy
+
+    planned = moe.mx_wgmma_rows(rows, E, 3584, 3072, scale_max, True)
+    R = sympy.Symbol("R", positive=True, integer=True)
+    dim = moe.mx_wgmma_dim(R, E, 3584, 3072, scale_max, True)
+    if scale_max > ONE_MUL_MAX_SCALE:
+        assert planned == 0 and dim == 0
+        return
+    assert all(planned >= BM * schedule_tiles(rows, E, BM) for BM in WG_BLOCK_MS)
+    assert int(dim.subs(R, rows)) == planned == moe.mx_wgmma_dim(rows, E, 3584, 3072, scale_max, True)
+    assert moe.mx_wgmma_rows(rows, E, 3584, 3072, scale_max, False) == 0
+    assert moe.mx_wgmma_rows(rows, E, 3584 - 128, 3072, scale_max, True) == 0
 
 
 def test_the_decode_default_takes_them_from_8_rows_per_expert_where_the_launch_can():

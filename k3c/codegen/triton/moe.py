@@ -41,6 +41,7 @@ Public API: `emit_moe_route(group)`, `emit_moe_experts(group)` -> module text (r
 from __future__ import annotations
 
 
+import sympy
 import torch
 import triton
 import triton.language as tl
@@ -57,16 +58,17 @@ from k3c.codegen.triton.moe_mxfp4 import (MX_DECODE_BY_DEVICE, ONE_MUL_MAX_SCALE
 from k3c.codegen.triton.gl_ring import (gl_ring_fill, gl_ring_init, gl_ring_refill, gl_stage_words, gl_word_descs,
                                        gl_words2d_layout)
 from k3c.codegen.triton.moe_schedule import (SCHEDULE_KERNEL_MAX_ROWS, _max_i32, moe_schedule,
-                                            moe_schedule_kernel)
+                                            moe_schedule_kernel, schedule_tiles)
 from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl_act_offsets, gl_act_operand,
                                                gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
                                                gl_permuted_col, gl_tile_rows, gl_word_offsets, gl_word_values_operand,
                                                gluon_decode_ok, moe_down_mx_gluon_kernel, moe_up_mx_gluon_kernel)
-from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_ACT_MODES, WG_BLOCK_K, WG_ROWS, moe_down_mx_wgmma_kernel,
-                                               moe_up_mx_wgmma_kernel, mx_wgmma_launches, wg_act_desc, wg_cta_rows,
-                                               wg_decoded_tile, wg_down_step, wg_gather_kernel, wg_layouts,
-                                               wg_mma_piece, wg_permuted_col, wg_ring_fill, wg_scale_offsets,
-                                               wg_scale_pair, wg_stage_layouts, wg_stage_piece, wg_up_step,
+from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_ACT_MODES, WG_BLOCK_K, WG_BLOCK_MS, WG_ROWS,
+                                               moe_down_mx_wgmma_kernel, moe_up_mx_wgmma_kernel, mx_wgmma_launches,
+                                               wg_act_desc, wg_cta_rows, wg_decoded_tile, wg_down_step,
+                                               wg_gather_kernel, wg_layouts, wg_mma_piece, wg_opaque,
+                                               wg_permuted_col, wg_ring_fill, wg_scale_offsets, wg_scale_pair,
+                                               wg_stage_layouts, wg_stage_piece, wg_tile_rows, wg_up_step,
                                                wg_word_desc, wgmma_decode_ok)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
@@ -191,9 +193,9 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     u8 [E, I, D/32], [E, I, D/32], [E, D, I/32]), decoded in registers by `moe_up_mx_kernel` /
     `moe_down_mx_kernel` (k3c.codegen.triton.moe_mxfp4: bf16 z on the GPU, 8 codes per 32-bit word in inline PTX;
     f32 z anywhere), dots in z's dtype with fp32 accumulation. Scratch: h [N·k, I] in z's dtype, y_slot f32
-    [N·k, D] and, MXFP4, z_perm [N, D] (z in the kernels' K order; the `wgmma` decode kernels of
-    k3c.codegen.triton.moe_mxfp4_wgmma, selected by mx_config's activation modes (3, 3), gather z by the schedule
-    into y_slot's storage instead): the planned buffers of `scratch` (name ->
+    [N·k, D] and, MXFP4, z_perm [N, D] (z in the kernels' K order); where the `wgmma` decode kernels of
+    k3c.codegen.triton.moe_mxfp4_wgmma can run (`mx_wgmma_rows`; selected by mx_config's activation modes
+    (3, 3)), h has their tile rows if more and zs holds z gathered in them: the planned buffers of `scratch` (name ->
     tensor, `moe_experts_scratch`), else allocated here; the sort permutation and tile schedule (i64, O(N·k + E))
     are allocated here. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config` (MXFP4:
     BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg (None: no register cap);
@@ -238,7 +240,8 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     rows = N * K
     precision = "ieee" if z.dtype == torch.float32 else "tf32"
     y_slot = take_scratch(scratch, "y_slot", (rows, D), torch.float32, z.device)
-    h = take_scratch(scratch, "h", (rows, I), z.dtype, z.device)
+    wg_rows = mx_wgmma_rows(rows, E, D, I, scale_max, z.dtype == torch.bfloat16) if mx else 0
+    h = take_scratch(scratch, "h", (max(rows, wg_rows), I), z.dtype, z.device)
     if mx:
         # the card's name only when the default is asked for (torch caches the device's properties)
         on_gpu = gluon is not False and z.dtype == torch.bfloat16 and z.is_cuda
@@ -256,8 +259,10 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
         max_tiles = schedule[1].shape[0]
         fast = z.dtype == torch.bfloat16
         if sm90 and wgmma_decode_ok(cfg, D, I):
-            # z in the schedule's row order, bf16 [N·k, D]: in y_slot's storage, dead before the down kernel writes it
-            zs = y_slot.view(-1).view(torch.bfloat16)[:rows * D].view(rows, D)
+            need = max_tiles * BLOCK_M                   # tile rows (another mx_config than the planned one: here)
+            zs = take_scratch(scratch, "zs", (wg_rows, D), z.dtype, z.device) if scratch is not None else \
+                torch.empty(need, D, dtype=z.dtype, device=z.device)
+            h = h if scratch is not None or h.shape[0] >= need else torch.empty(need, I, dtype=z.dtype, device=z.device)
             for launch in mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, mx_config=cfg,
                                             K=K, act=act, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                                             tiled=tiled):
@@ -335,19 +340,42 @@ def emit_moe_route(group: KernelGroup) -> str:
                    launch_moe_route, body)
 
 
+def mx_wgmma_rows(rows: int, E: int, D: int, I: int, scale_max: int, bf16: bool) -> int:
+    """The tile rows that MXFP4 experts plan for the `wgmma` decode kernels' zs and h (`wg_tile_rows` of their
+    largest tile, WG_BLOCK_MS) for `rows` (token, slot) pairs over E experts, where the default configuration can
+    take them (`mx_default_config`: bf16, D and I multiples of WG_BLOCK_K, the one-multiply decoding, scale_max ≤
+    ONE_MUL_MAX_SCALE); else 0. `moe_experts_scratch` declares the same in the graph's dims (`mx_wgmma_dim`)."""
+    if not (bf16 and D % WG_BLOCK_K == 0 and I % WG_BLOCK_K == 0 and scale_max <= ONE_MUL_MAX_SCALE):
+        return 0
+    return wg_tile_rows(rows, E, max(WG_BLOCK_MS))
+
+
+def mx_wgmma_dim(rows, E: int, D: int, I: int, scale_max: int, bf16: bool):
+    """`mx_wgmma_rows` for rows a dim of the IR (int or sympy, symbolic in B, T, L): the runtime evaluates it at a
+    call's sizes to what the launch asks for."""
+    bm = max(WG_BLOCK_MS)
+    if not mx_wgmma_rows(bm, E, D, I, scale_max, bf16):
+        return 0
+    return bm * sympy.Min(rows, sympy.ceiling(sympy.sympify(rows) / bm) + E)
+
+
 @scratch("moe_experts")
 def moe_experts_scratch(group: KernelGroup) -> list[ScratchSpec]:
     """The scratch of one `moe_experts` launch (`launch_moe_experts`): h [N·k, I] in z's dtype and y_slot f32
     [N·k, D] for N tokens z [N, D] choosing k experts of inner width I (w1 [E, I, ·]); MXFP4 weights also z_perm
-    [N, D] in z's dtype (the `wgmma` decode kernels' z in the schedule's row order lives in y_slot's storage).
-    Raises UnsupportedError for a group that is not a single moe_experts node."""
+    [N, D] in z's dtype and, where the `wgmma` decode kernels can run (`mx_wgmma_rows`: R rows), zs [R, D] in z's
+    dtype and h of max(N·k, R) rows. Raises UnsupportedError for a group that is not a single moe_experts node."""
     node, _, _ = one_node(group, "moe_experts")
     z, ids, w1 = node.inputs[0].type, node.inputs[2].type, node.inputs[3].type
-    (N, D), rows = z.shape, z.shape[0] * ids.shape[1]
-    out = [ScratchSpec("h", TensorType((rows, w1.shape[1]), z.dtype)),
+    (N, D), rows, (E, I) = z.shape, z.shape[0] * ids.shape[1], w1.shape[:2]
+    mx = node.attrs["weight_format"] == "mxfp4"
+    wg_rows = mx_wgmma_dim(rows, E, D, I, int(node.attrs["scale_max"]), z.dtype == "bf16") if mx else 0
+    out = [ScratchSpec("h", TensorType((sympy.Max(rows, wg_rows) if wg_rows else rows, I), z.dtype)),
            ScratchSpec("y_slot", TensorType((rows, D), "f32"))]
-    if node.attrs["weight_format"] == "mxfp4":
+    if mx:
         out.append(ScratchSpec("z_perm", TensorType((N, D), z.dtype)))
+    if wg_rows:
+        out.append(ScratchSpec("zs", TensorType((wg_rows, D), z.dtype)))
     return out
 
 
@@ -391,6 +419,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
               ("WG_ROWS", WG_ROWS, "weight rows of a wgmma decode CTA"),
               ("WG_BLOCK_K", WG_BLOCK_K, "K tile of the wgmma decode kernels"),
               ("WG_ACT_MODES", WG_ACT_MODES, "an mx_config's activation modes that select the wgmma kernels"),
+              ("WG_BLOCK_MS", WG_BLOCK_MS, "token rows of the wgmma decode tiles"),
               ("MX_TILE_ROWS", MX_TILE_ROWS, "weight rows of a tile of the tiled MXFP4 word layout"),
               ("MX_TILE_K", MX_TILE_K, "values of a row of a tile of the tiled MXFP4 word layout"),
               ("TILED_WORDS", MX_WORD_LAYOUTS[MX_WORD_LAYOUT] if moe_experts_layouts(group) else 0,
@@ -416,6 +445,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     gl_ring_init, moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel, gl_reinterpret_named,
                     gl_reinterpret, wgmma_decode_ok, wg_permuted_col, wg_gather_kernel, wg_act_desc, wg_word_desc,
                     wg_stage_layouts, wg_ring_fill, wg_decoded_tile, wg_scale_offsets, wg_stage_piece, wg_layouts,
-                    wg_mma_piece, wg_scale_pair, wg_up_step, wg_down_step, wg_cta_rows, moe_up_mx_wgmma_kernel,
-                    moe_down_mx_wgmma_kernel, mx_wgmma_launches],
+                    wg_mma_piece, wg_scale_pair, wg_opaque, wg_up_step, wg_down_step, wg_cta_rows,
+                    moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel, schedule_tiles, wg_tile_rows, mx_wgmma_rows,
+                    mx_wgmma_launches],
                    launch_moe_experts, body)

@@ -11,22 +11,28 @@ an 8-token one. Measured in "MXFP4 round, run S": the expert kernels 6 % faster 
 experts (H200); 4-9 % slower at one token an expert (H100), where the `mma.sync` kernels stay the default
 (`mx_default_config`: these from 8 rows per expert).
 
-A CTA (4 warps, one warpgroup) takes one tile of BLOCK_M ≤ 16 token rows of one expert (the launch's tile
-schedule, `moe_schedule`) and 64 weight rows. Each K tile of 256 values is one stage of a TMA ring
-(`wg_ring_fill`): one copy a matrix of the tile's packed words ([64 rows, 32 words]; in the runtime's tiled
-layouts a 3-D box of two 32-row tiles, `wg_word_desc`) and one copy of its activations, [BLOCK_M, 256] bf16 of the
-rows the tile schedule sorted by expert (a 3-D box of four 128-byte column blocks, `wg_act_desc`). The up
-kernel's activations are z gathered into that order first (`wg_gather_kernel`, one launch; `launch_moe_experts`
-gives it the down kernel's output buffer, dead until then); the rows of h are already in it. A stage is
-decoded in two pieces of 128 values a matrix (`wg_decoded_tile`, the `mma.sync` kernels' `mxfp4_word_bf16`:
-bitwise the same values), each piece one asynchronous `wgmma` with one left in flight while the next piece is
-decoded (`wg_mma_piece`; run P: 89 us compute alone against 96 for one [64, 256] `wgmma` a matrix). A stage is
-refilled once the `wgmma`s that read it are done: after the first `wgmma` of the next K tile retires the last
-of the previous one. The K loop is unrolled by the ring's stages (`wg_up_step`, `wg_down_step`), so each
-`wgmma`'s shared-memory descriptors are constants. The next tile's scale bytes (one-byte global loads) are
-issued after the refill: the refill's async-proxy fence (`MEMBAR.ALL.CTA`, which Triton places before the
-copies) waits until the warp's earlier memory accesses are performed (PTX `membar`), so scale loads issued
-before it would hold every K tile for their latency (BENCHMARKS.md "MXFP4 round, run T").
+A CTA (4 warps, one warpgroup) takes one tile of BLOCK_M ≤ 16 token rows of one expert (the launch's tile schedule,
+`moe_schedule`) and 64 weight rows. Each K tile of 256 values is one stage of a TMA ring (`wg_ring_fill`): one copy
+a matrix of the tile's packed words ([64 rows, 32 words]; in the runtime's tiled layouts a 3-D box of two 32-row
+tiles, `wg_word_desc`) and one copy of its activations, [BLOCK_M, 256] bf16 (a 3-D box of four 128-byte column
+blocks, `wg_act_desc`). The activations are in tile rows: schedule tile t's token rows at rows BLOCK_M·t .. of zs
+and h, the rows past the tile's tokens zeros (`wg_tile_rows`). The up kernel's are z gathered so first
+(`wg_gather_kernel`, one launch); it writes h so. Zero padding rows cost the gather their writes (1.5 us at batch 16
+of 32 experts), and the `wgmma`s spend less energy on them than on another expert's rows: under the H200's 700 W cap
+the SM clock, which paces these kernels there, rises with it (BENCHMARKS.md "MXFP4 round, run V": at 8 tokens a
+16-row tile, sustained, an H100's clock 1.56 → 1.63-1.69 GHz under the up kernel). A stage is decoded in two pieces
+of 128 values a matrix (`wg_decoded_tile`, the `mma.sync` kernels' `mxfp4_word_bf16`: bitwise the same values), each
+piece one asynchronous `wgmma` with one left in flight while the next piece is decoded (`wg_mma_piece`; run P: 89 us
+compute alone against 96 for one [64, 256] `wgmma` a matrix). A stage is refilled once the `wgmma`s that read it are
+done: after the first `wgmma` of the next K tile retires the last of the previous one. The K loop is unrolled by the
+ring's stages (`wg_up_step`, `wg_down_step`), and the stage index reaches the unrolled body through a `mov` LLVM
+cannot see through (`wg_opaque`): with constant indices LLVM hoists all 32 `wgmma` descriptors of two K tiles out of
+the loop, and ptxas keeps them in registers and copies one into each `HGMMA` (`UMOV`, `R2UR`); formed in the loop
+from one base they save the up kernel 26 instructions a K tile and leave it 125 registers instead of 141 (Triton
+3.6; 127 instead of 211 under 3.9), 2-3 % of its time on an H200 (run V). The next tile's scale bytes (one-byte
+global loads) are issued after the refill: the refill's async-proxy fence (`MEMBAR.ALL.CTA`, which Triton places
+before the copies) waits until the warp's earlier memory accesses are performed (PTX `membar`), so scale loads
+issued before it would hold every K tile for their latency (BENCHMARKS.md "MXFP4 round, run T").
 
 K order: a thread's 32-bit word w (8 codes, natural columns 8w .. 8w + 7) is decoded into the A fragment's
 columns of `wgmma`'s register layout; a piece's column 32·cc + 16a + 8p + 2t + e holds code 2a + p + 4e of word
@@ -38,9 +44,9 @@ stage is the B operand as it is.
 Scope: bf16 activations on sm_90 (`wgmma` is Hopper's; the launcher checks the GPU), token tiles of 8 or 16 rows,
 4 warps and 64 weight rows a CTA, K tiles of 256, a ring of 2 to 4 stages, D and I multiples of 256
 (`wgmma_decode_ok`); an mx_config's activation modes (3, 3) name this path (the activations staged by the ring).
-Public API: `wgmma_decode_ok`, `WG_ROWS`, `WG_BLOCK_K`, `WG_ACT_MODES`, `wg_permute`, `wg_act_desc`,
-`wg_word_desc`, `mx_wgmma_launches`, the jit helpers (pasted into the emitted modules), `wg_gather_kernel`,
-`moe_up_mx_wgmma_kernel`, `moe_down_mx_wgmma_kernel`."""
+Public API: `wgmma_decode_ok`, `WG_ROWS`, `WG_BLOCK_K`, `WG_ACT_MODES`, `WG_BLOCK_MS`, `wg_tile_rows`, `wg_permute`,
+`wg_act_desc`, `wg_word_desc`, `mx_wgmma_launches`, the jit helpers (pasted into the emitted modules),
+`wg_gather_kernel`, `moe_up_mx_wgmma_kernel`, `moe_down_mx_wgmma_kernel`."""
 
 from __future__ import annotations
 
@@ -55,6 +61,7 @@ from k3c.codegen.triton.gl_ring import gl_ring_init, gl_stage_words, gl_word_des
 from k3c.codegen.triton.moe_act import glu
 from k3c.codegen.triton.moe_mxfp4 import mx_kernels, mxfp4_scale_bf16, mxfp4_word_bf16
 from k3c.codegen.triton.moe_mxfp4_gluon import gl_axis_layout, gl_layouts, gl_tile_rows
+from k3c.codegen.triton.moe_schedule import schedule_tiles
 
 #: weight rows of a CTA (one warpgroup: 4 warps of 16 rows)
 WG_ROWS = 64
@@ -62,6 +69,8 @@ WG_ROWS = 64
 WG_BLOCK_K = 256
 #: the activation prefetch modes (`gl_act_ahead`, an mx_config's 8th field) that select these kernels
 WG_ACT_MODES = (3, 3)
+#: the token rows of a tile these kernels take (an mx_config's BLOCK_M)
+WG_BLOCK_MS = (8, 16)
 
 
 def wgmma_decode_ok(mx_config: tuple, D: int, I: int) -> bool:
@@ -72,9 +81,16 @@ def wgmma_decode_ok(mx_config: tuple, D: int, I: int) -> bool:
     is the launcher's to check."""
     if len(mx_config) < 8 or mx_config[7] is None or tuple(mx_config[7]) != WG_ACT_MODES:
         return False
-    return mx_config[0] in (8, 16) and D % WG_BLOCK_K == 0 and I % WG_BLOCK_K == 0 and all(
+    return mx_config[0] in WG_BLOCK_MS and D % WG_BLOCK_K == 0 and I % WG_BLOCK_K == 0 and all(
         block_r == WG_ROWS and most == WG_BLOCK_K and warps == 4 and 2 <= stages <= 4
         for block_r, most, warps, stages, _ in mx_kernels(mx_config))
+
+
+def wg_tile_rows(rows: int, E: int, block_m: int) -> int:
+    """Rows of zs and h in tile rows (module docstring) for `rows` (token, slot) pairs over E experts in tiles of
+    block_m rows: block_m per tile of `moe_schedule`, block_m · min(rows, ⌈rows / block_m⌉ + E)
+    (`schedule_tiles`). A schedule of 8-row tiles never needs more rows than one of 16-row tiles."""
+    return block_m * schedule_tiles(rows, E, block_m)
 
 
 def wg_permute(x: torch.Tensor) -> torch.Tensor:
@@ -95,14 +111,24 @@ def wg_permuted_col(k):
 
 
 @triton.jit
-def wg_gather_kernel(z_ptr, order_ptr, zs_ptr, z_stride, K: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
-    """zs[r] = z[order[r] // K] in `wg_permute` order, for sorted row r = program 0 and BLOCK columns a program 1:
-    the up kernel's activation rows in the tile schedule's order (z rows z_stride apart, unit stride)."""
+def wg_gather_kernel(z_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, zs_ptr, z_stride, E,
+                     K: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """The up kernel's activations in tile rows (module docstring), `wg_permute` order: for row r = program 0 of
+    zs (tile t = r // BLOCK_M, its row j = r % BLOCK_M), zs[r] = z[order[row0[t] + j] // K] where row0[t] + j <
+    row_end[t], else zeros, BLOCK columns at a time; nothing for a tile past the schedule (expert E). z rows
+    z_stride apart, unit stride; D a multiple of BLOCK."""
     r = tl.program_id(0)
-    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    token = tl.load(order_ptr + r) // K
-    x = tl.load(z_ptr + token * z_stride + k)
-    tl.store(zs_ptr + r.to(tl.int64) * D + wg_permuted_col(k), x)
+    t = r // BLOCK_M
+    if tl.load(tile_expert_ptr + t) < E:
+        row0 = tl.load(tile_row0_ptr + t)
+        row = row0 + r % BLOCK_M
+        ok = row < tl.load(tile_row_end_ptr + t)
+        token = tl.load(order_ptr + tl.where(ok, row, row0)) // K
+        end = tl.where(ok, D, 0)                                    # a padding row reads nothing: zeros
+        for c in tl.static_range(D // BLOCK):
+            k = c * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(z_ptr + token * z_stride + k, mask=k < end, other=0.0)
+            tl.store(zs_ptr + r.to(tl.int64) * D + wg_permuted_col(k), x)
 
 
 def wg_act_desc(x: torch.Tensor, block_m: int):
@@ -212,7 +238,7 @@ def wg_layouts(BM):
 
 
 @gluon.jit
-def wg_mma_piece(ring, stage: gl.constexpr, p: gl.constexpr, sc, ra, acc, other, a, TWO_MULS: gl.constexpr,
+def wg_mma_piece(ring, stage, p: gl.constexpr, sc, ra, acc, other, a, TWO_MULS: gl.constexpr,
                  TILED: gl.constexpr, WL: gl.constexpr, AL: gl.constexpr, PAIR: gl.constexpr = True):
     """Piece p of matrix ring's K tile in `stage`: decoded (scale bytes sc) into the A operand, one asynchronous
     `wgmma` into acc with the stage's activations, then wait until one `wgmma` is in flight (this one): the
@@ -236,13 +262,20 @@ def wg_scale_pair(s_ptr, soff, t, NT: gl.constexpr):
 
 
 @gluon.jit
-def wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow, it, stage: gl.constexpr, phase,
+def wg_opaque(x):
+    """x (an i32 scalar) through a `mov` marked not pure: the same value, which LLVM can neither fold into the
+    addresses built from it nor hoist out of the loop (module docstring)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow, it, stage, phase,
                gate, up, a, n1, n3, NT: gl.constexpr, STAGES: gl.constexpr, TWO_MULS: gl.constexpr,
                TILED: gl.constexpr, WL: gl.constexpr, AL: gl.constexpr):
-    """The up kernel's K tile `it` from ring stage `stage` (a constant: the loop is unrolled by the ring's
-    stages, so each `wgmma`'s shared-memory descriptors are too): gate's and up's two pieces (`wg_mma_piece`);
-    once the first has retired the previous tile's `wgmma`s, tile it + STAGES − 1 into the stage they read, then
-    the next tile's scale bytes loaded (n1, n3: this tile's on entry). Returns (gate, up, a, n1, n3)."""
+    """The up kernel's K tile `it` from ring stage `stage` (the unrolled loop's u, through `wg_opaque`): gate's
+    and up's two pieces (`wg_mma_piece`); once the first has retired the previous tile's `wgmma`s, tile
+    it + STAGES − 1 into the stage they read, then the next tile's scale bytes loaded (n1, n3: this tile's on
+    entry). Returns (gate, up, a, n1, n3)."""
     gl.nvidia.hopper.mbarrier.wait(bar.index(stage), phase)
     gate, up, a = wg_mma_piece(r1, stage, 0, n1[0], ra, gate, up, a, TWO_MULS, TILED, WL, AL)
     wg_ring_fill(w1, w3, zs, r1, r3, ra, bar, row, arow, it + STAGES - 1, (stage + STAGES - 1) % STAGES, NT, True,
@@ -256,14 +289,14 @@ def wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow, it,
 
 
 @gluon.jit
-def wg_cta_rows(tile_row0_ptr, e, R: gl.constexpr, KDIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """A CTA's rows, for expert e of schedule tile program 0: (the tile's first sorted row; the CTA's first
-    global weight row e·R + 64·program 1 of a matrix of R rows; its rows' scale-byte offsets over KDIM columns,
-    `wg_scale_offsets`)."""
+def wg_cta_rows(e, R: gl.constexpr, KDIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """A CTA's rows, for expert e of schedule tile program 0: (the tile's first activation row, BLOCK_M·program 0
+    in tile rows; the CTA's first global weight row e·R + 64·program 1 of a matrix of R rows; its rows'
+    scale-byte offsets over KDIM columns, `wg_scale_offsets`)."""
     SL: gl.constexpr = wg_layouts(BLOCK_M)[1]
     r0 = gl.program_id(1) * 64
-    arow = gl.load(tile_row0_ptr + gl.program_id(0)).to(gl.int32)
-    return arow, (e * R + r0).to(gl.int32), wg_scale_offsets(e.to(gl.int64) * R + r0, KDIM, SL)
+    return gl.program_id(0) * BLOCK_M, (e * R + r0).to(gl.int32), wg_scale_offsets(e.to(gl.int64) * R + r0, KDIM,
+                                                                                    SL)
 
 
 @gluon.jit
@@ -271,18 +304,18 @@ def moe_up_mx_wgmma_kernel(zs, w1, w3, s1_ptr, s3_ptr, tile_expert_ptr, tile_row
                            SITU_BETA, SITU_LINEAR_BETA, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
                            ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr,
                            STAGES: gl.constexpr, TILED: gl.constexpr):
-    """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one BLOCK_M-row tile and 64 intermediate columns, into hp [N·k, I] (bf16)
-    at the tile's sorted rows in `wg_permute` order. zs: TMA descriptor (`wg_act_desc`) of z's rows gathered in
-    the schedule's order and `wg_permute`d (`wg_gather_kernel`); w1/w3: TMA descriptors of the i32 words
-    [E, I, D/8] (`wg_word_desc`); s1/s3 u8 [E, I, D/32]; TILED: the words' layout, 0 row-major, 1
-    `mxfp4_tiles`, 2 `mxfp4_tiles_bits`."""
+    """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one BLOCK_M-row tile and 64 intermediate columns, into hp [tile rows, I]
+    (bf16, `wg_tile_rows`) at the tile's rows, its padding rows zeros, in `wg_permute` order. zs: TMA descriptor
+    (`wg_act_desc`) of z's rows gathered in tile rows and `wg_permute`d (`wg_gather_kernel`); w1/w3: TMA
+    descriptors of the i32 words [E, I, D/8] (`wg_word_desc`); s1/s3 u8 [E, I, D/32]; TILED: the words' layout,
+    0 row-major, 1 `mxfp4_tiles`, 2 `mxfp4_tiles_bits`."""
     NT: gl.constexpr = D // 256
     WL: gl.constexpr = wg_layouts(BLOCK_M)[0]
     ACC: gl.constexpr = wg_layouts(BLOCK_M)[2]
     AL: gl.constexpr = wg_layouts(BLOCK_M)[3]
     e = gl.load(tile_expert_ptr + gl.program_id(0))
     if e < E:
-        arow, row, soff = wg_cta_rows(tile_row0_ptr, e, I, D, BLOCK_M)
+        arow, row, soff = wg_cta_rows(e, I, D, BLOCK_M)
         r1 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
         r3 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
         ra = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 256], wg_stage_layouts()[1])
@@ -296,23 +329,22 @@ def moe_up_mx_wgmma_kernel(zs, w1, w3, s1_ptr, s3_ptr, tile_expert_ptr, tile_row
         for j in range(NT // STAGES):
             for u in gl.static_range(STAGES):
                 gate, up, a, n1, n3 = wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow,
-                                                 j * STAGES + u, u, j & 1, gate, up, a, n1, n3, NT, STAGES,
-                                                 TWO_MULS, TILED, WL, AL)
+                                                 j * STAGES + u, wg_opaque(j * 0 + u), j & 1, gate, up, a, n1, n3,
+                                                 NT, STAGES, TWO_MULS, TILED, WL, AL)
         for u in gl.static_range(NT % STAGES):
             gate, up, a, n1, n3 = wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow,
-                                             NT - NT % STAGES + u, u, (NT // STAGES) & 1, gate, up, a, n1, n3, NT,
-                                             STAGES, TWO_MULS, TILED, WL, AL)
+                                             NT - NT % STAGES + u, wg_opaque(arow * 0 + u), (NT // STAGES) & 1,
+                                             gate, up, a, n1, n3, NT, STAGES, TWO_MULS, TILED, WL, AL)
         gate, up = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(gate, up))
-        h = glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU)
+        _, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, gl.program_id(0), BLOCK_M, gl.SliceLayout(0, ACC))
+        h = gl.where(gl.expand_dims(m_ok, 0), glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU), 0.0)
         col = wg_permuted_col(gl.program_id(1) * 64 + gl.arange(0, 64, gl.SliceLayout(1, ACC)))
-        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, gl.program_id(0), BLOCK_M,
-                                    gl.SliceLayout(0, ACC))
-        gl.store(hp_ptr + gl.expand_dims(offs_m.to(gl.int64) * I, 0) + gl.expand_dims(col, 1),
-                 h.to(hp_ptr.dtype.element_ty), mask=gl.expand_dims(m_ok, 0))
+        rows = arow.to(gl.int64) + gl.arange(0, BLOCK_M, gl.SliceLayout(0, ACC))
+        gl.store(hp_ptr + gl.expand_dims(rows * I, 0) + gl.expand_dims(col, 1), h.to(hp_ptr.dtype.element_ty))
 
 
 @gluon.jit
-def wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, it, stage: gl.constexpr, phase, acc, a, n2,
+def wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, it, stage, phase, acc, a, n2,
                  NT: gl.constexpr, STAGES: gl.constexpr, TWO_MULS: gl.constexpr, TILED: gl.constexpr,
                  WL: gl.constexpr, AL: gl.constexpr):
     """The down kernel's K tile `it`, as `wg_up_step` for one matrix. Returns (acc, a, n2)."""
@@ -332,7 +364,8 @@ def moe_down_mx_wgmma_kernel(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_expert
                              TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                              TILED: gl.constexpr):
     """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one BLOCK_M-row tile and 64 output columns; hs: TMA
-    descriptor (`wg_act_desc`) of h [N·k, I] (bf16, sorted rows, `wg_permute` order: the up kernel's output);
+    descriptor (`wg_act_desc`) of h [tile rows, I] (bf16, `wg_tile_rows`, `wg_permute` order: the up kernel's
+    output);
     w2: TMA descriptor of the i32 words [E, D, I/8] as the up kernel's w1; s2 u8 [E, D, I/32]."""
     NT: gl.constexpr = I // 256
     WL: gl.constexpr = wg_layouts(BLOCK_M)[0]
@@ -340,7 +373,7 @@ def moe_down_mx_wgmma_kernel(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_expert
     AL: gl.constexpr = wg_layouts(BLOCK_M)[3]
     e = gl.load(tile_expert_ptr + gl.program_id(0))
     if e < E:
-        arow, row, soff = wg_cta_rows(tile_row0_ptr, e, D, I, BLOCK_M)
+        arow, row, soff = wg_cta_rows(e, D, I, BLOCK_M)
         r2 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
         ra = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 256], wg_stage_layouts()[1])
         bar = gl_ring_init(STAGES)
@@ -351,11 +384,13 @@ def moe_down_mx_wgmma_kernel(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_expert
         a = gl.zeros([64, 128], gl.bfloat16, AL)
         for j in range(NT // STAGES):
             for u in gl.static_range(STAGES):
-                acc, a, n2 = wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, j * STAGES + u, u, j & 1,
-                                          acc, a, n2, NT, STAGES, TWO_MULS, TILED, WL, AL)
+                acc, a, n2 = wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, j * STAGES + u,
+                                          wg_opaque(j * 0 + u), j & 1, acc, a, n2, NT, STAGES, TWO_MULS, TILED, WL,
+                                          AL)
         for u in gl.static_range(NT % STAGES):
-            acc, a, n2 = wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, NT - NT % STAGES + u, u,
-                                      (NT // STAGES) & 1, acc, a, n2, NT, STAGES, TWO_MULS, TILED, WL, AL)
+            acc, a, n2 = wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, NT - NT % STAGES + u,
+                                      wg_opaque(arow * 0 + u), (NT // STAGES) & 1, acc, a, n2, NT, STAGES, TWO_MULS,
+                                      TILED, WL, AL)
         acc = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(acc,))
         offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, gl.program_id(0), BLOCK_M,
                                     gl.SliceLayout(0, ACC))
@@ -369,21 +404,27 @@ def moe_down_mx_wgmma_kernel(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_expert
 def mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, *, mx_config, K, act, situ_beta,
                       situ_linear_beta, tiled):
     """`launch_moe_experts`' launches on this path (`wgmma_decode_ok(mx_config, D, I)`), as three callables run in
-    order (benchmarks time each): z bf16 [N, D] gathered into zs [N·k, D] (the schedule's row order,
-    `wg_permute`d: `wg_gather_kernel`), `moe_up_mx_wgmma_kernel` into h [N·k, I], `moe_down_mx_wgmma_kernel` into
-    y_slot f32 [N·k, D] (weighted); w1/w3/w2 u8 MXFP4 words ([E, I, D/2], [E, D, I/2]) in layout `tiled` (0
-    row-major, 1 `mxfp4_tiles`, 2 `mxfp4_tiles_bits`), scales their E8M0 bytes, schedule `moe_schedule(ids, E,
-    BLOCK_M)`. The slot sum is the caller's."""
+    order (benchmarks time each): z bf16 [N, D] gathered into zs bf16 [R, D] (tile rows, `wg_permute`d:
+    `wg_gather_kernel`), `moe_up_mx_wgmma_kernel` into h bf16 [R, I], `moe_down_mx_wgmma_kernel` into y_slot f32
+    [N·k, D] (weighted); R ≥ BLOCK_M · the schedule's tiles (`wg_tile_rows`; only those rows are used); w1/w3/w2
+    u8 MXFP4 words ([E, I, D/2], [E, D, I/2]) in layout `tiled` (0 row-major, 1 `mxfp4_tiles`, 2
+    `mxfp4_tiles_bits`), scales their E8M0 bytes, schedule `moe_schedule(ids, E, BLOCK_M)`. The slot sum is the
+    caller's. Raises ValueError when zs or h has fewer rows than the schedule's tiles need."""
     D, (E, I) = z.shape[1], w1.shape[:2]
     block_m, two_muls = mx_config[0], mx_config[5]
     (_, _, _, stages_up, cap_up), (_, _, _, stages_down, cap_down) = mx_kernels(mx_config)
     order, tile_expert, row0, row_end = schedule
     max_tiles = tile_expert.shape[0]
+    rows = max_tiles * block_m
+    if zs.shape[0] < rows or h.shape[0] < rows:
+        raise ValueError(f"moe_experts (wgmma): zs {list(zs.shape)} and h {list(h.shape)} need {rows} tile rows "
+                         f"({max_tiles} tiles of {block_m}, wg_tile_rows)")
     w1d, w3d, w2d = (wg_word_desc(w, tiled) for w in (w1, w3, w2))
-    zd, hd = wg_act_desc(zs, block_m), wg_act_desc(h, block_m)
+    zd, hd = wg_act_desc(zs[:rows], block_m), wg_act_desc(h[:rows], block_m)
 
     def gather():
-        wg_gather_kernel[(order.shape[0], D // 256)](z, order, zs, z.stride(0), K=K, D=D, BLOCK=256)
+        wg_gather_kernel[(rows,)](z, order, tile_expert, row0, row_end, zs, z.stride(0), E, K=K, D=D,
+                                  BLOCK_M=block_m, BLOCK=256)
 
     def up():
         moe_up_mx_wgmma_kernel[(max_tiles, I // WG_ROWS)](

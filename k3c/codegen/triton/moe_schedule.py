@@ -2,7 +2,7 @@
 (token, slot) pairs sorted stably by expert and cut into tiles of BLOCK_M rows of one expert, without a host sync.
 `moe_schedule` runs one `moe_schedule_kernel` launch for decode's few rows on a GPU, torch otherwise; both give
 equal schedules (tests/kernels/test_triton_moe_schedule.py). Pasted into the emitted `moe_experts` modules.
-Public API: `SCHEDULE_KERNEL_MAX_ROWS`, `moe_schedule`, `moe_schedule_kernel`."""
+Public API: `SCHEDULE_KERNEL_MAX_ROWS`, `schedule_tiles`, `moe_schedule`, `moe_schedule_kernel`."""
 
 from __future__ import annotations
 
@@ -60,15 +60,21 @@ def moe_schedule_kernel(ids_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile
     tl.store(tile_row_end_ptr + tile, seg_end.to(tl.int64), mask=starts)
 
 
+def schedule_tiles(rows: int, E: int, BLOCK_M: int) -> int:
+    """The tile count of `moe_schedule` for `rows` (token, slot) pairs over E experts in tiles of BLOCK_M rows: a
+    bound on the tiles the rows can need (each expert's last tile may be short), at most one a row."""
+    return min(rows, triton.cdiv(rows, BLOCK_M) + E)
+
+
 def moe_schedule(ids, E, BLOCK_M, use_kernel=None):
     """The tile schedule of `launch_moe_experts` for ids int [N, k] (< 0: unused) over E experts on ids' device,
     without a host sync: (order: sorted row -> flat token · k + slot index; tile_expert (E: past the schedule),
-    tile_row0, tile_row_end: per tile), each i64 [min(N·k, ⌈N·k / BLOCK_M⌉ + E)] but order [N·k].
+    tile_row0, tile_row_end: per tile), each i64 [`schedule_tiles`] but order [N·k].
     use_kernel: None chooses one launch of `moe_schedule_kernel` (one bitonic sort, whatever E) for ids on a GPU
     with at most SCHEDULE_KERNEL_MAX_ROWS rows (decode), else torch (a stable argsort, scatter-add counts, cumsums
     and a searchsorted: a dozen launches); True / False force either (tests; the two give equal schedules)."""
     rows = ids.numel()
-    n_tiles = min(rows, triton.cdiv(rows, BLOCK_M) + E)
+    n_tiles = schedule_tiles(rows, E, BLOCK_M)
     if use_kernel is None:
         use_kernel = ids.is_cuda and rows <= SCHEDULE_KERNEL_MAX_ROWS
     if use_kernel:
