@@ -106,6 +106,28 @@ def test_planned_tile_rows_hold_every_schedule_and_the_declaration_evaluates_to_
     assert moe.mx_wgmma_rows(rows, E, 3584 - 128, 3072, scale_max, True) == 0
 
 
+@pytest.mark.parametrize("dtype,scale_max,wgmma", [("bf16", 122, True), ("bf16", 255, False), ("f32", 122, False)])
+def test_the_scratch_declaration_plans_tile_rows_where_the_kernels_can_run(dtype, scale_max, wgmma):
+    """`moe_experts_scratch` of a graph node: batch 16 of 32 experts choosing 16 at D, I multiples of 256 plans zs
+    [768, D] (16 rows for each of the schedule's min(256, 16 + 32) tiles) and h [768, I] in z's dtype where the
+    `wgmma` kernels can run (bf16, one multiply); two multiplies or f32 plan h [N·k, I] and no zs."""
+    from k3c.ir.graph import Graph
+    from k3c.ir.kernels import KernelGroup
+    from k3c.ir.types import TensorType
+
+    N, k, E, D, I = 16, 16, 32, 512, 256
+    shapes = [((N, D), dtype), ((N, k), "f32"), ((N, k), "i64"), ((E, I, D // 2), "u8"), ((E, I, D // 2), "u8"),
+              ((E, D, I // 2), "u8"), ((E, I, D // 32), "u8"), ((E, I, D // 32), "u8"), ((E, D, I // 32), "u8")]
+    g = Graph()
+    ins = [g.add_input(f"in{i}", TensorType(s, t)) for i, (s, t) in enumerate(shapes)]
+    outs = g.add_node("moe_experts", ins, {"act": "situ", "weight_format": "mxfp4", "scale_max": scale_max})
+    specs = {spec.name: spec.type for spec in moe.moe_experts_scratch(
+        KernelGroup("k0001_moe_experts", "triton", "moe_experts", [g.nodes[0]], ins, outs))}
+    rows = 16 * 48 if wgmma else N * k
+    assert specs["h"] == TensorType((rows, I), dtype) and specs["y_slot"] == TensorType((N * k, D), "f32")
+    assert specs.get("zs") == (TensorType((rows, D), dtype) if wgmma else None)
+
+
 def test_the_decode_default_takes_them_from_8_rows_per_expert_where_the_launch_can():
     """`mx_default_config`: one multiply, from 8 rows per expert (batch 16 of 32 experts choosing 16: measured
     faster, run S) to 16, the `wgmma` kernels; below 8 (batch 1: measured slower; 4-8: not timed) and where the
