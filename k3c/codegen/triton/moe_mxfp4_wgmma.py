@@ -18,21 +18,22 @@ tiles, `wg_word_desc`) and one copy of its activations, [BLOCK_M, 256] bf16 (a 3
 blocks, `wg_act_desc`). The activations are in tile rows: schedule tile t's token rows at rows BLOCK_M·t .. of zs
 and h, the rows past the tile's tokens zeros (`wg_tile_rows`). The up kernel's are z gathered so first
 (`wg_gather_kernel`, one launch); it writes h so. Zero padding rows cost the gather their writes (1.5 us at batch 16
-of 32 experts), and the `wgmma`s spend less energy on them than on another expert's rows: under the H200's 700 W cap
-the SM clock, which paces these kernels there, rises with it (BENCHMARKS.md "MXFP4 round, run V": at 8 tokens a
-16-row tile, sustained, an H100's clock 1.56 → 1.63-1.69 GHz under the up kernel). A stage is decoded in two pieces
-of 128 values a matrix (`wg_decoded_tile`, the `mma.sync` kernels' `mxfp4_word_bf16`: bitwise the same values), each
-piece one asynchronous `wgmma` with one left in flight while the next piece is decoded (`wg_mma_piece`; run P: 89 us
-compute alone against 96 for one [64, 256] `wgmma` a matrix). A stage is refilled once the `wgmma`s that read it are
-done: after the first `wgmma` of the next K tile retires the last of the previous one. The K loop is unrolled by the
-ring's stages (`wg_up_step`, `wg_down_step`), and the stage index reaches the unrolled body through a `mov` LLVM
-cannot see through (`wg_opaque`): with constant indices LLVM hoists all 32 `wgmma` descriptors of two K tiles out of
-the loop, and ptxas keeps them in registers and copies one into each `HGMMA` (`UMOV`, `R2UR`); formed in the loop
-from one base they save the up kernel 26 instructions a K tile and leave it 125 registers instead of 141 (Triton
-3.6; 127 instead of 211 under 3.9), 2-3 % of its time on an H200 (run V). The next tile's scale bytes (one-byte
-global loads) are issued after the refill: the refill's async-proxy fence (`MEMBAR.ALL.CTA`, which Triton places
-before the copies) waits until the warp's earlier memory accesses are performed (PTX `membar`), so scale loads
-issued before it would hold every K tile for their latency (BENCHMARKS.md "MXFP4 round, run T").
+of 32 experts), and the kernels spend less energy on them than on another expert's rows (the `wgmma`s' operands and
+the bytes moved to them): under the H200's 700 W cap the SM clock, which paces these kernels there, rises with it
+(BENCHMARKS.md "MXFP4 round, run V": at 8 tokens a 16-row tile, sustained, an H100's clock 1.56 → 1.63-1.69 GHz
+under the up kernel). A stage is decoded in two pieces of 128 values a matrix (`wg_decoded_tile`, the `mma.sync`
+kernels' `mxfp4_word_bf16`: bitwise the same values), each piece one asynchronous `wgmma` with one left in flight
+while the next piece is decoded (`wg_mma_piece`; run P: 89 us compute alone against 96 for one [64, 256] `wgmma` a
+matrix). A stage is refilled once the `wgmma`s that read it are done: after the first `wgmma` of the next K tile
+retires the last of the previous one. The K loop is unrolled by the ring's stages (`wg_up_step`, `wg_down_step`),
+and the stage index reaches the unrolled body through a `mov` LLVM cannot see through (`wg_opaque`): with constant
+indices LLVM hoists all 32 `wgmma` descriptors of two K tiles out of the loop, and ptxas keeps them in registers and
+copies one into each `HGMMA` (`UMOV`, `R2UR`); formed in the loop from one base they save the up kernel 26
+instructions a K tile and leave it 125 registers instead of 141 (Triton 3.6; 127 instead of 211 under 3.9), 2-3 % of
+its time on an H200 (run V). The next tile's scale bytes (one-byte global loads) are issued after the refill: the
+refill's async-proxy fence (`MEMBAR.ALL.CTA`, which Triton places before the copies) waits until the warp's earlier
+memory accesses are performed (PTX `membar`), so scale loads issued before it would hold every K tile for their
+latency (BENCHMARKS.md "MXFP4 round, run T").
 
 K order: a thread's 32-bit word w (8 codes, natural columns 8w .. 8w + 7) is decoded into the A fragment's
 columns of `wgmma`'s register layout; a piece's column 32·cc + 16a + 8p + 2t + e holds code 2a + p + 4e of word
