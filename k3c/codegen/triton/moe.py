@@ -340,22 +340,26 @@ def emit_moe_route(group: KernelGroup) -> str:
                    launch_moe_route, body)
 
 
+def mx_wgmma_planned(D: int, I: int, scale_max: int, bf16: bool) -> bool:
+    """Whether MXFP4 experts plan for the `wgmma` decode kernels: where the default configuration can take them
+    (`mx_default_config`: bf16, D and I multiples of WG_BLOCK_K, the one-multiply decoding, scale_max ≤
+    ONE_MUL_MAX_SCALE)."""
+    return bf16 and D % WG_BLOCK_K == 0 and I % WG_BLOCK_K == 0 and scale_max <= ONE_MUL_MAX_SCALE
+
+
 def mx_wgmma_rows(rows: int, E: int, D: int, I: int, scale_max: int, bf16: bool) -> int:
     """The tile rows that MXFP4 experts plan for the `wgmma` decode kernels' zs and h (`wg_tile_rows` of their
-    largest tile, WG_BLOCK_MS) for `rows` (token, slot) pairs over E experts, where the default configuration can
-    take them (`mx_default_config`: bf16, D and I multiples of WG_BLOCK_K, the one-multiply decoding, scale_max ≤
-    ONE_MUL_MAX_SCALE); else 0. `moe_experts_scratch` declares the same in the graph's dims (`mx_wgmma_dim`)."""
-    if not (bf16 and D % WG_BLOCK_K == 0 and I % WG_BLOCK_K == 0 and scale_max <= ONE_MUL_MAX_SCALE):
-        return 0
-    return wg_tile_rows(rows, E, max(WG_BLOCK_MS))
+    largest tile, WG_BLOCK_MS) for `rows` (token, slot) pairs over E experts where `mx_wgmma_planned`, else 0.
+    `moe_experts_scratch` declares the same in the graph's dims (`mx_wgmma_dim`)."""
+    return wg_tile_rows(rows, E, max(WG_BLOCK_MS)) if mx_wgmma_planned(D, I, scale_max, bf16) else 0
 
 
 def mx_wgmma_dim(rows, E: int, D: int, I: int, scale_max: int, bf16: bool):
     """`mx_wgmma_rows` for rows a dim of the IR (int or sympy, symbolic in B, T, L): the runtime evaluates it at a
     call's sizes to what the launch asks for."""
-    bm = max(WG_BLOCK_MS)
-    if not mx_wgmma_rows(bm, E, D, I, scale_max, bf16):
+    if not mx_wgmma_planned(D, I, scale_max, bf16):
         return 0
+    bm = max(WG_BLOCK_MS)
     return bm * sympy.Min(rows, sympy.ceiling(sympy.sympify(rows) / bm) + E)
 
 
@@ -446,6 +450,6 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     gl_reinterpret, wgmma_decode_ok, wg_permuted_col, wg_gather_kernel, wg_act_desc, wg_word_desc,
                     wg_stage_layouts, wg_ring_fill, wg_decoded_tile, wg_scale_offsets, wg_stage_piece, wg_layouts,
                     wg_mma_piece, wg_scale_pair, wg_opaque, wg_up_step, wg_down_step, wg_cta_rows,
-                    moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel, schedule_tiles, wg_tile_rows, mx_wgmma_rows,
-                    mx_wgmma_launches],
+                    moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel, schedule_tiles, wg_tile_rows, mx_wgmma_planned,
+                    mx_wgmma_rows, mx_wgmma_launches],
                    launch_moe_experts, body)
