@@ -6,7 +6,8 @@ bench_mx_wgmma.py draws them) with 8 tokens each in 16-row tiles (batch 16 of 32
 
 Modes fill the tiles' activation rows (zs for the up kernel, h for the down kernel, written here directly, not
 gathered): rand, the 8 token rows and the 8 padding rows random (as another expert's rows); pad0, the padding
-rows zeros (what `wg_gather_kernel` and the up kernel write since run V); all0, every row zeros. Each kernel runs
+rows zeros (what `wg_gather_kernel` and the up kernel write since run V); all0, every row zeros; bm8, pad0's 8
+token rows an expert in 8-row tiles (`m64n8k16` `wgmma`s, no padding rows: BLOCK_M 8). Each kernel runs
 back to back, --settle seconds to reach the card's power limit, then 3000 (up) / 6000 (down) launches timed with
 CUDA events. `nvidia-smi` samples the SM clock and power every 100 ms meanwhile; the mean over each kernel's last
 0.8 s is reported. BENCHMARKS.md "MXFP4 round, run V" (an H100: pad0 raises the clock under the up kernel from
@@ -65,20 +66,25 @@ def main():
     rows, marks = [], []
     try:
         for mode in a.modes.split(","):
-            zs, h = zs_r.clone(), h_r.clone()
-            if mode == "pad0":
+            zs, h, mcfg, msched, mwt = zs_r.clone(), h_r.clone(), cfg, sched, wt
+            if mode == "bm8":                   # the same 8 token rows an expert in 8-row tiles: no padding rows
+                zs = zs.view(E, T, D)[:, :TOKENS].reshape(E * TOKENS, D)
+                h = h.view(E, T, I)[:, :TOKENS].reshape(E * TOKENS, I)
+                mcfg, mwt = (TOKENS,) + tuple(cfg[1:]), wt[:E * TOKENS]
+                msched = (torch.arange(E * TOKENS, device="cuda"), tiles, tiles * TOKENS, tiles * TOKENS + TOKENS)
+            elif mode == "pad0":
                 zs.masked_fill_(pad, 0)
                 h.masked_fill_(pad, 0)
             elif mode == "all0":
                 zs.zero_()
                 h.zero_()
             elif mode != "rand":
-                ap.error(f"--modes: {mode!r} is not rand, pad0 or all0")
+                ap.error(f"--modes: {mode!r} is not rand, pad0, all0 or bm8")
             y_slot = torch.empty(E * T, D, dtype=torch.float32, device="cuda")
             h_out = torch.empty_like(h)
-            _, up, _ = mx_wgmma_launches(zs, zs, sched, *kop.words, kop.s, h_out, y_slot, wt, mx_config=cfg, K=K,
+            _, up, _ = mx_wgmma_launches(zs, zs, msched, *kop.words, kop.s, h_out, y_slot, mwt, mx_config=mcfg, K=K,
                                          tiled=2, **ACT)
-            _, _, down = mx_wgmma_launches(zs, zs, sched, *kop.words, kop.s, h, y_slot, wt, mx_config=cfg, K=K,
+            _, _, down = mx_wgmma_launches(zs, zs, msched, *kop.words, kop.s, h, y_slot, mwt, mx_config=mcfg, K=K,
                                            tiled=2, **ACT)
             row = {"mode": mode}
             for name, fn, n in (("up", up, 3000), ("down", down, 6000)):

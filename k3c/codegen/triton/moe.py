@@ -66,10 +66,10 @@ from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl
 from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_ACT_MODES, WG_BLOCK_K, WG_BLOCK_MS, WG_ROWS,
                                                moe_down_mx_wgmma_kernel, moe_up_mx_wgmma_kernel, mx_wgmma_launches,
                                                wg_act_desc, wg_cta_rows, wg_decoded_tile, wg_down_step,
-                                               wg_gather_kernel, wg_layouts, wg_mma_piece, wg_opaque,
-                                               wg_permuted_col, wg_ring_fill, wg_scale_offsets, wg_scale_pair,
-                                               wg_stage_layouts, wg_stage_piece, wg_tile_rows, wg_up_step,
-                                               wg_word_desc, wgmma_decode_ok)
+                                               wg_down_tile, wg_gather_kernel, wg_layouts, wg_mma_piece, wg_narrow,
+                                               wg_opaque, wg_permuted_col, wg_ring_fill, wg_scale_offsets,
+                                               wg_scale_pair, wg_stage_layouts, wg_stage_piece, wg_tile_rows,
+                                               wg_up_step, wg_up_tile, wg_word_desc, wgmma_decode_ok)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 from k3c.runtime.layouts import MX_TILE_K, MX_TILE_ROWS, mx_tiles_ok
@@ -449,7 +449,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     gl_ring_init, moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel, gl_reinterpret_named,
                     gl_reinterpret, wgmma_decode_ok, wg_permuted_col, wg_gather_kernel, wg_act_desc, wg_word_desc,
                     wg_stage_layouts, wg_ring_fill, wg_decoded_tile, wg_scale_offsets, wg_stage_piece, wg_layouts,
-                    wg_mma_piece, wg_scale_pair, wg_opaque, wg_up_step, wg_down_step, wg_cta_rows,
-                    moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel, schedule_tiles, wg_tile_rows, mx_wgmma_planned,
-                    mx_wgmma_rows, mx_wgmma_launches],
+                    wg_mma_piece, wg_scale_pair, wg_opaque, wg_up_step, wg_down_step, wg_cta_rows, wg_narrow,
+                    wg_up_tile, wg_down_tile, moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel, schedule_tiles,
+                    wg_tile_rows, mx_wgmma_planned, mx_wgmma_rows, mx_wgmma_launches],
                    launch_moe_experts, body)

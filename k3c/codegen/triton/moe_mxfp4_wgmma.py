@@ -35,6 +35,12 @@ refill's async-proxy fence (`MEMBAR.ALL.CTA`, which Triton places before the cop
 memory accesses are performed (PTX `membar`), so scale loads issued before it would hold every K tile for their
 latency (BENCHMARKS.md "MXFP4 round, run T").
 
+Narrow tiles: a 16-row tile of at most 8 tokens (`wg_narrow`; at batch 16 of 32 experts choosing 16, 60 % of them)
+runs the same K loop instantiated for 8 token columns (`wg_up_tile`, `wg_down_tile`: `m64n8k16` `wgmma`s over the
+[8, 256] boxes of a second descriptor, its rows 8 .. 15 neither gathered, read nor written). That halves the
+tensor work and the activation bytes such a tile moves, so the card spends less energy under its cap (run W).
+The two loops share the CTA's shared memory.
+
 K order: a thread's 32-bit word w (8 codes, natural columns 8w .. 8w + 7) is decoded into the A fragment's
 columns of `wgmma`'s register layout; a piece's column 32·cc + 16a + 8p + 2t + e holds code 2a + p + 4e of word
 4t + cc of the thread t of a quad, natural column 32t + 8cc + 4e + 2a + p of the piece (`wg_permuted_col`: the
@@ -116,14 +122,16 @@ def wg_gather_kernel(z_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_
                      K: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
     """The up kernel's activations in tile rows (module docstring), `wg_permute` order: for row r = program 0 of
     zs (tile t = r // BLOCK_M, its row j = r % BLOCK_M), zs[r] = z[order[row0[t] + j] // K] where row0[t] + j <
-    row_end[t], else zeros, BLOCK columns at a time; nothing for a tile past the schedule (expert E). z rows
-    z_stride apart, unit stride; D a multiple of BLOCK."""
+    row_end[t], else zeros, BLOCK columns at a time; nothing for a tile past the schedule (expert E), nor for rows
+    8 .. of a tile of at most 8 tokens (`wg_narrow`: the kernels read its first 8). z rows z_stride apart, unit
+    stride; D a multiple of BLOCK."""
     r = tl.program_id(0)
     t = r // BLOCK_M
-    if tl.load(tile_expert_ptr + t) < E:
-        row0 = tl.load(tile_row0_ptr + t)
+    row0 = tl.load(tile_row0_ptr + t)
+    row_end = tl.load(tile_row_end_ptr + t)
+    if (tl.load(tile_expert_ptr + t) < E) & ((r % BLOCK_M < 8) | (row_end - row0 > 8)):
         row = row0 + r % BLOCK_M
-        ok = row < tl.load(tile_row_end_ptr + t)
+        ok = row < row_end
         token = tl.load(order_ptr + tl.where(ok, row, row0)) // K
         end = tl.where(ok, D, 0)                                    # a padding row reads nothing: zeros
         for c in tl.static_range(D // BLOCK):
@@ -301,47 +309,72 @@ def wg_cta_rows(e, R: gl.constexpr, KDIM: gl.constexpr, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def moe_up_mx_wgmma_kernel(zs, w1, w3, s1_ptr, s3_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr,
+def wg_narrow(tile_row0_ptr, tile_row_end_ptr, BLOCK_M: gl.constexpr):
+    """Whether schedule tile program 0 of BLOCK_M rows holds at most 8 tokens (its `m64n8k16` path)."""
+    t = gl.program_id(0)
+    return gl.load(tile_row_end_ptr + t) - gl.load(tile_row0_ptr + t) <= 8
+
+
+@gluon.jit
+def wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, e,
+               D: gl.constexpr, I: gl.constexpr, ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr,
+               BLOCK_M: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr):
+    """`moe_up_mx_wgmma_kernel` for expert e's tile program 0 (rows BLOCK_M apart) over its first BM ≤ BLOCK_M
+    rows: `m64nBMk16` `wgmma`s over zs's [BM, 256] boxes; h's rows of the tile past BM untouched."""
+    NT: gl.constexpr = D // 256
+    WL: gl.constexpr = wg_layouts(BM)[0]
+    ACC: gl.constexpr = wg_layouts(BM)[2]
+    AL: gl.constexpr = wg_layouts(BM)[3]
+    arow, row, soff = wg_cta_rows(e, I, D, BLOCK_M)
+    r1 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
+    r3 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
+    ra = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 256], wg_stage_layouts()[1])
+    bar = gl_ring_init(STAGES)
+    for t in gl.static_range(STAGES - 1):
+        wg_ring_fill(w1, w3, zs, r1, r3, ra, bar, row, arow, t, t, NT, True, TILED)
+    n1, n3 = wg_scale_pair(s1_ptr, soff, 0, NT), wg_scale_pair(s3_ptr, soff, 0, NT)
+    gate = gl.zeros([64, BM], gl.float32, ACC)
+    up = gl.zeros([64, BM], gl.float32, ACC)
+    a = gl.zeros([64, 128], gl.bfloat16, AL)          # the piece in flight (none yet)
+    for j in range(NT // STAGES):
+        for u in gl.static_range(STAGES):
+            gate, up, a, n1, n3 = wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow,
+                                             j * STAGES + u, wg_opaque(j * 0 + u), j & 1, gate, up, a, n1, n3, NT,
+                                             STAGES, TWO_MULS, TILED, WL, AL)
+    for u in gl.static_range(NT % STAGES):
+        gate, up, a, n1, n3 = wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow,
+                                         NT - NT % STAGES + u, wg_opaque(arow * 0 + u), (NT // STAGES) & 1, gate,
+                                         up, a, n1, n3, NT, STAGES, TWO_MULS, TILED, WL, AL)
+    gate, up = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(gate, up))
+    _, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, gl.program_id(0), BM, gl.SliceLayout(0, ACC))
+    h = gl.where(gl.expand_dims(m_ok, 0), glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU), 0.0)
+    col = wg_permuted_col(gl.program_id(1) * 64 + gl.arange(0, 64, gl.SliceLayout(1, ACC)))
+    rows = arow.to(gl.int64) + gl.arange(0, BM, gl.SliceLayout(0, ACC))
+    gl.store(hp_ptr + gl.expand_dims(rows * I, 0) + gl.expand_dims(col, 1), h.to(hp_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def moe_up_mx_wgmma_kernel(zs, zs8, w1, w3, s1_ptr, s3_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr,
                            SITU_BETA, SITU_LINEAR_BETA, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
                            ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr,
                            STAGES: gl.constexpr, TILED: gl.constexpr):
     """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one BLOCK_M-row tile and 64 intermediate columns, into hp [tile rows, I]
-    (bf16, `wg_tile_rows`) at the tile's rows, its padding rows zeros, in `wg_permute` order. zs: TMA descriptor
-    (`wg_act_desc`) of z's rows gathered in tile rows and `wg_permute`d (`wg_gather_kernel`); w1/w3: TMA
-    descriptors of the i32 words [E, I, D/8] (`wg_word_desc`); s1/s3 u8 [E, I, D/32]; TILED: the words' layout,
-    0 row-major, 1 `mxfp4_tiles`, 2 `mxfp4_tiles_bits`."""
-    NT: gl.constexpr = D // 256
-    WL: gl.constexpr = wg_layouts(BLOCK_M)[0]
-    ACC: gl.constexpr = wg_layouts(BLOCK_M)[2]
-    AL: gl.constexpr = wg_layouts(BLOCK_M)[3]
+    (bf16, `wg_tile_rows`) at the tile's rows, its padding rows zeros, in `wg_permute` order; a 16-row tile of at
+    most 8 tokens (`wg_narrow`) as an 8-row one, its h rows 8 .. 15 untouched. zs / zs8: TMA descriptors
+    (`wg_act_desc`, BLOCK_M- and 8-row boxes) of z's rows gathered in tile rows and `wg_permute`d
+    (`wg_gather_kernel`); w1/w3: TMA descriptors of the i32 words [E, I, D/8] (`wg_word_desc`); s1/s3 u8 [E, I,
+    D/32]; TILED: the words' layout, 0 row-major, 1 `mxfp4_tiles`, 2 `mxfp4_tiles_bits`."""
     e = gl.load(tile_expert_ptr + gl.program_id(0))
     if e < E:
-        arow, row, soff = wg_cta_rows(e, I, D, BLOCK_M)
-        r1 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
-        r3 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
-        ra = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 256], wg_stage_layouts()[1])
-        bar = gl_ring_init(STAGES)
-        for t in gl.static_range(STAGES - 1):
-            wg_ring_fill(w1, w3, zs, r1, r3, ra, bar, row, arow, t, t, NT, True, TILED)
-        n1, n3 = wg_scale_pair(s1_ptr, soff, 0, NT), wg_scale_pair(s3_ptr, soff, 0, NT)
-        gate = gl.zeros([64, BLOCK_M], gl.float32, ACC)
-        up = gl.zeros([64, BLOCK_M], gl.float32, ACC)
-        a = gl.zeros([64, 128], gl.bfloat16, AL)          # the piece in flight (none yet)
-        for j in range(NT // STAGES):
-            for u in gl.static_range(STAGES):
-                gate, up, a, n1, n3 = wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow,
-                                                 j * STAGES + u, wg_opaque(j * 0 + u), j & 1, gate, up, a, n1, n3,
-                                                 NT, STAGES, TWO_MULS, TILED, WL, AL)
-        for u in gl.static_range(NT % STAGES):
-            gate, up, a, n1, n3 = wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow,
-                                             NT - NT % STAGES + u, wg_opaque(arow * 0 + u), (NT // STAGES) & 1,
-                                             gate, up, a, n1, n3, NT, STAGES, TWO_MULS, TILED, WL, AL)
-        gate, up = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(gate, up))
-        _, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, gl.program_id(0), BLOCK_M, gl.SliceLayout(0, ACC))
-        h = gl.where(gl.expand_dims(m_ok, 0), glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU), 0.0)
-        col = wg_permuted_col(gl.program_id(1) * 64 + gl.arange(0, 64, gl.SliceLayout(1, ACC)))
-        rows = arow.to(gl.int64) + gl.arange(0, BLOCK_M, gl.SliceLayout(0, ACC))
-        gl.store(hp_ptr + gl.expand_dims(rows * I, 0) + gl.expand_dims(col, 1), h.to(hp_ptr.dtype.element_ty))
+        if BLOCK_M == 8:
+            wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
+                       SITU_LINEAR_BETA, e, D, I, ACT_SITU, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
+        elif wg_narrow(tile_row0_ptr, tile_row_end_ptr, BLOCK_M):
+            wg_up_tile(zs8, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
+                       SITU_LINEAR_BETA, e, D, I, ACT_SITU, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
+        else:
+            wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
+                       SITU_LINEAR_BETA, e, D, I, ACT_SITU, TWO_MULS, BLOCK_M, BLOCK_M, STAGES, TILED)
 
 
 @gluon.jit
@@ -360,46 +393,61 @@ def wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, it, stage, phase,
 
 
 @gluon.jit
-def moe_down_mx_wgmma_kernel(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
+def wg_down_tile(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e,
+                 D: gl.constexpr, I: gl.constexpr, TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr, BM: gl.constexpr,
+                 STAGES: gl.constexpr, TILED: gl.constexpr):
+    """`moe_down_mx_wgmma_kernel` for expert e's tile program 0 over its first BM ≤ BLOCK_M rows, as
+    `wg_up_tile`."""
+    NT: gl.constexpr = I // 256
+    WL: gl.constexpr = wg_layouts(BM)[0]
+    ACC: gl.constexpr = wg_layouts(BM)[2]
+    AL: gl.constexpr = wg_layouts(BM)[3]
+    arow, row, soff = wg_cta_rows(e, D, I, BLOCK_M)
+    r2 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
+    ra = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 256], wg_stage_layouts()[1])
+    bar = gl_ring_init(STAGES)
+    for t in gl.static_range(STAGES - 1):
+        wg_ring_fill(w2, w2, hs, r2, r2, ra, bar, row, arow, t, t, NT, False, TILED)
+    n2 = wg_scale_pair(s2_ptr, soff, 0, NT)
+    acc = gl.zeros([64, BM], gl.float32, ACC)
+    a = gl.zeros([64, 128], gl.bfloat16, AL)
+    for j in range(NT // STAGES):
+        for u in gl.static_range(STAGES):
+            acc, a, n2 = wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, j * STAGES + u,
+                                      wg_opaque(j * 0 + u), j & 1, acc, a, n2, NT, STAGES, TWO_MULS, TILED, WL, AL)
+    for u in gl.static_range(NT % STAGES):
+        acc, a, n2 = wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, NT - NT % STAGES + u,
+                                  wg_opaque(arow * 0 + u), (NT // STAGES) & 1, acc, a, n2, NT, STAGES, TWO_MULS,
+                                  TILED, WL, AL)
+    acc = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(acc,))
+    offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, gl.program_id(0), BM, gl.SliceLayout(0, ACC))
+    slot = gl.load(order_ptr + offs_m, mask=m_ok, other=0)
+    weight = gl.load(weights_ptr + slot, mask=m_ok, other=0.0)
+    offs_n = gl.program_id(1) * 64 + gl.arange(0, 64, gl.SliceLayout(1, ACC))
+    gl.store(y_slot_ptr + gl.expand_dims(slot * D, 0) + gl.expand_dims(offs_n, 1), acc * gl.expand_dims(weight, 0),
+             mask=gl.expand_dims(m_ok, 0))
+
+
+@gluon.jit
+def moe_down_mx_wgmma_kernel(hs, hs8, w2, s2_ptr, weights_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr,
                              tile_row_end_ptr, y_slot_ptr, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
                              TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                              TILED: gl.constexpr):
-    """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one BLOCK_M-row tile and 64 output columns; hs: TMA
-    descriptor (`wg_act_desc`) of h [tile rows, I] (bf16, `wg_tile_rows`, `wg_permute` order: the up kernel's
-    output);
-    w2: TMA descriptor of the i32 words [E, D, I/8] as the up kernel's w1; s2 u8 [E, D, I/32]."""
-    NT: gl.constexpr = I // 256
-    WL: gl.constexpr = wg_layouts(BLOCK_M)[0]
-    ACC: gl.constexpr = wg_layouts(BLOCK_M)[2]
-    AL: gl.constexpr = wg_layouts(BLOCK_M)[3]
+    """y_slot[(token, slot)] = (h W2[e]ᵀ) · weight for one BLOCK_M-row tile and 64 output columns (a tile of at most
+    8 tokens as an 8-row one, `wg_narrow`); hs / hs8: TMA descriptors (`wg_act_desc`, BLOCK_M- and 8-row boxes) of
+    h [tile rows, I] (bf16, `wg_tile_rows`, `wg_permute` order: the up kernel's output); w2: TMA descriptor of the
+    i32 words [E, D, I/8] as the up kernel's w1; s2 u8 [E, D, I/32]."""
     e = gl.load(tile_expert_ptr + gl.program_id(0))
     if e < E:
-        arow, row, soff = wg_cta_rows(e, D, I, BLOCK_M)
-        r2 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
-        ra = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 256], wg_stage_layouts()[1])
-        bar = gl_ring_init(STAGES)
-        for t in gl.static_range(STAGES - 1):
-            wg_ring_fill(w2, w2, hs, r2, r2, ra, bar, row, arow, t, t, NT, False, TILED)
-        n2 = wg_scale_pair(s2_ptr, soff, 0, NT)
-        acc = gl.zeros([64, BLOCK_M], gl.float32, ACC)
-        a = gl.zeros([64, 128], gl.bfloat16, AL)
-        for j in range(NT // STAGES):
-            for u in gl.static_range(STAGES):
-                acc, a, n2 = wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, j * STAGES + u,
-                                          wg_opaque(j * 0 + u), j & 1, acc, a, n2, NT, STAGES, TWO_MULS, TILED, WL,
-                                          AL)
-        for u in gl.static_range(NT % STAGES):
-            acc, a, n2 = wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, NT - NT % STAGES + u,
-                                      wg_opaque(arow * 0 + u), (NT // STAGES) & 1, acc, a, n2, NT, STAGES, TWO_MULS,
-                                      TILED, WL, AL)
-        acc = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(acc,))
-        offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, gl.program_id(0), BLOCK_M,
-                                    gl.SliceLayout(0, ACC))
-        slot = gl.load(order_ptr + offs_m, mask=m_ok, other=0)
-        weight = gl.load(weights_ptr + slot, mask=m_ok, other=0.0)
-        offs_n = gl.program_id(1) * 64 + gl.arange(0, 64, gl.SliceLayout(1, ACC))
-        gl.store(y_slot_ptr + gl.expand_dims(slot * D, 0) + gl.expand_dims(offs_n, 1), acc * gl.expand_dims(weight, 0),
-                 mask=gl.expand_dims(m_ok, 0))
+        if BLOCK_M == 8:
+            wg_down_tile(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e, D,
+                         I, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
+        elif wg_narrow(tile_row0_ptr, tile_row_end_ptr, BLOCK_M):
+            wg_down_tile(hs8, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e,
+                         D, I, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
+        else:
+            wg_down_tile(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e, D,
+                         I, TWO_MULS, BLOCK_M, BLOCK_M, STAGES, TILED)
 
 
 def mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, *, mx_config, K, act, situ_beta,
@@ -422,6 +470,7 @@ def mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, *
                          f"({max_tiles} tiles of {block_m}, wg_tile_rows)")
     w1d, w3d, w2d = (wg_word_desc(w, tiled) for w in (w1, w3, w2))
     zd, hd = wg_act_desc(zs[:rows], block_m), wg_act_desc(h[:rows], block_m)
+    zd8, hd8 = wg_act_desc(zs[:rows], 8), wg_act_desc(h[:rows], 8)
 
     def gather():
         wg_gather_kernel[(rows,)](z, order, tile_expert, row0, row_end, zs, z.stride(0), E, K=K, D=D,
@@ -429,13 +478,13 @@ def mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, *
 
     def up():
         moe_up_mx_wgmma_kernel[(max_tiles, I // WG_ROWS)](
-            zd, w1d, w3d, scales[0], scales[1], tile_expert, row0, row_end, h, float(situ_beta),
+            zd, zd8, w1d, w3d, scales[0], scales[1], tile_expert, row0, row_end, h, float(situ_beta),
             float(situ_linear_beta), E=E, D=D, I=I, ACT_SITU=act == "situ", TWO_MULS=two_muls, BLOCK_M=block_m,
             STAGES=stages_up, TILED=tiled, num_warps=4, **({"maxnreg": cap_up} if cap_up else {}))
 
     def down():
         moe_down_mx_wgmma_kernel[(max_tiles, D // WG_ROWS)](
-            hd, w2d, scales[2], weights, order, tile_expert, row0, row_end, y_slot, E=E, D=D, I=I,
+            hd, hd8, w2d, scales[2], weights, order, tile_expert, row0, row_end, y_slot, E=E, D=D, I=I,
             TWO_MULS=two_muls, BLOCK_M=block_m, STAGES=stages_down, TILED=tiled, num_warps=4,
             **({"maxnreg": cap_down} if cap_down else {}))
 
