@@ -309,8 +309,8 @@ def wg_cta_rows(e, R: gl.constexpr, KDIM: gl.constexpr, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def wg_narrow(tile_row0_ptr, tile_row_end_ptr, BLOCK_M: gl.constexpr):
-    """Whether schedule tile program 0 of BLOCK_M rows holds at most 8 tokens (its `m64n8k16` path)."""
+def wg_narrow(tile_row0_ptr, tile_row_end_ptr):
+    """Whether schedule tile program 0 holds at most 8 tokens (its `m64n8k16` path)."""
     t = gl.program_id(0)
     return gl.load(tile_row_end_ptr + t) - gl.load(tile_row0_ptr + t) <= 8
 
@@ -369,7 +369,7 @@ def moe_up_mx_wgmma_kernel(zs, zs8, w1, w3, s1_ptr, s3_ptr, tile_expert_ptr, til
         if BLOCK_M == 8:
             wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
                        SITU_LINEAR_BETA, e, D, I, ACT_SITU, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
-        elif wg_narrow(tile_row0_ptr, tile_row_end_ptr, BLOCK_M):
+        elif wg_narrow(tile_row0_ptr, tile_row_end_ptr):
             wg_up_tile(zs8, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
                        SITU_LINEAR_BETA, e, D, I, ACT_SITU, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
         else:
@@ -442,7 +442,7 @@ def moe_down_mx_wgmma_kernel(hs, hs8, w2, s2_ptr, weights_ptr, order_ptr, tile_e
         if BLOCK_M == 8:
             wg_down_tile(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e, D,
                          I, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
-        elif wg_narrow(tile_row0_ptr, tile_row_end_ptr, BLOCK_M):
+        elif wg_narrow(tile_row0_ptr, tile_row_end_ptr):
             wg_down_tile(hs8, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e,
                          D, I, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
         else:
