@@ -11,7 +11,9 @@ runtime's `mxfp4_tiles_bits` layout, as an artifact's session holds them. Varian
 default without the `wgmma` kernels: `mx_default_config(..., wgmma=False)`), 'default' (the launcher's own) and
 --variants. Per (E, N, variant): the largest |difference| of the output from 'mma.sync''s, and times
 (`do_bench_cudagraph`, mean) of the whole op (`launch_moe_experts` with the schedule precomputed) and of its
-kernels: for a `wgmma` config the gather of z, the up and the down kernel (`mx_wgmma_launches`), for any other up
+kernels: for a `wgmma` config the gather of z, the up and the down kernel (`mx_wgmma_launches`; with activation
+modes 4/4 both phases are one launch, reported as "up" with down 0 and the whole bytes: the gather and it timed
+together, less the gather's own time), for any other up
 and down as mx_tma_probe's '8,32,2,2,0,0,80,tb' (the H200's `mma.sync` decode default; a card with its own entry,
 `MX_DECODE_BY_DEVICE`, differs at batch 1). Fractions are of 4.2 TB/s (the H200's measured HBM rate; on another
 card they only rank variants): the touched experts' bytes over up + down (+ gather). --resident: every (token,
@@ -41,7 +43,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 from k3c.codegen.triton.moe import launch_moe_experts, moe_schedule  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4 import mx_config_from_text, mx_default_config  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4_gluon import gl_permute  # noqa: E402
-from k3c.codegen.triton.moe_mxfp4_wgmma import mx_wgmma_launches, wg_tile_rows, wgmma_decode_ok  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4_fused import mx_wgmma_launches  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4_wgmma import wg_tile_rows, wgmma_decode_ok  # noqa: E402
 from mx_tma_probe import ACT, D, HBM, I, K, ExpertsOp, parse_variant  # noqa: E402
 
 DEFAULT_KERNELS = "8,32,2,2,0,0,80,tb"
@@ -118,6 +121,9 @@ def kernel_rows(a, res, save):
                         parts = mx_wgmma_launches(z, zs, sched, w1, w3, w2, (s1, s3, s2), h, y_slot, wt,
                                                   mx_config=cfg, K=K, tiled=2, **ACT)
                         times = [bench(p) for p in parts]
+                        if len(parts) == 2:         # one launch for both phases (modes 4/4): its time is "up",
+                            gather, both = parts    # timed after the gather that zeroes its counters
+                            times = [times[0], bench(lambda: (gather(), both())) - times[0], 0.0]
                     else:
                         ks = moe_schedule(ids, E, kop.bm)
                         zp = gl_permute(z, 256)
@@ -128,8 +134,10 @@ def kernel_rows(a, res, save):
                     res["kernels"].append(row)
                     save()
                     continue
+                one = times[2] == 0.0
                 row.update(gather_us=times[0] * 1e6, up_us=times[1] * 1e6, down_us=times[2] * 1e6,
-                           up_frac=up_bytes / times[1] / HBM, down_frac=(nbytes - up_bytes) / times[2] / HBM,
+                           up_frac=(nbytes if one else up_bytes) / times[1] / HBM,
+                           down_frac=0.0 if one else (nbytes - up_bytes) / times[2] / HBM,
                            kernels_frac=nbytes / sum(times) / HBM, op_frac=nbytes / (row["op_us"] * 1e-6) / HBM)
                 res["kernels"].append(row)
                 print(f"E {E:4d} N {N:3d} {spec:24s} diff {row['max_abs_diff']:.1e} gather {row['gather_us']:5.1f} "

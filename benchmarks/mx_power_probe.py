@@ -28,7 +28,7 @@ ROOT = os.path.realpath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 from bench_mx_wgmma import case  # noqa: E402
 from k3c.codegen.triton.moe_mxfp4 import mx_default_config  # noqa: E402
-from k3c.codegen.triton.moe_mxfp4_wgmma import mx_wgmma_launches  # noqa: E402
+from k3c.codegen.triton.moe_mxfp4_fused import mx_wgmma_launches  # noqa: E402
 from mx_tma_probe import ACT, D, I, K  # noqa: E402
 
 E, T, TOKENS = 32, 16, 8

@@ -94,13 +94,13 @@ def test_even_unroll_takes_mode_1_for_an_odd_count_of_k_tiles():
     """`mx_even_unroll`: the up kernel's unrolled prefetch (mode 2) only over an even count of K tiles; the rest of
     the config, other modes and configs without the field unchanged; the decode default below 8 rows per expert
     (batch 1 and 3 of 32 experts) is mode 2 (run Q), which K3.1 Pro's latent (3584: 14 tiles of 256) keeps and a
-    2304-wide one (9) drops to 1; from 8 rows per expert the `wgmma` kernels' config (modes (3, 3)) is unchanged
+    2304-wide one (9) drops to 1; from 8 rows per expert the `wgmma` kernels' config (modes (4, 4)) is unchanged
     and takes 9 K tiles too (its loop's tail)."""
     from k3c.codegen.triton.moe_mxfp4 import mx_even_unroll
     from k3c.codegen.triton.moe_mxfp4_wgmma import wgmma_decode_ok
 
     wg = mx_default_config(256, 32, 122)
-    assert wg[7] == (3, 3) and mx_even_unroll(wg, 9) == wg and wgmma_decode_ok(wg, 2304, 3072)
+    assert wg[7] == (4, 4) and mx_even_unroll(wg, 9) == wg and wgmma_decode_ok(wg, 2304, 3072)
     for rows in (16, 48):
         cfg = mx_default_config(rows, 32, 122)
         assert cfg[7] == (2, 0) and mx_even_unroll(cfg, 3584 // 256) == cfg

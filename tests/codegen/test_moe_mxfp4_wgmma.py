@@ -23,7 +23,8 @@ from k3c.ir.ops import get_op
 from k3c.runtime.layouts import mx_tile_bits, mx_tile_words
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-WG = (16, 64, 256, 4, (2, 3), False, None, (3, 3))
+WG = (16, 64, 256, 4, (2, 3), False, None, (3, 3))      # two launches; the default is their one-launch form:
+DEFAULT = (*WG[:7], (4, 4))
 
 
 @triton.jit
@@ -63,8 +64,8 @@ def test_the_gather_puts_each_tile_at_its_tile_rows_with_zero_padding():
     """`wg_gather_kernel` (Triton's interpreter, f32): schedule tile t's token rows (the tokens choosing its
     expert, in token order) at rows BM·t .. of zs in `wg_permute` order, the rest of its BM rows zeros, but rows
     8 .. of a tile of at most 8 tokens (which the kernels do not read) untouched, as are the rows of tiles past
-    the schedule. Against a construction from those definitions, with experts of 0, 1,
-    BM and more than BM rows and an unused slot."""
+    the schedule; with FLAGS, the counters flags[0 .. tiles] zeroed and nothing past them. Against a construction
+    from those definitions, with experts of 0, 1, BM and more than BM rows and an unused slot."""
     N, k, E, D = 11, 3, 5, 512
     for BM in WG_BLOCK_MS:
         ids = torch.tensor([[0, 1, 2]] * 9 + [[0, 1, 4], [0, -1, 4]])       # experts 0: 11 rows, 1: 10, 3: none
@@ -73,8 +74,11 @@ def test_the_gather_puts_each_tile_at_its_tile_rows_with_zero_padding():
         rows = wg_tile_rows(N * k, E, BM)
         assert rows == BM * tile_expert.shape[0]
         zs = torch.full((rows, D), float("nan"))
-        wg_gather_kernel[(rows,)](z, order, tile_expert, row0, row_end, zs, z.stride(0), E, K=k, D=D, BLOCK_M=BM,
-                                  BLOCK=256)
+        flags = torch.full((rows + 1,), 7, dtype=torch.int32)
+        wg_gather_kernel[(rows,)](z, order, tile_expert, row0, row_end, zs, flags, z.stride(0), E, K=k, D=D,
+                                  BLOCK_M=BM, BLOCK=256, FLAGS=True)
+        tiles = tile_expert.shape[0]      # the one-launch kernel's counters: the work item and each tile's count
+        assert (flags[:tiles + 1] == 0).all() and (flags[tiles + 1:] == 7).all()
         t = 0
         for e in range(E):
             tokens = [n for n in range(N) if e in ids[n].tolist()]
@@ -112,8 +116,9 @@ def test_planned_tile_rows_hold_every_schedule_and_the_declaration_evaluates_to_
 @pytest.mark.parametrize("dtype,scale_max,wgmma", [("bf16", 122, True), ("bf16", 255, False), ("f32", 122, False)])
 def test_the_scratch_declaration_plans_tile_rows_where_the_kernels_can_run(dtype, scale_max, wgmma):
     """`moe_experts_scratch` of a graph node: batch 16 of 32 experts choosing 16 at D, I multiples of 256 plans zs
-    [768, D] (16 rows for each of the schedule's min(256, 16 + 32) tiles) and h [768, I] in z's dtype where the
-    `wgmma` kernels can run (bf16, one multiply); two multiplies or f32 plan h [N·k, I] and no zs."""
+    [768, D] (16 rows for each of the schedule's min(256, 16 + 32) tiles), h [768, I] in z's dtype and the
+    one-launch form's counters wg_flags i32 [769] where the `wgmma` kernels can run (bf16, one multiply); two
+    multiplies or f32 plan h [N·k, I] and neither zs nor wg_flags."""
     from k3c.ir.graph import Graph
     from k3c.ir.kernels import KernelGroup
     from k3c.ir.types import TensorType
@@ -129,20 +134,21 @@ def test_the_scratch_declaration_plans_tile_rows_where_the_kernels_can_run(dtype
     rows = 16 * 48 if wgmma else N * k
     assert specs["h"] == TensorType((rows, I), dtype) and specs["y_slot"] == TensorType((N * k, D), "f32")
     assert specs.get("zs") == (TensorType((rows, D), dtype) if wgmma else None)
+    assert specs.get("wg_flags") == (TensorType((rows + 1,), "i32") if wgmma else None)
 
 
 def test_the_decode_default_takes_them_from_8_rows_per_expert_where_the_launch_can():
     """`mx_default_config`: one multiply, from 8 rows per expert (batch 16 of 32 experts choosing 16: measured
-    faster, run S) to 16, the `wgmma` kernels; below 8 (batch 1: measured slower; 4-8: not timed) and where the
+    faster, run S) to 16, the `wgmma` kernels in one launch (run Z); below 8 (batch 1: measured slower; 4-8: not timed) and where the
     launch cannot take them (`wgmma=False`: not bf16 on an sm_90 GPU, or D, I not multiples of 256) the `mma.sync`
     default; two multiplies and prefill keep theirs."""
     from k3c.codegen.triton.moe_mxfp4 import mx_default_config
 
     mma = mx_default_config(16, 32, 122)
     assert mma[7] == (2, 0) and mx_default_config(8 * 32 - 1, 32, 122) == mma
-    assert mx_default_config(8 * 32, 32, 122) == WG and mx_default_config(16 * 32 - 1, 32, 122) == WG
+    assert mx_default_config(8 * 32, 32, 122) == DEFAULT and mx_default_config(16 * 32 - 1, 32, 122) == DEFAULT
     assert mx_default_config(8 * 32, 32, 122, wgmma=False) == mma
-    assert mx_default_config(8 * 32, 32, 122, "NVIDIA H100 80GB HBM3") == WG
+    assert mx_default_config(8 * 32, 32, 122, "NVIDIA H100 80GB HBM3") == DEFAULT
     for rows, scale_max in ((8 * 32, 255), (16 * 32, 122)):
         assert mx_default_config(rows, 32, scale_max) == mx_default_config(rows, 32, scale_max, wgmma=False)
         assert not wgmma_decode_ok(mx_default_config(rows, 32, scale_max), 3584, 3072)
@@ -163,9 +169,10 @@ def test_configs_that_select_the_wgmma_kernels():
 
 
 def test_wgmma_kernels_compile_for_sm90():
-    """Both kernels compiled for sm_90a in a process without the interpreter (k3c.codegen.triton.offline), as the
-    decode default from 8 rows per expert runs them (`mx_default_config`: 16-token tiles, one multiply, the up
-    kernel's ring of 2 stages, the down kernel's of 3) over `mxfp4_tiles_bits`: no spills; two K loops, a 16-token
+    """Both kernels compiled for sm_90a in a process without the interpreter (k3c.codegen.triton.offline), with the
+    decode default's fields from 8 rows per expert (`mx_default_config`: 16-token tiles, one multiply, the up
+    kernel's ring of 2 stages, the down kernel's of 3; the default runs them as one launch's work items, whose
+    kernel tests/codegen/test_moe_mxfp4_fused.py compiles) over `mxfp4_tiles_bits`: no spills; two K loops, a 16-token
     tile's and a narrow one's (`wg_narrow`), each unrolled by its ring's stages, and per K tile one `HGMMA`
     64x16x16 (the narrow loop: 64x8x16) per k16 step of each matrix (up 2 × 16, down 16) and the ring's refill,
     one 3-D TMA copy for each matrix's words and one for the activations (`UTMALDG.3D`: up 3, down 2); the two
@@ -202,7 +209,7 @@ print(json.dumps(out))
 """
     from k3c.codegen.triton.moe_mxfp4 import mx_default_config
 
-    assert mx_default_config(16 * 16, 32, 128) == WG               # batch 16 of 32 experts: 8 rows an expert
+    assert mx_default_config(16 * 16, 32, 128) == DEFAULT          # batch 16 of 32 experts: 8 rows an expert
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
                          cwd=os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -236,7 +243,8 @@ def _case(seed, N, k, E, D, I, scales=(118, 124)):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mx_config", [WG, (8, 64, 256, 4, 2, True, None, (3, 3)),
                                        (16, 64, 256, 4, 3, False, None, (3, 3)),
-                                       (16, 64, 256, 4, (2, 4), True, None, (3, 3))])
+                                       (16, 64, 256, 4, (2, 4), True, None, (3, 3)), DEFAULT,
+                                       (8, 64, 256, 4, (3, 2), True, None, (4, 4))])
 @pytest.mark.parametrize("tiled", [0, 1, 2])
 @pytest.mark.parametrize("N", [1, 12, 24])
 def test_wgmma_kernels_match_reference(N, tiled, mx_config, monkeypatch):
@@ -246,7 +254,9 @@ def test_wgmma_kernels_match_reference(N, tiled, mx_config, monkeypatch):
     order). 6 experts choosing 4: N = 24 gives 96 rows, so experts of more than one 16-token tile and tiles cut
     short; N = 12 about 8 tokens an expert, tiles either side of `wg_narrow`'s 8; D and I give every ring at least
     twice its stages' K tiles (every mbarrier phase flips) plus one, so both kernels' loops end in a partial round
-    of their stages, and two 64-row blocks an expert."""
+    of their stages, and two 64-row blocks an expert. Activation modes (4, 4): both phases in one launch
+    (k3c.codegen.triton.moe_mxfp4_fused), launched twice, so the second launch starts from counters the gather
+    zeroed after the first had left them counted up."""
     stages = max(mx_config[4]) if isinstance(mx_config[4], tuple) else mx_config[4]
     D, I = 256 * max(4, 2 * stages + 1), 256 * (2 * stages + 1)
     z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _case(7, N, 4, 6, D, I)
@@ -255,8 +265,10 @@ def test_wgmma_kernels_match_reference(N, tiled, mx_config, monkeypatch):
     y, y_mma = torch.full_like(z, float("nan")), torch.full_like(z, float("nan"))
     taken, launches = [], moe.mx_wgmma_launches
     monkeypatch.setattr(moe, "mx_wgmma_launches", lambda *a, **kw: taken.append(1) or launches(*a, **kw))
-    moe.launch_moe_experts(z, wt, ids, *words, s1, s3, s2, y=y, mx_config=mx_config, tiled=tiled, **attrs)
-    assert taken == [1]
+    for _ in range(1 + (mx_config[7] == (4, 4))):
+        y.fill_(float("nan"))
+        moe.launch_moe_experts(z, wt, ids, *words, s1, s3, s2, y=y, mx_config=mx_config, tiled=tiled, **attrs)
+    assert taken == [1] * len(taken) and taken
     moe.launch_moe_experts(z, wt, ids, *words, s1, s3, s2, y=y_mma, tiled=tiled, scale_max=123,
                            mx_config=(8, 32, 256, 2, 2, mx_config[5], None), **attrs)
     (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"},

@@ -73,7 +73,7 @@ def test_default_variant_is_the_launchers_decode_default():
     assert mx_round.default_variant(1) == "8,32,2,2,0,0,80"
     assert mx_round.variant_config("8,32,2,2,0,0,80") == mx_default_config(16, 32, 122)
     # batch 16 of 32 experts (8 rows an expert) takes the `wgmma` kernels (run S), which this round does not probe
-    assert mx_round.default_variant(16) is None and mx_default_config(16 * 16, 32, 122)[7] == (3, 3)
+    assert mx_round.default_variant(16) is None and mx_default_config(16 * 16, 32, 122)[7] == (4, 4)
     # a card with its own decode config below 4 rows per expert (`MX_DECODE_BY_DEVICE`: the H100 SXM, run N)
     h100 = "NVIDIA H100 80GB HBM3"
     assert mx_round.default_variant(1, h100) == "8,32,4/2,1,0,0,80"

@@ -56,8 +56,8 @@ def test_default_decode_config_is_compiled_here():
     assert small == mx_default_config(16, 32, 128)
     compiled = [kernels(mx_config_from_text(c)) for c in CONFIGS]
     assert kernels(small)[0] == compiled[3][0] and kernels(small)[1] == compiled[1][1]
-    # from 8 rows per expert the `wgmma` kernels, compiled by test_moe_mxfp4_wgmma.py's offline test
-    assert large == (16, 64, 256, 4, (2, 3), False, None, (3, 3))
+    # from 8 rows per expert the `wgmma` kernels in one launch, compiled by test_moe_mxfp4_fused.py's offline test
+    assert large == (16, 64, 256, 4, (2, 3), False, None, (4, 4))
     # a card's own decode config: the H100 SXM's below 4 rows per expert; from there it keeps the default's
     assert kernels(mx_default_config(16, 896, 128, H100)) == compiled[4]
     assert mx_default_config(16 * 16, 32, 128, H100) == large

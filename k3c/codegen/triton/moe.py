@@ -48,7 +48,8 @@ import triton.language as tl
 
 from k3c.codegen.backend import ScratchSpec
 from k3c.codegen.triton import emitter, model_module, one_node, scratch, take_scratch, weight_layout
-from k3c.codegen.triton.gl_common import gl_reinterpret, gl_reinterpret_named, gl_tma_load, gl_tma_load_named
+from k3c.codegen.triton.gl_common import (gl_barrier_named, gl_reinterpret, gl_reinterpret_named, gl_thread_barrier,
+                                         gl_tma_load, gl_tma_load_named)
 from k3c.codegen.triton.moe_act import expert_tile, glu, tanh_f32
 from k3c.codegen.triton.moe_mxfp4 import (MX_DECODE_BY_DEVICE, ONE_MUL_MAX_SCALE, moe_down_mx_kernel, moe_up_mx_kernel,
                                          mx_act_tile, mx_block_k, mx_default_config, mx_even_unroll, mx_kernels,
@@ -63,13 +64,15 @@ from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl
                                                gl_axis_layout, gl_decoded_tile, gl_layouts, gl_permute,
                                                gl_permuted_col, gl_tile_rows, gl_word_offsets, gl_word_values_operand,
                                                gluon_decode_ok, moe_down_mx_gluon_kernel, moe_up_mx_gluon_kernel)
-from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_ACT_MODES, WG_BLOCK_K, WG_BLOCK_MS, WG_ROWS,
-                                               moe_down_mx_wgmma_kernel, moe_up_mx_wgmma_kernel, mx_wgmma_launches,
-                                               wg_act_desc, wg_cta_rows, wg_decoded_tile, wg_down_step,
+from k3c.codegen.triton.moe_mxfp4_fused import (moe_mx_wgmma_fused_kernel, mx_wgmma_launches, wg_proxy_fence,
+                                               wg_wait_count)
+from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_ACT_MODES, WG_BLOCK_K, WG_BLOCK_MS, WG_FUSED_MODES, WG_ROWS,
+                                               moe_down_mx_wgmma_kernel, moe_up_mx_wgmma_kernel, wg_act_desc,
+                                               wg_cta_rows, wg_decoded_tile, wg_down_item, wg_down_step,
                                                wg_down_tile, wg_gather_kernel, wg_layouts, wg_mma_piece, wg_narrow,
                                                wg_opaque, wg_permuted_col, wg_ring_fill, wg_scale_offsets,
                                                wg_scale_pair, wg_stage_layouts, wg_stage_piece, wg_tile_rows,
-                                               wg_up_step, wg_up_tile, wg_word_desc, wgmma_decode_ok)
+                                               wg_up_item, wg_up_step, wg_up_tile, wg_word_desc, wgmma_decode_ok)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 from k3c.runtime.layouts import MX_TILE_K, MX_TILE_ROWS, mx_tiles_ok
@@ -195,7 +198,8 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
     f32 z anywhere), dots in z's dtype with fp32 accumulation. Scratch: h [N·k, I] in z's dtype, y_slot f32
     [N·k, D] and, MXFP4, z_perm [N, D] (z in the kernels' K order); where the `wgmma` decode kernels of
     k3c.codegen.triton.moe_mxfp4_wgmma can run (`mx_wgmma_rows`; selected by mx_config's activation modes
-    (3, 3)), h has their tile rows if more and zs holds z gathered in them: the planned buffers of `scratch` (name ->
+    (3, 3), or (4, 4) for their one-launch form), h has their tile rows if more, zs holds z gathered in them and
+    wg_flags the one-launch form's counters: the planned buffers of `scratch` (name ->
     tensor, `moe_experts_scratch`), else allocated here; the sort permutation and tile schedule (i64, O(N·k + E))
     are allocated here. Benchmarks may pass `blocks` (dense: BLOCK_M, BLOCK_I, BLOCK_D, BLOCK_N), `mx_config` (MXFP4:
     BLOCK_M, BLOCK_R, largest BLOCK_K, num_warps, num_stages, two_muls, maxnreg (None: no register cap);
@@ -263,9 +267,11 @@ def launch_moe_experts(z, weights, ids, w1, w3, w2, *scales, y, act, situ_beta, 
             zs = take_scratch(scratch, "zs", (wg_rows, D), z.dtype, z.device) if scratch is not None else \
                 torch.empty(need, D, dtype=z.dtype, device=z.device)
             h = h if scratch is not None or h.shape[0] >= need else torch.empty(need, I, dtype=z.dtype, device=z.device)
+            flags = take_scratch(scratch, "wg_flags", (wg_rows + 1,), torch.int32, z.device) if scratch is not None \
+                else None
             for launch in mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, mx_config=cfg,
                                             K=K, act=act, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                                            tiled=tiled):
+                                            tiled=tiled, flags=flags):
                 launch()
             moe_sum_kernel[(N, triton.cdiv(D, 256))](y_slot, ids, y, K=K, D=D, BLOCK_N=256)
             return
@@ -368,7 +374,8 @@ def moe_experts_scratch(group: KernelGroup) -> list[ScratchSpec]:
     """The scratch of one `moe_experts` launch (`launch_moe_experts`): h [N·k, I] in z's dtype and y_slot f32
     [N·k, D] for N tokens z [N, D] choosing k experts of inner width I (w1 [E, I, ·]); MXFP4 weights also z_perm
     [N, D] in z's dtype and, where the `wgmma` decode kernels can run (`mx_wgmma_rows`: R rows), zs [R, D] in z's
-    dtype and h of max(N·k, R) rows. Raises UnsupportedError for a group that is not a single moe_experts node."""
+    dtype, h of max(N·k, R) rows and wg_flags i32 [R + 1] (the one-launch form's counters, k3c.codegen.triton.
+    moe_mxfp4_fused: 1 + tiles ≤ R + 1). Raises UnsupportedError for a group that is not a single moe_experts node."""
     node, _, _ = one_node(group, "moe_experts")
     z, ids, w1 = node.inputs[0].type, node.inputs[2].type, node.inputs[3].type
     (N, D), rows, (E, I) = z.shape, z.shape[0] * ids.shape[1], w1.shape[:2]
@@ -380,6 +387,7 @@ def moe_experts_scratch(group: KernelGroup) -> list[ScratchSpec]:
         out.append(ScratchSpec("z_perm", TensorType((N, D), z.dtype)))
     if wg_rows:
         out.append(ScratchSpec("zs", TensorType((wg_rows, D), z.dtype)))
+        out.append(ScratchSpec("wg_flags", TensorType((wg_rows + 1,), "i32")))
     return out
 
 
@@ -423,6 +431,7 @@ def emit_moe_experts(group: KernelGroup) -> str:
               ("WG_ROWS", WG_ROWS, "weight rows of a wgmma decode CTA"),
               ("WG_BLOCK_K", WG_BLOCK_K, "K tile of the wgmma decode kernels"),
               ("WG_ACT_MODES", WG_ACT_MODES, "an mx_config's activation modes that select the wgmma kernels"),
+              ("WG_FUSED_MODES", WG_FUSED_MODES, "the modes that select them in one launch"),
               ("WG_BLOCK_MS", WG_BLOCK_MS, "token rows of the wgmma decode tiles"),
               ("MX_TILE_ROWS", MX_TILE_ROWS, "weight rows of a tile of the tiled MXFP4 word layout"),
               ("MX_TILE_K", MX_TILE_K, "values of a row of a tile of the tiled MXFP4 word layout"),
@@ -450,6 +459,8 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     gl_reinterpret, wgmma_decode_ok, wg_permuted_col, wg_gather_kernel, wg_act_desc, wg_word_desc,
                     wg_stage_layouts, wg_ring_fill, wg_decoded_tile, wg_scale_offsets, wg_stage_piece, wg_layouts,
                     wg_mma_piece, wg_scale_pair, wg_opaque, wg_up_step, wg_down_step, wg_cta_rows, wg_narrow,
-                    wg_up_tile, wg_down_tile, moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel, schedule_tiles,
-                    wg_tile_rows, mx_wgmma_planned, mx_wgmma_rows, mx_wgmma_launches],
+                    wg_up_tile, wg_down_tile, moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel, wg_up_item,
+                    wg_down_item, gl_barrier_named, gl_thread_barrier, wg_proxy_fence, wg_wait_count,
+                    moe_mx_wgmma_fused_kernel, schedule_tiles, wg_tile_rows, mx_wgmma_planned, mx_wgmma_rows,
+                    mx_wgmma_launches],
                    launch_moe_experts, body)

@@ -92,13 +92,15 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255, device: str | Non
       (batch 1 of 32 experts: up 51.4 against 56.3 us for mode 1; 155 registers, 6 CTAs an SM, faster so than
       capped at 128).
     - from 8 rows per expert (batch 16 of the end-to-end benchmark's 32 experts), where wgmma: the `wgmma` kernels,
-      16-token tiles of 64 rows on 4 warps, activations staged by the TMA ring (modes (3, 3)), which
+      16-token tiles of 64 rows on 4 warps, activations staged by the TMA ring (modes (3, 3); (4, 4) below), which
       decode an expert's 9-16 tokens once where 8-token tiles decode it twice (BENCHMARKS.md "MXFP4 round, run S",
       H200, same call: the expert kernels of 3 layers 0.567 against 0.604 ms, the expert bytes read at 70.8
       against 66.4 % of 4.2 TB/s); the up kernel's ring 2 stages, the down kernel's 3 (run T, H100: the down
       kernel 5-6 % shorter than with 2, in each of four calls; the up kernel's 3-stage ring was slower). At one
       token an expert their kernels took 4-9 % longer (H100); between 1 and 8 rows per expert nothing was timed,
-      so the `mma.sync` kernels keep that range.
+      so the `mma.sync` kernels keep that range. Both kernels' work in one launch (modes (4, 4),
+      k3c.codegen.triton.moe_mxfp4_fused; BENCHMARKS.md "MXFP4 round, run Z", H100, in the same runs: up and
+      down 4-6.5 % less time at 8 tokens an expert of 16, 32 and 64 experts, the whole op 6.5-9 %).
     Two multiplies: 8-row tiles, 64 rows, 3 stages below 4 rows per expert, then 16-row tiles of the Triton kernels
     (Triton's own `wgmma`; the `wgmma` kernels above were not timed with two multiplies). < 64 rows per expert
     (measured at 32, batch 64 of 32 experts: 476 us against 1040 us for the prefill tiles, 3/4 empty there):
@@ -111,7 +113,7 @@ def mx_default_config(rows: int, E: int, scale_max: int = 255, device: str | Non
     if not two and rows < 16 * E:
         if rows < 8 * E or not wgmma:
             return (8, 32, 256, 2, 2, two, (None, 80), (2, 0))
-        return (16, 64, 256, 4, (2, 3), two, None, (3, 3))
+        return (16, 64, 256, 4, (2, 3), two, None, (4, 4))
     if rows < 4 * E:
         return (8, 64, 256, 2, 3, two, None)
     if rows < 16 * E:
@@ -131,7 +133,8 @@ def mx_even_unroll(mx_config: tuple, k_tiles_up: int) -> tuple:
 def mx_config_from_text(text: str) -> tuple:
     """An mx_config from its benchmark-flag form 'BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg[,act]'
     (two_muls 0/1; maxnreg 0: none; act, optional: the Gluon kernels' activation prefetch modes, 0..2 each,
-    `gl_act_ahead`, or 3/3: the activations staged by the TMA ring, the `wgmma` kernels of moe_mxfp4_wgmma).
+    `gl_act_ahead`, or 3/3: the activations staged by the TMA ring, the `wgmma` kernels of moe_mxfp4_wgmma; 4/4:
+    the same in one launch, moe_mxfp4_fused).
     BLOCK_R, BLOCK_K, warps, stages and maxnreg may each be 'UP/DOWN', one value per kernel (`mx_kernels`); act
     is always 'UP/DOWN'. E.g. '8,32,256,2,2,0,0/80' -> (8, 32, 256, 2, 2, False, (None, 80)),
     '8,32,256,2,2,0,0/80,2/0' -> (..., (None, 80), (2, 0)) and '8,32,128/256,2,1/2,0,80' -> (8, 32, (128, 256),
@@ -142,12 +145,12 @@ def mx_config_from_text(text: str) -> tuple:
             raise ValueError
         v = [tuple(int(x) for x in field.split("/")) for field in f]
         if any(len(x) not in (1, 2) for x in v) or len(v[0]) > 1 or len(v[5]) > 1 or \
-                len(f) == 8 and (len(v[7]) != 2 or not (set(v[7]) <= {0, 1, 2} or v[7] == (3, 3))):
+                len(f) == 8 and (len(v[7]) != 2 or not (set(v[7]) <= {0, 1, 2} or v[7] in ((3, 3), (4, 4)))):
             raise ValueError
     except ValueError:
         raise ValueError(f"{text!r}: expected BLOCK_M,BLOCK_R,BLOCK_K,warps,stages,two_muls,maxnreg[,act] (7 "
                          "integers; BLOCK_R, BLOCK_K, warps, stages and maxnreg may be UP/DOWN; act: UP/DOWN, "
-                         "each 0, 1 or 2, or 3/3)") from None
+                         "each 0, 1 or 2, or 3/3 or 4/4)") from None
 
     def one(x):
         return x[0] if len(x) == 1 else x

@@ -50,9 +50,12 @@ stage is the B operand as it is.
 
 Scope: bf16 activations on sm_90 (`wgmma` is Hopper's; the launcher checks the GPU), token tiles of 8 or 16 rows,
 4 warps and 64 weight rows a CTA, K tiles of 256, a ring of 2 to 4 stages, D and I multiples of 256
-(`wgmma_decode_ok`); an mx_config's activation modes (3, 3) name this path (the activations staged by the ring).
-Public API: `wgmma_decode_ok`, `WG_ROWS`, `WG_BLOCK_K`, `WG_ACT_MODES`, `WG_BLOCK_MS`, `wg_tile_rows`, `wg_permute`,
-`wg_act_desc`, `wg_word_desc`, `mx_wgmma_launches`, the jit helpers (pasted into the emitted modules),
+(`wgmma_decode_ok`); an mx_config's activation modes (3, 3) name this path (the activations staged by the ring),
+(4, 4) the same kernels' work in one launch.
+Launches: k3c.codegen.triton.moe_mxfp4_fused's `mx_wgmma_launches` (the two kernels, or both phases in one launch
+there, whose work items are these kernels' `wg_up_item` / `wg_down_item`).
+Public API: `wgmma_decode_ok`, `WG_ROWS`, `WG_BLOCK_K`, `WG_ACT_MODES`, `WG_FUSED_MODES`, `WG_BLOCK_MS`,
+`wg_tile_rows`, `wg_permute`, `wg_act_desc`, `wg_word_desc`, the jit helpers (pasted into the emitted modules),
 `wg_gather_kernel`, `moe_up_mx_wgmma_kernel`, `moe_down_mx_wgmma_kernel`."""
 
 from __future__ import annotations
@@ -76,17 +79,19 @@ WG_ROWS = 64
 WG_BLOCK_K = 256
 #: the activation prefetch modes (`gl_act_ahead`, an mx_config's 8th field) that select these kernels
 WG_ACT_MODES = (3, 3)
+#: the modes that select them in one launch (k3c.codegen.triton.moe_mxfp4_fused; the ring stages the activations)
+WG_FUSED_MODES = (4, 4)
 #: the token rows of a tile these kernels take (an mx_config's BLOCK_M)
 WG_BLOCK_MS = (8, 16)
 
 
 def wgmma_decode_ok(mx_config: tuple, D: int, I: int) -> bool:
     """Whether these kernels take a bf16 MXFP4 launch with `mx_config` (`mx_default_config`'s fields; the 8th, the
-    activation prefetch modes, (3, 3)) over latent D and expert inner I: 8- or 16-token tiles and, for each
+    activation prefetch modes, (3, 3) or, in one launch, (4, 4)) over latent D and expert inner I: 8- or 16-token tiles and, for each
     kernel, 64 weight rows on 4 warps, K tiles of 256 (the configured largest K tile 256), a ring of 2 to 4 stages
     (the tested ones; 4 take 96 KB of shared memory in the up kernel), D and I multiples of 256. The GPU (sm_90)
     is the launcher's to check."""
-    if len(mx_config) < 8 or mx_config[7] is None or tuple(mx_config[7]) != WG_ACT_MODES:
+    if len(mx_config) < 8 or mx_config[7] is None or tuple(mx_config[7]) not in (WG_ACT_MODES, WG_FUSED_MODES):
         return False
     return mx_config[0] in WG_BLOCK_MS and D % WG_BLOCK_K == 0 and I % WG_BLOCK_K == 0 and all(
         block_r == WG_ROWS and most == WG_BLOCK_K and warps == 4 and 2 <= stages <= 4
@@ -118,15 +123,20 @@ def wg_permuted_col(k):
 
 
 @triton.jit
-def wg_gather_kernel(z_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, zs_ptr, z_stride, E,
-                     K: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+def wg_gather_kernel(z_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, zs_ptr, flags_ptr, z_stride,
+                     E, K: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+                     FLAGS: tl.constexpr = False):
     """The up kernel's activations in tile rows (module docstring), `wg_permute` order: for row r = program 0 of
     zs (tile t = r // BLOCK_M, its row j = r % BLOCK_M), zs[r] = z[order[row0[t] + j] // K] where row0[t] + j <
     row_end[t], else zeros, BLOCK columns at a time; nothing for a tile past the schedule (expert E), nor for rows
     8 .. of a tile of at most 8 tokens (`wg_narrow`: the kernels read its first 8). z rows z_stride apart, unit
-    stride; D a multiple of BLOCK."""
+    stride; D a multiple of BLOCK. FLAGS: also zero i32 flags_ptr[0 .. tiles] (tiles = programs / BLOCK_M ≥ 1,
+    BLOCK_M ≥ 2), the work counters of the one-launch kernel that follows (k3c.codegen.triton.moe_mxfp4_fused)."""
     r = tl.program_id(0)
     t = r // BLOCK_M
+    if FLAGS:
+        if r <= tl.num_programs(0) // BLOCK_M:
+            tl.store(flags_ptr + r, 0)
     row0 = tl.load(tile_row0_ptr + t)
     row_end = tl.load(tile_row_end_ptr + t)
     if (tl.load(tile_expert_ptr + t) < E) & ((r % BLOCK_M < 8) | (row_end - row0 > 8)):
@@ -298,34 +308,33 @@ def wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow, it,
 
 
 @gluon.jit
-def wg_cta_rows(e, R: gl.constexpr, KDIM: gl.constexpr, BLOCK_M: gl.constexpr):
-    """A CTA's rows, for expert e of schedule tile program 0: (the tile's first activation row, BLOCK_M·program 0
-    in tile rows; the CTA's first global weight row e·R + 64·program 1 of a matrix of R rows; its rows'
+def wg_cta_rows(e, tile, rb, R: gl.constexpr, KDIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """A CTA's rows, for expert e of schedule tile `tile` and 64-row block rb: (the tile's first activation row,
+    BLOCK_M·tile in tile rows; the CTA's first global weight row e·R + 64·rb of a matrix of R rows; its rows'
     scale-byte offsets over KDIM columns, `wg_scale_offsets`)."""
     SL: gl.constexpr = wg_layouts(BLOCK_M)[1]
-    r0 = gl.program_id(1) * 64
-    return gl.program_id(0) * BLOCK_M, (e * R + r0).to(gl.int32), wg_scale_offsets(e.to(gl.int64) * R + r0, KDIM,
-                                                                                    SL)
+    r0 = rb * 64
+    return tile * BLOCK_M, (e * R + r0).to(gl.int32), wg_scale_offsets(e.to(gl.int64) * R + r0, KDIM, SL)
 
 
 @gluon.jit
-def wg_narrow(tile_row0_ptr, tile_row_end_ptr):
-    """Whether schedule tile program 0 holds at most 8 tokens (its `m64n8k16` path)."""
-    t = gl.program_id(0)
-    return gl.load(tile_row_end_ptr + t) - gl.load(tile_row0_ptr + t) <= 8
+def wg_narrow(tile_row0_ptr, tile_row_end_ptr, tile):
+    """Whether schedule tile `tile` holds at most 8 tokens (its `m64n8k16` path)."""
+    return gl.load(tile_row_end_ptr + tile) - gl.load(tile_row0_ptr + tile) <= 8
 
 
 @gluon.jit
 def wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, e,
-               D: gl.constexpr, I: gl.constexpr, ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr,
+               tile, rb, D: gl.constexpr, I: gl.constexpr, ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr,
                BLOCK_M: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr):
-    """`moe_up_mx_wgmma_kernel` for expert e's tile program 0 (rows BLOCK_M apart) over its first BM ≤ BLOCK_M
-    rows: `m64nBMk16` `wgmma`s over zs's [BM, 256] boxes; h's rows of the tile past BM untouched."""
+    """`moe_up_mx_wgmma_kernel`'s work for expert e's schedule tile `tile` (rows BLOCK_M apart) and 64-row block
+    rb over the tile's first BM ≤ BLOCK_M rows: `m64nBMk16` `wgmma`s over zs's [BM, 256] boxes; h's rows of the
+    tile past BM untouched."""
     NT: gl.constexpr = D // 256
     WL: gl.constexpr = wg_layouts(BM)[0]
     ACC: gl.constexpr = wg_layouts(BM)[2]
     AL: gl.constexpr = wg_layouts(BM)[3]
-    arow, row, soff = wg_cta_rows(e, I, D, BLOCK_M)
+    arow, row, soff = wg_cta_rows(e, tile, rb, I, D, BLOCK_M)
     r1 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
     r3 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
     ra = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 256], wg_stage_layouts()[1])
@@ -346,9 +355,9 @@ def wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_p
                                          NT - NT % STAGES + u, wg_opaque(arow * 0 + u), (NT // STAGES) & 1, gate,
                                          up, a, n1, n3, NT, STAGES, TWO_MULS, TILED, WL, AL)
     gate, up = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(gate, up))
-    _, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, gl.program_id(0), BM, gl.SliceLayout(0, ACC))
+    _, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BM, gl.SliceLayout(0, ACC))
     h = gl.where(gl.expand_dims(m_ok, 0), glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU), 0.0)
-    col = wg_permuted_col(gl.program_id(1) * 64 + gl.arange(0, 64, gl.SliceLayout(1, ACC)))
+    col = wg_permuted_col(rb * 64 + gl.arange(0, 64, gl.SliceLayout(1, ACC)))
     rows = arow.to(gl.int64) + gl.arange(0, BM, gl.SliceLayout(0, ACC))
     gl.store(hp_ptr + gl.expand_dims(rows * I, 0) + gl.expand_dims(col, 1), h.to(hp_ptr.dtype.element_ty))
 
@@ -364,17 +373,28 @@ def moe_up_mx_wgmma_kernel(zs, zs8, w1, w3, s1_ptr, s3_ptr, tile_expert_ptr, til
     (`wg_act_desc`, BLOCK_M- and 8-row boxes) of z's rows gathered in tile rows and `wg_permute`d
     (`wg_gather_kernel`); w1/w3: TMA descriptors of the i32 words [E, I, D/8] (`wg_word_desc`); s1/s3 u8 [E, I,
     D/32]; TILED: the words' layout, 0 row-major, 1 `mxfp4_tiles`, 2 `mxfp4_tiles_bits`."""
-    e = gl.load(tile_expert_ptr + gl.program_id(0))
+    tile = gl.program_id(0)
+    e = gl.load(tile_expert_ptr + tile)
     if e < E:
-        if BLOCK_M == 8:
-            wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
-                       SITU_LINEAR_BETA, e, D, I, ACT_SITU, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
-        elif wg_narrow(tile_row0_ptr, tile_row_end_ptr):
-            wg_up_tile(zs8, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
-                       SITU_LINEAR_BETA, e, D, I, ACT_SITU, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
-        else:
-            wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
-                       SITU_LINEAR_BETA, e, D, I, ACT_SITU, TWO_MULS, BLOCK_M, BLOCK_M, STAGES, TILED)
+        wg_up_item(zs, zs8, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
+                   SITU_LINEAR_BETA, e, tile, gl.program_id(1), D, I, ACT_SITU, TWO_MULS, BLOCK_M, STAGES, TILED)
+
+
+@gluon.jit
+def wg_up_item(zs, zs8, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
+               SITU_LINEAR_BETA, e, tile, rb, D: gl.constexpr, I: gl.constexpr, ACT_SITU: gl.constexpr,
+               TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr):
+    """`wg_up_tile` for a live tile (expert e < E), a tile of at most 8 tokens (`wg_narrow`) over zs8's 8-row
+    boxes."""
+    if BLOCK_M == 8:
+        wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
+                   SITU_LINEAR_BETA, e, tile, rb, D, I, ACT_SITU, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
+    elif wg_narrow(tile_row0_ptr, tile_row_end_ptr, tile):
+        wg_up_tile(zs8, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
+                   SITU_LINEAR_BETA, e, tile, rb, D, I, ACT_SITU, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
+    else:
+        wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
+                   SITU_LINEAR_BETA, e, tile, rb, D, I, ACT_SITU, TWO_MULS, BLOCK_M, BLOCK_M, STAGES, TILED)
 
 
 @gluon.jit
@@ -393,16 +413,16 @@ def wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, it, stage, phase,
 
 
 @gluon.jit
-def wg_down_tile(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e,
+def wg_down_tile(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e, tile, rb,
                  D: gl.constexpr, I: gl.constexpr, TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr, BM: gl.constexpr,
                  STAGES: gl.constexpr, TILED: gl.constexpr):
-    """`moe_down_mx_wgmma_kernel` for expert e's tile program 0 over its first BM ≤ BLOCK_M rows, as
-    `wg_up_tile`."""
+    """`moe_down_mx_wgmma_kernel`'s work for expert e's tile `tile` and 64-row block rb over the tile's first BM ≤
+    BLOCK_M rows, as `wg_up_tile`."""
     NT: gl.constexpr = I // 256
     WL: gl.constexpr = wg_layouts(BM)[0]
     ACC: gl.constexpr = wg_layouts(BM)[2]
     AL: gl.constexpr = wg_layouts(BM)[3]
-    arow, row, soff = wg_cta_rows(e, D, I, BLOCK_M)
+    arow, row, soff = wg_cta_rows(e, tile, rb, D, I, BLOCK_M)
     r2 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
     ra = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 256], wg_stage_layouts()[1])
     bar = gl_ring_init(STAGES)
@@ -420,10 +440,10 @@ def wg_down_tile(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row
                                   wg_opaque(arow * 0 + u), (NT // STAGES) & 1, acc, a, n2, NT, STAGES, TWO_MULS,
                                   TILED, WL, AL)
     acc = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(acc,))
-    offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, gl.program_id(0), BM, gl.SliceLayout(0, ACC))
+    offs_m, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BM, gl.SliceLayout(0, ACC))
     slot = gl.load(order_ptr + offs_m, mask=m_ok, other=0)
     weight = gl.load(weights_ptr + slot, mask=m_ok, other=0.0)
-    offs_n = gl.program_id(1) * 64 + gl.arange(0, 64, gl.SliceLayout(1, ACC))
+    offs_n = rb * 64 + gl.arange(0, 64, gl.SliceLayout(1, ACC))
     gl.store(y_slot_ptr + gl.expand_dims(slot * D, 0) + gl.expand_dims(offs_n, 1), acc * gl.expand_dims(weight, 0),
              mask=gl.expand_dims(m_ok, 0))
 
@@ -437,55 +457,24 @@ def moe_down_mx_wgmma_kernel(hs, hs8, w2, s2_ptr, weights_ptr, order_ptr, tile_e
     8 tokens as an 8-row one, `wg_narrow`); hs / hs8: TMA descriptors (`wg_act_desc`, BLOCK_M- and 8-row boxes) of
     h [tile rows, I] (bf16, `wg_tile_rows`, `wg_permute` order: the up kernel's output); w2: TMA descriptor of the
     i32 words [E, D, I/8] as the up kernel's w1; s2 u8 [E, D, I/32]."""
-    e = gl.load(tile_expert_ptr + gl.program_id(0))
+    tile = gl.program_id(0)
+    e = gl.load(tile_expert_ptr + tile)
     if e < E:
-        if BLOCK_M == 8:
-            wg_down_tile(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e, D,
-                         I, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
-        elif wg_narrow(tile_row0_ptr, tile_row_end_ptr):
-            wg_down_tile(hs8, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e,
-                         D, I, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
-        else:
-            wg_down_tile(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e, D,
-                         I, TWO_MULS, BLOCK_M, BLOCK_M, STAGES, TILED)
+        wg_down_item(hs, hs8, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e,
+                     tile, gl.program_id(1), D, I, TWO_MULS, BLOCK_M, STAGES, TILED)
 
 
-def mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, *, mx_config, K, act, situ_beta,
-                      situ_linear_beta, tiled):
-    """`launch_moe_experts`' launches on this path (`wgmma_decode_ok(mx_config, D, I)`), as three callables run in
-    order (benchmarks time each): z bf16 [N, D] gathered into zs bf16 [R, D] (tile rows, `wg_permute`d:
-    `wg_gather_kernel`), `moe_up_mx_wgmma_kernel` into h bf16 [R, I], `moe_down_mx_wgmma_kernel` into y_slot f32
-    [N·k, D] (weighted); R ≥ BLOCK_M · the schedule's tiles (`wg_tile_rows`; only those rows are used); w1/w3/w2
-    u8 MXFP4 words ([E, I, D/2], [E, D, I/2]) in layout `tiled` (0 row-major, 1 `mxfp4_tiles`, 2
-    `mxfp4_tiles_bits`), scales their E8M0 bytes, schedule `moe_schedule(ids, E, BLOCK_M)`. The slot sum is the
-    caller's. Raises ValueError when zs or h has fewer rows than the schedule's tiles need."""
-    D, (E, I) = z.shape[1], w1.shape[:2]
-    block_m, two_muls = mx_config[0], mx_config[5]
-    (_, _, _, stages_up, cap_up), (_, _, _, stages_down, cap_down) = mx_kernels(mx_config)
-    order, tile_expert, row0, row_end = schedule
-    max_tiles = tile_expert.shape[0]
-    rows = max_tiles * block_m
-    if zs.shape[0] < rows or h.shape[0] < rows:
-        raise ValueError(f"moe_experts (wgmma): zs {list(zs.shape)} and h {list(h.shape)} need {rows} tile rows "
-                         f"({max_tiles} tiles of {block_m}, wg_tile_rows)")
-    w1d, w3d, w2d = (wg_word_desc(w, tiled) for w in (w1, w3, w2))
-    zd, hd = wg_act_desc(zs[:rows], block_m), wg_act_desc(h[:rows], block_m)
-    zd8, hd8 = wg_act_desc(zs[:rows], 8), wg_act_desc(h[:rows], 8)
-
-    def gather():
-        wg_gather_kernel[(rows,)](z, order, tile_expert, row0, row_end, zs, z.stride(0), E, K=K, D=D,
-                                  BLOCK_M=block_m, BLOCK=256)
-
-    def up():
-        moe_up_mx_wgmma_kernel[(max_tiles, I // WG_ROWS)](
-            zd, zd8, w1d, w3d, scales[0], scales[1], tile_expert, row0, row_end, h, float(situ_beta),
-            float(situ_linear_beta), E=E, D=D, I=I, ACT_SITU=act == "situ", TWO_MULS=two_muls, BLOCK_M=block_m,
-            STAGES=stages_up, TILED=tiled, num_warps=4, **({"maxnreg": cap_up} if cap_up else {}))
-
-    def down():
-        moe_down_mx_wgmma_kernel[(max_tiles, D // WG_ROWS)](
-            hd, hd8, w2d, scales[2], weights, order, tile_expert, row0, row_end, y_slot, E=E, D=D, I=I,
-            TWO_MULS=two_muls, BLOCK_M=block_m, STAGES=stages_down, TILED=tiled, num_warps=4,
-            **({"maxnreg": cap_down} if cap_down else {}))
-
-    return gather, up, down
+@gluon.jit
+def wg_down_item(hs, hs8, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e, tile,
+                 rb, D: gl.constexpr, I: gl.constexpr, TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr,
+                 STAGES: gl.constexpr, TILED: gl.constexpr):
+    """`wg_down_tile` for a live tile, as `wg_up_item`."""
+    if BLOCK_M == 8:
+        wg_down_tile(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e, tile,
+                     rb, D, I, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
+    elif wg_narrow(tile_row0_ptr, tile_row_end_ptr, tile):
+        wg_down_tile(hs8, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e, tile,
+                     rb, D, I, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
+    else:
+        wg_down_tile(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row_end_ptr, y_slot_ptr, e, tile,
+                     rb, D, I, TWO_MULS, BLOCK_M, BLOCK_M, STAGES, TILED)
