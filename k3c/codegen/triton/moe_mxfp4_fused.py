@@ -70,8 +70,9 @@ def moe_mx_wgmma_fused_kernel(zs, zs8, hs, hs8, w1, w3, w2, s1_ptr, s3_ptr, s2_p
                               TILED: gl.constexpr):
     """`moe_up_mx_wgmma_kernel` and `moe_down_mx_wgmma_kernel` in one grid of TILES·(I + D)/64 CTAs (module
     docstring): the arguments theirs, hp (h's pointer) and hs / hs8 (its descriptors) the same h bf16 [tile rows,
-    I]; flags i32 [1 + TILES], zero on entry (the work counter, then each tile's finished up items; a launch whose
-    counters were not zeroed does nothing: its items all lie past the grid's)."""
+    I]; flags i32 [1 + TILES], zero on entry (the work counter, then each tile's finished up items). Launched
+    again without the gather after a launch of the same grid, its items all lie past the grid and it does
+    nothing; other stale counters are undefined behaviour (`launch_moe_experts` always gathers first)."""
     UP: gl.constexpr = I // 64                       # WG_ROWS
     DOWN: gl.constexpr = D // 64
     item = gl.atomic_add(flags_ptr, 1, sem="relaxed", scope="gpu")
@@ -83,7 +84,7 @@ def moe_mx_wgmma_fused_kernel(zs, zs8, hs, hs8, w1, w3, w2, s1_ptr, s3_ptr, s2_p
                        SITU_LINEAR_BETA, e, tile, item % UP, D, I, ACT_SITU, TWO_MULS, BLOCK_M, STAGES_UP, TILED)
             gl_thread_barrier()                              # every thread's h stores before the release
             gl.atomic_add(flags_ptr + 1 + tile, 1, sem="release", scope="gpu")
-    elif item < TILES * (UP + DOWN):                 # (past it: counters not zeroed, nothing to do)
+    elif item < TILES * (UP + DOWN):                 # (past it: a relaunch without the gather, nothing to do)
         tile = (item - TILES * UP) // DOWN
         e = gl.load(tile_expert_ptr + tile)
         if e < E:
