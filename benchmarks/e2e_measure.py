@@ -58,7 +58,8 @@ def matmul_flops_per_token(cfg, weights: dict) -> int:
 def kind_of(kernel: str) -> str:
     """The kind of a GPU kernel by its name: gemm (cuBLAS / CUTLASS), the k3c Triton kernels by model op, copies."""
     k = kernel.lower()
-    for kind, keys in (("moe experts (Triton)", ("moe_up", "moe_down", "moe_mx_wgmma_fused")), ("moe (Triton)", ("moe_",)),
+    for kind, keys in (("moe experts (Triton)", ("moe_up", "moe_down", "moe_mx_wgmma_fused")),
+                       ("moe (Triton)", ("moe_",)),
                        ("kda (Triton)", ("kda", "causal_conv", "roll_conv")),
                        ("attention (Triton)", ("mla_attention", "mla_combine", "mla_sparse_decode")),
                        ("dsa indexer", ("dsa_", "topk", "radix", "sort")), ("attn_res (Triton)", ("attn_res",)),

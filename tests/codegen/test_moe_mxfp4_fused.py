@@ -26,6 +26,21 @@ def test_modes_4_4_select_the_one_launch_form():
         mx_config_from_text("16,64,256,4,2/3,0,0,4/3")
 
 
+def test_the_end_to_end_profile_counts_the_one_launch_kernel_as_expert_time():
+    """benchmarks/bench_e2e.py's expert read rate divides the expert bytes by the kernels `kind_of` calls "moe
+    experts (Triton)": the one-launch kernel must be one of them, as the two kernels it replaces are; the slot sum
+    is not."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "e2e_measure.py")
+    spec = importlib.util.spec_from_file_location("e2e_measure", path)
+    measure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(measure)
+    for kernel in ("moe_mx_wgmma_fused_kernel", "moe_up_mx_wgmma_kernel", "moe_down_mx_wgmma_kernel"):
+        assert measure.kind_of(kernel) == "moe experts (Triton)", kernel
+    assert measure.kind_of("moe_sum_kernel") == "moe (Triton)"
+
+
 def test_the_launcher_names_counters_too_short_for_the_schedule():
     """flags must hold the work counter and one count a tile: 1 + tiles entries."""
     E, I, D, tiles = 4, 256, 256, 6

@@ -139,9 +139,9 @@ def test_the_scratch_declaration_plans_tile_rows_where_the_kernels_can_run(dtype
 
 def test_the_decode_default_takes_them_from_8_rows_per_expert_where_the_launch_can():
     """`mx_default_config`: one multiply, from 8 rows per expert (batch 16 of 32 experts choosing 16: measured
-    faster, run S) to 16, the `wgmma` kernels in one launch (run Z); below 8 (batch 1: measured slower; 4-8: not timed) and where the
-    launch cannot take them (`wgmma=False`: not bf16 on an sm_90 GPU, or D, I not multiples of 256) the `mma.sync`
-    default; two multiplies and prefill keep theirs."""
+    faster, run S) to 16, the `wgmma` kernels in one launch (run Z); below 8 (batch 1: measured slower; 4-8: not
+    timed) and where the launch cannot take them (`wgmma=False`: not bf16 on an sm_90 GPU, or D, I not multiples
+    of 256) the `mma.sync` default; two multiplies and prefill keep theirs."""
     from k3c.codegen.triton.moe_mxfp4 import mx_default_config
 
     mma = mx_default_config(16, 32, 122)

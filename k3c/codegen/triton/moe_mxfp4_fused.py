@@ -24,10 +24,14 @@ async proxy) and the stores were the generic proxy's. The counters (flags i32 [1
 tile's count) are zeroed by the gather (`wg_gather_kernel`, FLAGS) that precedes the launch on the stream.
 
 Shared memory and registers: the kernel holds both phases' code; their rings live in disjoint branches, so they
-share one allocation (the larger), and the kernel takes the larger phase's registers.
+share one allocation (the larger: 49 KB at the decode default), and the kernel takes the larger phase's registers
+(128 under Triton 3.6, as the up kernel alone).
 
-Public API: `mx_wgmma_launches`, `wg_proxy_fence`, `wg_wait_count`,
-`moe_mx_wgmma_fused_kernel`."""
+Measured (BENCHMARKS.md "MXFP4 round, run Z", H100, both forms interleaved in one process): at 8 tokens an expert
+the expert kernels' time 4.3 % shorter over 32 experts (217.7 -> 208.4 us), 6.3 % and 6.5 % over 16 and 64; the
+whole `launch_moe_experts` 6.4-9.1 %. The decode default from 8 rows per expert (`mx_default_config`).
+
+Public API: `mx_wgmma_launches`, `wg_proxy_fence`, `wg_wait_count`, `moe_mx_wgmma_fused_kernel`."""
 
 from __future__ import annotations
 
@@ -37,9 +41,9 @@ from triton.experimental.gluon import language as gl
 
 from k3c.codegen.triton.gl_common import gl_thread_barrier
 from k3c.codegen.triton.moe_mxfp4 import mx_kernels
-from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_FUSED_MODES, WG_ROWS, moe_down_mx_wgmma_kernel, moe_up_mx_wgmma_kernel,
-                                               wg_act_desc, wg_down_item, wg_gather_kernel, wg_up_item,
-                                               wg_word_desc)
+from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_FUSED_MODES, WG_ROWS, moe_down_mx_wgmma_kernel,
+                                               moe_up_mx_wgmma_kernel, wg_act_desc, wg_down_item, wg_gather_kernel,
+                                               wg_up_item, wg_word_desc)
 
 @gluon.jit
 def wg_proxy_fence(x):

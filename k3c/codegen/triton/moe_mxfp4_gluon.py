@@ -80,10 +80,10 @@ def gluon_decode_ok(mx_config: tuple, D: int, I: int, bk1: int, bk2: int) -> boo
     16-row token tiles and, for each kernel, 1 or 2 warps (the `mma.sync` path, `mx_mma_v2`), 16 weight rows per
     warp, every weight-row block full (up: I rows, down: D), K tiles of 128..512 (≤ 256 for the TMA ring), an
     even number of K tiles where its activation prefetch mode (`gl_act_ahead`) is 2; not the modes (3, 3) or
-    (4, 4), which name the `wgmma` kernels (k3c.codegen.triton.moe_mxfp4_wgmma; in one launch, moe_mxfp4_fused). For these kernels
-    num_stages is the word stream's depth (module docstring): 1 prefetches the next K tile in registers, ≥ 2
-    streams the words through a TMA ring of that many stages, refilled num_stages − 1 at a time. Raises
-    ValueError for prefetch modes `gl_act_ahead` refuses or a per-kernel field that is not a pair."""
+    (4, 4), which name the `wgmma` kernels (k3c.codegen.triton.moe_mxfp4_wgmma; in one launch, moe_mxfp4_fused).
+    For these kernels num_stages is the word stream's depth (module docstring): 1 prefetches the next K tile in
+    registers, ≥ 2 streams the words through a TMA ring of that many stages, refilled num_stages − 1 at a time.
+    Raises ValueError for prefetch modes `gl_act_ahead` refuses or a per-kernel field that is not a pair."""
     def ok(kernel, rows, k, bk, mode):
         block_r, _, warps, stages, _ = kernel
         return warps in (1, 2) and block_r == 16 * warps and rows % block_r == 0 and \

@@ -87,10 +87,10 @@ WG_BLOCK_MS = (8, 16)
 
 def wgmma_decode_ok(mx_config: tuple, D: int, I: int) -> bool:
     """Whether these kernels take a bf16 MXFP4 launch with `mx_config` (`mx_default_config`'s fields; the 8th, the
-    activation prefetch modes, (3, 3) or, in one launch, (4, 4)) over latent D and expert inner I: 8- or 16-token tiles and, for each
-    kernel, 64 weight rows on 4 warps, K tiles of 256 (the configured largest K tile 256), a ring of 2 to 4 stages
-    (the tested ones; 4 take 96 KB of shared memory in the up kernel), D and I multiples of 256. The GPU (sm_90)
-    is the launcher's to check."""
+    activation prefetch modes, (3, 3) or, in one launch, (4, 4)) over latent D and expert inner I: 8- or 16-token
+    tiles and, for each kernel, 64 weight rows on 4 warps, K tiles of 256 (the configured largest K tile 256), a
+    ring of 2 to 4 stages (the tested ones; 4 take 96 KB of shared memory in the up kernel), D and I multiples of
+    256. The GPU (sm_90) is the launcher's to check."""
     if len(mx_config) < 8 or mx_config[7] is None or tuple(mx_config[7]) not in (WG_ACT_MODES, WG_FUSED_MODES):
         return False
     return mx_config[0] in WG_BLOCK_MS and D % WG_BLOCK_K == 0 and I % WG_BLOCK_K == 0 and all(
