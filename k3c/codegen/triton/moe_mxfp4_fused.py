@@ -5,8 +5,8 @@ Why one launch: each of the two kernels ends in a tail, its last CTAs finishing 
 work, and the next one starts by filling every CTA's ring. Timed with the weights resident in L2 (BENCHMARKS.md
 "MXFP4 round, run T", H100), each kernel's time is a fixed part plus one per tile: the up kernel 6.6 us + 2.96
 us a tile, the down kernel 7.3 us + 1.46 (16 and 64 tiles of 16 tokens); at batch 16 of 32 experts (about 40
-tiles) the fixed parts are about 10 % of the two kernels' time. In one launch the down work of the first tiles
-fills the up phase's tail, and the launch between them is gone.
+tiles) the fixed parts are about 7 % of the two kernels' time (13.9 of about 191 us by that fit). In one launch
+the down work of the first tiles fills the up phase's tail, and the launch between them is gone.
 
 The work items: every (tile, 64-row block) of the up phase, tile by tile (the block fastest), then every one of the
 down phase, tile by tile: T·I/64 + T·D/64 CTAs for the schedule's T tiles (`moe_schedule`; tiles past it,
@@ -44,6 +44,7 @@ from k3c.codegen.triton.moe_mxfp4 import mx_kernels
 from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_FUSED_MODES, WG_ROWS, moe_down_mx_wgmma_kernel,
                                                moe_up_mx_wgmma_kernel, wg_act_desc, wg_down_item, wg_gather_kernel,
                                                wg_up_item, wg_word_desc)
+
 
 @gluon.jit
 def wg_proxy_fence(x):
