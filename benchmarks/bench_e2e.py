@@ -25,8 +25,9 @@ the published layout (`save_random_checkpoint`), compiled by k3c for the H200, t
 4. prefill of 2560-token prompts at batch 1 and 16 (tokens/s, TFLOP/s of the model's matmuls) and the GEMM rate of
    the prefill against a plain bf16 matmul measured here; eager prefills in chunks of max_prefill tokens as k3c
    does (measured before k3c loads);
-5. a per-kernel-kind breakdown (torch.profiler) of one decode step (batch 1 and 16, context 4K and 128K) and one
-   prefill call;
+5. a per-kernel-kind breakdown (torch.profiler) of a decode step (batch 1 and 16, context 4K and 128K: the mean of
+   `DECODE_PROFILE_CALLS` steps, kernels launched one by one) and of one prefill call; from the batch-1 and -16
+   steps at 4K, the rate the expert kernels read the routed experts' bytes (`expert_read_tbps`);
 6. numerics: k3c bf16 vs eager bf16, in the band of eager bf16 vs eager fp32 (same checkpoint), over a prefill and
    64 teacher-forced decode steps of 4 prompts, 260 positions (max and the distribution over positions: a random
    router's near-ties flip a top-k choice at some positions of any bf16 run, and which ones differs between runs;
@@ -65,6 +66,7 @@ from e2e_measure import (FIRST_LOGITS, HBM_BPS, EagerDecode, decode_tokens, eage
                          profile, route_disagreement, route_sets_differ, routes_recorded, timed, timeline)
 
 PROMPT = 2560
+DECODE_PROFILE_CALLS = 10     # decode steps a breakdown averages (`profile`)
 NUMERICS_STEPS, NUMERICS_BATCH = 64, 4  # teacher-forced decode steps of NUMERICS_BATCH prompts (numerics phase)
 
 
@@ -262,7 +264,7 @@ def main():
                 session.length, session.batch = L, B
                 session.decode(tokB)
 
-            br = res["breakdown"][f"decode_B{B}_L{L}"] = profile(one_step)
+            br = res["breakdown"][f"decode_B{B}_L{L}"] = profile(one_step, DECODE_PROFILE_CALLS)
             if L != 4096:
                 continue
             touched = 1 - (1 - cfg.num_experts_per_token / cfg.num_experts) ** B  # as `floor_bytes`

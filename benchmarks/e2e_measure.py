@@ -71,27 +71,32 @@ def kind_of(kernel: str) -> str:
     return "other (torch)"
 
 
-def profile(fn) -> dict:
-    """Kernel time (ms) and launches per kernel kind of one call of `fn` (after a warm-up call), torch.profiler."""
+def profile(fn, calls: int = 1) -> dict:
+    """Kernel time (ms) and launches per kernel kind of one call of `fn`, torch.profiler: the mean over `calls`
+    calls (after a warm-up call), each synchronised. One call is one sample: two profiles of the same decode
+    kernels (batch 16 at contexts 4K and 128K, BENCHMARKS.md "MXFP4 round, run AB") differed by 3 % in their
+    expert kernels' time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
     fn()
     torch.cuda.synchronize()
     with prof(activities=[ProfilerActivity.CUDA]) as p:
-        fn()
-        torch.cuda.synchronize()
+        for _ in range(calls):
+            fn()
+            torch.cuda.synchronize()
     out: dict[str, dict] = {}
     names = []
     for e in p.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if us:
             row = out.setdefault(kind_of(e.key), {"ms": 0.0, "launches": 0})
-            row["ms"] += us / 1e3
-            row["launches"] += e.count
-            names.append((e.count, round(us / 1e3, 4), e.key[:90]))
+            row["ms"] += us / 1e3 / calls
+            row["launches"] += e.count / calls
+            names.append((e.count / calls, round(us / 1e3 / calls, 4), e.key[:90]))
     out = dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
-    out["kernels_by_launches"] = sorted(names, reverse=True)[:40]  # (launches, ms, kernel name)
+    out["kernels_by_launches"] = sorted(names, reverse=True)[:40]  # (launches, ms, kernel name), a call's
+    out["calls"] = calls
     return out
 
 
