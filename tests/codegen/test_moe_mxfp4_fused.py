@@ -65,11 +65,13 @@ def test_it_compiles_for_sm90_with_one_ring_allocation_and_an_ordered_counter():
 import collections, json, torch
 from triton.runtime.jit import mangle_type
 from k3c.codegen.triton.moe_mxfp4_fused import moe_mx_wgmma_fused_kernel as kernel
-from k3c.codegen.triton.moe_mxfp4_wgmma import wg_act_desc, wg_word_desc
+from k3c.codegen.triton.wg_ring import wg_act_desc, wg_pair_desc, wg_word_desc
 from k3c.codegen.triton.offline import compile_for, resources, sass
 wd = mangle_type(wg_word_desc(torch.zeros(1, 64, 256, dtype=torch.uint8), 2))
+pair = torch.zeros(2, 1, 64, 256, dtype=torch.uint8)
+wd13 = mangle_type(wg_pair_desc(pair[0], pair[1], 2)[0])
 ad, ad8 = (mangle_type(wg_act_desc(torch.zeros(64, 256, dtype=torch.bfloat16), m)) for m in (16, 8))
-types = {"zs": ad, "hs": ad, "zs8": ad8, "hs8": ad8, "w1": wd, "w3": wd, "w2": wd, "hp_ptr": "*bf16",
+types = {"zs": ad, "hs": ad, "zs8": ad8, "hs8": ad8, "w13": wd13, "SWAP": "i32", "w2": wd, "hp_ptr": "*bf16",
          "weights_ptr": "*fp32", "y_slot_ptr": "*fp32", "SITU_BETA": "fp32", "SITU_LINEAR_BETA": "fp32",
          "flags_ptr": "*i32", "TILES": "i32"}
 cx = dict(E=32, D=3584, I=3072, ACT_SITU=True, TWO_MULS=False, BLOCK_M=16, STAGES_UP=2, STAGES_DOWN=3, TILED=2)

@@ -19,6 +19,7 @@ from k3c.codegen.triton.moe_mxfp4_gluon import gluon_decode_ok
 from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_BLOCK_MS, wg_gather_kernel, wg_permute, wg_permuted_col,
                                                wg_tile_rows, wgmma_decode_ok)
 from k3c.codegen.triton.moe_schedule import schedule_tiles
+from k3c.codegen.triton.wg_ring import wg_pair_desc
 from k3c.ir.ops import get_op
 from k3c.runtime.layouts import mx_tile_bits, mx_tile_words
 
@@ -168,25 +169,45 @@ def test_configs_that_select_the_wgmma_kernels():
     assert not wgmma_decode_ok(WG, 2304 + 128, 3072) and not wgmma_decode_ok(WG, 3584, 3072 - 64)
 
 
+def test_the_pair_descriptor_spans_both_up_matrices_from_the_lower_address():
+    """One TMA copy a K tile for w1 and w3 (`wg_pair_desc`): the word view of the one at the lower address with a
+    leading dimension of 2 whose stride is the distance to the other, in i32 words; swap says w3 came first."""
+    buf = torch.zeros(2, 3, 64, 256, dtype=torch.uint8)     # E 3, 64 rows, K 512: w3 lies 3·64·256 B = 12288 words on
+    d, swap = wg_pair_desc(buf[0], buf[1], 2)
+    assert swap == 0 and d.base.data_ptr() == buf.data_ptr()
+    # tiled: [matrix, 32-row block (32 rows · 256 B = 2048 words), row of a K tile's tile, word]
+    assert (list(d.shape), list(d.strides), list(d.block_shape)) == ([2, 6, 64, 32], [12288, 2048, 32, 1],
+                                                                     [2, 2, 32, 32])
+    d, swap = wg_pair_desc(buf[1], buf[0], 2)
+    assert swap == 1 and d.base.data_ptr() == buf.data_ptr() and d.strides[0] == 12288
+    d, _ = wg_pair_desc(buf[0], buf[1], 0)
+    assert (list(d.shape), list(d.strides), list(d.block_shape)) == ([2, 192, 64], [12288, 64, 1], [2, 64, 32])
+    for w3 in (buf[0], buf[1][:2]):
+        with pytest.raises(ValueError, match="two tensors of one shape"):
+            wg_pair_desc(buf[0], w3, 2)
+
+
 def test_wgmma_kernels_compile_for_sm90():
     """Both kernels compiled for sm_90a in a process without the interpreter (k3c.codegen.triton.offline), with the
     decode default's fields from 8 rows per expert (`mx_default_config`: 16-token tiles, one multiply, the up
     kernel's ring of 2 stages, the down kernel's of 3; the default runs them as one launch's work items, whose
     kernel tests/codegen/test_moe_mxfp4_fused.py compiles) over `mxfp4_tiles_bits`: no spills; two K loops, a 16-token
     tile's and a narrow one's (`wg_narrow`), each unrolled by its ring's stages, and per K tile one `HGMMA`
-    64x16x16 (the narrow loop: 64x8x16) per k16 step of each matrix (up 2 × 16, down 16) and the ring's refill,
-    one 3-D TMA copy for each matrix's words and one for the activations (`UTMALDG.3D`: up 3, down 2); the two
-    paths share their shared memory (up 48 KB of rings)."""
+    64x16x16 (the narrow loop: 64x8x16) per k16 step of each matrix (up 2 × 16, down 16) and the ring's refill:
+    one 3-D TMA copy of the activations and one of the words, 3-D for the down kernel's one matrix, 4-D for both
+    of the up kernel's (`wg_pair_desc`); the two paths share their shared memory (up 48 KB of rings)."""
     code = r"""
 import collections, json, torch
 from triton.runtime.jit import mangle_type
-from k3c.codegen.triton.moe_mxfp4_wgmma import moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel, wg_act_desc
-from k3c.codegen.triton.moe_mxfp4_wgmma import wg_word_desc
+from k3c.codegen.triton.moe_mxfp4_wgmma import moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel
+from k3c.codegen.triton.wg_ring import wg_act_desc, wg_pair_desc, wg_word_desc
 from k3c.codegen.triton.offline import compile_for, resources, sass
 wd = mangle_type(wg_word_desc(torch.zeros(1, 64, 256, dtype=torch.uint8), 2))
+pair = torch.zeros(2, 1, 64, 256, dtype=torch.uint8)
+wd13 = mangle_type(wg_pair_desc(pair[0], pair[1], 2)[0])
 ad = mangle_type(wg_act_desc(torch.zeros(64, 256, dtype=torch.bfloat16), 16))
 ad8 = mangle_type(wg_act_desc(torch.zeros(64, 256, dtype=torch.bfloat16), 8))
-types = {"zs": ad, "hs": ad, "zs8": ad8, "hs8": ad8, "w1": wd, "w3": wd, "w2": wd, "hp_ptr": "*bf16",
+types = {"zs": ad, "hs": ad, "zs8": ad8, "hs8": ad8, "w13": wd13, "SWAP": "i32", "w2": wd, "hp_ptr": "*bf16",
          "weights_ptr": "*fp32", "y_slot_ptr": "*fp32", "SITU_BETA": "fp32", "SITU_LINEAR_BETA": "fp32"}
 out = {}
 for kernel in (moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel):
@@ -204,7 +225,8 @@ for kernel in (moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel):
                                    if back[0] <= a <= back[1])
         n = 8 if loop["HGMMA.64x8x16.F32.BF16"] else 16
         out[kernel.__name__][f"n{n}"] = dict(hgmma=loop[f"HGMMA.64x{n}x16.F32.BF16"] / stages,
-                                             tma=loop["UTMALDG.3D"] / stages, instructions=sum(loop.values()) / stages)
+                                             tma3=loop["UTMALDG.3D"] / stages, tma4=loop["UTMALDG.4D"] / stages,
+                                             instructions=sum(loop.values()) / stages)
 print(json.dumps(out))
 """
     from k3c.codegen.triton.moe_mxfp4 import mx_default_config
@@ -221,7 +243,8 @@ print(json.dumps(out))
     print(got)      # registers, and instructions a K tile (BENCHMARKS.md "MXFP4 round, run S"; pytest -s)
     assert up["LOCAL"] == 0 and down["LOCAL"] == 0
     for n in ("n8", "n16"):
-        assert (up[n]["hgmma"], up[n]["tma"], down[n]["hgmma"], down[n]["tma"]) == (32, 3, 16, 2), (n, got)
+        assert (up[n]["hgmma"], up[n]["tma3"], up[n]["tma4"]) == (32, 1, 1), (n, got)
+        assert (down[n]["hgmma"], down[n]["tma3"], down[n]["tma4"]) == (16, 2, 0), (n, got)
     assert up["shared"] < 2 * (2 * 8192 + 16 * 256 * 2) + 1024 and down["shared"] < 3 * (8192 + 8192) + 1024, got
 
 
@@ -277,3 +300,29 @@ def test_wgmma_kernels_match_reference(N, tiled, mx_config, monkeypatch):
     assert not y.isnan().any()
     assert ((y.float().cpu() - want).abs().max() / scale).item() <= 1e-2
     assert ((y.float() - y_mma.float()).abs().max().cpu() / scale).item() <= 5e-3
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("mx_config", [WG, DEFAULT])
+def test_one_copy_takes_the_up_matrices_in_either_order(mx_config):
+    """w1 and w3 in one buffer, either at the lower address (`wg_pair_desc`: the stage's first matrix; SWAP tells the
+    up phase's epilogue which accumulator is the gate): the same bits either way, and dequantize-then-GEMM's
+    values up to bf16 rounding (`mxfp4_tiles_bits`, about 8 tokens an expert)."""
+    D, I = 256 * 7, 256 * 7
+    z, wt, ids, (w1, w3, w2, s1, s3, s2), attrs = _case(11, 12, 4, 6, D, I)
+    out = []
+    for w3_first in (False, True):
+        buf = torch.empty(2, *w1.shape, dtype=torch.uint8, device="cuda")
+        g, u = (buf[1], buf[0]) if w3_first else (buf[0], buf[1])
+        g.copy_(mx_tile_bits(w1))
+        u.copy_(mx_tile_bits(w3))
+        assert wg_pair_desc(g, u, 2)[1] == int(w3_first)
+        y = torch.full_like(z, float("nan"))
+        moe.launch_moe_experts(z, wt, ids, g, u, mx_tile_bits(w2), s1, s3, s2, y=y, mx_config=mx_config, tiled=2,
+                               **attrs)
+        out.append(y)
+    (want,) = get_op("moe_experts").ref({**attrs, "weight_format": "mxfp4"},
+                                        *(t.cpu() for t in (z.float(), wt, ids, w1, w3, w2, s1, s3, s2)))
+    assert torch.equal(out[0], out[1])
+    assert ((out[0].float().cpu() - want).abs().max() / want.abs().max()).item() <= 1e-2

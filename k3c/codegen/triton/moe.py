@@ -66,13 +66,14 @@ from k3c.codegen.triton.moe_mxfp4_gluon import (GLUON_BLOCK_MS, gl_act_ahead, gl
                                                gluon_decode_ok, moe_down_mx_gluon_kernel, moe_up_mx_gluon_kernel)
 from k3c.codegen.triton.moe_mxfp4_fused import (moe_mx_wgmma_fused_kernel, mx_wgmma_launches, wg_proxy_fence,
                                                wg_wait_count)
-from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_ACT_MODES, WG_BLOCK_K, WG_BLOCK_MS, WG_FUSED_MODES, WG_ROWS,
-                                               moe_down_mx_wgmma_kernel, moe_up_mx_wgmma_kernel, wg_act_desc,
-                                               wg_cta_rows, wg_decoded_tile, wg_down_item, wg_down_step,
-                                               wg_down_tile, wg_gather_kernel, wg_layouts, wg_mma_piece, wg_narrow,
-                                               wg_opaque, wg_permuted_col, wg_ring_fill, wg_scale_offsets,
-                                               wg_scale_pair, wg_stage_layouts, wg_stage_piece, wg_tile_rows,
-                                               wg_up_item, wg_up_step, wg_up_tile, wg_word_desc, wgmma_decode_ok)
+from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_ACT_MODES, WG_BLOCK_MS, WG_FUSED_MODES, moe_down_mx_wgmma_kernel,
+                                                moe_up_mx_wgmma_kernel, wg_cta_rows, wg_decoded_tile, wg_down_item,
+                                                wg_down_step, wg_down_tile, wg_gather_kernel, wg_layouts, wg_mma_piece,
+                                                wg_narrow, wg_opaque, wg_permuted_col, wg_scale_offsets, wg_scale_pair,
+                                                wg_stage_piece, wg_tile_rows, wg_up_item, wg_up_step, wg_up_tile,
+                                                wgmma_decode_ok)
+from k3c.codegen.triton.wg_ring import (WG_BLOCK_K, WG_ROWS, wg_act_desc, wg_pair_desc, wg_ring_fill, wg_stage_layouts,
+                                        wg_word_desc)
 from k3c.ir.kernels import KernelGroup
 from k3c.ir.types import TensorType
 from k3c.runtime.layouts import MX_TILE_K, MX_TILE_ROWS, mx_tiles_ok
@@ -457,9 +458,9 @@ def emit_moe_experts(group: KernelGroup) -> str:
                     gl_word_descs, gl_stage_words, gl_tma_load_named, gl_tma_load, gl_ring_fill, gl_ring_refill,
                     gl_ring_init, moe_up_mx_gluon_kernel, moe_down_mx_gluon_kernel, gl_reinterpret_named,
                     gl_reinterpret, wgmma_decode_ok, wg_permuted_col, wg_gather_kernel, wg_act_desc, wg_word_desc,
-                    wg_stage_layouts, wg_ring_fill, wg_decoded_tile, wg_scale_offsets, wg_stage_piece, wg_layouts,
-                    wg_mma_piece, wg_scale_pair, wg_opaque, wg_up_step, wg_down_step, wg_cta_rows, wg_narrow,
-                    wg_up_tile, wg_down_tile, moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel, wg_up_item,
+                    wg_pair_desc, wg_stage_layouts, wg_ring_fill, wg_decoded_tile, wg_scale_offsets, wg_stage_piece,
+                    wg_layouts, wg_mma_piece, wg_scale_pair, wg_opaque, wg_up_step, wg_down_step, wg_cta_rows,
+                    wg_narrow, wg_up_tile, wg_down_tile, moe_up_mx_wgmma_kernel, moe_down_mx_wgmma_kernel, wg_up_item,
                     wg_down_item, gl_barrier_named, gl_thread_barrier, wg_proxy_fence, wg_wait_count,
                     moe_mx_wgmma_fused_kernel, schedule_tiles, wg_tile_rows, mx_wgmma_planned, mx_wgmma_rows,
                     mx_wgmma_launches],

@@ -41,9 +41,9 @@ from triton.experimental.gluon import language as gl
 
 from k3c.codegen.triton.gl_common import gl_thread_barrier
 from k3c.codegen.triton.moe_mxfp4 import mx_kernels
-from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_FUSED_MODES, WG_ROWS, moe_down_mx_wgmma_kernel,
-                                               moe_up_mx_wgmma_kernel, wg_act_desc, wg_down_item, wg_gather_kernel,
-                                               wg_up_item, wg_word_desc)
+from k3c.codegen.triton.moe_mxfp4_wgmma import (WG_FUSED_MODES, moe_down_mx_wgmma_kernel, moe_up_mx_wgmma_kernel,
+                                               wg_down_item, wg_gather_kernel, wg_up_item)
+from k3c.codegen.triton.wg_ring import WG_ROWS, wg_act_desc, wg_pair_desc, wg_word_desc
 
 
 @gluon.jit
@@ -66,8 +66,8 @@ def wg_wait_count(ptr, want):
     wg_proxy_fence(n)
 
 
-@gluon.jit
-def moe_mx_wgmma_fused_kernel(zs, zs8, hs, hs8, w1, w3, w2, s1_ptr, s3_ptr, s2_ptr, weights_ptr, order_ptr,
+@gluon.jit(do_not_specialize=["SWAP"])
+def moe_mx_wgmma_fused_kernel(zs, zs8, hs, hs8, w13, w2, sa_ptr, sb_ptr, SWAP, s2_ptr, weights_ptr, order_ptr,
                               tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, y_slot_ptr, flags_ptr,
                               SITU_BETA, SITU_LINEAR_BETA, TILES, E: gl.constexpr, D: gl.constexpr,
                               I: gl.constexpr, ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr,
@@ -85,7 +85,7 @@ def moe_mx_wgmma_fused_kernel(zs, zs8, hs, hs8, w1, w3, w2, s1_ptr, s3_ptr, s2_p
         tile = item // UP
         e = gl.load(tile_expert_ptr + tile)
         if e < E:
-            wg_up_item(zs, zs8, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
+            wg_up_item(zs, zs8, w13, sa_ptr, sb_ptr, SWAP, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
                        SITU_LINEAR_BETA, e, tile, item % UP, D, I, ACT_SITU, TWO_MULS, BLOCK_M, STAGES_UP, TILED)
             gl_thread_barrier()                              # every thread's h stores before the release
             gl.atomic_add(flags_ptr + 1 + tile, 1, sem="release", scope="gpu")
@@ -122,7 +122,9 @@ def mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, *
         raise ValueError(f"moe_experts (wgmma): zs {list(zs.shape)}, h {list(h.shape)}"
                          f"{f' and flags {list(flags.shape)}' if fused else ''} need {rows} tile rows "
                          f"({max_tiles} tiles of {block_m}, wg_tile_rows){' and 1 + tiles flags' if fused else ''}")
-    w1d, w3d, w2d = (wg_word_desc(w, tiled) for w in (w1, w3, w2))
+    w13d, swap = wg_pair_desc(w1, w3, tiled)
+    w2d = wg_word_desc(w2, tiled)
+    sa, sb = (scales[1], scales[0]) if swap else (scales[0], scales[1])
     zd, hd = wg_act_desc(zs[:rows], block_m), wg_act_desc(h[:rows], block_m)
     zd8, hd8 = wg_act_desc(zs[:rows], 8), wg_act_desc(h[:rows], 8)
     opts_up = {"num_warps": 4, **({"maxnreg": cap_up} if cap_up else {})}
@@ -135,7 +137,7 @@ def mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, *
 
     def up():
         moe_up_mx_wgmma_kernel[(max_tiles, I // WG_ROWS)](
-            zd, zd8, w1d, w3d, scales[0], scales[1], tile_expert, row0, row_end, h, float(situ_beta),
+            zd, zd8, w13d, sa, sb, swap, tile_expert, row0, row_end, h, float(situ_beta),
             float(situ_linear_beta), E=E, D=D, I=I, ACT_SITU=act == "situ", TWO_MULS=two_muls, BLOCK_M=block_m,
             STAGES=stages_up, TILED=tiled, **opts_up)
 
@@ -146,7 +148,7 @@ def mx_wgmma_launches(z, zs, schedule, w1, w3, w2, scales, h, y_slot, weights, *
 
     def both():
         moe_mx_wgmma_fused_kernel[(max_tiles * (I + D) // WG_ROWS,)](
-            zd, zd8, hd, hd8, w1d, w3d, w2d, scales[0], scales[1], scales[2], weights, order, tile_expert, row0,
+            zd, zd8, hd, hd8, w13d, w2d, sa, sb, swap, scales[2], weights, order, tile_expert, row0,
             row_end, h, y_slot, flags, float(situ_beta), float(situ_linear_beta), max_tiles, E=E, D=D, I=I,
             ACT_SITU=act == "situ", TWO_MULS=two_muls, BLOCK_M=block_m, STAGES_UP=stages_up,
             STAGES_DOWN=stages_down, TILED=tiled, **opts_both)

@@ -12,11 +12,11 @@ experts (H200); 4-9 % slower at one token an expert (H100), where the `mma.sync`
 (`mx_default_config`: these from 8 rows per expert).
 
 A CTA (4 warps, one warpgroup) takes one tile of BLOCK_M ≤ 16 token rows of one expert (the launch's tile schedule,
-`moe_schedule`) and 64 weight rows. Each K tile of 256 values is one stage of a TMA ring (`wg_ring_fill`): one copy
-a matrix of the tile's packed words ([64 rows, 32 words]; in the runtime's tiled layouts a 3-D box of two 32-row
-tiles, `wg_word_desc`) and one copy of its activations, [BLOCK_M, 256] bf16 (a 3-D box of four 128-byte column
-blocks, `wg_act_desc`). The activations are in tile rows: schedule tile t's token rows at rows BLOCK_M·t .. of zs
-and h, the rows past the tile's tokens zeros (`wg_tile_rows`). The up kernel's are z gathered so first
+`moe_schedule`) and 64 weight rows. Each K tile of 256 values is one stage of a TMA ring
+(k3c.codegen.triton.wg_ring): one copy of the tile's packed words ([64 rows, 32 words] of w2; of w1 and w3 both in
+one copy, `wg_pair_desc`) and one of its activations, [BLOCK_M, 256] bf16. The activations are in tile rows:
+schedule tile t's token rows at rows BLOCK_M·t .. of zs and h, the rows past the tile's tokens zeros
+(`wg_tile_rows`). The up kernel's are z gathered so first
 (`wg_gather_kernel`, one launch); it writes h so. Zero padding rows cost the gather their writes (1.5 us at batch 16
 of 32 experts), and the kernels spend less energy on them than on another expert's rows (the `wgmma`s' operands and
 the bytes moved to them): under the H200's 700 W cap the SM clock, which paces these kernels there, rises with it
@@ -54,9 +54,9 @@ Scope: bf16 activations on sm_90 (`wgmma` is Hopper's; the launcher checks the G
 (4, 4) the same kernels' work in one launch.
 Launches: k3c.codegen.triton.moe_mxfp4_fused's `mx_wgmma_launches` (the two kernels, or both phases in one launch
 there, whose work items are these kernels' `wg_up_item` / `wg_down_item`).
-Public API: `wgmma_decode_ok`, `WG_ROWS`, `WG_BLOCK_K`, `WG_ACT_MODES`, `WG_FUSED_MODES`, `WG_BLOCK_MS`,
-`wg_tile_rows`, `wg_permute`, `wg_act_desc`, `wg_word_desc`, the jit helpers (pasted into the emitted modules),
-`wg_gather_kernel`, `moe_up_mx_wgmma_kernel`, `moe_down_mx_wgmma_kernel`."""
+Public API: `wgmma_decode_ok`, `WG_ACT_MODES`, `WG_FUSED_MODES`, `WG_BLOCK_MS`, `wg_tile_rows`, `wg_permute`,
+the jit helpers (pasted into the emitted modules), `wg_gather_kernel`, `moe_up_mx_wgmma_kernel`,
+`moe_down_mx_wgmma_kernel`."""
 
 from __future__ import annotations
 
@@ -66,17 +66,13 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from k3c.codegen.triton.gl_common import gl_reinterpret, gl_tma_load
-from k3c.codegen.triton.gl_ring import gl_ring_init, gl_stage_words, gl_word_descs
+from k3c.codegen.triton.gl_ring import gl_ring_init, gl_stage_words
 from k3c.codegen.triton.moe_act import glu
 from k3c.codegen.triton.moe_mxfp4 import mx_kernels, mxfp4_scale_bf16, mxfp4_word_bf16
 from k3c.codegen.triton.moe_mxfp4_gluon import gl_axis_layout, gl_layouts, gl_tile_rows
 from k3c.codegen.triton.moe_schedule import schedule_tiles
+from k3c.codegen.triton.wg_ring import WG_BLOCK_K, WG_ROWS, wg_ring_fill, wg_stage_layouts
 
-#: weight rows of a CTA (one warpgroup: 4 warps of 16 rows)
-WG_ROWS = 64
-#: values of a K tile (a ring stage), decoded in two `wgmma` pieces of 128
-WG_BLOCK_K = 256
 #: the activation prefetch modes (`gl_act_ahead`, an mx_config's 8th field) that select these kernels
 WG_ACT_MODES = (3, 3)
 #: the modes that select them in one launch (k3c.codegen.triton.moe_mxfp4_fused; the ring stages the activations)
@@ -150,72 +146,6 @@ def wg_gather_kernel(z_ptr, order_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_
             tl.store(zs_ptr + r.to(tl.int64) * D + wg_permuted_col(k), x)
 
 
-def wg_act_desc(x: torch.Tensor, block_m: int):
-    """TMA descriptor of activation rows x bf16 [R, K] (contiguous, K a multiple of 64) viewed as [K/64, R, 64]
-    (a 64-column block, a row, a column), with [WG_BLOCK_K/64, block_m, 64] boxes: one copy a stage, each
-    128-byte row swizzled as `wgmma` reads its B operand, the column blocks one after another, which is how the
-    [block_m, WG_BLOCK_K] stage's 128-byte swizzled layout places them (`wg_ring_fill`). Rows past R read as
-    zeros."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    R, K = x.shape
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-    return TensorDescriptor(x, [K // 64, R, 64], [64, K, 1], [WG_BLOCK_K // 64, block_m, 64], layout)
-
-
-def wg_word_desc(w: torch.Tensor, tiled: int):
-    """TMA descriptor of MXFP4 words w u8 [E, R, C/2] for a K tile of WG_ROWS rows a copy: row-major (tiled 0),
-    `gl_word_descs`' [WG_ROWS, 32]-word boxes; in a tiled layout (1, 2: [32 rows, 32 words] tiles along K, then
-    row block by row block) the i32 words viewed as [E·R/32, C/8, 32] (a 32-row block, a tile's row
-    32·(K tile) + row, a word) with [2, 32, 32] boxes: two row blocks' tiles of one K tile, one copy, the same
-    bytes in shared memory as a [64, 32] stage. Raises ValueError as `gl_word_descs`."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    if not tiled:
-        return gl_word_descs(w, WG_ROWS, WG_BLOCK_K)
-    gl_word_descs(w, 32, WG_BLOCK_K, tiled)                 # its checks of w
-    E, R, half = w.shape
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
-    return TensorDescriptor(w.view(torch.int32), [E * R // 32, half // 4, 32], [half * 8, 32, 1], [2, 32, 32],
-                            layout)
-
-
-@gluon.constexpr_function
-def wg_stage_layouts():
-    """(words, activations): the rank-2 128-byte swizzled layouts of a [64, 32] i32 word stage and a
-    [BM, 256] bf16 activation stage."""
-    return (gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2),
-            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-
-
-@gluon.jit
-def wg_ring_fill(d1, d3, da, r1, r3, ra, bar, row, arow, t, stage, NT: gl.constexpr, PAIR: gl.constexpr,
-                 TILED: gl.constexpr):
-    """TMA K tile t (< NT, else nothing) into ring stage `stage`: the words of the 64 weight rows row.. (global:
-    e·R + r) of d1 (and, PAIR, d3) into r1 (r3), one copy a matrix (`wg_word_desc`), and the 256 activation
-    columns of rows arow.. of da (`wg_act_desc`) into ra, one copy; all completing on the stage's mbarrier of
-    `bar`."""
-    ok = t < NT
-    BYTES: gl.constexpr = (2 if PAIR else 1) * d1.block_type.nbytes + da.block_type.nbytes
-    gl.nvidia.hopper.mbarrier.expect(bar.index(stage), BYTES, ok)
-    WBOX: gl.constexpr = d1.layout
-    ABOX: gl.constexpr = da.layout
-    BM: gl.constexpr = da.block_type.shape[1]
-    if TILED:
-        at = [row // 32, t * 32, 0]
-        dst1 = gl_reinterpret(r1.index(stage), gl.int32, [2, 32, 32], WBOX)
-        dst3 = gl_reinterpret(r3.index(stage), gl.int32, [2, 32, 32], WBOX)
-    else:
-        at = [row, t * 32]
-        dst1 = r1.index(stage)
-        dst3 = r3.index(stage)
-    gl_tma_load(d1, at, bar.index(stage), dst1, ok)
-    if PAIR:
-        gl_tma_load(d3, at, bar.index(stage), dst3, ok)
-    gl_tma_load(da, [t * 4, arow, 0], bar.index(stage), gl_reinterpret(ra.index(stage), gl.bfloat16, [4, BM, 64],
-                                                                        ABOX), ok)
-
-
 @gluon.jit
 def wg_decoded_tile(words, s, TWO_MULS: gl.constexpr, AL: gl.constexpr, BITS: gl.constexpr):
     """The bf16 A operand [64, 128] (AL: `wgmma`'s register operand) of one piece's packed words [4, 2, 8, 4, 1, 4]
@@ -243,9 +173,10 @@ def wg_scale_offsets(row0, KDIM: gl.constexpr, SL: gl.constexpr):
 
 
 @gluon.jit
-def wg_stage_piece(ring, stage, piece, WL: gl.constexpr):
-    """Words [4, 2, 8, 4, 1, 4] (WL) of piece `piece` (16 words a row) of ring stage `stage` [64, 32] i32."""
-    return gl_stage_words(ring.index(stage).slice(piece * 16, 16, dim=1), 4, 1, WL)
+def wg_stage_piece(words, piece, WL: gl.constexpr):
+    """Words [4, 2, 8, 4, 1, 4] (WL) of piece `piece` (16 words a row) of one matrix's stage `words` [64, 32]
+    i32."""
+    return gl_stage_words(words.slice(piece * 16, 16, dim=1), 4, 1, WL)
 
 
 @gluon.constexpr_function
@@ -257,14 +188,15 @@ def wg_layouts(BM):
 
 
 @gluon.jit
-def wg_mma_piece(ring, stage, p: gl.constexpr, sc, ra, acc, other, a, TWO_MULS: gl.constexpr,
+def wg_mma_piece(words, acts, p: gl.constexpr, sc, acc, other, a, TWO_MULS: gl.constexpr,
                  TILED: gl.constexpr, WL: gl.constexpr, AL: gl.constexpr, PAIR: gl.constexpr = True):
-    """Piece p of matrix ring's K tile in `stage`: decoded (scale bytes sc) into the A operand, one asynchronous
-    `wgmma` into acc with the stage's activations, then wait until one `wgmma` is in flight (this one): the
-    previous piece's A registers `a` (and, PAIR, `other`: the other matrix's accumulator) are then free.
-    Returns (acc, other, this piece's A operand, kept alive while its `wgmma` runs)."""
-    nxt = wg_decoded_tile(wg_stage_piece(ring, stage, p, WL), sc, TWO_MULS, AL, TILED == 2)
-    x = ra.index(stage).slice(p * 128, 128, dim=1).permute((1, 0))
+    """Piece p of one matrix's K tile in a ring stage (its words [64, 32], the stage's activations acts [BM,
+    256]): decoded (scale bytes sc) into the A operand, one asynchronous `wgmma` into acc with the activations,
+    then wait until one `wgmma` is in flight (this one): the previous piece's A registers `a` (and, PAIR,
+    `other`: the other matrix's accumulator) are then free. Returns (acc, other, this piece's A operand, kept
+    alive while its `wgmma` runs)."""
+    nxt = wg_decoded_tile(wg_stage_piece(words, p, WL), sc, TWO_MULS, AL, TILED == 2)
+    x = acts.slice(p * 128, 128, dim=1).permute((1, 0))
     acc = gl.nvidia.hopper.warpgroup_mma(nxt, x, acc, is_async=True)
     if not PAIR:
         acc, a, nxt = gl.nvidia.hopper.warpgroup_mma_wait(1, deps=(acc, a, nxt))
@@ -288,23 +220,31 @@ def wg_opaque(x):
 
 
 @gluon.jit
-def wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow, it, stage, phase,
-               gate, up, a, n1, n3, NT: gl.constexpr, STAGES: gl.constexpr, TWO_MULS: gl.constexpr,
-               TILED: gl.constexpr, WL: gl.constexpr, AL: gl.constexpr):
-    """The up kernel's K tile `it` from ring stage `stage` (the unrolled loop's u, through `wg_opaque`): gate's
-    and up's two pieces (`wg_mma_piece`); once the first has retired the previous tile's `wgmma`s, tile
-    it + STAGES − 1 into the stage they read, then the next tile's scale bytes loaded (n1, n3: this tile's on
-    entry). Returns (gate, up, a, n1, n3)."""
+def wg_up_step(w13, zs, rw, ra, bar, sa_ptr, sb_ptr, soff, row, arow, it, stage, phase, acc0, acc1, a, n0, n1,
+               NT: gl.constexpr, STAGES: gl.constexpr, TWO_MULS: gl.constexpr, TILED: gl.constexpr,
+               WL: gl.constexpr, AL: gl.constexpr):
+    """The up kernel's K tile `it` from ring stage `stage` (the unrolled loop's u, through `wg_opaque`): piece 0 of
+    the stage's matrix 0 into acc0, of matrix 1 into acc1, then piece 1 of each (`wg_mma_piece`; the matrices in
+    `wg_pair_desc`'s order, scale bytes sa, sb); once the first piece has retired the previous tile's `wgmma`s,
+    tile it + STAGES − 1 into the stage they read, then the next tile's scale bytes loaded (n0, n1: this tile's
+    on entry). Returns (acc0, acc1, a, n0, n1).
+    Why the pieces alternate between the matrices: consecutive `wgmma`s then accumulate into different registers,
+    and the two matrices' `wgmma`s of a piece read the same activations, whose 8 shared-memory descriptors are
+    formed once and used twice in a row (Triton 3.6, sm_90a, the one-launch kernel: 1185 -> 1138 instructions a
+    two-tile loop body, `UMOV`s 50 -> 17, 123 registers; matrix by matrix, ptxas saved and restored descriptors
+    between a matrix's pieces)."""
     gl.nvidia.hopper.mbarrier.wait(bar.index(stage), phase)
-    gate, up, a = wg_mma_piece(r1, stage, 0, n1[0], ra, gate, up, a, TWO_MULS, TILED, WL, AL)
-    wg_ring_fill(w1, w3, zs, r1, r3, ra, bar, row, arow, it + STAGES - 1, (stage + STAGES - 1) % STAGES, NT, True,
-                 TILED)
-    c1, c3 = n1, n3                 # the next tile's scale bytes, loaded behind the refill's fence
-    n1, n3 = wg_scale_pair(s1_ptr, soff, it + 1, NT), wg_scale_pair(s3_ptr, soff, it + 1, NT)
-    gate, up, a = wg_mma_piece(r1, stage, 1, c1[1], ra, gate, up, a, TWO_MULS, TILED, WL, AL)
-    up, gate, a = wg_mma_piece(r3, stage, 0, c3[0], ra, up, gate, a, TWO_MULS, TILED, WL, AL)
-    up, gate, a = wg_mma_piece(r3, stage, 1, c3[1], ra, up, gate, a, TWO_MULS, TILED, WL, AL)
-    return gate, up, a, n1, n3
+    w0 = rw.index(stage).slice(0, 64, dim=0)
+    w1 = rw.index(stage).slice(64, 64, dim=0)
+    acts = ra.index(stage)
+    acc0, acc1, a = wg_mma_piece(w0, acts, 0, n0[0], acc0, acc1, a, TWO_MULS, TILED, WL, AL)
+    wg_ring_fill(w13, zs, rw, ra, bar, row, arow, it + STAGES - 1, (stage + STAGES - 1) % STAGES, NT, True, TILED)
+    c0, c1 = n0, n1                 # the next tile's scale bytes, loaded behind the refill's fence
+    n0, n1 = wg_scale_pair(sa_ptr, soff, it + 1, NT), wg_scale_pair(sb_ptr, soff, it + 1, NT)
+    acc1, acc0, a = wg_mma_piece(w1, acts, 0, c1[0], acc1, acc0, a, TWO_MULS, TILED, WL, AL)
+    acc0, acc1, a = wg_mma_piece(w0, acts, 1, c0[1], acc0, acc1, a, TWO_MULS, TILED, WL, AL)
+    acc1, acc0, a = wg_mma_piece(w1, acts, 1, c1[1], acc1, acc0, a, TWO_MULS, TILED, WL, AL)
+    return acc0, acc1, a, n0, n1
 
 
 @gluon.jit
@@ -324,7 +264,7 @@ def wg_narrow(tile_row0_ptr, tile_row_end_ptr, tile):
 
 
 @gluon.jit
-def wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, e,
+def wg_up_tile(zs, w13, sa_ptr, sb_ptr, swap, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA, SITU_LINEAR_BETA, e,
                tile, rb, D: gl.constexpr, I: gl.constexpr, ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr,
                BLOCK_M: gl.constexpr, BM: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr):
     """`moe_up_mx_wgmma_kernel`'s work for expert e's schedule tile `tile` (rows BLOCK_M apart) and 64-row block
@@ -335,26 +275,29 @@ def wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_p
     ACC: gl.constexpr = wg_layouts(BM)[2]
     AL: gl.constexpr = wg_layouts(BM)[3]
     arow, row, soff = wg_cta_rows(e, tile, rb, I, D, BLOCK_M)
-    r1 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
-    r3 = gl.allocate_shared_memory(gl.int32, [STAGES, 64, 32], wg_stage_layouts()[0])
+    rw = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 32], wg_stage_layouts()[0])   # two matrices a stage
     ra = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 256], wg_stage_layouts()[1])
     bar = gl_ring_init(STAGES)
     for t in gl.static_range(STAGES - 1):
-        wg_ring_fill(w1, w3, zs, r1, r3, ra, bar, row, arow, t, t, NT, True, TILED)
-    n1, n3 = wg_scale_pair(s1_ptr, soff, 0, NT), wg_scale_pair(s3_ptr, soff, 0, NT)
-    gate = gl.zeros([64, BM], gl.float32, ACC)
-    up = gl.zeros([64, BM], gl.float32, ACC)
+        wg_ring_fill(w13, zs, rw, ra, bar, row, arow, t, t, NT, True, TILED)
+    n0, n1 = wg_scale_pair(sa_ptr, soff, 0, NT), wg_scale_pair(sb_ptr, soff, 0, NT)
+    acc0 = gl.zeros([64, BM], gl.float32, ACC)
+    acc1 = gl.zeros([64, BM], gl.float32, ACC)
     a = gl.zeros([64, 128], gl.bfloat16, AL)          # the piece in flight (none yet)
     for j in range(NT // STAGES):
         for u in gl.static_range(STAGES):
-            gate, up, a, n1, n3 = wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow,
-                                             j * STAGES + u, wg_opaque(j * 0 + u), j & 1, gate, up, a, n1, n3, NT,
-                                             STAGES, TWO_MULS, TILED, WL, AL)
+            acc0, acc1, a, n0, n1 = wg_up_step(w13, zs, rw, ra, bar, sa_ptr, sb_ptr, soff, row, arow,
+                                               j * STAGES + u, wg_opaque(j * 0 + u), j & 1, acc0, acc1, a, n0, n1,
+                                               NT, STAGES, TWO_MULS, TILED, WL, AL)
     for u in gl.static_range(NT % STAGES):
-        gate, up, a, n1, n3 = wg_up_step(w1, w3, zs, r1, r3, ra, bar, s1_ptr, s3_ptr, soff, row, arow,
-                                         NT - NT % STAGES + u, wg_opaque(arow * 0 + u), (NT // STAGES) & 1, gate,
-                                         up, a, n1, n3, NT, STAGES, TWO_MULS, TILED, WL, AL)
-    gate, up = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(gate, up))
+        acc0, acc1, a, n0, n1 = wg_up_step(w13, zs, rw, ra, bar, sa_ptr, sb_ptr, soff, row, arow,
+                                           NT - NT % STAGES + u, wg_opaque(arow * 0 + u), (NT // STAGES) & 1, acc0,
+                                           acc1, a, n0, n1, NT, STAGES, TWO_MULS, TILED, WL, AL)
+    acc0, acc1 = gl.nvidia.hopper.warpgroup_mma_wait(0, deps=(acc0, acc1))
+    if swap != 0:                                      # w3's words first (`wg_pair_desc`)
+        gate, up = acc1, acc0
+    else:
+        gate, up = acc0, acc1
     _, m_ok = gl_tile_rows(tile_row0_ptr, tile_row_end_ptr, tile, BM, gl.SliceLayout(0, ACC))
     h = gl.where(gl.expand_dims(m_ok, 0), glu(gate, up, SITU_BETA, SITU_LINEAR_BETA, ACT_SITU), 0.0)
     col = wg_permuted_col(rb * 64 + gl.arange(0, 64, gl.SliceLayout(1, ACC)))
@@ -362,38 +305,40 @@ def wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_p
     gl.store(hp_ptr + gl.expand_dims(rows * I, 0) + gl.expand_dims(col, 1), h.to(hp_ptr.dtype.element_ty))
 
 
-@gluon.jit
-def moe_up_mx_wgmma_kernel(zs, zs8, w1, w3, s1_ptr, s3_ptr, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr,
-                           SITU_BETA, SITU_LINEAR_BETA, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
+@gluon.jit(do_not_specialize=["SWAP"])
+def moe_up_mx_wgmma_kernel(zs, zs8, w13, sa_ptr, sb_ptr, SWAP, tile_expert_ptr, tile_row0_ptr, tile_row_end_ptr,
+                           hp_ptr, SITU_BETA, SITU_LINEAR_BETA, E: gl.constexpr, D: gl.constexpr, I: gl.constexpr,
                            ACT_SITU: gl.constexpr, TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr,
                            STAGES: gl.constexpr, TILED: gl.constexpr):
     """h = act(z W1[e]ᵀ, z W3[e]ᵀ) for one BLOCK_M-row tile and 64 intermediate columns, into hp [tile rows, I]
     (bf16, `wg_tile_rows`) at the tile's rows, its padding rows zeros, in `wg_permute` order; a 16-row tile of at
     most 8 tokens (`wg_narrow`) as an 8-row one, its h rows 8 .. 15 untouched. zs / zs8: TMA descriptors
     (`wg_act_desc`, BLOCK_M- and 8-row boxes) of z's rows gathered in tile rows and `wg_permute`d
-    (`wg_gather_kernel`); w1/w3: TMA descriptors of the i32 words [E, I, D/8] (`wg_word_desc`); s1/s3 u8 [E, I,
-    D/32]; TILED: the words' layout, 0 row-major, 1 `mxfp4_tiles`, 2 `mxfp4_tiles_bits`."""
+    (`wg_gather_kernel`); w13: the TMA descriptor of both matrices' i32 words [E, I, D/8] (`wg_pair_desc`), the
+    one at the lower address first; sa / sb: the E8M0 scale bytes u8 [E, I, D/32] of its first and second
+    matrix; SWAP (i32, not specialised: it follows the weights' addresses): 1 where the first is w3; TILED: the
+    words' layout, 0 row-major, 1 `mxfp4_tiles`, 2 `mxfp4_tiles_bits`."""
     tile = gl.program_id(0)
     e = gl.load(tile_expert_ptr + tile)
     if e < E:
-        wg_up_item(zs, zs8, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
+        wg_up_item(zs, zs8, w13, sa_ptr, sb_ptr, SWAP, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
                    SITU_LINEAR_BETA, e, tile, gl.program_id(1), D, I, ACT_SITU, TWO_MULS, BLOCK_M, STAGES, TILED)
 
 
 @gluon.jit
-def wg_up_item(zs, zs8, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
+def wg_up_item(zs, zs8, w13, sa_ptr, sb_ptr, swap, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
                SITU_LINEAR_BETA, e, tile, rb, D: gl.constexpr, I: gl.constexpr, ACT_SITU: gl.constexpr,
                TWO_MULS: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, TILED: gl.constexpr):
     """`wg_up_tile` for a live tile (expert e < E), a tile of at most 8 tokens (`wg_narrow`) over zs8's 8-row
     boxes."""
     if BLOCK_M == 8:
-        wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
+        wg_up_tile(zs, w13, sa_ptr, sb_ptr, swap, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
                    SITU_LINEAR_BETA, e, tile, rb, D, I, ACT_SITU, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
     elif wg_narrow(tile_row0_ptr, tile_row_end_ptr, tile):
-        wg_up_tile(zs8, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
+        wg_up_tile(zs8, w13, sa_ptr, sb_ptr, swap, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
                    SITU_LINEAR_BETA, e, tile, rb, D, I, ACT_SITU, TWO_MULS, BLOCK_M, 8, STAGES, TILED)
     else:
-        wg_up_tile(zs, w1, w3, s1_ptr, s3_ptr, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
+        wg_up_tile(zs, w13, sa_ptr, sb_ptr, swap, tile_row0_ptr, tile_row_end_ptr, hp_ptr, SITU_BETA,
                    SITU_LINEAR_BETA, e, tile, rb, D, I, ACT_SITU, TWO_MULS, BLOCK_M, BLOCK_M, STAGES, TILED)
 
 
@@ -403,12 +348,13 @@ def wg_down_step(w2, hs, r2, ra, bar, s2_ptr, soff, row, arow, it, stage, phase,
                  WL: gl.constexpr, AL: gl.constexpr):
     """The down kernel's K tile `it`, as `wg_up_step` for one matrix. Returns (acc, a, n2)."""
     gl.nvidia.hopper.mbarrier.wait(bar.index(stage), phase)
-    acc, _, a = wg_mma_piece(r2, stage, 0, n2[0], ra, acc, a, a, TWO_MULS, TILED, WL, AL, False)
-    wg_ring_fill(w2, w2, hs, r2, r2, ra, bar, row, arow, it + STAGES - 1, (stage + STAGES - 1) % STAGES, NT, False,
-                 TILED)
+    words = r2.index(stage)
+    acts = ra.index(stage)
+    acc, _, a = wg_mma_piece(words, acts, 0, n2[0], acc, a, a, TWO_MULS, TILED, WL, AL, False)
+    wg_ring_fill(w2, hs, r2, ra, bar, row, arow, it + STAGES - 1, (stage + STAGES - 1) % STAGES, NT, False, TILED)
     c2 = n2
     n2 = wg_scale_pair(s2_ptr, soff, it + 1, NT)
-    acc, _, a = wg_mma_piece(r2, stage, 1, c2[1], ra, acc, a, a, TWO_MULS, TILED, WL, AL, False)
+    acc, _, a = wg_mma_piece(words, acts, 1, c2[1], acc, a, a, TWO_MULS, TILED, WL, AL, False)
     return acc, a, n2
 
 
@@ -427,7 +373,7 @@ def wg_down_tile(hs, w2, s2_ptr, weights_ptr, order_ptr, tile_row0_ptr, tile_row
     ra = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, 256], wg_stage_layouts()[1])
     bar = gl_ring_init(STAGES)
     for t in gl.static_range(STAGES - 1):
-        wg_ring_fill(w2, w2, hs, r2, r2, ra, bar, row, arow, t, t, NT, False, TILED)
+        wg_ring_fill(w2, hs, r2, ra, bar, row, arow, t, t, NT, False, TILED)
     n2 = wg_scale_pair(s2_ptr, soff, 0, NT)
     acc = gl.zeros([64, BM], gl.float32, ACC)
     a = gl.zeros([64, 128], gl.bfloat16, AL)
